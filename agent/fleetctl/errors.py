@@ -1,0 +1,41 @@
+"""Errors that end a fleetctl command, each with its exit code (Ansible's codes).
+
+0 all ok; 2 a host failed; 3 a host unreachable; 4 inventory, playbook or parse error;
+5 bad options or a host pattern that matches nothing.
+"""
+
+EXIT_OK = 0
+EXIT_FAILED = 2
+EXIT_UNREACHABLE = 3
+EXIT_PARSE = 4
+EXIT_OPTIONS = 5
+
+
+class FleetctlError(Exception):
+    """An error that stops the whole command; `exit_code` is what the CLI exits with."""
+
+    exit_code = EXIT_FAILED
+
+
+class InventoryError(FleetctlError):
+    """Malformed inventory file: the message names the file and line."""
+
+    exit_code = EXIT_PARSE
+
+
+class ParseError(FleetctlError):
+    """Malformed playbook or kernel package: the message names the file and line."""
+
+    exit_code = EXIT_PARSE
+
+
+class PatternError(FleetctlError):
+    """A host pattern that matches no host, or bad options."""
+
+    exit_code = EXIT_OPTIONS
+
+
+class UsageError(FleetctlError):
+    """Bad command-line options."""
+
+    exit_code = EXIT_OPTIONS
