@@ -1,0 +1,74 @@
+"""Remote probes: stdlib-only Python modules sent over SSH stdin to the host's own interpreter.
+
+A probe module defines `main(params: dict) -> dict`. `bundle()` packs the probe modules it needs
+with their parameters into one JSON document; `WRAPPER` (run as `python -c WRAPPER`) reads it from
+stdin, loads each module into `sys.modules` in order, calls the main module's `main(params)` and
+prints the JSON result after a marker line. Nothing is written to the host to do this.
+A probe can re-run itself under another interpreter (see facts.py) with `FLEETCTL_BUNDLE`,
+the raw bundle text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each module's globals.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from importlib import resources
+
+MARKER = "--fleetctl-probe-result--"
+
+WRAPPER = r"""
+import json, sys, traceback, types
+raw = sys.stdin.read()
+try:
+    b = json.loads(raw)
+    for name, src in b["modules"]:
+        m = types.ModuleType(name)
+        m.__dict__.update(FLEETCTL_BUNDLE=raw, FLEETCTL_WRAPPER=b["wrapper"])
+        sys.modules[name] = m
+        exec(compile(src, "<fleetctl probe %s>" % name, "exec"), m.__dict__)
+    out = sys.modules[b["main"]].main(b["params"])
+except BaseException:
+    out = {"__probe_error__": traceback.format_exc()}
+sys.stdout.write("\n%s\n%s\n" % (MARKER, json.dumps(out)))
+""".replace("MARKER", repr(MARKER))
+
+
+class ProbeError(Exception):
+    """A probe crashed on the host or printed no result; the message carries its traceback."""
+
+
+def source(name: str) -> str:
+    """The source text of probe module `name` (e.g. "facts")."""
+    return resources.files(__package__).joinpath(f"{name}.py").read_text()
+
+
+def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
+    """The stdin document that runs probe `main` with `params` (modules loaded in list order)."""
+    mods = modules or [main]
+    doc = {"modules": [[m, source(m)] for m in mods], "main": main, "params": params, "wrapper": WRAPPER}
+    return json.dumps(doc).encode()
+
+
+def command(python: str | None) -> str:
+    """Shell command that runs WRAPPER with `python`, or the first python3/python on PATH."""
+    if python:
+        return f"{shlex.quote(python)} -c {shlex.quote(WRAPPER)}"
+    finder = ('for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
+              'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
+    return f"sh -c {shlex.quote(finder)} {shlex.quote(WRAPPER)}"
+
+
+def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
+    """Extract the probe's JSON result from its output.
+
+    Raises ProbeError when the probe crashed (its traceback included) or printed no result.
+    """
+    text = stdout.decode("utf-8", "replace")
+    idx = text.rfind(MARKER + "\n")
+    if idx < 0:
+        tail = (stderr.decode("utf-8", "replace") or text).strip()[-2000:]
+        raise ProbeError(f"probe printed no result (exit {exit_code}): {tail or 'no output'}")
+    out = json.loads(text[idx + len(MARKER) + 1:])
+    if isinstance(out, dict) and "__probe_error__" in out:
+        raise ProbeError("probe failed on the host:\n" + out["__probe_error__"].strip())
+    return out
