@@ -1,0 +1,160 @@
+"""Rendering results: the inspect JSON document and Rich tables, identical hosts coalesced.
+
+Hosts whose findings are identical are gathered into one block with their host list (as clubak
+gathers identical output); columns whose values differ between blocks are highlighted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .fleet import OK, HostResult
+
+STATUS_STYLE = {"ok": "green", "changed": "yellow", "skipped": "cyan", "failed": "red",
+                "unreachable": "magenta", "not attempted": "dim"}
+
+
+def inspect_document(results: list[HostResult]) -> dict:
+    """The `inspect --json` document: {"hosts": [{host, address, status, error, elapsed_s, facts,
+    allocator_call_sites, need_sort_origins, scan}]}; lists are complete, never truncated."""
+    hosts = []
+    for r in results:
+        d = r.data or {}
+        hosts.append({
+            "host": r.host, "address": r.address, "status": r.status, "error": r.error,
+            "elapsed_s": r.elapsed_s, "facts": d.get("facts"),
+            "allocator_call_sites": d.get("allocator_call_sites", []),
+            "need_sort_origins": d.get("need_sort_origins", []),
+            "scan": d.get("scan"),
+        })
+    return {"hosts": hosts}
+
+
+def coalesce(items: Iterable[tuple[str, Any]]) -> list[tuple[list[str], Any]]:
+    """Group (host, value) pairs with equal values: [([hosts], value)], first-seen order."""
+    groups: dict[str, tuple[list[str], Any]] = {}
+    for host, value in items:
+        key = json.dumps(value, sort_keys=True, default=str)
+        groups.setdefault(key, ([], value))[0].append(host)
+    return list(groups.values())
+
+
+def host_list(hosts: list[str], limit: int = 6) -> str:
+    """'a, b, c' or 'a, b, c … (+N more: 12 hosts)'; the count is always given when shortened."""
+    if len(hosts) <= limit:
+        return ", ".join(hosts)
+    return f"{', '.join(hosts[:limit])} … (+{len(hosts) - limit} more; {len(hosts)} hosts)"
+
+
+def _summary(data: dict) -> dict:
+    f = data.get("facts") or {}
+    sg, torch = f.get("sglang"), f.get("torch")
+    sites = data.get("allocator_call_sites", [])
+    origins = data.get("need_sort_origins", [])
+    passing = Counter(s["need_sort"]["passing"] for s in sites)
+    computed = [o for o in origins if not o["literal"]]
+    return {
+        "python": f"{(f.get('python') or {}).get('path')} ({(f.get('python') or {}).get('version')})",
+        "sglang": f"{sg['version']}" if sg else "not installed",
+        "torch": f"{torch['version']} / CUDA {torch['cuda'] or 'none'}" if torch else "none",
+        "gpus": ", ".join(sorted(Counter(f"{g['name']} sm_{g['compute_cap'].replace('.', '')}"
+                                         for g in f.get("gpus", [])).elements()))
+                or f"none ({f.get('gpus_reason')})",
+        "servers": ", ".join(f":{s['port']} {s.get('model_path') or '?'} tp={s['tp_size']}"
+                             + (" (stand-in)" if s.get("kind") == "stand-in" else "")
+                             for s in f.get("servers", [])) or "none",
+        "call sites": f"{len(sites)}" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(passing.items())) + ")"
+                                         if sites else ""),
+        "need_sort origins": (f"{len(origins)}: {len(computed)} computed, {len(origins) - len(computed)} literal"
+                              if origins else ("none: this release has no need_sort" if sg else "-")),
+    }
+
+
+def render_inspect(results: list[HostResult], console: Console) -> None:
+    """Print the inspect report: a summary table (identical hosts coalesced, differing columns
+    highlighted), then each distinct set of call sites and origins in full, then failures."""
+    good = [r for r in results if r.status == OK]
+    groups = coalesce((r.host, _summary(r.data)) for r in good)
+    if groups:
+        cols = list(groups[0][1].keys())
+        differs = {c for c in cols if len({str(g[1][c]) for g in groups}) > 1}
+        t = Table(title="fleetctl inspect", show_lines=True)
+        t.add_column("hosts", style="bold")
+        for c in cols:
+            t.add_column(c, style="yellow" if c in differs else None, overflow="fold")
+        for hosts, s in groups:
+            t.add_row(host_list(hosts), *[str(s[c]) for c in cols])
+        console.print(t)
+    findings = coalesce((r.host, {"sites": r.data.get("allocator_call_sites", []),
+                                  "origins": r.data.get("need_sort_origins", [])}) for r in good)
+    for hosts, f in findings:
+        if not f["sites"] and not f["origins"]:
+            continue
+        _render_findings(hosts, f["sites"], f["origins"], console)
+    render_problems(results, console)
+
+
+def _render_findings(hosts: list[str], sites: list[dict], origins: list[dict], console: Console) -> None:
+    t = Table(title=f"allocator call sites — {host_list(hosts)}", title_justify="left")
+    for c in ("file:line", "callee", "need_sort", "expr"):
+        t.add_column(c, overflow="fold")
+    for s in sites:
+        ns = s["need_sort"]
+        callee = s["callee"] + (" (alias)" if s.get("aliased") else "")
+        style = {"absent": "dim", "default": "dim"}.get(ns["passing"])
+        t.add_row(f"{s['file']}:{s['line']}-{s['end_line']}", callee, Text(ns["passing"], style=style),
+                  ns.get("expr") or "")
+    console.print(t)
+    if not origins:
+        console.print(Text("no need_sort origins: this release has no need_sort", style="cyan"))
+        return
+    t = Table(title=f"need_sort origins — {host_list(hosts)}", title_justify="left")
+    for c in ("file:line", "kind", "callee", "expr", "literal"):
+        t.add_column(c, overflow="fold")
+    for o in origins:
+        t.add_row(f"{o['file']}:{o['line']}", o["kind"], o.get("callee") or "",
+                  Text(o["expr"], style="dim" if o["literal"] else "bold"), "yes" if o["literal"] else "no")
+    console.print(t)
+
+
+def render_problems(results: list[HostResult], console: Console) -> None:
+    """Failed, unreachable and not-attempted hosts, coalesced by identical error."""
+    bad = [(r.host, (r.status, r.error or "")) for r in results if r.status in
+           ("failed", "unreachable", "not attempted")]
+    if not bad:
+        return
+    t = Table(title="problems", title_justify="left", show_lines=True)
+    t.add_column("hosts", style="bold")
+    t.add_column("status")
+    t.add_column("error", overflow="fold")
+    for hosts, (status, err) in coalesce(bad):
+        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), err)
+    console.print(t)
+
+
+def render_status_line(results: list[HostResult], console: Console) -> None:
+    """One recap line, like Ansible's PLAY RECAP: counts per status."""
+    counts = Counter(r.status for r in results)
+    parts = [Text(f"{k}={v}", style=STATUS_STYLE.get(k)) for k, v in sorted(counts.items())]
+    line = Text("recap: ")
+    for p in parts:
+        line.append(p)
+        line.append(" ")
+    console.print(line)
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]], console: Console,
+          style_of: Callable[[str, Any], str | None] | None = None) -> None:
+    """Print a simple table (one row per item; cells stringified)."""
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for row in rows:
+        t.add_row(*[Text(str(v), style=style_of(c, v) if style_of else None) for c, v in zip(columns, row)])
+    console.print(t)
