@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install everything fleetctl, its lab and its tests need on a fresh Debian machine (as root).
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-server)
+command -v ssh >/dev/null 2>&1 || need_apt+=(openssh-client)
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+command -v flock >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+# torch==2.13.0 is a CPU build that pip takes from this machine's own disk.
+"$PY" -m pip install -q --disable-pip-version-check -e '.[kernel,test]'
+
+# The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache.
+"$PY" - <<'PYEOF'
+from fleetctl.wheelcache import ensure_wheel
+for v in ("0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"):
+    print("wheel cache:", ensure_wheel(v).name)
+PYEOF
