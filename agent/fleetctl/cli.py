@@ -61,7 +61,8 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern)
-    results = _fleet(forks, timeout, connect_timeout, accept_new, json_out).run(hosts, gather, "inspect")
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+        results = fleet.run(hosts, gather, "inspect")
     if json_out:
         out.print_json(json.dumps(inspect_document(results)))
     else:

@@ -1,7 +1,7 @@
 """Bounded parallel fan-out over hosts: forks, per-host deadlines, rolling batches, progress.
 
-A host job is a function `job(ctx: HostContext) -> HostResult`; `run_hosts` opens one verified
-connection per host, gives the job a context whose `remaining()` bounds every remote command by
+A host job is a function `job(ctx: HostContext) -> HostResult`; `Fleet.run` opens one verified
+connection per host (kept for the whole run and reused by later jobs), gives the job a context whose `remaining()` bounds every remote command by
 the host's deadline, and turns connection problems into `unreachable` and everything else into
 `failed`, so one bad host never stops the others.
 """
@@ -127,13 +127,39 @@ class Fleet:
         self.timeout = timeout
         self.progress = progress
         self.console = console or Console(stderr=True)
+        self._conns: dict[str, HostConnection] = {}
+
+    def connection(self, host: Host) -> HostConnection:
+        """The run's one connection to `host`, opened on first use and reused by every later job.
+        Raises Unreachable / HostKeyRefused."""
+        conn = self._conns.get(host.name)
+        if conn is None:
+            conn = HostConnection(host, self.settings)
+            try:
+                conn.open()
+            except Unreachable:
+                conn.close()
+                raise
+            self._conns[host.name] = conn
+        return conn
+
+    def close(self) -> None:
+        """Close every connection this fleet opened."""
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _one(self, host: Host, job: Callable[[HostContext], HostResult | dict]) -> HostResult:
         start = time.monotonic()
-        conn = HostConnection(host, self.settings)
         result = HostResult(host.name, host.address, FAILED)
         try:
-            conn.open()
+            conn = self.connection(host)
             result.address = conn.address
             out = job(HostContext(host, conn, start + self.timeout))
             if isinstance(out, HostResult):
@@ -148,8 +174,6 @@ class Fleet:
             result.status, result.error = FAILED, str(e)
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-        finally:
-            conn.close()
         result.elapsed_s = round(time.monotonic() - start, 3)
         return result
 
