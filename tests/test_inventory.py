@@ -1,0 +1,351 @@
+"""Inventory: Ansible YAML format, vars precedence, host ranges, host patterns, errors with file:line."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fleetctl import inventory
+from fleetctl.errors import InventoryError, PatternError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FLEET = """\
+all:
+  vars:
+    ansible_user: ops
+    fleetctl_sglang_port: 30000
+    tier: all
+  hosts:
+    loose-1:
+  children:
+    inference:
+      vars:
+        tier: inference
+        fleetctl_python: /opt/venv/bin/python
+      children:
+        h100:
+          vars:
+            tier: h100
+          hosts:
+            gpu-[01:03]:
+            gpu-04:2202:
+              ansible_host: 192.0.2.14
+        rtx:
+          hosts:
+            rtx-a:
+              ansible_host: 192.0.2.21
+              ansible_python_interpreter: /usr/bin/python3.12
+              tier: host
+    canary:
+      vars:
+        tier: canary
+      hosts:
+        gpu-02:
+          fleetctl_restart_cmd: systemctl restart sglang-canary
+prod:
+  children:
+    h100:
+  hosts:
+    rtx-a:
+      ansible_ssh_private_key_file: ~/.ssh/fleet
+"""
+
+H100 = ["gpu-01", "gpu-02", "gpu-03", "gpu-04"]
+
+
+def write(tmp_path: Path, text: str, name: str = "hosts.yaml") -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    return inventory.load(write(tmp_path, FLEET))
+
+
+def names(hosts):
+    return [h.name for h in hosts]
+
+
+def test_hosts_groups_and_ranges(fleet):
+    assert list(fleet.hosts) == ["loose-1", *H100, "rtx-a"]
+    assert fleet.groups["all"] == ("loose-1", *H100, "rtx-a")
+    assert fleet.groups["ungrouped"] == ("loose-1",)
+    assert fleet.groups["inference"] == (*H100, "rtx-a")
+    assert fleet.groups["prod"] == (*H100, "rtx-a")
+    assert fleet.groups["canary"] == ("gpu-02",)
+    assert fleet.hosts["gpu-02"].groups == ("all", "inference", "h100", "canary", "prod")
+    assert fleet.hosts["loose-1"].groups == ("all", "ungrouped")
+
+
+def test_vars_precedence(fleet):
+    # all < inference (depth 1) < h100 (depth 2); canary (depth 1) sorts under h100
+    assert fleet.hosts["loose-1"].vars["tier"] == "all"
+    assert fleet.hosts["gpu-01"].vars["tier"] == "h100"
+    assert fleet.hosts["gpu-02"].vars["tier"] == "h100"
+    assert fleet.hosts["rtx-a"].vars["tier"] == "host"
+    assert fleet.hosts["gpu-02"].vars["fleetctl_restart_cmd"] == "systemctl restart sglang-canary"
+    assert "fleetctl_restart_cmd" not in fleet.hosts["gpu-01"].vars
+    assert fleet.hosts["gpu-03"].vars["fleetctl_sglang_port"] == 30000
+
+
+def test_same_depth_groups_merge_by_name_and_priority(tmp_path):
+    text = """\
+    alpha:
+      vars: {v: alpha}
+      hosts: {h1: , h2: }
+    beta:
+      vars: {v: beta}
+      hosts: {h1: , h2: }
+    gamma:
+      vars: {v: gamma, ansible_group_priority: 0}
+      hosts: {h2: }
+    """
+    inv = inventory.load(write(tmp_path, text))
+    assert inv.hosts["h1"].vars["v"] == "beta"        # same depth and priority: by name
+    assert inv.hosts["h2"].vars["v"] == "beta"        # gamma's lower priority loses
+    assert "ansible_group_priority" not in inv.hosts["h2"].vars
+
+
+def test_connection_properties(fleet):
+    gpu4, rtx, loose = fleet.hosts["gpu-04"], fleet.hosts["rtx-a"], fleet.hosts["loose-1"]
+    assert (gpu4.address, gpu4.port, gpu4.user) == ("192.0.2.14", 2202, "ops")
+    assert (loose.address, loose.port, loose.key_file, loose.python) == ("loose-1", None, None, None)
+    assert rtx.key_file == str(Path.home() / ".ssh/fleet")
+    assert rtx.python == "/usr/bin/python3.12"
+    assert gpu4.python == "/opt/venv/bin/python"
+
+
+def test_ansible_aliases_and_auto_interpreter(tmp_path):
+    text = """\
+    all:
+      hosts:
+        old:
+          ansible_ssh_host: 192.0.2.9
+          ansible_ssh_port: "2022"
+          ansible_ssh_user: legacy
+          ansible_python_interpreter: auto_silent
+          fleetctl_python: /srv/venv/bin/python
+    """
+    host = inventory.load(write(tmp_path, text)).hosts["old"]
+    assert (host.address, host.port, host.user) == ("192.0.2.9", 2022, "legacy")
+    assert host.python == "/srv/venv/bin/python"
+
+
+def test_ranges(tmp_path):
+    text = """\
+    all:
+      hosts:
+        node-[1:3]:
+        db-[a:c]:
+        w[01:10:4]-[x:y].lab:
+        "r[8:10]:2200":
+    """
+    inv = inventory.load(write(tmp_path, text))
+    assert list(inv.hosts) == ["node-1", "node-2", "node-3", "db-a", "db-b", "db-c",
+                               "w01-x.lab", "w01-y.lab", "w05-x.lab", "w05-y.lab", "w09-x.lab", "w09-y.lab",
+                               "r8", "r9", "r10"]
+    assert {inv.hosts[f"r{i}"].port for i in (8, 9, 10)} == {2200}
+
+
+def test_ansible_tolerated_forms(tmp_path):
+    """Forms Ansible accepts: top-level groups, a string for hosts/children, null groups, anchors
+    and merge keys, !unsafe and !vault values."""
+    text = """\
+    base: &base
+      vars: {role: base}
+    web:
+      <<: *base
+      hosts: web1
+    empty:
+    edge:
+      children: web
+      vars:
+        token: !unsafe "{{ not templated }}"
+        secret: !vault |
+          $ANSIBLE_VAULT;1.1;AES256
+          6162
+    """
+    inv = inventory.load(write(tmp_path, text))
+    assert inv.hosts["web1"].vars["role"] == "base"
+    assert inv.groups["edge"] == ("web1",) and inv.groups["empty"] == ()
+    assert inv.hosts["web1"].vars["token"] == "{{ not templated }}"
+    assert isinstance(inv.hosts["web1"].vars["secret"], inventory.Vaulted)
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("all", ["loose-1", *H100, "rtx-a"]),
+    ("*", ["loose-1", *H100, "rtx-a"]),
+    ("gpu-03", ["gpu-03"]),
+    ("h100", H100),
+    ("gpu-0*", H100),
+    ("gpu-0[!24]", ["gpu-01", "gpu-03"]),
+    ("~(rtx|loose)-", ["loose-1", "rtx-a"]),
+    ("rtx:canary", ["gpu-02", "rtx-a"]),
+    ("rtx,canary", ["gpu-02", "rtx-a"]),
+    ("rtx, canary", ["gpu-02", "rtx-a"]),
+    ("inference:&prod:!canary", ["gpu-01", "gpu-03", "gpu-04", "rtx-a"]),
+    ("!h100:rtx", ["rtx-a"]),                         # exclusions apply last
+    ("&prod:canary:loose-1", ["gpu-02"]),           # intersections apply after unions
+    ("!inference", ["loose-1"]),                      # only exclusions: start from all
+    ("ungrouped", ["loose-1"]),
+    ("h100[0]", ["gpu-01"]),
+    ("h100[-1]", ["gpu-04"]),
+    ("h100[1:2]", ["gpu-02", "gpu-03"]),
+    ("h100[2:]", ["gpu-03", "gpu-04"]),
+    ("rtx-a:gpu-01", ["gpu-01", "rtx-a"]),          # inventory order, not pattern order
+])
+def test_patterns(fleet, pattern, expected):
+    assert names(fleet.select(pattern)) == expected
+
+
+def test_names_with_colon_and_group_over_glob(tmp_path):
+    text = """\
+    "db:primary":
+      hosts:
+        "pg:main":
+        pg2:
+    gpu:
+      hosts: {gpu-1: }
+    """
+    inv = inventory.load(write(tmp_path, text))
+    assert names(inv.select("db:primary")) == ["pg:main", "pg2"]
+    assert names(inv.select("pg:main")) == ["pg:main"]
+    assert names(inv.select("db:primary,gpu")) == ["pg:main", "pg2", "gpu-1"]
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("nosuch", "host pattern 'nosuch' matches no host"),
+    ("h100:&rtx", "matches no host"),
+    ("all:!all", "matches no host"),
+    ("gpu-9*", "matches no host"),
+    ("h100[7]", "subscripted pattern 'h100[7]'"),
+    ("gpu-0[13]", "subscripted pattern"),             # as in Ansible: a subscript, not a glob
+    ("~gpu-(", "invalid host pattern '~gpu-('"),
+    ("", "empty host pattern"),
+])
+def test_pattern_errors(fleet, pattern, message):
+    with pytest.raises(PatternError) as err:
+        fleet.select(pattern)
+    assert message in str(err.value)
+    assert err.value.exit_code == 5
+
+
+def test_pattern_error_lists_groups(fleet):
+    with pytest.raises(PatternError) as err:
+        fleet.select("nosuch")
+    assert "groups: all, ungrouped, inference, h100, rtx, canary, prod" in str(err.value)
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ("all:\n  hosts:\n    - gpu1\n", 3, "'hosts' of group 'all' must be a mapping of names, not a list"),
+    ("all:\n  children:\n    gpu: just-a-string\n", 3, "group 'gpu' must be a mapping of hosts, children and vars"),
+    ("gpu:\n  hosts: {a: }\n  host_vars: {}\n", 3, "unknown key 'host_vars' in group 'gpu'"),
+    ("all:\n  hosts:\n    a:\n      ansible_port: twenty-two\n", 4, "ansible_port must be a port number"),
+    ("all:\n  vars:\n    ansible_port: 70000\n", 3, "ansible_port must be a port number"),
+    ("all:\n  vars:\n    fleetctl_sglang_port: true\n", 3, "fleetctl_sglang_port must be a port number"),
+    ("all:\n  hosts:\n    a:\n      ansible_host: [1, 2]\n", 4, "ansible_host must be a plain string"),
+    ("all:\n  hosts:\n    a: 5\n", 3, "vars of host 'a' must be a mapping"),
+    ("all:\n  vars: [a]\n", 2, "vars of group 'all' must be a mapping"),
+    ("all:\n  hosts:\n    a:\n    b:\n    a:\n", 5, "duplicate key 'a' (first at line 3)"),
+    ("all:\n  hosts:\n    a:\n      x: 1\n      x: 2\n", 5, "duplicate key 'x' (first at line 4)"),
+    ("all:\n  vars: {x: 1, x: 2}\n", 2, "duplicate key 'x' (first at line 2)"),
+    ("a:\n  children:\n    b:\n      children:\n        a:\n", 5, "group 'a' is its own ancestor: a -> b -> a"),
+    ("a:\n  children:\n    all:\n", 3, "group 'all' cannot be a child"),
+    ("all:\n  hosts:\n    gpu-[03:1]:\n", 3, "bad host range in 'gpu-[03:1]'"),
+    ("all:\n  hosts:\n    gpu-[1:x]:\n", 3, "is not a numeric or one-letter range"),
+    ("- all\n", 1, "an inventory is a mapping of groups"),
+    ("plugin: aws_ec2\n", 1, "inventory plugin configuration"),
+    ("\n# nothing\n", 1, "empty inventory"),
+])
+def test_structure_errors(tmp_path, text, where, what):
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{path}:{where}: ")
+    assert what in str(err.value)
+    assert err.value.exit_code == 4
+
+
+@pytest.mark.parametrize("text, where", [
+    ("all:\n  hosts:\n    a: {x: 1\n  vars: {}\n", "4:7"),           # unclosed flow mapping
+    ("all:\n  hosts:\n   a:\n  b: 1\n  - c\n", "5:3"),                # block mapping then list item
+    ("all:\n  vars:\n    x: \"unterminated\n", "4:1"),
+    ("all:\n\tvars: {}\n", "2:1"),                                  # tab indentation
+    ("all: *nosuch\n", "1:6"),
+    ("all: {}\n---\nmore: {}\n", "2:1"),                             # two documents
+])
+def test_yaml_errors_give_line_and_column(tmp_path, text, where):
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{path}:{where}: ")
+
+
+def test_unreadable_files(tmp_path):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"all:\n  hosts:\n    caf\xe9:\n")
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(path))}:3: not UTF-8"):
+        inventory.load(path)
+    path.write_text("all:\n  hosts:\n    a\x00b:\n")
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(path))}:3: character #x0000"):
+        inventory.load(path)
+
+
+def test_resolve_path_order(tmp_path, monkeypatch):
+    cli, env, default = (write(tmp_path, "all: {hosts: {a: }}", name)
+                         for name in ("cli.yaml", "env.yaml", "hosts.yaml"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLEETCTL_INVENTORY", str(env))
+    assert inventory.resolve_path(str(cli)) == cli
+    assert inventory.resolve_path(None) == env
+    monkeypatch.delenv("FLEETCTL_INVENTORY")
+    assert inventory.resolve_path(None) == Path("hosts.yaml")
+    default.unlink()
+    with pytest.raises(InventoryError, match=r"hosts.yaml \(from the default ./hosts.yaml.*no such file"):
+        inventory.resolve_path(None)
+    monkeypatch.setenv("FLEETCTL_INVENTORY", str(tmp_path / "gone.yaml"))
+    with pytest.raises(InventoryError, match=r"gone.yaml \(from \$FLEETCTL_INVENTORY\): no such file"):
+        inventory.resolve_path(None)
+    with pytest.raises(InventoryError, match=r"from -i\): is not a file"):
+        inventory.resolve_path(str(tmp_path))
+
+
+def test_example_inventory_loads():
+    inv = inventory.load(ROOT / "hosts.yaml")
+    assert len(inv.hosts) == 8
+    assert all(h.endswith(".example.invalid") for h in inv.hosts)
+    assert all(h.address.endswith(".example.invalid") or h.address.startswith(("192.0.2.", "198.51.100."))
+               for h in inv.hosts.values())
+    rtx_b = inv.hosts["rtx-b.example.invalid"]
+    assert rtx_b.vars["fleetctl_sglang_port"] == 30001 and rtx_b.python == "/usr/bin/python3.12"
+    assert names(inv.select("h100:!canary"))[0] == "gpu-02.example.invalid"
+
+
+def test_group_vars_and_host_vars_beside_the_inventory(tmp_path):
+    path = write(tmp_path, FLEET)
+    write(tmp_path, "ansible_user: from-group-vars-all\ntier: gv-all\n", "group_vars/all.yml")
+    write(tmp_path, "tier: gv-h100-a\nlayer: a\n", "group_vars/h100/10-a.yaml")
+    write(tmp_path, "tier: gv-h100-b\n", "group_vars/h100/20-b")
+    write(tmp_path, "tier: ignored\n", "group_vars/h100/.hidden.yml")
+    write(tmp_path, '{"ansible_port": 2299}', "host_vars/gpu-01.json")
+    write(tmp_path, "", "host_vars/gpu-03.yml")
+    inv = inventory.load(path)
+    # group_vars/all beats every group's vars in the inventory file (Ansible's precedence)
+    assert inv.hosts["rtx-a"].vars["ansible_user"] == "from-group-vars-all"
+    assert inv.hosts["loose-1"].vars["tier"] == "gv-all"
+    assert inv.hosts["gpu-02"].vars["tier"] == "gv-h100-b" and inv.hosts["gpu-02"].vars["layer"] == "a"
+    assert inv.hosts["rtx-a"].vars["tier"] == "host"     # inventory host vars beat group_vars/
+    assert inv.hosts["gpu-01"].port == 2299 and inv.hosts["gpu-04"].port == 2202
+    bad = write(tmp_path, "fleetctl_python: /x\nansible_port: [22]\n", "host_vars/rtx-a.yml")
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(bad))}:2: ansible_port must be a port number"):
+        inventory.load(path)
+    bad.write_text("x: [1\n")
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(bad))}:2:1: "):
+        inventory.load(path)
