@@ -64,11 +64,168 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, gather, "inspect")
     if json_out:
-        out.print_json(json.dumps(inspect_document(results)))
+        sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
         render_inspect(results, out)
         render_status_line(results, out)
     raise typer.Exit(exit_code(results))
+
+
+HealthTimeout = Annotated[float, typer.Option("--health-timeout", help="Seconds to wait for /health to answer 200.")]
+Repeat = Annotated[int, typer.Option("--repeat", help="Smoke decodes per server; the median latency is kept.")]
+Port = Annotated[int, typer.Option("--port", help="Port of discovered servers that give no --port.")]
+LatencyTolerance = Annotated[float, typer.Option("--latency-tolerance",
+                             help="Allowed ratio of median latency after/before a change.")]
+AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
+                       help="Let greedy tokens differ after a change (reported as token drift).")]
+Yes = Annotated[bool, typer.Option("--yes", "-y", help="Change hosts without asking.")]
+JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
+                       help="Seconds for each host's whole job (default: health timeout + 300).")]
+
+
+def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False):
+    from .validate import SmokeOptions
+
+    if repeat < 1 or health_timeout <= 0 or latency_tolerance < 1.0:
+        raise UsageError("--repeat must be >= 1, --health-timeout > 0, --latency-tolerance >= 1")
+    return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
+                        latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift)
+
+
+def _confirm(what: str, yes: bool) -> None:
+    """Ask before changing hosts: --yes skips; without a terminal nothing changes (exit 5)."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise UsageError(f"not changing anything: no terminal to confirm {what} on; pass --yes")
+    if not typer.confirm(f"{what}?", default=False):
+        err.print("nothing changed")
+        raise typer.Exit(0)
+
+
+@app.command()
+def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+             port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
+             forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
+             accept_new: AcceptNew = False) -> None:
+    """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
+    from .fleet import exit_code
+    from .report import render_status_line, render_validate
+    from .validate import validate_job
+
+    opts = _smoke_opts(port, health_timeout, repeat)
+    hosts = _select(inventory, pattern)
+    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
+        results = fleet.run(hosts, validate_job(opts), "validate")
+    if json_out:
+        _print_json({"hosts": [_host_json(r) for r in results]})
+    else:
+        render_validate(results, out)
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playbooks/ or a path.")],
+          pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+          check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
+          diff: Annotated[bool, typer.Option("--diff", help="Print unified diffs, identical ones coalesced.")] = False,
+          serial: Annotated[Optional[str], typer.Option("--serial", help="Rolling batches: N, P% or a list 1,25%,100%.")] = None,
+          max_fail_percentage: Annotated[float, typer.Option("--max-fail-percentage",
+                                         help="Stop the rollout when a batch fails more than this.")] = 0.0,
+          yes: Yes = False, port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
+          latency_tolerance: LatencyTolerance = 1.25, allow_token_drift: AllowDrift = False,
+          forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
+          accept_new: AcceptNew = False) -> None:
+    """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback."""
+    from .apply import ApplyOptions, new_change_id, run_playbook
+    from .fleet import exit_code
+    from .paths import find_playbook
+    from .playbook import load_playbook
+    from .report import render_apply, render_status_line
+
+    pb = load_playbook(find_playbook(playbook))
+    opts = ApplyOptions(check=True, serial=serial, max_fail_percentage=max_fail_percentage,
+                        smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift))
+    from .fleet import parse_serial
+    hosts = _select(inventory, pattern)
+    parse_serial(serial, len(hosts))
+    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
+        cid, results = run_playbook(fleet, hosts, pb, opts)
+        if not check:
+            if not json_out:
+                render_apply(results, out, diff=True, check=True)
+            if not any(r.status == "changed" for r in results):
+                err.print("nothing to change")
+            else:
+                _confirm(f"apply {pb.name} to {sum(r.status == 'changed' for r in results)} host(s)", yes)
+                opts.check = False
+                cid, results = run_playbook(fleet, hosts, pb, opts, new_change_id(pb.name))
+    if json_out:
+        _print_json({"change_id": None if check else cid, "check": check,
+                     "hosts": [_host_json(r) for r in results]})
+    else:
+        render_apply(results, out, diff=diff, check=check)
+        if not check:
+            out.print(f"change id: {cid}")
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or HOSTS with --last.")],
+             last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
+             force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
+             inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+             forks: Forks = 64, timeout: Timeout = 300.0, connect_timeout: ConnectTimeout = 10.0,
+             accept_new: AcceptNew = False) -> None:
+    """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
+    from .apply import rollback_job
+    from .fleet import exit_code
+    from .report import render_results, render_status_line
+
+    if len(args) != (1 if last else 2):
+        raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
+    change_id, pattern = (None, args[0]) if last else (args[0], args[1])
+    hosts = _select(inventory, pattern)
+    _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+        results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
+    if json_out:
+        _print_json({"hosts": [_host_json(r) for r in results]})
+    else:
+        render_results("rollback", results, out)
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+           forks: Forks = 64, timeout: Timeout = 120.0, connect_timeout: ConnectTimeout = 10.0,
+           accept_new: AcceptNew = False) -> None:
+    """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
+    from .apply import status_job
+    from .fleet import exit_code
+    from .report import render_status, render_status_line
+
+    hosts = _select(inventory, pattern)
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+        results = fleet.run(hosts, status_job(), "status")
+    if json_out:
+        _print_json({"hosts": [_host_json(r) for r in results]})
+    else:
+        render_status(results, out)
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
+
+
+def _host_json(r) -> dict:
+    return {"host": r.host, "address": r.address, "status": r.status, "error": r.error,
+            "elapsed_s": r.elapsed_s, **r.data}
+
+
+def _print_json(doc: dict) -> None:
+    sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")
 
 
 # ---- lab ---------------------------------------------------------------------------------

@@ -158,3 +158,77 @@ def table(title: str, columns: list[str], rows: list[list[Any]], console: Consol
     for row in rows:
         t.add_row(*[Text(str(v), style=style_of(c, v) if style_of else None) for c, v in zip(columns, row)])
     console.print(t)
+
+
+def render_results(title: str, results: list[HostResult], console: Console) -> None:
+    """Generic per-host table: host, status, elapsed, error."""
+    t = Table(title=title, title_justify="left")
+    for c in ("host", "status", "elapsed", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        detail = r.error or ", ".join(f"{k}={v}" for k, v in r.data.items()
+                                      if isinstance(v, (str, int, float)) and v not in ("", None))
+        t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), f"{r.elapsed_s:.1f}s", detail)
+    console.print(t)
+
+
+def render_validate(results: list[HostResult], console: Console) -> None:
+    """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s."""
+    t = Table(title="fleetctl validate", title_justify="left")
+    for c in ("host", "status", "server", "health wait", "tokens", "median latency", "tokens/s", "detail"):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        servers = (r.data or {}).get("servers") or [None]
+        for s in servers:
+            if s is None:
+                t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), "", "", "", "", "", r.error or "")
+                continue
+            lat = s.get("e2e_latency_s") or s.get("latency_s")
+            t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)),
+                      f":{s['port']} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
+                      f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
+                      " ".join(map(str, s.get("output_ids") or [])),
+                      f"{lat * 1000:.1f} ms" if lat else "", f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
+                      s.get("error") or "")
+        off = (r.data or {}).get("offline")
+        if off:
+            t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), "offline: " + off["cmd"],
+                      "", "", f"{off['duration_s']:.1f}s", "", " | ".join(off["tail"][-2:]))
+    console.print(t)
+
+
+def render_apply(results: list[HostResult], console: Console, diff: bool, check: bool) -> None:
+    """Per-host outcome of a playbook run; with `diff`, unified diffs coalesced across hosts."""
+    if diff:
+        diffs = coalesce((r.host, "".join(f["diff"] for f in r.data["plan"]["files"]))
+                         for r in results if r.data.get("plan") and r.data["plan"]["files"])
+        for hosts, text in diffs:
+            console.rule(f"diff — {host_list(hosts)}")
+            console.print(Text(text), highlight=False)
+    t = Table(title="check mode: nothing was changed" if check else "apply", title_justify="left")
+    for c in ("hosts", "status", "edits", "left alone", "validation", "detail"):
+        t.add_column(c, overflow="fold")
+    rows = []
+    for r in results:
+        plan = r.data.get("plan") or {}
+        v = r.data.get("validation") or {}
+        rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
+                              v.get("status", ""), r.error or r.data.get("skipped_reason") or "")))
+    for hosts, (status, edits, left, val, detail) in coalesce(rows):
+        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), str(edits), str(left), val, detail)
+    console.print(t)
+
+
+def render_status(results: list[HostResult], console: Console) -> None:
+    """Applied changes and drift per host."""
+    t = Table(title="fleetctl status", title_justify="left", show_lines=True)
+    for c in ("host", "sglang", "applied changes", "drift", "modified outside fleetctl"):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        d = r.data or {}
+        applied = [c["change_id"] for c in d.get("changes", []) if c["state"] == "applied"]
+        t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none",
+                  "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift", [])) or "none",
+                  "\n".join(m["path"] for m in d.get("modified") or []) or "none")
+    console.print(t)
+    render_problems(results, console)

@@ -281,7 +281,10 @@ def collect(params, servers, others, discovery):
         out["scan"] = found
         if params.get("with_sources"):
             files = sorted({o["file"] for o in out["need_sort_origins"]})
-            out["sources"] = {f: _read(os.path.join(sglang["location"], f)) for f in files}
+            out["sources"] = {}
+            for f in files:  # exact text: bytes decoded, no newline translation (sha256 must match)
+                raw = _read(os.path.join(sglang["location"], f), "rb")
+                out["sources"][f] = raw.decode("utf-8") if raw is not None else None
     return out
 
 

@@ -1,0 +1,241 @@
+"""Running a playbook on hosts: plan, check mode, rolling apply, validation gate, rollback, status.
+
+Per host, under the host's lock (flock held over the SSH connection for the whole job):
+recover any change a killed run left pending -> gather facts with sources -> plan (pure, see
+plan.py) -> baseline smoke decode -> write files (probes/change.py: pre-image hash check, backups,
+atomic writes; ledger state "pending") -> notified handlers (restart) -> validation (compile,
+reinspect, smoke gate) -> ledger "applied", or automatic rollback to the byte-identical originals.
+A change stays "pending" until it is validated, so a run killed at any point leaves a pending
+entry that the next run undoes before doing anything else.
+"""
+
+from __future__ import annotations
+
+import getpass
+import secrets
+import shlex
+import socket
+import time
+from dataclasses import dataclass, field
+
+from .fleet import CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, Fleet, HostContext, HostFailed, HostResult, parse_serial
+from .gather import gather
+from .inventory import Host
+from .plan import HostPlan, plan_host, reinspect_problems
+from .playbook import Playbook
+from .validate import SmokeOptions, gate, smoke
+
+STATE_DIR = "/var/lib/fleetctl"
+LOCK_WAIT_S = 5.0
+CHANGE_MODULES = ["change"]
+
+
+@dataclass
+class ApplyOptions:
+    """check: plan only; serial: Ansible serial spec ("1,25%,100%"); max_fail_percentage: a batch
+    failing more than this percentage of its hosts stops the rollout; smoke: gate options."""
+
+    check: bool = False
+    serial: str | None = None
+    max_fail_percentage: float = 0.0
+    smoke: SmokeOptions = field(default_factory=SmokeOptions)
+    operator: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
+    state_dir: str = STATE_DIR
+
+
+def new_change_id(playbook: str) -> str:
+    """A fresh change id: UTC time, playbook name and 6 random hex digits."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{playbook}-{secrets.token_hex(3)}"
+
+
+def change_probe(ctx: HostContext, action: str, state_dir: str = STATE_DIR, **params) -> dict:
+    """Run one action of probes/change.py on the host; a refusal raises HostFailed."""
+    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, modules=CHANGE_MODULES)
+    if not res.get("ok", False):
+        raise HostFailed(f"{action}: {res.get('error')}")
+    return res
+
+
+def _findings(g: dict) -> dict:
+    return {"allocator_call_sites": g["allocator_call_sites"], "need_sort_origins": g["need_sort_origins"],
+            "files": (g.get("scan") or {}).get("files", {})}
+
+
+def _plan(ctx: HostContext, playbook: Playbook) -> tuple[dict, HostPlan]:
+    g = gather(ctx, with_sources=True)
+    plan = plan_host(playbook, ctx.host.name, dict(ctx.host.vars), g["facts"], _findings(g), g.get("sources") or {})
+    return g, plan
+
+
+def _plan_data(plan: HostPlan) -> dict:
+    d = plan.to_dict()
+    for f in d["files"]:
+        f.pop("new_text", None)
+    return d
+
+
+def check_job(playbook: Playbook):
+    """Check mode: plan on the host and report what would change; touches nothing."""
+
+    def job(ctx: HostContext) -> HostResult:
+        _, plan = _plan(ctx, playbook)
+        return _planned_result(ctx, plan)
+
+    return job
+
+
+def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
+    status = {"change": CHANGED, "ok": OK, "skipped": SKIPPED, "failed": FAILED}[plan.status]
+    return HostResult(ctx.host.name, ctx.conn.address, status, plan.reason if status == FAILED else None,
+                      data={"plan": _plan_data(plan), "skipped_reason": plan.reason if status == SKIPPED else None})
+
+
+def _run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
+    ran = []
+    for h in handlers:
+        r = ctx.run(h["command"])
+        ran.append({"name": h["name"], "exit_code": r.exit_code,
+                    "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
+        if r.exit_code != 0:
+            raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
+    return ran
+
+
+def _compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
+    code = ("import sys\nbad = []\nfor p in sys.argv[1:]:\n"
+            "    try:\n        compile(open(p, 'rb').read(), p, 'exec')\n"
+            "    except SyntaxError as e:\n        bad.append('%s:%s: %s' % (p, e.lineno, e.msg))\n"
+            "print('\\n'.join(bad))\nsys.exit(1 if bad else 0)")
+    cmd = " ".join(shlex.quote(a) for a in [python, "-c", code, *paths])
+    r = ctx.run(cmd)
+    return [] if r.ok else [l for l in r.stdout.decode().splitlines() if l] or [r.stderr.decode()[-300:]]
+
+
+def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
+    """The apply job for one host (see the module docstring)."""
+
+    def job(ctx: HostContext) -> HostResult:
+        lock = ctx.conn.hold_lock(opts.state_dir, timeout=LOCK_WAIT_S)
+        try:
+            return _apply(ctx, playbook, change_id, opts)
+        finally:
+            lock.release()
+
+    return job
+
+
+def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
+    recovered = change_probe(ctx, "recover", opts.state_dir)["recovered"]
+    g, plan = _plan(ctx, playbook)
+    result = _planned_result(ctx, plan)
+    result.data["recovered"] = recovered
+    if plan.status != "change":
+        return result
+    facts = g["facts"]
+    python = facts["python"]["path"]
+    steps = {v["step"] for v in plan.validate}
+    baseline = smoke(ctx, facts, opts.smoke) if "smoke" in steps else None
+    files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
+             for f in plan.files]
+    change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=playbook.name,
+                 operator=opts.operator, files=files, commit=False)
+    result.data["change_id"] = change_id
+    problems: list[str] = []
+    try:
+        result.data["handlers"] = _run_handlers(ctx, plan.handlers)
+        if "compile" in steps:
+            problems += _compile_problems(ctx, python, [f.path for f in plan.files])
+        if "reinspect" in steps and not problems:
+            g2 = gather(ctx, with_sources=True)
+            problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), g2["facts"], _findings(g2),
+                                           g2.get("sources") or {})
+        if baseline is not None and not problems:
+            after = smoke(ctx, facts, opts.smoke)
+            verdict = gate(baseline, after, opts.smoke)
+            result.data["validation"] = verdict.to_dict()
+            if verdict.failed:
+                problems.append(f"validation failed: {verdict.message}")
+        elif baseline is None:
+            result.data["validation"] = {"status": "skipped (no server)"}
+    except HostFailed as e:
+        problems.append(str(e))
+    if problems and playbook.on_failure == "rollback":
+        reason = "; ".join(problems)
+        change_probe(ctx, "rollback", opts.state_dir, change_id=change_id, reason=reason)
+        try:
+            _run_handlers(ctx, plan.handlers)
+        except HostFailed as e:
+            reason += f"; after the rollback: {e}"
+        result.status, result.error = FAILED, f"rolled back: {reason}"
+        result.data["rolled_back"] = True
+        return result
+    change_probe(ctx, "commit", opts.state_dir, change_id=change_id,
+                 reason="; ".join(problems) or None)
+    if problems:
+        result.status, result.error = FAILED, "; ".join(problems) + " (on_failure: keep)"
+    return result
+
+
+def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
+                 change_id: str | None = None) -> tuple[str, list[HostResult]]:
+    """Check or apply `playbook` in rolling batches (opts.serial). A batch whose failed +
+    unreachable share exceeds max_fail_percentage stops the rollout; later hosts are reported
+    "not attempted". Returns (change id, results in inventory order)."""
+    cid = change_id or new_change_id(playbook.name)
+    if opts.check:
+        return cid, fleet.run(hosts, check_job(playbook), "check")
+    results: list[HostResult] = []
+    start = 0
+    stopped = None
+    for size in parse_serial(opts.serial, len(hosts)):
+        batch = hosts[start:start + size]
+        start += size
+        if stopped:
+            results += [HostResult(h.name, h.address, NOT_ATTEMPTED, stopped) for h in batch]
+            continue
+        got = fleet.run(batch, apply_job(playbook, cid, opts), f"apply {playbook.name}")
+        results += got
+        bad = sum(r.status in (FAILED, "unreachable") for r in got)
+        if bad and 100.0 * bad / len(got) > opts.max_fail_percentage:
+            stopped = (f"not attempted: rollout stopped after a batch of {len(got)} had {bad} failed "
+                       f"(max_fail_percentage {opts.max_fail_percentage:g})")
+    return cid, results
+
+
+def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, handler_cmd_var: str = "fleetctl_restart_cmd"):
+    """Roll back `change_id` (None: the host's last applied change) and restart SGLang with the
+    host's `fleetctl_restart_cmd` when it is set."""
+
+    def job(ctx: HostContext) -> HostResult:
+        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S)
+        try:
+            recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+            params = {"change_id": change_id} if change_id else {"last": True}
+            res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+            cmd = ctx.host.vars.get(handler_cmd_var)
+            handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if cmd else []
+            return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
+                              data={**res, "recovered": recovered, "handlers": handlers})
+        finally:
+            lock.release()
+
+    return job
+
+
+def status_job(state_dir: str = STATE_DIR):
+    """Ledger summary and drift for one host: applied changes whose files no longer carry them,
+    and installed SGLang files that differ from the distribution's RECORD with no ledger entry."""
+
+    def job(ctx: HostContext) -> HostResult:
+        g = gather(ctx)
+        sg = g["facts"].get("sglang") or {}
+        res = change_probe(ctx, "status", state_dir, location=sg.get("location"), dist="sglang")
+        res["sglang"] = sg.get("version")
+        status = FAILED if res["drift"] or res.get("modified") else OK
+        error = None
+        if status == FAILED:
+            error = "; ".join([f"{d['path']}: {d['problem']}" for d in res["drift"]] +
+                              [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
+        return HostResult(ctx.host.name, ctx.conn.address, status, error, data=res)
+
+    return job

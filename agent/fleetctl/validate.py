@@ -1,0 +1,88 @@
+"""Smoke decode on the host itself: which servers to try, running the probe, the validate job.
+
+The smoke probe (probes/smoke.py) runs on the host because the inference port is usually not
+reachable from the operator's machine. Servers come from the inventory (`fleetctl_sglang_port`,
+`fleetctl_sglang_host`), else from the servers inspect discovered; an offline smoke command may
+come from the inventory (`fleetctl_smoke_cmd`) or a playbook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fleet import FAILED, OK, SKIPPED, HostContext, HostResult
+from .gate import compare
+from .gather import gather
+from .inventory import Host
+
+REQUEST_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SmokeOptions:
+    """port: used for discovered servers that give no --port; health_timeout, latency_slack_s in
+    seconds; latency_tolerance: allowed after/baseline latency ratio for the gate."""
+
+    port: int = 30000
+    health_timeout: float = 600.0
+    repeat: int = 3
+    latency_tolerance: float = 1.25
+    latency_slack_s: float = 0.0
+    allow_token_drift: bool = False
+
+
+def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions) -> list[dict]:
+    """[{host, port}] to smoke-test: the inventory's fleetctl_sglang_port (+ fleetctl_sglang_host,
+    default 127.0.0.1), else each discovered server (its --host, 0.0.0.0 read as 127.0.0.1)."""
+    port = host.vars.get("fleetctl_sglang_port")
+    if port is not None:
+        return [{"host": str(host.vars.get("fleetctl_sglang_host", "127.0.0.1")), "port": int(port)}]
+    targets = []
+    for s in (facts or {}).get("servers", []):
+        h = s.get("host") or "127.0.0.1"
+        t = {"host": "127.0.0.1" if h in ("0.0.0.0", "::") else h, "port": int(s.get("port") or opts.port)}
+        if t not in targets:
+            targets.append(t)
+    return targets
+
+
+def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None) -> dict:
+    """Run the smoke probe on the host: {"servers": [...], "offline": ... | None} (see probes/smoke.py).
+    Raises ProbeError, RemoteTimeout, Unreachable."""
+    params = {"servers": smoke_targets(ctx.host, facts, opts), "health_timeout": opts.health_timeout,
+              "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
+              "offline_cmd": offline_cmd or ctx.host.vars.get("fleetctl_smoke_cmd")}
+    if not params["servers"] and not params["offline_cmd"]:
+        return {"servers": [], "offline": None}
+    python = ((facts or {}).get("python") or {}).get("path")
+    return ctx.probe("smoke", params, python=python)
+
+
+def gate(baseline: dict, after: dict, opts: SmokeOptions):
+    """The validation gate (gate.compare) with these options."""
+    return compare(baseline, after, latency_tolerance=opts.latency_tolerance,
+                   allow_token_drift=opts.allow_token_drift, latency_slack_s=opts.latency_slack_s)
+
+
+def validate_job(opts: SmokeOptions):
+    """The `fleetctl validate` job: ok when every server decodes its 16 greedy tokens (and the
+    offline check, if any, passes); failed otherwise; skipped when there is nothing to check."""
+
+    def job(ctx: HostContext) -> HostResult:
+        facts = None
+        if ctx.host.vars.get("fleetctl_sglang_port") is None:
+            facts = gather(ctx)["facts"]
+        res = smoke(ctx, facts, opts)
+        r = HostResult(ctx.host.name, ctx.conn.address, OK, data=res)
+        bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
+        off = res.get("offline")
+        if off is not None and not off["ok"]:
+            bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
+                       f"{', timed out' if off['timed_out'] else ''}): {' | '.join(off['tail'][-3:])}")
+        if bad:
+            r.status, r.error = FAILED, "; ".join(bad)
+        elif not res["servers"] and off is None:
+            r.status, r.error = SKIPPED, "validation: skipped (no server)"
+        return r
+
+    return job
