@@ -1,0 +1,198 @@
+"""Smoke decode probe (remote side, stdlib only, Python 3.8+): does the host still decode?
+
+Runs on the host itself, because the inference port is usually not reachable from the
+operator's machine. For each server the control side names, it waits for `GET /health` to
+answer 200 (503 means "still starting", connection refused means "not up yet"), then decodes
+a fixed prompt given as `input_ids` greedily `repeat` times through `POST /generate` and checks
+the answer. Optionally it runs an offline smoke command instead / as well.
+
+Request and response shapes are SGLang's own: `GenerateReqInput` (sglang/srt/managers/
+io_struct.py), `SamplingParams` (sglang/srt/sampling/sampling_params.py), the out dict and
+meta_info built by `TokenizerManager` (sglang/srt/managers/tokenizer_manager.py:
+`completion_tokens`, `finish_reason` = `FINISH_LENGTH.to_json()` = {"type": "length",
+"length": N}, `e2e_latency` in seconds), routes in sglang/srt/entrypoints/http_server.py
+(`/health` answers 503 while the server status is Starting; `/model_info` since 0.5,
+`/get_model_info` in older releases).
+"""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+# A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
+DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]
+TAIL_LINES = 20
+
+
+def _request(url, body=None, timeout=60.0):
+    """One HTTP exchange. Returns (status, parsed JSON or None). Raises OSError when no answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
+
+
+def wait_healthy(base, deadline_s, request_timeout=60.0):
+    """Poll GET base/health until 200, backing off 0.1 s doubling to 2 s, for deadline_s seconds.
+
+    Returns (healthy: bool, waited seconds, last observation as text).
+    """
+    t0 = time.monotonic()
+    delay, last = 0.1, "no answer yet"
+    while True:
+        left = deadline_s - (time.monotonic() - t0)
+        try:
+            status, _ = _request(base + "/health", timeout=max(0.1, min(request_timeout, left)))
+            if status == 200:
+                return True, time.monotonic() - t0, "HTTP 200"
+            last = "HTTP 503 (still starting)" if status == 503 else "HTTP %d" % status
+        except OSError as e:  # refused, reset, timeout: not up (yet)
+            last = "no answer (%s)" % (getattr(e, "reason", None) or e)
+        left = deadline_s - (time.monotonic() - t0)
+        if left <= 0:
+            return False, time.monotonic() - t0, last
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 2.0)
+
+
+def check_generate(status, out, n):
+    """Problems with one /generate answer for max_new_tokens=n, ignore_eos (empty list if fine)."""
+    if status != 200 or not isinstance(out, dict):
+        return ["/generate answered HTTP %s: %s" % (status, json.dumps(out)[:300])]
+    meta = out.get("meta_info") or {}
+    ids = out.get("output_ids")
+    problems = []
+    if not isinstance(ids, list) or len(ids) != n:
+        problems.append("expected %d output_ids, got %s" % (n, len(ids) if isinstance(ids, list) else ids))
+    if meta.get("completion_tokens") != n:
+        problems.append("meta_info.completion_tokens is %r, expected %d" % (meta.get("completion_tokens"), n))
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") != "length":
+        problems.append("finish_reason is %r, expected type 'length'" % (finish,))
+    return problems
+
+
+def _server_facts(base, timeout):
+    """model_path from /model_info (or /get_model_info before 0.5), version and stand_in flag
+    from /server_info (or /get_server_info); missing facts are None."""
+    facts = {"model_path": None, "version": None, "stand_in": False}
+    for paths, keys in ((("/model_info", "/get_model_info"), ("model_path",)),
+                        (("/server_info", "/get_server_info"), ("version", "stand_in"))):
+        for path in paths:
+            try:
+                status, body = _request(base + path, timeout=timeout)
+            except OSError:
+                continue
+            if status == 200 and isinstance(body, dict):
+                facts.update({k: body[k] for k in keys if k in body})
+                break
+    return facts
+
+
+def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
+                 input_ids=None, request_timeout=60.0):
+    """Health wait + `repeat` greedy decodes against one SGLang server at host:port.
+
+    Times in seconds. Returns {host, port, model_path, version, stand_in, health_wait_s, ok,
+    error, output_ids (first run), ids_consistent (all runs equal), latency_s (median client
+    time), e2e_latency_s (median server meta_info.e2e_latency), tokens_per_s, runs: [{output_ids,
+    latency_s, e2e_latency_s, problems}]}. Never raises for server faults; they land in error.
+    """
+    base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
+    res = {"host": host, "port": int(port), "model_path": None, "version": None, "stand_in": False,
+           "health_wait_s": None, "ok": False, "error": None, "output_ids": None,
+           "ids_consistent": None, "latency_s": None, "e2e_latency_s": None, "tokens_per_s": None,
+           "runs": []}
+    healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
+    res["health_wait_s"] = round(waited, 3)
+    if not healthy:
+        res["error"] = "health deadline exceeded after %.0f s: last answer %s" % (health_timeout, last)
+        return res
+    res.update(_server_facts(base, request_timeout))
+    body = {"input_ids": list(input_ids or DEFAULT_INPUT_IDS),
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        try:
+            status, out = _request(base + "/generate", body, timeout=request_timeout)
+        except OSError as e:
+            status, out = None, {"error": str(getattr(e, "reason", None) or e)}
+        run = {"latency_s": time.perf_counter() - t0, "problems": check_generate(status, out, max_new_tokens)}
+        if isinstance(out, dict):
+            run["output_ids"] = out.get("output_ids")
+            run["e2e_latency_s"] = (out.get("meta_info") or {}).get("e2e_latency")
+        res["runs"].append(run)
+    problems = [p for r in res["runs"] for p in r["problems"]]
+    if problems:
+        res["error"] = "; ".join(sorted(set(problems), key=problems.index))
+        return res
+    runs = res["runs"]
+    res["output_ids"] = runs[0]["output_ids"]
+    res["ids_consistent"] = all(r["output_ids"] == runs[0]["output_ids"] for r in runs)
+    res["latency_s"] = statistics.median(r["latency_s"] for r in runs)
+    e2e = [r["e2e_latency_s"] for r in runs if isinstance(r.get("e2e_latency_s"), (int, float))]
+    res["e2e_latency_s"] = statistics.median(e2e) if len(e2e) == len(runs) else None
+    res["tokens_per_s"] = max_new_tokens / (res["e2e_latency_s"] or res["latency_s"])
+    res["ok"] = True
+    return res
+
+
+def offline_check(cmd, timeout=600.0):
+    """Run the shell command `cmd` in its own process group under a deadline (seconds).
+
+    stdin is /dev/null (the probe's own stdin is the SSH channel), stdout+stderr are captured.
+    On timeout the whole group gets SIGKILL. Returns {cmd, ok (exit 0), returncode, timed_out,
+    duration_s, tail: last 20 output lines}.
+    """
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    timed_out = False
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            out, _ = p.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipe
+            out = b
+    lines = out.decode("utf-8", errors="replace").splitlines()
+    return {"cmd": cmd, "ok": p.returncode == 0 and not timed_out, "returncode": p.returncode,
+            "timed_out": timed_out, "duration_s": round(time.monotonic() - t0, 3),
+            "tail": lines[-TAIL_LINES:]}
+
+
+def main(params):
+    """Probe entry point. params (all optional):
+    servers: [{host, port}] decided by the control side; health_timeout (600 s); repeat (3);
+    max_new_tokens (16); input_ids (fixed prompt); request_timeout (60 s, per HTTP request);
+    offline_cmd: a shell command string (from the playbook or inventory); offline_timeout (600 s).
+    Returns {"servers": [smoke_server result, ...], "offline": offline_check result or None}.
+    """
+    servers = [smoke_server(s["host"], s["port"],
+                            health_timeout=float(params.get("health_timeout", 600)),
+                            repeat=int(params.get("repeat", 3)),
+                            max_new_tokens=int(params.get("max_new_tokens", 16)),
+                            input_ids=params.get("input_ids"),
+                            request_timeout=float(params.get("request_timeout", 60)))
+               for s in params.get("servers") or []]
+    offline = None
+    if params.get("offline_cmd"):
+        offline = offline_check(params["offline_cmd"], float(params.get("offline_timeout", 600)))
+    return {"servers": servers, "offline": offline}
