@@ -1,0 +1,336 @@
+"""The remote AST scanner (fleetctl.probes.callsites) on real SGLang releases and on synthetic trees.
+
+Real facts below were read by hand from the unpacked wheels; an independent, deliberately
+plain AST reading (every file, ast.walk, no substring filter, no scopes) must agree with the
+scanner on every (file, line) of every release.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import sys
+import textwrap
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fleetctl.probes import callsites
+from fleetctl.wheelcache import ensure_wheel
+
+RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
+SUFFIX = "TokenToKVPoolAllocator"
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> dict[str, Path]:
+    """{release: site-packages-like dir holding that wheel's sglang/*.py}."""
+    out = {}
+    for v in RELEASES:
+        d = tmp_path_factory.mktemp("sp-" + v)
+        with zipfile.ZipFile(ensure_wheel(v)) as z:
+            z.extractall(d, [n for n in z.namelist() if n.startswith("sglang/") and n.endswith(".py")])
+        out[v] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def scans(trees) -> dict[str, dict]:
+    return {v: callsites.main({"location": str(d)}) for v, d in trees.items()}
+
+
+def _sites(r, file=None):
+    return {(s["file"], s["line"]): s for s in r["allocator_call_sites"] if file in (None, s["file"])}
+
+
+def _origins(r, file=None):
+    return {(o["file"], o["line"]): o for o in r["need_sort_origins"] if file in (None, o["file"])}
+
+
+# ---- independent reading --------------------------------------------------------------
+
+def independent(location: Path):
+    """Plain second reading: (direct call sites, aliased call sites, origins) as (file, line) sets."""
+    direct, aliased, origins = set(), set(), set()
+    for p in sorted((location / "sglang").rglob("*.py")):
+        rel = p.relative_to(location).as_posix()
+        if {"test", "tests"} & set(rel.split("/")[:-1]):
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escape sequences in sglang sources
+            tree = ast.parse(p.read_bytes())
+        alias_names, name_calls = set(), []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", "")
+                if name.endswith(SUFFIX):
+                    direct.add((rel, node.lineno))
+                elif isinstance(node.func, ast.Name):
+                    name_calls.append((name, node.lineno))
+                for k in node.keywords:
+                    if k.arg == "need_sort" and not isinstance(k.value, ast.Name):
+                        origins.add((rel, k.value.lineno))
+            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                parts = node.value.values if isinstance(node.value, ast.BoolOp) else (
+                    [node.value.body, node.value.orelse] if isinstance(node.value, ast.IfExp) else [node.value])
+                if any(getattr(x, "id", getattr(x, "attr", "")).endswith(SUFFIX) for x in parts):
+                    alias_names.add(node.targets[0].id)
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value else [])
+            if any(isinstance(t, ast.Name) and t.id == "need_sort" for t in targets):
+                origins.add((rel, node.lineno))
+        aliased |= {(rel, line) for name, line in name_calls if name in alias_names}
+    return direct, aliased, origins
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_matches_independent_reading(trees, scans, version):
+    direct, aliased, origins = independent(trees[version])
+    r = scans[version]
+    assert {k for k, s in _sites(r).items() if not s["aliased"]} == direct
+    assert {k for k, s in _sites(r).items() if s["aliased"]} == aliased
+    assert set(_origins(r)) == origins
+    assert direct  # every release has allocator calls
+    assert r["parse_errors"] == []
+
+
+# ---- real facts, read by hand -----------------------------------------------------------
+
+def test_0_4_6_has_no_need_sort(scans):
+    r = scans["0.4.6.post5"]
+    assert r["need_sort_origins"] == []
+    f = "sglang/srt/model_executor/model_runner.py"
+    sites = _sites(r)
+    assert set(sites) == {(f, 960), (f, 967)}
+    assert {s["callee"] for s in sites.values()} == {"TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"}
+    assert all(s["need_sort"]["passing"] == "absent" and s["need_sort"]["expr"] is None for s in sites.values())
+    assert set(r["files"]) == {f}
+
+
+def test_0_5_2_positional_and_keyword(scans):
+    r = scans["0.5.2"]
+    mr, alloc = "sglang/srt/model_executor/model_runner.py", "sglang/srt/mem_cache/allocator.py"
+    sites = _sites(r)
+    # SWATokenToKVPoolAllocator.__init__ builds its two sub-allocators positionally.
+    for line in (191, 198):
+        assert sites[(alloc, line)]["need_sort"] == {
+            "passing": "positional", "expr": "need_sort",
+            "resolved": alloc + "::TokenToKVPoolAllocator"}
+    for line in (1483, 1494, 1503, 1512):
+        assert sites[(mr, line)]["need_sort"] == {"passing": "keyword", "expr": "need_sort"}
+    o = _origins(r)[(mr, 1480)]
+    assert (o["kind"], o["target"], o["literal"]) == ("assignment", "need_sort", False)
+    assert o["expr"] == 'self.server_args.disaggregation_mode in ("decode", "prefill")'
+    assert (alloc, 52) not in _origins(r)  # self.need_sort = need_sort only stores the value
+
+
+def test_0_5_10_mixin(scans):
+    r = scans["0.5.10"]
+    mixin = "sglang/srt/model_executor/model_runner_kv_cache_mixin.py"
+    sites = _sites(r, mixin)
+    assert sorted(line for _, line in sites) == [728, 742, 752, 769, 780, 788]
+    s = sites[(mixin, 728)]
+    assert (s["end_line"], s["callee"], s["aliased"]) == (736, "SWATokenToKVPoolAllocator", False)
+    assert all(s["need_sort"] == {"passing": "keyword", "expr": "need_sort"} for s in sites.values())
+    o = _origins(r)[(mixin, 721)]
+    assert (o["kind"], o["callee"], o["literal"], o["stmt_end_line"]) == ("assignment", None, False, 721)
+    # literal origin in the MLX stub
+    stub = _origins(r)[("sglang/srt/hardware_backend/mlx/model_runner_stub.py", 159)]
+    assert (stub["kind"], stub["callee"], stub["expr"], stub["literal"]) == (
+        "keyword", "TokenToKVPoolAllocator", "False", True)
+    # swa_memory_pool: a class alias chosen by if/elif/else, need_sort passed positionally
+    swa = _sites(r, "sglang/srt/mem_cache/swa_memory_pool.py")
+    for line in (271, 279):
+        s = swa[("sglang/srt/mem_cache/swa_memory_pool.py", line)]
+        assert s["aliased"] and s["callee"] == "PagedTokenToKVPoolAllocatorClass"
+        assert s["alias_of"] == ["NPUPagedTokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"]
+        assert (s["need_sort"]["passing"], s["need_sort"]["expr"]) == ("positional", "need_sort")
+
+
+def test_0_5_23_configurator(trees, scans):
+    r = scans["0.5.23"]
+    kc = "sglang/srt/mem_cache/kv_cache_configurator.py"
+    computed = 'get_disagg().disaggregation_mode in ("decode", "prefill")'
+    origins = _origins(r, kc)
+    assert {k[1]: (o["kind"], o["callee"]) for k, o in origins.items()} == {
+        932: ("keyword", "init_unified_mamba_pools"),
+        1025: ("keyword", "init_unified_mamba_swa_pools"),
+        1511: ("keyword", "init_unified_swa_pools"),
+        2805: ("assignment", None)}
+    assert all(o["expr"] == computed and not o["literal"] for o in origins.values())
+    # spans replace exactly the value text
+    lines = (trees["0.5.23"] / kc).read_text().splitlines()
+    for o in origins.values():
+        assert lines[o["value_line"] - 1][o["value_col"]:o["value_end_col"]] == computed
+    sites = _sites(r, kc)
+    assert sites[(kc, 2823)]["alias_of"] == ["DSV4NPUTokenToKVPoolAllocator", "SWATokenToKVPoolAllocator"]
+    assert sites[(kc, 2929)]["callee"] == "paged_allocator_cls" and sites[(kc, 2929)]["aliased"]
+    assert sites[(kc, 2941)]["need_sort"]["passing"] == "absent"  # DeepSeekV4HiSparse wraps an allocator
+    assert len(sites) == 9 and sum(s["need_sort"]["passing"] == "keyword" for s in sites.values()) == 8
+    literal = {k for k, o in _origins(r).items() if o["literal"]}
+    assert literal == {("sglang/srt/hardware_backend/mlx/model_runner_stub.py", 324),
+                       ("sglang/srt/mem_cache/pool_host/page_interleave.py", 65)}
+    hs = _sites(r, "sglang/srt/mem_cache/allocator/hisparse.py")
+    assert {k[1]: s["need_sort"]["expr"] for k, s in hs.items()} == {
+        47: "need_sort", 55: "need_sort", 329: "logical_attn_allocator.need_sort"}
+    assert all(s["need_sort"]["resolved"] == "sglang/srt/mem_cache/allocator/paged.py::PagedTokenToKVPoolAllocator"
+               for s in hs.values())
+    assert not any(f.startswith("sglang/test/") for f in r["files"])  # sglang/test holds need_sort=False
+    data = (trees["0.5.23"] / kc).read_bytes()
+    assert r["files"][kc] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert r["stats"]["files_parsed"] < r["stats"]["files_total"] / 20  # the substring filter works
+
+
+def test_output_is_json_and_sorted(scans, capsys):
+    for r in scans.values():
+        assert json.loads(json.dumps(r)) == r
+        for key in ("allocator_call_sites", "need_sort_origins"):
+            keys = [(d["file"], d["line"], d["col"]) for d in r[key]]
+            assert keys == sorted(keys)
+    assert capsys.readouterr().out == ""
+
+
+def test_probe_is_stdlib_py38():
+    src = Path(callsites.__file__).read_text()
+    tree = ast.parse(src, feature_version=(3, 8))
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert mods <= sys.stdlib_module_names
+    assert "print(" not in src
+
+
+# ---- synthetic trees ----------------------------------------------------------------------
+
+def make_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / "sglang" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return tmp_path
+
+
+ALLOC = """\
+class BaseTokenToKVPoolAllocator:
+    def __init__(self, size, page_size, need_sort: bool = False):
+        self.need_sort = need_sort
+
+class PagedTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    pass
+
+class TokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
+    def __init__(self, size, dtype, *, kv=None):
+        pass
+
+class PlainTokenToKVPoolAllocator(Plain):
+    pass
+
+class CycleTokenToKVPoolAllocator(LoopTokenToKVPoolAllocator):
+    pass
+
+class LoopTokenToKVPoolAllocator(CycleTokenToKVPoolAllocator):
+    pass
+"""
+
+
+def test_synthetic_call_sites(tmp_path):
+    loc = make_tree(tmp_path, {
+        "alloc.py": ALLOC,
+        "plain.py": "class Plain:\n    def __init__(self, a, b):\n        pass\n",
+        "npu.py": """\
+            from . import alloc
+            class PagedTokenToKVPoolAllocator(alloc.PagedTokenToKVPoolAllocator):
+                pass
+            x = PagedTokenToKVPoolAllocator(1, 2, True)
+            y = CycleTokenToKVPoolAllocator(1, 2, True)
+            """,
+        "use.py": """\
+            from .alloc import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator as TA
+            a = PagedTokenToKVPoolAllocator(
+                size,
+                page_size=1,
+                need_sort=flag,
+            )
+            b = PagedTokenToKVPoolAllocator(1, 2, x or y)
+            c = PagedTokenToKVPoolAllocator(1, 2)
+            d = TA(1, 2, **kw)
+            e = UnknownTokenToKVPoolAllocator(1)
+            f = PlainTokenToKVPoolAllocator(1, 2)
+
+            def build(flag):
+                cls = PagedTokenToKVPoolAllocator if flag else mod.NPUPagedTokenToKVPoolAllocator
+                return cls(1, 2, need_sort=True)
+
+            def other(cls):
+                return cls(1)
+            """})
+    r = callsites.scan(str(loc))
+    s = {x["line"]: x for x in r["allocator_call_sites"] if x["file"] == "sglang/use.py"}
+    assert sorted(s) == [2, 7, 8, 9, 10, 11, 15]
+    assert (s[2]["end_line"], s[2]["col"], s[2]["end_col"]) == (6, 4, 1)
+    assert s[2]["need_sort"] == {"passing": "keyword", "expr": "flag"}
+    base = "sglang/alloc.py::BaseTokenToKVPoolAllocator"  # inherited __init__
+    assert s[7]["need_sort"] == {"passing": "positional", "expr": "x or y", "resolved": base}
+    assert s[8]["need_sort"] == {"passing": "default", "expr": None, "resolved": base}
+    assert s[9]["aliased"] and s[9]["alias_of"] == ["TokenToKVPoolAllocator"] and s[9]["callee"] == "TA"
+    assert s[9]["need_sort"] == {"passing": "absent", "expr": None, "kwargs": True,
+                                 "resolved": "sglang/alloc.py::TokenToKVPoolAllocator"}
+    assert s[10]["need_sort"] == {"passing": "absent", "expr": None, "resolved": None}
+    # base class defined in a file the substring filter skipped: parsed on demand
+    assert s[11]["need_sort"]["resolved"] == "sglang/plain.py::Plain"
+    assert s[15]["aliased"] and s[15]["callee"] == "cls"
+    assert s[15]["alias_of"] == ["PagedTokenToKVPoolAllocator", "NPUPagedTokenToKVPoolAllocator"]
+    assert set(r["files"]) == {"sglang/npu.py", "sglang/use.py"}  # alloc.py only stores self.need_sort
+    npu = {x["line"]: x["need_sort"] for x in r["allocator_call_sites"] if x["file"] == "sglang/npu.py"}
+    # a subclass of the same name resolves through the other file's class
+    assert npu[4] == {"passing": "positional", "expr": "True", "resolved": base}
+    assert npu[5] == {"passing": "absent", "expr": None, "resolved": None}  # inheritance cycle
+
+
+def test_synthetic_origins(tmp_path):
+    loc = make_tree(tmp_path, {"o.py": """\
+        def make(need_sort: bool = False, x=None):
+            need_sort: bool
+            alloc(need_sort=need_sort)
+            alloc(need_sort=self.need_sort)
+            alloc(
+                need_sort=False,
+            )
+            self.need_sort = x
+            need_sort: bool = x > 1
+            need_sort |= other
+            s = "héllo ✓ 日本"; need_sort = "é" in s
+            y = (need_sort := 3)
+        """})
+    r = callsites.scan(str(loc))
+    o = {x["line"]: x for x in r["need_sort_origins"]}
+    # not 1 (default), 2 (bare annotation), 3 (pass-through), 8 (attribute store)
+    assert sorted(o) == [4, 6, 9, 10, 11, 12]
+    assert (o[4]["kind"], o[4]["callee"], o[4]["expr"], o[4]["literal"]) == ("keyword", "alloc", "self.need_sort", False)
+    assert (o[6]["expr"], o[6]["literal"], o[6]["stmt_end_line"]) == ("False", True, 7)
+    assert (o[9]["target"], o[9]["expr"]) == ("need_sort", "x > 1")
+    assert o[10]["expr"] == "other"
+    assert (o[12]["expr"], o[12]["literal"]) == ("3", True)
+    # character (not byte) columns after non-ASCII text
+    text = (loc / "sglang" / "o.py").read_text(encoding="utf-8").splitlines()[10]
+    assert o[11]["value_line"] == o[11]["value_end_line"] == 11
+    assert text[o[11]["value_col"]:o[11]["value_end_col"]] == '"é" in s' == o[11]["expr"]
+    assert o[11]["value_col"] == text.index('"é"')
+
+
+def test_synthetic_skips_and_errors(tmp_path):
+    loc = make_tree(tmp_path, {
+        "ok.py": "need_sort = True\n",
+        "bad.py": "need_sort = (\n",
+        "tests/t.py": "TokenToKVPoolAllocator(need_sort=True)\n",
+        "srt/test/u.py": "need_sort = False\n",
+        "plain.py": "x = 1\n",
+    })
+    r = callsites.scan(str(loc))
+    assert [(o["file"], o["line"], o["literal"]) for o in r["need_sort_origins"]] == [("sglang/ok.py", 1, True)]
+    assert r["allocator_call_sites"] == []
+    assert [e["file"] for e in r["parse_errors"]] == ["sglang/bad.py"]
+    assert "SyntaxError" in r["parse_errors"][0]["error"]
+    assert r["stats"] == {"files_total": 3, "files_parsed": 1}
