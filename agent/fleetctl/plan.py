@@ -1,0 +1,284 @@
+"""Plans: a playbook applied to one host's facts and findings, as plain data, touching nothing.
+
+Input is what inspect returns for a host (facts; findings with `need_sort_origins` etc. and
+`files` {rel: {sha256, size}}) and the text of the files those findings point into. Each edit
+replaces a finding's value span (1-based lines, 0-based character columns, from the inspect
+probe's AST reading) with the task's rendered value and appends the rendered comment at the
+first line end after the value (for an assignment the statement's last line, for a keyword its
+own line inside the call; tokenize finds it, so backslash continuations stay intact).
+
+A site whose comment line already carries the task's marker and that the task's `when` no
+longer selects is "already applied"; a marked site that `when` still selects was changed by
+hand after the apply, and the host is refused rather than edited twice.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import difflib
+import hashlib
+import io
+import posixpath
+import re
+import tokenize
+from dataclasses import asdict, dataclass, field
+
+from .playbook import EditTask, Playbook
+
+
+@dataclass
+class FileChange:
+    """One file's edit: `path` is absolute on the host (location/rel); sha256 in hex of UTF-8 bytes."""
+
+    rel: str
+    path: str
+    pre_sha256: str
+    post_sha256: str
+    new_text: str
+    diff: str
+
+
+@dataclass
+class HostPlan:
+    """What a playbook would do to one host.
+
+    status: "change" | "ok" (nothing to do) | "skipped" (reason "not applicable: ...") |
+    "failed" (refused, e.g. "changed since inspect: <rel>"; nothing may be written).
+    edits / already_applied / left_alone: sites as {file, line, kind, callee, expr, ...}.
+    handlers: rendered handlers to run after the change [{name, command, wait_for_health_s}].
+    validate: validate steps that apply to this host [{step}].
+    """
+
+    host: str
+    playbook: str
+    status: str
+    reason: str | None = None
+    files: list[FileChange] = field(default_factory=list)
+    edits: list[dict] = field(default_factory=list)
+    already_applied: list[dict] = field(default_factory=list)
+    left_alone: list[dict] = field(default_factory=list)
+    handlers: list[dict] = field(default_factory=list)
+    validate: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (files include new_text and diff)."""
+        return asdict(self)
+
+
+class _Refused(Exception):
+    """The host's inputs do not allow a safe plan; becomes status "failed"."""
+
+
+def sha256_text(text: str) -> str:
+    """sha256 hex of the text's UTF-8 bytes (the bytes the change probe reads and writes)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def one_line(expr: str) -> str:
+    """A (possibly multi-line) Python expression's source on one line: comments and line breaks
+    dropped, tokens kept verbatim, one space where the source had any whitespace."""
+    if "\n" not in expr and "#" not in expr:
+        return expr.strip()
+    out, prev = [], None
+    for tok in tokenize.generate_tokens(io.StringIO("(" + expr + "\n)").readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                        tokenize.DEDENT, tokenize.ENDMARKER):
+            continue
+        if prev is not None and tok.start != prev.end and prev.string not in "([{" \
+                and tok.string not in ")]},":
+            out.append(" ")
+        out.append(tok.string)
+        prev = tok
+    return "".join(out[1:-1]).strip()
+
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+class _Source:
+    """One file's text with character offsets, line ends and comments from tokenize."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.starts = [0] + [m.end() for m in _LINE_BREAK.finditer(text)]  # line breaks as ast counts them
+        self.ends: list[tuple[int, int]] = []  # (row, col) of each NEWLINE / NL token
+        self.comments: dict[int, str] = {}
+        for tok in tokenize.generate_tokens(io.StringIO(text, newline=None).readline):
+            if tok.type in (tokenize.NEWLINE, tokenize.NL):
+                self.ends.append(tok.start)
+            elif tok.type == tokenize.COMMENT:
+                self.comments[tok.start[0]] = tok.string
+
+    def offset(self, line: int, col: int) -> int:
+        return self.starts[line - 1] + col
+
+    def line_end_after(self, line: int, col: int) -> tuple[int, int]:
+        """(row, offset) where a trailing comment goes: the first line end at or after (line, col),
+        before the line's trailing whitespace."""
+        row, c = self.ends[bisect.bisect_left(self.ends, (line, col))]
+        off = self.offset(row, c)
+        while off > 0 and self.text[off - 1] in " \t\r":
+            off -= 1
+        return row, off
+
+
+def _site(f: dict, **extra) -> dict:
+    return {"file": f["file"], "line": f["line"], "kind": f.get("kind"), "callee": f.get("callee"),
+            "expr": f["expr"], **extra}
+
+
+def _render_handlers(playbook: Playbook, names: list[str], ctx: dict) -> list[dict]:
+    out = []
+    for name in dict.fromkeys(names):
+        h = playbook.handlers[name]
+        if h.when is None or h.when(ctx):
+            out.append({"name": name, "command": h.command.render(ctx), "wait_for_health_s": h.wait_for_health_s})
+    return out
+
+
+def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, findings: dict,
+              sources: dict[str, str]) -> HostPlan:
+    """Plan `playbook` for one host from its inspect results; reads and writes nothing.
+
+    Args: host_vars: the host's inventory vars; facts: inspect facts (sglang.location is the
+    site-packages dir the finding files are relative to); findings: inspect findings incl.
+    "files" {rel: {"sha256"}}; sources: {rel: text} of every file a selected finding is in,
+    exactly as read from the host (its UTF-8 sha256 must equal findings["files"][rel]["sha256"]).
+    Returns a HostPlan; refusals (source changed since inspect, findings that do not match the
+    source, a new text that does not parse) are status "failed" with the reason.
+    Raises ParseError for template and expression errors (undefined variables included).
+    """
+    ctx = {**host_vars, "host": host_name, "facts": facts, "findings": findings}
+    plan = HostPlan(host_name, playbook.name, "ok")
+    for req in playbook.requires:
+        if not req.that(ctx):
+            plan.status, plan.reason = "skipped", f"not applicable: {req.reason}"
+            return plan
+    try:
+        edits = _plan_edits(playbook, plan, ctx, facts, findings, sources)
+    except _Refused as e:
+        plan.status, plan.reason = "failed", str(e)
+        return plan
+    if edits:
+        plan.status = "change"
+        plan.handlers = _render_handlers(playbook, [h for t in edits for h in t.notify], ctx)
+        plan.validate = [{"step": v.step} for v in playbook.validate if v.when is None or v.when(ctx)]
+    return plan
+
+
+def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]:
+    """Fill plan.files/edits/already_applied/left_alone; return the tasks that changed something."""
+    location = ((facts or {}).get("sglang") or {}).get("location")
+    if not location:
+        raise _Refused("no sglang location in facts")
+    per_file: dict[str, list] = {}  # rel -> [(start, end, replacement)]
+    comments: dict[str, dict[int, list[str]]] = {}  # rel -> {offset: [comment, ...]}
+    srcs: dict[str, _Source] = {}
+    changed_tasks = []
+    for task in playbook.tasks:
+        changed = False
+        for f in findings.get(task.findings) or []:
+            fctx = {**ctx, "finding": {**f, "expr_one_line": one_line(f["expr"])}}
+            rel = f["file"]
+            src = srcs.get(rel) or srcs.setdefault(rel, _checked_source(rel, findings, sources))
+            start = src.offset(f["value_line"], f["value_col"])
+            end = src.offset(f["value_end_line"], f["value_end_col"])
+            if src.text[start:end] != f["expr"]:
+                raise _Refused(f"findings do not match the source at {rel}:{f['line']}")
+            row, at = src.line_end_after(f["value_end_line"], f["value_end_col"])
+            marked = task.marker in src.comments.get(row, "")
+            selected = bool(task.when(fctx))
+            if marked and selected:
+                raise _Refused(f"{rel}:{f['line']} carries {task.marker!r} but its value was changed since")
+            if marked:
+                plan.already_applied.append(_site(f, task=task.name))
+                continue
+            if not selected:
+                plan.left_alone.append(_site(f, literal=f.get("literal")))
+                continue
+            value, comment = task.value.render(fctx), task.comment.render(fctx)
+            try:
+                ast.parse(value, mode="eval")
+            except SyntaxError:
+                raise _Refused(f"{task.value.template.filename} renders {value!r}, not a Python expression") from None
+            if "\n" in comment or not comment.startswith("#") or task.marker not in comment:
+                raise _Refused(f"{task.comment.template.filename} must render one '#' line holding {task.marker!r}")
+            per_file.setdefault(rel, []).append((start, end, value))
+            comments.setdefault(rel, {}).setdefault(at, []).append(comment)
+            plan.edits.append(_site(f, old_expr=f["expr"], new_expr=value, task=task.name))
+            changed = True
+        if changed:
+            changed_tasks.append(task)
+    for rel, spans in per_file.items():
+        plan.files.append(_edit_file(rel, posixpath.join(location, rel), srcs[rel].text, spans, comments[rel]))
+    return changed_tasks
+
+
+def _checked_source(rel: str, findings: dict, sources: dict[str, str]) -> _Source:
+    if rel not in sources:
+        raise _Refused(f"no source text for {rel}")
+    want = ((findings.get("files") or {}).get(rel) or {}).get("sha256")
+    if sha256_text(sources[rel]) != want:
+        raise _Refused(f"changed since inspect: {rel}")
+    return _Source(sources[rel])
+
+
+def _edit_file(rel: str, path: str, text: str, spans: list, comments: dict[int, list[str]]) -> FileChange:
+    pieces = sorted(spans + [(at, at, "  " + "  ".join(cs)) for at, cs in comments.items()])
+    out, pos = [], 0
+    for start, end, new in pieces:
+        if start < pos:
+            raise _Refused(f"overlapping edits in {rel}")
+        out += [text[pos:start], new]
+        pos = end
+    new_text = "".join(out) + text[pos:]
+    try:
+        ast.parse(new_text)
+    except SyntaxError as e:
+        raise _Refused(f"the edited {rel} does not parse: line {e.lineno}: {e.msg}") from None
+    diff = "".join(difflib.unified_diff(text.splitlines(True), new_text.splitlines(True), f"a/{rel}", f"b/{rel}"))
+    return FileChange(rel, path, sha256_text(text), sha256_text(new_text), new_text, diff)
+
+
+def reinspect_problems(playbook: Playbook, plan: HostPlan, host_vars: dict, facts: dict, findings: dict,
+                       sources: dict[str, str]) -> list[str]:
+    """Validation after apply, from a fresh inspect of the host: [] when the change took.
+
+    Replans on the fresh findings/sources: the result must be status "ok" (nothing left to edit),
+    every file of `plan` must now have its post_sha256, and every already-applied site must
+    satisfy the playbook's reinspect `that` expression. Returns the problems as messages.
+    """
+    problems = []
+    for fc in plan.files:
+        got = ((findings.get("files") or {}).get(fc.rel) or {}).get("sha256")
+        if got != fc.post_sha256:
+            problems.append(f"{fc.rel}: sha256 {str(got)[:12]} is not the planned {fc.post_sha256[:12]}")
+    again = plan_host(playbook, plan.host, host_vars, facts, findings, sources)
+    if again.status != "ok":
+        problems.append(f"replanning gives {again.status}: "
+                        + (again.reason or f"{len(again.edits)} sites still to edit"))
+    if len(again.already_applied) < len(plan.edits):
+        problems.append(f"{len(again.already_applied)} sites carry the change, {len(plan.edits)} were edited")
+    ctx = {**host_vars, "host": plan.host, "facts": facts, "findings": findings}
+    checks = [v.that for v in playbook.validate if v.step == "reinspect" and v.that is not None]
+    applied = {(a["file"], a["line"]) for a in again.already_applied}
+    for task in playbook.tasks:
+        for f in findings.get(task.findings) or []:
+            if (f["file"], f["line"]) in applied:
+                fctx = {**ctx, "finding": {**f, "expr_one_line": one_line(f["expr"])}}
+                problems += [f"{f['file']}:{f['line']}: {f['expr']!r} fails {c.source!r}" for c in checks
+                             if not c(fctx)]
+    return problems
+
+
+def coalesce_diffs(plans: list[HostPlan]) -> list[tuple[str, list[str]]]:
+    """Group hosts whose planned diffs are identical: [(diff_text, [host, ...])], first-seen order.
+
+    Only plans with status "change" take part; diff_text is their files' diffs concatenated.
+    """
+    groups: dict[str, list[str]] = {}
+    for p in plans:
+        if p.status == "change":
+            groups.setdefault("".join(fc.diff for fc in p.files), []).append(p.host)
+    return list(groups.items())

@@ -1,0 +1,238 @@
+"""The host-side change probe on temp copies of real SGLang files: apply, rollback, recover, status.
+
+Plans come from the real planner (fleetctl.plan) on real release sources; state_dir points
+into tmp_path so nothing touches /var/lib/fleetctl.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import py_compile
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fleetctl.plan import plan_host
+from fleetctl.playbook import load_playbook
+from fleetctl.probes import change
+from fleetctl.wheelcache import ensure_wheel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_plan import PLAYBOOK, host_inputs, release_files  # noqa: E402
+
+RELS = {"0.5.23": "sglang/srt/mem_cache/kv_cache_configurator.py",
+        "0.5.10": "sglang/srt/model_executor/model_runner_kv_cache_mixin.py"}
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def site(tmp_path):
+    """A site-packages copy holding two real files from two releases, with bytecode, odd mode and owner.
+
+    Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
+    """
+    site, state = tmp_path / "site", tmp_path / "state"
+    files = {rel: release_files(v)[rel] for v, rel in RELS.items()}
+    originals = {}
+    for rel, text in files.items():
+        p = site / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text.encode())
+        py_compile.compile(str(p), cfile=str(p.parent / "__pycache__" / (p.stem + ".cpython-311.pyc")))
+        (p.parent / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"keep")
+        os.chmod(p, 0o640)
+        os.chown(p, 1234, 2345)
+        originals[str(p)] = p.read_bytes()
+    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(site)))
+    assert plan.status == "change" and len(plan.files) == 2
+    params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
+              "operator": "tester",
+              "files": [{k: getattr(fc, k) for k in ("path", "pre_sha256", "post_sha256", "new_text")}
+                        for fc in plan.files]}
+    return site, state, params, originals
+
+
+def ledger_states(state: Path) -> list[tuple[str, str]]:
+    return [(e["change_id"], e["state"]) for e in change.read_ledger(str(state))]
+
+
+def test_read(site):
+    _, state, params, originals = site
+    path = params["files"][0]["path"]
+    r = change.main({"action": "read", "state_dir": str(state), "paths": [path, path + ".nope"]})
+    assert r["files"][path] == {"sha256": params["files"][0]["pre_sha256"], "text": originals[path].decode()}
+    assert "FileNotFoundError" in r["files"][path + ".nope"]["error"]
+
+
+def test_apply_then_rollback_is_byte_identical(site):
+    site_dir, state, params, originals = site
+    r = change.main(params)
+    assert r["ok"], r
+    for f in params["files"]:
+        p = Path(f["path"])
+        assert p.read_text() == f["new_text"] and sha(p) == f["post_sha256"]
+        st = p.stat()
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o640, 1234, 2345)
+        assert not list((p.parent / "__pycache__").glob(p.stem + ".*.pyc"))
+        assert (p.parent / "__pycache__" / "other.cpython-311.pyc").read_bytes() == b"keep"
+        backup = state / "backups" / "c1" / f["path"].lstrip("/")
+        assert backup.read_bytes() == originals[f["path"]]
+    assert ledger_states(state) == [("c1", "pending"), ("c1", "applied")]
+    entry = change.read_ledger(str(state))[-1]
+    assert entry["operator"] == "tester" and entry["playbook"] == "defrag-tier0"
+    assert [(f["before_sha256"], f["after_sha256"]) for f in entry["files"]] == \
+        [(f["pre_sha256"], f["post_sha256"]) for f in params["files"]]
+    # the same change again: the pre-image no longer matches
+    again = change.main(dict(params, change_id="c2"))
+    assert not again["ok"] and "changed since inspect" in again["error"]
+
+    r = change.main({"action": "rollback", "state_dir": str(state), "last": True})
+    assert r["ok"] and r["change_id"] == "c1" and r["forced"] == []
+    for path, data in originals.items():
+        assert Path(path).read_bytes() == data
+        assert (os.stat(path).st_mode & 0o7777, os.stat(path).st_uid) == (0o640, 1234)
+    assert ledger_states(state)[-1] == ("c1", "rolled-back")
+    assert not [p for p in site_dir.rglob("*.tmp")]
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
+    assert not r["ok"] and "rolled-back, not applied" in r["error"]
+
+
+def test_pre_image_mismatch_refused_nothing_changed(site):
+    _, state, params, originals = site
+    second = Path(params["files"][1]["path"])
+    second.write_bytes(second.read_bytes() + b"# edited after inspect\n")
+    before = {p: sha(Path(p)) for p in originals}
+    r = change.main(params)
+    assert not r["ok"] and r["refused"] and r["error"] == f"{second}: changed since inspect"
+    assert {p: sha(Path(p)) for p in originals} == before
+    assert not state.exists() or (ledger_states(state) == [] and not (state / "backups").exists())
+
+
+def test_rollback_refuses_changed_file_unless_forced(site):
+    _, state, params, originals = site
+    assert change.main(params)["ok"]
+    first = Path(params["files"][0]["path"])
+    first.write_text(first.read_text() + "# hand edit\n")
+    edited = sha(first)
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
+    assert not r["ok"] and "changed since the apply" in r["error"] and str(first) in r["error"]
+    assert sha(first) == edited and ledger_states(state)[-1] == ("c1", "applied")
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1", "force": True})
+    assert r["ok"] and r["forced"] == [str(first)]
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
+
+
+def test_error_midway_restores_and_records_failed(site, monkeypatch):
+    _, state, params, originals = site
+    real, calls = change.atomic_write, []
+
+    def failing(path, data, tag):
+        calls.append(path)
+        if path == params["files"][1]["path"]:
+            raise OSError("disk full")
+        real(path, data, tag)
+
+    monkeypatch.setattr(change, "atomic_write", failing)
+    r = change.main(params)
+    assert not r["ok"] and "disk full" in r["error"]
+    assert params["files"][0]["path"] in calls  # the first file was written, then restored
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
+    assert ledger_states(state) == [("c1", "pending"), ("c1", "failed")]
+
+
+KILLER = """
+import json, os, signal, sys
+from fleetctl.probes import change
+params = json.load(sys.stdin)
+real = os.replace
+def replace(src, dst):
+    if dst == params["files"][1]["path"]:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed after the temp file, before the rename
+    real(src, dst)
+os.replace = replace
+change.main(params)
+"""
+
+
+def test_recover_after_kill_mid_apply(site):
+    _, state, params, originals = site
+    p = subprocess.run([sys.executable, "-c", KILLER], input=json.dumps(params), text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    first, second = (Path(f["path"]) for f in params["files"])
+    assert sha(first) == params["files"][0]["post_sha256"]
+    assert sha(second) == params["files"][1]["pre_sha256"]
+    tmp = second.parent / f".{second.name}.fleetctl-c1.tmp"
+    assert tmp.exists()
+    assert ledger_states(state) == [("c1", "pending")]
+    refused = change.main(dict(params, change_id="c2"))
+    assert not refused["ok"] and "pending" in refused["error"]
+
+    r = change.main({"action": "recover", "state_dir": str(state)})
+    assert r["ok"] and r["recovered"] == [{
+        "change_id": "c1", "state": "rolled-back", "reason": "interrupted",
+        "files": [{"path": str(first), "action": "restored"}, {"path": str(second), "action": "untouched"}]}]
+    assert all(Path(q).read_bytes() == d for q, d in originals.items())
+    assert not tmp.exists()
+    assert ledger_states(state)[-1] == ("c1", "rolled-back")
+    assert change.main({"action": "recover", "state_dir": str(state)})["recovered"] == []
+    assert change.main(dict(params, change_id="c3"))["ok"]  # a fresh apply goes through
+
+
+def test_status_drift_and_record(tmp_path):
+    site, state = tmp_path / "site", tmp_path / "state"
+    with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:
+        z.extractall(site)
+    st = {"action": "status", "state_dir": str(state), "location": str(site), "dist": "sglang"}
+    r = change.main(st)
+    assert r["ok"] and r["modified"] == [] and r["drift"] == [] and r["changes"] == [], r
+    # a file edited by hand: modified outside fleetctl
+    hand = site / "sglang" / "version.py"
+    hand.write_text(hand.read_text() + "# hand edit\n")
+    assert change.main(st)["modified"] == [{"path": str(hand), "problem": "modified outside fleetctl"}]
+    # a fleetctl change is explained by the ledger
+    rel = "sglang/srt/model_executor/model_runner.py"
+    text = (site / rel).read_text()
+    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs({rel: text}, location=str(site)))
+    fc = plan.files[0]
+    r = change.main({"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
+                     "operator": "t", "files": [{"path": fc.path, "pre_sha256": fc.pre_sha256,
+                                                 "post_sha256": fc.post_sha256, "new_text": fc.new_text}]})
+    assert r["ok"], r
+    r = change.main(st)
+    assert r["modified"] == [{"path": str(hand), "problem": "modified outside fleetctl"}] and r["drift"] == []
+    assert [(c["change_id"], c["state"], c["files"]) for c in r["changes"]] == [("c1", "applied", [fc.path])]
+    # reinstalled: the applied change no longer holds
+    (site / rel).write_text(text)
+    r = change.main(st)
+    assert r["drift"] == [{"change_id": "c1", "path": fc.path, "problem": "drift: reverted or reinstalled"}]
+    assert r["modified"] == [{"path": str(hand), "problem": "modified outside fleetctl"}]
+    r = change.main(dict(st, location=str(tmp_path)))
+    assert r["modified"] is None and "no sglang distribution" in r["record_error"]
+
+
+def test_two_phase_apply_commit_or_rollback(site):
+    _, state, params, originals = site
+    r = change.main(dict(params, commit=False))  # written, awaiting validation
+    assert r["ok"] and ledger_states(state) == [("c1", "pending")]
+    assert all(sha(Path(f["path"])) == f["post_sha256"] for f in params["files"])
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1", "reason": "smoke failed"})
+    assert r["ok"] and all(Path(p).read_bytes() == d for p, d in originals.items())
+    last = change.read_ledger(str(state))[-1]
+    assert (last["state"], last["reason"]) == ("rolled-back", "smoke failed")
+    bad = change.main({"action": "commit", "state_dir": str(state), "change_id": "c1"})
+    assert not bad["ok"] and "rolled-back, not pending" in bad["error"]
+
+    assert change.main(dict(params, change_id="c2", commit=False))["ok"]
+    assert change.main({"action": "commit", "state_dir": str(state), "change_id": "c2"})["ok"]
+    assert ledger_states(state)[-2:] == [("c2", "pending"), ("c2", "applied")]
+    assert change.main({"action": "recover", "state_dir": str(state)})["recovered"] == []
+    assert all(sha(Path(f["path"])) == f["post_sha256"] for f in params["files"])

@@ -1,0 +1,249 @@
+"""plan_host on real SGLang releases (unpacked from the cached wheels) and on edge-case sources.
+
+Findings are produced here by a small independent AST reading in the inspect probe's JSON
+shape, so the planner is tested without SSH and without the inspect probe.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fleetctl.plan import coalesce_diffs, one_line, plan_host, reinspect_problems
+from fleetctl.playbook import load_playbook
+from fleetctl.wheelcache import ensure_wheel
+
+PLAYBOOK = Path(__file__).resolve().parent.parent / "playbooks" / "defrag-tier0.yaml"
+MARK = "# fleetctl defrag-tier0: was "
+
+
+def _col(line: str, byte_col: int) -> int:
+    return len(line.encode("utf-8")[:byte_col].decode("utf-8"))
+
+
+def scan_text(rel: str, text: str) -> list[dict]:
+    """need_sort origins of one file, in the inspect probe's shape (character columns)."""
+    lines = text.split("\n")
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        sites = []
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Name) and t.id == "need_sort" or \
+                        isinstance(t, ast.Attribute) and t.attr == "need_sort":
+                    sites.append(("assignment", node.lineno, None, ast.get_source_segment(text, t), node.value))
+        elif isinstance(node, ast.Call):
+            for k in node.keywords:
+                if k.arg == "need_sort" and not isinstance(k.value, ast.Name):
+                    callee = ast.get_source_segment(text, node.func).split(".")[-1]
+                    sites.append(("keyword", k.value.lineno, callee, "need_sort", k.value))
+        for kind, line, callee, target, v in sites:
+            stmt_end = node.end_lineno
+            out.append({
+                "file": rel, "line": line, "kind": kind, "callee": callee, "target": target,
+                "expr": ast.get_source_segment(text, v), "literal": isinstance(v, ast.Constant),
+                "value_line": v.lineno, "value_col": _col(lines[v.lineno - 1], v.col_offset),
+                "value_end_line": v.end_lineno, "value_end_col": _col(lines[v.end_lineno - 1], v.end_col_offset),
+                "stmt_end_line": stmt_end})
+    return sorted(out, key=lambda f: f["line"])
+
+
+def host_inputs(files: dict[str, str], location: str = "/opt/venv/lib/python3.11/site-packages"):
+    """(facts, findings, sources) for a host whose sglang files are `files` {rel: text}."""
+    origins, sources, hashes = [], {}, {}
+    for rel, text in sorted(files.items()):
+        found = scan_text(rel, text)
+        origins += found
+        hashes[rel] = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "size": len(text.encode())}
+        if found:
+            sources[rel] = text
+    facts = {"hostname": "h", "python": {"path": "/usr/bin/python3", "version": "3.11"},
+             "sglang": {"version": "x", "location": location}, "servers": []}
+    return facts, {"allocator_call_sites": [], "need_sort_origins": origins, "files": hashes}, sources
+
+
+_RELEASES: dict[str, dict[str, str]] = {}
+
+
+def release_files(version: str) -> dict[str, str]:
+    """{rel: text} of the release's sglang .py files that mention need_sort (the cheap filter)."""
+    if version not in _RELEASES:
+        with zipfile.ZipFile(ensure_wheel(version)) as z:
+            _RELEASES[version] = {n: z.read(n).decode() for n in z.namelist()
+                                  if n.startswith("sglang/") and n.endswith(".py") and b"need_sort" in z.read(n)}
+    return _RELEASES[version]
+
+
+def computed(findings: list[dict]) -> list[dict]:
+    """Computed origins, read independently: local `need_sort = expr` or keyword, not literal, not a bare name."""
+    return [f for f in findings if not f["literal"] and not f["expr"].isidentifier()
+            and (f["kind"] == "keyword" or f["target"] == "need_sort")]
+
+
+@pytest.fixture(scope="module")
+def pb():
+    return load_playbook(PLAYBOOK)
+
+
+EXPECTED = {"0.5.23": 4, "0.5.10": 1, "0.5.2": 1}
+
+
+@pytest.mark.parametrize("version", sorted(EXPECTED))
+def test_real_release_plan_apply_replan(pb, version):
+    files = release_files(version)
+    facts, findings, sources = host_inputs(files)
+    before = findings["need_sort_origins"]
+    want = computed(before)
+    assert len(want) == EXPECTED[version]
+    plan = plan_host(pb, "h1", {}, facts, findings, sources)
+    assert plan.status == "change", plan.reason
+    assert len(plan.edits) == EXPECTED[version]
+    assert {(e["file"], e["line"]) for e in plan.edits} == {(f["file"], f["line"]) for f in want}
+    assert {(s["file"], s["line"]) for s in plan.left_alone} == \
+        {(f["file"], f["line"]) for f in before} - {(f["file"], f["line"]) for f in want}
+    patched = dict(files)
+    for fc in plan.files:
+        assert fc.pre_sha256 == findings["files"][fc.rel]["sha256"]
+        assert fc.post_sha256 == hashlib.sha256(fc.new_text.encode()).hexdigest()
+        assert fc.path == f"{facts['sglang']['location']}/{fc.rel}"
+        assert fc.diff.startswith(f"--- a/{fc.rel}\n+++ b/{fc.rel}\n")
+        ast.parse(fc.new_text)
+        patched[fc.rel] = fc.new_text
+    # independent re-read: no computed origin left, each edited one now reads True with its comment
+    facts2, findings2, sources2 = host_inputs(patched)
+    after = findings2["need_sort_origins"]
+    assert computed(after) == []
+    trues = [f for f in after if f["literal"] and f["expr"] == "True"]
+    assert len(trues) == EXPECTED[version]
+    for f in trues:
+        line = patched[f["file"]].split("\n")[f["value_end_line"] - 1]
+        assert MARK in line
+    old = {one_line(f["expr"]) for f in want}
+    assert {l.split(MARK, 1)[1] for t in plan.files for l in t.new_text.split("\n") if MARK in l} == old
+    # literal origins and pass-through sites are untouched
+    lit = lambda fs: [(f["file"], f["expr"]) for f in fs if f["literal"] and f["expr"] != "True"]
+    assert lit(after) == lit(before)
+    for rel, text in files.items():
+        passes = [l for l in text.split("\n") if "need_sort=need_sort" in l.replace(" ", "")]
+        assert passes == [l for l in patched[rel].split("\n") if "need_sort=need_sort" in l.replace(" ", "")]
+    # idempotent: replanning on the patched text has nothing to do
+    again = plan_host(pb, "h1", {}, facts2, findings2, sources2)
+    assert again.status == "ok" and again.edits == [] and again.files == []
+    assert len(again.already_applied) == EXPECTED[version]
+    assert reinspect_problems(pb, plan, {}, facts2, findings2, sources2) == []
+    # ...and a host still on the original text fails the reinspect validation
+    assert reinspect_problems(pb, plan, {}, facts, findings, sources)
+
+
+def test_release_without_need_sort_is_skipped(pb):
+    facts, findings, sources = host_inputs(release_files("0.4.6.post5"))
+    assert findings["need_sort_origins"] == []
+    plan = plan_host(pb, "old", {}, facts, findings, sources)
+    assert plan.status == "skipped" and plan.reason.startswith("not applicable:")
+    assert plan.files == [] and plan.to_dict()["status"] == "skipped"
+    facts["sglang"] = None
+    assert plan_host(pb, "old", {}, facts, findings, sources).reason == "not applicable: sglang is not installed"
+
+
+def test_changed_since_inspect_is_refused(pb):
+    facts, findings, sources = host_inputs(release_files("0.5.10"))
+    rel = next(iter(sources))
+    sources[rel] += "\n# edited after inspect\n"
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    assert plan.status == "failed" and plan.reason == f"changed since inspect: {rel}"
+    assert plan.files == []
+
+
+EDGE = textwrap.dedent('''\
+    def f(mode, kw, make):
+        nom = "é€"; need_sort = mode in (
+            "decode",  # comment inside
+            "prefill",
+        )
+        x = make(a=1, need_sort=mode == "decode" \\
+                 or kw, b=2)  # existing comment
+        y = make(need_sort=need_sort, other=False)
+        z = make(need_sort=False)
+        self_like = make(1, need_sort=(mode
+                                      is not None))
+        return make(nom, need_sort=bool(kw)), x, y, z, self_like
+    ''')
+
+
+def test_edge_cases_multiline_unicode_backslash(pb):
+    facts, findings, sources = host_inputs({"sglang/edge.py": EDGE})
+    plan = plan_host(pb, "h", {"fleetctl_restart_cmd": "systemctl restart sglang"}, facts, findings, sources)
+    assert plan.status == "change", plan.reason
+    assert [e["line"] for e in plan.edits] == [2, 6, 10, 12]
+    assert [s["expr"] for s in plan.left_alone] == ["False"]
+    new = plan.files[0].new_text
+    tree = ast.parse(new)
+    assert '"é€"; need_sort = True  # fleetctl defrag-tier0: was mode in ("decode", "prefill",)' in new
+    assert 'need_sort=True, b=2)  # existing comment  # fleetctl defrag-tier0: was mode == "decode" or kw' in new
+    assert "need_sort=(True))  # fleetctl defrag-tier0: was mode is not None\n" in new  # parens are not the value
+    assert "need_sort=bool(kw)" not in new and "need_sort=need_sort, other=False" in new
+    trues = [k for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+             if k.arg == "need_sort" and isinstance(k.value, ast.Constant)]
+    assert sorted(k.value.value for k in trues) == [False, True, True, True]
+    assert plan.handlers == [{"name": "restart sglang", "command": "systemctl restart sglang",
+                              "wait_for_health_s": 600}]
+    assert [v["step"] for v in plan.validate] == ["compile", "reinspect"]  # no server: no smoke
+    f2, fi2, s2 = host_inputs({"sglang/edge.py": new})
+    assert plan_host(pb, "h", {}, f2, fi2, s2).status == "ok"
+
+
+def test_hand_edit_after_apply_is_refused(pb):
+    facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a in b\n"})
+    new = plan_host(pb, "h", {}, facts, findings, sources).files[0].new_text
+    assert new == "need_sort = True  # fleetctl defrag-tier0: was a in b\n"
+    f2, fi2, s2 = host_inputs({"sglang/a.py": new.replace("True", "a or b")})
+    p = plan_host(pb, "h", {}, f2, fi2, s2)
+    assert p.status == "failed" and "changed since" in p.reason
+
+
+def test_coalesce_diffs(pb):
+    plans = []
+    for host, version in [("a", "0.5.10"), ("b", "0.5.23"), ("c", "0.5.10"), ("d", "0.4.6.post5")]:
+        plans.append(plan_host(pb, host, {}, *host_inputs(release_files(version))))
+    groups = coalesce_diffs(plans)
+    assert [hosts for _, hosts in groups] == [["a", "c"], ["b"]]
+    assert groups[1][0].count("+++ b/sglang/srt/mem_cache/kv_cache_configurator.py") == 1
+    assert groups[1][0].count(MARK) == 4
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.10"])
+def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
+    """The real inspect probe (probes/callsites.py) on the release's files gives the same plan."""
+    from fleetctl.probes.callsites import scan
+
+    files = release_files(version)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(text.encode())
+    findings = scan(str(tmp_path))
+    sources = {rel: files[rel] for rel in {f["file"] for f in findings["need_sort_origins"]}}
+    facts = {"sglang": {"version": version, "location": str(tmp_path)}}
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    mine = plan_host(pb, "h", {}, *host_inputs(files, location=str(tmp_path)))
+    assert plan.status == "change" and len(plan.edits) == EXPECTED[version]
+    assert [(f.rel, f.post_sha256) for f in plan.files] == [(f.rel, f.post_sha256) for f in mine.files]
+    for fc in plan.files:
+        (tmp_path / fc.rel).write_text(fc.new_text)
+    again = scan(str(tmp_path))
+    assert [f for f in again["need_sort_origins"] if not f["literal"]] == []
+    patched = {rel: (tmp_path / rel).read_text() for rel in sources}
+    assert plan_host(pb, "h", {}, facts, again, patched).status == "ok"
+    assert reinspect_problems(pb, plan, {}, facts, again, patched) == []
+
+
+def test_crlf_source(pb):
+    text = "x = 1\r\nneed_sort = a in (\r\n    b)\r\ny = make(need_sort=c or d)\r\n"
+    facts, findings, sources = host_inputs({"sglang/w.py": text})
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    assert plan.files[0].new_text == ("x = 1\r\nneed_sort = True  # fleetctl defrag-tier0: was a in (b)\r\n"
+                                      "y = make(need_sort=True)  # fleetctl defrag-tier0: was c or d\r\n")
