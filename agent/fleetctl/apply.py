@@ -74,12 +74,20 @@ def _plan_data(plan: HostPlan) -> dict:
     return d
 
 
-def check_job(playbook: Playbook):
-    """Check mode: plan on the host and report what would change; touches nothing."""
+def check_job(playbook: Playbook, state_dir: str = STATE_DIR):
+    """Check mode: plan on the host and report what would change; touches nothing. A change left
+    pending by a killed run is reported: apply undoes it first, so the host counts as changed."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plan = _plan(ctx, playbook)
-        return _planned_result(ctx, plan)
+        result = _planned_result(ctx, plan)
+        ledger = change_probe(ctx, "status", state_dir)["changes"]
+        pending = [c["change_id"] for c in ledger if c["state"] == "pending"]
+        if pending:
+            result.data["pending"] = pending
+            if result.status in (OK, SKIPPED):
+                result.status = CHANGED
+        return result
 
     return job
 
@@ -183,7 +191,7 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
     "not attempted". Returns (change id, results in inventory order)."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
-        return cid, fleet.run(hosts, check_job(playbook), "check")
+        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir), "check")
     results: list[HostResult] = []
     start = 0
     stopped = None

@@ -76,6 +76,8 @@ Repeat = Annotated[int, typer.Option("--repeat", help="Smoke decodes per server;
 Port = Annotated[int, typer.Option("--port", help="Port of discovered servers that give no --port.")]
 LatencyTolerance = Annotated[float, typer.Option("--latency-tolerance",
                              help="Allowed ratio of median latency after/before a change.")]
+LatencySlack = Annotated[float, typer.Option("--latency-slack",
+                         help="Extra seconds allowed on top of the latency ratio (noisy tiny decodes).")]
 AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
                        help="Let greedy tokens differ after a change (reported as token drift).")]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Change hosts without asking.")]
@@ -83,13 +85,15 @@ JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
                        help="Seconds for each host's whole job (default: health timeout + 300).")]
 
 
-def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False):
+def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=0.0):
     from .validate import SmokeOptions
 
-    if repeat < 1 or health_timeout <= 0 or latency_tolerance < 1.0:
-        raise UsageError("--repeat must be >= 1, --health-timeout > 0, --latency-tolerance >= 1")
+    if repeat < 1 or health_timeout <= 0 or latency_tolerance < 1.0 or latency_slack < 0:
+        raise UsageError("--repeat must be >= 1, --health-timeout > 0, --latency-tolerance >= 1, "
+                         "--latency-slack >= 0")
     return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
-                        latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift)
+                        latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift,
+                        latency_slack_s=latency_slack)
 
 
 def _confirm(what: str, yes: bool) -> None:
@@ -134,8 +138,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
           max_fail_percentage: Annotated[float, typer.Option("--max-fail-percentage",
                                          help="Stop the rollout when a batch fails more than this.")] = 0.0,
           yes: Yes = False, port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
-          latency_tolerance: LatencyTolerance = 1.25, allow_token_drift: AllowDrift = False,
-          forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
+          latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = 0.0,
+          allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
           accept_new: AcceptNew = False) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback."""
     from .apply import ApplyOptions, new_change_id, run_playbook
@@ -146,7 +150,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
 
     pb = load_playbook(find_playbook(playbook))
     opts = ApplyOptions(check=True, serial=serial, max_fail_percentage=max_fail_percentage,
-                        smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift))
+                        smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
+                                          allow_token_drift, latency_slack))
     from .fleet import parse_serial
     hosts = _select(inventory, pattern)
     parse_serial(serial, len(hosts))

@@ -102,13 +102,13 @@ def _server_facts(base, timeout):
 
 
 def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
-                 input_ids=None, request_timeout=60.0):
+                 input_ids=None, request_timeout=60.0, warmup=1):
     """Health wait + `repeat` greedy decodes against one SGLang server at host:port.
 
     Times in seconds. Returns {host, port, model_path, version, stand_in, health_wait_s, ok,
     error, output_ids (first run), ids_consistent (all runs equal), latency_s (median client
     time), e2e_latency_s (median server meta_info.e2e_latency), tokens_per_s, runs: [{output_ids,
-    latency_s, e2e_latency_s, problems}]}. Never raises for server faults; they land in error.
+    latency_s, e2e_latency_s, problems}]}. `warmup` untimed decodes go first. Never raises for server faults; they land in error.
     """
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
     res = {"host": host, "port": int(port), "model_path": None, "version": None, "stand_in": False,
@@ -123,6 +123,11 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     res.update(_server_facts(base, request_timeout))
     body = {"input_ids": list(input_ids or DEFAULT_INPUT_IDS),
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    for _ in range(warmup):  # untimed: the first decodes after a (re)start pay one-off costs
+        try:
+            _request(base + "/generate", body, timeout=request_timeout)
+        except OSError:
+            pass  # the timed runs below report the problem
     for _ in range(repeat):
         t0 = time.perf_counter()
         try:
@@ -190,7 +195,8 @@ def main(params):
                             repeat=int(params.get("repeat", 3)),
                             max_new_tokens=int(params.get("max_new_tokens", 16)),
                             input_ids=params.get("input_ids"),
-                            request_timeout=float(params.get("request_timeout", 60)))
+                            request_timeout=float(params.get("request_timeout", 60)),
+                            warmup=int(params.get("warmup", 1)))
                for s in params.get("servers") or []]
     offline = None
     if params.get("offline_cmd"):

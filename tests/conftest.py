@@ -1,0 +1,94 @@
+"""Shared fixtures: `lab`, one lab of real SSH hosts (lab id 7, or $FLEETCTL_TEST_LAB_ID so
+that two test sessions can run side by side) for the whole test session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from fleetctl import lab as labmod
+from fleetctl.wheelcache import cache_dir
+
+TEST_LAB_ID = int(os.environ.get("FLEETCTL_TEST_LAB_ID", "7"))
+
+
+@dataclass
+class Lab:
+    """A running lab: its inventory, host names, state dir, and an env for subprocesses
+    (HOME is a temp dir whose ~/.ssh/known_hosts holds exactly the lab's host keys)."""
+
+    inventory: Path
+    hosts: list[str]
+    state_dir: Path
+    env: dict[str, str]
+    known_hosts: Path
+    lab_id: int = TEST_LAB_ID
+    status: list[dict] = field(default_factory=list)
+
+    def fault(self, host: str, kind: str, arg=None) -> dict:
+        """Inject or clear a fault (see fleetctl.lab.lab_fault)."""
+        return labmod.lab_fault(host, kind, arg, lab_id=self.lab_id, state_dir=self.state_dir)
+
+    def address(self, host: str) -> str:
+        """The host's inventory address."""
+        return next(h["address"] for h in self.status if h["name"] == host)
+
+    def pids(self, host: str) -> list[int]:
+        """Processes on the host other than the lab's own machinery (fleetctl.lab.host_pids)."""
+        return labmod.host_pids(host, lab_id=self.lab_id, state_dir=self.state_dir)
+
+    def ssh(self, host: str, command: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+        """Run `command` on `host` with the OpenSSH client, strict host-key checking on."""
+        return subprocess.run(
+            ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+             "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
+             "-i", str(self.state_dir / "client_ed25519"), f"root@{self.address(host)}", command],
+            capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory) -> Iterator[Lab]:
+    """Bring up the test lab (four hosts, releases 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23, no servers)
+    once per session; skipped when not root."""
+    if os.geteuid() != 0:
+        pytest.skip("lab tests need root (network namespaces, bridge, sshd): run pytest as root")
+    home = tmp_path_factory.mktemp("home")
+    known_hosts = home / ".ssh" / "known_hosts"
+    sd = labmod.state_dir_for(TEST_LAB_ID)
+    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, lab_id=TEST_LAB_ID, state_dir=sd,
+                        known_hosts=known_hosts)
+    env = dict(os.environ, HOME=str(home), FLEETCTL_INVENTORY=str(inv),
+               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
+    status = labmod.lab_status(TEST_LAB_ID, sd)
+    try:
+        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, status=status)
+    finally:
+        labmod.lab_down(TEST_LAB_ID, sd, known_hosts)
+
+
+SERVER_LAB_ID = 8
+
+
+@pytest.fixture(scope="session")
+def server_lab(tmp_path_factory) -> Iterator[Lab]:
+    """Lab 8: the four releases, each host running the SGLang stand-in server on 127.0.0.1:30000
+    (inventory: fleetctl_sglang_port, fleetctl_restart_cmd); skipped when not root."""
+    if os.geteuid() != 0:
+        pytest.skip("lab tests need root (network namespaces, bridge, sshd): run pytest as root")
+    home = tmp_path_factory.mktemp("home-servers")
+    known_hosts = home / ".ssh" / "known_hosts"
+    sd = labmod.state_dir_for(SERVER_LAB_ID)
+    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, with_server=True, lab_id=SERVER_LAB_ID, state_dir=sd,
+                        known_hosts=known_hosts)
+    env = dict(os.environ, HOME=str(home), FLEETCTL_INVENTORY=str(inv),
+               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
+    status = labmod.lab_status(SERVER_LAB_ID, sd)
+    try:
+        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, lab_id=SERVER_LAB_ID, status=status)
+    finally:
+        labmod.lab_down(SERVER_LAB_ID, sd, known_hosts)

@@ -1,0 +1,280 @@
+"""`fleetctl apply defrag-tier0`, rollback and status against the lab with stand-in servers:
+real sshd, real SGLang releases, the validation gate run on each host."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+
+from fleetctl.apply import _findings, change_probe
+from fleetctl.fleet import Fleet, HostFailed
+from fleetctl.gather import gather
+from fleetctl.inventory import load
+from fleetctl.paths import find_playbook
+from fleetctl.plan import plan_host
+from fleetctl.playbook import load_playbook
+from fleetctl.transport import LockBusy, SSHSettings
+from fleetctl.wheelcache import ensure_wheel
+
+pytestmark = pytest.mark.lab
+
+RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
+SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
+# the gate compares latencies of ~5 ms decodes on a shared 2-core machine: allow scheduling noise
+SLACK = ["--latency-slack", "0.05"]
+
+
+def fleetctl(lab, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
+                          env=lab.env, timeout=timeout)
+
+
+def apply_json(lab, *args):
+    r = fleetctl(lab, "apply", "defrag-tier0", *args, "--json")
+    try:
+        doc = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
+    return r, doc, {h["host"]: h for h in doc["hosts"]}
+
+
+def tree_digest(lab, host):
+    """sha256 over every installed sglang file's sha256 on the host (one line of output)."""
+    r = lab.ssh(host, f"cd {SITE} && find sglang -type f -name '*.py' | sort | xargs sha256sum | sha256sum")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def host_sha(lab, host, rel):
+    r = lab.ssh(host, f"sha256sum {SITE}/{rel}")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def wheel_sha(version, rel):
+    with zipfile.ZipFile(ensure_wheel(version)) as z:
+        return hashlib.sha256(z.read(rel)).hexdigest()
+
+
+def origins_by_independent_reading(text):
+    """need_sort origins read afresh: (line, value node) for `need_sort = X` and need_sort=X (X not a name)."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "need_sort" for t in node.targets):
+            out.append((node.lineno, node.value))
+        elif isinstance(node, ast.Call):
+            out += [(k.value.lineno, k.value) for k in node.keywords
+                    if k.arg == "need_sort" and not isinstance(k.value, ast.Name)]
+    return out
+
+
+def set_behavior(lab, host, behavior: dict, restart: bool):
+    """Write the stand-in's behaviour file (read when it starts); optionally restart it now."""
+    cmd = f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
+    if restart:
+        cmd += " && /opt/fleetctl-standin/restart.sh"
+    assert lab.ssh(host, cmd).returncode == 0
+
+
+@pytest.fixture(autouse=True)
+def healthy_servers(server_lab):
+    """Every test starts and ends with well-behaved stand-ins and no applied change."""
+    yield
+    for h in server_lab.hosts:
+        set_behavior(server_lab, h, {}, restart=True)
+    fleetctl(server_lab, "rollback", "--last", "all", "--yes")
+
+
+def test_check_mode_changes_nothing(server_lab):
+    before = {h: tree_digest(server_lab, h) for h in server_lab.hosts}
+    r, doc, hosts = apply_json(server_lab, "all", "--check", "--diff")
+    assert r.returncode == 0, r.stderr
+    assert doc["check"] is True and doc["change_id"] is None
+    assert hosts["lab-01"]["status"] == "skipped" and "not applicable" in hosts["lab-01"]["skipped_reason"]
+    assert {h: hosts[h]["status"] for h in ("lab-02", "lab-03", "lab-04")} == dict.fromkeys(
+        ("lab-02", "lab-03", "lab-04"), "changed")
+    assert len(hosts["lab-04"]["plan"]["edits"]) == 4
+    assert "fleetctl defrag-tier0: was" in hosts["lab-04"]["plan"]["files"][0]["diff"]
+    assert {h: tree_digest(server_lab, h) for h in server_lab.hosts} == before
+    assert server_lab.ssh("lab-04", "test -e /var/lib/fleetctl/ledger.jsonl").returncode != 0
+
+
+def test_apply_is_idempotent_and_rollback_is_byte_identical(server_lab):
+    untouched = tree_digest(server_lab, "lab-01")
+    r, doc, hosts = apply_json(server_lab, "all", "--yes", *SLACK)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    cid = doc["change_id"]
+    assert [hosts[h]["status"] for h in RELEASES] == ["skipped", "changed", "changed", "changed"]
+    for h in ("lab-02", "lab-03", "lab-04"):
+        assert hosts[h]["validation"]["status"] == "passed"
+        for f in hosts[h]["plan"]["files"]:
+            text = server_lab.ssh(h, f"cat {f['path']}").stdout
+            assert hashlib.sha256(text.encode()).hexdigest() == f["post_sha256"]
+            values = origins_by_independent_reading(text)
+            edited = {e["line"] for e in hosts[h]["plan"]["edits"]}
+            assert edited and all(isinstance(v, ast.Constant) for _, v in values)
+            assert {line for line, v in values if v.value is True} >= edited
+            assert all(v.value is False for line, v in values if line not in edited)  # literal origins kept
+    assert tree_digest(server_lab, "lab-01") == untouched
+
+    r, doc, again = apply_json(server_lab, "all", "--yes", *SLACK)
+    assert r.returncode == 0
+    assert [again[h]["status"] for h in RELEASES] == ["skipped", "ok", "ok", "ok"]
+
+    r = fleetctl(server_lab, "inspect", "lab-04", "--json")
+    origins = json.loads(r.stdout)["hosts"][0]["need_sort_origins"]
+    assert all(o["literal"] for o in origins)
+    assert sum(o["expr"] == "True" for o in origins) == 4
+
+    r = fleetctl(server_lab, "rollback", cid, "all:!lab-01", "--yes", "--json")
+    assert r.returncode == 0, r.stdout
+    for h in ("lab-02", "lab-03", "lab-04"):
+        for f in hosts[h]["plan"]["files"]:
+            assert host_sha(server_lab, h, f["rel"]) == wheel_sha(RELEASES[h], f["rel"])
+
+
+def test_file_edited_after_inspect_is_refused(server_lab):
+    """The pre-image check: a file that changed between this run's inspect and its write."""
+    inv = load(server_lab.inventory)
+    host = inv.select("lab-04")[0]
+    pb = load_playbook(find_playbook("defrag-tier0"))
+    os.environ["HOME"] = server_lab.env["HOME"]
+    with Fleet(SSHSettings(), timeout=120) as fleet:
+        def job(ctx):
+            g = gather(ctx, with_sources=True)
+            plan = plan_host(pb, host.name, dict(host.vars), g["facts"], _findings(g), g["sources"])
+            f = plan.files[0]
+            assert ctx.run(f"echo '# operator was here' >> {f.path}").ok
+            files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256,
+                      "new_text": f.new_text}]
+            with pytest.raises(HostFailed, match="changed since inspect"):
+                change_probe(ctx, "apply", change_id="t-refused", playbook=pb.name, operator="test",
+                             files=files, commit=False)
+            after = ctx.run(f"sha256sum {f.path}").stdout.decode().split()[0]
+            ctx.run(f"sed -i '$ d' {f.path}")
+            return {"after": after, "pre": f.pre_sha256, "rel": f.rel}
+
+        res = fleet.run([host], job)[0]
+    assert res.status == "ok", res.error
+    assert res.data["after"] != res.data["pre"]  # the file stayed as the operator left it
+    assert host_sha(server_lab, "lab-04", res.data["rel"]) == wheel_sha("0.5.23", res.data["rel"])
+    assert server_lab.ssh("lab-04", "grep -c t-refused /var/lib/fleetctl/ledger.jsonl || true").stdout.strip() in ("", "0")
+
+
+def test_second_concurrent_run_fails_fast(server_lab):
+    inv = load(server_lab.inventory)
+    host = inv.select("lab-03")[0]
+    os.environ["HOME"] = server_lab.env["HOME"]
+    with Fleet(SSHSettings()) as fleet:
+        lock = fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5)
+        try:
+            t0 = time.monotonic()
+            r, doc, hosts = apply_json(server_lab, "lab-03", "--yes", *SLACK)
+            took = time.monotonic() - t0
+            with pytest.raises(LockBusy):
+                fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5)
+        finally:
+            lock.release()
+    assert r.returncode == 2
+    assert hosts["lab-03"]["status"] == "failed"
+    assert "another fleetctl run" in hosts["lab-03"]["error"]
+    assert took < 30
+    r, doc, hosts = apply_json(server_lab, "lab-03", "--yes", *SLACK)  # the lock went with its holder
+    assert hosts["lab-03"]["status"] == "changed", hosts["lab-03"]["error"]
+
+
+def ledger_states(lab, host):
+    r = lab.ssh(host, "cat /var/lib/fleetctl/ledger.jsonl 2>/dev/null || true")
+    last = {}
+    for line in r.stdout.splitlines():
+        e = json.loads(line)
+        last[e["change_id"]] = e["state"]
+    return last
+
+
+def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
+    rel = "sglang/srt/mem_cache/kv_cache_configurator.py"
+    original = wheel_sha("0.5.23", rel)
+    # after the restart the stand-in stays unhealthy, so the run sits in validation, change pending
+    set_behavior(server_lab, "lab-04", {"never_healthy": True}, restart=False)
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-04", "--yes",
+                          "--health-timeout", "60", *SLACK], env=server_lab.env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while "pending" not in ledger_states(server_lab, "lab-04").values():
+            assert time.monotonic() < deadline and p.poll() is None, "apply never reached pending"
+            time.sleep(0.3)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    sha = host_sha(server_lab, "lab-04", rel)
+    states = ledger_states(server_lab, "lab-04")
+    pending = [c for c, s in states.items() if s == "pending"]
+    assert len(pending) == 1
+    entry = [json.loads(line) for line in server_lab.ssh("lab-04", "cat /var/lib/fleetctl/ledger.jsonl")
+             .stdout.splitlines() if pending[0] in line][-1]
+    assert sha in (original, entry["files"][0]["after_sha256"])  # whole file, old or new
+
+    set_behavior(server_lab, "lab-04", {}, restart=True)
+    r, doc, hosts = apply_json(server_lab, "lab-04", "--yes", *SLACK)
+    assert hosts["lab-04"]["status"] == "changed", hosts["lab-04"]["error"]
+    assert [x["change_id"] for x in hosts["lab-04"]["recovered"]] == pending
+    states = ledger_states(server_lab, "lab-04")
+    assert states[pending[0]] == "rolled-back" and states[doc["change_id"]] == "applied"
+
+
+def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
+    """lab-02 is the canary; after its restart the stand-in decodes other tokens."""
+    set_behavior(server_lab, "lab-02", {"token_shift": 1}, restart=False)
+    before = {h: tree_digest(server_lab, h) for h in server_lab.hosts}
+    r, doc, hosts = apply_json(server_lab, "all:!lab-01", "--yes", "--serial", "1,100%", *SLACK)
+    assert r.returncode == 2
+    assert hosts["lab-02"]["status"] == "failed" and "rolled back" in hosts["lab-02"]["error"]
+    assert "tokens" in hosts["lab-02"]["error"]
+    assert hosts["lab-02"]["validation"]["status"] == "failed"
+    assert hosts["lab-03"]["status"] == hosts["lab-04"]["status"] == "not attempted"
+    assert {h: tree_digest(server_lab, h) for h in server_lab.hosts} == before
+    assert ledger_states(server_lab, "lab-02")[doc["change_id"]] == "rolled-back"
+
+
+def test_slower_server_trips_the_latency_gate(server_lab):
+    set_behavior(server_lab, "lab-03", {"slowdown": 10}, restart=False)
+    before = tree_digest(server_lab, "lab-03")
+    r, doc, hosts = apply_json(server_lab, "lab-03", "--yes", *SLACK)
+    assert r.returncode == 2
+    assert hosts["lab-03"]["status"] == "failed" and "latency" in hosts["lab-03"]["error"]
+    assert tree_digest(server_lab, "lab-03") == before
+
+
+def test_status_reports_drift_and_record_differences(server_lab):
+    rel = "sglang/version.py"
+    r = fleetctl(server_lab, "status", "lab-02", "--json")
+    assert r.returncode == 0, r.stdout
+    assert server_lab.ssh("lab-02", f"echo '# hand edit' >> {SITE}/{rel}").returncode == 0
+    try:
+        r = fleetctl(server_lab, "status", "lab-02", "--json")
+        h = json.loads(r.stdout)["hosts"][0]
+        assert r.returncode == 2
+        assert [m["path"].endswith(rel) for m in h["modified"]] == [True]
+        assert "modified outside fleetctl" in h["error"]
+    finally:
+        server_lab.ssh("lab-02", f"sed -i '$ d' {SITE}/{rel}")
+    r, doc, hosts = apply_json(server_lab, "lab-02", "--yes", *SLACK)
+    assert hosts["lab-02"]["status"] == "changed"
+    path = hosts["lab-02"]["plan"]["files"][0]["path"]
+    backup = f"/var/lib/fleetctl/backups/{doc['change_id']}{path}"
+    assert server_lab.ssh("lab-02", f"cp {backup} {path}").returncode == 0  # "reinstalled"
+    r = fleetctl(server_lab, "status", "lab-02", "--json")
+    h = json.loads(r.stdout)["hosts"][0]
+    assert r.returncode == 2 and [d["change_id"] for d in h["drift"]] == [doc["change_id"]]
+    assert h["modified"] == []
