@@ -1,0 +1,589 @@
+"""A lab of real SSH hosts on this machine, for demos and fleet tests.
+
+Each lab (`lab_id` 0..255) owns the subnet 10.213.<lab_id>.0/24: a bridge `flab<id>` at .1 in
+the root network namespace, and per host a network namespace `flab<id>-NN` joined to the
+bridge by a veth pair, address .11, .12, ... Inside each namespace:
+
+- a holder process (`unshare -m -u`, then `sleep`) owns the host's mount and UTS namespaces:
+  its hostname (lab-01, ...) and private bind mounts over /tmp, /var/lib/fleetctl,
+  /opt/sglang (the venv is /opt/sglang/venv) and /opt/fleetctl-standin. The real directories
+  are under `<state_dir>/hosts/<name>/`;
+- `sshd -D -f <own config>` (entered into the holder's namespaces with nsenter) listening on
+  127.0.0.1:22 with its own ed25519 host key, root login by the lab's own client key;
+- a `delayproxy` on <address>:22 forwarding to sshd, delay 0 unless a `delay` fault is set,
+  so the inventory address never changes whatever the fault.
+
+State (pids, faults) is kept in `<state_dir>/lab.json`; teardown finds namespaces and links
+by name, so it also cleans up after a half-failed `lab_up`. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .errors import FleetctlError, UsageError
+from .wheelcache import cache_dir, ensure_wheel
+
+DEFAULT_RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
+SSHD = "/usr/sbin/sshd"
+STANDIN_SRC = Path(__file__).with_name("standin")
+SERVER_PORT = 30000
+# in-host path -> directory name under <state_dir>/hosts/<name>/
+PRIVATE_DIRS = {"/tmp": "tmp", "/var/lib/fleetctl": "var-lib-fleetctl",
+                "/opt/sglang": "opt-sglang", "/opt/fleetctl-standin": "opt-fleetctl-standin"}
+VENV = "/opt/sglang/venv"
+VENV_PYTHONS = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
+FAULTS = ("delay", "down", "up", "freeze", "thaw", "rekey", "unrekey", "hang", "unhang")
+HANG_SCRIPT = "#!/bin/sh\n# fleetctl lab fault: an interpreter that hangs forever\nexec sleep 2147483647\n"
+
+
+class LabError(FleetctlError):
+    """The lab could not be built, changed or inspected (message says what and why)."""
+
+
+# ---------------------------------------------------------------- names and paths
+
+def state_dir_for(lab_id: int = 0, state_dir: Path | None = None) -> Path:
+    """The lab's state directory: `state_dir`, else `$FLEETCTL_LAB_DIR`, else
+    /var/lib/fleetctl-lab/<lab_id>."""
+    if state_dir is not None:
+        return Path(state_dir)
+    if os.environ.get("FLEETCTL_LAB_DIR"):
+        return Path(os.environ["FLEETCTL_LAB_DIR"])
+    return Path("/var/lib/fleetctl-lab") / str(lab_id)
+
+
+def inventory_path(lab_id: int = 0, state_dir: Path | None = None) -> Path:
+    """Path of the lab's Ansible YAML inventory (`<state_dir>/hosts.yaml`); it may not exist yet."""
+    return state_dir_for(lab_id, state_dir) / "hosts.yaml"
+
+
+def _bridge(lab_id: int) -> str:
+    return f"flab{lab_id}"
+
+
+def _netns(lab_id: int, i: int) -> str:
+    return f"flab{lab_id}-{i + 1:02d}"
+
+
+def _address(lab_id: int, i: int) -> str:
+    return f"10.213.{lab_id}.{11 + i}"
+
+
+def _hostname(i: int) -> str:
+    return f"lab-{i + 1:02d}"
+
+
+def _group(release: str) -> str:
+    return "sglang_" + release.replace(".", "_")
+
+
+def default_known_hosts() -> Path:
+    """~/.ssh/known_hosts of the current $HOME."""
+    return Path(os.path.expanduser("~")) / ".ssh" / "known_hosts"
+
+
+# ---------------------------------------------------------------- small helpers
+
+def _run(cmd: list[str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise LabError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+    return r
+
+
+def require_root() -> None:
+    """Raise LabError (with what to do) unless running as root: the lab needs network namespaces."""
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (it creates network namespaces, a bridge and sshd "
+                       "processes); run it as root, e.g. `sudo -E fleetctl lab up`")
+    for tool in ("ip", "unshare", "nsenter", "ssh-keygen", SSHD):
+        if shutil.which(tool) is None:
+            raise LabError(f"the lab needs `{tool}`: apt-get install -y iproute2 util-linux openssh-server")
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a stopped-but-unreaped child or a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _load(sd: Path) -> dict:
+    try:
+        return json.loads((sd / "lab.json").read_text())
+    except FileNotFoundError:
+        raise LabError(f"no lab in {sd}: run `fleetctl lab up` first") from None
+
+
+def _save(sd: Path, state: dict) -> None:
+    tmp = sd / "lab.json.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(sd / "lab.json")
+
+
+def _wait_banner(address: str, port: int = 22, timeout: float = 15.0) -> None:
+    """Wait until an SSH banner comes from address:port, else raise LabError."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((address, port), timeout=2) as s:
+                s.settimeout(2)
+                if s.recv(64).startswith(b"SSH-"):
+                    return
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.1)
+    raise LabError(f"no SSH banner from {address}:{port} within {timeout:.0f} s ({last})")
+
+
+# ---------------------------------------------------------------- known_hosts
+
+def _host_matches(field: str, address: str) -> bool:
+    names = {address, f"[{address}]:22"}
+    for entry in field.split(","):
+        if entry.startswith("|1|"):
+            _, _, salt, digest = entry.split("|")
+            for n in names:
+                mac = hmac.new(base64.b64decode(salt), n.encode(), hashlib.sha1).digest()
+                if base64.b64encode(mac).decode() == digest:
+                    return True
+        elif entry in names:
+            return True
+    return False
+
+
+def _forget_known_hosts(known_hosts: Path, addresses: list[str]) -> None:
+    """Drop known_hosts lines for `addresses` (plain or hashed), like `ssh-keygen -R`."""
+    if not known_hosts.exists():
+        return
+    keep = []
+    for line in known_hosts.read_text().splitlines(keepends=True):
+        parts = line.split()
+        if len(parts) >= 3 and not line.startswith("#") and any(
+                _host_matches(parts[0], a) for a in addresses):
+            continue
+        keep.append(line)
+    known_hosts.write_text("".join(keep))
+
+
+# ---------------------------------------------------------------- per-host pieces
+
+def _host_dir(sd: Path, name: str) -> Path:
+    return sd / "hosts" / name
+
+
+def _sshd_config(hd: Path, sd: Path) -> Path:
+    cfg = hd / "sshd_config"
+    cfg.write_text(
+        "ListenAddress 127.0.0.1:22\n"
+        f"HostKey {hd / 'ssh_host_ed25519_key'}\n"
+        f"PidFile {hd / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {sd / 'client_ed25519.pub'}\n"
+        "PermitRootLogin prohibit-password\n"
+        "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\nMaxStartups 200\n"
+        "Subsystem sftp internal-sftp\n")
+    return cfg
+
+
+def _start_holder(ns: str, hostname: str, hd: Path) -> int:
+    """Start the process that owns the host's mount/UTS namespaces; return its pid once the
+    hostname and bind mounts are in place."""
+    binds = " && ".join(f"mount --bind {hd / d} {p}" for p, d in PRIVATE_DIRS.items())
+    script = (f"hostname {hostname} && mount --make-rprivate / && {binds} "
+              "&& echo ready && exec sleep infinity")
+    with open(hd / "holder.log", "ab") as log:
+        p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "-m", "-u", "sh", "-c", script],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                             start_new_session=True)
+    line = p.stdout.readline()
+    p.stdout.close()
+    if line.strip() != b"ready":
+        raise LabError(f"host {hostname}: namespace setup failed, see {hd / 'holder.log'}")
+    return p.pid
+
+
+def _enter(holder: int, *cmd: str) -> list[str]:
+    """Command line that runs `cmd` inside the host's net, mount and UTS namespaces."""
+    return ["nsenter", "-t", str(holder), "-n", "-m", "-u", *cmd]
+
+
+def _start_sshd(h: dict, sd: Path) -> int:
+    hd = _host_dir(sd, h["name"])
+    p = _spawn(_enter(h["holder_pid"], SSHD, "-D", "-e", "-f", str(hd / "sshd_config")),
+               hd / "sshd.log")
+    return p.pid
+
+
+def _start_proxy(h: dict, sd: Path) -> int:
+    hd = _host_dir(sd, h["name"])
+    proxy = Path(__file__).with_name("delayproxy.py")
+    p = _spawn(["nsenter", "-t", str(h["holder_pid"]), "-n", sys.executable, str(proxy),
+                "--listen", f"{h['address']}:22", "--connect", "127.0.0.1:22",
+                "--delay-file", str(hd / "delay_ms")], hd / "proxy.log")
+    return p.pid
+
+
+def _build_venv(h: dict, release: str) -> None:
+    """Create /opt/sglang/venv inside the host (so sys.prefix is that path there) and
+    pip-install the SGLang wheel from the cache (--no-deps --no-index; --no-compile for speed)."""
+    enter = _enter(h["holder_pid"])
+    _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", VENV])
+    _run(enter + [sys.executable, "-m", "pip", "--python", f"{VENV}/bin/python", "install",
+                  "--quiet", "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check",
+                  "--find-links", str(cache_dir()), f"sglang=={release}"], timeout=600)
+
+
+def _start_server(h: dict, sd: Path) -> None:
+    """Copy agent/fleetctl/standin/ to the host's /opt/fleetctl-standin and run its restart.sh there."""
+    if not (STANDIN_SRC / "restart.sh").exists():
+        raise LabError(f"the stand-in server is missing: {STANDIN_SRC / 'restart.sh'} does not exist")
+    dst = _host_dir(sd, h["name"]) / PRIVATE_DIRS["/opt/fleetctl-standin"]
+    shutil.copytree(STANDIN_SRC, dst, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    _run(_enter(h["holder_pid"], "env", f"PYTHON={VENV}/bin/python",
+                "/opt/fleetctl-standin/restart.sh"), timeout=120)
+
+
+def _wait_server(h: dict, timeout: float = 180.0) -> None:
+    """Wait until GET http://127.0.0.1:30000/health answers 200 inside the host, else LabError."""
+    probe = ("import sys, time, urllib.request\n"
+             f"end = time.monotonic() + {timeout}\n"
+             "while time.monotonic() < end:\n"
+             "    try:\n"
+             f"        if urllib.request.urlopen('http://127.0.0.1:{SERVER_PORT}/health', timeout=2).status == 200: sys.exit(0)\n"
+             "    except OSError: pass\n"
+             "    time.sleep(0.2)\n"
+             "sys.exit(1)\n")
+    r = _run(_enter(h["holder_pid"], sys.executable, "-c", probe), check=False, timeout=timeout + 10)
+    if r.returncode != 0:
+        raise LabError(f"{h['name']}: the stand-in server is not healthy after {timeout:.0f} s; "
+                       f"see /opt/fleetctl-standin/server.log on the host")
+
+
+# ---------------------------------------------------------------- public API
+
+def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None) -> None:
+    """Tear the lab down: kill every process in its namespaces, delete namespaces, veths and
+    the bridge, its hosts' directories and inventory, and drop its addresses from known_hosts
+    (the client key is kept for the next `lab_up`). Safe to call on a half-built or
+    absent lab. Raises LabError without root."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    prefix = f"flab{lab_id}-"
+    nss = [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines()
+           if line.split() and line.split()[0].startswith(prefix)]
+    for _ in range(50):  # again until empty: a process may be starting (restart.sh, a session)
+        pids = [int(p) for ns in nss
+                for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.05)
+    for ns in nss:
+        _run(["ip", "netns", "del", ns], check=False)
+    for line in _run(["ip", "-o", "link", "show"]).stdout.splitlines():
+        dev = line.split(":")[1].strip().split("@")[0]
+        if dev == _bridge(lab_id) or dev.startswith(prefix):
+            _run(["ip", "link", "del", dev], check=False)
+    _forget_known_hosts(known_hosts or default_known_hosts(),
+                        [_address(lab_id, i) for i in range(244)])
+    for p in ("lab.json", "hosts.yaml"):
+        (sd / p).unlink(missing_ok=True)
+    shutil.rmtree(sd / "hosts", ignore_errors=True)
+
+
+def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_server: bool = False,
+           lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None,
+           jobs: int = 2) -> Path:
+    """Build a lab of `hosts` real SSH hosts (default: one per release) and return its inventory path.
+
+    Any existing lab with this id is torn down first. Host i gets releases[i % len(releases)]
+    (default 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23) pip-installed from the wheel cache
+    (fleetctl.wheelcache) into /opt/sglang/venv; `jobs` venvs are built at once. Host keys go
+    to `known_hosts` (default ~/.ssh/known_hosts of $HOME), stale lines for the lab's addresses
+    removed first. With `with_server`, agent/fleetctl/standin/restart.sh starts the stand-in
+    SGLang server on each host's 127.0.0.1:30000. Raises LabError (no root, a step failed: the
+    half-built lab is torn down) or FleetctlError (a wheel cannot be had).
+    """
+    require_root()
+    releases = list(releases or DEFAULT_RELEASES)
+    n = len(releases) if hosts is None else hosts
+    if not 0 <= lab_id <= 255:
+        raise UsageError(f"lab id must be 0..255, not {lab_id}")
+    if not 1 <= n <= 244:
+        raise UsageError(f"a lab has 1..244 hosts, not {n}")
+    sd = state_dir_for(lab_id, state_dir).resolve()
+    if any(sd == Path(p) or Path(p) in sd.parents for p in PRIVATE_DIRS):
+        raise UsageError(f"the lab state dir {sd} is hidden inside the hosts; pick one outside "
+                         f"{', '.join(PRIVATE_DIRS)}")
+    known_hosts = Path(known_hosts or default_known_hosts())
+    for r in releases:
+        ensure_wheel(r)
+    lab_down(lab_id, sd, known_hosts)
+    sd.mkdir(parents=True, exist_ok=True)
+    try:
+        return _up(n, releases, with_server, lab_id, sd, known_hosts, jobs)
+    except BaseException:
+        lab_down(lab_id, sd, known_hosts)
+        raise
+
+
+def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
+        known_hosts: Path, jobs: int) -> Path:
+    key = sd / "client_ed25519"
+    if not key.exists():
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fleetctl-lab-{lab_id}",
+              "-f", str(key)])
+    for p in PRIVATE_DIRS:
+        Path(p).mkdir(parents=True, exist_ok=True)  # mount points in the root filesystem
+    Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
+    br = _bridge(lab_id)
+    _run(["ip", "link", "add", br, "type", "bridge"])
+    _run(["ip", "addr", "add", f"10.213.{lab_id}.1/24", "dev", br])
+    _run(["ip", "link", "set", br, "up"])
+    state = {"lab_id": lab_id, "with_server": with_server, "hosts": []}
+    for i in range(n):
+        name, ns, addr = _hostname(i), _netns(lab_id, i), _address(lab_id, i)
+        hd = _host_dir(sd, name)
+        for d in PRIVATE_DIRS.values():
+            (hd / d).mkdir(parents=True, exist_ok=True)
+        (hd / "tmp").chmod(0o1777)
+        (hd / "delay_ms").write_text("0\n")
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "link", "add", ns, "type", "veth", "peer", "name", ns + "p"])
+        _run(["ip", "link", "set", ns, "master", br, "up"])
+        _run(["ip", "link", "set", ns + "p", "netns", ns])
+        for cmd in (["link", "set", ns + "p", "name", "eth0"], ["addr", "add", f"{addr}/24", "dev", "eth0"],
+                    ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+            _run(["ip", "-n", ns, *cmd])
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", name,
+              "-f", str(hd / "ssh_host_ed25519_key")])
+        _sshd_config(hd, sd)
+        h = {"name": name, "netns": ns, "address": addr, "release": releases[i % len(releases)],
+             "veth": ns, "holder_pid": _start_holder(ns, name, hd),
+             "faults": {"delay_ms": 0, "down": False, "frozen": False, "rekeyed": False,
+                        "hung": False}}
+        h["sshd_pid"] = _start_sshd(h, sd)
+        h["proxy_pid"] = _start_proxy(h, sd)
+        state["hosts"].append(h)
+    _save(sd, state)
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(lambda h: _build_venv(h, h["release"]), state["hosts"]))
+    for h in state["hosts"]:
+        _wait_banner(h["address"])
+    if with_server:
+        for h in state["hosts"]:
+            _start_server(h, sd)
+        for h in state["hosts"]:
+            _wait_server(h)
+    _forget_known_hosts(known_hosts, [h["address"] for h in state["hosts"]])
+    known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(known_hosts, "a") as f:
+        for h in state["hosts"]:
+            pub = (_host_dir(sd, h["name"]) / "ssh_host_ed25519_key.pub").read_text().split()
+            f.write(f"{h['address']} {pub[0]} {pub[1]}\n")
+    inv = inventory_path(state_dir=sd)
+    inv.write_text(_inventory_yaml(state, sd))
+    return inv
+
+
+def _inventory_yaml(state: dict, sd: Path) -> str:
+    hosts, children = {}, {}
+    for h in state["hosts"]:
+        v = {"ansible_host": h["address"], "ansible_user": "root",
+             "ansible_ssh_private_key_file": str(sd / "client_ed25519")}
+        if state["with_server"]:
+            v.update(fleetctl_sglang_port=SERVER_PORT,
+                     fleetctl_restart_cmd="/opt/fleetctl-standin/restart.sh")
+        hosts[h["name"]] = v
+        children.setdefault(_group(h["release"]), {"hosts": {}})["hosts"][h["name"]] = None
+    doc = {"all": {"children": {"lab": {"hosts": hosts, "children": children}}}}
+    return (f"# fleetctl lab {state['lab_id']}: written by `fleetctl lab up`; "
+            "`fleetctl lab down` removes the hosts\n" + yaml.safe_dump(doc, sort_keys=False))
+
+
+def lab_status(lab_id: int = 0, state_dir: Path | None = None) -> list[dict]:
+    """One dict per host: name, address, netns, release, sshd_pid, sshd_alive, proxy_alive,
+    link_up, faults (delay_ms, down, frozen, rekeyed, hung). Raises LabError if no lab is up."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    out = []
+    for h in _load(sd)["hosts"]:
+        link = _run(["ip", "-o", "link", "show", h["veth"]], check=False).stdout
+        out.append({"name": h["name"], "address": h["address"], "netns": h["netns"],
+                    "release": h["release"], "sshd_pid": h["sshd_pid"],
+                    "sshd_alive": _alive(h["sshd_pid"]), "proxy_alive": _alive(h["proxy_pid"]),
+                    "link_up": "UP" in link.partition("<")[2].partition(">")[0].split(","),
+                    "faults": dict(h["faults"])})
+    return out
+
+
+def host_pids(host: str, lab_id: int = 0, state_dir: Path | None = None) -> list[int]:
+    """Pids of the processes running on `host` (name or address), from `ip netns pids`, less
+    the lab's own machinery (namespace holder, delay proxy, sshd listener): what is left are
+    SSH sessions, the commands they started, and servers."""
+    sd = state_dir_for(lab_id, state_dir)
+    h = _find(_load(sd), host)
+    own = {h["holder_pid"], h["proxy_pid"], h["sshd_pid"]}
+    pids = [int(p) for p in _run(["ip", "netns", "pids", h["netns"]]).stdout.split()]
+    return [p for p in pids if p not in own]
+
+
+def _find(state: dict, host: str) -> dict:
+    for h in state["hosts"]:
+        if host in (h["name"], h["address"]):
+            return h
+    raise UsageError(f"no lab host {host!r}; hosts: {', '.join(h['name'] for h in state['hosts'])}")
+
+
+def lab_fault(host: str, kind: str, arg: str | int | None = None, lab_id: int = 0,
+              state_dir: Path | None = None) -> dict:
+    """Inject or clear a fault on one lab host (name like "lab-01" or its address); return its faults.
+
+    Kinds: `delay MS` (each direction, by the host's delayproxy; 0 clears), `down`/`up` (the
+    bridge side of the host's veth: connects time out), `freeze`/`thaw` (SIGSTOP/SIGCONT sshd:
+    TCP is accepted, no banner), `rekey` (a new host key, sshd restarted; known_hosts keeps the
+    old one) / `unrekey` (the original key back), `hang`/`unhang` (/opt/sglang/venv/bin/python*
+    replaced by a script that sleeps forever / restored). Raises UsageError for a bad kind or
+    host, LabError if a step fails.
+    """
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    state = _load(sd)
+    h = _find(state, host)
+    hd, f = _host_dir(sd, h["name"]), h["faults"]
+    if kind == "delay":
+        try:
+            ms = int(arg)
+            assert ms >= 0
+        except (TypeError, ValueError, AssertionError):
+            raise UsageError(f"delay needs a whole number of milliseconds >= 0, not {arg!r}") from None
+        (hd / "delay_ms").write_text(f"{ms}\n")
+        os.kill(h["proxy_pid"], signal.SIGHUP)
+        f["delay_ms"] = ms
+    elif kind in ("down", "up"):
+        _run(["ip", "link", "set", h["veth"], kind])
+        f["down"] = kind == "down"
+    elif kind in ("freeze", "thaw"):
+        os.kill(h["sshd_pid"], signal.SIGSTOP if kind == "freeze" else signal.SIGCONT)
+        f["frozen"] = kind == "freeze"
+    elif kind in ("rekey", "unrekey"):
+        k, orig = hd / "ssh_host_ed25519_key", hd / "ssh_host_ed25519_key.orig"
+        if kind == "rekey":
+            if not orig.exists():
+                k.rename(orig)
+                k.with_name(k.name + ".pub").rename(orig.with_name(orig.name + ".pub"))
+            for p in (k, k.with_name(k.name + ".pub")):
+                p.unlink(missing_ok=True)
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h["name"], "-f", str(k)])
+        elif orig.exists():
+            orig.replace(k)
+            orig.with_name(orig.name + ".pub").replace(k.with_name(k.name + ".pub"))
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.kill(h["sshd_pid"], sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while _alive(h["sshd_pid"]) and time.monotonic() < deadline:  # free 127.0.0.1:22
+            time.sleep(0.05)
+        h["sshd_pid"] = _start_sshd(h, sd)
+        f["rekeyed"], f["frozen"] = kind == "rekey", False
+        _save(sd, state)
+        _wait_banner(h["address"])
+    elif kind in ("hang", "unhang"):
+        bindir = hd / PRIVATE_DIRS["/opt/sglang"] / "venv" / "bin"
+        backup = hd / "hang-backup"
+        backup.mkdir(exist_ok=True)
+        for name in VENV_PYTHONS:
+            if kind == "hang" and not (backup / name).is_symlink() and not (backup / name).exists():
+                (bindir / name).rename(backup / name)
+                (bindir / name).write_text(HANG_SCRIPT)
+                (bindir / name).chmod(0o755)
+            elif kind == "unhang" and ((backup / name).is_symlink() or (backup / name).exists()):
+                (backup / name).replace(bindir / name)
+        f["hung"] = kind == "hang"
+    else:
+        raise UsageError(f"unknown fault {kind!r}; kinds: {', '.join(FAULTS)}")
+    _save(sd, state)
+    return dict(f)
+
+
+# ---------------------------------------------------------------- python -m fleetctl.lab
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fleetctl.lab up|down|status|inventory|fault ...` (the same as `fleetctl lab`)."""
+    p = argparse.ArgumentParser(prog="python -m fleetctl.lab")
+    p.add_argument("--lab-id", type=int, default=0)
+    p.add_argument("--state-dir", type=Path)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up")
+    up.add_argument("--hosts", type=int)
+    up.add_argument("--releases", default=",".join(DEFAULT_RELEASES))
+    up.add_argument("--with-server", action="store_true")
+    sub.add_parser("down")
+    sub.add_parser("status")
+    sub.add_parser("inventory")
+    fault = sub.add_parser("fault")
+    fault.add_argument("host")
+    fault.add_argument("kind", choices=FAULTS)
+    fault.add_argument("arg", nargs="?")
+    a = p.parse_args(argv)
+    try:
+        if a.cmd == "up":
+            t = time.monotonic()
+            inv = lab_up(a.hosts, a.releases.split(","), a.with_server, a.lab_id, a.state_dir)
+            print(f"lab up in {time.monotonic() - t:.1f} s", file=sys.stderr)
+            print(inv)
+        elif a.cmd == "down":
+            lab_down(a.lab_id, a.state_dir)
+        elif a.cmd == "status":
+            for h in lab_status(a.lab_id, a.state_dir):
+                print(json.dumps(h))
+        elif a.cmd == "inventory":
+            print(inventory_path(a.lab_id, a.state_dir))
+        else:
+            print(json.dumps(lab_fault(a.host, a.kind, a.arg, a.lab_id, a.state_dir)))
+    except FleetctlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
