@@ -1,0 +1,293 @@
+"""Kernel build probe (stdlib only, Python 3.8+): preflight, build and test a kernel package on the host.
+
+main(params) dispatches on params["action"]:
+  preflight  facts (nvidia-smi compute_cap, nvcc --version, torch/version.py, ninja) and a verdict:
+             the backend to build ("cuda", "cpu" or None), TORCH_CUDA_ARCH_LIST value, refusals.
+  build      torch.utils.cpp_extension.load in a child process (own process group) into an explicit
+             build directory, under an flock and a deadline; the log is kept in BUILD_DIR/build.log.
+  test       the package's test module against the built module in a fresh process.
+torch is never imported here: builds and tests run in child processes of the host's interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import fcntl
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+# Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
+MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),
+                     "10.0": (12, 8), "12.0": (12, 8)}
+LOG_TAIL_BYTES = 4000
+
+_BUILD = r"""
+import json, sys
+a = json.loads(sys.argv[1])
+from torch.utils.cpp_extension import load
+m = load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"], extra_cuda_cflags=a["cuda_cflags"],
+         extra_ldflags=a["ldflags"], build_directory=a["build_dir"], verbose=True)
+with open(a["result"], "w") as f:
+    json.dump({"module_path": m.__file__}, f)
+"""
+
+
+def main(params: dict) -> dict:
+    """Run params["action"] ("preflight", "build" or "test") with the other params; see each function."""
+    actions = {"preflight": preflight, "build": build, "test": test}
+    return actions[params["action"]](params)
+
+
+def preflight(params: dict) -> dict:
+    """Facts and verdict for params["backends"] (the package's backends, e.g. ["cpu", "cuda"]).
+
+    Returns {"facts": gather_facts(), "backend": str|None, "arch": str|None, "refusals": [str]}.
+    """
+    facts = gather_facts()
+    return dict(facts=facts, **decide(facts, params["backends"]))
+
+
+def gather_facts() -> dict:
+    """Build-relevant facts of this host and interpreter, read without importing torch.
+
+    gpus: [{"name", "compute_cap"}] from `nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader`
+    ([] without nvidia-smi; "gpu_error" when it fails); nvcc: {"path", "version"} or None, found as
+    torch finds it (CUDA_HOME/CUDA_PATH, PATH, /usr/local/cuda); torch: {"version", "cuda", "path"}
+    from torch/version.py or None; ninja: its path (PATH plus the interpreter's bin dir) or None.
+    """
+    python = sys.executable
+    facts = {"python": python, "gpus": [], "gpu_error": None, "cpu_count": os.cpu_count()}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        r = _run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        if r.returncode == 0:
+            for line in r.stdout.splitlines():
+                if line.strip():
+                    name, _, cap = line.rpartition(",")
+                    facts["gpus"].append({"name": name.strip(), "compute_cap": cap.strip()})
+        else:
+            facts["gpu_error"] = "nvidia-smi exit %d: %s" % (r.returncode, (r.stderr or r.stdout).strip()[-500:])
+    facts["nvcc"] = _nvcc()
+    facts["torch"] = _torch_version()
+    facts["ninja"] = shutil.which("ninja", path=_search_path(python))
+    return facts
+
+
+def decide(facts: dict, backends: list) -> dict:
+    """Which backend to build, for which arch, or why not: {"backend", "arch", "refusals"}.
+
+    GPU host: the cuda backend, refused when nvcc is missing, nvcc's major version differs from
+    torch.version.cuda's, torch is a CPU build, or torch/nvcc are older than the arch needs
+    (MIN_CUDA_FOR_ARCH, e.g. sm_120 needs CUDA >= 12.8). No GPU: the cpu backend if the package has one.
+    """
+    refusals = []
+    torch, nvcc, gpus = facts.get("torch"), facts.get("nvcc"), facts.get("gpus") or []
+    if not torch:
+        refusals.append("torch is not installed for %s" % facts.get("python"))
+    if not facts.get("ninja"):
+        refusals.append("ninja is not on PATH (torch.utils.cpp_extension needs it)")
+    if facts.get("gpu_error"):
+        refusals.append("cannot read the GPUs: %s" % facts["gpu_error"])
+    if not gpus:
+        if "cpu" not in backends:
+            refusals.append("no GPU and the package has no cpu backend")
+        return {"backend": None if refusals else "cpu", "arch": None, "refusals": refusals}
+    archs = sorted({g["compute_cap"] for g in gpus}, key=_version)
+    tcuda = torch and torch.get("cuda")
+    if "cuda" not in backends:
+        refusals.append("GPU host (sm_%s) but the package has no cuda backend" % archs[0].replace(".", ""))
+    if not nvcc or not nvcc["version"]:
+        refusals.append("nvcc not found or its version unreadable (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda/bin)")
+        nvcc = None
+    if torch and not tcuda:
+        refusals.append("torch %s is a CPU build (torch.version.cuda is None) on a GPU host" % torch["version"])
+    if nvcc and tcuda and _version(nvcc["version"])[0] != _version(tcuda)[0]:
+        refusals.append("nvcc %s major differs from torch's CUDA %s" % (nvcc["version"], tcuda))
+    for arch in archs:
+        sm = "sm_" + arch.replace(".", "")
+        need = MIN_CUDA_FOR_ARCH.get(arch)
+        if need is None:
+            refusals.append("%s is not a supported arch (%s)" % (sm, ", ".join(sorted(MIN_CUDA_FOR_ARCH))))
+            continue
+        for who, have in (("torch", tcuda), ("nvcc", nvcc and nvcc["version"])):
+            if have and _version(have) < need:
+                refusals.append("%s needs CUDA >= %d.%d; %s has CUDA %s" % (sm, need[0], need[1], who, have))
+    return {"backend": None if refusals else "cuda", "arch": ";".join(archs), "refusals": refusals}
+
+
+def build(params: dict) -> dict:
+    """Build an extension with torch.utils.cpp_extension.load in a child process.
+
+    params: src_dir (uploaded package), build_dir (staging), name (module name), sources (relative
+    to src_dir), cflags, cuda_cflags, ldflags, arch (TORCH_CUDA_ARCH_LIST, None for cpu), max_jobs
+    (cap on MAX_JOBS, default 4), deadline_s (default 1800 s, waiting for the lock included),
+    lock_path (default BUILD_DIR.lock).
+    An flock on lock_path serialises builds; under it torch's own `lock` file in build_dir, which a
+    killed build leaves behind (torch then waits forever), is removed. At the deadline the child's
+    whole process group is killed. Returns {"ok", "module_path", "log_path", "log_tail" (failure
+    only), "rc", "timed_out", "seconds", "removed_stale_lock", "pgid"}.
+    """
+    start = time.monotonic()
+    deadline = start + float(params.get("deadline_s", 1800))
+    python = sys.executable
+    build_dir = os.path.abspath(params["build_dir"])
+    os.makedirs(build_dir, exist_ok=True)
+    log_path = os.path.join(build_dir, "build.log")
+    result_path = os.path.join(build_dir, "build-result.json")
+    out = {"ok": False, "module_path": None, "log_path": log_path, "log_tail": None, "rc": None,
+           "timed_out": False, "seconds": 0.0, "removed_stale_lock": False, "pgid": None}
+    lock_path = params.get("lock_path") or build_dir + ".lock"
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _flock(lock_fd, deadline):
+            out.update(timed_out=True, log_tail="another build held %s until the deadline" % lock_path)
+            return out
+        torch_lock = os.path.join(build_dir, "lock")
+        if os.path.lexists(torch_lock):
+            os.unlink(torch_lock)
+            out["removed_stale_lock"] = True
+        if os.path.exists(result_path):
+            os.unlink(result_path)
+        jobs = max(1, min(int(params.get("max_jobs", 4)), os.cpu_count() or 1))
+        env = dict(os.environ, MAX_JOBS=str(jobs), PATH=_search_path(python))
+        env.pop("TORCH_CUDA_ARCH_LIST", None)
+        if params.get("arch"):
+            env["TORCH_CUDA_ARCH_LIST"] = params["arch"]
+        args = {"name": params["name"], "build_dir": build_dir, "result": result_path,
+                "sources": [os.path.join(os.path.abspath(params["src_dir"]), s) for s in params["sources"]],
+                "cflags": params.get("cflags") or [], "cuda_cflags": params.get("cuda_cflags") or [],
+                "ldflags": params.get("ldflags") or []}
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([python, "-c", _BUILD, json.dumps(args)], stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=build_dir, env=env,
+                                    start_new_session=True, pass_fds=(lock_fd,))
+            out["pgid"] = proc.pid
+            out["rc"], out["timed_out"] = _wait(proc, deadline)
+        if out["rc"] == 0 and os.path.exists(result_path):
+            with open(result_path) as f:
+                out["module_path"] = json.load(f)["module_path"]
+            out["ok"] = True
+        else:
+            out["log_tail"] = _tail(log_path)
+        return out
+    finally:
+        os.close(lock_fd)
+        out["seconds"] = round(time.monotonic() - start, 3)
+
+
+def test(params: dict) -> dict:
+    """Run the package's test module on a built module in a fresh process.
+
+    params: src_dir, module_path, test (relative to src_dir), reference ("file.py:func"),
+    tolerances ({dtype: [atol, rtol]}), device ("cpu"/"cuda"), deadline_s (default 600 s).
+    The test prints one JSON line and exits 0 when it passes. Returns {"ok", "rc", "timed_out",
+    "result" (the test's JSON or None), "stderr_tail", "seconds"}.
+    """
+    start = time.monotonic()
+    python = sys.executable
+    src_dir = os.path.abspath(params["src_dir"])
+    cmd = [python, os.path.join(src_dir, params["test"]), "--module", params["module_path"],
+           "--device", params["device"], "--reference", params["reference"],
+           "--tolerances", json.dumps(params["tolerances"])]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=src_dir, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=float(params.get("deadline_s", 600)))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        _killpg(proc.pid)
+        stdout, stderr = proc.communicate()
+        timed_out = True
+    lines = stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        result = None
+    ok = proc.returncode == 0 and isinstance(result, dict) and result.get("ok") is True
+    return {"ok": ok, "rc": proc.returncode, "timed_out": timed_out, "result": result,
+            "stderr_tail": stderr.decode("utf-8", "replace")[-LOG_TAIL_BYTES:],
+            "seconds": round(time.monotonic() - start, 3)}
+
+
+def _flock(fd: int, deadline: float) -> bool:
+    """Take an exclusive flock on fd, polling until the monotonic deadline; False if not taken."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+def _wait(proc: subprocess.Popen, deadline: float):
+    """Wait for proc until the deadline, then kill its process group: (returncode, timed_out)."""
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic())), False
+    except subprocess.TimeoutExpired:
+        _killpg(proc.pid)
+        return proc.wait(), True
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: str) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
+        return f.read().decode("utf-8", "replace")
+
+
+def _run(cmd: list) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return subprocess.CompletedProcess(cmd, 127, "", str(e))
+
+
+def _search_path(python: str) -> str:
+    """PATH plus the interpreter's bin directory (where a venv's ninja lives)."""
+    return os.pathsep.join([os.path.dirname(os.path.abspath(python)), os.environ.get("PATH", os.defpath)])
+
+
+def _nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    for path in candidates:
+        if path and os.access(path, os.X_OK):
+            m = re.search(r"release (\d+\.\d+)", _run([path, "--version"]).stdout)
+            return {"path": path, "version": m.group(1) if m else None}
+    return None
+
+
+def _torch_version():
+    """torch.__version__ and torch.version.cuda parsed from torch/version.py (torch not imported)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    fields = {}
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"(__version__|cuda)\s*(?::[^=]*)?=\s*(.+)$", line.strip())
+            if m:
+                fields[m.group(1)] = ast.literal_eval(m.group(2))
+    return {"version": fields.get("__version__"), "cuda": fields.get("cuda"), "path": path}
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", text)[:2])
