@@ -22,6 +22,8 @@ from .transport import SSHSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Inspect, patch, deploy kernels to and validate SGLang inference hosts over SSH.")
+deploy_app = typer.Typer(no_args_is_help=True, help="Deploy things to hosts.")
+app.add_typer(deploy_app, name="deploy")
 lab_app = typer.Typer(no_args_is_help=True, help="A local lab fleet: real sshd hosts in network namespaces.")
 app.add_typer(lab_app, name="lab")
 
@@ -220,6 +222,44 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut =
         _print_json({"hosts": [_host_json(r) for r in results]})
     else:
         render_status(results, out)
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
+
+
+@deploy_app.command("kernel")
+def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kernels/NAME.")], pattern: Pattern,
+                  inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+                  max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
+                  build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")] = 1800.0,
+                  port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
+                  latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = 0.0,
+                  allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
+                  connect_timeout: ConnectTimeout = 10.0, accept_new: AcceptNew = False) -> None:
+    """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
+    activate it atomically, validate, and switch back on failure."""
+    from .apply import new_change_id
+    from .deploy import DeployOptions, deploy_job
+    from .fleet import exit_code
+    from .kernelpkg import load_package
+    from .paths import project_dir
+    from .report import render_deploy, render_status_line
+
+    if max_jobs < 1 or build_timeout <= 0:
+        raise UsageError("--max-jobs must be >= 1 and --build-timeout > 0")
+    pkg = load_package(project_dir("kernels"), name)
+    opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
+                                           latency_slack), max_jobs=max_jobs, build_timeout=build_timeout)
+    hosts = _select(inventory, pattern)
+    _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
+    cid = new_change_id(f"kernel-{pkg.name}")
+    job_timeout = timeout or build_timeout + health_timeout + 900
+    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out) as fleet:
+        results = fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
+    if json_out:
+        _print_json({"change_id": cid, "kernel": pkg.name, "hosts": [_host_json(r) for r in results]})
+    else:
+        render_deploy(results, out)
+        out.print(f"change id: {cid}")
         render_status_line(results, out)
     raise typer.Exit(exit_code(results))
 

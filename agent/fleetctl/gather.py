@@ -12,9 +12,10 @@ from .fleet import HostContext
 PROBE_MODULES = ["callsites", "facts"]
 
 
-def gather(ctx: HostContext, with_sources: bool = False) -> dict:
+def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:
     """Inspect one host. Returns {"facts", "allocator_call_sites", "need_sort_origins", "scan"}
     (+ "sources": {file relative to site-packages: text} of files with need_sort origins when
-    `with_sources`). Raises ProbeError, RemoteTimeout, Unreachable."""
-    params = {"python": ctx.host.python, "scan": True, "with_sources": with_sources}
+    `with_sources`; no call sites or origins when not `scan`). Raises ProbeError, RemoteTimeout,
+    Unreachable."""
+    params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
     return ctx.probe("facts", params, modules=PROBE_MODULES)

@@ -222,13 +222,32 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
 def render_status(results: list[HostResult], console: Console) -> None:
     """Applied changes and drift per host."""
     t = Table(title="fleetctl status", title_justify="left", show_lines=True)
-    for c in ("host", "sglang", "applied changes", "drift", "modified outside fleetctl"):
+    for c in ("host", "sglang", "applied changes", "kernels", "drift", "modified outside fleetctl"):
         t.add_column(c, overflow="fold")
     for r in results:
         d = r.data or {}
         applied = [c["change_id"] for c in d.get("changes", []) if c["state"] == "applied"]
-        t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none",
+        kernels = "\n".join(f"{k} -> {v[:12]}" for k, v in (d.get("kernels") or {}).items())
+        t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none", kernels or "none",
                   "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift", [])) or "none",
                   "\n".join(m["path"] for m in d.get("modified") or []) or "none")
     console.print(t)
     render_problems(results, console)
+
+
+def render_deploy(results: list[HostResult], console: Console) -> None:
+    """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused, validation."""
+    t = Table(title="deploy kernel", title_justify="left")
+    for c in ("hosts", "status", "backend", "build", "active", "validation", "detail"):
+        t.add_column(c, overflow="fold")
+    rows = []
+    for r in results:
+        d = r.data or {}
+        key = (d.get("build_key") or "")[:12]
+        built = "reused" if d.get("reused") else (f"built in {d['build']['seconds']:.0f}s" if d.get("build") else "")
+        active = key if r.status in ("ok", "changed") else (d.get("previous") or "")[:12]
+        rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
+                              (d.get("validation") or {}).get("status", ""), r.error or "")))
+    for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
+        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), backend, built, active, val, detail)
+    console.print(t)

@@ -40,6 +40,33 @@ def sha256_file(path):
         return None
 
 
+def link_state(path):
+    """A symlink's state as the ledger records it: "link:<target>", or None when absent."""
+    try:
+        return "link:" + os.readlink(path)
+    except OSError:
+        return None
+
+
+def _state(f):
+    """Current state of ledger file entry `f`: sha256 of a file, link_state of a link."""
+    return link_state(f["path"]) if f.get("kind") == "link" else sha256_file(f["path"])
+
+
+def set_link(path, target, tag):
+    """Point symlink `path` at `target` atomically (new link beside it + rename); None removes it."""
+    if target is None:
+        if os.path.lexists(path):
+            os.unlink(path)
+    else:
+        tmp = _tmp_name(path, tag)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
 def _read(path):
     with open(path, "rb") as f:
         return f.read()
@@ -147,8 +174,11 @@ def read(params, state_dir):
 
 
 def apply(params, state_dir):
-    """{change_id, playbook, operator, files: [{path, pre_sha256, post_sha256, new_text}], commit?}.
+    """{change_id, playbook, operator, files: [{path, pre_sha256, post_sha256, new_text}
+    | {path, kind: "link", pre_target: str|None, post_target: str}], commit?}.
 
+    A "link" item swaps symlink `path` from pre_target (None: absent) to post_target atomically;
+    the ledger records link states as "link:<target>" in before/after_sha256 and needs no backup.
     Refuses, changing nothing, when a file's sha256 is not pre_sha256 ("changed since inspect"),
     new_text does not hash to post_sha256, the change id is used, or a change is still pending.
     Then: ledger "pending", originals to backups/<change_id>/ (fsynced), atomic writes with
@@ -167,8 +197,16 @@ def apply(params, state_dir):
     paths = [f["path"] for f in params["files"]]
     if len(set(paths)) != len(paths) or not all(os.path.isabs(p) for p in paths):
         raise Refused("file paths must be absolute and distinct")
-    originals, news = {}, {}
+    backup_dir = os.path.join(state_dir, "backups", cid)
+    originals, news, items = {}, {}, []
     for f in params["files"]:
+        if f.get("kind") == "link":
+            before = "link:" + f["pre_target"] if f.get("pre_target") else None
+            if link_state(f["path"]) != before or (before is None and os.path.lexists(f["path"])):
+                raise Refused("%s: changed since inspect (link is %s)" % (f["path"], link_state(f["path"])))
+            items.append({"path": f["path"], "kind": "link", "before_sha256": before,
+                          "after_sha256": "link:" + f["post_target"]})
+            continue
         try:
             originals[f["path"]] = _read(f["path"])
         except OSError as e:
@@ -178,27 +216,30 @@ def apply(params, state_dir):
         news[f["path"]] = f["new_text"].encode("utf-8")
         if hashlib.sha256(news[f["path"]]).hexdigest() != f["post_sha256"]:
             raise Refused("%s: new text does not hash to post_sha256" % f["path"])
-    backup_dir = os.path.join(state_dir, "backups", cid)
+        items.append({"path": f["path"], "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
+                      "backup": os.path.join(backup_dir, f["path"].lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
-             "files": [{"path": f["path"], "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
-                        "backup": os.path.join(backup_dir, f["path"].lstrip("/"))} for f in params["files"]]}
+             "files": items}
     entry = _append(state_dir, entry, "pending")
     written = []
     try:
         for f in entry["files"]:
-            os.makedirs(os.path.dirname(f["backup"]), mode=0o700, exist_ok=True)
-            atomic_write(f["backup"], originals[f["path"]], cid)
+            if f.get("kind") != "link":
+                os.makedirs(os.path.dirname(f["backup"]), mode=0o700, exist_ok=True)
+                atomic_write(f["backup"], originals[f["path"]], cid)
         for f in entry["files"]:
             written.append(f)
-            atomic_write(f["path"], news[f["path"]], cid)
-            drop_pycache(f["path"])
-            if sha256_file(f["path"]) != f["after_sha256"]:
-                raise OSError("%s: sha256 after the write is not post_sha256" % f["path"])
+            if f.get("kind") == "link":
+                set_link(f["path"], f["after_sha256"][len("link:"):], cid)
+            else:
+                atomic_write(f["path"], news[f["path"]], cid)
+                drop_pycache(f["path"])
+            if _state(f) != f["after_sha256"]:
+                raise OSError("%s: state after the write is not post_sha256" % f["path"])
     except Exception as e:
         for f in written:
-            if sha256_file(f["path"]) != f["before_sha256"]:
-                atomic_write(f["path"], originals[f["path"]], cid)
-                drop_pycache(f["path"])
+            if _state(f) != f["before_sha256"]:
+                _restore(f, cid, originals.get(f["path"]))
         _append(state_dir, entry, "failed", "%s: %s" % (type(e).__name__, e))
         return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
     if params.get("commit", True):
@@ -212,16 +253,23 @@ def commit(params, state_dir):
     entry = changes(state_dir).get(cid)
     if entry is None or entry["state"] != "pending":
         raise Refused("change %s is %s, not pending" % (cid, entry["state"] if entry else "unknown"))
-    moved = [f["path"] for f in entry["files"] if sha256_file(f["path"]) != f["after_sha256"]]
+    moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved:
         raise Refused("changed since the apply: %s" % ", ".join(moved))
     _append(state_dir, entry, "applied", params.get("reason"))
     return {"ok": True, "change_id": cid}
 
 
-def _restore(f, tag):
-    """Write the backup of ledger file entry `f` over its path; verify before_sha256."""
-    data = _read(f["backup"])
+def _restore(f, tag, data=None):
+    """Put ledger file entry `f` back to before_sha256: a link to its old target, a file from
+    `data` or its backup; verify the result."""
+    if f.get("kind") == "link":
+        before = f["before_sha256"]
+        set_link(f["path"], before[len("link:"):] if before else None, tag)
+        if _state(f) != before:
+            raise OSError("%s: link after restore is not %s" % (f["path"], before))
+        return
+    data = _read(f["backup"]) if data is None else data
     if hashlib.sha256(data).hexdigest() != f["before_sha256"]:
         raise OSError("backup %s does not hash to before_sha256" % f["backup"])
     atomic_write(f["path"], data, tag)
@@ -250,7 +298,7 @@ def rollback(params, state_dir):
         raise Refused("no change %r in the ledger" % cid)
     if entry["state"] not in ("applied", "pending"):
         raise Refused("change %s is %s, not applied" % (cid, entry["state"]))
-    moved = [f["path"] for f in entry["files"] if sha256_file(f["path"]) != f["after_sha256"]]
+    moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved and not params.get("force"):
         raise Refused("changed since the apply (use force): %s" % ", ".join(moved))
     for f in entry["files"]:
@@ -277,7 +325,7 @@ def recover(params, state_dir):
             for tag in (cid, cid + "-rb"):
                 if os.path.exists(_tmp_name(f["path"], tag)):
                     os.unlink(_tmp_name(f["path"], tag))
-            cur = sha256_file(f["path"])
+            cur = _state(f)
             if cur == f["before_sha256"]:
                 action = "untouched"
             elif cur == f["after_sha256"]:
@@ -330,7 +378,8 @@ def status(params, state_dir):
     changes: [{change_id, playbook, time, operator, state, reason, files: [path]}] (last state);
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied changes whose
     file no longer has after_sha256; modified: [{path, problem}] for files of the installed
-    distribution (dist-info RECORD) that differ and no applied change explains; record_error.
+    distribution (dist-info RECORD) that differ and no applied change explains; record_error;
+    kernels: {name: active build key} from the `kernels/<name>/current` links.
     """
     summary, drift, explained = [], [], {}
     for cid, e in changes(state_dir).items():
@@ -340,14 +389,17 @@ def status(params, state_dir):
         if e["state"] != "applied":
             continue
         for f in e["files"]:
-            if sha256_file(f["path"]) == f["after_sha256"]:
+            if _state(f) == f["after_sha256"]:
                 explained[os.path.realpath(f["path"])] = f["after_sha256"]
             else:
                 drift.append({"change_id": cid, "path": f["path"], "problem": "drift: reverted or reinstalled"})
     modified, err = (None, None)
     if params.get("location"):
         modified, err = _record_problems(params["location"], params.get("dist", "sglang"), explained)
-    return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err}
+    kernels = {os.path.basename(os.path.dirname(c)): os.readlink(c)
+               for c in sorted(glob.glob(os.path.join(state_dir, "kernels", "*", "current")))}
+    return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
+            "kernels": kernels}
 
 
 ACTIONS = {"read": read, "apply": apply, "commit": commit, "rollback": rollback, "recover": recover,

@@ -1,0 +1,144 @@
+"""Deploying a kernel package to hosts: preflight, upload, remote build, reference test, atomic
+activation, validation gate, rollback.
+
+Per host, under the host's lock: recover a change a killed run left pending -> facts (the
+interpreter that runs SGLang, which has torch) -> preflight (probes/kbuild.py: GPU arch, nvcc,
+torch CUDA, ninja; no GPU means the `cpu` backend) -> build key (kernelpkg.build_key) -> if
+`/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is reused; else upload the
+package to `<key>/src` (sha256 checked after upload), build into `<key>/build`, test against
+the reference in a fresh process, mark PASSED -> swap the `current` symlink to `<key>` (a ledger
+change, "pending") -> restart handler -> smoke gate -> "applied", or the link is switched back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import shlex
+from dataclasses import dataclass, field
+
+from .apply import LOCK_WAIT_S, STATE_DIR, ApplyOptions, _run_handlers, change_probe
+from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
+from .gather import gather
+from .kernelpkg import KernelPackage, build_key
+from .validate import SmokeOptions, gate, smoke
+
+BUILD_DEADLINE_S = 1800.0
+TEST_DEADLINE_S = 600.0
+
+
+@dataclass
+class DeployOptions:
+    """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds."""
+
+    smoke: SmokeOptions = field(default_factory=SmokeOptions)
+    max_jobs: int = 4
+    build_timeout: float = BUILD_DEADLINE_S
+    operator: str = field(default_factory=lambda: ApplyOptions().operator)
+    state_dir: str = STATE_DIR
+
+
+def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
+    return ctx.probe("kbuild", params, python=python, timeout=timeout)
+
+
+def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
+    """Put every package file under src_dir over SFTP, then check each sha256 on the host."""
+    files = pkg.files()
+    dirs = sorted({posixpath.dirname(posixpath.join(src_dir, rel)) for rel in files})
+    r = ctx.run("mkdir -p " + " ".join(shlex.quote(d) for d in dirs))
+    if not r.ok:
+        raise HostFailed(f"cannot create {src_dir}: {r.stderr.decode()[-300:]}")
+    for rel, data in files.items():
+        ctx.conn.put_bytes(data, posixpath.join(src_dir, rel))
+    r = ctx.run("cd " + shlex.quote(src_dir) + " && sha256sum -- " + " ".join(shlex.quote(rel) for rel in files))
+    got = dict(line.split(None, 1)[::-1] for line in r.stdout.decode().splitlines())
+    bad = [rel for rel, data in files.items() if got.get(rel) != hashlib.sha256(data).hexdigest()]
+    if bad or not r.ok:
+        raise HostFailed(f"upload to {src_dir} does not match the package: {', '.join(bad) or r.stderr.decode()}")
+
+
+def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
+    """The deploy job for one host (see the module docstring)."""
+
+    def job(ctx: HostContext) -> HostResult:
+        lock = ctx.conn.hold_lock(opts.state_dir, timeout=LOCK_WAIT_S)
+        try:
+            return _deploy(ctx, pkg, change_id, opts)
+        finally:
+            lock.release()
+
+    return job
+
+
+def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
+    recovered = change_probe(ctx, "recover", opts.state_dir)["recovered"]
+    facts = gather(ctx, scan=False)["facts"]
+    python = facts["python"]["path"]
+    pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
+    if pre["backend"] is None:
+        raise HostFailed("preflight refused: " + "; ".join(pre["refusals"]))
+    backend, f = pre["backend"], pre["facts"]
+    torch, nvcc = f.get("torch") or {}, f.get("nvcc") or {}
+    key = build_key(pkg, backend, torch.get("version"), torch.get("cuda"), nvcc.get("version"), pre["arch"])
+    kdir = f"{opts.state_dir}/kernels/{pkg.name}"
+    bdir = f"{kdir}/{key}"
+    link = f"{kdir}/current"
+    r = ctx.run(f"readlink {shlex.quote(link)} || true; cat {shlex.quote(bdir + '/PASSED')} 2>/dev/null || true")
+    lines = r.stdout.decode().splitlines()
+    current = lines[0].strip() if lines and lines[0].strip() else None
+    data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
+            "recovered": recovered, "refusals": pre["refusals"], "reused": len(lines) > 1 and bool(lines[1].strip())}
+    result = HostResult(ctx.host.name, ctx.conn.address, OK, data=data)
+    if not data["reused"]:
+        src, build = f"{bdir}/src", f"{bdir}/build"
+        _upload(ctx, pkg, src)
+        b = _kbuild(ctx, python, timeout=opts.build_timeout + 60, action="build", src_dir=src, build_dir=build,
+                    arch=pre["arch"], deadline_s=opts.build_timeout, max_jobs=opts.max_jobs,
+                    **pkg.build_params(backend))
+        data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "removed_stale_lock")}
+        if not b["ok"]:
+            raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
+                             f"log {b['log_path']}:\n{b['log_tail']}")
+        t = _kbuild(ctx, python, timeout=TEST_DEADLINE_S + 60, action="test", src_dir=src,
+                    module_path=b["module_path"], deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
+        data["test"] = t.get("result")
+        if not t["ok"]:
+            raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
+                             f"{t.get('result') or t.get('stderr_tail')}")
+        r = ctx.run(f"printf '%s\\n' {shlex.quote(b['module_path'])} > {shlex.quote(bdir + '/PASSED')}")
+        if not r.ok:
+            raise HostFailed(f"cannot mark {bdir} as tested: {r.stderr.decode()[-300:]}")
+    if current == key:
+        return result
+    steps_smoke = bool(ctx.host.vars.get("fleetctl_sglang_port") or facts.get("servers"))
+    baseline = smoke(ctx, facts, opts.smoke) if steps_smoke else None
+    change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=f"kernel {pkg.name}",
+                 operator=opts.operator, files=[{"path": link, "kind": "link", "pre_target": current,
+                                                 "post_target": key}], commit=False)
+    result.status, data["change_id"] = CHANGED, change_id
+    cmd = ctx.host.vars.get("fleetctl_restart_cmd")
+    handlers = [{"name": "restart sglang", "command": cmd}] if cmd else []
+    problems = []
+    try:
+        data["handlers"] = _run_handlers(ctx, handlers)
+        if baseline is not None:
+            verdict = gate(baseline, smoke(ctx, facts, opts.smoke), opts.smoke)
+            data["validation"] = verdict.to_dict()
+            if verdict.failed:
+                problems.append(f"validation failed: {verdict.message}")
+        else:
+            data["validation"] = {"status": "skipped (no server)"}
+    except HostFailed as e:
+        problems.append(str(e))
+    if problems:
+        reason = "; ".join(problems)
+        change_probe(ctx, "rollback", opts.state_dir, change_id=change_id, reason=reason)
+        try:
+            _run_handlers(ctx, handlers)
+        except HostFailed as e:
+            reason += f"; after switching back: {e}"
+        result.status, result.error = FAILED, f"switched back to {current or 'no build'}: {reason}"
+        return result
+    change_probe(ctx, "commit", opts.state_dir, change_id=change_id)
+    return result

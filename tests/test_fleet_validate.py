@@ -1,0 +1,81 @@
+"""`fleetctl validate` on the lab: the smoke decode runs on each host against its stand-in server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.lab
+
+
+def fleetctl(lab, *args, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
+                          env=env or lab.env, timeout=timeout)
+
+
+def validate_json(lab, *args, env=None):
+    r = fleetctl(lab, "validate", *args, "--json", env=env)
+    return r, {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
+
+
+def set_behavior(lab, host, behavior: dict):
+    cmd = (f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
+           " && /opt/fleetctl-standin/restart.sh")
+    assert lab.ssh(host, cmd).returncode == 0
+
+
+def test_validate_healthy_hosts(server_lab):
+    r, hosts = validate_json(server_lab, "all")
+    assert r.returncode == 0, r.stdout
+    ids = set()
+    for name in server_lab.hosts:
+        h = hosts[name]
+        assert h["status"] == "ok" and h["error"] is None
+        (s,) = h["servers"]
+        assert (s["host"], s["port"], s["ok"], s["stand_in"]) == ("127.0.0.1", 30000, True, True)
+        assert len(s["output_ids"]) == 16 and len(s["runs"]) == 3
+        assert s["latency_s"] > 0 and s["e2e_latency_s"] > 0 and s["tokens_per_s"] > 0
+        ids.add(tuple(s["output_ids"]))
+    assert len(ids) == 1  # same seeded stand-in everywhere: greedy tokens agree
+    r = fleetctl(server_lab, "validate", "all", env=dict(server_lab.env, COLUMNS="200"))
+    assert r.returncode == 0 and "stand-in" in r.stdout and "recap: ok=4" in r.stdout
+
+
+def test_host_that_stays_503_fails_at_health_deadline(server_lab):
+    set_behavior(server_lab, "lab-02", {"never_healthy": True})
+    try:
+        t0 = time.monotonic()
+        r, hosts = validate_json(server_lab, "all", "--health-timeout", "4")
+        took = time.monotonic() - t0
+    finally:
+        set_behavior(server_lab, "lab-02", {})
+    assert r.returncode == 2
+    assert hosts["lab-02"]["status"] == "failed" and "health deadline" in hosts["lab-02"]["error"]
+    assert all(hosts[h]["status"] == "ok" for h in ("lab-01", "lab-03", "lab-04"))
+    assert took < 4 + 30
+
+
+def test_host_without_server_is_skipped_not_passed(lab):
+    r, hosts = validate_json(lab, "lab-01")
+    assert r.returncode == 0
+    assert hosts["lab-01"]["status"] == "skipped"
+    assert hosts["lab-01"]["error"] == "validation: skipped (no server)"
+
+
+def test_offline_smoke_command_from_inventory(lab, tmp_path):
+    doc = yaml.safe_load(lab.inventory.read_text())
+    hosts = doc["all"]["children"]["lab"]["hosts"]
+    hosts["lab-01"]["fleetctl_smoke_cmd"] = "echo decoding; echo 16 tokens"
+    hosts["lab-02"]["fleetctl_smoke_cmd"] = "echo broken >&2; exit 3"
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    r, res = validate_json(lab, "lab-01:lab-02", "-i", str(inv))
+    assert r.returncode == 2
+    assert res["lab-01"]["status"] == "ok" and res["lab-01"]["offline"]["tail"] == ["decoding", "16 tokens"]
+    assert res["lab-02"]["status"] == "failed" and "exit 3" in res["lab-02"]["error"]
+    assert "broken" in res["lab-02"]["error"]
