@@ -1,0 +1,145 @@
+"""`fleetctl deploy kernel` on the lab with stand-in servers: real sshd, real torch extension
+builds (the CPU backend) on each host, the reference test, activation, validation, rollback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.lab
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KDIR = "/var/lib/fleetctl/kernels/verify_attention"
+SLACK = ["--latency-slack", "0.05"]
+
+
+def deploy(lab, pattern, *args, kernels: Path | None = None, **kw):
+    env = dict(lab.env, FLEETCTL_KERNELS_DIR=str(kernels or KERNELS))
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", pattern,
+                        "--yes", "--json", "--max-jobs", "2", *SLACK, *args], capture_output=True, text=True,
+                       env=env, timeout=900, **kw)
+    try:
+        doc = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
+    return r, doc, {h["host"]: h for h in doc["hosts"]}
+
+
+def active(lab, host):
+    return lab.ssh(host, f"readlink {KDIR}/current || true").stdout.strip() or None
+
+
+def variant(tmp_path, name, edit=None) -> Path:
+    """A copy of kernels/ whose verify_attention differs (new build key), optionally broken."""
+    root = tmp_path / name
+    shutil.copytree(KERNELS, root, ignore=shutil.ignore_patterns("__pycache__"))
+    readme = root / "verify_attention" / "README.md"
+    readme.write_text(readme.read_text() + f"\n<!-- variant {name} -->\n")
+    if edit:
+        edit(root / "verify_attention")
+    return root
+
+
+def set_behavior(lab, host, behavior: dict, restart: bool):
+    cmd = f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
+    if restart:
+        cmd += " && /opt/fleetctl-standin/restart.sh"
+    assert lab.ssh(host, cmd).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def deployed(server_lab):
+    """The package deployed once to every host (four real builds)."""
+    r, doc, hosts = deploy(server_lab, "all")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return doc, hosts
+
+
+def test_deploy_builds_tests_and_activates_everywhere(server_lab, deployed):
+    doc, hosts = deployed
+    keys = set()
+    for name in server_lab.hosts:
+        h = hosts[name]
+        assert h["status"] == "changed" and h["backend"] == "cpu" and h["arch"] is None
+        assert h["reused"] is False and h["build"]["ok"] is True
+        assert h["test"]["ok"] is True
+        assert h["validation"]["status"] == "passed"
+        assert active(server_lab, name) == h["build_key"]
+        keys.add(h["build_key"])
+    assert len(keys) == 1  # same package, same torch, no GPU: one key
+    r = server_lab.ssh("lab-01", "tail -n 1 /var/lib/fleetctl/ledger.jsonl")
+    entry = json.loads(r.stdout)
+    assert (entry["change_id"], entry["state"]) == (doc["change_id"], "applied")
+    assert entry["files"][0]["after_sha256"] == "link:" + keys.pop()
+
+
+def test_second_deploy_reuses_the_build(server_lab, deployed):
+    t0 = time.monotonic()
+    r, doc, hosts = deploy(server_lab, "all")
+    assert r.returncode == 0
+    assert all(hosts[h]["status"] == "ok" and hosts[h]["reused"] for h in server_lab.hosts)
+    assert all("build" not in hosts[h] for h in server_lab.hosts)
+    assert time.monotonic() - t0 < 60
+
+
+def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path):
+    def break_reference(d):
+        ref = d / "reference.py"
+        ref.write_text(ref.read_text() + "\n_orig = verify_attention_ref\n"
+                       "def verify_attention_ref(*a, **k):\n    return _orig(*a, **k) * 1.01\n")
+
+    before = active(server_lab, "lab-01")
+    r, doc, hosts = deploy(server_lab, "lab-01", kernels=variant(tmp_path, "broken", break_reference))
+    assert r.returncode == 2
+    h = hosts["lab-01"]
+    assert h["status"] == "failed" and "reference test failed, not activated" in h["error"]
+    assert active(server_lab, "lab-01") == before
+
+
+def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
+    before = active(server_lab, "lab-02")
+    set_behavior(server_lab, "lab-02", {"token_shift": 3}, restart=False)
+    try:
+        r, doc, hosts = deploy(server_lab, "lab-02", kernels=variant(tmp_path, "drift"))
+    finally:
+        set_behavior(server_lab, "lab-02", {}, restart=True)
+    assert r.returncode == 2
+    h = hosts["lab-02"]
+    assert h["status"] == "failed" and h["error"].startswith(f"switched back to {before}")
+    assert h["validation"]["status"] == "failed"
+    assert active(server_lab, "lab-02") == before
+
+
+def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, tmp_path):
+    kernels = variant(tmp_path, "killed")
+    env = dict(server_lab.env, FLEETCTL_KERNELS_DIR=str(kernels))
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", "lab-03",
+                          "--yes", "--max-jobs", "1"], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock 2>/dev/null").stdout.strip() == "":
+            assert time.monotonic() < deadline and p.poll() is None, "the build never started"
+            time.sleep(0.5)
+        os.kill(p.pid, signal.SIGKILL)
+        # the build's whole process tree dies too (as when a host's build is killed)
+        server_lab.ssh("lab-03", "pkill -9 -f 'torch.utils.cpp_extension' ; pkill -9 -f ninja ; pkill -9 -f 'cc1plus' ; true")
+    finally:
+        p.wait()
+    assert server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock").stdout.strip() != ""  # torch's lock is left
+    r, doc, hosts = deploy(server_lab, "lab-03", kernels=kernels)
+    h = hosts["lab-03"]
+    assert h["status"] == "changed", h["error"]
+    assert h["build"]["removed_stale_lock"] is True
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "rollback", doc["change_id"], "lab-03", "--yes"],
+                       env=server_lab.env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout
+    assert active(server_lab, "lab-03") == hosts["lab-03"]["previous"]
