@@ -236,3 +236,30 @@ def test_two_phase_apply_commit_or_rollback(site):
     assert ledger_states(state)[-2:] == [("c2", "pending"), ("c2", "applied")]
     assert change.main({"action": "recover", "state_dir": str(state)})["recovered"] == []
     assert all(sha(Path(f["path"])) == f["post_sha256"] for f in params["files"])
+
+
+def test_symlink_changes_swap_roll_back_and_recover(tmp_path):
+    """Kernel activation: the `current` link is a ledger change like a file edit."""
+    state, kdir = tmp_path / "state", tmp_path / "kernels"
+    kdir.mkdir()
+    link = str(kdir / "current")
+    sd = {"state_dir": str(state)}
+
+    def act(cid, pre, post, commit=True):
+        return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "operator": "t",
+                            "files": [{"path": link, "kind": "link", "pre_target": pre, "post_target": post}],
+                            "commit": commit, **sd})
+
+    assert act("c1", None, "k1")["ok"] and os.readlink(link) == "k1"
+    refused = act("c2", None, "k2")
+    assert not refused["ok"] and "changed since inspect" in refused["error"] and os.readlink(link) == "k1"
+    assert act("c3", "k1", "k2")["ok"] and os.readlink(link) == "k2"
+    assert change.main({"action": "status", **sd})["kernels"] == {}  # only kernels/<name>/current counts
+    assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"] and os.readlink(link) == "k1"
+    assert act("c4", "k1", "k3", commit=False)["ok"] and os.readlink(link) == "k3"  # killed before commit
+    rec = change.main({"action": "recover", **sd})["recovered"]
+    assert [(r["change_id"], r["files"][0]["action"]) for r in rec] == [("c4", "restored")]
+    assert os.readlink(link) == "k1"
+    assert change.main({"action": "rollback", "change_id": "c1", **sd})["ok"]
+    assert not os.path.lexists(link)
+    assert ledger_states(state)[-1] == ("c1", "rolled-back")

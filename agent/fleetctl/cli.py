@@ -290,7 +290,7 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
 
     path = lab.lab_up(hosts, [r.strip() for r in releases.split(",") if r.strip()],
                       with_server=with_server, lab_id=lab_id)
-    out.print(str(path))
+    typer.echo(str(path))
 
 
 @lab_app.command("down")
@@ -317,7 +317,7 @@ def lab_inventory(lab_id: LabId = 0) -> None:
     """Print the lab inventory's path (last line)."""
     from . import lab
 
-    out.print(str(lab.inventory_path(lab_id=lab_id)))
+    typer.echo(str(lab.inventory_path(lab_id=lab_id)))
 
 
 @lab_app.command("fault")
