@@ -142,12 +142,12 @@ def test_apply_is_idempotent_and_rollback_is_byte_identical(server_lab):
             assert host_sha(server_lab, h, f["rel"]) == wheel_sha(RELEASES[h], f["rel"])
 
 
-def test_file_edited_after_inspect_is_refused(server_lab):
+def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
     """The pre-image check: a file that changed between this run's inspect and its write."""
     inv = load(server_lab.inventory)
     host = inv.select("lab-04")[0]
     pb = load_playbook(find_playbook("defrag-tier0"))
-    os.environ["HOME"] = server_lab.env["HOME"]
+    monkeypatch.setenv("HOME", server_lab.env["HOME"])  # the lab's known_hosts
     with Fleet(SSHSettings(), timeout=120) as fleet:
         def job(ctx):
             g = gather(ctx, with_sources=True)
@@ -170,10 +170,10 @@ def test_file_edited_after_inspect_is_refused(server_lab):
     assert server_lab.ssh("lab-04", "grep -c t-refused /var/lib/fleetctl/ledger.jsonl || true").stdout.strip() in ("", "0")
 
 
-def test_second_concurrent_run_fails_fast(server_lab):
+def test_second_concurrent_run_fails_fast(server_lab, monkeypatch):
     inv = load(server_lab.inventory)
     host = inv.select("lab-03")[0]
-    os.environ["HOME"] = server_lab.env["HOME"]
+    monkeypatch.setenv("HOME", server_lab.env["HOME"])  # the lab's known_hosts
     with Fleet(SSHSettings()) as fleet:
         lock = fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5)
         try:

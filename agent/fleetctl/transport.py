@@ -253,8 +253,8 @@ class HostConnection:
         """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as this is open.
 
         The lock is held by a remote `flock` whose child waits for EOF on its stdin: closing the
-        channel, or this process dying, releases it. Fails fast (FleetctlError-like
-        RuntimeError) when another run holds it, quoting who.
+        channel, or this process dying, releases it. Raises LockBusy at once when another run
+        holds it (quoting who and since when), or when the lock cannot be taken within `timeout` s.
         """
         return RemoteLock(self, state_dir, timeout)
 
@@ -297,6 +297,9 @@ class RemoteLock:
         except socket.timeout:
             pass
         if buf.strip() != b"LOCKED":
+            end = time.monotonic() + timeout
+            while not self._chan.exit_status_ready() and time.monotonic() < end:
+                time.sleep(0.02)
             code = self._chan.recv_exit_status() if self._chan.exit_status_ready() else None
             self._chan.close()
             if code == 75:
