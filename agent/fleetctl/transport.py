@@ -132,21 +132,29 @@ class HostConnection:
             connect_timeout=max(1, math.ceil(settings.connect_timeout)),
             connect_kwargs=connect_kwargs,
         )
-        client = self._conn.client
-        files = list(settings.known_hosts) or self._known_hosts_files()
+        # ProxyJump hops are Connections of their own (Fabric builds them from ~/.ssh/config):
+        # each one gets the same host-key policy as the target.
+        conn = self._conn
+        while isinstance(conn, fabric.Connection):
+            self._verify_host_keys(conn)
+            conn = conn.gateway
+
+    def _verify_host_keys(self, conn: fabric.Connection) -> None:
+        """Load known_hosts into `conn`'s client and replace Fabric's AutoAddPolicy."""
+        configured = conn.ssh_config.get("userknownhostsfile")
+        if self.settings.known_hosts:
+            files = list(self.settings.known_hosts)
+        elif configured:
+            files = [Path(os.path.expanduser(p)) for p in shlex.split(configured)]
+        else:
+            files = [Path(os.path.expanduser("~/.ssh/known_hosts"))]
         for path in files:
             if path.exists():
-                client.get_host_keys().load(str(path))
-        if settings.accept_new:
-            client.set_missing_host_key_policy(_AcceptNew(files[0], _ACCEPT_LOCK))
+                conn.client.get_host_keys().load(str(path))
+        if self.settings.accept_new:
+            conn.client.set_missing_host_key_policy(_AcceptNew(files[0], _ACCEPT_LOCK))
         else:
-            client.set_missing_host_key_policy(_RefuseUnknown())
-
-    def _known_hosts_files(self) -> list[Path]:
-        configured = self._conn.ssh_config.get("userknownhostsfile")
-        if configured:
-            return [Path(os.path.expanduser(p)) for p in shlex.split(configured)]
-        return [Path(os.path.expanduser("~/.ssh/known_hosts"))]
+            conn.client.set_missing_host_key_policy(_RefuseUnknown())
 
     @property
     def address(self) -> str:
@@ -164,9 +172,12 @@ class HostConnection:
 
         def watchdog():
             deadline_hit.set()
-            transport = self._conn.client.get_transport()
-            if transport is not None:
-                transport.close()
+            conn = self._conn
+            while isinstance(conn, fabric.Connection):  # the target and every ProxyJump hop
+                transport = conn.client.get_transport()
+                if transport is not None:
+                    transport.close()
+                conn = conn.gateway
 
         timer = threading.Timer(self.settings.connect_timeout, watchdog)
         timer.daemon = True
