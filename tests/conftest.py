@@ -3,7 +3,9 @@ that two test sessions can run side by side) for the whole test session."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,6 +43,15 @@ class Lab:
     def pids(self, host: str) -> list[int]:
         """Processes on the host other than the lab's own machinery (fleetctl.lab.host_pids)."""
         return labmod.host_pids(host, lab_id=self.lab_id, state_dir=self.state_dir)
+
+    def set_behavior(self, host: str, behavior: dict, restart: bool) -> None:
+        """Write the stand-in server's behaviour file on `host` (read when the server starts, see
+        fleetctl/standin/server.py); with `restart`, restart the server now."""
+        cmd = f"echo {shlex.quote(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
+        if restart:
+            cmd += " && /opt/fleetctl-standin/restart.sh"
+        r = self.ssh(host, cmd)
+        assert r.returncode == 0, r.stderr
 
     def ssh(self, host: str, command: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         """Run `command` on `host` with the OpenSSH client, strict host-key checking on."""

@@ -77,12 +77,6 @@ def origins_by_independent_reading(text):
     return out
 
 
-def set_behavior(lab, host, behavior: dict, restart: bool):
-    """Write the stand-in's behaviour file (read when it starts); optionally restart it now."""
-    cmd = f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
-    if restart:
-        cmd += " && /opt/fleetctl-standin/restart.sh"
-    assert lab.ssh(host, cmd).returncode == 0
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +84,7 @@ def healthy_servers(server_lab):
     """Every test starts and ends with well-behaved stand-ins and no applied change."""
     yield
     for h in server_lab.hosts:
-        set_behavior(server_lab, h, {}, restart=True)
+        server_lab.set_behavior(h, {}, restart=True)
     fleetctl(server_lab, "rollback", "--last", "all", "--yes")
 
 
@@ -205,7 +199,7 @@ def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
     rel = "sglang/srt/mem_cache/kv_cache_configurator.py"
     original = wheel_sha("0.5.23", rel)
     # after the restart the stand-in stays unhealthy, so the run sits in validation, change pending
-    set_behavior(server_lab, "lab-04", {"never_healthy": True}, restart=False)
+    server_lab.set_behavior("lab-04", {"never_healthy": True}, restart=False)
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-04", "--yes",
                           "--health-timeout", "60", *SLACK], env=server_lab.env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -225,7 +219,7 @@ def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
              .stdout.splitlines() if pending[0] in line][-1]
     assert sha in (original, entry["files"][0]["after_sha256"])  # whole file, old or new
 
-    set_behavior(server_lab, "lab-04", {}, restart=True)
+    server_lab.set_behavior("lab-04", {}, restart=True)
     r, doc, hosts = apply_json(server_lab, "lab-04", "--yes", *SLACK)
     assert hosts["lab-04"]["status"] == "changed", hosts["lab-04"]["error"]
     assert [x["change_id"] for x in hosts["lab-04"]["recovered"]] == pending
@@ -235,7 +229,7 @@ def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
 
 def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
     """lab-02 is the canary; after its restart the stand-in decodes other tokens."""
-    set_behavior(server_lab, "lab-02", {"token_shift": 1}, restart=False)
+    server_lab.set_behavior("lab-02", {"token_shift": 1}, restart=False)
     before = {h: tree_digest(server_lab, h) for h in server_lab.hosts}
     r, doc, hosts = apply_json(server_lab, "all:!lab-01", "--yes", "--serial", "1,100%", *SLACK)
     assert r.returncode == 2
@@ -248,7 +242,7 @@ def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
 
 
 def test_slower_server_trips_the_latency_gate(server_lab):
-    set_behavior(server_lab, "lab-03", {"slowdown": 10}, restart=False)
+    server_lab.set_behavior("lab-03", {"slowdown": 10}, restart=False)
     before = tree_digest(server_lab, "lab-03")
     r, doc, hosts = apply_json(server_lab, "lab-03", "--yes", *SLACK)
     assert r.returncode == 2

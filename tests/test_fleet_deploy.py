@@ -48,11 +48,6 @@ def variant(tmp_path, name, edit=None) -> Path:
     return root
 
 
-def set_behavior(lab, host, behavior: dict, restart: bool):
-    cmd = f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
-    if restart:
-        cmd += " && /opt/fleetctl-standin/restart.sh"
-    assert lab.ssh(host, cmd).returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +101,11 @@ def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path)
 
 def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
     before = active(server_lab, "lab-02")
-    set_behavior(server_lab, "lab-02", {"token_shift": 3}, restart=False)
+    server_lab.set_behavior("lab-02", {"token_shift": 3}, restart=False)
     try:
         r, doc, hosts = deploy(server_lab, "lab-02", kernels=variant(tmp_path, "drift"))
     finally:
-        set_behavior(server_lab, "lab-02", {}, restart=True)
+        server_lab.set_behavior("lab-02", {}, restart=True)
     assert r.returncode == 2
     h = hosts["lab-02"]
     assert h["status"] == "failed" and h["error"].startswith(f"switched back to {before}")

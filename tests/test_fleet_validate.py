@@ -23,10 +23,6 @@ def validate_json(lab, *args, env=None):
     return r, {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
 
 
-def set_behavior(lab, host, behavior: dict):
-    cmd = (f"echo {json.dumps(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
-           " && /opt/fleetctl-standin/restart.sh")
-    assert lab.ssh(host, cmd).returncode == 0
 
 
 def test_validate_healthy_hosts(server_lab):
@@ -47,13 +43,13 @@ def test_validate_healthy_hosts(server_lab):
 
 
 def test_host_that_stays_503_fails_at_health_deadline(server_lab):
-    set_behavior(server_lab, "lab-02", {"never_healthy": True})
+    server_lab.set_behavior("lab-02", {"never_healthy": True}, restart=True)
     try:
         t0 = time.monotonic()
         r, hosts = validate_json(server_lab, "all", "--health-timeout", "4")
         took = time.monotonic() - t0
     finally:
-        set_behavior(server_lab, "lab-02", {})
+        server_lab.set_behavior("lab-02", {}, restart=True)
     assert r.returncode == 2
     assert hosts["lab-02"]["status"] == "failed" and "health deadline" in hosts["lab-02"]["error"]
     assert all(hosts[h]["status"] == "ok" for h in ("lab-01", "lab-03", "lab-04"))

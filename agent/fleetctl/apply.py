@@ -119,17 +119,23 @@ def _compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[s
     return [] if r.ok else [l for l in r.stdout.decode().splitlines() if l] or [r.stderr.decode()[-300:]]
 
 
-def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
-    """The apply job for one host (see the module docstring)."""
+def locked(state_dir: str, work):
+    """A job that runs `work(ctx)` while holding the host's fleetctl lock (STATE_DIR/lock):
+    a second run that wants to change the same host fails fast instead of interleaving."""
 
     def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(opts.state_dir, timeout=LOCK_WAIT_S)
+        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S)
         try:
-            return _apply(ctx, playbook, change_id, opts)
+            return work(ctx)
         finally:
             lock.release()
 
     return job
+
+
+def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
+    """The apply job for one host (see the module docstring)."""
+    return locked(opts.state_dir, lambda ctx: _apply(ctx, playbook, change_id, opts))
 
 
 def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
@@ -214,20 +220,16 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
     """Roll back `change_id` (None: the host's last applied change) and restart SGLang with the
     host's `fleetctl_restart_cmd` when it is set."""
 
-    def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S)
-        try:
-            recovered = change_probe(ctx, "recover", state_dir)["recovered"]
-            params = {"change_id": change_id} if change_id else {"last": True}
-            res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
-            cmd = ctx.host.vars.get(handler_cmd_var)
-            handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if cmd else []
-            return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
-                              data={**res, "recovered": recovered, "handlers": handlers})
-        finally:
-            lock.release()
+    def work(ctx: HostContext) -> HostResult:
+        recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+        params = {"change_id": change_id} if change_id else {"last": True}
+        res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+        cmd = ctx.host.vars.get(handler_cmd_var)
+        handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if cmd else []
+        return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
+                          data={**res, "recovered": recovered, "handlers": handlers})
 
-    return job
+    return locked(state_dir, work)
 
 
 def status_job(state_dir: str = STATE_DIR):

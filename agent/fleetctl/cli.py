@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import click
@@ -115,20 +114,14 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
              forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
              accept_new: AcceptNew = False) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
-    from .fleet import exit_code
-    from .report import render_status_line, render_validate
+    from .report import render_validate
     from .validate import validate_job
 
     opts = _smoke_opts(port, health_timeout, repeat)
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
-    if json_out:
-        _print_json({"hosts": [_host_json(r) for r in results]})
-    else:
-        render_validate(results, out)
-        render_status_line(results, out)
-    raise typer.Exit(exit_code(results))
+    _finish(results, json_out, render_validate)
 
 
 @app.command()
@@ -145,10 +138,9 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
           accept_new: AcceptNew = False) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback."""
     from .apply import ApplyOptions, new_change_id, run_playbook
-    from .fleet import exit_code
     from .paths import find_playbook
     from .playbook import load_playbook
-    from .report import render_apply, render_status_line
+    from .report import render_apply
 
     pb = load_playbook(find_playbook(playbook))
     opts = ApplyOptions(check=True, serial=serial, max_fail_percentage=max_fail_percentage,
@@ -168,15 +160,12 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
                 _confirm(f"apply {pb.name} to {sum(r.status == 'changed' for r in results)} host(s)", yes)
                 opts.check = False
                 cid, results = run_playbook(fleet, hosts, pb, opts, new_change_id(pb.name))
-    if json_out:
-        _print_json({"change_id": None if check else cid, "check": check,
-                     "hosts": [_host_json(r) for r in results]})
-    else:
-        render_apply(results, out, diff=diff, check=check)
+    def render(rs, console):
+        render_apply(rs, console, diff=diff, check=check)
         if not check:
-            out.print(f"change id: {cid}")
-        render_status_line(results, out)
-    raise typer.Exit(exit_code(results))
+            console.print(f"change id: {cid}")
+
+    _finish(results, json_out, render, change_id=None if check else cid, check=check)
 
 
 @app.command()
@@ -188,8 +177,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              accept_new: AcceptNew = False) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .apply import rollback_job
-    from .fleet import exit_code
-    from .report import render_results, render_status_line
+    from .report import render_results
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
@@ -198,12 +186,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
-    if json_out:
-        _print_json({"hosts": [_host_json(r) for r in results]})
-    else:
-        render_results("rollback", results, out)
-        render_status_line(results, out)
-    raise typer.Exit(exit_code(results))
+    _finish(results, json_out, lambda rs, console: render_results("rollback", rs, console))
 
 
 @app.command()
@@ -212,18 +195,12 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut =
            accept_new: AcceptNew = False) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from .apply import status_job
-    from .fleet import exit_code
-    from .report import render_status, render_status_line
+    from .report import render_status
 
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, status_job(), "status")
-    if json_out:
-        _print_json({"hosts": [_host_json(r) for r in results]})
-    else:
-        render_status(results, out)
-        render_status_line(results, out)
-    raise typer.Exit(exit_code(results))
+    _finish(results, json_out, render_status)
 
 
 @deploy_app.command("kernel")
@@ -239,10 +216,9 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
     activate it atomically, validate, and switch back on failure."""
     from .apply import new_change_id
     from .deploy import DeployOptions, deploy_job
-    from .fleet import exit_code
     from .kernelpkg import load_package
     from .paths import project_dir
-    from .report import render_deploy, render_status_line
+    from .report import render_deploy
 
     if max_jobs < 1 or build_timeout <= 0:
         raise UsageError("--max-jobs must be >= 1 and --build-timeout > 0")
@@ -255,18 +231,31 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
     job_timeout = timeout or build_timeout + health_timeout + 900
     with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
-    if json_out:
-        _print_json({"change_id": cid, "kernel": pkg.name, "hosts": [_host_json(r) for r in results]})
-    else:
-        render_deploy(results, out)
-        out.print(f"change id: {cid}")
-        render_status_line(results, out)
-    raise typer.Exit(exit_code(results))
+
+    def render(rs, console):
+        render_deploy(rs, console)
+        console.print(f"change id: {cid}")
+
+    _finish(results, json_out, render, change_id=cid, kernel=pkg.name)
 
 
 def _host_json(r) -> dict:
     return {"host": r.host, "address": r.address, "status": r.status, "error": r.error,
             "elapsed_s": r.elapsed_s, **r.data}
+
+
+def _finish(results, json_out: bool, render, **doc) -> None:
+    """Print the results (one JSON document, or `render(results, out)` and the recap line) and
+    exit with Ansible's code for them."""
+    from .fleet import exit_code
+    from .report import render_status_line
+
+    if json_out:
+        _print_json({**doc, "hosts": [_host_json(r) for r in results]})
+    else:
+        render(results, out)
+        render_status_line(results, out)
+    raise typer.Exit(exit_code(results))
 
 
 def _print_json(doc: dict) -> None:

@@ -17,7 +17,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from .apply import LOCK_WAIT_S, STATE_DIR, ApplyOptions, _run_handlers, change_probe
+from .apply import STATE_DIR, ApplyOptions, _run_handlers, change_probe, locked
 from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
 from .gather import gather
 from .kernelpkg import KernelPackage, build_key
@@ -61,14 +61,7 @@ def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
 def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
     """The deploy job for one host (see the module docstring)."""
 
-    def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(opts.state_dir, timeout=LOCK_WAIT_S)
-        try:
-            return _deploy(ctx, pkg, change_id, opts)
-        finally:
-            lock.release()
-
-    return job
+    return locked(opts.state_dir, lambda ctx: _deploy(ctx, pkg, change_id, opts))
 
 
 def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:

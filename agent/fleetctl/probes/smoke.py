@@ -176,7 +176,7 @@ def offline_check(cmd, timeout=600.0):
         try:
             out, _ = p.communicate(timeout=5)
         except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipe
-            out = b
+            out = b""
     lines = out.decode("utf-8", errors="replace").splitlines()
     return {"cmd": cmd, "ok": p.returncode == 0 and not timed_out, "returncode": p.returncode,
             "timed_out": timed_out, "duration_s": round(time.monotonic() - t0, 3),
