@@ -50,7 +50,7 @@ def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
     if not r.ok:
         raise HostFailed(f"cannot create {src_dir}: {r.stderr.decode()[-300:]}")
     for rel, data in files.items():
-        ctx.conn.put_bytes(data, posixpath.join(src_dir, rel))
+        ctx.conn.put_bytes(data, posixpath.join(src_dir, rel), timeout=ctx.remaining())
     r = ctx.run("cd " + shlex.quote(src_dir) + " && sha256sum -- " + " ".join(shlex.quote(rel) for rel in files))
     got = dict(line.split(None, 1)[::-1] for line in r.stdout.decode().splitlines())
     bad = [rel for rel, data in files.items() if got.get(rel) != hashlib.sha256(data).hexdigest()]

@@ -253,12 +253,19 @@ class HostConnection:
             raise RemoteTimeout(f"remote command ran past its deadline of {limit} s and was killed on the host")
         return Result(code, bytes(out), bytes(err), elapsed)
 
-    def put_bytes(self, data: bytes, remote_path: str, mode: int = 0o644) -> None:
-        """Upload `data` (bytes) to `remote_path` over SFTP (parent directory must exist)."""
-        sftp = self._conn.sftp()
-        with sftp.open(remote_path, "wb") as f:
-            f.write(data)
-        sftp.chmod(remote_path, mode)
+    def put_bytes(self, data: bytes, remote_path: str, timeout: float, mode: int = 0o644) -> None:
+        """Upload `data` (bytes) to `remote_path` over SFTP (parent directory must exist); each
+        SFTP request must answer within `timeout` seconds. Raises RemoteTimeout, Unreachable."""
+        try:
+            sftp = self._conn.sftp()
+            sftp.get_channel().settimeout(timeout)
+            with sftp.open(remote_path, "wb") as f:
+                f.write(data)
+            sftp.chmod(remote_path, mode)
+        except socket.timeout:
+            raise RemoteTimeout(f"upload of {remote_path} did not finish within {timeout:g} s") from None
+        except (EOFError, paramiko.SSHException) as e:
+            raise Unreachable(f"connection failed during an upload: {e}") from None
 
     def hold_lock(self, state_dir: str, timeout: float) -> "RemoteLock":
         """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as this is open.
