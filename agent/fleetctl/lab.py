@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from .errors import FleetctlError, UsageError
-from .wheelcache import cache_dir, ensure_wheel
+from .wheelcache import ensure_wheel
 
 DEFAULT_RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
 SSHD = "/usr/sbin/sshd"
@@ -253,14 +253,31 @@ def _start_proxy(h: dict, sd: Path) -> int:
     return p.pid
 
 
-def _build_venv(h: dict, release: str) -> None:
+def _stage_wheels(sd: Path, releases: list[str]) -> dict[str, Path]:
+    """Link (or copy) each release's cached wheel into the lab's state dir: a cache under /tmp
+    (a HOME there, say) would be hidden behind the hosts' private /tmp. {release: wheel path}."""
+    wheels = sd / "wheels"
+    wheels.mkdir(exist_ok=True)
+    out = {}
+    for release in releases:
+        src = ensure_wheel(release)
+        dst = out[release] = wheels / src.name
+        if not dst.exists():
+            try:
+                os.link(src, dst)
+            except OSError:  # another filesystem
+                shutil.copyfile(src, dst)
+    return out
+
+
+def _build_venv(h: dict, wheel: Path) -> None:
     """Create /opt/sglang/venv inside the host (so sys.prefix is that path there) and
-    pip-install the SGLang wheel from the cache (--no-deps --no-index; --no-compile for speed)."""
+    pip-install the SGLang wheel (--no-deps --no-index; --no-compile for speed)."""
     enter = _enter(h["holder_pid"])
     _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", VENV])
     _run(enter + [sys.executable, "-m", "pip", "--python", f"{VENV}/bin/python", "install",
                   "--quiet", "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check",
-                  "--find-links", str(cache_dir()), f"sglang=={release}"], timeout=600)
+                  str(wheel)], timeout=600)
 
 
 def _start_server(h: dict, sd: Path) -> None:
@@ -403,7 +420,8 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
         state["hosts"].append(h)
     _save(sd, state)
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        list(pool.map(lambda h: _build_venv(h, h["release"]), state["hosts"]))
+        wheels = _stage_wheels(sd, sorted({h["release"] for h in state["hosts"]}))
+        list(pool.map(lambda h: _build_venv(h, wheels[h["release"]]), state["hosts"]))
     for h in state["hosts"]:
         _wait_banner(h["address"])
     if with_server:
