@@ -349,3 +349,13 @@ def test_group_vars_and_host_vars_beside_the_inventory(tmp_path):
     bad.write_text("x: [1\n")
     with pytest.raises(InventoryError, match=rf"^{re.escape(str(bad))}:2:1: "):
         inventory.load(path)
+
+
+@pytest.mark.parametrize("pattern", ["~[", "~lab-0[", "lab-0*[", "lab-01:~[", "lab-01]", "lab-01 [x", "~",
+                                     "lab-01:nosuch", "lab-0*:!nosuch", "all:&nosuch"])
+def test_malformed_or_partly_unmatched_patterns_are_refused(tmp_path, pattern):
+    """A typo must never widen (or silently narrow) the set of hosts a run touches."""
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n    lab-01:\n    lab-02:\n")
+    with pytest.raises(PatternError):
+        inventory.load(inv).select(pattern)

@@ -10,8 +10,8 @@ import json
 import sys
 from typing import Annotated, Optional
 
-import click
 import typer
+from typer.exceptions import TyperException
 from rich.console import Console
 
 from . import inventory as inv
@@ -321,17 +321,18 @@ def lab_fault(host: str, kind: Annotated[str, typer.Argument(
 
 
 def main() -> None:
-    """Console entry point: maps errors to Ansible's exit codes (click's own usage errors -> 5)."""
+    """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5)."""
     try:
         code = app(standalone_mode=False)
-    except click.UsageError as e:
-        e.show()
+    except TyperException as e:  # Typer's own click: usage errors, bad parameters, no arguments
+        if hasattr(e, "show"):
+            e.show()
         sys.exit(EXIT_OPTIONS)
-    except click.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        sys.exit(1)
+        sys.exit(130)
     except FleetctlError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 

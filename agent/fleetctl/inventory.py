@@ -135,7 +135,9 @@ class Inventory:
         applied first, then intersections, then exclusions; a pattern of only `&`/`!` parts
         starts from `all`. A pattern that is exactly a host or group name is taken whole, so
         names containing ':' can be selected.
-        Raises PatternError (exit 5) when nothing matches or a regex/subscript is invalid.
+        Raises PatternError (exit 5) when nothing matches, when any one part matches nothing
+        (Ansible only warns; here a typo must not change which hosts a run touches), or when a
+        regex, subscript or bracket is invalid.
         """
         parts = self._split(pattern)
         if not parts:
@@ -148,6 +150,9 @@ class Inventory:
                 selected[part] = None
                 continue
             matched = self._match(part)
+            if not matched:  # stricter than Ansible's warning: a typo must not widen or narrow a run
+                raise PatternError(f"{part!r} in host pattern {pattern!r} matches no host in {self.path}; "
+                                   f"groups: {', '.join(self.groups)}")
             if part[0] == "!":
                 selected = {n: None for n in selected if n not in matched}
             elif part[0] == "&":
@@ -167,7 +172,13 @@ class Inventory:
         parts: list[str] = []
         for chunk in pattern.split(","):
             chunk = chunk.strip()
-            parts += [chunk] if chunk in self.hosts or chunk in self.groups else _PATTERN_PART.findall(chunk)
+            if chunk in self.hosts or chunk in self.groups:
+                parts.append(chunk)
+                continue
+            found = _PATTERN_PART.findall(chunk)
+            if _PATTERN_PART.sub("", chunk).strip(" \t:"):  # a stray '[' or ']' is a typo
+                raise PatternError(f"invalid host pattern {chunk!r}: unbalanced brackets")
+            parts += found
         return parts
 
     def _match(self, part: str) -> list[str]:
@@ -175,6 +186,8 @@ class Inventory:
         expr = part[1:] if part[0] in "&!" else part
         if not expr:
             raise PatternError(f"empty host pattern after {part!r}")
+        if expr == "~":
+            raise PatternError(f"empty regular expression in host pattern {part!r}")
         subscript = None if expr[0] == "~" else _SUBSCRIPT.fullmatch(expr)
         if subscript:
             expr = subscript[1]

@@ -21,6 +21,7 @@ import hashlib
 import io
 import posixpath
 import re
+import threading
 import tokenize
 from dataclasses import asdict, dataclass, field
 
@@ -64,6 +65,17 @@ class HostPlan:
     def to_dict(self) -> dict:
         """JSON-serialisable form (files include new_text and diff)."""
         return asdict(self)
+
+
+# ast.parse from several threads at once can fail in CPython 3.11 before 3.11.8 with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905); hosts are
+# planned in the fleet's threads, so parsing is serialised.
+_AST_LOCK = threading.Lock()
+
+
+def _parse(source: str, mode: str = "exec") -> ast.AST:
+    with _AST_LOCK:
+        return ast.parse(source, mode=mode)
 
 
 class _Refused(Exception):
@@ -199,7 +211,7 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
                 continue
             value, comment = task.value.render(fctx), task.comment.render(fctx)
             try:
-                ast.parse(value, mode="eval")
+                _parse(value, mode="eval")
             except SyntaxError:
                 raise _Refused(f"{task.value.template.filename} renders {value!r}, not a Python expression") from None
             if "\n" in comment or not comment.startswith("#") or task.marker not in comment:
@@ -234,7 +246,7 @@ def _edit_file(rel: str, path: str, text: str, spans: list, comments: dict[int, 
         pos = end
     new_text = "".join(out) + text[pos:]
     try:
-        ast.parse(new_text)
+        _parse(new_text)
     except SyntaxError as e:
         raise _Refused(f"the edited {rel} does not parse: line {e.lineno}: {e.msg}") from None
     diff = "".join(difflib.unified_diff(text.splitlines(True), new_text.splitlines(True), f"a/{rel}", f"b/{rel}"))
