@@ -103,7 +103,8 @@ def test_apply_then_rollback_is_byte_identical(site):
     assert ledger_states(state)[-1] == ("c1", "rolled-back")
     assert not [p for p in site_dir.rglob("*.tmp")]
     r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
-    assert not r["ok"] and "rolled-back, not applied" in r["error"]
+    assert r["ok"] and r["nothing"] == "already rolled back"  # idempotent: a second rollback is a no-op
+    assert ledger_states(state)[-1] == ("c1", "rolled-back")
 
 
 def test_pre_image_mismatch_refused_nothing_changed(site):

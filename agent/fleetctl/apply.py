@@ -165,7 +165,7 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
                                            g2.get("sources") or {})
         if baseline is not None and not problems:
             after = smoke(ctx, facts, opts.smoke)
-            verdict = gate(baseline, after, opts.smoke)
+            verdict = gate(ctx.host, baseline, after, opts.smoke)
             result.data["validation"] = verdict.to_dict()
             if verdict.failed:
                 problems.append(f"validation failed: {verdict.message}")
@@ -191,23 +191,28 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
 
 
 def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
-                 change_id: str | None = None) -> tuple[str, list[HostResult]]:
+                 change_id: str | None = None, timeout: float | None = None) -> tuple[str, list[HostResult]]:
     """Check or apply `playbook` in rolling batches (opts.serial). A batch whose failed +
     unreachable share exceeds max_fail_percentage stops the rollout; later hosts are reported
-    "not attempted". Returns (change id, results in inventory order)."""
+    "not attempted". `timeout`: per-host seconds for this pass (default: the fleet's).
+    Returns (change id, results in inventory order)."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
-        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir), "check")
+        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir), "check", timeout=timeout)
     results: list[HostResult] = []
     start = 0
     stopped = None
-    for size in parse_serial(opts.serial, len(hosts)):
+    for batch_no, size in enumerate(parse_serial(opts.serial, len(hosts)), start=1):
         batch = hosts[start:start + size]
         start += size
+        if fleet.interrupted:
+            stopped = stopped or "not attempted: interrupted (Ctrl-C)"
         if stopped:
             results += [HostResult(h.name, h.address, NOT_ATTEMPTED, stopped) for h in batch]
             continue
-        got = fleet.run(batch, apply_job(playbook, cid, opts), f"apply {playbook.name}")
+        got = fleet.run(batch, apply_job(playbook, cid, opts), f"apply {playbook.name}", timeout=timeout)
+        for r in got:
+            r.data["batch"] = batch_no
         results += got
         bad = sum(r.status in (FAILED, "unreachable") for r in got)
         if bad and 100.0 * bad / len(got) > opts.max_fail_percentage:
@@ -224,6 +229,8 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
         recovered = change_probe(ctx, "recover", state_dir)["recovered"]
         params = {"change_id": change_id} if change_id else {"last": True}
         res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+        if res.get("nothing"):
+            return HostResult(ctx.host.name, ctx.conn.address, OK, data={**res, "recovered": recovered})
         cmd = ctx.host.vars.get(handler_cmd_var)
         handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if cmd else []
         return HostResult(ctx.host.name, ctx.conn.address, CHANGED,

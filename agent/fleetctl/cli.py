@@ -7,6 +7,7 @@ or parse error; 5 bad options or a pattern that matches nothing.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -26,8 +27,16 @@ app.add_typer(deploy_app, name="deploy")
 lab_app = typer.Typer(no_args_is_help=True, help="A local lab fleet: real sshd hosts in network namespaces.")
 app.add_typer(lab_app, name="lab")
 
-out = Console()
-err = Console(stderr=True)
+def _console(stderr: bool = False) -> Console:
+    """A Rich console; piped output gets 160 columns (not Rich's 80) unless $COLUMNS says."""
+    c = Console(stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(stderr=stderr, width=160)
+    return c
+
+
+out = _console()
+err = _console(stderr=True)
 
 Pattern = Annotated[str, typer.Argument(help="Host pattern: name, group, glob, all, a:b, a:&b, a:!b.")]
 InventoryOpt = Annotated[Optional[str], typer.Option("-i", "--inventory",
@@ -89,12 +98,25 @@ JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
 def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=0.0):
     from .validate import SmokeOptions
 
-    if repeat < 1 or health_timeout <= 0 or latency_tolerance < 1.0 or latency_slack < 0:
-        raise UsageError("--repeat must be >= 1, --health-timeout > 0, --latency-tolerance >= 1, "
-                         "--latency-slack >= 0")
+    for bad, msg in ((repeat < 1, f"--repeat must be at least 1, not {repeat}"),
+                     (health_timeout <= 0, f"--health-timeout must be positive, not {health_timeout:g}"),
+                     (latency_tolerance < 1.0, f"--latency-tolerance must be at least 1, not {latency_tolerance:g}"),
+                     (latency_slack < 0, f"--latency-slack must not be negative, not {latency_slack:g}")):
+        if bad:
+            raise UsageError(msg)
     return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
                         latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift,
                         latency_slack_s=latency_slack)
+
+
+CHECK_TIMEOUT_S = 120.0  # default per-host deadline of a check pass (no restarts, no health waits)
+
+
+def _positive(**values) -> None:
+    """Refuse options that must be positive when given (`--timeout 0` means nothing)."""
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, not {v:g}")
 
 
 def _confirm(what: str, yes: bool) -> None:
@@ -102,7 +124,7 @@ def _confirm(what: str, yes: bool) -> None:
     if yes:
         return
     if not sys.stdin.isatty():
-        raise UsageError(f"not changing anything: no terminal to confirm {what} on; pass --yes")
+        raise UsageError(f"nothing changed: there is no terminal to ask 'OK to {what}?'; pass --yes to go ahead")
     if not typer.confirm(f"{what}?", default=False):
         err.print("nothing changed")
         raise typer.Exit(0)
@@ -118,6 +140,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
     from .validate import validate_job
 
     opts = _smoke_opts(port, health_timeout, repeat)
+    _positive(timeout=timeout)
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
@@ -136,36 +159,46 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = 0.0,
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
           accept_new: AcceptNew = False) -> None:
-    """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback."""
-    from .apply import ApplyOptions, new_change_id, run_playbook
+    """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
+
+    A check pass always comes first; only the hosts it finds to change are then applied, in
+    --serial batches (so a canary batch is made of hosts that really change)."""
+    from .apply import ApplyOptions, run_playbook
+    from .fleet import parse_serial
     from .paths import find_playbook
     from .playbook import load_playbook
     from .report import render_apply
 
+    if not 0 <= max_fail_percentage <= 100:
+        raise UsageError("--max-fail-percentage must be between 0 and 100")
+    _positive(timeout=timeout)
     pb = load_playbook(find_playbook(playbook))
     opts = ApplyOptions(check=True, serial=serial, max_fail_percentage=max_fail_percentage,
                         smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                           allow_token_drift, latency_slack))
-    from .fleet import parse_serial
     hosts = _select(inventory, pattern)
     parse_serial(serial, len(hosts))
+    cid = None
     with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
-        cid, results = run_playbook(fleet, hosts, pb, opts)
-        if not check:
+        _, results = run_playbook(fleet, hosts, pb, opts, timeout=timeout or CHECK_TIMEOUT_S)
+        to_change = [h for h, r in zip(hosts, results) if r.status == "changed"]
+        if not check and not to_change:
+            err.print("nothing to change")
+        elif not check:
             if not json_out:
                 render_apply(results, out, diff=True, check=True)
-            if not any(r.status == "changed" for r in results):
-                err.print("nothing to change")
-            else:
-                _confirm(f"apply {pb.name} to {sum(r.status == 'changed' for r in results)} host(s)", yes)
-                opts.check = False
-                cid, results = run_playbook(fleet, hosts, pb, opts, new_change_id(pb.name))
+            _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
+            opts.check = False
+            cid, applied = run_playbook(fleet, to_change, pb, opts)
+            by_name = {r.host: r for r in results} | {r.host: r for r in applied}
+            results = [by_name[h.name] for h in hosts]
+
     def render(rs, console):
         render_apply(rs, console, diff=diff, check=check)
-        if not check:
+        if cid:
             console.print(f"change id: {cid}")
 
-    _finish(results, json_out, render, change_id=None if check else cid, check=check)
+    _finish(results, json_out, render, change_id=cid, check=check)
 
 
 @app.command()
@@ -177,7 +210,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              accept_new: AcceptNew = False) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .apply import rollback_job
-    from .report import render_results
+    from .report import render_rollback
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
@@ -186,7 +219,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
-    _finish(results, json_out, lambda rs, console: render_results("rollback", rs, console))
+    _finish(results, json_out, render_rollback)
 
 
 @app.command()
@@ -220,8 +253,9 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
     from .paths import project_dir
     from .report import render_deploy
 
-    if max_jobs < 1 or build_timeout <= 0:
-        raise UsageError("--max-jobs must be >= 1 and --build-timeout > 0")
+    if max_jobs < 1:
+        raise UsageError(f"--max-jobs must be at least 1, not {max_jobs}")
+    _positive(build_timeout=build_timeout, timeout=timeout)
     pkg = load_package(project_dir("kernels"), name)
     opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                            latency_slack), max_jobs=max_jobs, build_timeout=build_timeout)
@@ -297,8 +331,11 @@ def lab_status(lab_id: LabId = 0) -> None:
     from .report import table
 
     rows = lab.lab_status(lab_id=lab_id)
+    for r in rows:
+        f = r.pop("faults", {})
+        r["faults"] = ", ".join(f"{k}={v}" if k == "delay_ms" else k for k, v in f.items() if v) or "none"
     cols = list(rows[0].keys()) if rows else ["host"]
-    table("fleetctl lab", cols, [[r.get(c) for c in cols] for r in rows], out)
+    table(f"fleetctl lab {lab_id}", cols, [[r.get(c) for c in cols] for r in rows], out)
 
 
 @lab_app.command("inventory")

@@ -116,7 +116,7 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
     try:
         data["handlers"] = _run_handlers(ctx, handlers)
         if baseline is not None:
-            verdict = gate(baseline, smoke(ctx, facts, opts.smoke), opts.smoke)
+            verdict = gate(ctx.host, baseline, smoke(ctx, facts, opts.smoke), opts.smoke)
             data["validation"] = verdict.to_dict()
             if verdict.failed:
                 problems.append(f"validation failed: {verdict.message}")

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import probes
 from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, UsageError
 from .inventory import Host
-from .transport import HostConnection, RemoteTimeout, Result, SSHSettings, Unreachable
+from .transport import HostConnection, LockBusy, RemoteTimeout, Result, SSHSettings, Unreachable
 
 OK, CHANGED, SKIPPED, FAILED, UNREACHABLE, NOT_ATTEMPTED = (
     "ok", "changed", "skipped", "failed", "unreachable", "not attempted")
@@ -128,6 +128,7 @@ class Fleet:
         self.progress = progress
         self.console = console or Console(stderr=True)
         self._conns: dict[str, HostConnection] = {}
+        self.interrupted = False  # set by Ctrl-C: later batches must not start
 
     def connection(self, host: Host) -> HostConnection:
         """The run's one connection to `host`, opened on first use and reused by every later job.
@@ -155,13 +156,13 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _one(self, host: Host, job: Callable[[HostContext], HostResult | dict]) -> HostResult:
+    def _one(self, host: Host, job: Callable[[HostContext], HostResult | dict], timeout: float) -> HostResult:
         start = time.monotonic()
         result = HostResult(host.name, host.address, FAILED)
         try:
             conn = self.connection(host)
             result.address = conn.address
-            out = job(HostContext(host, conn, start + self.timeout))
+            out = job(HostContext(host, conn, start + timeout))
             if isinstance(out, HostResult):
                 result = out
             else:
@@ -169,8 +170,8 @@ class Fleet:
         except Unreachable as e:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
-            result.status, result.error = FAILED, f"deadline ({self.timeout:g} s) passed: {e}"
-        except (HostFailed, probes.ProbeError) as e:
+            result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
+        except (HostFailed, LockBusy, probes.ProbeError) as e:
             result.status, result.error = FAILED, str(e)
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
@@ -178,8 +179,10 @@ class Fleet:
         return result
 
     def run(self, hosts: list[Host], job: Callable[[HostContext], HostResult | dict],
-            label: str = "hosts") -> list[HostResult]:
-        """Run `job` on every host (at most `forks` at once); results in inventory order."""
+            label: str = "hosts", timeout: float | None = None) -> list[HostResult]:
+        """Run `job` on every host (at most `forks` at once), each within `timeout` seconds
+        (default: the fleet's); results in inventory order."""
+        timeout = timeout or self.timeout
         results: dict[str, HostResult] = {}
         progress = None
         if self.progress:
@@ -187,15 +190,34 @@ class Fleet:
                                 TimeElapsedColumn(), console=self.console, transient=True)
             progress.start()
             task = progress.add_task(label, total=len(hosts))
+        pool = ThreadPoolExecutor(max_workers=min(self.forks, max(1, len(hosts))))
+        futures = {pool.submit(self._one, h, job, timeout): h for h in hosts}
+        pending = set(futures)
         try:
-            with ThreadPoolExecutor(max_workers=min(self.forks, max(1, len(hosts)))) as pool:
-                futures = {pool.submit(self._one, h, job): h for h in hosts}
-                for fut in as_completed(futures):
-                    r = fut.result()
-                    results[r.host] = r
-                    if progress:
-                        progress.advance(task)
+            while pending:
+                try:
+                    for fut in as_completed(pending):
+                        pending.discard(fut)
+                        r = fut.result()
+                        results[r.host] = r
+                        if progress:
+                            progress.advance(task)
+                except KeyboardInterrupt:
+                    if self.interrupted:
+                        raise
+                    # Hosts already started finish their job (a change completes or rolls back);
+                    # hosts not started are left alone. A second Ctrl-C stops waiting.
+                    self.interrupted = True
+                    for fut in list(pending):
+                        if fut.cancel():
+                            pending.discard(fut)
+                            h = futures[fut]
+                            results[h.name] = HostResult(h.name, h.address, NOT_ATTEMPTED,
+                                                         "interrupted (Ctrl-C) before this host started")
+                    self.console.print(f"[bold yellow]interrupted:[/] waiting for {len(pending)} host(s) in "
+                                       "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
         finally:
+            pool.shutdown(wait=not self.interrupted or not pending, cancel_futures=True)
             if progress:
                 progress.stop()
         return [results[h.name] for h in hosts]

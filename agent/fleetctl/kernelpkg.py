@@ -103,7 +103,9 @@ def load_package(kernels_root: Path, name: str) -> KernelPackage:
     if not root.resolve().is_relative_to(kernels_root.resolve()):
         raise ParseError(f"{root}: package directory leaves {kernels_root}")
     if not path.is_file():
-        raise ParseError(f"{path}:1: no such file (kernel {name!r} not found)")
+        known = sorted(p.parent.name for p in kernels_root.glob("*/kernel.yaml"))
+        raise ParseError(f"no kernel package {name!r}: {path} does not exist "
+                         f"(packages in {kernels_root}: {', '.join(known) or 'none'})")
     try:
         doc = yaml.load(path.read_text(), Loader=_LineLoader)
     except yaml.MarkedYAMLError as e:

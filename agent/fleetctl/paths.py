@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import ParseError
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def project_dir(kind: str) -> Path:
 
 def find_playbook(name: str) -> Path:
     """A playbook by path, or by name in the playbooks directory (NAME or NAME.yaml).
-    Raises UsageError (exit 5) when there is none."""
+    Raises ParseError (exit 4, like a missing inventory) when there is none."""
     p = Path(name)
     if p.suffix in (".yaml", ".yml") and p.exists():
         return p
@@ -31,4 +31,4 @@ def find_playbook(name: str) -> Path:
         if cand.exists():
             return cand
     known = sorted(x.stem for x in d.glob("*.y*ml"))
-    raise UsageError(f"no playbook {name!r} in {d} (known: {', '.join(known) or 'none'})")
+    raise ParseError(f"no playbook {name!r} in {d} (playbooks there: {', '.join(known) or 'none'})")

@@ -160,15 +160,21 @@ def table(title: str, columns: list[str], rows: list[list[Any]], console: Consol
     console.print(t)
 
 
-def render_results(title: str, results: list[HostResult], console: Console) -> None:
-    """Generic per-host table: host, status, elapsed, error."""
-    t = Table(title=title, title_justify="left")
-    for c in ("host", "status", "elapsed", "detail"):
+def render_rollback(results: list[HostResult], console: Console) -> None:
+    """Per-host outcome of a rollback: which change, how many files or links were restored."""
+    t = Table(title="rollback", title_justify="left")
+    for c in ("host", "status", "change", "detail"):
         t.add_column(c, overflow="fold")
     for r in results:
-        detail = r.error or ", ".join(f"{k}={v}" for k, v in r.data.items()
-                                      if isinstance(v, (str, int, float)) and v not in ("", None))
-        t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), f"{r.elapsed_s:.1f}s", detail)
+        d = r.data or {}
+        if r.error:
+            detail = r.error
+        elif d.get("nothing"):
+            detail = f"nothing to do: {d['nothing']}"
+        else:
+            forced = f"; forced over {', '.join(d['forced'])}" if d.get("forced") else ""
+            detail = f"restored {len(d.get('files', []))} file(s)/link(s) byte-identical{forced}"
+        t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), d.get("change_id") or "", detail)
     console.print(t)
 
 
@@ -204,7 +210,7 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
                          for r in results if r.data.get("plan") and r.data["plan"]["files"])
         for hosts, text in diffs:
             console.rule(f"diff — {host_list(hosts)}")
-            console.print(Text(text), highlight=False)
+            console.print(Text(text), highlight=False, soft_wrap=True)
     t = Table(title="check mode: nothing was changed" if check else "apply", title_justify="left")
     for c in ("hosts", "status", "edits", "left alone", "validation", "detail"):
         t.add_column(c, overflow="fold")
@@ -226,6 +232,10 @@ def render_status(results: list[HostResult], console: Console) -> None:
         t.add_column(c, overflow="fold")
     for r in results:
         d = r.data or {}
+        if "changes" not in d:  # unreachable or failed before the ledger was read: nothing is known
+            unknown = Text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
+            t.add_row(r.host, unknown, unknown, unknown, unknown, unknown)
+            continue
         applied = [c["change_id"] for c in d.get("changes", []) if c["state"] == "applied"]
         kernels = "\n".join(f"{k} -> {v[:12]}" for k, v in (d.get("kernels") or {}).items())
         t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none", kernels or "none",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import math
 import os
 import select
@@ -27,6 +28,9 @@ import fabric
 import paramiko
 
 from .inventory import Host
+
+# paramiko logs failed handshakes with tracebacks on stderr; fleetctl reports each host's error itself.
+logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 # Exit status of coreutils `timeout` when the command ran past its deadline (124), or needed the
 # follow-up SIGKILL (128 + 9).

@@ -58,10 +58,12 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     return ctx.probe("smoke", params, python=python)
 
 
-def gate(baseline: dict, after: dict, opts: SmokeOptions):
-    """The validation gate (gate.compare) with these options."""
+def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
+    """The validation gate (gate.compare) with these options; the latency slack (seconds) is
+    --latency-slack, else the host's `fleetctl_latency_slack` var, else 0."""
+    slack = opts.latency_slack_s or float(host.vars.get("fleetctl_latency_slack", 0.0))
     return compare(baseline, after, latency_tolerance=opts.latency_tolerance,
-                   allow_token_drift=opts.allow_token_drift, latency_slack_s=opts.latency_slack_s)
+                   allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
 
 
 def validate_job(opts: SmokeOptions):

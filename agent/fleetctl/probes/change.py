@@ -289,18 +289,20 @@ def rollback(params, state_dir):
     if params.get("last"):
         applied = [c for c, e in known.items() if e["state"] == "applied"]
         if not applied:
-            raise Refused("no applied change to roll back")
+            return {"ok": True, "change_id": None, "nothing": "no applied change to roll back"}
         cid = applied[-1]
     else:
         cid = params["change_id"]
     entry = known.get(cid)
     if entry is None:
         raise Refused("no change %r in the ledger" % cid)
+    if entry["state"] == "rolled-back":
+        return {"ok": True, "change_id": cid, "nothing": "already rolled back"}
     if entry["state"] not in ("applied", "pending"):
         raise Refused("change %s is %s, not applied" % (cid, entry["state"]))
     moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved and not params.get("force"):
-        raise Refused("changed since the apply (use force): %s" % ", ".join(moved))
+        raise Refused("changed since the apply (--force restores anyway): %s" % ", ".join(moved))
     for f in entry["files"]:
         _restore(f, cid + "-rb")
     reason = "; ".join(r for r in (params.get("reason"), moved and "forced over: " + ", ".join(moved)) if r)
@@ -389,10 +391,13 @@ def status(params, state_dir):
         if e["state"] != "applied":
             continue
         for f in e["files"]:
-            if _state(f) == f["after_sha256"]:
+            cur = _state(f)
+            if cur == f["after_sha256"]:
                 explained[os.path.realpath(f["path"])] = f["after_sha256"]
-            else:
+            elif cur == f["before_sha256"]:
                 drift.append({"change_id": cid, "path": f["path"], "problem": "drift: reverted or reinstalled"})
+            else:
+                drift.append({"change_id": cid, "path": f["path"], "problem": "drift: edited since the apply"})
     modified, err = (None, None)
     if params.get("location"):
         modified, err = _record_problems(params["location"], params.get("dist", "sglang"), explained)
