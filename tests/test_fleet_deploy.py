@@ -18,13 +18,12 @@ pytestmark = pytest.mark.lab
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 KDIR = "/var/lib/fleetctl/kernels/verify_attention"
-SLACK = ["--latency-slack", "0.05"]
 
 
 def deploy(lab, pattern, *args, kernels: Path | None = None, **kw):
     env = dict(lab.env, FLEETCTL_KERNELS_DIR=str(kernels or KERNELS))
     r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", pattern,
-                        "--yes", "--json", "--max-jobs", "2", *SLACK, *args], capture_output=True, text=True,
+                        "--yes", "--json", "--max-jobs", "2", *args], capture_output=True, text=True,
                        env=env, timeout=900, **kw)
     try:
         doc = json.loads(r.stdout)
