@@ -75,3 +75,20 @@ def test_offline_smoke_command_from_inventory(lab, tmp_path):
     assert res["lab-01"]["status"] == "ok" and res["lab-01"]["offline"]["tail"] == ["decoding", "16 tokens"]
     assert res["lab-02"]["status"] == "failed" and "exit 3" in res["lab-02"]["error"]
     assert "broken" in res["lab-02"]["error"]
+
+
+def test_apply_on_hosts_without_server_reports_validation_skipped_or_uses_offline_check(lab, tmp_path):
+    doc = yaml.safe_load(lab.inventory.read_text())
+    doc["all"]["children"]["lab"]["hosts"]["lab-03"]["fleetctl_smoke_cmd"] = "echo 'no decode here' >&2; exit 1"
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(yaml.safe_dump(doc))
+    r = fleetctl(lab, "apply", "defrag-tier0", "lab-03:lab-04", "-i", str(inv), "--yes", "--json")
+    try:
+        hosts = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
+        assert r.returncode == 2
+        assert hosts["lab-04"]["status"] == "changed"
+        assert hosts["lab-04"]["validation"] == {"status": "skipped (no server)"}
+        assert hosts["lab-03"]["status"] == "failed" and hosts["lab-03"]["rolled_back"] is True
+        assert "offline" in hosts["lab-03"]["error"] and "no decode here" in hosts["lab-03"]["error"]
+    finally:
+        fleetctl(lab, "rollback", "--last", "lab-03:lab-04", "-i", str(inv), "--yes")

@@ -192,7 +192,8 @@ def test_edge_cases_multiline_unicode_backslash(pb):
     assert sorted(k.value.value for k in trues) == [False, True, True, True]
     assert plan.handlers == [{"name": "restart sglang", "command": "systemctl restart sglang",
                               "wait_for_health_s": 600}]
-    assert [v["step"] for v in plan.validate] == ["compile", "reinspect"]  # no server: no smoke
+    # smoke is always planned; apply reports it skipped when the host has no server or command
+    assert plan.validate == [{"step": "compile"}, {"step": "reinspect"}, {"step": "smoke"}]
     f2, fi2, s2 = host_inputs({"sglang/edge.py": new})
     assert plan_host(pb, "h", {}, f2, fi2, s2).status == "ok"
 
@@ -247,3 +248,16 @@ def test_crlf_source(pb):
     plan = plan_host(pb, "h", {}, facts, findings, sources)
     assert plan.files[0].new_text == ("x = 1\r\nneed_sort = True  # fleetctl defrag-tier0: was a in (b)\r\n"
                                       "y = make(need_sort=True)  # fleetctl defrag-tier0: was c or d\r\n")
+
+
+def test_offline_smoke_command_is_rendered_per_host(tmp_path):
+    """A playbook's smoke step may carry an offline command, rendered from the host's vars."""
+    text = PLAYBOOK.read_text().replace(
+        "  - smoke\n", "  - smoke:\n      offline: \"{{ fleetctl_python }} -m sglang.bench_one_batch --batch-size 1\"\n")
+    assert "offline:" in text
+    (tmp_path / "templates").symlink_to(PLAYBOOK.parent / "templates")
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    facts, findings, sources = host_inputs(release_files("0.5.23"))
+    plan = plan_host(load_playbook(path), "h", {"fleetctl_python": "/opt/v/bin/python"}, facts, findings, sources)
+    assert plan.validate[-1] == {"step": "smoke", "offline": "/opt/v/bin/python -m sglang.bench_one_batch --batch-size 1"}

@@ -16,7 +16,7 @@ import secrets
 import shlex
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .fleet import CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import gather
@@ -148,7 +148,10 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
     facts = g["facts"]
     python = facts["python"]["path"]
     steps = {v["step"] for v in plan.validate}
-    baseline = smoke(ctx, facts, opts.smoke) if "smoke" in steps else None
+    offline = next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None)
+    baseline = smoke(ctx, facts, opts.smoke, offline) if "smoke" in steps else None
+    if baseline is not None and not baseline["servers"] and baseline["offline"] is None:
+        baseline = None  # nothing to decode with: validation is reported skipped, never passed
     files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
              for f in plan.files]
     change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=playbook.name,
@@ -164,7 +167,10 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
             problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), g2["facts"], _findings(g2),
                                            g2.get("sources") or {})
         if baseline is not None and not problems:
-            after = smoke(ctx, facts, opts.smoke)
+            # a handler may ask for a longer health wait (a real server reloads its weights)
+            waits = [h.get("wait_for_health_s") or 0 for h in plan.handlers]
+            after_opts = replace(opts.smoke, health_timeout=max([opts.smoke.health_timeout, *waits]))
+            after = smoke(ctx, facts, after_opts, offline)
             verdict = gate(ctx.host, baseline, after, opts.smoke)
             result.data["validation"] = verdict.to_dict()
             if verdict.failed:

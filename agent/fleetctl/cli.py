@@ -81,7 +81,8 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     raise typer.Exit(exit_code(results))
 
 
-HealthTimeout = Annotated[float, typer.Option("--health-timeout", help="Seconds to wait for /health to answer 200.")]
+HealthTimeout = Annotated[float, typer.Option("--health-timeout", help=(
+    "Seconds to wait for /health to answer 200 (after a restart handler: at least its wait_for_health_s)."))]
 Repeat = Annotated[int, typer.Option("--repeat", help="Smoke decodes per server; the median latency is kept.")]
 Port = Annotated[int, typer.Option("--port", help="Port of discovered servers that give no --port.")]
 LatencyTolerance = Annotated[float, typer.Option("--latency-tolerance",

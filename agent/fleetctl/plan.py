@@ -175,7 +175,8 @@ def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, 
     if edits:
         plan.status = "change"
         plan.handlers = _render_handlers(playbook, [h for t in edits for h in t.notify], ctx)
-        plan.validate = [{"step": v.step} for v in playbook.validate if v.when is None or v.when(ctx)]
+        plan.validate = [{"step": v.step, **({"offline": v.offline.render(ctx)} if v.offline else {})}
+                         for v in playbook.validate if v.when is None or v.when(ctx)]
     return plan
 
 

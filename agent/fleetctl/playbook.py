@@ -25,7 +25,8 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
     validate:                               # optional; steps run after the change, in order
       - compile                             # or {compile: {when: ...}}
       - reinspect: {that: "finding.expr == 'True'"}   # every edited site, re-read, satisfies it
-      - smoke: {when: "facts.servers"}
+      - smoke: {offline: "{{ fleetctl_python }} -m sglang.bench_one_batch ..."}   # optional command;
+                                            # servers come from inventory vars or discovery
     on_failure: rollback                    # rollback (default) | keep
 
 Templates render with StrictUndefined from the playbook's directory (FileSystemLoader): an
@@ -127,6 +128,7 @@ class ValidateStep:
     step: str  # one of VALIDATE_STEPS
     when: Expr | None = None
     that: Expr | None = None  # reinspect only
+    offline: Snippet | None = None  # smoke only: an offline smoke command, rendered per host
 
 
 @dataclass
@@ -288,11 +290,13 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
             if len(m) != 1:
                 raise r.err(n, f"a validate step is one of {', '.join(VALIDATE_STEPS)}")
             (step, body), = m.items()
-            opts = r.mapping(body, step, optional=("when", "that") if step == "reinspect" else ("when",))
+            opts = r.mapping(body, step, optional={"reinspect": ("when", "that"),
+                                                   "smoke": ("when", "offline")}.get(step, ("when",)))
         if step not in VALIDATE_STEPS:
             raise r.err(n, f"unknown validate step {step!r} (known: {', '.join(VALIDATE_STEPS)})")
         validate.append(ValidateStep(step, r.expr(opts["when"], "when") if "when" in opts else None,
-                                     r.expr(opts["that"], "that") if "that" in opts else None))
+                                     r.expr(opts["that"], "that") if "that" in opts else None,
+                                     r.inline(opts["offline"], "offline") if "offline" in opts else None))
 
     on_failure = r.scalar(top["on_failure"], "on_failure", str) if "on_failure" in top else "rollback"
     if on_failure not in ON_FAILURE:

@@ -218,8 +218,9 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
     for r in results:
         plan = r.data.get("plan") or {}
         v = r.data.get("validation") or {}
+        val = v.get("status", "") + (" (token drift allowed)" if v.get("token_drift") else "")
         rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
-                              v.get("status", ""), r.error or r.data.get("skipped_reason") or "")))
+                              val, r.error or r.data.get("skipped_reason") or "")))
     for hosts, (status, edits, left, val, detail) in coalesce(rows):
         t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), str(edits), str(left), val, detail)
     console.print(t)
