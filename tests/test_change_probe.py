@@ -65,14 +65,6 @@ def ledger_states(state: Path) -> list[tuple[str, str]]:
     return [(e["change_id"], e["state"]) for e in change.read_ledger(str(state))]
 
 
-def test_read(site):
-    _, state, params, originals = site
-    path = params["files"][0]["path"]
-    r = change.main({"action": "read", "state_dir": str(state), "paths": [path, path + ".nope"]})
-    assert r["files"][path] == {"sha256": params["files"][0]["pre_sha256"], "text": originals[path].decode()}
-    assert "FileNotFoundError" in r["files"][path + ".nope"]["error"]
-
-
 def test_apply_then_rollback_is_byte_identical(site):
     site_dir, state, params, originals = site
     r = change.main(params)

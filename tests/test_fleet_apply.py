@@ -170,13 +170,13 @@ def test_second_concurrent_run_fails_fast(server_lab, monkeypatch):
     host = inv.select("lab-03")[0]
     monkeypatch.setenv("HOME", server_lab.env["HOME"])  # the lab's known_hosts
     with Fleet(SSHSettings()) as fleet:
-        lock = fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5)
+        lock = fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5, hold_s=300)
         try:
             t0 = time.monotonic()
             r, doc, hosts = apply_json(server_lab, "lab-03", "--yes")
             took = time.monotonic() - t0
             with pytest.raises(LockBusy):
-                fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5)
+                fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5, hold_s=300)
         finally:
             lock.release()
     assert r.returncode == 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.plan import coalesce_diffs, one_line, plan_host, reinspect_problems
+from fleetctl.plan import one_line, plan_host, reinspect_problems
 from fleetctl.playbook import load_playbook
 from fleetctl.wheelcache import ensure_wheel
 
@@ -34,8 +34,7 @@ def scan_text(rel: str, text: str) -> list[dict]:
         sites = []
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(t, ast.Name) and t.id == "need_sort" or \
-                        isinstance(t, ast.Attribute) and t.attr == "need_sort":
+                if isinstance(t, ast.Name) and t.id == "need_sort":  # `self.need_sort = x` only stores it
                     sites.append(("assignment", node.lineno, None, ast.get_source_segment(text, t), node.value))
         elif isinstance(node, ast.Call):
             for k in node.keywords:
@@ -207,16 +206,6 @@ def test_hand_edit_after_apply_is_refused(pb):
     assert p.status == "failed" and "changed since" in p.reason
 
 
-def test_coalesce_diffs(pb):
-    plans = []
-    for host, version in [("a", "0.5.10"), ("b", "0.5.23"), ("c", "0.5.10"), ("d", "0.4.6.post5")]:
-        plans.append(plan_host(pb, host, {}, *host_inputs(release_files(version))))
-    groups = coalesce_diffs(plans)
-    assert [hosts for _, hosts in groups] == [["a", "c"], ["b"]]
-    assert groups[1][0].count("+++ b/sglang/srt/mem_cache/kv_cache_configurator.py") == 1
-    assert groups[1][0].count(MARK) == 4
-
-
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.10"])
 def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
     """The real inspect probe (probes/callsites.py) on the release's files gives the same plan."""
@@ -261,3 +250,13 @@ def test_offline_smoke_command_is_rendered_per_host(tmp_path):
     facts, findings, sources = host_inputs(release_files("0.5.23"))
     plan = plan_host(load_playbook(path), "h", {"fleetctl_python": "/opt/v/bin/python"}, facts, findings, sources)
     assert plan.validate[-1] == {"step": "smoke", "offline": "/opt/v/bin/python -m sglang.bench_one_batch --batch-size 1"}
+
+
+def test_reinspect_checks_only_the_edited_site_not_its_line(pb):
+    """A literal origin on the same line as an edited one is not judged by the reinspect check."""
+    src = "def f(a, g):\n    return f(need_sort=a.b, x=g(need_sort=False))\n"
+    facts, findings, sources = host_inputs({"sglang/x.py": src})
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    assert plan.status == "change" and [e["expr"] for e in plan.edits] == ["a.b"]
+    f2, fi2, s2 = host_inputs({"sglang/x.py": plan.files[0].new_text})
+    assert reinspect_problems(pb, plan, {}, f2, fi2, s2) == []

@@ -18,15 +18,19 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
-from .fleet import CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, Fleet, HostContext, HostFailed, HostResult, parse_serial
+from .fleet import (CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, UNREACHABLE, Fleet, HostContext, HostFailed,
+                    HostResult, parse_serial)
 from .gather import gather
 from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
+from .probes.change import STATE_DIR
+from .transport import RemoteTimeout, Unreachable
 from .validate import SmokeOptions, gate, smoke
 
-STATE_DIR = "/var/lib/fleetctl"
 LOCK_WAIT_S = 5.0
+# Seconds of a host's deadline kept for rolling a change back after its validation.
+ROLLBACK_RESERVE_S = 120.0
 CHANGE_MODULES = ["change"]
 
 
@@ -41,6 +45,7 @@ class ApplyOptions:
     smoke: SmokeOptions = field(default_factory=SmokeOptions)
     operator: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
     state_dir: str = STATE_DIR
+    confirmed: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> {rel: post_sha256} shown
 
 
 def new_change_id(playbook: str) -> str:
@@ -124,7 +129,8 @@ def locked(state_dir: str, work):
     a second run that wants to change the same host fails fast instead of interleaving."""
 
     def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S)
+        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S,
+                                  hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + 60)
         try:
             return work(ctx)
         finally:
@@ -145,52 +151,93 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
     result.data["recovered"] = recovered
     if plan.status != "change":
         return result
+    confirmed = opts.confirmed.get(ctx.host.name)
+    if confirmed is not None and confirmed != {f.rel: f.post_sha256 for f in plan.files}:
+        raise HostFailed("the plan for this host changed after it was shown and confirmed "
+                         "(SGLang changed meanwhile?); nothing was written: run apply again")
     facts = g["facts"]
     python = facts["python"]["path"]
     steps = {v["step"] for v in plan.validate}
     offline = next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None)
-    baseline = smoke(ctx, facts, opts.smoke, offline) if "smoke" in steps else None
-    if baseline is not None and not baseline["servers"] and baseline["offline"] is None:
-        baseline = None  # nothing to decode with: validation is reported skipped, never passed
+    baseline = smoke(ctx, facts, opts.smoke, offline, reserve=ROLLBACK_RESERVE_S) if "smoke" in steps else None
     files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
              for f in plan.files]
     change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=playbook.name,
                  operator=opts.operator, files=files, commit=False)
     result.data["change_id"] = change_id
-    problems: list[str] = []
-    try:
-        result.data["handlers"] = _run_handlers(ctx, plan.handlers)
+
+    def checks() -> list[str]:
+        problems = []
         if "compile" in steps:
             problems += _compile_problems(ctx, python, [f.path for f in plan.files])
         if "reinspect" in steps and not problems:
             g2 = gather(ctx, with_sources=True)
             problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), g2["facts"], _findings(g2),
                                            g2.get("sources") or {})
-        if baseline is not None and not problems:
-            # a handler may ask for a longer health wait (a real server reloads its weights)
-            waits = [h.get("wait_for_health_s") or 0 for h in plan.handlers]
-            after_opts = replace(opts.smoke, health_timeout=max([opts.smoke.health_timeout, *waits]))
-            after = smoke(ctx, facts, after_opts, offline)
-            verdict = gate(ctx.host, baseline, after, opts.smoke)
-            result.data["validation"] = verdict.to_dict()
-            if verdict.failed:
-                problems.append(f"validation failed: {verdict.message}")
-        elif baseline is None:
+        return problems
+
+    problems = validate_change(ctx, result, plan.handlers, checks, baseline, facts, opts.smoke, offline)
+    return settle(ctx, result, change_id, opts.state_dir, plan.handlers, problems,
+                  rollback=playbook.on_failure == "rollback")
+
+
+def validate_change(ctx: HostContext, result: HostResult, handlers: list[dict], checks, baseline: dict | None,
+                    facts: dict, smoke_opts: SmokeOptions, offline: str | None) -> list[str]:
+    """After a change is written: run the notified handlers, `checks()` (-> [problem]), then the
+    smoke gate against `baseline`. Returns the problems; any error on the way (a handler that
+    fails, a deadline, a probe crash) is a problem too, so the caller always settles the change.
+    Smoke waits leave ROLLBACK_RESERVE_S of the host's deadline for the rollback.
+    Sets result.data["handlers"] and ["validation"]."""
+    problems: list[str] = []
+    try:
+        result.data["handlers"] = _run_handlers(ctx, handlers)
+        problems += checks()
+        if problems:
+            return problems
+        if baseline is None or (not baseline["servers"] and baseline["offline"] is None):
             result.data["validation"] = {"status": "skipped (no server)"}
-    except HostFailed as e:
-        problems.append(str(e))
-    if problems and playbook.on_failure == "rollback":
+            return problems
+        if baseline["servers"] and not handlers:
+            # without a restart the server still runs the old code: its decode proves nothing
+            result.data["validation"] = {"status": "skipped (not restarted: no fleetctl_restart_cmd)"}
+            if baseline["offline"] is None:
+                return problems
+            baseline = {"servers": [], "offline": baseline["offline"]}
+        # a restart handler may ask for a longer health wait (a real server reloads its weights)
+        waits = [h.get("wait_for_health_s") or 0 for h in handlers]
+        after_opts = replace(smoke_opts, health_timeout=max([smoke_opts.health_timeout, *waits]))
+        after = smoke(ctx, facts, after_opts, offline, reserve=ROLLBACK_RESERVE_S,
+                      servers=bool(baseline["servers"]))
+        verdict = gate(ctx.host, baseline, after, smoke_opts)
+        result.data["validation"] = verdict.to_dict()
+        if verdict.failed:
+            problems.append(f"validation failed: {verdict.message}")
+    except Unreachable:
+        raise  # nothing more can be done now; the change stays pending and the next run undoes it
+    except Exception as e:  # noqa: BLE001 - every other failure must still lead to the rollback
+        problems.append(str(e) if isinstance(e, (HostFailed, RemoteTimeout)) else f"{type(e).__name__}: {e}")
+    return problems
+
+
+def settle(ctx: HostContext, result: HostResult, change_id: str, state_dir: str, handlers: list[dict],
+           problems: list[str], rollback: bool = True) -> HostResult:
+    """Finish a pending change: commit it ("applied") when there are no problems; else roll it
+    back (byte-identical) and run the handlers again, or, without `rollback`, commit it and mark
+    the host failed. Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation
+    used up its deadline is still put back."""
+    ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
+    if problems and rollback:
         reason = "; ".join(problems)
-        change_probe(ctx, "rollback", opts.state_dir, change_id=change_id, reason=reason)
+        change_probe(ctx, "rollback", state_dir, change_id=change_id, reason=reason)
         try:
-            _run_handlers(ctx, plan.handlers)
+            _run_handlers(ctx, handlers)
         except HostFailed as e:
             reason += f"; after the rollback: {e}"
         result.status, result.error = FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True
         return result
-    change_probe(ctx, "commit", opts.state_dir, change_id=change_id,
-                 reason="; ".join(problems) or None)
+    change_probe(ctx, "commit", state_dir, change_id=change_id, reason="; ".join(problems) or None)
+    result.status = CHANGED
     if problems:
         result.status, result.error = FAILED, "; ".join(problems) + " (on_failure: keep)"
     return result
@@ -220,7 +267,7 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
         for r in got:
             r.data["batch"] = batch_no
         results += got
-        bad = sum(r.status in (FAILED, "unreachable") for r in got)
+        bad = sum(r.status in (FAILED, UNREACHABLE) for r in got)
         if bad and 100.0 * bad / len(got) > opts.max_fail_percentage:
             stopped = (f"not attempted: rollout stopped after a batch of {len(got)} had {bad} failed "
                        f"(max_fail_percentage {opts.max_fail_percentage:g})")
@@ -233,6 +280,11 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
 
     def work(ctx: HostContext) -> HostResult:
         recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+        if recovered and not change_id:
+            # the interrupted change was the last one: undoing it was the rollback asked for
+            return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
+                              data={"change_id": recovered[-1]["change_id"], "recovered": recovered,
+                                    "files": [f["path"] for r in recovered for f in r["files"]]})
         params = {"change_id": change_id} if change_id else {"last": True}
         res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
         if res.get("nothing"):
@@ -254,11 +306,12 @@ def status_job(state_dir: str = STATE_DIR):
         sg = g["facts"].get("sglang") or {}
         res = change_probe(ctx, "status", state_dir, location=sg.get("location"), dist="sglang")
         res["sglang"] = sg.get("version")
-        status = FAILED if res["drift"] or res.get("modified") else OK
-        error = None
-        if status == FAILED:
-            error = "; ".join([f"{d['path']}: {d['problem']}" for d in res["drift"]] +
-                              [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
+        pending = [c["change_id"] for c in res["changes"] if c["state"] == "pending"]
+        problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
+                     "rollback undoes it" for c in pending] +
+                    [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
+                    [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
+        status, error = (FAILED, "; ".join(problems)) if problems else (OK, None)
         return HostResult(ctx.host.name, ctx.conn.address, status, error, data=res)
 
     return job

@@ -87,8 +87,8 @@ Repeat = Annotated[int, typer.Option("--repeat", help="Smoke decodes per server;
 Port = Annotated[int, typer.Option("--port", help="Port of discovered servers that give no --port.")]
 LatencyTolerance = Annotated[float, typer.Option("--latency-tolerance",
                              help="Allowed ratio of median latency after/before a change.")]
-LatencySlack = Annotated[float, typer.Option("--latency-slack",
-                         help="Extra seconds allowed on top of the latency ratio (noisy tiny decodes).")]
+LatencySlack = Annotated[Optional[float], typer.Option("--latency-slack", help=(
+    "Extra seconds allowed on top of the latency ratio (default: the host's fleetctl_latency_slack, else 0)."))]
 AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
                        help="Let greedy tokens differ after a change (reported as token drift).")]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Change hosts without asking.")]
@@ -96,13 +96,14 @@ JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
                        help="Seconds for each host's whole job (default: health timeout + 300).")]
 
 
-def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=0.0):
+def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
     from .validate import SmokeOptions
 
     for bad, msg in ((repeat < 1, f"--repeat must be at least 1, not {repeat}"),
                      (health_timeout <= 0, f"--health-timeout must be positive, not {health_timeout:g}"),
                      (latency_tolerance < 1.0, f"--latency-tolerance must be at least 1, not {latency_tolerance:g}"),
-                     (latency_slack < 0, f"--latency-slack must not be negative, not {latency_slack:g}")):
+                     (latency_slack is not None and latency_slack < 0,
+                      f"--latency-slack must not be negative, not {latency_slack}")):
         if bad:
             raise UsageError(msg)
     return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
@@ -126,7 +127,7 @@ def _confirm(what: str, yes: bool) -> None:
         return
     if not sys.stdin.isatty():
         raise UsageError(f"nothing changed: there is no terminal to ask 'OK to {what}?'; pass --yes to go ahead")
-    if not typer.confirm(f"{what}?", default=False):
+    if not typer.confirm(f"{what}?", default=False, err=True):
         err.print("nothing changed")
         raise typer.Exit(0)
 
@@ -157,7 +158,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
           max_fail_percentage: Annotated[float, typer.Option("--max-fail-percentage",
                                          help="Stop the rollout when a batch fails more than this.")] = 0.0,
           yes: Yes = False, port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
-          latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = 0.0,
+          latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
           accept_new: AcceptNew = False) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
@@ -190,6 +191,9 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
                 render_apply(results, out, diff=True, check=True)
             _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
             opts.check = False
+            # what is written must be what was shown: each host's planned post-images
+            opts.confirmed = {r.host: {f["rel"]: f["post_sha256"] for f in r.data["plan"]["files"]}
+                              for r in results if r.status == "changed" and not r.data.get("pending")}
             cid, applied = run_playbook(fleet, to_change, pb, opts)
             by_name = {r.host: r for r in results} | {r.host: r for r in applied}
             results = [by_name[h.name] for h in hosts]
@@ -243,7 +247,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")] = 1800.0,
                   port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
-                  latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = 0.0,
+                  latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
                   connect_timeout: ConnectTimeout = 10.0, accept_new: AcceptNew = False) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,

@@ -17,11 +17,12 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from .apply import STATE_DIR, ApplyOptions, _run_handlers, change_probe, locked
+from .apply import (ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, locked, settle,
+                    validate_change)
 from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
 from .gather import gather
 from .kernelpkg import KernelPackage, build_key
-from .validate import SmokeOptions, gate, smoke
+from .validate import SmokeOptions, smoke
 
 BUILD_DEADLINE_S = 1800.0
 TEST_DEADLINE_S = 600.0
@@ -50,7 +51,10 @@ def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
     if not r.ok:
         raise HostFailed(f"cannot create {src_dir}: {r.stderr.decode()[-300:]}")
     for rel, data in files.items():
-        ctx.conn.put_bytes(data, posixpath.join(src_dir, rel), timeout=ctx.remaining())
+        try:
+            ctx.conn.put_bytes(data, posixpath.join(src_dir, rel), timeout=ctx.remaining())
+        except OSError as e:  # SFTP's refusals: permission denied, no space left
+            raise HostFailed(f"cannot upload {rel} to {src_dir}: {e}") from None
     r = ctx.run("cd " + shlex.quote(src_dir) + " && sha256sum -- " + " ".join(shlex.quote(rel) for rel in files))
     got = dict(line.split(None, 1)[::-1] for line in r.stdout.decode().splitlines())
     bad = [rel for rel, data in files.items() if got.get(rel) != hashlib.sha256(data).hexdigest()]
@@ -77,11 +81,12 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
     kdir = f"{opts.state_dir}/kernels/{pkg.name}"
     bdir = f"{kdir}/{key}"
     link = f"{kdir}/current"
-    r = ctx.run(f"readlink {shlex.quote(link)} || true; cat {shlex.quote(bdir + '/PASSED')} 2>/dev/null || true")
-    lines = r.stdout.decode().splitlines()
-    current = lines[0].strip() if lines and lines[0].strip() else None
+    r = ctx.run(f"printf 'current=%s\\n' \"$(readlink {shlex.quote(link)})\"; "
+                f"if [ -f {shlex.quote(bdir + '/PASSED')} ]; then echo passed=yes; fi")
+    state = dict(line.split("=", 1) for line in r.stdout.decode().splitlines() if "=" in line)
+    current = state.get("current") or None
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
-            "recovered": recovered, "refusals": pre["refusals"], "reused": len(lines) > 1 and bool(lines[1].strip())}
+            "recovered": recovered, "refusals": pre["refusals"], "reused": state.get("passed") == "yes"}
     result = HostResult(ctx.host.name, ctx.conn.address, OK, data=data)
     if not data["reused"]:
         src, build = f"{bdir}/src", f"{bdir}/build"
@@ -104,34 +109,15 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
             raise HostFailed(f"cannot mark {bdir} as tested: {r.stderr.decode()[-300:]}")
     if current == key:
         return result
-    steps_smoke = bool(ctx.host.vars.get("fleetctl_sglang_port") or facts.get("servers"))
-    baseline = smoke(ctx, facts, opts.smoke) if steps_smoke else None
+    baseline = smoke(ctx, facts, opts.smoke, reserve=ROLLBACK_RESERVE_S)
     change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=f"kernel {pkg.name}",
                  operator=opts.operator, files=[{"path": link, "kind": "link", "pre_target": current,
                                                  "post_target": key}], commit=False)
     result.status, data["change_id"] = CHANGED, change_id
     cmd = ctx.host.vars.get("fleetctl_restart_cmd")
     handlers = [{"name": "restart sglang", "command": cmd}] if cmd else []
-    problems = []
-    try:
-        data["handlers"] = _run_handlers(ctx, handlers)
-        if baseline is not None:
-            verdict = gate(ctx.host, baseline, smoke(ctx, facts, opts.smoke), opts.smoke)
-            data["validation"] = verdict.to_dict()
-            if verdict.failed:
-                problems.append(f"validation failed: {verdict.message}")
-        else:
-            data["validation"] = {"status": "skipped (no server)"}
-    except HostFailed as e:
-        problems.append(str(e))
-    if problems:
-        reason = "; ".join(problems)
-        change_probe(ctx, "rollback", opts.state_dir, change_id=change_id, reason=reason)
-        try:
-            _run_handlers(ctx, handlers)
-        except HostFailed as e:
-            reason += f"; after switching back: {e}"
-        result.status, result.error = FAILED, f"switched back to {current or 'no build'}: {reason}"
-        return result
-    change_probe(ctx, "commit", opts.state_dir, change_id=change_id)
+    problems = validate_change(ctx, result, handlers, lambda: [], baseline, facts, opts.smoke, None)
+    settle(ctx, result, change_id, opts.state_dir, handlers, problems)
+    if result.status == FAILED:
+        result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")
     return result

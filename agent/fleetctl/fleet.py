@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import probes
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, UsageError
+from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, FleetctlError, UsageError
 from .inventory import Host
 from .transport import HostConnection, LockBusy, RemoteTimeout, Result, SSHSettings, Unreachable
 
@@ -171,7 +171,7 @@ class Fleet:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
             result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
-        except (HostFailed, LockBusy, probes.ProbeError) as e:
+        except (HostFailed, LockBusy, probes.ProbeError, FleetctlError) as e:  # a template error, say
             result.status, result.error = FAILED, str(e)
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"

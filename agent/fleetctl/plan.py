@@ -7,9 +7,10 @@ probe's AST reading) with the task's rendered value and appends the rendered com
 first line end after the value (for an assignment the statement's last line, for a keyword its
 own line inside the call; tokenize finds it, so backslash continuations stay intact).
 
-A site whose comment line already carries the task's marker and that the task's `when` no
-longer selects is "already applied"; a marked site that `when` still selects was changed by
-hand after the apply, and the host is refused rather than edited twice.
+A site whose comment line already carries the task's marker, whose value is what the task
+writes, and that the task's `when` no longer selects is "already applied"; a marked site that
+`when` still selects was changed by hand after the apply, and the host is refused rather than
+edited twice.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class _Source:
 
 def _site(f: dict, **extra) -> dict:
     return {"file": f["file"], "line": f["line"], "kind": f.get("kind"), "callee": f.get("callee"),
-            "expr": f["expr"], **extra}
+            "expr": f["expr"], "value_line": f.get("value_line"), "value_col": f.get("value_col"), **extra}
 
 
 def _render_handlers(playbook: Playbook, names: list[str], ctx: dict) -> list[dict]:
@@ -204,7 +205,9 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
             selected = bool(task.when(fctx))
             if marked and selected:
                 raise _Refused(f"{rel}:{f['line']} carries {task.marker!r} but its value was changed since")
-            if marked:
+            if marked and f["expr"] == task.value.render(fctx):
+                # the site itself holds what the task writes (another finding on the same marked
+                # line, say a nested literal, is left alone below)
                 plan.already_applied.append(_site(f, task=task.name))
                 continue
             if not selected:
@@ -275,23 +278,13 @@ def reinspect_problems(playbook: Playbook, plan: HostPlan, host_vars: dict, fact
         problems.append(f"{len(again.already_applied)} sites carry the change, {len(plan.edits)} were edited")
     ctx = {**host_vars, "host": plan.host, "facts": facts, "findings": findings}
     checks = [v.that for v in playbook.validate if v.step == "reinspect" and v.that is not None]
-    applied = {(a["file"], a["line"]) for a in again.already_applied}
+    # exactly the sites that carry the change (another finding on the same line, say a nested
+    # literal need_sort=False, is not one of them)
+    applied = {(a["file"], a["value_line"], a["value_col"]) for a in again.already_applied}
     for task in playbook.tasks:
         for f in findings.get(task.findings) or []:
-            if (f["file"], f["line"]) in applied:
+            if (f["file"], f.get("value_line"), f.get("value_col")) in applied:
                 fctx = {**ctx, "finding": {**f, "expr_one_line": one_line(f["expr"])}}
                 problems += [f"{f['file']}:{f['line']}: {f['expr']!r} fails {c.source!r}" for c in checks
                              if not c(fctx)]
     return problems
-
-
-def coalesce_diffs(plans: list[HostPlan]) -> list[tuple[str, list[str]]]:
-    """Group hosts whose planned diffs are identical: [(diff_text, [host, ...])], first-seen order.
-
-    Only plans with status "change" take part; diff_text is their files' diffs concatenated.
-    """
-    groups: dict[str, list[str]] = {}
-    for p in plans:
-        if p.status == "change":
-            groups.setdefault("".join(fc.diff for fc in p.files), []).append(p.host)
-    return list(groups.items())

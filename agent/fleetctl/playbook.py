@@ -38,6 +38,7 @@ and, in per-site templates, `finding` (one inspect finding plus `expr_one_line`)
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +219,7 @@ def _environment(directory: str) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
                              autoescape=False, keep_trailing_newline=False)
     env.tests["identifier"] = lambda v: isinstance(v, str) and v.isidentifier()
+    env.filters["quote"] = shlex.quote  # for values templated into handler or smoke commands
     return env
 
 

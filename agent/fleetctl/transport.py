@@ -233,7 +233,9 @@ class HostConnection:
             if stdin:
                 chan.sendall(stdin)
             chan.shutdown_write()
-        except (socket.timeout, paramiko.SSHException, OSError) as e:
+        except socket.timeout:
+            raise RemoteTimeout(f"remote command did not take its input within {limit} s") from None
+        except (paramiko.SSHException, OSError) as e:
             raise Unreachable(f"connection failed while starting a command: {e}") from None
         out, err = bytearray(), bytearray()
         try:
@@ -271,14 +273,16 @@ class HostConnection:
         except (EOFError, paramiko.SSHException) as e:
             raise Unreachable(f"connection failed during an upload: {e}") from None
 
-    def hold_lock(self, state_dir: str, timeout: float) -> "RemoteLock":
-        """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as this is open.
+    def hold_lock(self, state_dir: str, timeout: float, hold_s: float) -> "RemoteLock":
+        """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as this is open,
+        and at most `hold_s` seconds.
 
         The lock is held by a remote `flock` whose child waits for EOF on its stdin: closing the
-        channel, or this process dying, releases it. Raises LockBusy at once when another run
+        channel, or this process dying, releases it; so does `hold_s` passing (a network
+        partition that sshd does not notice cannot keep a stale lock for hours). Raises LockBusy at once when another run
         holds it (quoting who and since when), or when the lock cannot be taken within `timeout` s.
         """
-        return RemoteLock(self, state_dir, timeout)
+        return RemoteLock(self, state_dir, timeout, hold_s)
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -295,7 +299,7 @@ class LockBusy(Exception):
 class RemoteLock:
     """See HostConnection.hold_lock."""
 
-    def __init__(self, conn: HostConnection, state_dir: str, timeout: float):
+    def __init__(self, conn: HostConnection, state_dir: str, timeout: float, hold_s: float):
         lock = f"{state_dir}/lock"
         owner = f"{state_dir}/lock.owner"
         who = f"{os.environ.get('USER', 'root')}@{socket.gethostname()} pid {os.getpid()}"
@@ -303,12 +307,17 @@ class RemoteLock:
             f"mkdir -p {shlex.quote(state_dir)} && "
             f"exec flock -n -E 75 {shlex.quote(lock)} sh -c "
             + shlex.quote(f"printf '%s since %s\\n' {shlex.quote(who)} \"$(date -u +%FT%TZ)\" > {shlex.quote(owner)}; "
-                          "echo LOCKED; exec cat >/dev/null")
+                          f"echo LOCKED; exec timeout {max(1, math.ceil(hold_s))} cat >/dev/null")
         )
         transport = conn._conn.client.get_transport()
-        self._chan = transport.open_session(timeout=conn.settings.connect_timeout)
-        self._chan.settimeout(timeout)
-        self._chan.exec_command(script)
+        if transport is None or not transport.is_active():
+            raise Unreachable("connection lost")
+        try:
+            self._chan = transport.open_session(timeout=conn.settings.connect_timeout)
+            self._chan.settimeout(timeout)
+            self._chan.exec_command(script)
+        except (paramiko.SSHException, OSError) as e:
+            raise Unreachable(f"connection failed while taking the lock: {e}") from None
         buf = b""
         try:
             while b"\n" not in buf:

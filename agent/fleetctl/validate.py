@@ -14,6 +14,7 @@ from .fleet import FAILED, OK, SKIPPED, HostContext, HostResult
 from .gate import compare
 from .gather import gather
 from .inventory import Host
+from .transport import RemoteTimeout
 
 REQUEST_TIMEOUT_S = 60.0
 
@@ -21,13 +22,14 @@ REQUEST_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class SmokeOptions:
     """port: used for discovered servers that give no --port; health_timeout, latency_slack_s in
-    seconds; latency_tolerance: allowed after/baseline latency ratio for the gate."""
+    seconds (slack None: the host's fleetctl_latency_slack var, else 0); latency_tolerance:
+    allowed after/baseline latency ratio for the gate."""
 
     port: int = 30000
     health_timeout: float = 600.0
     repeat: int = 3
     latency_tolerance: float = 1.25
-    latency_slack_s: float = 0.0
+    latency_slack_s: float | None = None
     allow_token_drift: bool = False
 
 
@@ -46,22 +48,32 @@ def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions) -> list[di
     return targets
 
 
-def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None) -> dict:
+def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None,
+          reserve: float = 0.0, servers: bool = True) -> dict:
     """Run the smoke probe on the host: {"servers": [...], "offline": ... | None} (see probes/smoke.py).
+    `reserve`: seconds of the host's deadline to leave unused (for a rollback); the health wait
+    is cut to fit. `servers`: False runs only the offline command.
     Raises ProbeError, RemoteTimeout, Unreachable."""
-    params = {"servers": smoke_targets(ctx.host, facts, opts), "health_timeout": opts.health_timeout,
-              "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
+    params = {"servers": smoke_targets(ctx.host, facts, opts) if servers else [],
+              "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
               "offline_cmd": offline_cmd or ctx.host.vars.get("fleetctl_smoke_cmd")}
     if not params["servers"] and not params["offline_cmd"]:
         return {"servers": [], "offline": None}
+    budget = ctx.remaining() - reserve
+    if budget < 5:
+        raise RemoteTimeout(f"no time left for a smoke decode ({budget:.0f} s before the host deadline)")
+    params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
+    params["offline_timeout"] = budget - 5
     python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("smoke", params, python=python)
+    return ctx.probe("smoke", params, python=python, timeout=budget)
 
 
 def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
     """The validation gate (gate.compare) with these options; the latency slack (seconds) is
     --latency-slack, else the host's `fleetctl_latency_slack` var, else 0."""
-    slack = opts.latency_slack_s or float(host.vars.get("fleetctl_latency_slack", 0.0))
+    slack = opts.latency_slack_s
+    if slack is None:
+        slack = float(host.vars.get("fleetctl_latency_slack", 0.0))
     return compare(baseline, after, latency_tolerance=opts.latency_tolerance,
                    allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
 

@@ -68,7 +68,10 @@ def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     if idx < 0:
         tail = (stderr.decode("utf-8", "replace") or text).strip()[-2000:]
         raise ProbeError(f"probe printed no result (exit {exit_code}): {tail or 'no output'}")
-    out = json.loads(text[idx + len(MARKER) + 1:])
+    try:
+        out = json.loads(text[idx + len(MARKER) + 1:])
+    except ValueError as e:
+        raise ProbeError(f"probe result is not JSON (output cut short?): {e}") from None
     if isinstance(out, dict) and "__probe_error__" in out:
         raise ProbeError("probe failed on the host:\n" + out["__probe_error__"].strip())
     return out

@@ -1,4 +1,4 @@
-"""Host-side file changes with backups and a ledger: read, apply, rollback, recover, status.
+"""Host-side file changes with backups and a ledger: apply, commit, rollback, recover, status.
 
 Runs on the host as root, stdlib only (Python 3.8+), sent on stdin like every probe;
 `main(params)` returns JSON-serialisable data and never prints. The caller holds the host's
@@ -153,24 +153,17 @@ def _append(state_dir, entry, state, reason=None):
     entry = dict(entry, state=state, time=_now(), reason=reason)
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     path = os.path.join(state_dir, "ledger.jsonl")
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":  # a line torn by a kill: do not glue this entry onto it
+                f.write(b"\n")
+        f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(state_dir)
     return entry
-
-
-def read(params, state_dir):
-    """{paths: [abs path]} -> {files: {path: {sha256, text}} or {path: {error}}} (text decoded UTF-8)."""
-    files = {}
-    for p in params["paths"]:
-        try:
-            data = _read(p)
-            files[p] = {"sha256": hashlib.sha256(data).hexdigest(), "text": data.decode("utf-8")}
-        except (OSError, UnicodeDecodeError) as e:
-            files[p] = {"error": "%s: %s" % (type(e).__name__, e)}
-    return {"ok": True, "files": files}
 
 
 def apply(params, state_dir):
@@ -281,9 +274,11 @@ def _restore(f, tag, data=None):
 def rollback(params, state_dir):
     """{change_id | last: true, force: bool, reason?}: restore a change's files from its backup.
 
-    The change must be "applied" or "pending" (`last`: the latest applied one). Refuses, changing
-    nothing, unless every file still has after_sha256 (force skips that check). Verifies each
-    restored file has before_sha256; records "rolled-back" with the reason.
+    The change must be "applied", "pending" or "failed" (`last`: the latest applied one); one
+    already rolled back is a no-op. Refuses, changing nothing, unless every file has
+    after_sha256 or already before_sha256 (force skips that check). Verifies each restored
+    file has before_sha256; records "rolled-back" with the reason, or "failed" with the files
+    restored so far when a restore fails midway (a later rollback finishes the job).
     """
     known = changes(state_dir)
     if params.get("last"):
@@ -298,13 +293,23 @@ def rollback(params, state_dir):
         raise Refused("no change %r in the ledger" % cid)
     if entry["state"] == "rolled-back":
         return {"ok": True, "change_id": cid, "nothing": "already rolled back"}
-    if entry["state"] not in ("applied", "pending"):
+    if entry["state"] not in ("applied", "pending", "failed"):
         raise Refused("change %s is %s, not applied" % (cid, entry["state"]))
-    moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
+    moved = [f["path"] for f in entry["files"] if _state(f) not in (f["after_sha256"], f["before_sha256"])]
     if moved and not params.get("force"):
         raise Refused("changed since the apply (--force restores anyway): %s" % ", ".join(moved))
-    for f in entry["files"]:
-        _restore(f, cid + "-rb")
+    restored = []
+    try:
+        for f in entry["files"]:
+            if _state(f) != f["before_sha256"]:
+                _restore(f, cid + "-rb")
+            restored.append(f["path"])
+    except Exception as e:
+        done = ", ".join(restored) or "none"
+        _append(state_dir, entry, "failed", "rollback stopped: %s: %s; restored: %s" % (type(e).__name__, e, done))
+        return {"ok": False, "change_id": cid,
+                "error": "rollback failed after restoring %d of %d files (%s): %s"
+                         % (len(restored), len(entry["files"]), done, e)}
     reason = "; ".join(r for r in (params.get("reason"), moved and "forced over: " + ", ".join(moved)) if r)
     _append(state_dir, entry, "rolled-back", reason or None)
     return {"ok": True, "change_id": cid, "files": [f["path"] for f in entry["files"]], "forced": moved}
@@ -325,7 +330,7 @@ def recover(params, state_dir):
         actions, unknown = [], []
         for f in entry["files"]:
             for tag in (cid, cid + "-rb"):
-                if os.path.exists(_tmp_name(f["path"], tag)):
+                if os.path.lexists(_tmp_name(f["path"], tag)):
                     os.unlink(_tmp_name(f["path"], tag))
             cur = _state(f)
             if cur == f["before_sha256"]:
@@ -388,6 +393,12 @@ def status(params, state_dir):
         summary.append({"change_id": cid, "playbook": e.get("playbook"), "time": e.get("time"),
                         "operator": e.get("operator"), "state": e["state"], "reason": e.get("reason"),
                         "files": [f["path"] for f in e["files"]]})
+        if e["state"] == "pending":  # interrupted, or a run in progress: its files are explained
+            for f in e["files"]:
+                cur = _state(f)
+                if cur in (f["before_sha256"], f["after_sha256"]) and f.get("kind") != "link":
+                    explained[os.path.realpath(f["path"])] = cur
+            continue
         if e["state"] != "applied":
             continue
         for f in e["files"]:
@@ -407,12 +418,12 @@ def status(params, state_dir):
             "kernels": kernels}
 
 
-ACTIONS = {"read": read, "apply": apply, "commit": commit, "rollback": rollback, "recover": recover,
+ACTIONS = {"apply": apply, "commit": commit, "rollback": rollback, "recover": recover,
            "status": status}
 
 
 def main(params):
-    """params: {action: read|apply|commit|rollback|recover|status, state_dir?: str, ...action params}.
+    """params: {action: apply|commit|rollback|recover|status, state_dir?: str, ...action params}.
 
     Returns the action's result dict, or {"ok": false, "error": ...} for an unknown action, a
     refusal ("refused": true; nothing was changed) or an unexpected error on the host.

@@ -177,6 +177,24 @@ def sglang_in(python):
     return None
 
 
+def untrusted(python):
+    """Why `python` must not be run by this probe (it may run as root), or None.
+
+    The interpreter file and its prefix directory must belong to root or to this user and not be
+    writable by group or others: otherwise another local user could plant a python and an
+    `sglang` dist-info, start a process that looks like a server, and have fleetctl run it."""
+    for path in (os.path.realpath(python), os.path.dirname(os.path.dirname(python))):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            return "cannot stat %s: %s" % (path, e.strerror)
+        if st.st_uid not in (0, os.geteuid()):
+            return "%s belongs to uid %d" % (path, st.st_uid)
+        if st.st_mode & 0o022:
+            return "%s is writable by group or others" % path
+    return None
+
+
 def choose_interpreter(servers):
     """The interpreter that runs SGLang here: (path, reason, [candidates considered])."""
     candidates = []
@@ -196,6 +214,10 @@ def choose_interpreter(servers):
         if path in seen or not os.access(path, os.X_OK):
             continue
         seen.add(path)
+        why_not = untrusted(path)
+        if why_not:
+            considered.append({"python": path, "reason": why, "sglang": None, "skipped": why_not})
+            continue
         found = sglang_in(path)
         considered.append({"python": path, "reason": why, "sglang": found[0] if found else None})
         if found:
@@ -284,7 +306,10 @@ def collect(params, servers, others, discovery):
             out["sources"] = {}
             for f in files:  # exact text: bytes decoded, no newline translation (sha256 must match)
                 raw = _read(os.path.join(sglang["location"], f), "rb")
-                out["sources"][f] = raw.decode("utf-8") if raw is not None else None
+                try:
+                    out["sources"][f] = raw.decode("utf-8") if raw is not None else None
+                except UnicodeDecodeError:
+                    out["sources"][f] = None  # not UTF-8: planning refuses this file, inspect goes on
     return out
 
 
