@@ -64,7 +64,6 @@ def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
 
 def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
     """The deploy job for one host (see the module docstring)."""
-
     return locked(opts.state_dir, lambda ctx: _deploy(ctx, pkg, change_id, opts))
 
 
