@@ -220,12 +220,26 @@ def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
              .stdout.splitlines() if pending[0] in line][-1]
     assert sha in (original, entry["files"][0]["after_sha256"])  # whole file, old or new
 
-    server_lab.set_behavior("lab-04", {}, restart=True)
+    r = fleetctl(server_lab, "status", "lab-04", "--json")
+    assert r.returncode == 2 and "pending" in json.loads(r.stdout)["hosts"][0]["error"]
+
+    # `rollback --last` undoes just the interrupted change, and restarts the server that the
+    # killed run may have restarted on the patched file
+    server_lab.set_behavior("lab-04", {}, restart=False)
+    pid = server_lab.ssh("lab-04", "cat /opt/fleetctl-standin/server.pid").stdout.strip()
+    r = fleetctl(server_lab, "rollback", "--last", "lab-04", "--yes", "--json")
+    h = json.loads(r.stdout)["hosts"][0]
+    assert r.returncode == 0 and h["status"] == "changed" and h["change_id"] == pending[0]
+    assert [x["name"] for x in h["handlers"]] == ["restart sglang"]
+    assert server_lab.ssh("lab-04", "cat /opt/fleetctl-standin/server.pid").stdout.strip() != pid
+    assert host_sha(server_lab, "lab-04", rel) == original
+    states = ledger_states(server_lab, "lab-04")
+    assert states[pending[0]] == "rolled-back" and "applied" not in states.values()
+
     r, doc, hosts = apply_json(server_lab, "lab-04", "--yes")
     assert hosts["lab-04"]["status"] == "changed", hosts["lab-04"]["error"]
-    assert [x["change_id"] for x in hosts["lab-04"]["recovered"]] == pending
-    states = ledger_states(server_lab, "lab-04")
-    assert states[pending[0]] == "rolled-back" and states[doc["change_id"]] == "applied"
+    assert hosts["lab-04"]["recovered"] == []
+    assert ledger_states(server_lab, "lab-04")[doc["change_id"]] == "applied"
 
 
 def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
@@ -292,7 +306,7 @@ def test_ctrl_c_lets_the_running_host_finish_and_starts_no_more(server_lab):
     p.send_signal(signal.SIGINT)
     stdout, stderr = p.communicate(timeout=120)
     hosts = {h["host"]: h for h in json.loads(stdout)["hosts"]}
-    assert p.returncode == 2 and "interrupted" in stderr
+    assert p.returncode == 130 and "interrupted" in stderr
     assert hosts["lab-02"]["status"] == "changed"
     assert ledger_states(server_lab, "lab-02")[json.loads(stdout)["change_id"]] == "applied"
     for h in ("lab-03", "lab-04"):

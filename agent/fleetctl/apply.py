@@ -114,6 +114,16 @@ def _run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     return ran
 
 
+def recover(ctx: HostContext, state_dir: str) -> tuple[list[dict], list[dict]]:
+    """Undo changes a killed run left pending (probes/change.py `recover`); when there were any,
+    restart SGLang with the host's `fleetctl_restart_cmd` (the killed run may have restarted it
+    on the changed files). Returns (recovered changes, handlers run)."""
+    recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+    cmd = ctx.host.vars.get("fleetctl_restart_cmd")
+    handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if recovered and cmd else []
+    return recovered, handlers
+
+
 def _compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
     code = ("import sys\nbad = []\nfor p in sys.argv[1:]:\n"
             "    try:\n        compile(open(p, 'rb').read(), p, 'exec')\n"
@@ -145,10 +155,10 @@ def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
 
 
 def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
-    recovered = change_probe(ctx, "recover", opts.state_dir)["recovered"]
+    recovered, restarted = recover(ctx, opts.state_dir)
     g, plan = _plan(ctx, playbook)
     result = _planned_result(ctx, plan)
-    result.data["recovered"] = recovered
+    result.data.update(recovered=recovered, recovery_handlers=restarted)
     if plan.status != "change":
         return result
     confirmed = opts.confirmed.get(ctx.host.name)
@@ -261,7 +271,8 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
         if fleet.interrupted:
             stopped = stopped or "not attempted: interrupted (Ctrl-C)"
         if stopped:
-            results += [HostResult(h.name, h.address, NOT_ATTEMPTED, stopped) for h in batch]
+            results += [HostResult(h.name, h.address, NOT_ATTEMPTED, stopped,
+                                   data={"interrupted": fleet.interrupted}) for h in batch]
             continue
         got = fleet.run(batch, apply_job(playbook, cid, opts), f"apply {playbook.name}", timeout=timeout)
         for r in got:
@@ -279,12 +290,13 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
     host's `fleetctl_restart_cmd` when it is set."""
 
     def work(ctx: HostContext) -> HostResult:
-        recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+        recovered, restarted = recover(ctx, state_dir)
         if recovered and not change_id:
             # the interrupted change was the last one: undoing it was the rollback asked for
             return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
                               data={"change_id": recovered[-1]["change_id"], "recovered": recovered,
-                                    "files": [f["path"] for r in recovered for f in r["files"]]})
+                                    "files": [f["path"] for r in recovered for f in r["files"]],
+                                    "handlers": restarted})
         params = {"change_id": change_id} if change_id else {"last": True}
         res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
         if res.get("nothing"):

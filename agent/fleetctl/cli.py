@@ -188,7 +188,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
             err.print("nothing to change")
         elif not check:
             if not json_out:
-                render_apply(results, out, diff=True, check=True)
+                render_apply(results, out, diff=True, check=True, title="plan (nothing is changed yet)")
             _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
             opts.check = False
             # what is written must be what was shown: each host's planned post-images
@@ -199,7 +199,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
             results = [by_name[h.name] for h in hosts]
 
     def render(rs, console):
-        render_apply(rs, console, diff=diff, check=check)
+        render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
         if cid:
             console.print(f"change id: {cid}")
 

@@ -17,7 +17,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
-from .apply import (ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, locked, settle,
+from .apply import (ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, locked, recover, settle,
                     validate_change)
 from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
 from .gather import gather
@@ -68,7 +68,7 @@ def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
 
 
 def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
-    recovered = change_probe(ctx, "recover", opts.state_dir)["recovered"]
+    recovered, _ = recover(ctx, opts.state_dir)
     facts = gather(ctx, scan=False)["facts"]
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))

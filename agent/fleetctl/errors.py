@@ -1,7 +1,7 @@
 """Errors that end a fleetctl command, each with its exit code (Ansible's codes).
 
 0 all ok; 2 a host failed; 3 a host unreachable; 4 inventory, playbook or parse error;
-5 bad options or a host pattern that matches nothing.
+5 bad options or a host pattern that matches nothing; 130 interrupted by Ctrl-C.
 """
 
 EXIT_OK = 0
@@ -9,6 +9,7 @@ EXIT_FAILED = 2
 EXIT_UNREACHABLE = 3
 EXIT_PARSE = 4
 EXIT_OPTIONS = 5
+EXIT_INTERRUPTED = 130  # Ctrl-C: hosts in progress finished, the others were not started
 
 
 class FleetctlError(Exception):

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import probes
-from .errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, FleetctlError, UsageError
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
 from .inventory import Host
 from .transport import HostConnection, LockBusy, RemoteTimeout, Result, SSHSettings, Unreachable
 
@@ -104,7 +104,12 @@ def parse_serial(spec: str | None, total: int) -> list[int]:
 
 
 def exit_code(results: list[HostResult]) -> int:
-    """Ansible's exit code for a set of host results: 3 if any unreachable, 2 if any failed."""
+    """Ansible's exit code for a set of host results: 4 if a playbook or template error stopped a
+    host, 130 if Ctrl-C stopped the run, 3 if any unreachable, 2 if any failed."""
+    if any(r.data.get("parse_error") for r in results):
+        return EXIT_PARSE
+    if any(r.data.get("interrupted") for r in results):
+        return EXIT_INTERRUPTED
     statuses = {r.status for r in results}
     if UNREACHABLE in statuses:
         return EXIT_UNREACHABLE
@@ -171,8 +176,11 @@ class Fleet:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
             result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
-        except (HostFailed, LockBusy, probes.ProbeError, FleetctlError) as e:  # a template error, say
+        except (HostFailed, LockBusy, probes.ProbeError) as e:
             result.status, result.error = FAILED, str(e)
+        except FleetctlError as e:  # a template or expression error in the playbook, say
+            result.status, result.error = FAILED, str(e)
+            result.data["parse_error"] = e.exit_code == EXIT_PARSE
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         result.elapsed_s = round(time.monotonic() - start, 3)
@@ -204,6 +212,11 @@ class Fleet:
                             progress.advance(task)
                 except KeyboardInterrupt:
                     if self.interrupted:
+                        for fut in pending:
+                            self.console.print(
+                                f"[bold red]stopped while {futures[fut].name} was in progress:[/] a change there "
+                                "stays pending in its ledger; the next apply, deploy or rollback on it undoes "
+                                "it (`fleetctl status` shows it)", highlight=False)
                         raise
                     # Hosts already started finish their job (a change completes or rolls back);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
@@ -213,7 +226,8 @@ class Fleet:
                             pending.discard(fut)
                             h = futures[fut]
                             results[h.name] = HostResult(h.name, h.address, NOT_ATTEMPTED,
-                                                         "interrupted (Ctrl-C) before this host started")
+                                                         "interrupted (Ctrl-C) before this host started",
+                                                         data={"interrupted": True})
                     self.console.print(f"[bold yellow]interrupted:[/] waiting for {len(pending)} host(s) in "
                                        "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
         finally:

@@ -203,7 +203,8 @@ def render_validate(results: list[HostResult], console: Console) -> None:
     console.print(t)
 
 
-def render_apply(results: list[HostResult], console: Console, diff: bool, check: bool) -> None:
+def render_apply(results: list[HostResult], console: Console, diff: bool, check: bool,
+                 title: str | None = None) -> None:
     """Per-host outcome of a playbook run; with `diff`, unified diffs coalesced across hosts."""
     if diff:
         diffs = coalesce((r.host, "".join(f["diff"] for f in r.data["plan"]["files"]))
@@ -211,7 +212,7 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
         for hosts, text in diffs:
             console.rule(f"diff — {host_list(hosts)}")
             console.print(Text(text), highlight=False, soft_wrap=True)
-    t = Table(title="check mode: nothing was changed" if check else "apply", title_justify="left")
+    t = Table(title=title or ("check mode: nothing was changed" if check else "apply"), title_justify="left")
     for c in ("hosts", "status", "edits", "left alone", "validation", "detail"):
         t.add_column(c, overflow="fold")
     rows = []
@@ -237,7 +238,8 @@ def render_status(results: list[HostResult], console: Console) -> None:
             unknown = Text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
             t.add_row(r.host, unknown, unknown, unknown, unknown, unknown)
             continue
-        applied = [c["change_id"] for c in d.get("changes", []) if c["state"] == "applied"]
+        applied = [c["change_id"] + (" (PENDING: interrupted or in progress)" if c["state"] == "pending" else "")
+                   for c in d.get("changes", []) if c["state"] in ("applied", "pending")]
         kernels = "\n".join(f"{k} -> {v[:12]}" for k, v in (d.get("kernels") or {}).items())
         t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none", kernels or "none",
                   "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift", [])) or "none",
