@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,21 @@ class Lab:
             cmd += " && /opt/fleetctl-standin/restart.sh"
         r = self.ssh(host, cmd)
         assert r.returncode == 0, r.stderr
+
+    def cli(self, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Run the fleetctl CLI as a user would: this lab's HOME and inventory, plus `env`."""
+        return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
+                              env={**self.env, **(env or {})}, timeout=timeout)
+
+    def cli_json(self, *args: str, env: dict | None = None, timeout: float = 300):
+        """cli(*args, "--json") -> (process, JSON document, {host name: its entry}); a run that
+        prints no JSON fails the test with its output."""
+        r = self.cli(*args, "--json", env=env, timeout=timeout)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError:
+            raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
+        return r, doc, {h["host"]: h for h in doc["hosts"]}
 
     def ssh(self, host: str, command: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         """Run `command` on `host` with the OpenSSH client, strict host-key checking on."""

@@ -31,18 +31,12 @@ RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 
 
-def fleetctl(lab, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
-                          env=lab.env, timeout=timeout)
+def fleetctl(lab, *args):
+    return lab.cli(*args)
 
 
 def apply_json(lab, *args):
-    r = fleetctl(lab, "apply", "defrag-tier0", *args, "--json")
-    try:
-        doc = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
-    return r, doc, {h["host"]: h for h in doc["hosts"]}
+    return lab.cli_json("apply", "defrag-tier0", *args)
 
 
 def tree_digest(lab, host):

@@ -20,16 +20,9 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 KDIR = "/var/lib/fleetctl/kernels/verify_attention"
 
 
-def deploy(lab, pattern, *args, kernels: Path | None = None, **kw):
-    env = dict(lab.env, FLEETCTL_KERNELS_DIR=str(kernels or KERNELS))
-    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", pattern,
-                        "--yes", "--json", "--max-jobs", "2", *args], capture_output=True, text=True,
-                       env=env, timeout=900, **kw)
-    try:
-        doc = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
-    return r, doc, {h["host"]: h for h in doc["hosts"]}
+def deploy(lab, pattern, *args, kernels: Path | None = None):
+    return lab.cli_json("deploy", "kernel", "verify_attention", pattern, "--yes", "--max-jobs", "2", *args,
+                        env={"FLEETCTL_KERNELS_DIR": str(kernels or KERNELS)}, timeout=900)
 
 
 def active(lab, host):

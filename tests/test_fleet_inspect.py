@@ -18,15 +18,13 @@ pytestmark = pytest.mark.lab
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
 
 
-def fleetctl(lab, *args, timeout=120):
-    """Run the fleetctl CLI as a user would, with the lab's HOME and inventory."""
-    return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
-                          env=lab.env, timeout=timeout)
+def fleetctl(lab, *args):
+    return lab.cli(*args, timeout=120)
 
 
 def inspect_json(lab, *args):
-    r = fleetctl(lab, "inspect", *args, "--json")
-    return r, {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
+    r, _, hosts = lab.cli_json("inspect", *args, timeout=120)
+    return r, hosts
 
 
 @pytest.fixture(scope="module")

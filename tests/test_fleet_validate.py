@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,14 +11,13 @@ import yaml
 pytestmark = pytest.mark.lab
 
 
-def fleetctl(lab, *args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
-                          env=env or lab.env, timeout=timeout)
+def fleetctl(lab, *args, env=None):
+    return lab.cli(*args, env=env)
 
 
-def validate_json(lab, *args, env=None):
-    r = fleetctl(lab, "validate", *args, "--json", env=env)
-    return r, {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
+def validate_json(lab, *args):
+    r, _, hosts = lab.cli_json("validate", *args)
+    return r, hosts
 
 
 
