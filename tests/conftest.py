@@ -14,8 +14,19 @@ from pathlib import Path
 
 import pytest
 
+import fleetctl
 from fleetctl import lab as labmod
 from fleetctl.wheelcache import cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+# The suite tests this checkout, never another installed copy: pytest's `pythonpath` puts agent/
+# first for this process, and PYTHONPATH carries it to every subprocess (probes, `python -m
+# fleetctl.cli`, build helpers).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT / "agent")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+if not Path(fleetctl.__file__).resolve().is_relative_to(ROOT):
+    raise pytest.UsageError(f"tests import fleetctl from {fleetctl.__file__}, not from this checkout {ROOT}: "
+                            "run pytest from the repository root")
 
 TEST_LAB_ID = int(os.environ.get("FLEETCTL_TEST_LAB_ID", "7"))
 
@@ -98,7 +109,7 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
         labmod.lab_down(TEST_LAB_ID, sd, known_hosts)
 
 
-SERVER_LAB_ID = 8
+SERVER_LAB_ID = int(os.environ.get("FLEETCTL_TEST_SERVER_LAB_ID", "8"))
 
 
 @pytest.fixture(scope="session")
