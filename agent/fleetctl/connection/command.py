@@ -41,7 +41,7 @@ _LOCK = (
 def remote_argv(argv: list[str], timeout: float) -> tuple[list[str], int]:
     """(the argv to start over there, the whole seconds it may run): `argv` under the deadline
     wrapper `timeout -k KILL_AFTER_S T`, T = ceil(timeout), at least 1."""
-    if not argv or not all(isinstance(a, str) for a in argv):
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
         raise TypeError(f"a remote command is a non-empty list of strings, not {argv!r}")
     limit = max(1, math.ceil(timeout))
     return ["timeout", "-k", str(KILL_AFTER_S), str(limit), *argv], limit

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import fnmatch
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
-from paramiko.hostkeys import HostKeyEntry
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
 log = logging.getLogger("fleetctl")
 
@@ -39,7 +39,9 @@ def host_patterns_match(patterns: str, name: str) -> bool:
     hit = False
     for p in patterns.lower().split(","):
         neg = p.startswith("!")
-        if fnmatch.fnmatchcase(name, p[1:] if neg else p):
+        # only `*` and `?` are special (`[host]:port` is literal, unlike fnmatch's classes)
+        regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in (p[1:] if neg else p))
+        if re.fullmatch(regex, name, re.DOTALL):
             if neg:
                 return False
             hit = True
@@ -102,7 +104,7 @@ def _read(path: Path, out: KnownHosts, entries: list[HostKeyEntry]) -> None:
             continue
         try:
             entry = HostKeyEntry.from_line(line, lineno)
-        except (paramiko.SSHException, binascii.Error, ValueError) as e:
+        except (InvalidHostKey, paramiko.SSHException, binascii.Error, ValueError) as e:
             out.warnings.append(f"{where}: unreadable line ({type(e).__name__}), ignored")
             continue
         if entry is None:

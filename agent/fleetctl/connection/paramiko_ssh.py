@@ -288,9 +288,12 @@ class ParamikoConnection(Connection):
         if not self.alive():
             raise self.lost("before a command")
         transport = self._conn.client.get_transport()
+        wait = min(self.settings.connect_timeout, timeout)
         try:
-            chan = transport.open_session(timeout=self.settings.connect_timeout)
+            chan = transport.open_session(timeout=wait)
         except (paramiko.SSHException, OSError, EOFError) as e:
+            if self.alive():  # paramiko's "Timeout opening channel." on a transport still up
+                raise RemoteTimeout(f"the host did not open a channel within {wait:g} s") from None
             raise self.lost(f"while opening a channel ({e})") from None
         # paramiko waits for the exec reply without a timeout: close the channel at the deadline
         hit = threading.Event()
