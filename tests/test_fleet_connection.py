@@ -180,17 +180,20 @@ def wheel_sha() -> str:
         return hashlib.sha256(z.read(REL)).hexdigest()
 
 
-def apply_and_cut(server_lab, tmp_path, down_s: float) -> tuple[subprocess.CompletedProcess, dict, float]:
-    """Apply defrag-tier0 to lab-04 whose stand-in never gets healthy after the restart; once the
-    change is pending (the health wait), cut lab-04's link for `down_s` seconds."""
+def apply_and_cut(server_lab, tmp_path, down_s: float, connect_timeout: float
+                  ) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """Apply defrag-tier0 to lab-04 whose stand-in never gets healthy after the restart; once
+    this run's change is pending (the health wait), cut lab-04's link for `down_s` seconds."""
     cfg = write_ssh_config(tmp_path / "config", server_lab.known_hosts, KEEPALIVE)
     server_lab.set_behavior("lab-04", {"never_healthy": True}, restart=False)
+    before = set(ledger(server_lab, "lab-04"))
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-04", "--yes", "--json",
-                          "--health-timeout", "60", "--connect-timeout", "5", "--ssh-config", str(cfg)],
+                          "--health-timeout", "60", "--connect-timeout", str(connect_timeout),
+                          "--ssh-config", str(cfg)],
                          env=server_lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while "pending" not in ledger(server_lab, "lab-04").values():
+        while "pending" not in [s for c, s in ledger(server_lab, "lab-04").items() if c not in before]:
             assert time.monotonic() < deadline and p.poll() is None, "apply never reached pending"
             time.sleep(0.2)
         server_lab.fault("lab-04", "down")
@@ -207,15 +210,30 @@ def apply_and_cut(server_lab, tmp_path, down_s: float) -> tuple[subprocess.Compl
     return subprocess.CompletedProcess(p.args, p.returncode, out, err), host, took
 
 
+def rollback_last(server_lab) -> tuple[subprocess.CompletedProcess, dict]:
+    """`fleetctl rollback --last lab-04`, retried while the lock of a lost session is still held
+    (it goes when lab-04's sshd learns that the session is gone)."""
+    deadline = time.monotonic() + 90
+    while True:
+        r = server_lab.cli("rollback", "--last", "lab-04", "--yes", "--json")
+        h = json.loads(r.stdout)["hosts"][0]
+        if "another fleetctl run" not in (h["error"] or "") or time.monotonic() > deadline:
+            return r, h
+        time.sleep(2)
+
+
 @pytest.fixture
 def lab04_restored(server_lab):
     yield
     server_lab.set_behavior("lab-04", {}, restart=True)
+    r, h = rollback_last(server_lab)  # whatever the test left applied or pending
+    assert r.returncode == 0, h["error"]
+    assert "pending" not in ledger(server_lab, "lab-04").values()
 
 
 def test_cut_shorter_than_the_reserve_is_rolled_back_in_the_same_run(server_lab, tmp_path, lab04_restored):
     original = wheel_sha()
-    r, host, took = apply_and_cut(server_lab, tmp_path, down_s=3)
+    r, host, took = apply_and_cut(server_lab, tmp_path, down_s=3, connect_timeout=20)
     assert r.returncode == 2, r.stderr[-2000:]
     assert host["status"] == "failed" and host["rolled_back"] is True
     assert host["error"].startswith("rolled back: the connection was lost during validation")
@@ -228,20 +246,14 @@ def test_cut_shorter_than_the_reserve_is_rolled_back_in_the_same_run(server_lab,
 def test_cut_longer_than_the_reconnect_leaves_the_change_pending_and_the_next_run_undoes_it(
         server_lab, tmp_path, lab04_restored):
     original = wheel_sha()
-    r, host, _ = apply_and_cut(server_lab, tmp_path, down_s=12)
+    r, host, _ = apply_and_cut(server_lab, tmp_path, down_s=12, connect_timeout=4)
     assert r.returncode == 3, r.stderr[-2000:]
-    cid = next(c for c, s in ledger(server_lab, "lab-04").items() if s == "pending")
+    cid = json.loads(r.stdout)["change_id"]
+    assert ledger(server_lab, "lab-04")[cid] == "pending"
     assert host["status"] == "unreachable"
     assert host["error"].startswith(f"change {cid} pending: the next apply, rollback or deploy undoes it")
     server_lab.set_behavior("lab-04", {}, restart=False)
-    # the lost session's lock goes when lab-04's sshd learns that the session is gone
-    deadline = time.monotonic() + 90
-    while True:
-        out = server_lab.cli("rollback", "--last", "lab-04", "--yes", "--json")
-        h = json.loads(out.stdout)["hosts"][0]
-        if "another fleetctl run" not in (h["error"] or "") or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    out, h = rollback_last(server_lab)
     assert out.returncode == 0 and h["status"] == "changed", h["error"]
     assert h["change_id"] == cid and [c["change_id"] for c in h["recovered"]] == [cid]
     assert ledger(server_lab, "lab-04")[cid] == "rolled-back"
