@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import time
 import uuid
 
@@ -142,7 +144,122 @@ def test_hang_replaces_the_interpreter(lab):
     assert lab.ssh(h, "/opt/sglang/venv/bin/python -c 'print(1)'").stdout == "1\n"
 
 
+def _state(lab) -> dict:
+    """lab.json: per host init_pid, sshd_pid, proxy_pid (and server_pid), root PID namespace view."""
+    return {h["name"]: h for h in json.loads((lab.state_dir / "lab.json").read_text())["hosts"]}
+
+
+def _pidns(pid: int) -> tuple[int, int]:
+    st = os.stat(f"/proc/{pid}/ns/pid")
+    return st.st_dev, st.st_ino
+
+
+def test_each_host_has_its_own_pid_namespace(lab):
+    state = _state(lab)
+    a, b = lab.hosts[0], lab.hosts[1]
+    r = lab.ssh(a, "cat /proc/1/comm; tr '\\0' ' ' < /proc/1/cmdline; echo; "
+                   "stat -L -c '%d %i' /proc/[0-9]*/ns/pid 2>/dev/null | sort -u; "
+                   "ps -e -o args=")
+    assert r.returncode == 0, r.stderr
+    comm, cmdline, *rest = r.stdout.splitlines()
+    assert comm == "fleetctl-init" and "lab-init.py" in cmdline and a in cmdline
+    namespaces = {tuple(map(int, line.split())) for line in rest if line[:1].isdigit()}
+    # everything A sees is in A's own PID namespace: not this machine's, not B's
+    assert namespaces == {_pidns(state[a]["init_pid"])}
+    assert _pidns(state[a]["init_pid"]) not in (_pidns(os.getpid()), _pidns(state[b]["init_pid"]))
+    seen = "\n".join(rest)
+    assert f"hosts/{a}/sshd_config" in seen
+    assert not any(f"hosts/{h}/" in seen for h in lab.hosts if h != a)  # no other host's sshd
+    assert "delayproxy" not in seen  # the lab's network, not the host's process
+    # lab.json has root-view pids: sshd is pid >1 inside A, the init is A's PID 1
+    assert labmod._nspid(state[a]["init_pid"])[-1] == 1
+    assert labmod._pidns_members(state[a]["init_pid"])[0] == state[a]["init_pid"]
+    assert _pidns(state[a]["sshd_pid"]) == _pidns(state[a]["init_pid"])
+    assert _pidns(state[a]["proxy_pid"]) == _pidns(os.getpid())
+
+
+def test_host_pids_match_ps_on_the_host(lab):
+    h = lab.hosts[1]
+    sshd = _state(lab)[h]["sshd_pid"]
+    r = lab.ssh(h, "setsid sleep 300 >/dev/null 2>&1 </dev/null & echo $!")
+    sleeper = int(r.stdout)
+    # the session stays open (`read`) while host_pids looks, so it sees what ps saw
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+           "-o", f"UserKnownHostsFile={lab.known_hosts}", "-o", "ConnectTimeout=5", "-i", str(lab.state_dir / "client_ed25519"),
+           f"root@{lab.address(h)}", "ps -e -o pid=,comm=; echo END; read x"]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=lab.env) as ssh:
+        try:
+            rows = []
+            for line in ssh.stdout:
+                if line.strip() == "END":
+                    break
+                rows.append(line.split())
+            inside = {labmod._nspid(p)[-1]: p for p in lab.pids(h)}  # {pid on the host: root view}
+        finally:
+            ssh.stdin.write("\n")
+            ssh.stdin.close()
+            ssh.wait(timeout=10)
+    try:
+        seen = {int(row[0]) for row in rows if row[1:] != ["ps"]}  # ps has exited by now
+        assert seen == set(inside) | {1, labmod._nspid(sshd)[-1]}
+        assert sleeper in inside and b"sleep" in open(f"/proc/{inside[sleeper]}/cmdline", "rb").read()
+    finally:
+        lab.ssh(h, f"kill {sleeper}")
+
+
+def test_orphans_are_reaped(lab):
+    h = lab.hosts[2]
+    # a double fork: the subshell exits at once, its sleep is orphaned to the host's init
+    orphan = int(lab.ssh(h, "(sleep 3 >/dev/null 2>&1 </dev/null & echo $!)").stdout)
+    (pid,) = [p for p in lab.pids(h) if labmod._nspid(p)[-1] == orphan]
+    status = open(f"/proc/{pid}/status").read()
+    assert int(status.split("\nPPid:")[1].split()[0]) == _state(lab)[h]["init_pid"]  # root view
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # a zombie stays in /proc
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_server_pids_are_recorded_as_this_machine_sees_them(server_lab):
+    for name, h in _state(server_lab).items():
+        nspid = int(server_lab.ssh(name, "cat /opt/fleetctl-standin/server.pid").stdout)
+        pid = labmod._root_pid(h["init_pid"], nspid)
+        assert pid in labmod.host_pids(name, server_lab.lab_id, server_lab.state_dir)
+        assert b"server.py" in open(f"/proc/{pid}/cmdline", "rb").read()
+        assert isinstance(h["server_pid"], int)
+        if labmod._alive(h["server_pid"]):  # not restarted by a test since `lab up`
+            assert h["server_pid"] == pid
+
+
 def test_lab_refuses_without_root(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert labmod.main(["--lab-id", "9", "status"]) != 0
     assert "needs root" in capsys.readouterr().err
+
+
+def test_down_leaves_no_process_in_the_hosts_pid_namespaces(lab):
+    """`lab down` on the session lab, with processes that try to stay; then the lab is built
+    again for the tests that follow."""
+    state = _state(lab)
+    assert lab.ssh(lab.hosts[0], "setsid sh -c 'trap \"\" TERM HUP; sleep 300' >/dev/null 2>&1 </dev/null &"
+                                 " setsid sh -c 'kill -STOP $$; sleep 300' >/dev/null 2>&1 </dev/null &"
+                                 " (sleep 300 >/dev/null 2>&1 </dev/null &)").returncode == 0
+    namespaces = {_pidns(h["init_pid"]) for h in state.values()}
+    members = {p for h in state.values() for p in labmod._pidns_members(h["init_pid"])}
+    assert len(namespaces) == len(lab.hosts) and len(members) >= 2 * len(lab.hosts) + 3
+    labmod.lab_down(lab.lab_id, lab.state_dir, lab.known_hosts)
+    left = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if _pidns(int(d)) in namespaces:
+                left.append(d)
+        except OSError:
+            pass
+    assert left == [] and not any(labmod._alive(p) for p in members)
+    assert not any(labmod._alive(h[k]) for h in state.values() for k in ("init_pid", "sshd_pid", "proxy_pid"))
+    assert f"flab{lab.lab_id}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                      text=True).stdout
+    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, lab_id=lab.lab_id, state_dir=lab.state_dir,
+                        known_hosts=lab.known_hosts)
+    assert inv == lab.inventory
+    lab.status[:] = labmod.lab_status(lab.lab_id, lab.state_dir)

@@ -1,20 +1,31 @@
 """A lab of real SSH hosts on this machine, for demos and fleet tests.
 
 Each lab (`lab_id` 0..255) owns the subnet 10.213.<lab_id>.0/24: a bridge `flab<id>` at .1 in
-the root network namespace, and per host a network namespace `flab<id>-NN` joined to the
-bridge by a veth pair, address .11, .12, ... Inside each namespace:
+the root network namespace, and per host a network namespace `flab<id>-NN` (/run/netns/NAME)
+joined to the bridge by a veth pair, address .11, .12, ... Each host is, like a real one, a
+set of namespaces of its own (see unshare(1), nsenter(1), pid_namespaces(7)):
 
-- a holder process (`unshare -m -u`, then `sleep`) owns the host's mount and UTS namespaces:
-  its hostname (lab-01, ...) and private bind mounts over /tmp, /var/lib/fleetctl,
-  /opt/sglang (the venv is /opt/sglang/venv) and /opt/fleetctl-standin. The real directories
-  are under `<state_dir>/hosts/<name>/`;
-- `sshd -D -f <own config>` (entered into the holder's namespaces with nsenter) listening on
-  127.0.0.1:22 with its own ed25519 host key, root login by the lab's own client key;
-- a `delayproxy` on <address>:22 forwarding to sshd, delay 0 unless a `delay` fault is set,
-  so the inventory address never changes whatever the fault.
+- its own PID namespace, whose PID 1 is the lab's init (`fleetctl-init`, the script LAB_INIT
+  written to <state_dir>/lab-init.py): it reaps every child, orphans included, and on SIGTERM
+  passes SIGTERM on to the rest of the host. A process on the host sees only the host's
+  processes in `ps` and /proc: its own private /proc is mounted in the host's mount namespace;
+- its own mount and UTS namespaces: its hostname (lab-01, ...) and private bind mounts over
+  /tmp, /var/lib/fleetctl, /opt/sglang (the venv is /opt/sglang/venv) and
+  /opt/fleetctl-standin. The real directories are under `<state_dir>/hosts/<name>/`. The root
+  filesystem, /sys and its cgroup mounts are this machine's;
+- `sshd -D -f <own config>` (entered into the init's PID, mount, UTS and network namespaces
+  with `nsenter -t INIT`) listening on 127.0.0.1:22 with its own ed25519 host key, root login
+  by the lab's own client key; the stand-in server, when started, runs there too.
 
-State (pids, faults) is kept in `<state_dir>/lab.json`; teardown finds namespaces and links
-by name, so it also cleans up after a half-failed `lab_up`. Needs root.
+Outside the host's PID and mount namespaces but inside its network namespace (entered with
+`nsenter --net=/run/netns/NAME`, never `ip netns exec`, which remounts /sys and hides the
+cgroup mounts) runs a `delayproxy` on <address>:22 forwarding to sshd, delay 0 unless a
+`delay` fault is set, so the inventory address never changes whatever the fault. It is the
+lab's network, not a process of the host, so the host does not see it.
+
+State (pids as this machine's root PID namespace sees them, faults) is kept in
+`<state_dir>/lab.json`; teardown finds namespaces and links by name, so it also cleans up after
+a half-failed `lab_up`. Needs root.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import fcntl
 import hashlib
 import hmac
 import json
@@ -50,6 +62,55 @@ VENV = "/opt/sglang/venv"
 VENV_PYTHONS = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
 FAULTS = ("delay", "down", "up", "freeze", "thaw", "rekey", "unrekey", "hang", "unhang")
 HANG_SCRIPT = "#!/bin/sh\n# fleetctl lab fault: an interpreter that hangs forever\nexec sleep 2147483647\n"
+# ioctl_ns(2): NS_GET_PARENT = _IO(0xb7, 0x2), a new fd for the parent of a PID namespace
+NS_GET_PARENT = 0xB702
+# PID 1 of each lab host's PID namespace; written to <state_dir>/lab-init.py, run with python3 -I -S
+LAB_INIT = '''"""fleetctl lab init: PID 1 of one lab host's PID namespace (written by fleetctl.lab).
+
+Reaps every child: its own and the orphans the kernel reparents to it (pid_namespaces(7)).
+On SIGTERM, SIGINT or SIGHUP: SIGCONT and SIGTERM to every other process of the namespace
+(kill(-1, ...), kill(2)), up to 2 s for them to go, then exit; the kernel SIGKILLs whatever is
+left when a namespace's init exits. Signals are taken with sigwaitinfo(2) while blocked, so none
+is lost; each has a handler because an init receives only signals it handles (SIGKILL and
+SIGSTOP from an ancestor namespace excepted).
+"""
+import os
+import signal
+import sys
+import time
+
+SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+for s in SIGNALS:
+    signal.signal(s, lambda *_: None)
+signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+with open("/proc/self/comm", "w") as f:
+    f.write("fleetctl-init")
+
+
+def reap():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+while True:
+    reap()
+    if signal.sigwaitinfo(SIGNALS).si_signo != signal.SIGCHLD:
+        break
+for s in (signal.SIGCONT, signal.SIGTERM):
+    try:
+        os.kill(-1, s)
+    except ProcessLookupError:
+        pass
+end = time.monotonic() + 2
+while time.monotonic() < end and any(d.isdigit() and d != "1" for d in os.listdir("/proc")):
+    reap()
+    time.sleep(0.05)
+sys.exit(0)
+'''
 
 
 class LabError(FleetctlError):
@@ -136,6 +197,97 @@ def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
+# ---------------------------------------------------------------- PID namespaces
+# All pids here are as this machine's root PID namespace sees them, unless named `nspid`.
+
+def _children(pid: int) -> list[int]:
+    """Pids of `pid`'s children, from /proc/PID/task/PID/children (proc(5)), else from the
+    PPid of every process."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        if not Path(f"/proc/{pid}").exists():
+            return []
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _nspid(pid: int) -> list[int] | None:
+    """The `NSpid:` line of /proc/PID/status (proc(5)): the process's pid in each PID namespace
+    from this one down to its own, so its length is the namespace's depth + 1; None if gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    except OSError:
+        pass
+    return None
+
+
+def _pidns_members(init_pid: int) -> list[int]:
+    """Pids (root view, ascending) of every live process in the PID namespace whose init is
+    `init_pid` (its /proc/PID/ns/pid is the init's), and in PID namespaces nested in it (a
+    container on the host: its NS_GET_PARENT chain, ioctl_ns(2), reaches the init's): what the
+    host sees in its /proc. The init itself is included; zombies are not (their ns links are
+    gone). [] if the init is gone."""
+    try:
+        target = os.stat(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return []
+    depth = len(_nspid(init_pid) or [])
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            st = os.stat(f"/proc/{d}/ns/pid")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            out.append(int(d))
+            continue
+        levels = len(_nspid(int(d)) or []) - depth
+        if depth and levels > 0:
+            try:
+                fd = os.open(f"/proc/{d}/ns/pid", os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                for _ in range(levels):
+                    parent = fcntl.ioctl(fd, NS_GET_PARENT)
+                    os.close(fd)
+                    fd = parent
+                st = os.fstat(fd)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                out.append(int(d))
+    return sorted(out)
+
+
+def _root_pid(init_pid: int, nspid: int) -> int | None:
+    """The root-view pid of the process that is `nspid` inside the init's PID namespace (as
+    its own /proc, `$!` or a pid file there say), from NSpid; None if there is none."""
+    depth = len(_nspid(init_pid) or [])
+    for pid in _pidns_members(init_pid):
+        ns = _nspid(pid)
+        if ns and depth and len(ns) >= depth and ns[depth - 1] == nspid:
+            return pid
+    return None
+
+
+def _is_pidns_init(pid: int) -> bool:
+    """Whether `pid` is PID 1 of a PID namespace below the root one (NSpid ends in 1)."""
+    ns = _nspid(pid)
+    return bool(ns) and len(ns) > 1 and ns[-1] == 1
+
+
 def _load(sd: Path) -> dict:
     try:
         return json.loads((sd / "lab.json").read_text())
@@ -215,39 +367,65 @@ def _sshd_config(hd: Path, sd: Path) -> Path:
     return cfg
 
 
-def _start_holder(ns: str, hostname: str, hd: Path) -> int:
-    """Start the process that owns the host's mount/UTS namespaces; return its pid once the
-    hostname and bind mounts are in place."""
+def _start_init(ns: str, hostname: str, hd: Path, sd: Path) -> int:
+    """Make the host's PID, mount and UTS namespaces inside network namespace `ns` and return
+    the root-view pid of their PID 1, the lab's init, once the hostname and bind mounts are in
+    place.
+
+    `nsenter --net=/run/netns/NS unshare --mount --uts --pid --fork --mount-proc sh -c ...`:
+    unshare forks (its child is PID 1 of the new PID namespace and mounts a private /proc, see
+    unshare(1)), the child sets the hostname and bind mounts and execs the init. The unshare
+    process stays behind as the init's parent, in the root PID namespace."""
     binds = " && ".join(f"mount --bind {hd / d} {p}" for p, d in PRIVATE_DIRS.items())
-    script = (f"hostname {hostname} && mount --make-rprivate / && {binds} "
-              "&& echo ready && exec sleep infinity")
-    with open(hd / "holder.log", "ab") as log:
-        p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "-m", "-u", "sh", "-c", script],
+    script = (f"hostname {hostname} && mount --make-rprivate / && {binds} && echo ready "
+              f"&& exec {sys.executable} -I -S {sd / 'lab-init.py'} {hostname} </dev/null >/dev/null")
+    with open(hd / "init.log", "ab") as log:
+        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts",
+                              "--pid", "--fork", "--mount-proc", "sh", "-c", script],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                              start_new_session=True)
     line = p.stdout.readline()
     p.stdout.close()
-    if line.strip() != b"ready":
-        raise LabError(f"host {hostname}: namespace setup failed, see {hd / 'holder.log'}")
-    return p.pid
+    init = _children(p.pid)
+    if line.strip() != b"ready" or len(init) != 1 or not _is_pidns_init(init[0]):
+        raise LabError(f"host {hostname}: namespace setup failed, see {hd / 'init.log'}")
+    return init[0]
 
 
-def _enter(holder: int, *cmd: str) -> list[str]:
-    """Command line that runs `cmd` inside the host's net, mount and UTS namespaces."""
-    return ["nsenter", "-t", str(holder), "-n", "-m", "-u", *cmd]
+def _enter(init: int, *cmd: str) -> list[str]:
+    """Command line that runs `cmd` inside the host's PID, mount, UTS and network namespaces
+    (those of its init, root-view pid `init`). nsenter forks for the PID namespace
+    (nsenter(1)): the command is nsenter's child, nsenter waits for it and exits with its status."""
+    return ["nsenter", "-t", str(init), "-p", "-m", "-u", "-n", "--", *cmd]
+
+
+def _spawn_in(init: int, cmd: list[str], log: Path, timeout: float = 10.0) -> int:
+    """Start `cmd` in the background inside the host (see _enter) and return its root-view pid
+    (nsenter's child), output appended to `log`."""
+    p = _spawn(_enter(init, *cmd), log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = _children(p.pid)
+        if kids:
+            return kids[0]
+        if p.poll() is not None:
+            break
+        time.sleep(0.002)
+    raise LabError(f"{' '.join(cmd)} did not start in the lab host, see {log}")
 
 
 def _start_sshd(h: dict, sd: Path) -> int:
+    """Start the host's sshd (foreground, -D) inside it; return its root-view pid."""
     hd = _host_dir(sd, h["name"])
-    p = _spawn(_enter(h["holder_pid"], SSHD, "-D", "-e", "-f", str(hd / "sshd_config")),
-               hd / "sshd.log")
-    return p.pid
+    return _spawn_in(h["init_pid"], [SSHD, "-D", "-e", "-f", str(hd / "sshd_config")], hd / "sshd.log")
 
 
 def _start_proxy(h: dict, sd: Path) -> int:
+    """Start the host's delay proxy in its network namespace only (the lab's network, not a
+    process the host sees); return its pid."""
     hd = _host_dir(sd, h["name"])
     proxy = Path(__file__).with_name("delayproxy.py")
-    p = _spawn(["nsenter", "-t", str(h["holder_pid"]), "-n", sys.executable, str(proxy),
+    p = _spawn(["nsenter", f"--net=/run/netns/{h['netns']}", sys.executable, str(proxy),
                 "--listen", f"{h['address']}:22", "--connect", "127.0.0.1:22",
                 "--delay-file", str(hd / "delay_ms")], hd / "proxy.log")
     return p.pid
@@ -273,22 +451,29 @@ def _stage_wheels(sd: Path, releases: list[str]) -> dict[str, Path]:
 def _build_venv(h: dict, wheel: Path) -> None:
     """Create /opt/sglang/venv inside the host (so sys.prefix is that path there) and
     pip-install the SGLang wheel (--no-deps --no-index; --no-compile for speed)."""
-    enter = _enter(h["holder_pid"])
+    enter = _enter(h["init_pid"])
     _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", VENV])
     _run(enter + [sys.executable, "-m", "pip", "--python", f"{VENV}/bin/python", "install",
                   "--quiet", "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check",
                   str(wheel)], timeout=600)
 
 
-def _start_server(h: dict, sd: Path) -> None:
-    """Copy agent/fleetctl/standin/ to the host's /opt/fleetctl-standin and run its restart.sh there."""
+def _start_server(h: dict, sd: Path) -> int:
+    """Copy agent/fleetctl/standin/ to the host's /opt/fleetctl-standin and run its restart.sh
+    there; return the server's root-view pid (its pid file holds the host's view)."""
     if not (STANDIN_SRC / "restart.sh").exists():
         raise LabError(f"the stand-in server is missing: {STANDIN_SRC / 'restart.sh'} does not exist")
     dst = _host_dir(sd, h["name"]) / PRIVATE_DIRS["/opt/fleetctl-standin"]
     shutil.copytree(STANDIN_SRC, dst, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    _run(_enter(h["holder_pid"], "env", f"PYTHON={VENV}/bin/python",
+    _run(_enter(h["init_pid"], "env", f"PYTHON={VENV}/bin/python",
                 "/opt/fleetctl-standin/restart.sh"), timeout=120)
+    nspid = int((dst / "server.pid").read_text())
+    pid = _root_pid(h["init_pid"], nspid)
+    if pid is None:
+        raise LabError(f"{h['name']}: the stand-in server (pid {nspid} on the host) exited at once; "
+                       "see /opt/fleetctl-standin/server.log on the host")
+    return pid
 
 
 def _wait_server(h: dict, timeout: float = 180.0) -> None:
@@ -301,7 +486,7 @@ def _wait_server(h: dict, timeout: float = 180.0) -> None:
              "    except OSError: pass\n"
              "    time.sleep(0.2)\n"
              "sys.exit(1)\n")
-    r = _run(_enter(h["holder_pid"], sys.executable, "-c", probe), check=False, timeout=timeout + 10)
+    r = _run(_enter(h["init_pid"], sys.executable, "-c", probe), check=False, timeout=timeout + 10)
     if r.returncode != 0:
         raise LabError(f"{h['name']}: the stand-in server is not healthy after {timeout:.0f} s; "
                        f"see /opt/fleetctl-standin/server.log on the host")
@@ -313,7 +498,12 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
     """Tear the lab down: kill every process in its namespaces, delete namespaces, veths and
     the bridge, its hosts' directories and inventory, and drop its addresses from known_hosts
     (the client key is kept for the next `lab_up`). Safe to call on a half-built or
-    absent lab. Raises LabError without root."""
+    absent lab. Raises LabError without root.
+
+    Each host's init (a PID-namespace init among the processes of the host's network namespace,
+    `ip netns pids`) is SIGKILLed first: when it dies the kernel SIGKILLs every process in its
+    PID namespace (pid_namespaces(7)). Then whatever is left in the network namespaces (the
+    inits' parents, nsenter parents, delay proxies) is SIGKILLed until none is left."""
     require_root()
     sd = state_dir_for(lab_id, state_dir)
     prefix = f"flab{lab_id}-"
@@ -324,6 +514,7 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
                 for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
         if not pids:
             break
+        pids.sort(key=lambda p: not _is_pidns_init(p))  # inits first
         for pid in pids:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -392,6 +583,7 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
     for p in PRIVATE_DIRS:
         Path(p).mkdir(parents=True, exist_ok=True)  # mount points in the root filesystem
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
+    (sd / "lab-init.py").write_text(LAB_INIT)
     br = _bridge(lab_id)
     _run(["ip", "link", "add", br, "type", "bridge"])
     _run(["ip", "addr", "add", f"10.213.{lab_id}.1/24", "dev", br])
@@ -415,7 +607,7 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
               "-f", str(hd / "ssh_host_ed25519_key")])
         _sshd_config(hd, sd)
         h = {"name": name, "netns": ns, "address": addr, "release": releases[i % len(releases)],
-             "veth": ns, "holder_pid": _start_holder(ns, name, hd),
+             "veth": ns, "init_pid": _start_init(ns, name, hd, sd),
              "faults": {"delay_ms": 0, "down": False, "frozen": False, "rekeyed": False,
                         "hung": False}}
         h["sshd_pid"] = _start_sshd(h, sd)
@@ -429,7 +621,8 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
         _wait_banner(h["address"])
     if with_server:
         for h in state["hosts"]:
-            _start_server(h, sd)
+            h["server_pid"] = _start_server(h, sd)
+        _save(sd, state)
         for h in state["hosts"]:
             _wait_server(h)
     _forget_known_hosts(known_hosts, [h["address"] for h in state["hosts"]])
@@ -477,14 +670,16 @@ def lab_status(lab_id: int = 0, state_dir: Path | None = None) -> list[dict]:
 
 
 def host_pids(host: str, lab_id: int = 0, state_dir: Path | None = None) -> list[int]:
-    """Pids of the processes running on `host` (name or address), from `ip netns pids`, less
-    the lab's own machinery (namespace holder, delay proxy, sshd listener): what is left are
-    SSH sessions, the commands they started, and servers."""
+    """Pids (root PID namespace view, ascending) of the processes running on `host` (name or
+    address): every process in the host's PID namespace (and ones nested in it), found by
+    comparing /proc/PID/ns/pid with the host's init's, less the lab's own machinery there (the
+    init, the sshd listener): what is left are SSH sessions, the commands they started, and
+    servers. The delay proxy is not on the host (it is in its network namespace only). To get a
+    pid as the host sees it, take the last field of `NSpid:` in /proc/PID/status."""
     sd = state_dir_for(lab_id, state_dir)
     h = _find(_load(sd), host)
-    own = {h["holder_pid"], h["proxy_pid"], h["sshd_pid"]}
-    pids = [int(p) for p in _run(["ip", "netns", "pids", h["netns"]]).stdout.split()]
-    return [p for p in pids if p not in own]
+    own = {h["init_pid"], h["sshd_pid"]}
+    return [p for p in _pidns_members(h["init_pid"]) if p not in own]
 
 
 def _find(state: dict, host: str) -> dict:
