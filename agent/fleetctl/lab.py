@@ -155,8 +155,9 @@ def _group(release: str) -> str:
 
 
 def default_known_hosts() -> Path:
-    """~/.ssh/known_hosts of the current $HOME."""
-    return Path(os.path.expanduser("~")) / ".ssh" / "known_hosts"
+    """~/.ssh/known_hosts of the passwd home, where fleetctl and OpenSSH look (not $HOME)."""
+    from .connection.base import passwd_home
+    return passwd_home() / ".ssh" / "known_hosts"
 
 
 # ---------------------------------------------------------------- small helpers
