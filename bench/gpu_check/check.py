@@ -3,7 +3,8 @@
 Stages (each appends its part to OUT/gpu_check.json as it finishes, and OUT/gpu_check.md is
 rewritten beside it, so a run killed at its time limit still returns what it finished; a stage
 that was running when the run died reads "running"; `--stages 2,3` reruns only those and keeps
-the others' records):
+the others' records; where OUT starts empty, as on the device machine, `--resume-from PATH` starts
+from an earlier run's gpu_check.json carried in the tree):
 
   0 preflight    nvidia-smi (name, compute capability, `nvidia-smi -q -d CLOCK`), torch / CUDA /
                  triton / nvcc / driver versions, runtime kind (gVisor or Firecracker, from the
@@ -432,12 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=380.0,
                     help="wall seconds for the whole run: stage 3 starts no shape, stage 4 no ncu, past it")
     ap.add_argument("--deploy-here", action="store_true", help="with --cpu: let stage 1 deploy to this machine")
+    ap.add_argument("--resume-from", help="a gpu_check.json of an earlier run to continue when OUT has none (the "
+                                           "device tool empties $OUT on every call: carry the JSON in the tree)")
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     out = Path(a.out or os.environ.get("OUT") or "")
     if not str(out) or str(out) == ".":
         ap.error("no output directory: give --out DIR or set $OUT")
     out.mkdir(parents=True, exist_ok=True)
+    if a.resume_from and not (out / "gpu_check.json").exists():
+        shutil.copyfile(a.resume_from, out / "gpu_check.json")
     try:
         stages = sorted({int(s) for s in a.stages.split(",") if s.strip()})
     except ValueError:

@@ -5,9 +5,10 @@ then 64 and 256; B in {1, 8}; T in {9, 64}; every request with prefix P in {4096
 bf16; one random draft tree shared by the batch. 72 shapes. --cpu: B 1, T 9, D 64, (G 1, P 64) and
 (G 8, P 256), timed with perf_counter.
 
-Timing (CUDA): each method gets `calls` (>= 100) back-to-back calls captured in one CUDA graph,
-call i reading K/V buffer i mod n; n is chosen so the buffers hold at least 4x the L2 (4 x 60 MB on
-an H200: each call misses L2) or one buffer when a single call already reads that much. One replay
+Timing (CUDA): each method gets max(calls, n) (calls >= 100) back-to-back calls captured in one
+CUDA graph, call i reading K/V buffer i mod n; n is chosen so the buffers hold at least 4x the L2
+(4 x 60 MB on an H200), or one buffer when a single call already reads that much, so a buffer is
+read again only after >= 4x L2 of other K/V has streamed through (each call misses L2). One replay
 warms up; then 3 (slow shapes) to 7 timed replays, each between two CUDA events; ms = median
 replay time / calls. If a method cannot be captured, the same calls run eagerly between the two
 events (recorded as "eager").
@@ -133,6 +134,7 @@ def run_shape(mod, extend_attention_fwd, sh: dict, device: str, calls: int, l2_b
                     buffers=nbuf)
     kc = x.get("k_caches", [x["k_cache"]])
     vc = x.get("v_caches", [x["v_cache"]])
+    calls = max(calls, nbuf)                # every buffer used once per replay: reuse distance >= 4x L2
     row = {"B": B, "T": T, "P": P, "Hq": HQ, "Hkv": Hkv, "G": G, "D": D, "dtype": "bfloat16", "kv_bytes": per_call,
            "buffers": nbuf, "buffers_bytes": per_call * nbuf, "calls": calls}
     want = verify_attention_ref(**kargs(x))
