@@ -34,15 +34,22 @@ TEST_LAB_ID = int(os.environ.get("FLEETCTL_TEST_LAB_ID", "7"))
 @dataclass
 class Lab:
     """A running lab: its inventory, host names, state dir, and an env for subprocesses
-    (HOME is a temp dir whose ~/.ssh/known_hosts holds exactly the lab's host keys)."""
+    (FLEETCTL_SSH_CONFIG names `ssh_config`, whose UserKnownHostsFile holds exactly the lab's host
+    keys: tests isolate with the ssh_config, never by changing HOME)."""
 
     inventory: Path
     hosts: list[str]
     state_dir: Path
     env: dict[str, str]
     known_hosts: Path
+    ssh_config: Path
     lab_id: int = TEST_LAB_ID
     status: list[dict] = field(default_factory=list)
+
+    def settings(self, **kw):
+        """fleetctl.connection.Settings that read this lab's ssh_config (and so its known_hosts)."""
+        from fleetctl.connection import Settings
+        return Settings(ssh_config=self.ssh_config, **kw)
 
     def fault(self, host: str, kind: str, arg=None) -> dict:
         """Inject or clear a fault (see fleetctl.lab.lab_fault)."""
@@ -89,6 +96,13 @@ class Lab:
             capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
 
 
+def write_ssh_config(path: Path, known_hosts: Path, extra: str = "") -> Path:
+    """An ssh_config at `path` whose every host uses `known_hosts`, after `extra` Host blocks."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{extra}Host *\n  UserKnownHostsFile {known_hosts}\n")
+    return path
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory) -> Iterator[Lab]:
     """Bring up the test lab (four hosts, releases 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23, no servers)
@@ -100,11 +114,12 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     sd = labmod.state_dir_for(TEST_LAB_ID)
     inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, lab_id=TEST_LAB_ID, state_dir=sd,
                         known_hosts=known_hosts)
-    env = dict(os.environ, HOME=str(home), FLEETCTL_INVENTORY=str(inv),
+    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
+    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
                FLEETCTL_WHEEL_CACHE=str(cache_dir()))
     status = labmod.lab_status(TEST_LAB_ID, sd)
     try:
-        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, status=status)
+        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, ssh_config, status=status)
     finally:
         labmod.lab_down(TEST_LAB_ID, sd, known_hosts)
 
@@ -123,10 +138,12 @@ def server_lab(tmp_path_factory) -> Iterator[Lab]:
     sd = labmod.state_dir_for(SERVER_LAB_ID)
     inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, with_server=True, lab_id=SERVER_LAB_ID, state_dir=sd,
                         known_hosts=known_hosts)
-    env = dict(os.environ, HOME=str(home), FLEETCTL_INVENTORY=str(inv),
+    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
+    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
                FLEETCTL_WHEEL_CACHE=str(cache_dir()))
     status = labmod.lab_status(SERVER_LAB_ID, sd)
     try:
-        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, lab_id=SERVER_LAB_ID, status=status)
+        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, ssh_config, lab_id=SERVER_LAB_ID,
+                  status=status)
     finally:
         labmod.lab_down(SERVER_LAB_ID, sd, known_hosts)

@@ -22,7 +22,7 @@ from fleetctl.inventory import load
 from fleetctl.paths import find_playbook
 from fleetctl.plan import plan_host
 from fleetctl.playbook import load_playbook
-from fleetctl.transport import LockBusy, SSHSettings
+from fleetctl.connection import LockBusy
 from fleetctl.wheelcache import ensure_wheel
 
 pytestmark = pytest.mark.lab
@@ -136,20 +136,19 @@ def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
     inv = load(server_lab.inventory)
     host = inv.select("lab-04")[0]
     pb = load_playbook(find_playbook("defrag-tier0"))
-    monkeypatch.setenv("HOME", server_lab.env["HOME"])  # the lab's known_hosts
-    with Fleet(SSHSettings(), timeout=120) as fleet:
+    with Fleet(server_lab.settings(), timeout=120) as fleet:
         def job(ctx):
             g = gather(ctx, with_sources=True)
             plan = plan_host(pb, host.name, dict(host.vars), g["facts"], _findings(g), g["sources"])
             f = plan.files[0]
-            assert ctx.run(f"echo '# operator was here' >> {f.path}").ok
+            assert ctx.run(["sh", "-c", 'echo "# operator was here" >> "$1"', "sh", f.path]).ok
             files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256,
                       "new_text": f.new_text}]
             with pytest.raises(HostFailed, match="changed since inspect"):
                 change_probe(ctx, "apply", change_id="t-refused", playbook=pb.name, operator="test",
                              files=files, commit=False)
-            after = ctx.run(f"sha256sum {f.path}").stdout.decode().split()[0]
-            ctx.run(f"sed -i '$ d' {f.path}")
+            after = ctx.run(["sha256sum", f.path]).stdout.decode().split()[0]
+            ctx.run(["sed", "-i", "$ d", f.path])
             return {"after": after, "pre": f.pre_sha256, "rel": f.rel}
 
         res = fleet.run([host], job)[0]
@@ -162,8 +161,7 @@ def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
 def test_second_concurrent_run_fails_fast(server_lab, monkeypatch):
     inv = load(server_lab.inventory)
     host = inv.select("lab-03")[0]
-    monkeypatch.setenv("HOME", server_lab.env["HOME"])  # the lab's known_hosts
-    with Fleet(SSHSettings()) as fleet:
+    with Fleet(server_lab.settings()) as fleet:
         lock = fleet.connection(host).hold_lock("/var/lib/fleetctl", timeout=5, hold_s=300)
         try:
             t0 = time.monotonic()

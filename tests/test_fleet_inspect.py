@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 
+from conftest import write_ssh_config
 from fleetctl.probes import callsites
 from fleetctl.wheelcache import ensure_wheel
 
@@ -113,17 +114,15 @@ def test_changed_host_key_is_refused(lab):
 
 
 def test_unknown_host_key_refused_unless_accept_new(lab, tmp_path):
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
-    env = dict(lab.env, HOME=str(home))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fleetctl.cli", "inspect", "lab-01", "--json", *a],  # noqa: E731
-                                    capture_output=True, text=True, env=env, timeout=60)
+    known = tmp_path / "ssh" / "known_hosts"
+    cfg = write_ssh_config(tmp_path / "ssh" / "config", known)
+    run = lambda *a: lab.cli("inspect", "lab-01", "--json", "--ssh-config", str(cfg), *a, timeout=60)  # noqa: E731
     r = run()
     assert r.returncode == 3 and "unknown host key" in json.loads(r.stdout)["hosts"][0]["error"]
-    assert not (home / ".ssh" / "known_hosts").exists()
+    assert not known.exists()
     r = run("--accept-new")
     assert r.returncode == 0, r.stdout
-    assert lab.address("lab-01") in (home / ".ssh" / "known_hosts").read_text()
+    assert lab.address("lab-01") in known.read_text()
     assert run().returncode == 0
 
 
@@ -146,25 +145,24 @@ def test_hanging_interpreter_fails_at_deadline_and_leaves_nothing(lab):
 
 def test_ssh_config_proxyjump_is_honoured_and_every_hop_verified(lab, tmp_path):
     """~/.ssh/config: HostName, User, IdentityFile, ProxyJump through lab-01 to lab-03."""
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True)
     key = lab.state_dir / "client_ed25519"
-    (home / ".ssh" / "config").write_text(
-        f"Host jumphost\n  HostName {lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
-        f"Host gpu-behind-jump\n  HostName {lab.address('lab-03')}\n  User root\n  IdentityFile {key}\n"
-        f"  ProxyJump jumphost\n")
+    known_hosts = tmp_path / "ssh" / "known_hosts"
+    write_ssh_config(tmp_path / "ssh" / "config", known_hosts,
+                     f"Host jumphost\n  HostName {lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
+                     f"Host gpu-behind-jump\n  HostName {lab.address('lab-03')}\n  User root\n  IdentityFile {key}\n"
+                     f"  ProxyJump jumphost\n")
     inv = tmp_path / "hosts.yaml"
     inv.write_text("all:\n  hosts:\n    gpu-behind-jump:\n")
     known = lab.known_hosts.read_text().splitlines()
     target_only = [line for line in known if line.split()[0] == lab.address("lab-03")]
-    (home / ".ssh" / "known_hosts").write_text("\n".join(target_only) + "\n")
-    env = dict(lab.env, HOME=str(home))
+    known_hosts.write_text("\n".join(target_only) + "\n")
+    env = dict(lab.env, FLEETCTL_SSH_CONFIG=str(tmp_path / "ssh" / "config"))
     run = lambda: subprocess.run([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "-i", str(inv),  # noqa: E731
                                   "--json"], capture_output=True, text=True, env=env, timeout=120)
     r = run()
     h = json.loads(r.stdout)["hosts"][0]
     assert r.returncode == 3 and "unknown host key" in h["error"] and lab.address("lab-01") in h["error"]
-    (home / ".ssh" / "known_hosts").write_text("\n".join(known) + "\n")
+    known_hosts.write_text("\n".join(known) + "\n")
     r = run()
     h = json.loads(r.stdout)["hosts"][0]
     assert r.returncode == 0, h["error"]

@@ -162,7 +162,7 @@ def test_build_key_changes_with_arch_versions_flags_and_source_bytes(kroot):
 
 def test_preflight_through_the_probe_wrapper():
     """The probe as the host runs it: bundle on stdin to `python -c WRAPPER`."""
-    r = subprocess.run(["sh", "-c", probes.command(sys.executable)],
+    r = subprocess.run(probes.command(sys.executable),
                        input=probes.bundle("kbuild", {"action": "preflight", "backends": ["cpu", "cuda"]}),
                        capture_output=True, timeout=120)
     out = probes.parse_output(r.stdout, r.stderr, r.returncode)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import getpass
 import secrets
-import shlex
 import socket
 import time
 from dataclasses import dataclass, field, replace
 
+from .connection import RemoteTimeout, Unreachable
+from .connection.command import operator_argv
 from .fleet import (CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, UNREACHABLE, Fleet, HostContext, HostFailed,
                     HostResult, parse_serial)
 from .gather import gather
@@ -25,7 +26,6 @@ from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
 from .probes.change import STATE_DIR
-from .transport import RemoteTimeout, Unreachable
 from .validate import SmokeOptions, gate, smoke
 
 LOCK_WAIT_S = 5.0
@@ -106,7 +106,7 @@ def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
 def _run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     ran = []
     for h in handlers:
-        r = ctx.run(h["command"])
+        r = ctx.run(operator_argv(h["command"]))
         ran.append({"name": h["name"], "exit_code": r.exit_code,
                     "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
         if r.exit_code != 0:
@@ -125,13 +125,11 @@ def recover(ctx: HostContext, state_dir: str) -> tuple[list[dict], list[dict]]:
 
 
 def _compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
-    code = ("import sys\nbad = []\nfor p in sys.argv[1:]:\n"
-            "    try:\n        compile(open(p, 'rb').read(), p, 'exec')\n"
-            "    except SyntaxError as e:\n        bad.append('%s:%s: %s' % (p, e.lineno, e.msg))\n"
-            "print('\\n'.join(bad))\nsys.exit(1 if bad else 0)")
-    cmd = " ".join(shlex.quote(a) for a in [python, "-c", code, *paths])
-    r = ctx.run(cmd)
-    return [] if r.ok else [l for l in r.stdout.decode().splitlines() if l] or [r.stderr.decode()[-300:]]
+    """Syntax errors in `paths` as the interpreter that serves SGLang reads them ("path:line: msg")."""
+    res = ctx.probe("change", {"action": "compile", "paths": paths}, modules=CHANGE_MODULES, python=python)
+    if not res.get("ok", False):
+        raise HostFailed(f"compile: {res.get('error')}")
+    return res["problems"]
 
 
 def locked(state_dir: str, work):
@@ -186,9 +184,30 @@ def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOpti
                                            g2.get("sources") or {})
         return problems
 
-    problems = validate_change(ctx, result, plan.handlers, checks, baseline, facts, opts.smoke, offline)
-    return settle(ctx, result, change_id, opts.state_dir, plan.handlers, problems,
-                  rollback=playbook.on_failure == "rollback")
+    return finish_change(ctx, result, change_id, opts.state_dir, plan.handlers, checks, baseline, facts,
+                         opts.smoke, offline, rollback=playbook.on_failure == "rollback")
+
+
+def finish_change(ctx: HostContext, result: HostResult, change_id: str, state_dir: str, handlers: list[dict],
+                  checks, baseline: dict | None, facts: dict, smoke_opts: SmokeOptions, offline: str | None,
+                  rollback: bool = True) -> HostResult:
+    """Validate a written change (validate_change) and settle it (settle). A connection lost on
+    the way is retried once (a new connection, within the connect timeout) and the change rolled
+    back under the rollback reserve; when the host cannot be reached again, raises Unreachable
+    saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
+    The host lock stays with the lost session until sshd notices it or its hold time ends."""
+    try:
+        problems = validate_change(ctx, result, handlers, checks, baseline, facts, smoke_opts, offline)
+        return settle(ctx, result, change_id, state_dir, handlers, problems, rollback=rollback)
+    except Unreachable as e:
+        lost = e
+    try:
+        ctx = ctx.reconnected()
+        return settle(ctx, result, change_id, state_dir, handlers,
+                      [f"the connection was lost during validation ({lost}); reconnected to roll back"])
+    except Unreachable as e:
+        raise Unreachable(f"change {change_id} pending: the next apply, rollback or deploy undoes it "
+                          f"({lost}; reconnecting: {e})") from None
 
 
 def validate_change(ctx: HostContext, result: HostResult, handlers: list[dict], checks, baseline: dict | None,

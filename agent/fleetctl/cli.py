@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -17,8 +18,8 @@ from rich.console import Console
 
 from . import inventory as inv
 from .errors import EXIT_OPTIONS, FleetctlError, UsageError
+from .connection import Settings
 from .fleet import Fleet
-from .transport import SSHSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Inspect, patch, deploy kernels to and validate SGLang inference hosts over SSH.")
@@ -48,13 +49,23 @@ ConnectTimeout = Annotated[float, typer.Option("--connect-timeout",
 AcceptNew = Annotated[bool, typer.Option("--accept-new",
                       help="Store unknown host keys on first use (changed keys are always refused).")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+SshConfig = Annotated[Optional[str], typer.Option("--ssh-config", envvar="FLEETCTL_SSH_CONFIG", help=(
+    "ssh_config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config (as ssh -F); "
+    "else $FLEETCTL_SSH_CONFIG."))]
+RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
+    "Seconds for the whole command: hosts still in progress then fail, the rest are not attempted."))]
 
 
-def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool) -> Fleet:
+def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
+           ssh_config: str | None = None, run_timeout: float | None = None) -> Fleet:
     if connect_timeout <= 0:
         raise UsageError("--connect-timeout must be positive")
-    settings = SSHSettings(connect_timeout=connect_timeout, accept_new=accept_new)
-    return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err)
+    if ssh_config is not None and not os.path.isfile(ssh_config):
+        raise UsageError(f"--ssh-config {ssh_config}: no such file")
+    settings = Settings(connect_timeout=connect_timeout, accept_new=accept_new,
+                        ssh_config=Path(ssh_config).resolve() if ssh_config else None)
+    return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err,
+                 run_timeout=run_timeout)
 
 
 def _select(inventory: str | None, pattern: str) -> list[inv.Host]:
@@ -64,14 +75,15 @@ def _select(inventory: str | None, pattern: str) -> list[inv.Host]:
 @app.command()
 def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
             forks: Forks = 64, timeout: Timeout = 60.0, connect_timeout: ConnectTimeout = 10.0,
-            accept_new: AcceptNew = False) -> None:
+            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
     from .gather import gather
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, gather, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
@@ -136,7 +148,8 @@ def _confirm(what: str, yes: bool) -> None:
 def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
              port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
              forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
-             accept_new: AcceptNew = False) -> None:
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
     from .report import render_validate
     from .validate import validate_job
@@ -144,7 +157,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
     opts = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=timeout)
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
     _finish(results, json_out, render_validate)
 
@@ -160,7 +173,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
           yes: Yes = False, port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
-          accept_new: AcceptNew = False) -> None:
+          accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
@@ -181,7 +195,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
     hosts = _select(inventory, pattern)
     parse_serial(serial, len(hosts))
     cid = None
-    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         _, results = run_playbook(fleet, hosts, pb, opts, timeout=timeout or CHECK_TIMEOUT_S)
         to_change = [h for h, r in zip(hosts, results) if r.status == "changed"]
         if not check and not to_change:
@@ -212,7 +226,8 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
              inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
              forks: Forks = 64, timeout: Timeout = 300.0, connect_timeout: ConnectTimeout = 10.0,
-             accept_new: AcceptNew = False) -> None:
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .apply import rollback_job
     from .report import render_rollback
@@ -222,7 +237,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
     _finish(results, json_out, render_rollback)
 
@@ -230,13 +245,14 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 @app.command()
 def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = 120.0, connect_timeout: ConnectTimeout = 10.0,
-           accept_new: AcceptNew = False) -> None:
+           accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from .apply import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, status_job(), "status")
     _finish(results, json_out, render_status)
 
@@ -249,7 +265,8 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
                   port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
                   latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
-                  connect_timeout: ConnectTimeout = 10.0, accept_new: AcceptNew = False) -> None:
+                  connect_timeout: ConnectTimeout = 10.0, accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             run_timeout: RunTimeout = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     activate it atomically, validate, and switch back on failure."""
     from .apply import new_change_id
@@ -268,7 +285,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     cid = new_change_id(f"kernel-{pkg.name}")
     job_timeout = timeout or build_timeout + health_timeout + 900
-    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out) as fleet:
+    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
 
     def render(rs, console):

@@ -12,13 +12,10 @@ change, "pending") -> restart handler -> smoke gate -> "applied", or the link is
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
-import shlex
 from dataclasses import dataclass, field
 
-from .apply import (ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, locked, recover, settle,
-                    validate_change)
+from .apply import ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, finish_change, locked, recover
 from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
 from .gather import gather
 from .kernelpkg import KernelPackage, build_key
@@ -44,22 +41,13 @@ def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **param
 
 
 def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
-    """Put every package file under src_dir over SFTP, then check each sha256 on the host."""
-    files = pkg.files()
-    dirs = sorted({posixpath.dirname(posixpath.join(src_dir, rel)) for rel in files})
-    r = ctx.run("mkdir -p " + " ".join(shlex.quote(d) for d in dirs))
-    if not r.ok:
-        raise HostFailed(f"cannot create {src_dir}: {r.stderr.decode()[-300:]}")
-    for rel, data in files.items():
+    """Put every package file under src_dir; each upload is checked against its sha256 on the
+    host before it is renamed into place (Connection.put_bytes)."""
+    for rel, data in pkg.files().items():
         try:
             ctx.conn.put_bytes(data, posixpath.join(src_dir, rel), timeout=ctx.remaining())
-        except OSError as e:  # SFTP's refusals: permission denied, no space left
+        except OSError as e:  # the host's refusals: permission denied, no space left, a damaged upload
             raise HostFailed(f"cannot upload {rel} to {src_dir}: {e}") from None
-    r = ctx.run("cd " + shlex.quote(src_dir) + " && sha256sum -- " + " ".join(shlex.quote(rel) for rel in files))
-    got = dict(line.split(None, 1)[::-1] for line in r.stdout.decode().splitlines())
-    bad = [rel for rel, data in files.items() if got.get(rel) != hashlib.sha256(data).hexdigest()]
-    if bad or not r.ok:
-        raise HostFailed(f"upload to {src_dir} does not match the package: {', '.join(bad) or r.stderr.decode()}")
 
 
 def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
@@ -80,12 +68,10 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
     kdir = f"{opts.state_dir}/kernels/{pkg.name}"
     bdir = f"{kdir}/{key}"
     link = f"{kdir}/current"
-    r = ctx.run(f"printf 'current=%s\\n' \"$(readlink {shlex.quote(link)})\"; "
-                f"if [ -f {shlex.quote(bdir + '/PASSED')} ]; then echo passed=yes; fi")
-    state = dict(line.split("=", 1) for line in r.stdout.decode().splitlines() if "=" in line)
-    current = state.get("current") or None
+    state = _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
+    current = state["current"]
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
-            "recovered": recovered, "refusals": pre["refusals"], "reused": state.get("passed") == "yes"}
+            "recovered": recovered, "refusals": pre["refusals"], "reused": state["passed"]}
     result = HostResult(ctx.host.name, ctx.conn.address, OK, data=data)
     if not data["reused"]:
         src, build = f"{bdir}/src", f"{bdir}/build"
@@ -103,9 +89,7 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
         if not t["ok"]:
             raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
                              f"{t.get('result') or t.get('stderr_tail')}")
-        r = ctx.run(f"printf '%s\\n' {shlex.quote(b['module_path'])} > {shlex.quote(bdir + '/PASSED')}")
-        if not r.ok:
-            raise HostFailed(f"cannot mark {bdir} as tested: {r.stderr.decode()[-300:]}")
+        _kbuild(ctx, python, action="mark", build_dir=bdir, module_path=b["module_path"])
     if current == key:
         return result
     baseline = smoke(ctx, facts, opts.smoke, reserve=ROLLBACK_RESERVE_S)
@@ -115,8 +99,7 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
     result.status, data["change_id"] = CHANGED, change_id
     cmd = ctx.host.vars.get("fleetctl_restart_cmd")
     handlers = [{"name": "restart sglang", "command": cmd}] if cmd else []
-    problems = validate_change(ctx, result, handlers, lambda: [], baseline, facts, opts.smoke, None)
-    settle(ctx, result, change_id, opts.state_dir, handlers, problems)
+    finish_change(ctx, result, change_id, opts.state_dir, handlers, lambda: [], baseline, facts, opts.smoke, None)
     if result.status == FAILED:
         result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")
     return result

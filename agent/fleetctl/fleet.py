@@ -1,9 +1,12 @@
 """Bounded parallel fan-out over hosts: forks, per-host deadlines, rolling batches, progress.
 
 A host job is a function `job(ctx: HostContext) -> HostResult`; `Fleet.run` opens one verified
-connection per host (kept for the whole run and reused by later jobs), gives the job a context whose `remaining()` bounds every remote command by
-the host's deadline, and turns connection problems into `unreachable` and everything else into
-`failed`, so one bad host never stops the others.
+connection per host (from the `connect` factory, by the host's ansible_connection; kept for the
+whole run and reused by later jobs), gives the job a context whose `remaining()` bounds every
+remote command by the host's deadline, and turns connection problems into `unreachable` and
+everything else into `failed`, so one bad host never stops the others. A run-level deadline
+(`run_timeout`) ends the whole command: hosts still in progress then are failed and their
+connections closed, hosts not started are not attempted.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import math
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rich.console import Console
@@ -20,8 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import probes
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
+from .connection import Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
 from .inventory import Host
-from .transport import HostConnection, LockBusy, RemoteTimeout, Result, SSHSettings, Unreachable
 
 OK, CHANGED, SKIPPED, FAILED, UNREACHABLE, NOT_ATTEMPTED = (
     "ok", "changed", "skipped", "failed", "unreachable", "not attempted")
@@ -46,11 +50,20 @@ class HostFailed(Exception):
 
 @dataclass
 class HostContext:
-    """A job's view of its host: the open connection and its deadline (monotonic seconds)."""
+    """A job's view of its host: the open connection, its deadline (monotonic seconds), and a
+    way to replace a lost connection (`reconnected`)."""
 
     host: Host
-    conn: HostConnection
+    conn: Connection
     deadline: float
+    reconnect: Callable[[], Connection] | None = None
+
+    def reconnected(self) -> "HostContext":
+        """This context on a new connection to the host (the old one is closed). Raises
+        Unreachable when the host cannot be reached again."""
+        if self.reconnect is None:
+            raise Unreachable("connection lost, and this job cannot reconnect")
+        return replace(self, conn=self.reconnect())
 
     def remaining(self) -> float:
         """Seconds left before this host's deadline; raises RemoteTimeout when none are left."""
@@ -59,10 +72,11 @@ class HostContext:
             raise RemoteTimeout("host deadline reached")
         return left
 
-    def run(self, command: str, stdin: bytes = b"", timeout: float | None = None) -> Result:
-        """Run a shell command, bounded by `timeout` seconds and by the host deadline."""
+    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> Result:
+        """Run `argv` (a list of words) on the host, bounded by `timeout` seconds and by the host
+        deadline. Raises RemoteTimeout, Unreachable."""
         limit = self.remaining() if timeout is None else min(timeout, self.remaining())
-        return self.conn.run(command, timeout=limit, stdin=stdin)
+        return self.conn.run(argv, timeout=limit, stdin=stdin)
 
     def probe(self, main: str, params: dict, modules: list[str] | None = None,
               python: str | None = None, timeout: float | None = None) -> dict:
@@ -119,28 +133,37 @@ def exit_code(results: list[HostResult]) -> int:
 
 
 class Fleet:
-    """Runs jobs across hosts with at most `forks` at once, each within `timeout` seconds."""
+    """Runs jobs across hosts with at most `forks` at once, each within `timeout` seconds, the
+    whole command within `run_timeout` seconds (None: no run-level deadline). `connect(host,
+    settings)` makes a host's connection (default: by its ansible_connection)."""
 
-    def __init__(self, settings: SSHSettings, forks: int = 64, timeout: float = 60.0,
-                 progress: bool = False, console: Console | None = None):
+    def __init__(self, settings: Settings, forks: int = 64, timeout: float = 60.0,
+                 progress: bool = False, console: Console | None = None, run_timeout: float | None = None,
+                 connect: Callable[[Host, Settings], Connection] = connect):
         if forks < 1:
             raise UsageError("--forks must be at least 1")
         if timeout <= 0:
             raise UsageError("--timeout must be positive")
+        if run_timeout is not None and run_timeout <= 0:
+            raise UsageError("--run-timeout must be positive")
         self.settings = settings
+        self.connect = connect
+        self.run_timeout = run_timeout
+        self.run_deadline = None if run_timeout is None else time.monotonic() + run_timeout
+        self.expired = False  # set when the run-level deadline passed: no host starts any more
         self.forks = forks
         self.timeout = timeout
         self.progress = progress
         self.console = console or Console(stderr=True)
-        self._conns: dict[str, HostConnection] = {}
+        self._conns: dict[str, Connection] = {}
         self.interrupted = False  # set by Ctrl-C: later batches must not start
 
-    def connection(self, host: Host) -> HostConnection:
+    def connection(self, host: Host) -> Connection:
         """The run's one connection to `host`, opened on first use and reused by every later job.
         Raises Unreachable / HostKeyRefused."""
         conn = self._conns.get(host.name)
         if conn is None:
-            conn = HostConnection(host, self.settings)
+            conn = self.connect(host, self.settings)
             try:
                 conn.open()
             except Unreachable:
@@ -148,6 +171,14 @@ class Fleet:
                 raise
             self._conns[host.name] = conn
         return conn
+
+    def reconnect(self, host: Host) -> Connection:
+        """Close the run's connection to `host` and open a new one (one try, within the connect
+        timeout). Raises Unreachable / HostKeyRefused."""
+        old = self._conns.pop(host.name, None)
+        if old is not None:
+            old.close()
+        return self.connection(host)
 
     def close(self) -> None:
         """Close every connection this fleet opened."""
@@ -167,7 +198,7 @@ class Fleet:
         try:
             conn = self.connection(host)
             result.address = conn.address
-            out = job(HostContext(host, conn, start + timeout))
+            out = job(HostContext(host, conn, start + timeout, lambda: self.reconnect(host)))
             if isinstance(out, HostResult):
                 result = out
             else:
@@ -192,6 +223,8 @@ class Fleet:
         (default: the fleet's); results in inventory order."""
         timeout = timeout or self.timeout
         results: dict[str, HostResult] = {}
+        if self.expired:
+            return [HostResult(h.name, h.address, NOT_ATTEMPTED, self._expired_msg()) for h in hosts]
         progress = None
         if self.progress:
             progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -204,12 +237,16 @@ class Fleet:
         try:
             while pending:
                 try:
-                    for fut in as_completed(pending):
+                    left = None if self.run_deadline is None else max(0.0, self.run_deadline - time.monotonic())
+                    for fut in as_completed(pending, timeout=left):
                         pending.discard(fut)
                         r = fut.result()
                         results[r.host] = r
                         if progress:
                             progress.advance(task)
+                except FuturesTimeout:
+                    self._expire(pending, futures, results)
+                    break
                 except KeyboardInterrupt:
                     if self.interrupted:
                         for fut in pending:
@@ -231,7 +268,28 @@ class Fleet:
                     self.console.print(f"[bold yellow]interrupted:[/] waiting for {len(pending)} host(s) in "
                                        "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
         finally:
-            pool.shutdown(wait=not self.interrupted or not pending, cancel_futures=True)
+            pool.shutdown(wait=not (self.interrupted or self.expired) or not pending, cancel_futures=True)
             if progress:
                 progress.stop()
         return [results[h.name] for h in hosts]
+
+    def _expired_msg(self) -> str:
+        return f"not attempted: the run's deadline (--run-timeout {self.run_timeout:g} s) passed"
+
+    def _expire(self, pending: set, futures: dict, results: dict) -> None:
+        """The run-level deadline passed: hosts not started are not attempted; hosts in progress
+        are failed and their connections closed (which ends every wait on them)."""
+        self.expired = True
+        for fut in list(pending):
+            h = futures[fut]
+            if fut.cancel():
+                results[h.name] = HostResult(h.name, h.address, NOT_ATTEMPTED, self._expired_msg())
+            else:
+                results[h.name] = HostResult(
+                    h.name, h.address, FAILED,
+                    f"the run's deadline (--run-timeout {self.run_timeout:g} s) passed while this host was in "
+                    "progress: its connection was closed; a change there stays pending until the next apply, "
+                    "rollback or deploy undoes it (`fleetctl status` shows it)")
+                conn = self._conns.get(h.name)
+                if conn is not None:
+                    conn.close()

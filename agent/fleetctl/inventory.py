@@ -43,7 +43,10 @@ _VARS_EXTENSIONS = ("", ".yml", ".yaml", ".json")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
 _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
              "ansible_private_key_file", "ansible_ssh_private_key_file",
-             "ansible_python_interpreter", "fleetctl_python", "fleetctl_restart_cmd")
+             "ansible_python_interpreter", "fleetctl_python", "fleetctl_restart_cmd", "ansible_connection")
+# ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
+# `smart` are Ansible's names for its OpenSSH connection, served by paramiko until fleetctl has one.
+CONNECTIONS = ("paramiko", "paramiko_ssh", "ssh", "smart", "local")
 # ansible_python_interpreter values that ask Ansible to discover the interpreter.
 _AUTO_INTERPRETERS = ("auto", "auto_silent", "auto_legacy", "auto_legacy_silent")
 
@@ -106,6 +109,12 @@ class Host:
         """ansible_ssh_private_key_file (or ansible_private_key_file), `~` expanded; None: none set."""
         path = _last(self.vars, "ansible_private_key_file", "ansible_ssh_private_key_file")
         return os.path.expanduser(path) if path else None
+
+    @property
+    def connection(self) -> str:
+        """How to reach the host: ansible_connection (one of CONNECTIONS, checked at load),
+        default paramiko."""
+        return self.vars.get("ansible_connection") or "paramiko"
 
     @property
     def python(self) -> str | None:
@@ -480,6 +489,9 @@ class _Parser:
             elif name in _STR_VARS and (not isinstance(data, str) or isinstance(data, Vaulted)):
                 got = "a vault value" if isinstance(data, Vaulted) else repr(data)
                 self.fail(value, f"{name} must be a plain string, not {got}")
+            elif name == "ansible_connection" and data not in CONNECTIONS:
+                self.fail(value, f"ansible_connection {data!r} is not one fleetctl can use: "
+                                 f"use one of {', '.join(CONNECTIONS)}")
             out[name] = data
         return out
 

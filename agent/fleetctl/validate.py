@@ -14,7 +14,7 @@ from .fleet import FAILED, OK, SKIPPED, HostContext, HostResult
 from .gate import compare
 from .gather import gather
 from .inventory import Host
-from .transport import RemoteTimeout
+from .connection import RemoteTimeout
 
 REQUEST_TIMEOUT_S = 60.0
 

@@ -11,7 +11,6 @@ the raw bundle text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each mo
 from __future__ import annotations
 
 import json
-import shlex
 from importlib import resources
 
 MARKER = "--fleetctl-probe-result--"
@@ -49,13 +48,16 @@ def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
     return json.dumps(doc).encode()
 
 
-def command(python: str | None) -> str:
-    """Shell command that runs WRAPPER with `python`, or the first python3/python on PATH."""
+# Runs WRAPPER ($0) with the first python3 or python on PATH.
+_FINDER = ('for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
+           'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
+
+
+def command(python: str | None) -> list[str]:
+    """The argv that runs WRAPPER with `python`, or with the first python3/python on PATH."""
     if python:
-        return f"{shlex.quote(python)} -c {shlex.quote(WRAPPER)}"
-    finder = ('for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
-              'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
-    return f"sh -c {shlex.quote(finder)} {shlex.quote(WRAPPER)}"
+        return [python, "-c", WRAPPER]
+    return ["sh", "-c", _FINDER, WRAPPER]
 
 
 def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:

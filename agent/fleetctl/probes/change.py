@@ -418,12 +418,27 @@ def status(params, state_dir):
             "kernels": kernels}
 
 
+def compile_check(params, state_dir):
+    """params: {paths: [str]}. Compile each file with this interpreter (run the probe under the
+    interpreter that serves SGLang, so its grammar is the one that counts).
+    Returns {"ok": true, "problems": ["path:line: message"]}; touches nothing."""
+    problems = []
+    for path in params["paths"]:
+        with open(path, "rb") as f:
+            text = f.read()
+        try:
+            compile(text, path, "exec", dont_inherit=True)
+        except SyntaxError as e:
+            problems.append("%s:%s: %s" % (path, e.lineno, e.msg))
+    return {"ok": True, "problems": problems}
+
+
 ACTIONS = {"apply": apply, "commit": commit, "rollback": rollback, "recover": recover,
-           "status": status}
+           "status": status, "compile": compile_check}
 
 
 def main(params):
-    """params: {action: apply|commit|rollback|recover|status, state_dir?: str, ...action params}.
+    """params: {action: apply|commit|rollback|recover|status|compile, state_dir?: str, ...action params}.
 
     Returns the action's result dict, or {"ok": false, "error": ...} for an unknown action, a
     refusal ("refused": true; nothing was changed) or an unexpected error on the host.

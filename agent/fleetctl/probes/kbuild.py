@@ -6,6 +6,8 @@ main(params) dispatches on params["action"]:
   build      torch.utils.cpp_extension.load in a child process (own process group) into an explicit
              build directory, under an flock and a deadline; the log is kept in BUILD_DIR/build.log.
   test       the package's test module against the built module in a fresh process.
+  state      the package's active build (the `current` link's target) and whether a build passed.
+  mark       record that a build passed its reference test (BUILD_DIR/PASSED holds the module path).
 torch is never imported here: builds and tests run in child processes of the host's interpreter.
 """
 
@@ -40,9 +42,33 @@ with open(a["result"], "w") as f:
 
 
 def main(params: dict) -> dict:
-    """Run params["action"] ("preflight", "build" or "test") with the other params; see each function."""
-    actions = {"preflight": preflight, "build": build, "test": test}
+    """Run params["action"] ("preflight", "build", "test", "state" or "mark") with the other
+    params; see each function."""
+    actions = {"preflight": preflight, "build": build, "test": test, "state": state, "mark": mark}
     return actions[params["action"]](params)
+
+
+def state(params: dict) -> dict:
+    """params: {link: the package's `current` symlink, build_dir: a build's directory}.
+    Returns {"current": the link's target or None, "passed": whether build_dir/PASSED exists}."""
+    try:
+        current = os.readlink(params["link"])
+    except OSError:
+        current = None
+    return {"current": current or None, "passed": os.path.isfile(os.path.join(params["build_dir"], "PASSED"))}
+
+
+def mark(params: dict) -> dict:
+    """params: {build_dir, module_path}. Write build_dir/PASSED (the module path) atomically.
+    Returns {"ok": true}."""
+    path = os.path.join(params["build_dir"], "PASSED")
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        f.write(params["module_path"] + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"ok": True}
 
 
 def preflight(params: dict) -> dict:

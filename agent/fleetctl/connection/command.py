@@ -1,0 +1,71 @@
+"""The one place a remote command line is assembled.
+
+Every command fleetctl starts on a host is a list of words (argv), never a shell string with
+values pasted in: values travel as separate words (or on stdin), so nothing a host or an
+inventory says can be parsed as shell. `remote_argv` wraps each one in the deadline wrapper
+(coreutils `timeout -k`, which runs the command in its own process group and kills that group at
+the deadline, so the remote work dies even when fleetctl is gone); the become prefix and the
+container entry are composed here too when they arrive. The few fixed scripts fleetctl needs
+(upload, lock) live here as constants that take their values as positional parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+# Seconds between the remote `timeout`'s SIGTERM and its SIGKILL.
+KILL_AFTER_S = 2
+# Exit status of coreutils `timeout` when the command ran past its deadline (124), or needed the
+# follow-up SIGKILL (128 + 9) (coreutils manual, "timeout invocation").
+TIMEOUT_EXITS = (124, 137)
+
+# $1 destination path, $2 octal mode, $3 sha256 of stdin. Writes a private temp file beside the
+# destination, checks its hash, then renames it into place; the temp file never outlives a failure.
+_UPLOAD = (
+    'set -e; mkdir -p -- "$(dirname -- "$1")"; umask 077; '
+    't=$(mktemp -- "$1.fleetctl-XXXXXX"); trap \'rm -f -- "$t"\' EXIT; cat > "$t"; '
+    'got=$(sha256sum < "$t"); [ "${got%% *}" = "$3" ] || { echo "upload damaged: sha256 ${got%% *}" >&2; exit 1; }; '
+    'chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT'
+)
+
+# $1 state dir, $2 who holds it, $3 seconds to hold it at most. flock -n fails at once (exit 75)
+# when another run holds the lock; its child says LOCKED, then waits for EOF on stdin.
+_LOCK = (
+    'mkdir -p -- "$1" && exec flock -n -E 75 "$1/lock" sh -c '
+    '\'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner"; echo LOCKED; '
+    'exec timeout "$2" cat >/dev/null\' "$1" "$2" "$3"'
+)
+
+
+def remote_argv(argv: list[str], timeout: float) -> tuple[list[str], int]:
+    """(the argv to start over there, the whole seconds it may run): `argv` under the deadline
+    wrapper `timeout -k KILL_AFTER_S T`, T = ceil(timeout), at least 1."""
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"a remote command is a non-empty list of strings, not {argv!r}")
+    limit = max(1, math.ceil(timeout))
+    return ["timeout", "-k", str(KILL_AFTER_S), str(limit), *argv], limit
+
+
+def shell_line(argv: list[str]) -> str:
+    """`argv` as one POSIX shell line, each word quoted (for transports such as SSH's exec
+    request that carry a string to the login shell)."""
+    return shlex.join(argv)
+
+
+def operator_argv(cmd: str) -> list[str]:
+    """An operator's own shell command (inventory `fleetctl_restart_cmd`, a playbook handler):
+    run by `sh -c`, as written by the person who owns the host."""
+    return ["sh", "-c", cmd]
+
+
+def upload_argv(path: str, mode: int, sha256: str) -> list[str]:
+    """The command that writes its stdin to `path` with `mode`, atomically, checked against
+    `sha256` (hex)."""
+    return ["sh", "-c", _UPLOAD, "fleetctl-upload", path, format(mode, "o"), sha256]
+
+
+def lock_argv(state_dir: str, who: str, hold_s: int) -> list[str]:
+    """The command that holds STATE_DIR/lock for `hold_s` seconds at most, or until its stdin
+    closes; it prints LOCKED once held, and exits 75 when another run holds it."""
+    return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s)]

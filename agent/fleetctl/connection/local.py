@@ -1,0 +1,92 @@
+"""`ansible_connection: local`: the host is this machine; commands are local processes.
+
+For fleetctl on the host itself (the GPU check script deploys this way) and for testing the
+orchestration without sshd. The command still goes through the command builder (the deadline
+wrapper), so a local command behaves as a remote one does.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+
+from .base import Connection, Process
+from .errors import RemoteTimeout, Unreachable
+
+
+class LocalProcess(Process):
+    """A process in its own session on this machine (see Process)."""
+
+    def __init__(self, argv: list[str]):
+        try:
+            self._p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            raise Unreachable(f"cannot start {argv[0]!r} on this machine: {e}") from None
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self._p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
+        try:
+            out, err = self._p.communicate(stdin, timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            self._p.communicate()
+            raise RemoteTimeout("local command did not end by its deadline") from None
+        return out, err, self._p.returncode if self._p.returncode >= 0 else -1
+
+    def readline(self, limit: int, timeout: float) -> bytes:
+        buf = b""
+        end = time.monotonic() + timeout
+        fd = self._p.stdout.fileno()
+        while b"\n" not in buf and len(buf) < limit:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                break
+            chunk = os.read(fd, limit - len(buf))
+            if not chunk:
+                break
+            buf += chunk
+        return buf.split(b"\n", 1)[0]
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self._p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        for f in (self._p.stdin, self._p.stdout, self._p.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self.wait(2) is None:  # EOF on stdin ends fleetctl's own commands; anything else is killed
+            self._kill_group()
+            self._p.wait()
+
+
+class LocalConnection(Connection):
+    """This machine, as the user fleetctl runs as."""
+
+    kind = "local"
+
+    @property
+    def address(self) -> str:
+        return "localhost"
+
+    def open(self) -> None:
+        """Nothing to connect."""
+
+    def close(self) -> None:
+        """Nothing to close: each process is closed when its command ends."""
+
+    def _start(self, argv: list[str], timeout: float) -> Process:
+        return LocalProcess(argv)

@@ -1,0 +1,253 @@
+"""The connection seam without sshd: the command builder, the `local` connection (run, deadline,
+upload, lock), the factory by ansible_connection, the run-level deadline, and known_hosts files
+with marker lines (case shared/cases/turn2/01)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import paramiko
+import pytest
+
+from fleetctl import inventory
+from fleetctl.connection import LockBusy, RemoteTimeout, Settings, connect, knownhosts
+from fleetctl.connection.command import remote_argv, shell_line
+from fleetctl.connection.local import LocalConnection
+from fleetctl.errors import InventoryError
+from fleetctl.fleet import FAILED, NOT_ATTEMPTED, OK, Fleet
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The two keys of case 01 (generated for the case with ssh-keygen; not real hosts' keys).
+NODE01 = "AAAAC3NzaC1lZDI1NTE5AAAAIB/R2EBNwSNgM01ZxqKmqKH3/HY4aKPrWNIZZ8vUBvYh"
+CA = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"
+
+
+def local_host(tmp_path: Path, name: str = "here", **hostvars) -> inventory.Host:
+    """A one-host inventory on disk with ansible_connection: local, loaded as fleetctl loads it."""
+    lines = "".join(f"      {k}: {json.dumps(v)}\n" for k, v in hostvars.items())
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"all:\n  hosts:\n    {name}:\n      ansible_connection: local\n{lines}")
+    return inventory.load(path).select(name)[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------ the command builder
+
+def test_remote_argv_wraps_with_the_deadline_and_refuses_shell_strings():
+    wrapped, limit = remote_argv(["python3", "-c", "print(1)"], 2.2)
+    assert (wrapped, limit) == (["timeout", "-k", "2", "3", "python3", "-c", "print(1)"], 3)
+    assert remote_argv(["true"], 0.01)[1] == 1
+    with pytest.raises(TypeError):
+        remote_argv("rm -rf /tmp/x", 5)
+    with pytest.raises(TypeError):
+        remote_argv([], 5)
+    # a value with shell syntax in it stays one word on the far side
+    word = "a b; echo INJECTED $(id) 'q'"
+    out = subprocess.run(["sh", "-c", shell_line(["printf", "%s", word])], capture_output=True, text=True)
+    assert out.stdout == word
+
+
+# ------------------------------------------------------------------ the local connection
+
+def test_factory_picks_the_kind_from_ansible_connection(tmp_path):
+    assert isinstance(connect(local_host(tmp_path), Settings()), LocalConnection)
+    path = tmp_path / "ssh.yaml"
+    path.write_text("all:\n  hosts:\n    a:\n      ansible_connection: paramiko_ssh\n    b:\n")
+    hosts = {h.name: h for h in inventory.load(path).select("all")}
+    assert hosts["a"].connection == "paramiko_ssh" and hosts["b"].connection == "paramiko"
+    from fleetctl.connection.paramiko_ssh import ParamikoConnection
+    assert isinstance(connect(hosts["b"], Settings(ssh_config=write_empty(tmp_path))), ParamikoConnection)
+
+
+def write_empty(tmp_path: Path) -> Path:
+    p = tmp_path / "empty_ssh_config"
+    p.write_text("")
+    return p
+
+
+def test_unknown_ansible_connection_is_an_inventory_error_with_file_and_line(tmp_path):
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    a:\n    b:\n      ansible_connection: winrm\n")
+    with pytest.raises(InventoryError) as e:
+        inventory.load(path)
+    assert str(e.value).startswith(f"{path}:5: ansible_connection 'winrm'")
+    assert e.value.exit_code == 4
+
+
+def test_local_run_passes_argv_and_stdin_and_returns_status(tmp_path):
+    conn = connect(local_host(tmp_path), Settings())
+    conn.open()
+    r = conn.run([sys.executable, "-c", "import sys; d = sys.stdin.read(); print(d[::-1]); sys.exit(3)"],
+                 timeout=10, stdin=b"abc")
+    assert (r.exit_code, r.stdout, r.ok) == (3, b"cba\n", False)
+    assert conn.address == "localhost"
+
+
+def test_local_run_past_its_deadline_kills_the_whole_process_group(tmp_path):
+    conn = connect(local_host(tmp_path), Settings())
+    pidfile = tmp_path / "grandchild.pid"
+    t0 = time.monotonic()
+    with pytest.raises(RemoteTimeout):
+        conn.run(["sh", "-c", f'sleep 60 & echo $! > {pidfile}; wait'], timeout=1)
+    assert time.monotonic() - t0 < 1 + 2 + 3 + 2
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_put_bytes_is_atomic_with_mode_and_creates_parents(tmp_path):
+    conn = connect(local_host(tmp_path), Settings())
+    dest = tmp_path / "a" / "b" / "file.bin"
+    data = os.urandom(300_000)
+    conn.put_bytes(data, str(dest), timeout=10, mode=0o640)
+    assert dest.read_bytes() == data and (dest.stat().st_mode & 0o777) == 0o640
+    conn.put_bytes(b"second", str(dest), timeout=10)
+    assert dest.read_bytes() == b"second" and (dest.stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["file.bin"]  # no temp file left
+    with pytest.raises(OSError, match="upload to"):
+        conn.put_bytes(b"x", "/proc/fleetctl-cannot-write-here/x", timeout=10)
+
+
+def test_lock_is_exclusive_names_its_holder_and_is_freed_on_release(tmp_path):
+    host = local_host(tmp_path)
+    a, b = connect(host, Settings()), connect(host, Settings())
+    state = str(tmp_path / "state")
+    lock = a.hold_lock(state, timeout=5, hold_s=60)
+    try:
+        with pytest.raises(LockBusy, match=f"pid {os.getpid()}"):
+            b.hold_lock(state, timeout=5, hold_s=60)
+    finally:
+        lock.release()
+    b.hold_lock(state, timeout=5, hold_s=60).release()
+
+
+def test_lock_ends_by_itself_after_its_hold_time(tmp_path):
+    host = local_host(tmp_path)
+    state = str(tmp_path / "state")
+    connect(host, Settings()).hold_lock(state, timeout=5, hold_s=1)  # never released by this side
+    time.sleep(1.5)
+    connect(host, Settings()).hold_lock(state, timeout=5, hold_s=5).release()
+
+
+def test_run_deadline_fails_hosts_in_progress_and_does_not_start_the_rest(tmp_path):
+    hosts = [local_host(tmp_path, f"h{i}") for i in range(3)]
+
+    def job(ctx):
+        ctx.run(["sleep", "30"])
+        return {}
+
+    t0 = time.monotonic()
+    with Fleet(Settings(), forks=1, timeout=60, run_timeout=1.5) as fleet:
+        results = fleet.run(hosts, job)
+        took = time.monotonic() - t0
+        later = fleet.run(hosts[:1], job)
+    assert took < 5
+    assert [r.status for r in results] == [FAILED, NOT_ATTEMPTED, NOT_ATTEMPTED]
+    assert "--run-timeout 1.5 s" in results[0].error and "in progress" in results[0].error
+    assert later[0].status == NOT_ATTEMPTED
+
+
+def test_run_without_deadline_finishes_normally(tmp_path):
+    with Fleet(Settings(), run_timeout=30) as fleet:
+        r = fleet.run([local_host(tmp_path)], lambda ctx: {"out": ctx.run(["echo", "hi"]).stdout.decode()})[0]
+    assert r.status == OK and r.data == {"out": "hi\n"}
+
+
+def test_a_local_run_needs_neither_paramiko_nor_fabric(tmp_path):
+    """The GPU check runs fleetctl on the GPU host through the local connection, where neither
+    is installed: `inspect` of a local host must work with both imports refused."""
+    path = tmp_path / "hosts.yaml"
+    path.write_text(f"all:\n  hosts:\n    gpu-host:\n      ansible_connection: local\n"
+                    f"      fleetctl_python: {sys.executable}\n")
+    code = ("import sys; sys.modules['paramiko'] = None; sys.modules['fabric'] = None; "
+            "from fleetctl.cli import main; sys.argv = ['fleetctl', 'inspect', 'all', '-i', sys.argv[1], '--json']; "
+            "main()")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "agent")))
+    doc = json.loads(r.stdout)
+    host = doc["hosts"][0]
+    assert host["status"] == "ok", (host["error"], r.stderr[-2000:])
+    assert host["address"] == "localhost" and host["facts"]["python"]["path"] == sys.executable
+    assert r.returncode == 0
+
+
+# ------------------------------------------------------------------ known_hosts (case 01)
+
+def test_case01_cert_authority_line_does_not_stop_the_file(tmp_path):
+    f = tmp_path / "known_hosts"
+    f.write_text(f"gpu-node-01.example.invalid ssh-ed25519 {NODE01}\n"
+                 f"@cert-authority *.example.invalid ssh-ed25519 {CA}\n")
+    kh = knownhosts.load([f])
+    assert kh.warnings == []
+    node01 = kh.keys.lookup("gpu-node-01.example.invalid")
+    assert node01 is not None and node01["ssh-ed25519"].get_base64() == NODE01
+    assert kh.keys.lookup("gpu-node-02.example.invalid") is None
+    ca = kh.authority("gpu-node-02.example.invalid")
+    assert ca is not None and ca.where == f"{f}:2" and ca.blob == base64.b64decode(CA)
+    assert kh.authority("gpu-node-02.other.invalid") is None
+
+
+def test_case01_variant_b_revoked_key_is_refused_even_where_a_plain_line_lists_it(tmp_path):
+    f = tmp_path / "known_hosts"
+    f.write_text(f"gpu-node-01.example.invalid ssh-ed25519 {NODE01}\n"
+                 f"@revoked * ssh-ed25519 {NODE01}\n")
+    kh = knownhosts.load([f])
+    assert kh.warnings == []
+    assert kh.keys.lookup("gpu-node-01.example.invalid") is None  # never accepted as known
+    key = paramiko.Ed25519Key(data=base64.b64decode(NODE01))
+    assert kh.revocation(key).where == f"{f}:2"
+
+
+def test_unreadable_lines_are_warnings_with_file_and_line_and_the_rest_loads(tmp_path):
+    f = tmp_path / "known_hosts"
+    f.write_text("# a comment\n\n"
+                 "broken.example.invalid ssh-ed25519 !!!notbase64!!!\n"
+                 "@frobnicate * ssh-ed25519 " + CA + "\n"
+                 "fido.example.invalid sk-ssh-ed25519@openssh.com " + CA + "\n"
+                 "[gpu-node-01.example.invalid]:2222,alias.example.invalid ssh-ed25519 " + NODE01)
+    kh = knownhosts.load([f])
+    assert [w.split(":", 2)[1] for w in kh.warnings] == ["3", "4", "5"]
+    assert all(w.startswith(f"{f}:") for w in kh.warnings)
+    assert kh.keys.lookup("[gpu-node-01.example.invalid]:2222")["ssh-ed25519"].get_base64() == NODE01
+    assert kh.keys.lookup("alias.example.invalid") is not None
+
+
+def test_host_patterns_match_as_openssh(tmp_path):
+    m = knownhosts.host_patterns_match
+    assert m("*.example.invalid", "GPU-1.Example.Invalid")
+    assert m("gpu-?.example.invalid,!gpu-9.example.invalid", "gpu-1.example.invalid")
+    assert not m("gpu-?.example.invalid,!gpu-9.example.invalid", "gpu-9.example.invalid")
+    assert m("[gpu-1.example.invalid]:2222", "[gpu-1.example.invalid]:2222")
+    assert not m("gpu-1.example.invalid", "[gpu-1.example.invalid]:2222")
+
+
+def test_accept_new_appends_on_a_line_of_its_own(tmp_path):
+    f = tmp_path / "ssh" / "known_hosts"
+    f.parent.mkdir()
+    f.write_text(f"a.example.invalid ssh-ed25519 {NODE01}")  # no newline at the end
+    key = paramiko.Ed25519Key(data=base64.b64decode(CA))
+    knownhosts.append(f, "b.example.invalid", key)
+    lines = f.read_text().splitlines()
+    assert lines == [f"a.example.invalid ssh-ed25519 {NODE01}", f"b.example.invalid ssh-ed25519 {CA}"]
+    fresh = tmp_path / "new" / "known_hosts"
+    knownhosts.append(fresh, "c.example.invalid", key)
+    assert (fresh.stat().st_mode & 0o777) == 0o600 and (fresh.parent.stat().st_mode & 0o777) == 0o700
+    assert hashlib.sha256(fresh.read_bytes()).hexdigest() == hashlib.sha256(
+        f"c.example.invalid ssh-ed25519 {CA}\n".encode()).hexdigest()
