@@ -265,6 +265,12 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
         return "skipped", {"skipped": f"fleetctl's CLI does not import here ({err}); stage 1 needs `python3 -m "
                                       "fleetctl.cli` to import without paramiko/fabric for an inventory of local "
                                       "hosts only, and the local connection (issue 10)"}
+    # The GPU image has no paramiko or Fabric: the CLI must import without them for local hosts.
+    r = sh([sys.executable, "-c", "import sys\nfor m in ('paramiko', 'fabric', 'invoke'): sys.modules[m] = None\n"
+                                  "import fleetctl.cli"], cwd=str(ROOT), env=env)
+    data["cli_imports_without_paramiko"] = r.returncode == 0
+    if r.returncode != 0:
+        data["cli_import_error_without_paramiko"] = (r.stderr.strip().splitlines() or ["?"])[-1]
     inv_dir = Path(tempfile.mkdtemp(prefix="gpu_check_inv_"))
     inv = inv_dir / "hosts.yaml"
     host = "gpu-check-local"
