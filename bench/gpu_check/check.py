@@ -329,15 +329,16 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
         checks["preflight_compute_capability_9_0"] = d.get("arch") == "9.0" and d.get("backend") == "cuda"
     key = build_key(pkg, d.get("backend") or "cpu", torch_f.get("version"), torch_f.get("cuda"), nvcc_f.get("version"),
                     want_arch)
-    checks["build_key_is_for_arch"] = d.get("build_key") == key
+    built = d.get("build_key")            # absent when the deploy failed before reporting one
+    checks["build_key_is_for_arch"] = built == key
     data["build_key_recomputed"] = {"arch": want_arch, "key": key}
     checks["reference_test_on_device"] = test.get("ok") is True and test.get("device") == ("cpu" if cpu else "cuda")
     link = Path(STATE_DIR) / "kernels" / "verify_attention" / "current"
     current = os.readlink(link) if link.is_symlink() else None
     data["current"] = current
-    checks["current_is_build"] = current == d.get("build_key")
-    checks["current_switched"] = d.get("previous") != d.get("build_key") and d.get("status") == "changed"
-    if not checks["current_switched"] and d.get("previous") == d.get("build_key"):
+    checks["current_is_build"] = built is not None and current == built
+    checks["current_switched"] = built is not None and d.get("previous") != built and d.get("status") == "changed"
+    if built is not None and d.get("previous") == built:
         data["note"] = "the build was already current (a rerun on the same machine): nothing to switch"
     data["checks"] = checks
     return ("ok" if all(checks.values()) else "failed"), data
