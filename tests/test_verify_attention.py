@@ -27,15 +27,20 @@ TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSI
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
+# The directory bench/gpu_check builds the cpu backend into with the same flags (ninja rebuilds only
+# what changed), so tests/test_gpu_check.py and this module share one build.
+CPU_BUILD_DIR = KERNELS.parent / "build" / "verify_attention" / f"cpu-torch{torch.__version__}"
+
+
 @pytest.fixture(scope="session")
-def cpu_module(tmp_path_factory):
+def cpu_module():
     """The CPU backend built once per session with kernel.yaml's flags; returns (module, .so path)."""
     from torch.utils.cpp_extension import load
 
     params = PKG.build_params("cpu")
+    CPU_BUILD_DIR.mkdir(parents=True, exist_ok=True)
     mod = load(name=params["name"], sources=[str(PKG.root / s) for s in params["sources"]],
-               extra_cflags=params["cflags"], extra_ldflags=params["ldflags"],
-               build_directory=str(tmp_path_factory.mktemp("va_cpu")))
+               extra_cflags=params["cflags"], extra_ldflags=params["ldflags"], build_directory=str(CPU_BUILD_DIR))
     return mod, mod.__file__
 
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# GPU proof of kernels/verify_attention in one command (stages 0-4, see bench/gpu_check/check.py):
+#
+#   bash bench/gpu_check.sh                    # on the GPU machine: writes $OUT/gpu_check.{json,md,log}
+#   bash bench/gpu_check.sh --stages 2,3       # rerun only those stages (the others keep their records)
+#   bash bench/gpu_check.sh --cpu --out DIR    # the same script on a CPU: CPU backend, smallest shapes,
+#                                              # SGLang's Triton kernel under TRITON_INTERPRET=1
+#
+# Needs python3 with torch, pyyaml (and triton for the SGLang baseline, nvcc for the CUDA build);
+# not fleetctl's own dependencies: stage 1 runs fleetctl as `PYTHONPATH=agent python3 -m fleetctl.cli`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python3}" -u bench/gpu_check/check.py "$@"

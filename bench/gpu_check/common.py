@@ -1,0 +1,220 @@
+"""Shared pieces of the GPU check: paths, kernel.yaml tolerances, the extension build, random inputs.
+
+Inputs follow kernels/verify_attention/reference.py's layout (q [B*T, Hq, D], k_cache/v_cache
+[num_slots, Hkv, D], req_to_token [max_reqs, max_ctx], req_pool_indices [B], prefix_lens [B],
+tree_mask [T, T] or [B, T, T], sm_scale = D ** -0.5), drawn on the target device with a seeded
+generator (a 64k-token prefix would take seconds to draw on the host and copy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]          # the repository
+HERE = Path(__file__).resolve().parent               # bench/gpu_check
+PKG = ROOT / "kernels" / "verify_attention"
+CARRIED = HERE / "carried"
+
+sys.path.insert(0, str(PKG))
+from reference import tree_mask_from_parents, verify_attention_ref  # noqa: E402,F401
+
+
+def kernel_spec() -> dict:
+    """kernel.yaml of verify_attention (read with PyYAML: stages 2-4 never import fleetctl)."""
+    return yaml.safe_load((PKG / "kernel.yaml").read_text())
+
+
+def tolerances() -> dict[str, tuple[float, float]]:
+    """{dtype name: (atol, rtol)} from kernel.yaml: |out - ref| <= atol + rtol * |ref| elementwise."""
+    return {k: (float(v["atol"]), float(v["rtol"])) for k, v in kernel_spec()["tolerances"].items()}
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, dtype: str) -> dict:
+    """got (any dtype) against the float64 reference with kernel.yaml's tolerance for `dtype`.
+
+    Returns {"ok", "max_abs_err", "rel_l2_err", "finite"}; NaN/inf never pass.
+    """
+    atol, rtol = tolerances()[dtype]
+    g = got.double()
+    err = (g - want).abs()
+    finite = bool(torch.isfinite(g).all())
+    ok = finite and bool((err <= atol + rtol * want.abs()).all())
+    denom = float(want.norm()) or 1.0
+    return {"ok": ok, "max_abs_err": float(err.max()) if err.numel() else 0.0,
+            "rel_l2_err": float((g - want).norm()) / denom if finite else None, "finite": finite}
+
+
+def carried_sha256() -> dict:
+    """sha256 of the carried SGLang file with its import lines restored, against ORIGIN.json.
+
+    Every line the stub replaced ends with "# fleetctl-carried: was `ORIGINAL`"; putting ORIGINAL
+    back must give the wheel's file byte for byte, so "matches" proves nothing else was changed.
+    """
+    origin = json.loads((CARRIED / "ORIGIN.json").read_text())
+    text = (CARRIED / "extend_attention.py").read_text()
+    marker = "  # fleetctl-carried: was `"
+    lines, replaced = [], 0
+    for line in text.split("\n"):
+        if marker in line and line.endswith("`"):
+            line = line.split(marker, 1)[1][:-1]
+            replaced += 1
+        lines.append(line)
+    sha = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return {"wheel": origin["wheel"], "path_in_wheel": origin["path_in_wheel"], "sha256": origin["sha256"],
+            "sha256_restored": sha, "matches": sha == origin["sha256"], "import_lines_replaced": replaced}
+
+
+# --- the extension build ---------------------------------------------------------------------------
+
+_BUILD = r"""
+import fcntl, json, os, sys
+a = json.loads(sys.argv[1])
+lock = open(a["build_dir"].rstrip("/") + ".lock", "w")
+fcntl.flock(lock, fcntl.LOCK_EX)          # one gpu_check build of this directory at a time
+stale = os.path.join(a["build_dir"], "lock")
+if os.path.exists(stale):                 # torch's own lock, left behind by a killed build
+    os.unlink(stale)
+from torch.utils.cpp_extension import load
+m = load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"], extra_cuda_cflags=a["cuda_cflags"],
+         extra_ldflags=a["ldflags"], build_directory=a["build_dir"], verbose=True)
+with open(a["result"], "w") as f:
+    json.dump({"module_path": m.__file__}, f)
+"""
+
+
+class Build:
+    """The kernel's backend built with torch.utils.cpp_extension.load in a child process, started at
+    once so that it can overlap stage 1. build_dir persists between runs (ninja rebuilds only what
+    changed; tests/test_verify_attention.py builds the cpu backend into the same default directory
+    with the same flags, so one build serves both); arch is TORCH_CUDA_ARCH_LIST (e.g. "9.0"), None
+    for the cpu backend. Under an flock on BUILD_DIR.lock, a torch `lock` file left by a killed
+    build is removed first (torch would wait on it forever)."""
+
+    def __init__(self, backend: str, build_dir: Path, arch: str | None):
+        spec = kernel_spec()
+        b = spec["backends"][backend]
+        self.backend, self.build_dir = backend, Path(build_dir)
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        self.result = self.build_dir / "build-result.json"
+        if self.result.exists():
+            self.result.unlink()
+        self.log_path = self.build_dir / "build.log"
+        args = {"name": f"{spec['name']}_{backend}", "build_dir": str(self.build_dir), "result": str(self.result),
+                "sources": [str(PKG / s) for s in b["sources"]], "cflags": b.get("cflags", []),
+                "cuda_cflags": b.get("cuda_cflags", []), "ldflags": b.get("ldflags", [])}
+        env = dict(os.environ, MAX_JOBS=str(os.cpu_count() or 1))
+        env.pop("TORCH_CUDA_ARCH_LIST", None)
+        if arch:
+            env["TORCH_CUDA_ARCH_LIST"] = arch
+        self.arch = arch
+        self.started = time.monotonic()
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-c", _BUILD, json.dumps(args)], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=self.build_dir, env=env,
+                                     start_new_session=True)
+        self.outcome: dict | None = None
+
+    def wait(self, timeout: float) -> dict:
+        """{"ok", "module_path", "seconds", "log_path", "log_tail" (failure only), "arch"}; kills it at timeout."""
+        if self.outcome is not None:
+            return self.outcome
+        try:
+            rc = self.proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            rc = self.proc.wait()
+        self._log.close()
+        out = {"ok": rc == 0 and self.result.exists(), "rc": rc, "seconds": round(time.monotonic() - self.started, 1),
+               "log_path": str(self.log_path), "arch": self.arch, "backend": self.backend, "module_path": None}
+        if out["ok"]:
+            out["module_path"] = json.loads(self.result.read_text())["module_path"]
+        else:
+            out["log_tail"] = self.log_path.read_bytes()[-3000:].decode("utf-8", "replace")
+        self.outcome = out
+        return out
+
+
+def default_build_dir(backend: str) -> Path:
+    """build/verify_attention/<backend>-torch<version> in the repository (git-ignored)."""
+    return ROOT / "build" / "verify_attention" / f"{backend}-torch{torch.__version__}"
+
+
+def load_module(path: str):
+    """Import a built extension from its file (the module name is the file name up to the first dot)."""
+    import importlib.util
+
+    name = Path(path).name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+def parents_for(kind: str, T: int, gen: torch.Generator) -> list[int]:
+    """A draft tree as a parent list (parents[i] < i, -1 for the root): "random" (BFS order, root 0),
+    "chain" (each token the child of the one before: a causal mask) or "star" (all children of 0)."""
+    if kind == "chain":
+        return [i - 1 for i in range(T)]
+    if kind == "star":
+        return [-1] + [0] * (T - 1)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)]
+
+
+def make_inputs(B: int, T: int, prefix_lens: list[int], Hkv: int, G: int, D: int, dtype: torch.dtype,
+                device: str, seed: int, r2t_dtype=torch.int32, shared_mask: bool = False,
+                tree: str = "random", buffers: int = 1) -> dict:
+    """Random kernel inputs on `device`; slots are a random permutation of a cache a little larger
+    than needed, rows of req_to_token a random pick. With buffers > 1, "k_caches"/"v_caches" hold
+    that many independent caches (same slots, different memory) and k_cache/v_cache are the first."""
+    host = torch.Generator().manual_seed(seed)
+    dev = torch.Generator(device=device).manual_seed(seed)
+    lens = [p + T for p in prefix_lens]
+    num_slots = sum(lens) + 7
+    perm = torch.randperm(num_slots, generator=dev, device=device)
+    max_reqs, max_ctx = B + 2, max(lens) + 3
+    req_to_token = torch.zeros(max_reqs, max_ctx, dtype=r2t_dtype, device=device)
+    rows = torch.randperm(max_reqs, generator=host)[:B]
+    start = 0
+    for b, n in enumerate(lens):
+        req_to_token[int(rows[b]), :n] = perm[start:start + n].to(r2t_dtype)
+        start += n
+    masks = [tree_mask_from_parents(parents_for(tree, T, host)) for _ in range(1 if shared_mask else B)]
+    mask = masks[0] if shared_mask else torch.stack(masks)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dev, device=device, dtype=torch.float32).to(dtype)
+
+    k_caches = [randn(num_slots, Hkv, D) for _ in range(buffers)]
+    v_caches = [randn(num_slots, Hkv, D) for _ in range(buffers)]
+    x = dict(q=randn(B * T, Hkv * G, D), k_cache=k_caches[0], v_cache=v_caches[0],
+             req_to_token=req_to_token, req_pool_indices=rows.to(device),
+             prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+             tree_mask=mask.to(device), sm_scale=D ** -0.5)
+    if buffers > 1:
+        x["k_caches"], x["v_caches"] = k_caches, v_caches
+    return x
+
+
+KERNEL_ARGS = ("q", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "prefix_lens", "tree_mask", "sm_scale")
+
+
+def kargs(x: dict) -> dict:
+    """The kernel's (and the reference's) keyword arguments out of an inputs dict."""
+    return {k: x[k] for k in KERNEL_ARGS}
+
+
+def kv_bytes(prefix_lens: list[int], T: int, Hkv: int, D: int, dtype: torch.dtype) -> int:
+    """K and V bytes one call must read at least: every visible key and value once per KV head."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(p + T for p in prefix_lens) * Hkv * D * 2 * elem
