@@ -158,6 +158,21 @@ def test_build_key_changes_with_arch_versions_flags_and_source_bytes(kroot):
     assert build_key(load_package(kroot, "verify_attention"), *base) != key
 
 
+def test_results_do_not_enter_the_build_key(kroot):
+    """Measurements committed under results/ (the GPU check's JSON) are about the package, not
+    part of it: adding them must not invalidate every host's build. A `results` directory below
+    the top level is source like any other."""
+    pkg = load_package(kroot, "verify_attention")
+    base = ("cuda", "2.8.0+cu128", "12.8", "12.8", "9.0")
+    key = build_key(pkg, *base)
+    (kroot / "verify_attention" / "results").mkdir()
+    (kroot / "verify_attention" / "results" / "gpu_check.json").write_text("{}")
+    assert "results/gpu_check.json" not in pkg.files() and build_key(pkg, *base) == key
+    (kroot / "verify_attention" / "csrc" / "results").mkdir()
+    (kroot / "verify_attention" / "csrc" / "results" / "table.h").write_text("// source\n")
+    assert "csrc/results/table.h" in pkg.files() and build_key(pkg, *base) != key
+
+
 # --- kbuild probe: preflight ------------------------------------------------------------------
 
 def test_preflight_through_the_probe_wrapper():

@@ -57,13 +57,15 @@ class KernelPackage:
     tolerances: dict[str, tuple[float, float]]  # dtype -> (atol, rtol)
 
     def files(self) -> dict[str, bytes]:
-        """Every regular file of the package: {posix relpath: content}, sorted, caches skipped.
+        """Every regular file of the package: {posix relpath: content}, sorted, caches and the
+        top-level `results/` (measurements about the package, not part of it) skipped.
 
         Raises ParseError for a symlink that leaves the package or is not a regular file.
         """
         out = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__"
+                                 and not (d == "results" and Path(dirpath) == self.root))
             for fn in filenames:
                 if fn.endswith(".pyc"):
                     continue
