@@ -56,7 +56,7 @@ def _plan_data(plan: HostPlan) -> dict:
 
 def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
     status = plan.status.host_status
-    return HostResult(ctx.host.name, ctx.conn.address, status,
+    return ctx.result(status,
                       plan.reason if status == HostStatus.FAILED else None,
                       data={"plan": _plan_data(plan),
                             "skipped_reason": plan.reason if status == HostStatus.SKIPPED else None})

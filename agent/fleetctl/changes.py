@@ -285,17 +285,17 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR)
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
         if rec.changes and not change_id:
-            return HostResult(ctx.host.name, ctx.conn.address, HostStatus.CHANGED,
+            return ctx.result(HostStatus.CHANGED,
                               data={"change_id": rec.changes[-1]["change_id"], "recovered": rec.changes,
                                     "files": [f["path"] for r in rec.changes for f in r["files"]],
                                     "handlers": rec.handlers})
         params = {"change_id": change_id} if change_id else {"last": True}
         res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
         if res.get("nothing"):
-            return HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK,
+            return ctx.result(HostStatus.OK,
                               data={**res, "recovered": rec.changes})
         handlers = run_handlers(ctx, restart_handlers(ctx))
-        return HostResult(ctx.host.name, ctx.conn.address, HostStatus.CHANGED,
+        return ctx.result(HostStatus.CHANGED,
                           data={**res, "recovered": rec.changes, "handlers": handlers})
 
     return change_job(state_dir, work)
@@ -316,6 +316,6 @@ def status_job(state_dir: str = STATE_DIR):
                     [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
                     [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
         status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
-        return HostResult(ctx.host.name, ctx.conn.address, status, error, data=res)
+        return ctx.result(status, error, data=res)
 
     return job

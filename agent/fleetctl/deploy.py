@@ -97,7 +97,7 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     current = state["current"]
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
             "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
-    result = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK, data=data)
+    result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
         _build(ctx, python, pkg, backend, pre["arch"], bdir, current, opts, data)
     if current == key:

@@ -84,6 +84,10 @@ class HostContext:
             raise Unreachable("connection lost, and this job cannot reconnect")
         return replace(self, conn=self.reconnect())
 
+    def result(self, status: HostStatus, error: str | None = None, data: dict | None = None) -> HostResult:
+        """A HostResult for this host (its name, the address connected to) with `status`."""
+        return HostResult(self.host.name, self.conn.address, status, error, data=data if data is not None else {})
+
     def remaining(self) -> float:
         """Seconds left before this host's deadline; raises RemoteTimeout when none are left."""
         left = self.deadline - time.monotonic()

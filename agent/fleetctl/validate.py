@@ -86,7 +86,7 @@ def validate_job(opts: SmokeOptions):
         if ctx.host.sglang_port is None:
             facts = gather(ctx)["facts"]
         res = smoke(ctx, facts, opts)
-        r = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK, data=res)
+        r = ctx.result(HostStatus.OK, data=res)
         bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
         off = res.get("offline")
         if off is not None and not off["ok"]:
