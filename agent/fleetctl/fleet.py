@@ -277,7 +277,7 @@ class Fleet:
                             self.console.print(f"[bold red]stopped while {futures[fut].name} was in progress"
                                                + (f":[/] {note}" if note else "[/]"), highlight=False)
                         raise
-                    # Hosts already started finish their job (a change completes or rolls back);
+                    # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
                     self.interrupted = True
                     for fut in list(pending):
