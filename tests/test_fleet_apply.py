@@ -15,7 +15,8 @@ import zipfile
 
 import pytest
 
-from fleetctl.apply import _findings, change_probe
+from fleetctl.apply import _findings
+from fleetctl.changes import change_probe
 from fleetctl.fleet import Fleet, HostFailed
 from fleetctl.gather import gather
 from fleetctl.inventory import load

@@ -1,64 +1,39 @@
-"""Running a playbook on hosts: plan, check mode, rolling apply, validation gate, rollback, status.
+"""Running a playbook on hosts: check mode, the check-then-apply flow, rolling batches.
 
-Per host, under the host's lock (flock held over the SSH connection for the whole job):
-recover any change a killed run left pending -> gather facts with sources -> plan (pure, see
-plan.py) -> baseline smoke decode -> write files (probes/change.py: pre-image hash check, backups,
-atomic writes; ledger state "pending") -> notified handlers (restart) -> validation (compile,
-reinspect, smoke gate) -> ledger "applied", or automatic rollback to the byte-identical originals.
-A change stays "pending" until it is validated, so a run killed at any point leaves a pending
-entry that the next run undoes before doing anything else.
+What to change comes from the playbook (plan.py: facts + findings + sources -> a HostPlan, pure
+data); how a change is written, validated, committed or rolled back is the change engine's
+(changes.py), the same for kernel deploys. Per host, under the host's lock: recover a change a
+killed run left pending -> gather facts with sources -> plan -> (the plan must be the one the
+operator confirmed) -> changes.execute: baseline smoke, write ("pending"), handlers, checks
+(compile, reinspect), smoke gate -> "applied", or rollback to the byte-identical originals.
 """
 
 from __future__ import annotations
 
-import getpass
-import secrets
-import socket
-import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
-from .connection import RemoteTimeout, Unreachable
-from .connection.command import operator_argv
-from .fleet import (CHANGED, FAILED, NOT_ATTEMPTED, OK, SKIPPED, UNREACHABLE, Fleet, HostContext, HostFailed,
-                    HostResult, parse_serial)
+from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
+    new_change_id, pending_ids
+from .config import CHECK_TIMEOUT_S
+from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import gather
 from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
-from .probes.change import STATE_DIR
-from .validate import SmokeOptions, gate, smoke
-
-LOCK_WAIT_S = 5.0
-# Seconds of a host's deadline kept for rolling a change back after its validation.
-ROLLBACK_RESERVE_S = 120.0
-CHANGE_MODULES = ["change"]
+from .vocab import HostStatus, PlanStatus
 
 
 @dataclass
-class ApplyOptions:
+class ApplyOptions(ChangeOptions):
     """check: plan only; serial: Ansible serial spec ("1,25%,100%"); max_fail_percentage: a batch
-    failing more than this percentage of its hosts stops the rollout; smoke: gate options."""
+    failing more than this percentage of its hosts stops the rollout; confirmed: host -> {rel:
+    post_sha256} of the plan the operator was shown (what is written must be what was shown)."""
 
     check: bool = False
     serial: str | None = None
     max_fail_percentage: float = 0.0
-    smoke: SmokeOptions = field(default_factory=SmokeOptions)
-    operator: str = field(default_factory=lambda: f"{getpass.getuser()}@{socket.gethostname()}")
-    state_dir: str = STATE_DIR
-    confirmed: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> {rel: post_sha256} shown
-
-
-def new_change_id(playbook: str) -> str:
-    """A fresh change id: UTC time, playbook name and 6 random hex digits."""
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{playbook}-{secrets.token_hex(3)}"
-
-
-def change_probe(ctx: HostContext, action: str, state_dir: str = STATE_DIR, **params) -> dict:
-    """Run one action of probes/change.py on the host; a refusal raises HostFailed."""
-    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, modules=CHANGE_MODULES)
-    if not res.get("ok", False):
-        raise HostFailed(f"{action}: {res.get('error')}")
-    return res
+    confirmed: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _findings(g: dict) -> dict:
@@ -79,197 +54,68 @@ def _plan_data(plan: HostPlan) -> dict:
     return d
 
 
-def check_job(playbook: Playbook, state_dir: str = STATE_DIR):
+def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
+    status = plan.status.host_status
+    return ctx.result(status,
+                      plan.reason if status == HostStatus.FAILED else None,
+                      data={"plan": _plan_data(plan),
+                            "skipped_reason": plan.reason if status == HostStatus.SKIPPED else None})
+
+
+def check_job(playbook: Playbook, state_dir: str):
     """Check mode: plan on the host and report what would change; touches nothing. A change left
-    pending by a killed run is reported: apply undoes it first, so the host counts as changed."""
+    pending by a killed run is reported ("pending": [ids]): apply undoes it first, so the host
+    counts as changed."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plan = _plan(ctx, playbook)
         result = _planned_result(ctx, plan)
-        ledger = change_probe(ctx, "status", state_dir)["changes"]
-        pending = [c["change_id"] for c in ledger if c["state"] == "pending"]
+        pending = pending_ids(change_probe(ctx, "status", state_dir)["changes"])
         if pending:
             result.data["pending"] = pending
-            if result.status in (OK, SKIPPED):
-                result.status = CHANGED
+            if result.status in (HostStatus.OK, HostStatus.SKIPPED):
+                result.status = HostStatus.CHANGED
         return result
-
-    return job
-
-
-def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
-    status = {"change": CHANGED, "ok": OK, "skipped": SKIPPED, "failed": FAILED}[plan.status]
-    return HostResult(ctx.host.name, ctx.conn.address, status, plan.reason if status == FAILED else None,
-                      data={"plan": _plan_data(plan), "skipped_reason": plan.reason if status == SKIPPED else None})
-
-
-def _run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
-    ran = []
-    for h in handlers:
-        r = ctx.run(operator_argv(h["command"]))
-        ran.append({"name": h["name"], "exit_code": r.exit_code,
-                    "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
-        if r.exit_code != 0:
-            raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
-    return ran
-
-
-def recover(ctx: HostContext, state_dir: str) -> tuple[list[dict], list[dict]]:
-    """Undo changes a killed run left pending (probes/change.py `recover`); when there were any,
-    restart SGLang with the host's `fleetctl_restart_cmd` (the killed run may have restarted it
-    on the changed files). Returns (recovered changes, handlers run)."""
-    recovered = change_probe(ctx, "recover", state_dir)["recovered"]
-    cmd = ctx.host.vars.get("fleetctl_restart_cmd")
-    handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if recovered and cmd else []
-    return recovered, handlers
-
-
-def _compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
-    """Syntax errors in `paths` as the interpreter that serves SGLang reads them ("path:line: msg")."""
-    res = ctx.probe("change", {"action": "compile", "paths": paths}, modules=CHANGE_MODULES, python=python)
-    if not res.get("ok", False):
-        raise HostFailed(f"compile: {res.get('error')}")
-    return res["problems"]
-
-
-def locked(state_dir: str, work):
-    """A job that runs `work(ctx)` while holding the host's fleetctl lock (STATE_DIR/lock):
-    a second run that wants to change the same host fails fast instead of interleaving."""
-
-    def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S,
-                                  hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + 60)
-        try:
-            return work(ctx)
-        finally:
-            lock.release()
 
     return job
 
 
 def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
     """The apply job for one host (see the module docstring)."""
-    return locked(opts.state_dir, lambda ctx: _apply(ctx, playbook, change_id, opts))
+    return change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts))
 
 
-def _apply(ctx: HostContext, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
-    recovered, restarted = recover(ctx, opts.state_dir)
+def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
     g, plan = _plan(ctx, playbook)
     result = _planned_result(ctx, plan)
-    result.data.update(recovered=recovered, recovery_handlers=restarted)
-    if plan.status != "change":
+    result.data.update(recovered=rec.changes, recovery_handlers=rec.handlers)
+    if plan.status != PlanStatus.CHANGE:
         return result
     confirmed = opts.confirmed.get(ctx.host.name)
     if confirmed is not None and confirmed != {f.rel: f.post_sha256 for f in plan.files}:
         raise HostFailed("the plan for this host changed after it was shown and confirmed "
                          "(SGLang changed meanwhile?); nothing was written: run apply again")
     facts = g["facts"]
-    python = facts["python"]["path"]
     steps = {v["step"] for v in plan.validate}
-    offline = next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None)
-    baseline = smoke(ctx, facts, opts.smoke, offline, reserve=ROLLBACK_RESERVE_S) if "smoke" in steps else None
-    files = [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
-             for f in plan.files]
-    change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=playbook.name,
-                 operator=opts.operator, files=files, commit=False)
-    result.data["change_id"] = change_id
 
     def checks() -> list[str]:
         problems = []
         if "compile" in steps:
-            problems += _compile_problems(ctx, python, [f.path for f in plan.files])
+            problems += compile_problems(ctx, facts["python"]["path"], [f.path for f in plan.files])
         if "reinspect" in steps and not problems:
             g2 = gather(ctx, with_sources=True)
             problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), g2["facts"], _findings(g2),
                                            g2.get("sources") or {})
         return problems
 
-    return finish_change(ctx, result, change_id, opts.state_dir, plan.handlers, checks, baseline, facts,
-                         opts.smoke, offline, rollback=playbook.on_failure == "rollback")
-
-
-def finish_change(ctx: HostContext, result: HostResult, change_id: str, state_dir: str, handlers: list[dict],
-                  checks, baseline: dict | None, facts: dict, smoke_opts: SmokeOptions, offline: str | None,
-                  rollback: bool = True) -> HostResult:
-    """Validate a written change (validate_change) and settle it (settle). A connection lost on
-    the way is retried once (a new connection, within the connect timeout) and the change rolled
-    back under the rollback reserve; when the host cannot be reached again, raises Unreachable
-    saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
-    The host lock stays with the lost session until sshd notices it or its hold time ends."""
-    try:
-        problems = validate_change(ctx, result, handlers, checks, baseline, facts, smoke_opts, offline)
-        return settle(ctx, result, change_id, state_dir, handlers, problems, rollback=rollback)
-    except Unreachable as e:
-        lost = e
-    try:
-        ctx = ctx.reconnected()
-        return settle(ctx, result, change_id, state_dir, handlers,
-                      [f"the connection was lost during validation ({lost}); reconnected to roll back"])
-    except Unreachable as e:
-        raise Unreachable(f"change {change_id} pending: the next apply, rollback or deploy undoes it "
-                          f"({lost}; reconnecting: {e})") from None
-
-
-def validate_change(ctx: HostContext, result: HostResult, handlers: list[dict], checks, baseline: dict | None,
-                    facts: dict, smoke_opts: SmokeOptions, offline: str | None) -> list[str]:
-    """After a change is written: run the notified handlers, `checks()` (-> [problem]), then the
-    smoke gate against `baseline`. Returns the problems; any error on the way (a handler that
-    fails, a deadline, a probe crash) is a problem too, so the caller always settles the change.
-    Smoke waits leave ROLLBACK_RESERVE_S of the host's deadline for the rollback.
-    Sets result.data["handlers"] and ["validation"]."""
-    problems: list[str] = []
-    try:
-        result.data["handlers"] = _run_handlers(ctx, handlers)
-        problems += checks()
-        if problems:
-            return problems
-        if baseline is None or (not baseline["servers"] and baseline["offline"] is None):
-            result.data["validation"] = {"status": "skipped (no server)"}
-            return problems
-        if baseline["servers"] and not handlers:
-            # without a restart the server still runs the old code: its decode proves nothing
-            result.data["validation"] = {"status": "skipped (not restarted: no fleetctl_restart_cmd)"}
-            if baseline["offline"] is None:
-                return problems
-            baseline = {"servers": [], "offline": baseline["offline"]}
-        # a restart handler may ask for a longer health wait (a real server reloads its weights)
-        waits = [h.get("wait_for_health_s") or 0 for h in handlers]
-        after_opts = replace(smoke_opts, health_timeout=max([smoke_opts.health_timeout, *waits]))
-        after = smoke(ctx, facts, after_opts, offline, reserve=ROLLBACK_RESERVE_S,
-                      servers=bool(baseline["servers"]))
-        verdict = gate(ctx.host, baseline, after, smoke_opts)
-        result.data["validation"] = verdict.to_dict()
-        if verdict.failed:
-            problems.append(f"validation failed: {verdict.message}")
-    except Unreachable:
-        raise  # nothing more can be done now; the change stays pending and the next run undoes it
-    except Exception as e:  # noqa: BLE001 - every other failure must still lead to the rollback
-        problems.append(str(e) if isinstance(e, (HostFailed, RemoteTimeout)) else f"{type(e).__name__}: {e}")
-    return problems
-
-
-def settle(ctx: HostContext, result: HostResult, change_id: str, state_dir: str, handlers: list[dict],
-           problems: list[str], rollback: bool = True) -> HostResult:
-    """Finish a pending change: commit it ("applied") when there are no problems; else roll it
-    back (byte-identical) and run the handlers again, or, without `rollback`, commit it and mark
-    the host failed. Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation
-    used up its deadline is still put back."""
-    ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
-    if problems and rollback:
-        reason = "; ".join(problems)
-        change_probe(ctx, "rollback", state_dir, change_id=change_id, reason=reason)
-        try:
-            _run_handlers(ctx, handlers)
-        except HostFailed as e:
-            reason += f"; after the rollback: {e}"
-        result.status, result.error = FAILED, f"rolled back: {reason}"
-        result.data["rolled_back"] = True
-        return result
-    change_probe(ctx, "commit", state_dir, change_id=change_id, reason="; ".join(problems) or None)
-    result.status = CHANGED
-    if problems:
-        result.status, result.error = FAILED, "; ".join(problems) + " (on_failure: keep)"
-    return result
+    change = Change(
+        change_id, playbook.name,
+        [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
+         for f in plan.files],
+        facts, plan.handlers, checks, smoke="smoke" in steps,
+        offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
+        rollback=playbook.on_failure == "rollback")
+    return execute(ctx, result, change, opts)
 
 
 def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
@@ -277,7 +123,7 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
     """Check or apply `playbook` in rolling batches (opts.serial). A batch whose failed +
     unreachable share exceeds max_fail_percentage stops the rollout; later hosts are reported
     "not attempted". `timeout`: per-host seconds for this pass (default: the fleet's).
-    Returns (change id, results in inventory order)."""
+    Returns (change id, results in inventory order). Raises UsageError for a bad serial spec."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
         return cid, fleet.run(hosts, check_job(playbook, opts.state_dir), "check", timeout=timeout)
@@ -290,59 +136,52 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
         if fleet.interrupted:
             stopped = stopped or "not attempted: interrupted (Ctrl-C)"
         if stopped:
-            results += [HostResult(h.name, h.address, NOT_ATTEMPTED, stopped,
-                                   data={"interrupted": fleet.interrupted}) for h in batch]
+            results += [HostResult(h.name, h.address, HostStatus.NOT_ATTEMPTED, stopped,
+                                   interrupted=fleet.interrupted) for h in batch]
             continue
         got = fleet.run(batch, apply_job(playbook, cid, opts), f"apply {playbook.name}", timeout=timeout)
         for r in got:
             r.data["batch"] = batch_no
         results += got
-        bad = sum(r.status in (FAILED, UNREACHABLE) for r in got)
+        bad = sum(r.status in (HostStatus.FAILED, HostStatus.UNREACHABLE) for r in got)
         if bad and 100.0 * bad / len(got) > opts.max_fail_percentage:
             stopped = (f"not attempted: rollout stopped after a batch of {len(got)} had {bad} failed "
                        f"(max_fail_percentage {opts.max_fail_percentage:g})")
     return cid, results
 
 
-def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, handler_cmd_var: str = "fleetctl_restart_cmd"):
-    """Roll back `change_id` (None: the host's last applied change) and restart SGLang with the
-    host's `fleetctl_restart_cmd` when it is set."""
+@dataclass
+class ApplyOutcome:
+    """What check_then_apply did. change_id: None when nothing was applied; results: one per
+    host in inventory order (the check pass's, replaced by the apply pass's where it ran);
+    nothing_to_change: the check pass found no host to change (and this was not check mode)."""
 
-    def work(ctx: HostContext) -> HostResult:
-        recovered, restarted = recover(ctx, state_dir)
-        if recovered and not change_id:
-            # the interrupted change was the last one: undoing it was the rollback asked for
-            return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
-                              data={"change_id": recovered[-1]["change_id"], "recovered": recovered,
-                                    "files": [f["path"] for r in recovered for f in r["files"]],
-                                    "handlers": restarted})
-        params = {"change_id": change_id} if change_id else {"last": True}
-        res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
-        if res.get("nothing"):
-            return HostResult(ctx.host.name, ctx.conn.address, OK, data={**res, "recovered": recovered})
-        cmd = ctx.host.vars.get(handler_cmd_var)
-        handlers = _run_handlers(ctx, [{"name": "restart sglang", "command": cmd}]) if cmd else []
-        return HostResult(ctx.host.name, ctx.conn.address, CHANGED,
-                          data={**res, "recovered": recovered, "handlers": handlers})
-
-    return locked(state_dir, work)
+    change_id: str | None
+    results: list[HostResult]
+    nothing_to_change: bool = False
 
 
-def status_job(state_dir: str = STATE_DIR):
-    """Ledger summary and drift for one host: applied changes whose files no longer carry them,
-    and installed SGLang files that differ from the distribution's RECORD with no ledger entry."""
-
-    def job(ctx: HostContext) -> HostResult:
-        g = gather(ctx)
-        sg = g["facts"].get("sglang") or {}
-        res = change_probe(ctx, "status", state_dir, location=sg.get("location"), dist="sglang")
-        res["sglang"] = sg.get("version")
-        pending = [c["change_id"] for c in res["changes"] if c["state"] == "pending"]
-        problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
-                     "rollback undoes it" for c in pending] +
-                    [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
-                    [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
-        status, error = (FAILED, "; ".join(problems)) if problems else (OK, None)
-        return HostResult(ctx.host.name, ctx.conn.address, status, error, data=res)
-
-    return job
+def check_then_apply(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
+                     confirm: Callable[[list[HostResult], list[Host]], None],
+                     check_timeout: float | None = None) -> ApplyOutcome:
+    """The `fleetctl apply` flow. A check pass always comes first (per-host deadline
+    `check_timeout`, default CHECK_TIMEOUT_S); unless opts.check, `confirm(check results, hosts
+    to change)` is asked (it raises to stop: nothing is changed), and only the hosts the check
+    found to change are applied, in opts.serial batches (so a canary batch is made of hosts
+    that really change), each bound to the plan it was shown. Raises UsageError (bad serial),
+    whatever `confirm` raises."""
+    parse_serial(opts.serial, len(hosts))
+    _, results = run_playbook(fleet, hosts, playbook, replace(opts, check=True),
+                              timeout=check_timeout or CHECK_TIMEOUT_S)
+    if opts.check:
+        return ApplyOutcome(None, results)
+    to_change = [h for h, r in zip(hosts, results) if r.status == HostStatus.CHANGED]
+    if not to_change:
+        return ApplyOutcome(None, results, nothing_to_change=True)
+    confirm(results, to_change)
+    # what is written must be what was shown: each host's planned post-images
+    confirmed = {r.host: {f["rel"]: f["post_sha256"] for f in r.data["plan"]["files"]}
+                 for r in results if r.status == HostStatus.CHANGED and not r.data.get("pending")}
+    cid, applied = run_playbook(fleet, to_change, playbook, replace(opts, check=False, confirmed=confirmed))
+    by_name = {r.host: r for r in results} | {r.host: r for r in applied}
+    return ApplyOutcome(cid, [by_name[h.name] for h in hosts])

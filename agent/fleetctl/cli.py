@@ -16,6 +16,7 @@ import typer
 from typer.exceptions import TyperException
 from rich.console import Console
 
+from . import config
 from . import inventory as inv
 from .errors import EXIT_OPTIONS, FleetctlError, UsageError
 from .connection import Settings
@@ -74,7 +75,8 @@ def _select(inventory: str | None, pattern: str) -> list[inv.Host]:
 
 @app.command()
 def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
-            forks: Forks = 64, timeout: Timeout = 60.0, connect_timeout: ConnectTimeout = 10.0,
+            forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
+            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
              run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
@@ -106,6 +108,12 @@ AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Change hosts without asking.")]
 JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
                        help="Seconds for each host's whole job (default: health timeout + 300).")]
+PlaybooksDir = Annotated[Optional[str], typer.Option("--playbooks-dir", envvar="FLEETCTL_PLAYBOOKS_DIR", help=(
+    "Directory of playbooks to find PLAYBOOK in (default: the ones fleetctl ships); "
+    "else $FLEETCTL_PLAYBOOKS_DIR."))]
+KernelsDir = Annotated[Optional[str], typer.Option("--kernels-dir", envvar="FLEETCTL_KERNELS_DIR", help=(
+    "Directory of kernel packages to find NAME in (default: the ones fleetctl ships); "
+    "else $FLEETCTL_KERNELS_DIR."))]
 
 
 def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
@@ -121,9 +129,6 @@ def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_toke
     return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
                         latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift,
                         latency_slack_s=latency_slack)
-
-
-CHECK_TIMEOUT_S = 120.0  # default per-host deadline of a check pass (no restarts, no health waits)
 
 
 def _positive(**values) -> None:
@@ -146,8 +151,9 @@ def _confirm(what: str, yes: bool) -> None:
 
 @app.command()
 def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
-             port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
-             forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
+             port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
+             repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
+             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None,
              run_timeout: RunTimeout = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
@@ -157,30 +163,32 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
     opts = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=timeout)
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
+                ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
     _finish(results, json_out, render_validate)
 
 
 @app.command()
-def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playbooks/ or a path.")],
+def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --playbooks-dir) or a path to a .yaml file.")],
           pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
           check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
           diff: Annotated[bool, typer.Option("--diff", help="Print unified diffs, identical ones coalesced.")] = False,
           serial: Annotated[Optional[str], typer.Option("--serial", help="Rolling batches: N, P% or a list 1,25%,100%.")] = None,
           max_fail_percentage: Annotated[float, typer.Option("--max-fail-percentage",
                                          help="Stop the rollout when a batch fails more than this.")] = 0.0,
-          yes: Yes = False, port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
+          yes: Yes = False, port: Port = config.DEFAULT_SGLANG_PORT,
+          health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S, repeat: Repeat = 3,
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
-          allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None, connect_timeout: ConnectTimeout = 10.0,
+          allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
+          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
           accept_new: AcceptNew = False, ssh_config: SshConfig = None,
-             run_timeout: RunTimeout = None) -> None:
+          run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
     --serial batches (so a canary batch is made of hosts that really change)."""
-    from .apply import ApplyOptions, run_playbook
-    from .fleet import parse_serial
+    from .apply import ApplyOptions, check_then_apply
     from .paths import find_playbook
     from .playbook import load_playbook
     from .report import render_apply
@@ -188,36 +196,30 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name in playboo
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
     _positive(timeout=timeout)
-    pb = load_playbook(find_playbook(playbook))
-    opts = ApplyOptions(check=True, serial=serial, max_fail_percentage=max_fail_percentage,
+    pb = load_playbook(find_playbook(playbook, playbooks_dir))
+    opts = ApplyOptions(check=check, serial=serial, max_fail_percentage=max_fail_percentage,
                         smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                           allow_token_drift, latency_slack))
     hosts = _select(inventory, pattern)
-    parse_serial(serial, len(hosts))
-    cid = None
-    with _fleet(forks, timeout or health_timeout + 300, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
-        _, results = run_playbook(fleet, hosts, pb, opts, timeout=timeout or CHECK_TIMEOUT_S)
-        to_change = [h for h, r in zip(hosts, results) if r.status == "changed"]
-        if not check and not to_change:
-            err.print("nothing to change")
-        elif not check:
-            if not json_out:
-                render_apply(results, out, diff=True, check=True, title="plan (nothing is changed yet)")
-            _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
-            opts.check = False
-            # what is written must be what was shown: each host's planned post-images
-            opts.confirmed = {r.host: {f["rel"]: f["post_sha256"] for f in r.data["plan"]["files"]}
-                              for r in results if r.status == "changed" and not r.data.get("pending")}
-            cid, applied = run_playbook(fleet, to_change, pb, opts)
-            by_name = {r.host: r for r in results} | {r.host: r for r in applied}
-            results = [by_name[h.name] for h in hosts]
+
+    def confirm(plan_results, to_change) -> None:
+        if not json_out:
+            render_apply(plan_results, out, diff=True, check=True, title="plan (nothing is changed yet)")
+        _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
+
+    with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
+                ssh_config, run_timeout) as fleet:
+        outcome = check_then_apply(fleet, hosts, pb, opts, confirm, check_timeout=timeout)
+    if outcome.nothing_to_change:
+        err.print("nothing to change")
+    cid = outcome.change_id
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
         if cid:
             console.print(f"change id: {cid}")
 
-    _finish(results, json_out, render, change_id=cid, check=check)
+    _finish(outcome.results, json_out, render, change_id=cid, check=check)
 
 
 @app.command()
@@ -225,11 +227,12 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
              force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
              inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
-             forks: Forks = 64, timeout: Timeout = 300.0, connect_timeout: ConnectTimeout = 10.0,
+             forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
+             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None,
              run_timeout: RunTimeout = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
-    from .apply import rollback_job
+    from .changes import rollback_job
     from .report import render_rollback
 
     if len(args) != (1 if last else 2):
@@ -244,11 +247,12 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 
 @app.command()
 def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
-           forks: Forks = 64, timeout: Timeout = 120.0, connect_timeout: ConnectTimeout = 10.0,
+           forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
+           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
              run_timeout: RunTimeout = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
-    from .apply import status_job
+    from .changes import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern)
@@ -258,19 +262,20 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut =
 
 
 @deploy_app.command("kernel")
-def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kernels/NAME.")], pattern: Pattern,
-                  inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME (see --kernels-dir).")],
+                  pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
-                  build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")] = 1800.0,
-                  port: Port = 30000, health_timeout: HealthTimeout = 600.0, repeat: Repeat = 3,
-                  latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
+                  build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
+                  = config.BUILD_DEADLINE_S,
+                  port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
+                  repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
-                  connect_timeout: ConnectTimeout = 10.0, accept_new: AcceptNew = False, ssh_config: SshConfig = None,
-             run_timeout: RunTimeout = None) -> None:
+                  connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, accept_new: AcceptNew = False,
+                  ssh_config: SshConfig = None, run_timeout: RunTimeout = None,
+                  kernels_dir: KernelsDir = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     activate it atomically, validate, and switch back on failure."""
-    from .apply import new_change_id
-    from .deploy import DeployOptions, deploy_job
+    from .deploy import DeployOptions, run_deploy
     from .kernelpkg import load_package
     from .paths import project_dir
     from .report import render_deploy
@@ -278,26 +283,20 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package: kern
     if max_jobs < 1:
         raise UsageError(f"--max-jobs must be at least 1, not {max_jobs}")
     _positive(build_timeout=build_timeout, timeout=timeout)
-    pkg = load_package(project_dir("kernels"), name)
+    pkg = load_package(project_dir("kernels", kernels_dir), name)
     opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                            latency_slack), max_jobs=max_jobs, build_timeout=build_timeout)
     hosts = _select(inventory, pattern)
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
-    cid = new_change_id(f"kernel-{pkg.name}")
-    job_timeout = timeout or build_timeout + health_timeout + 900
+    job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
     with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
-        results = fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
+        cid, results = run_deploy(fleet, hosts, pkg, opts)
 
     def render(rs, console):
         render_deploy(rs, console)
         console.print(f"change id: {cid}")
 
     _finish(results, json_out, render, change_id=cid, kernel=pkg.name)
-
-
-def _host_json(r) -> dict:
-    return {"host": r.host, "address": r.address, "status": r.status, "error": r.error,
-            "elapsed_s": r.elapsed_s, **r.data}
 
 
 def _finish(results, json_out: bool, render, **doc) -> None:
@@ -307,7 +306,7 @@ def _finish(results, json_out: bool, render, **doc) -> None:
     from .report import render_status_line
 
     if json_out:
-        _print_json({**doc, "hosts": [_host_json(r) for r in results]})
+        _print_json({**doc, "hosts": [r.to_json() for r in results]})
     else:
         render(results, out)
         render_status_line(results, out)

@@ -1,39 +1,36 @@
-"""Deploying a kernel package to hosts: preflight, upload, remote build, reference test, atomic
-activation, validation gate, rollback.
+"""Deploying a kernel package to hosts: preflight, upload, remote build, reference test, then the
+activation as a change through the change engine (changes.py), the same one playbooks use.
 
 Per host, under the host's lock: recover a change a killed run left pending -> facts (the
 interpreter that runs SGLang, which has torch) -> preflight (probes/kbuild.py: GPU arch, nvcc,
 torch CUDA, ninja; no GPU means the `cpu` backend) -> build key (kernelpkg.build_key) -> if
 `/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is reused; else upload the
 package to `<key>/src` (sha256 checked after upload), build into `<key>/build`, test against
-the reference in a fresh process, mark PASSED -> swap the `current` symlink to `<key>` (a ledger
-change, "pending") -> restart handler -> smoke gate -> "applied", or the link is switched back.
+the reference in a fresh process, mark PASSED -> changes.execute: swap the `current` symlink to
+`<key>` (a ledger change, "pending") -> restart handler -> smoke gate -> "applied", or the link
+is switched back.
 """
 
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .apply import ROLLBACK_RESERVE_S, STATE_DIR, ApplyOptions, change_probe, finish_change, locked, recover
-from .fleet import CHANGED, FAILED, OK, HostContext, HostFailed, HostResult
+from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
+from .config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
+from .fleet import Fleet, HostContext, HostFailed, HostResult
 from .gather import gather
+from .inventory import Host
 from .kernelpkg import KernelPackage, build_key
-from .validate import SmokeOptions, smoke
-
-BUILD_DEADLINE_S = 1800.0
-TEST_DEADLINE_S = 600.0
+from .vocab import HostStatus
 
 
 @dataclass
-class DeployOptions:
+class DeployOptions(ChangeOptions):
     """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds."""
 
-    smoke: SmokeOptions = field(default_factory=SmokeOptions)
     max_jobs: int = 4
     build_timeout: float = BUILD_DEADLINE_S
-    operator: str = field(default_factory=lambda: ApplyOptions().operator)
-    state_dir: str = STATE_DIR
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
@@ -52,11 +49,39 @@ def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
 
 def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
     """The deploy job for one host (see the module docstring)."""
-    return locked(opts.state_dir, lambda ctx: _deploy(ctx, pkg, change_id, opts))
+    return change_job(opts.state_dir, lambda ctx, rec: _deploy(ctx, rec, pkg, change_id, opts))
 
 
-def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
-    recovered, _ = recover(ctx, opts.state_dir)
+def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage, opts: DeployOptions) -> tuple[str, list[HostResult]]:
+    """`fleetctl deploy kernel`: deploy `pkg` to `hosts` under one new change id.
+    Returns (change id, results in inventory order)."""
+    cid = new_change_id(f"kernel-{pkg.name}")
+    return cid, fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
+
+
+def _build(ctx: HostContext, python: str, pkg: KernelPackage, backend: str, arch: str, bdir: str,
+           current: str | None, opts: DeployOptions, data: dict) -> None:
+    """Upload, build, test and mark PASSED one build dir. Sets data["build"], data["test"].
+    Raises HostFailed (build or test failed: nothing activated)."""
+    src, build = f"{bdir}/src", f"{bdir}/build"
+    _upload(ctx, pkg, src)
+    b = _kbuild(ctx, python, timeout=opts.build_timeout + PROBE_SLACK_S, action="build", src_dir=src,
+                build_dir=build, arch=arch, deadline_s=opts.build_timeout, max_jobs=opts.max_jobs,
+                **pkg.build_params(backend))
+    data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "removed_stale_lock")}
+    if not b["ok"]:
+        raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
+                         f"log {b['log_path']}:\n{b['log_tail']}")
+    t = _kbuild(ctx, python, timeout=TEST_DEADLINE_S + PROBE_SLACK_S, action="test", src_dir=src,
+                module_path=b["module_path"], deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
+    data["test"] = t.get("result")
+    if not t["ok"]:
+        raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
+                         f"{t.get('result') or t.get('stderr_tail')}")
+    _kbuild(ctx, python, action="mark", build_dir=bdir, module_path=b["module_path"])
+
+
+def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
     facts = gather(ctx, scan=False)["facts"]
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
@@ -71,35 +96,16 @@ def _deploy(ctx: HostContext, pkg: KernelPackage, change_id: str, opts: DeployOp
     state = _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
     current = state["current"]
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
-            "recovered": recovered, "refusals": pre["refusals"], "reused": state["passed"]}
-    result = HostResult(ctx.host.name, ctx.conn.address, OK, data=data)
+            "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
+    result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
-        src, build = f"{bdir}/src", f"{bdir}/build"
-        _upload(ctx, pkg, src)
-        b = _kbuild(ctx, python, timeout=opts.build_timeout + 60, action="build", src_dir=src, build_dir=build,
-                    arch=pre["arch"], deadline_s=opts.build_timeout, max_jobs=opts.max_jobs,
-                    **pkg.build_params(backend))
-        data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "removed_stale_lock")}
-        if not b["ok"]:
-            raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
-                             f"log {b['log_path']}:\n{b['log_tail']}")
-        t = _kbuild(ctx, python, timeout=TEST_DEADLINE_S + 60, action="test", src_dir=src,
-                    module_path=b["module_path"], deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
-        data["test"] = t.get("result")
-        if not t["ok"]:
-            raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
-                             f"{t.get('result') or t.get('stderr_tail')}")
-        _kbuild(ctx, python, action="mark", build_dir=bdir, module_path=b["module_path"])
+        _build(ctx, python, pkg, backend, pre["arch"], bdir, current, opts, data)
     if current == key:
         return result
-    baseline = smoke(ctx, facts, opts.smoke, reserve=ROLLBACK_RESERVE_S)
-    change_probe(ctx, "apply", opts.state_dir, change_id=change_id, playbook=f"kernel {pkg.name}",
-                 operator=opts.operator, files=[{"path": link, "kind": "link", "pre_target": current,
-                                                 "post_target": key}], commit=False)
-    result.status, data["change_id"] = CHANGED, change_id
-    cmd = ctx.host.vars.get("fleetctl_restart_cmd")
-    handlers = [{"name": "restart sglang", "command": cmd}] if cmd else []
-    finish_change(ctx, result, change_id, opts.state_dir, handlers, lambda: [], baseline, facts, opts.smoke, None)
-    if result.status == FAILED:
+    change = Change(change_id, f"kernel {pkg.name}",
+                    [{"path": link, "kind": "link", "pre_target": current, "post_target": key}],
+                    facts, restart_handlers(ctx))
+    execute(ctx, result, change, opts)
+    if result.status == HostStatus.FAILED:
         result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")
     return result

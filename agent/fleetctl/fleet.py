@@ -6,7 +6,9 @@ whole run and reused by later jobs), gives the job a context whose `remaining()`
 remote command by the host's deadline, and turns connection problems into `unreachable` and
 everything else into `failed`, so one bad host never stops the others. A run-level deadline
 (`run_timeout`) ends the whole command: hosts still in progress then are failed and their
-connections closed, hosts not started are not attempted.
+connections closed, hosts not started are not attempted. A job may carry `stopped_note`
+(text: what being stopped mid-job leaves behind, e.g. changes.STOPPED_NOTE), which the Ctrl-C and
+run-deadline messages add; the fan-out itself knows nothing about what jobs do.
 """
 
 from __future__ import annotations
@@ -26,22 +28,39 @@ from . import probes
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
 from .connection import Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
 from .inventory import Host
+from .vocab import HostStatus
 
+# The host statuses under their short names (for callers that import them from here).
 OK, CHANGED, SKIPPED, FAILED, UNREACHABLE, NOT_ATTEMPTED = (
-    "ok", "changed", "skipped", "failed", "unreachable", "not attempted")
+    HostStatus.OK, HostStatus.CHANGED, HostStatus.SKIPPED, HostStatus.FAILED, HostStatus.UNREACHABLE,
+    HostStatus.NOT_ATTEMPTED)
 
 
 @dataclass
 class HostResult:
-    """What happened on one host. status: ok | changed | skipped | failed | unreachable |
-    not attempted; elapsed_s in seconds; data: the job's own JSON-able payload."""
+    """What happened on one host. status: a HostStatus; elapsed_s in seconds; data: the job's own
+    JSON-able payload. Control signals that decide the exit code: `interrupted` (Ctrl-C stopped
+    this host: True, or False for a host a stopped rollout left alone for another reason) and
+    `parse_error` (a playbook or template error stopped it); None: not applicable."""
 
     host: str
     address: str
-    status: str
+    status: HostStatus
     error: str | None = None
     elapsed_s: float = 0.0
     data: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool | None = None
+    parse_error: bool | None = None
+
+    def to_json(self) -> dict:
+        """The host's entry in a command's `--json` document: host, address, status, error,
+        elapsed_s, the job's data, then `interrupted` / `parse_error` when set."""
+        doc = {"host": self.host, "address": self.address, "status": self.status, "error": self.error,
+               "elapsed_s": self.elapsed_s, **self.data}
+        for k in ("interrupted", "parse_error"):
+            if getattr(self, k) is not None:
+                doc[k] = getattr(self, k)
+        return doc
 
 
 class HostFailed(Exception):
@@ -64,6 +83,10 @@ class HostContext:
         if self.reconnect is None:
             raise Unreachable("connection lost, and this job cannot reconnect")
         return replace(self, conn=self.reconnect())
+
+    def result(self, status: HostStatus, error: str | None = None, data: dict | None = None) -> HostResult:
+        """A HostResult for this host (its name, the address connected to) with `status`."""
+        return HostResult(self.host.name, self.conn.address, status, error, data=data if data is not None else {})
 
     def remaining(self) -> float:
         """Seconds left before this host's deadline; raises RemoteTimeout when none are left."""
@@ -120,9 +143,9 @@ def parse_serial(spec: str | None, total: int) -> list[int]:
 def exit_code(results: list[HostResult]) -> int:
     """Ansible's exit code for a set of host results: 4 if a playbook or template error stopped a
     host, 130 if Ctrl-C stopped the run, 3 if any unreachable, 2 if any failed."""
-    if any(r.data.get("parse_error") for r in results):
+    if any(r.parse_error for r in results):
         return EXIT_PARSE
-    if any(r.data.get("interrupted") for r in results):
+    if any(r.interrupted for r in results):
         return EXIT_INTERRUPTED
     statuses = {r.status for r in results}
     if UNREACHABLE in statuses:
@@ -211,7 +234,7 @@ class Fleet:
             result.status, result.error = FAILED, str(e)
         except FleetctlError as e:  # a template or expression error in the playbook, say
             result.status, result.error = FAILED, str(e)
-            result.data["parse_error"] = e.exit_code == EXIT_PARSE
+            result.parse_error = e.exit_code == EXIT_PARSE
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         result.elapsed_s = round(time.monotonic() - start, 3)
@@ -222,6 +245,7 @@ class Fleet:
         """Run `job` on every host (at most `forks` at once), each within `timeout` seconds
         (default: the fleet's); results in inventory order."""
         timeout = timeout or self.timeout
+        note = getattr(job, "stopped_note", None)
         results: dict[str, HostResult] = {}
         if self.expired:
             return [HostResult(h.name, h.address, NOT_ATTEMPTED, self._expired_msg()) for h in hosts]
@@ -245,17 +269,15 @@ class Fleet:
                         if progress:
                             progress.advance(task)
                 except FuturesTimeout:
-                    self._expire(pending, futures, results)
+                    self._expire(pending, futures, results, note)
                     break
                 except KeyboardInterrupt:
                     if self.interrupted:
                         for fut in pending:
-                            self.console.print(
-                                f"[bold red]stopped while {futures[fut].name} was in progress:[/] a change there "
-                                "stays pending in its ledger; the next apply, deploy or rollback on it undoes "
-                                "it (`fleetctl status` shows it)", highlight=False)
+                            self.console.print(f"[bold red]stopped while {futures[fut].name} was in progress"
+                                               + (f":[/] {note}" if note else "[/]"), highlight=False)
                         raise
-                    # Hosts already started finish their job (a change completes or rolls back);
+                    # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
                     self.interrupted = True
                     for fut in list(pending):
@@ -264,7 +286,7 @@ class Fleet:
                             h = futures[fut]
                             results[h.name] = HostResult(h.name, h.address, NOT_ATTEMPTED,
                                                          "interrupted (Ctrl-C) before this host started",
-                                                         data={"interrupted": True})
+                                                         interrupted=True)
                     self.console.print(f"[bold yellow]interrupted:[/] waiting for {len(pending)} host(s) in "
                                        "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
         finally:
@@ -276,9 +298,10 @@ class Fleet:
     def _expired_msg(self) -> str:
         return f"not attempted: the run's deadline (--run-timeout {self.run_timeout:g} s) passed"
 
-    def _expire(self, pending: set, futures: dict, results: dict) -> None:
+    def _expire(self, pending: set, futures: dict, results: dict, note: str | None = None) -> None:
         """The run-level deadline passed: hosts not started are not attempted; hosts in progress
-        are failed and their connections closed (which ends every wait on them)."""
+        are failed and their connections closed (which ends every wait on them); `note` is the
+        job's stopped_note."""
         self.expired = True
         for fut in list(pending):
             h = futures[fut]
@@ -288,8 +311,7 @@ class Fleet:
                 results[h.name] = HostResult(
                     h.name, h.address, FAILED,
                     f"the run's deadline (--run-timeout {self.run_timeout:g} s) passed while this host was in "
-                    "progress: its connection was closed; a change there stays pending until the next apply, "
-                    "rollback or deploy undoes it (`fleetctl status` shows it)")
+                    "progress: its connection was closed" + (f"; {note}" if note else ""))
                 conn = self._conns.get(h.name)
                 if conn is not None:
                     conn.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped (no server)"
+from .vocab import GateStatus
 
 
 @dataclass
@@ -27,22 +27,22 @@ class Check:
 @dataclass
 class GateResult:
     """status: "passed" | "failed" | "skipped (no server)". Roll back only when `failed`."""
-    status: str
+    status: GateStatus
     checks: list[Check] = field(default_factory=list)
     message: str = ""
     token_drift: bool = False  # tokens differed and --allow-token-drift let them
 
     @property
     def passed(self) -> bool:
-        return self.status == PASSED
+        return self.status == GateStatus.PASSED
 
     @property
     def failed(self) -> bool:
-        return self.status == FAILED
+        return self.status == GateStatus.FAILED
 
     @property
     def skipped(self) -> bool:
-        return self.status == SKIPPED
+        return self.status == GateStatus.SKIPPED
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,7 +96,7 @@ def compare(baseline: dict, after: dict, latency_tolerance: float = 1.25,
     as_ = {(s["host"], s["port"]): s for s in after.get("servers") or []}
     offline = after.get("offline")
     if not bs and not as_ and offline is None and baseline.get("offline") is None:
-        return GateResult(SKIPPED, message="validation: skipped (no server and no offline check)")
+        return GateResult(GateStatus.SKIPPED, message="validation: skipped (no server and no offline check)")
     checks = []
     for key in list(bs) + [k for k in as_ if k not in bs]:
         checks += _server_checks("%s:%s" % key, bs.get(key), as_.get(key),
@@ -113,4 +113,4 @@ def compare(baseline: dict, after: dict, latency_tolerance: float = 1.25,
     shown = failed or checks
     message = "; ".join("%s %s %s: %s" % (c.target, c.name, "passed" if c.passed else "FAILED", c.detail)
                         for c in shown)
-    return GateResult(FAILED if failed else PASSED, checks, message, drift)
+    return GateResult(GateStatus.FAILED if failed else GateStatus.PASSED, checks, message, drift)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from . import config
 from .errors import InventoryError, PatternError
 
 ENV_VAR = "FLEETCTL_INVENTORY"
@@ -43,7 +44,8 @@ _VARS_EXTENSIONS = ("", ".yml", ".yaml", ".json")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
 _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
              "ansible_private_key_file", "ansible_ssh_private_key_file",
-             "ansible_python_interpreter", "fleetctl_python", "fleetctl_restart_cmd", "ansible_connection")
+             "ansible_python_interpreter", "ansible_connection",
+             *(v.name for v in config.HOST_VARS if v.type is str))
 # ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
 # `smart` are Ansible's names for its OpenSSH connection, served by paramiko until fleetctl has one.
 CONNECTIONS = ("paramiko", "paramiko_ssh", "ssh", "smart", "local")
@@ -122,8 +124,36 @@ class Host:
         fleetctl_python; None means fleetctl looks for the one that runs SGLang."""
         python = self.vars.get("ansible_python_interpreter")
         if python is None or python in _AUTO_INTERPRETERS:
-            python = self.vars.get("fleetctl_python")
+            python = self.vars.get(config.PYTHON.name)
         return python
+
+    # fleetctl's own vars (config.HOST_VARS); nothing else reads them by name.
+
+    @property
+    def restart_cmd(self) -> str | None:
+        """fleetctl_restart_cmd: the shell command that restarts SGLang; None: not set."""
+        return self.vars.get(config.RESTART_CMD.name) or None
+
+    @property
+    def sglang_port(self) -> int | None:
+        """fleetctl_sglang_port: the port the smoke decode talks to; None: use discovered servers."""
+        port = self.vars.get(config.SGLANG_PORT.name)
+        return None if port is None else int(port)
+
+    @property
+    def sglang_host(self) -> str:
+        """fleetctl_sglang_host: that server's address on the host, default 127.0.0.1."""
+        return str(self.vars.get(config.SGLANG_HOST.name, config.DEFAULT_SGLANG_HOST))
+
+    @property
+    def smoke_cmd(self) -> str | None:
+        """fleetctl_smoke_cmd: an offline smoke command run on the host; None: not set."""
+        return self.vars.get(config.SMOKE_CMD.name)
+
+    @property
+    def latency_slack(self) -> float:
+        """fleetctl_latency_slack: seconds added to the latency gate's ratio (default 0)."""
+        return float(self.vars.get(config.LATENCY_SLACK.name, 0.0))
 
 
 @dataclass

@@ -27,6 +27,7 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 
 from .playbook import EditTask, Playbook
+from .vocab import PlanStatus
 
 
 @dataclass
@@ -45,8 +46,8 @@ class FileChange:
 class HostPlan:
     """What a playbook would do to one host.
 
-    status: "change" | "ok" (nothing to do) | "skipped" (reason "not applicable: ...") |
-    "failed" (refused, e.g. "changed since inspect: <rel>"; nothing may be written).
+    status: a PlanStatus: change | ok (nothing to do) | skipped (reason "not applicable: ...") |
+    failed (refused, e.g. "changed since inspect: <rel>"; nothing may be written).
     edits / already_applied / left_alone: sites as {file, line, kind, callee, expr, ...}.
     handlers: rendered handlers to run after the change [{name, command, wait_for_health_s}].
     validate: validate steps that apply to this host [{step}].
@@ -54,7 +55,7 @@ class HostPlan:
 
     host: str
     playbook: str
-    status: str
+    status: PlanStatus
     reason: str | None = None
     files: list[FileChange] = field(default_factory=list)
     edits: list[dict] = field(default_factory=list)
@@ -163,18 +164,18 @@ def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, 
     Raises ParseError for template and expression errors (undefined variables included).
     """
     ctx = {**host_vars, "host": host_name, "facts": facts, "findings": findings}
-    plan = HostPlan(host_name, playbook.name, "ok")
+    plan = HostPlan(host_name, playbook.name, PlanStatus.OK)
     for req in playbook.requires:
         if not req.that(ctx):
-            plan.status, plan.reason = "skipped", f"not applicable: {req.reason}"
+            plan.status, plan.reason = PlanStatus.SKIPPED, f"not applicable: {req.reason}"
             return plan
     try:
         edits = _plan_edits(playbook, plan, ctx, facts, findings, sources)
     except _Refused as e:
-        plan.status, plan.reason = "failed", str(e)
+        plan.status, plan.reason = PlanStatus.FAILED, str(e)
         return plan
     if edits:
-        plan.status = "change"
+        plan.status = PlanStatus.CHANGE
         plan.handlers = _render_handlers(playbook, [h for t in edits for h in t.notify], ctx)
         plan.validate = [{"step": v.step, **({"offline": v.offline.render(ctx)} if v.offline else {})}
                          for v in playbook.validate if v.when is None or v.when(ctx)]
@@ -271,7 +272,7 @@ def reinspect_problems(playbook: Playbook, plan: HostPlan, host_vars: dict, fact
         if got != fc.post_sha256:
             problems.append(f"{fc.rel}: sha256 {str(got)[:12]} is not the planned {fc.post_sha256[:12]}")
     again = plan_host(playbook, plan.host, host_vars, facts, findings, sources)
-    if again.status != "ok":
+    if again.status != PlanStatus.OK:
         problems.append(f"replanning gives {again.status}: "
                         + (again.reason or f"{len(again.edits)} sites still to edit"))
     if len(again.already_applied) < len(plan.edits):

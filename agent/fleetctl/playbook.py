@@ -29,8 +29,10 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
                                             # servers come from inventory vars or discovery
     on_failure: rollback                    # rollback (default) | keep
 
-Templates render with StrictUndefined from the playbook's directory (FileSystemLoader): an
-undefined variable raises ParseError naming the template file and line. Render context:
+Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined from the
+playbook's directory (FileSystemLoader): a playbook from a colleague cannot run code on the
+control machine (no `__class__`/`__globals__` walks, no calls that mutate); an undefined
+variable or a sandbox violation raises ParseError naming the template file and line. Render context:
 the host's inventory vars at top level, plus `host` (inventory name), `facts`, `findings`
 and, in per-site templates, `finding` (one inspect finding plus `expr_one_line`).
 """
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 import yaml
 
 from .errors import ParseError
@@ -216,8 +219,9 @@ class _Reader:
 
 
 def _environment(directory: str) -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
-                             autoescape=False, keep_trailing_newline=False)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
+        autoescape=False, keep_trailing_newline=False)
     env.tests["identifier"] = lambda v: isinstance(v, str) and v.isidentifier()
     env.filters["quote"] = shlex.quote  # for values templated into handler or smoke commands
     return env

@@ -14,10 +14,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .fleet import OK, HostResult
+from .fleet import HostResult
+from .vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 
-STATUS_STYLE = {"ok": "green", "changed": "yellow", "skipped": "cyan", "failed": "red",
-                "unreachable": "magenta", "not attempted": "dim"}
+STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus.SKIPPED: "cyan",
+                HostStatus.FAILED: "red", HostStatus.UNREACHABLE: "magenta", HostStatus.NOT_ATTEMPTED: "dim"}
 
 
 def inspect_document(results: list[HostResult]) -> dict:
@@ -79,7 +80,7 @@ def _summary(data: dict) -> dict:
 def render_inspect(results: list[HostResult], console: Console) -> None:
     """Print the inspect report: a summary table (identical hosts coalesced, differing columns
     highlighted), then each distinct set of call sites and origins in full, then failures."""
-    good = [r for r in results if r.status == OK]
+    good = [r for r in results if r.status == HostStatus.OK]
     groups = coalesce((r.host, _summary(r.data)) for r in good)
     if groups:
         cols = list(groups[0][1].keys())
@@ -125,8 +126,7 @@ def _render_findings(hosts: list[str], sites: list[dict], origins: list[dict], c
 
 def render_problems(results: list[HostResult], console: Console) -> None:
     """Failed, unreachable and not-attempted hosts, coalesced by identical error."""
-    bad = [(r.host, (r.status, r.error or "")) for r in results if r.status in
-           ("failed", "unreachable", "not attempted")]
+    bad = [(r.host, (r.status, r.error or "")) for r in results if r.status in PROBLEM_STATUSES]
     if not bad:
         return
     t = Table(title="problems", title_justify="left", show_lines=True)
@@ -238,8 +238,9 @@ def render_status(results: list[HostResult], console: Console) -> None:
             unknown = Text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
             t.add_row(r.host, unknown, unknown, unknown, unknown, unknown)
             continue
-        applied = [c["change_id"] + (" (PENDING: interrupted or in progress)" if c["state"] == "pending" else "")
-                   for c in d.get("changes", []) if c["state"] in ("applied", "pending")]
+        applied = [c["change_id"] + (" (PENDING: interrupted or in progress)"
+                                     if c["state"] == ChangeState.PENDING else "")
+                   for c in d.get("changes", []) if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)]
         kernels = "\n".join(f"{k} -> {v[:12]}" for k, v in (d.get("kernels") or {}).items())
         t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none", kernels or "none",
                   "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift", [])) or "none",
@@ -258,7 +259,7 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         d = r.data or {}
         key = (d.get("build_key") or "")[:12]
         built = "reused" if d.get("reused") else (f"built in {d['build']['seconds']:.0f}s" if d.get("build") else "")
-        active = key if r.status in ("ok", "changed") else (d.get("previous") or "")[:12]
+        active = key if r.status in (HostStatus.OK, HostStatus.CHANGED) else (d.get("previous") or "")[:12]
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
                               (d.get("validation") or {}).get("status", ""), r.error or "")))
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fleet import FAILED, OK, SKIPPED, HostContext, HostResult
+from .config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
+from .connection import RemoteTimeout
+from .fleet import HostContext, HostResult
 from .gate import compare
 from .gather import gather
 from .inventory import Host
-from .connection import RemoteTimeout
-
-REQUEST_TIMEOUT_S = 60.0
+from .vocab import HostStatus
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ class SmokeOptions:
     seconds (slack None: the host's fleetctl_latency_slack var, else 0); latency_tolerance:
     allowed after/baseline latency ratio for the gate."""
 
-    port: int = 30000
-    health_timeout: float = 600.0
+    port: int = DEFAULT_SGLANG_PORT
+    health_timeout: float = HEALTH_TIMEOUT_S
     repeat: int = 3
     latency_tolerance: float = 1.25
     latency_slack_s: float | None = None
@@ -36,9 +36,8 @@ class SmokeOptions:
 def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions) -> list[dict]:
     """[{host, port}] to smoke-test: the inventory's fleetctl_sglang_port (+ fleetctl_sglang_host,
     default 127.0.0.1), else each discovered server (its --host, 0.0.0.0 read as 127.0.0.1)."""
-    port = host.vars.get("fleetctl_sglang_port")
-    if port is not None:
-        return [{"host": str(host.vars.get("fleetctl_sglang_host", "127.0.0.1")), "port": int(port)}]
+    if host.sglang_port is not None:
+        return [{"host": host.sglang_host, "port": host.sglang_port}]
     targets = []
     for s in (facts or {}).get("servers", []):
         h = s.get("host") or "127.0.0.1"
@@ -56,7 +55,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     Raises ProbeError, RemoteTimeout, Unreachable."""
     params = {"servers": smoke_targets(ctx.host, facts, opts) if servers else [],
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
-              "offline_cmd": offline_cmd or ctx.host.vars.get("fleetctl_smoke_cmd")}
+              "offline_cmd": offline_cmd or ctx.host.smoke_cmd}
     if not params["servers"] and not params["offline_cmd"]:
         return {"servers": [], "offline": None}
     budget = ctx.remaining() - reserve
@@ -73,7 +72,7 @@ def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
     --latency-slack, else the host's `fleetctl_latency_slack` var, else 0."""
     slack = opts.latency_slack_s
     if slack is None:
-        slack = float(host.vars.get("fleetctl_latency_slack", 0.0))
+        slack = host.latency_slack
     return compare(baseline, after, latency_tolerance=opts.latency_tolerance,
                    allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
 
@@ -84,19 +83,19 @@ def validate_job(opts: SmokeOptions):
 
     def job(ctx: HostContext) -> HostResult:
         facts = None
-        if ctx.host.vars.get("fleetctl_sglang_port") is None:
+        if ctx.host.sglang_port is None:
             facts = gather(ctx)["facts"]
         res = smoke(ctx, facts, opts)
-        r = HostResult(ctx.host.name, ctx.conn.address, OK, data=res)
+        r = ctx.result(HostStatus.OK, data=res)
         bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
         off = res.get("offline")
         if off is not None and not off["ok"]:
             bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
                        f"{', timed out' if off['timed_out'] else ''}): {' | '.join(off['tail'][-3:])}")
         if bad:
-            r.status, r.error = FAILED, "; ".join(bad)
+            r.status, r.error = HostStatus.FAILED, "; ".join(bad)
         elif not res["servers"] and off is None:
-            r.status, r.error = SKIPPED, "validation: skipped (no server)"
+            r.status, r.error = HostStatus.SKIPPED, "validation: skipped (no server)"
         return r
 
     return job

@@ -24,6 +24,9 @@ import stat
 import time
 
 STATE_DIR = "/var/lib/fleetctl"
+# Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).
+PENDING, APPLIED, ROLLED_BACK, FAILED = "pending", "applied", "rolled-back", "failed"
+STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED)
 _CHANGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -184,7 +187,7 @@ def apply(params, state_dir):
     known = changes(state_dir)
     if not _CHANGE_ID.match(cid) or cid in known:
         raise Refused("bad or already used change id %r" % cid)
-    pending = [c for c, e in known.items() if e["state"] == "pending"]
+    pending = [c for c, e in known.items() if e["state"] == PENDING]
     if pending:
         raise Refused("change %s is still pending: recover first" % pending[0])
     paths = [f["path"] for f in params["files"]]
@@ -213,7 +216,7 @@ def apply(params, state_dir):
                       "backup": os.path.join(backup_dir, f["path"].lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
              "files": items}
-    entry = _append(state_dir, entry, "pending")
+    entry = _append(state_dir, entry, PENDING)
     written = []
     try:
         for f in entry["files"]:
@@ -233,10 +236,10 @@ def apply(params, state_dir):
         for f in written:
             if _state(f) != f["before_sha256"]:
                 _restore(f, cid, originals.get(f["path"]))
-        _append(state_dir, entry, "failed", "%s: %s" % (type(e).__name__, e))
+        _append(state_dir, entry, FAILED, "%s: %s" % (type(e).__name__, e))
         return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
     if params.get("commit", True):
-        _append(state_dir, entry, "applied")
+        _append(state_dir, entry, APPLIED)
     return {"ok": True, "change_id": cid, "files": entry["files"]}
 
 
@@ -244,12 +247,12 @@ def commit(params, state_dir):
     """{change_id, reason?}: a pending change whose files all have after_sha256 becomes "applied"."""
     cid = params["change_id"]
     entry = changes(state_dir).get(cid)
-    if entry is None or entry["state"] != "pending":
+    if entry is None or entry["state"] != PENDING:
         raise Refused("change %s is %s, not pending" % (cid, entry["state"] if entry else "unknown"))
     moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved:
         raise Refused("changed since the apply: %s" % ", ".join(moved))
-    _append(state_dir, entry, "applied", params.get("reason"))
+    _append(state_dir, entry, APPLIED, params.get("reason"))
     return {"ok": True, "change_id": cid}
 
 
@@ -282,7 +285,7 @@ def rollback(params, state_dir):
     """
     known = changes(state_dir)
     if params.get("last"):
-        applied = [c for c, e in known.items() if e["state"] == "applied"]
+        applied = [c for c, e in known.items() if e["state"] == APPLIED]
         if not applied:
             return {"ok": True, "change_id": None, "nothing": "no applied change to roll back"}
         cid = applied[-1]
@@ -291,9 +294,9 @@ def rollback(params, state_dir):
     entry = known.get(cid)
     if entry is None:
         raise Refused("no change %r in the ledger" % cid)
-    if entry["state"] == "rolled-back":
+    if entry["state"] == ROLLED_BACK:
         return {"ok": True, "change_id": cid, "nothing": "already rolled back"}
-    if entry["state"] not in ("applied", "pending", "failed"):
+    if entry["state"] not in (APPLIED, PENDING, FAILED):
         raise Refused("change %s is %s, not applied" % (cid, entry["state"]))
     moved = [f["path"] for f in entry["files"] if _state(f) not in (f["after_sha256"], f["before_sha256"])]
     if moved and not params.get("force"):
@@ -306,12 +309,12 @@ def rollback(params, state_dir):
             restored.append(f["path"])
     except Exception as e:
         done = ", ".join(restored) or "none"
-        _append(state_dir, entry, "failed", "rollback stopped: %s: %s; restored: %s" % (type(e).__name__, e, done))
+        _append(state_dir, entry, FAILED, "rollback stopped: %s: %s; restored: %s" % (type(e).__name__, e, done))
         return {"ok": False, "change_id": cid,
                 "error": "rollback failed after restoring %d of %d files (%s): %s"
                          % (len(restored), len(entry["files"]), done, e)}
     reason = "; ".join(r for r in (params.get("reason"), moved and "forced over: " + ", ".join(moved)) if r)
-    _append(state_dir, entry, "rolled-back", reason or None)
+    _append(state_dir, entry, ROLLED_BACK, reason or None)
     return {"ok": True, "change_id": cid, "files": [f["path"] for f in entry["files"]], "forced": moved}
 
 
@@ -325,7 +328,7 @@ def recover(params, state_dir):
     """
     done = []
     for cid, entry in changes(state_dir).items():
-        if entry["state"] != "pending":
+        if entry["state"] != PENDING:
             continue
         actions, unknown = [], []
         for f in entry["files"]:
@@ -347,9 +350,9 @@ def recover(params, state_dir):
                 unknown.append(f["path"])
             actions.append({"path": f["path"], "action": action})
         if unknown:
-            state = _append(state_dir, entry, "failed", "interrupted; unknown content: " + ", ".join(unknown))
+            state = _append(state_dir, entry, FAILED, "interrupted; unknown content: " + ", ".join(unknown))
         else:
-            state = _append(state_dir, entry, "rolled-back", "interrupted")
+            state = _append(state_dir, entry, ROLLED_BACK, "interrupted")
         done.append({"change_id": cid, "state": state["state"], "reason": state["reason"], "files": actions})
     return {"ok": True, "recovered": done}
 
@@ -393,13 +396,13 @@ def status(params, state_dir):
         summary.append({"change_id": cid, "playbook": e.get("playbook"), "time": e.get("time"),
                         "operator": e.get("operator"), "state": e["state"], "reason": e.get("reason"),
                         "files": [f["path"] for f in e["files"]]})
-        if e["state"] == "pending":  # interrupted, or a run in progress: its files are explained
+        if e["state"] == PENDING:  # interrupted, or a run in progress: its files are explained
             for f in e["files"]:
                 cur = _state(f)
                 if cur in (f["before_sha256"], f["after_sha256"]) and f.get("kind") != "link":
                     explained[os.path.realpath(f["path"])] = cur
             continue
-        if e["state"] != "applied":
+        if e["state"] != APPLIED:
             continue
         for f in e["files"]:
             cur = _state(f)

@@ -1,0 +1,321 @@
+"""The change engine: how any change is written to a host, validated, committed or undone.
+
+`apply.py` (playbooks) and `deploy.py` (kernel packages) decide *what* to change, as data: a
+`Change` (ledger entries for files or links, the handlers to notify, the checks to run after the
+write, whether to smoke-test). This module is *how*, the same for both (as pyinfra's
+`api/operation.py` runs what `operations/` yield):
+
+    change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
+                                     for the whole job) -> recover -> work(ctx, recovery)
+    recover                          undo changes a killed run left "pending"; restart SGLang
+    execute(ctx, result, change)     baseline smoke -> write, ledger "pending" -> finish_change
+    finish_change                    validate_change -> settle, one reconnect on a lost connection
+    validate_change                  handlers -> checks -> smoke gate against the baseline
+    settle                           ledger "applied", or rollback (byte-identical) + handlers again
+    rollback_job, status_job         the `rollback` and `status` commands
+
+Everything that runs on the host is an action of the `change` probe (probes/change.py) sent
+through the connection, or an operator's own handler command (inventory `fleetctl_restart_cmd`,
+a playbook handler) built by connection.command.operator_argv. A change stays "pending" until it
+is validated, so a run killed at any point leaves a pending entry that the next run undoes
+before it does anything else.
+"""
+
+from __future__ import annotations
+
+import getpass
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
+
+from .config import LOCK_HOLD_EXTRA_S, LOCK_WAIT_S, ROLLBACK_RESERVE_S, STATE_DIR
+from .connection import RemoteTimeout, Unreachable
+from .connection.command import operator_argv
+from .fleet import HostContext, HostFailed, HostResult
+from .gather import gather
+from .validate import SmokeOptions, gate, smoke
+from .vocab import ChangeState, GateStatus, HostStatus
+
+CHANGE_MODULES = ["change"]
+RESTART_HANDLER = "restart sglang"
+# What Ctrl-C and the run deadline say about a host stopped while a change job was in progress.
+STOPPED_NOTE = ("a change there stays pending in its ledger; the next apply, deploy or rollback on it "
+                "undoes it (`fleetctl status` shows it)")
+
+
+def _operator() -> str:
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@dataclass
+class ChangeOptions:
+    """What every changing command shares. smoke: gate options; operator: recorded in the
+    ledger ("user@machine"); state_dir: fleetctl's state directory on the hosts."""
+
+    smoke: SmokeOptions = field(default_factory=SmokeOptions)
+    operator: str = field(default_factory=_operator)
+    state_dir: str = STATE_DIR
+
+
+def new_change_id(label: str) -> str:
+    """A fresh change id: UTC time, `label` (playbook or "kernel-NAME") and 6 random hex digits."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{label}-{secrets.token_hex(3)}"
+
+
+# ---- the ledger client ---------------------------------------------------------------------
+
+def change_probe(ctx: HostContext, action: str, state_dir: str = STATE_DIR, python: str | None = None,
+                 **params) -> dict:
+    """Run one action of probes/change.py (apply, commit, rollback, recover, status, compile) on
+    the host, with `python` (default: the inventory's or the first on PATH). Returns the
+    action's answer; a refusal ({"ok": false}) raises HostFailed "ACTION: error".
+    Raises ProbeError, RemoteTimeout, Unreachable."""
+    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, modules=CHANGE_MODULES,
+                    python=python)
+    if not res.get("ok", False):
+        raise HostFailed(f"{action}: {res.get('error')}")
+    return res
+
+
+def pending_ids(changes: list[dict]) -> list[str]:
+    """The change ids in a ledger summary (status action's "changes") whose state is pending."""
+    return [c["change_id"] for c in changes if c["state"] == ChangeState.PENDING]
+
+
+def compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
+    """Syntax errors in `paths` as `python` (the interpreter that serves SGLang) reads them:
+    ["path:line: msg"]. Raises HostFailed, ProbeError, RemoteTimeout, Unreachable."""
+    return change_probe(ctx, "compile", python=python, paths=paths)["problems"]
+
+
+# ---- handlers ------------------------------------------------------------------------------
+
+def restart_handlers(ctx: HostContext) -> list[dict]:
+    """The restart handler from the host's `fleetctl_restart_cmd` ([] when unset): the one place
+    that turns the inventory var into a handler. Shape: [{"name", "command"}]."""
+    cmd = ctx.host.restart_cmd
+    return [{"name": RESTART_HANDLER, "command": cmd}] if cmd else []
+
+
+def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
+    """Run each handler's shell command ({"name", "command"}) on the host, in order. Returns
+    [{"name", "exit_code", "output" (last 1000 chars)}]; a non-zero exit raises HostFailed."""
+    ran = []
+    for h in handlers:
+        r = ctx.run(operator_argv(h["command"]))
+        ran.append({"name": h["name"], "exit_code": r.exit_code,
+                    "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
+        if r.exit_code != 0:
+            raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
+    return ran
+
+
+# ---- lock and recovery ---------------------------------------------------------------------
+
+class Recovery(NamedTuple):
+    """What `recover` did: the changes it undid (probe entries) and the handlers it ran."""
+
+    changes: list[dict]
+    handlers: list[dict]
+
+
+def recover(ctx: HostContext, state_dir: str = STATE_DIR) -> Recovery:
+    """Undo changes a killed run left pending (probes/change.py `recover`); when there were any,
+    run the restart handler (the killed run may have restarted SGLang on the changed files)."""
+    recovered = change_probe(ctx, "recover", state_dir)["recovered"]
+    return Recovery(recovered, run_handlers(ctx, restart_handlers(ctx)) if recovered else [])
+
+
+def locked(state_dir: str, work: Callable[[HostContext], HostResult]):
+    """A job that runs `work(ctx)` while holding the host's fleetctl lock (STATE_DIR/lock):
+    a second run that wants to change the same host fails fast (LockBusy) instead of
+    interleaving. The job carries `stopped_note` for Fleet's Ctrl-C and run-deadline messages."""
+
+    def job(ctx: HostContext) -> HostResult:
+        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S,
+                                  hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + LOCK_HOLD_EXTRA_S)
+        try:
+            return work(ctx)
+        finally:
+            lock.release()
+
+    job.stopped_note = STOPPED_NOTE
+    return job
+
+
+def change_job(state_dir: str, work: Callable[[HostContext, Recovery], HostResult]):
+    """The job every changing command runs: under the host's lock, `recover` first, then
+    `work(ctx, recovery)`."""
+    return locked(state_dir, lambda ctx: work(ctx, recover(ctx, state_dir)))
+
+
+# ---- one change: write, validate, settle ---------------------------------------------------
+
+@dataclass
+class Change:
+    """One change to one host, as data (what apply and deploy hand to `execute`).
+
+    files: probes/change.py apply entries ({"path", "pre_sha256", "post_sha256", "new_text"} or
+    {"path", "kind": "link", "pre_target", "post_target"}); label: the ledger's "playbook" field;
+    handlers: [{"name", "command", "wait_for_health_s"?}] run after the write and after a rollback;
+    checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;
+    offline: an offline smoke command (None: the host's fleetctl_smoke_cmd); facts: the host's
+    facts (interpreter, servers); rollback: False keeps a change that fails validation
+    (playbook on_failure: keep)."""
+
+    change_id: str
+    label: str
+    files: list[dict]
+    facts: dict
+    handlers: list[dict] = field(default_factory=list)
+    checks: Callable[[], list[str]] = lambda: []
+    smoke: bool = True
+    offline: str | None = None
+    rollback: bool = True
+
+
+def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
+    """Write `change` and see it through: baseline smoke decode (when change.smoke), the write
+    (pre-image hashes checked, backups, atomic; ledger "pending"), then finish_change. Returns
+    `result` with status changed, or failed with the reason (rolled back unless change.rollback
+    is False). Sets result.data["change_id"], ["handlers"], ["validation"], ["rolled_back"].
+    Raises HostFailed (a refused write: nothing changed), Unreachable (see finish_change)."""
+    baseline = (smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S)
+                if change.smoke else None)
+    change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
+                 operator=opts.operator, files=change.files, commit=False)
+    result.status, result.data["change_id"] = HostStatus.CHANGED, change.change_id
+    return finish_change(ctx, result, change, opts, baseline)
+
+
+def finish_change(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,
+                  baseline: dict | None) -> HostResult:
+    """Validate a written change (validate_change) and settle it (settle). A connection lost on
+    the way is retried once (a new connection, within the connect timeout) and the change rolled
+    back under the rollback reserve; when the host cannot be reached again, raises Unreachable
+    saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
+    The host lock stays with the lost session until sshd notices it or its hold time ends."""
+    try:
+        problems = validate_change(ctx, result, change, opts.smoke, baseline)
+        return settle(ctx, result, change, opts.state_dir, problems)
+    except Unreachable as e:
+        lost = e
+    try:
+        ctx = ctx.reconnected()
+        return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
+                      [f"the connection was lost during validation ({lost}); reconnected to roll back"])
+    except Unreachable as e:
+        raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
+                          f"({lost}; reconnecting: {e})") from None
+
+
+def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
+                    baseline: dict | None) -> list[str]:
+    """After a change is written: run its handlers, `change.checks()` (-> [problem]), then the
+    smoke gate against `baseline`. Returns the problems; any error on the way (a handler that
+    fails, a deadline, a probe crash) is a problem too, so the caller always settles the change.
+    Smoke waits leave ROLLBACK_RESERVE_S of the host's deadline for the rollback. Raises only
+    Unreachable. Sets result.data["handlers"] and ["validation"]."""
+    problems: list[str] = []
+    handlers = change.handlers
+    try:
+        result.data["handlers"] = run_handlers(ctx, handlers)
+        problems += change.checks()
+        if problems:
+            return problems
+        if baseline is None or (not baseline["servers"] and baseline["offline"] is None):
+            result.data["validation"] = {"status": GateStatus.SKIPPED}
+            return problems
+        if baseline["servers"] and not handlers:
+            # without a restart the server still runs the old code: its decode proves nothing
+            result.data["validation"] = {"status": GateStatus.NOT_RESTARTED}
+            if baseline["offline"] is None:
+                return problems
+            baseline = {"servers": [], "offline": baseline["offline"]}
+        # a restart handler may ask for a longer health wait (a real server reloads its weights)
+        waits = [h.get("wait_for_health_s") or 0 for h in handlers]
+        after_opts = replace(smoke_opts, health_timeout=max([smoke_opts.health_timeout, *waits]))
+        after = smoke(ctx, change.facts, after_opts, change.offline, reserve=ROLLBACK_RESERVE_S,
+                      servers=bool(baseline["servers"]))
+        verdict = gate(ctx.host, baseline, after, smoke_opts)
+        result.data["validation"] = verdict.to_dict()
+        if verdict.failed:
+            problems.append(f"validation failed: {verdict.message}")
+    except Unreachable:
+        raise  # nothing more can be done now; the change stays pending and the next run undoes it
+    except Exception as e:  # noqa: BLE001 - every other failure must still lead to the rollback
+        problems.append(str(e) if isinstance(e, (HostFailed, RemoteTimeout)) else f"{type(e).__name__}: {e}")
+    return problems
+
+
+def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
+           problems: list[str]) -> HostResult:
+    """Finish a pending change: commit it ("applied") when there are no problems; else roll it
+    back (byte-identical) and run its handlers again, or, without change.rollback, commit it and
+    mark the host failed. Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose
+    validation used up its deadline is still put back. Raises HostFailed, ProbeError,
+    RemoteTimeout, Unreachable (from the probe)."""
+    ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
+    if problems and change.rollback:
+        reason = "; ".join(problems)
+        change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
+        try:
+            run_handlers(ctx, change.handlers)
+        except HostFailed as e:
+            reason += f"; after the rollback: {e}"
+        result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
+        result.data["rolled_back"] = True
+        return result
+    change_probe(ctx, "commit", state_dir, change_id=change.change_id, reason="; ".join(problems) or None)
+    result.status = HostStatus.CHANGED
+    if problems:
+        result.status, result.error = HostStatus.FAILED, "; ".join(problems) + " (on_failure: keep)"
+    return result
+
+
+# ---- the rollback and status commands ------------------------------------------------------
+
+def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR):
+    """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change;
+    `force`: restore files changed since) and run the restart handler. A change a killed run
+    left pending is undone first; when no id was given, that was the rollback asked for.
+    Result data: the probe's answer (change_id, files, forced, or nothing) + recovered, handlers."""
+
+    def work(ctx: HostContext, rec: Recovery) -> HostResult:
+        if rec.changes and not change_id:
+            return ctx.result(HostStatus.CHANGED,
+                              data={"change_id": rec.changes[-1]["change_id"], "recovered": rec.changes,
+                                    "files": [f["path"] for r in rec.changes for f in r["files"]],
+                                    "handlers": rec.handlers})
+        params = {"change_id": change_id} if change_id else {"last": True}
+        res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+        if res.get("nothing"):
+            return ctx.result(HostStatus.OK,
+                              data={**res, "recovered": rec.changes})
+        handlers = run_handlers(ctx, restart_handlers(ctx))
+        return ctx.result(HostStatus.CHANGED,
+                          data={**res, "recovered": rec.changes, "handlers": handlers})
+
+    return change_job(state_dir, work)
+
+
+def status_job(state_dir: str = STATE_DIR):
+    """The `fleetctl status` job: ledger summary and drift for one host (applied changes whose
+    files no longer carry them, installed SGLang files that differ from the distribution's
+    RECORD with no ledger entry). Failed when anything is pending or drifted."""
+
+    def job(ctx: HostContext) -> HostResult:
+        g = gather(ctx)
+        sg = g["facts"].get("sglang") or {}
+        res = change_probe(ctx, "status", state_dir, location=sg.get("location"), dist="sglang")
+        res["sglang"] = sg.get("version")
+        problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
+                     "rollback undoes it" for c in pending_ids(res["changes"])] +
+                    [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
+                    [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
+        status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
+        return ctx.result(status, error, data=res)
+
+    return job

@@ -1,0 +1,64 @@
+"""One table of the numbers and names fleetctl runs by: port, paths, deadlines, inventory vars.
+
+Nothing else in the control side spells these. The host-side probes keep their own copies of
+the few they need (`probes/change.STATE_DIR`, `probes/facts.DEFAULT_PORT`); tests/test_engine.py
+checks they agree. The lab and the SGLang stand-in (`lab.py`, `standin/`) use 30000 as the
+stand-in server's own default, as SGLang does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# SGLang's ServerArgs.port default (sglang/srt/server_args.py): used for a discovered server
+# started without --port, and as the default of --port.
+DEFAULT_SGLANG_PORT = 30000
+# Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/, the lock.
+STATE_DIR = "/var/lib/fleetctl"
+
+# ---- deadlines (seconds) ----------------------------------------------------------------
+LOCK_WAIT_S = 5.0            # wait for another run's host lock before failing the host
+ROLLBACK_RESERVE_S = 120.0   # kept from a host's deadline for rolling a change back
+LOCK_HOLD_EXTRA_S = 60.0     # the lock outlives the job's deadline + reserve by this much
+CHECK_TIMEOUT_S = 120.0      # per-host deadline of a check pass (no restarts, no health waits)
+HEALTH_TIMEOUT_S = 600.0     # default wait for /health to answer 200
+REQUEST_TIMEOUT_S = 60.0     # one smoke /generate request
+BUILD_DEADLINE_S = 1800.0    # one kernel build on a host
+TEST_DEADLINE_S = 600.0      # one kernel reference test on a host
+PROBE_SLACK_S = 60.0         # a probe's SSH deadline beyond the deadline it enforces itself
+CONNECT_TIMEOUT_S = 10.0     # TCP connect, banner, key exchange and auth
+INSPECT_TIMEOUT_S = 60.0     # per-host deadline of inspect
+STATUS_TIMEOUT_S = 120.0     # per-host deadline of status
+ROLLBACK_TIMEOUT_S = 300.0   # per-host deadline of rollback
+
+
+def smoke_job_timeout(health_timeout: float) -> float:
+    """Default per-host deadline (s) of validate and apply: the health wait + 300 s."""
+    return health_timeout + 300.0
+
+
+def deploy_job_timeout(build_timeout: float, health_timeout: float) -> float:
+    """Default per-host deadline (s) of a kernel deploy: build + health wait + 900 s (upload, test)."""
+    return build_timeout + health_timeout + 900.0
+
+
+# ---- inventory vars fleetctl reads ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostVar:
+    """One inventory var fleetctl reads: its name, its type (str, "port" or float) and meaning."""
+
+    name: str
+    type: object
+    description: str
+
+
+PYTHON = HostVar("fleetctl_python", str, "interpreter that runs SGLang (after ansible_python_interpreter)")
+RESTART_CMD = HostVar("fleetctl_restart_cmd", str, "shell command that restarts SGLang (the restart handler)")
+SGLANG_PORT = HostVar("fleetctl_sglang_port", "port", "port of the server the smoke decode talks to")
+SGLANG_HOST = HostVar("fleetctl_sglang_host", str, "address of that server on the host (default 127.0.0.1)")
+SMOKE_CMD = HostVar("fleetctl_smoke_cmd", str, "an offline smoke command, run on the host")
+LATENCY_SLACK = HostVar("fleetctl_latency_slack", float, "seconds added to the latency gate's ratio")
+
+HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK)
+DEFAULT_SGLANG_HOST = "127.0.0.1"

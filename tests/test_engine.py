@@ -1,0 +1,249 @@
+"""The change engine (changes.py) on a `local` host, without sshd; the one vocabulary and config
+table; the playbook sandbox; where playbooks and kernels are found; the module layering."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fleetctl import config, inventory
+from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, rollback_job
+from fleetctl.connection import Settings
+from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
+from fleetctl.fleet import Fleet, HostResult, exit_code
+from fleetctl.paths import find_playbook, project_dir, shipped_dir
+from fleetctl.playbook import load_playbook
+from fleetctl.probes import change as change_probe_module
+from fleetctl.probes import facts as facts_probe
+from fleetctl.validate import SmokeOptions
+from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "agent" / "fleetctl"
+
+
+# ------------------------------------------------------------------ one vocabulary, one table
+
+def test_the_words_are_the_ones_json_always_had():
+    assert [s.value for s in HostStatus] == ["ok", "changed", "skipped", "failed", "unreachable", "not attempted"]
+    assert json.dumps([HostStatus.NOT_ATTEMPTED, GateStatus.SKIPPED]) == '["not attempted", "skipped (no server)"]'
+    assert f"{HostStatus.CHANGED}={1}" == "changed=1" and str(ChangeState.ROLLED_BACK) == "rolled-back"
+    assert {PlanStatus(p).host_status for p in ("change", "ok", "skipped", "failed")} == \
+        {HostStatus.CHANGED, HostStatus.OK, HostStatus.SKIPPED, HostStatus.FAILED}
+
+
+def test_control_side_words_and_numbers_equal_the_probes_own():
+    """The probes are stdlib-only and run on the host, so they keep their own constants."""
+    assert tuple(s.value for s in ChangeState) == change_probe_module.STATES
+    assert config.STATE_DIR == change_probe_module.STATE_DIR
+    assert config.DEFAULT_SGLANG_PORT == facts_probe.DEFAULT_PORT
+
+
+def test_port_and_inventory_var_names_are_spelled_once_on_the_control_side():
+    own = [p for p in PKG.rglob("*.py") if "probes" not in p.parts and "standin" not in p.parts
+           and p.name not in ("lab.py",)]
+    port = [p.name for p in own if re.search(r"\b30000\b", p.read_text())]
+    assert port == ["config.py"]
+    for var in config.HOST_VARS:
+        code = [p.name for p in own
+                if re.search(rf"[\"']{var.name}[\"']", p.read_text()) and p.name != "config.py"]
+        assert code == [], f"{var.name} spelled as a string in {code}"
+
+
+def test_host_properties_read_the_table(tmp_path):
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    a:\n      fleetctl_sglang_port: 30001\n      fleetctl_restart_cmd: r\n"
+                    "      fleetctl_latency_slack: 0.5\n    b: {}\n")
+    a, b = inventory.load(path).select("a:b")
+    assert (a.sglang_port, a.sglang_host, a.restart_cmd, a.latency_slack, a.smoke_cmd) == (30001, "127.0.0.1", "r",
+                                                                                           0.5, None)
+    assert (b.sglang_port, b.restart_cmd, b.latency_slack) == (None, None, 0.0)
+
+
+# ------------------------------------------------------------------ results and exit codes
+
+def test_control_signals_are_result_fields_and_json_keeps_its_keys():
+    r = HostResult("h", "a", HostStatus.NOT_ATTEMPTED, "stopped", data={"batch": 1}, interrupted=True)
+    assert r.to_json() == {"host": "h", "address": "a", "status": "not attempted", "error": "stopped",
+                           "elapsed_s": 0.0, "batch": 1, "interrupted": True}
+    assert "parse_error" not in r.to_json()
+    assert exit_code([r]) == EXIT_INTERRUPTED
+    assert exit_code([HostResult("h", "a", HostStatus.FAILED, "x", parse_error=True)]) == EXIT_PARSE
+    assert exit_code([HostResult("h", "a", HostStatus.OK, data={"interrupted": True})]) == EXIT_OK
+
+
+# ------------------------------------------------------------------ the engine on a local host
+
+def local_host(tmp_path: Path, **hostvars) -> inventory.Host:
+    lines = "".join(f"      {k}: {json.dumps(v)}\n" for k, v in hostvars.items())
+    path = tmp_path / "hosts.yaml"
+    path.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n{lines}")
+    return inventory.load(path).select("here")[0]
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def write_change(path: Path, new: str, cid: str, facts: dict, **kw) -> Change:
+    old = path.read_bytes()
+    return Change(cid, "test", [{"path": str(path), "pre_sha256": sha(old), "post_sha256": sha(new.encode()),
+                                 "new_text": new}], facts, smoke=False, **kw)
+
+
+def ledger_state(state: Path, cid: str) -> str:
+    lines = [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines()]
+    return [e for e in lines if e["change_id"] == cid][-1]["state"]
+
+
+def run_one(host, job):
+    with Fleet(Settings(), forks=1, timeout=60) as fleet:
+        return fleet.run([host], job)[0]
+
+
+def test_a_change_that_passes_its_checks_is_applied_and_its_handler_runs(tmp_path):
+    target, marker, state = tmp_path / "mod.py", tmp_path / "restarted", tmp_path / "state"
+    target.write_text("X = 1\n")
+    host = local_host(tmp_path)
+    opts = ChangeOptions(smoke=SmokeOptions(), state_dir=str(state))
+    handlers = [{"name": "restart sglang", "command": f"echo ran >> {marker}"}]
+
+    def work(ctx, rec):
+        res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
+        return execute(ctx, res, write_change(target, "X = 2\n", "c-ok", {}, handlers=handlers), opts)
+
+    r = run_one(host, change_job(str(state), work))
+    assert (r.status, r.error, r.data["change_id"]) == (HostStatus.CHANGED, None, "c-ok")
+    assert r.data["validation"] == {"status": "skipped (no server)"}
+    assert target.read_text() == "X = 2\n" and marker.read_text() == "ran\n"
+    assert ledger_state(state, "c-ok") == ChangeState.APPLIED
+
+
+def test_a_change_whose_checks_fail_is_rolled_back_byte_identical(tmp_path):
+    target, state = tmp_path / "mod.py", tmp_path / "state"
+    original = b"X = 1  # \xc3\xa9\r\n"
+    target.write_bytes(original)
+    host = local_host(tmp_path)
+    opts = ChangeOptions(state_dir=str(state))
+
+    def work(ctx, rec):
+        res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
+        change = write_change(target, "X = (\n", "c-bad", {}, checks=lambda: ["mod.py:1: does not parse"])
+        return execute(ctx, res, change, opts)
+
+    r = run_one(host, change_job(str(state), work))
+    assert r.status == HostStatus.FAILED and r.error == "rolled back: mod.py:1: does not parse"
+    assert r.data["rolled_back"] is True and target.read_bytes() == original
+    assert ledger_state(state, "c-bad") == ChangeState.ROLLED_BACK
+
+
+def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_path):
+    """A run killed after the write leaves "pending"; the next change job undoes it (rollback
+    --last here) before anything else, and restarts SGLang with fleetctl_restart_cmd."""
+    target, marker, state = tmp_path / "mod.py", tmp_path / "restarted", tmp_path / "state"
+    target.write_text("X = 1\n")
+    host = local_host(tmp_path, fleetctl_restart_cmd=f"echo ran >> {marker}")
+    change = write_change(target, "X = 2\n", "c-killed", {})
+
+    def killed(ctx):
+        change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="test", operator="t",
+                     files=change.files, commit=False)
+        return {}
+
+    run_one(host, killed)
+    assert target.read_text() == "X = 2\n" and ledger_state(state, "c-killed") == ChangeState.PENDING
+    r = run_one(host, rollback_job(None, False, str(state)))
+    assert (r.status, r.data["change_id"]) == (HostStatus.CHANGED, "c-killed")
+    assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"
+    assert ledger_state(state, "c-killed") == ChangeState.ROLLED_BACK
+
+
+def test_change_jobs_tell_the_fan_out_what_stopping_them_leaves_behind(tmp_path):
+    job = change_job(str(tmp_path), lambda ctx, rec: None)
+    assert "pending" in job.stopped_note
+    fleet_src = (PKG / "fleet.py").read_text()
+    assert "ledger" not in fleet_src and "parse_error\"]" not in fleet_src
+
+
+# ------------------------------------------------------------------ the playbook sandbox
+
+ESCAPES = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+    "{{ lipsum.__globals__['os'].system('touch PWNED') }}",
+    "{% set l = [] %}{{ l.append(1) }}",
+]
+
+
+@pytest.mark.parametrize("template", ESCAPES)
+def test_a_template_cannot_run_code_on_the_control_machine(tmp_path, monkeypatch, template):
+    monkeypatch.chdir(tmp_path)
+    src = (ROOT / "playbooks" / "defrag-tier0.yaml").read_text()
+    shutil.copytree(ROOT / "playbooks" / "templates", tmp_path / "templates")
+    (tmp_path / "templates" / "defrag-tier0" / "value.py.j2").write_text("True\n" + template + "\n")
+    (tmp_path / "pb.yaml").write_text(src)
+    pb = load_playbook(tmp_path / "pb.yaml")
+    with pytest.raises(ParseError) as e:
+        pb.tasks[0].value.render({"finding": {}, "facts": {}, "findings": {}, "host": "h"})
+    assert e.value.exit_code == EXIT_PARSE
+    assert re.match(rf"{re.escape(str(tmp_path))}/templates/defrag-tier0/value\.py\.j2:2: ", str(e.value))
+    assert not (tmp_path / "PWNED").exists()
+
+
+# ------------------------------------------------------------------ playbooks and kernels
+
+def test_shipped_playbooks_and_kernels_are_found_not_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "playbooks").mkdir()
+    (tmp_path / "playbooks" / "defrag-tier0.yaml").write_text("not: a playbook\n")
+    (tmp_path / "kernels").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert find_playbook("defrag-tier0") == shipped_dir("playbooks") / "defrag-tier0.yaml"
+    assert (project_dir("kernels") / "verify_attention" / "kernel.yaml").is_file()
+    assert find_playbook("defrag-tier0", tmp_path / "playbooks") == tmp_path / "playbooks" / "defrag-tier0.yaml"
+    with pytest.raises(ParseError, match="--kernels-dir"):
+        project_dir("kernels", tmp_path / "missing")
+
+
+def test_the_wheel_carries_the_playbooks_and_kernels(tmp_path):
+    """Build the wheel (no network: this machine's setuptools) from a copy of the checkout, and
+    look for the package data that fleetctl.paths finds with importlib.resources."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info", "build")
+    for name in ("agent", "playbooks", "kernels"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    wheel, = (tmp_path / "dist").glob("fleetctl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for want in ("fleetctl/data/playbooks/defrag-tier0.yaml", "fleetctl/data/playbooks/templates/defrag-tier0/value.py.j2",
+                 "fleetctl/data/kernels/verify_attention/kernel.yaml",
+                 "fleetctl/data/kernels/verify_attention/csrc/verify_attention.cu",
+                 "fleetctl/probes/change.py", "fleetctl/changes.py", "fleetctl/standin/restart.sh"):
+        assert want in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+# ------------------------------------------------------------------ layering
+
+def imports(module: str) -> set[str]:
+    text = (PKG / f"{module}.py").read_text()
+    return set(re.findall(r"^\s*from \.(\w+)", text, re.M))
+
+
+def test_deploy_and_apply_share_the_engine_and_not_each_other():
+    assert "changes" in imports("deploy") and "changes" in imports("apply")
+    assert "apply" not in imports("deploy") and "deploy" not in imports("apply")
+    cli = (PKG / "cli.py").read_text()
+    for flow in ("run_playbook", "new_change_id", "fleet.run(hosts, deploy_job", "opts.confirmed"):
+        assert flow not in cli
