@@ -236,7 +236,7 @@ def test_cut_shorter_than_the_reserve_is_rolled_back_in_the_same_run(server_lab,
     r, host, took = apply_and_cut(server_lab, tmp_path, down_s=3, connect_timeout=20)
     assert r.returncode == 2, r.stderr[-2000:]
     assert host["status"] == "failed" and host["rolled_back"] is True
-    assert host["error"].startswith("rolled back: the connection was lost during validation")
+    assert host["error"].startswith("rolled back: the connection was lost (connection lost during a command")
     assert "keepalives" in host["error"]
     assert ledger(server_lab, "lab-04")[host["change_id"]] == "rolled-back"
     assert installed_sha(server_lab, "lab-04") == original

@@ -8,8 +8,9 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
     change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
                                      for the whole job) -> recover -> work(ctx, recovery)
     recover                          undo changes a killed run left "pending"; restart SGLang
-    execute(ctx, result, change)     baseline smoke -> write, ledger "pending" -> finish_change
-    finish_change                    validate_change -> settle, one reconnect on a lost connection
+    execute(ctx, result, change)     baseline smoke -> write, ledger "pending" -> validate_change
+                                     -> settle; a connection lost from the write on -> put_back
+    put_back                         one reconnect, then finish by the ledger's state (roll back)
     validate_change                  handlers -> checks -> smoke gate against the baseline
     settle                           ledger "applied", or rollback (byte-identical) + handlers again
     rollback_job, status_job         the `rollback` and `status` commands
@@ -178,37 +179,51 @@ class Change:
 
 def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
     """Write `change` and see it through: baseline smoke decode (when change.smoke), the write
-    (pre-image hashes checked, backups, atomic; ledger "pending"), then finish_change. Returns
-    `result` with status changed, or failed with the reason (rolled back unless change.rollback
-    is False). Sets result.data["change_id"], ["handlers"], ["validation"], ["rolled_back"].
-    Raises HostFailed (a refused write: nothing changed), Unreachable (see finish_change)."""
+    (pre-image hashes checked, backups, atomic; ledger "pending"), then validation and settling
+    (validate_change, settle). A connection lost from the write on is put right by put_back.
+    Returns `result` with status changed, or failed with the reason (rolled back unless
+    change.rollback is False). Sets result.data["change_id"], ["handlers"], ["validation"],
+    ["rolled_back"]. Raises HostFailed (a refused write: nothing changed), Unreachable (see
+    put_back)."""
     baseline = (smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S)
                 if change.smoke else None)
-    change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
-                 operator=opts.operator, files=change.files, commit=False)
-    result.status, result.data["change_id"] = HostStatus.CHANGED, change.change_id
-    return finish_change(ctx, result, change, opts, baseline)
-
-
-def finish_change(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,
-                  baseline: dict | None) -> HostResult:
-    """Validate a written change (validate_change) and settle it (settle). A connection lost on
-    the way is retried once (a new connection, within the connect timeout) and the change rolled
-    back under the rollback reserve; when the host cannot be reached again, raises Unreachable
-    saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
-    The host lock stays with the lost session until sshd notices it or its hold time ends."""
+    result.data["change_id"] = change.change_id
     try:
+        change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
+                     operator=opts.operator, files=change.files, commit=False)
+        result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, opts.smoke, baseline)
         return settle(ctx, result, change, opts.state_dir, problems)
     except Unreachable as e:
-        lost = e
+        return put_back(ctx, result, change, opts, e)
+
+
+def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,
+             lost: Unreachable) -> HostResult:
+    """The connection was lost while `change` was being written, validated or settled: reconnect
+    once (within the connect timeout) and, under the rollback reserve, finish by what the host's
+    ledger says: a pending change is rolled back (and its handlers run), an applied one stands,
+    one never written changed nothing. When the host cannot be reached again, raises Unreachable
+    saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
+    The host lock stays with the lost session until sshd notices it or its hold time ends."""
     try:
         ctx = ctx.reconnected()
-        return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
-                      [f"the connection was lost during validation ({lost}); reconnected to roll back"])
+        ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
+        ledger = {c["change_id"]: c["state"] for c in change_probe(ctx, "status", opts.state_dir)["changes"]}
+        state = ledger.get(change.change_id)
+        if state == ChangeState.PENDING:
+            return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
+                          [f"the connection was lost ({lost}); reconnected to roll back"])
     except Unreachable as e:
         raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
                           f"({lost}; reconnecting: {e})") from None
+    if state == ChangeState.APPLIED:
+        result.status = HostStatus.CHANGED
+        return result
+    result.status = HostStatus.FAILED
+    result.error = (f"the connection was lost ({lost}) before the change was written; nothing changed"
+                    if state is None else f"the connection was lost ({lost}); the change is {state}")
+    return result
 
 
 def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
