@@ -237,6 +237,36 @@ def test_pattern_errors(fleet, pattern, message):
     assert err.value.exit_code == 5
 
 
+ANCHORED = """\
+all:
+  hosts:
+    gpu-01:
+    gpu-02:
+    lab-gpu-01:
+prod-gpu:
+  hosts:
+    big-box:
+"""
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("~gpu", ["gpu-01", "gpu-02"]),          # re.match: not lab-gpu-01
+    ("prod-gpu", ["big-box"]),
+    ("*gpu*", ["gpu-01", "gpu-02", "lab-gpu-01", "big-box"]),
+    ("~.*gpu", ["gpu-01", "gpu-02", "lab-gpu-01", "big-box"]),
+])
+def test_patterns_are_anchored_at_the_start(tmp_path, pattern, expected):
+    """H1: a regex matches from the name's start and a glob matches the whole name, as in Ansible."""
+    assert names(inventory.load(write(tmp_path, ANCHORED)).select(pattern)) == expected
+
+
+@pytest.mark.parametrize("pattern", ["gpu", "pu-0*", "~pu", "~-gpu", "~ab-gpu"])
+def test_unanchored_matches_are_refused(tmp_path, pattern):
+    """H1: `gpu` must not select group prod-gpu's host, nor `pu-0*`/`~pu` any name containing them."""
+    with pytest.raises(PatternError, match="matches no host"):
+        inventory.load(write(tmp_path, ANCHORED)).select(pattern)
+
+
 def test_pattern_error_lists_groups(fleet):
     with pytest.raises(PatternError) as err:
         fleet.select("nosuch")
