@@ -25,6 +25,9 @@ from fleetctl.playbook import load_playbook
 from fleetctl.transport import LockBusy, SSHSettings
 from fleetctl.wheelcache import ensure_wheel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_plan import apply_diff  # noqa: E402
+
 pytestmark = pytest.mark.lab
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
@@ -89,7 +92,15 @@ def test_check_mode_changes_nothing(server_lab):
     assert {h: hosts[h]["status"] for h in ("lab-02", "lab-03", "lab-04")} == dict.fromkeys(
         ("lab-02", "lab-03", "lab-04"), "changed")
     assert len(hosts["lab-04"]["plan"]["edits"]) == 4
-    assert "fleetctl defrag-tier0: was" in hosts["lab-04"]["plan"]["files"][0]["diff"]
+    for h in ("lab-02", "lab-03", "lab-04"):  # the diff the operator approves is the change (review M1)
+        for f in hosts[h]["plan"]["files"]:
+            body = f["diff"].splitlines()[2:]
+            assert any(l.startswith("+") and "fleetctl defrag-tier0: was" in l for l in body), f["diff"]
+            assert not any(l.startswith("-") and "fleetctl defrag-tier0" in l for l in body), f["diff"]
+            cat = server_lab.ssh(h, f"cat {f['path']}")
+            assert cat.returncode == 0, cat.stderr
+            patched = apply_diff(cat.stdout, f["diff"], f["rel"])
+            assert hashlib.sha256(patched.encode()).hexdigest() == f["post_sha256"]
     assert {h: tree_digest(server_lab, h) for h in server_lab.hosts} == before
     assert server_lab.ssh("lab-04", "test -e /var/lib/fleetctl/ledger.jsonl").returncode != 0
 
