@@ -99,17 +99,20 @@ def test_tokens_identical_differ_and_drift():
 
 
 def test_failed_baseline_failed_decode_and_missing_servers():
+    t = "127.0.0.1:30000"
     bad_base = gate.compare(result(server(ok=False, error="boom")), result(server()))
     assert bad_base.failed
-    assert [(c.name, c.detail) for c in bad_base.checks] == [("baseline", "baseline decode failed: boom")]
+    assert bad_base.checks == [gate.Check("baseline", t, False, "baseline decode failed: boom")]
     bad_after = gate.compare(result(server()), result(server(ok=False, error="HTTP 500")))
-    assert [(c.name, c.passed, c.detail) for c in bad_after.checks] == [("decode", False, "HTTP 500")]
+    assert bad_after.checks == [gate.Check("decode", t, False, "HTTP 500")]
     silent = gate.compare(result(server()), result(server(ok=False)))
-    assert silent.checks[0].detail == "decode failed"
+    assert silent.checks == [gate.Check("decode", t, False, "decode failed")]
     gone = gate.compare(result(server()), result())
     assert gone.failed and gone.message == "127.0.0.1:30000 server FAILED: missing after the change"
+    assert gone.checks == [gate.Check("server", t, False, "missing after the change")]
     new = gate.compare(result(server()), result(server(), server(port=30001)))
     assert new.failed and new.message == "127.0.0.1:30001 server FAILED: not in the baseline"
+    assert new.checks[-1] == gate.Check("server", "127.0.0.1:30001", False, "not in the baseline")
     # servers pair by (host, port), not by position
     swapped = gate.compare(result(server(port=1, ids=(1,)), server(port=2, ids=(2,))),
                            result(server(port=2, ids=(2,)), server(port=1, ids=(1,))))
@@ -140,6 +143,7 @@ def test_skipped_offline_and_missing_offline():
     assert res.message == "offline offline FAILED: true: timed out after 30 s; last lines: "
     lost = gate.compare(result(offline=ok), result())
     assert lost.failed and lost.message == "offline offline FAILED: offline check missing after the change"
+    assert lost.checks == [gate.Check("offline", "offline", False, "offline check missing after the change")]
     # an offline check only after the change still runs and counts
     assert gate.compare(empty, result(offline=bad)).failed
 
