@@ -267,7 +267,12 @@ def test_restart_sh_in_a_copied_dir(tmp_path):
         assert "server.py" in open("/proc/%d/cmdline" % second).read()
         assert "fleetctl stand-in" in (d / "server.log").read_text()
     finally:
-        os.kill(int((d / "server.pid").read_text()), 15)
+        last = int((d / "server.pid").read_text())  # the server this test started, by its pid
+        os.kill(last, 15)
+        deadline = time.monotonic() + 10
+        while alive(last) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(last)
 
 
 def alive(pid):
