@@ -7,6 +7,7 @@
 #
 # Usage: scripts/mutation.sh [MODULE ...]   MODULE: inventory plan gate change callsites (default: all)
 # Env:   MUTATION_JOBS   mutants tested in parallel (default 2)
+#        MUTATION_ONLY   space-separated mutant names: test only these (a rerun of survivors)
 # Prints the score per module (killed / all mutants) and every survivor; tests/mutation-survivors.md
 # says why each remaining survivor is equivalent. Exits 0 whatever the score.
 #
@@ -15,9 +16,12 @@
 # matches its mutants (agent.fleetctl.x) and every mutant would be "no tests". The run therefore
 # happens in .mutation/, a copy of the checkout with agent/ as src/.
 set -euo pipefail
+set -f  # the mutant name patterns below are globs for mutmut, not for the shell
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-STAGE=$ROOT/.mutation
+modules=("$@")
+[ ${#modules[@]} -gt 0 ] || modules=(inventory plan gate change callsites)
+STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-rerun}  # one copy per module set
 JOBS=${MUTATION_JOBS:-2}
 command -v mutmut >/dev/null || { echo "mutmut is missing: pip install -e '.[test]'" >&2; exit 2; }
 
@@ -26,7 +30,7 @@ mkdir -p "$STAGE"
 cp -a agent "$STAGE/src"
 cp -a tests playbooks hosts.yaml "$STAGE/"
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
-python3 - "$ROOT/pyproject.toml" "$STAGE/pyproject.toml" "$@" <<'EOF'
+python3 - "$ROOT/pyproject.toml" "$STAGE/pyproject.toml" "${modules[@]}" <<'EOF'
 import re, sys, tomllib
 src, dst, wanted = sys.argv[1], sys.argv[2], sys.argv[3:]
 text = open(src).read()
@@ -46,19 +50,31 @@ tail = tail.replace('source_paths = ["agent"]', 'source_paths = ["src"]')
 open(dst, "w").write(head + "[tool.mutmut]" + tail)
 EOF
 
-# What is mutated in each module: the functions that carry its promises. inventory: the host
-# pattern methods of Inventory (select, _split, _match), not the YAML parser; the others whole.
+# What is mutated in each module: the functions that carry its promises. (These five files hold
+# ~3400 mutants; on a shared two-core machine a mutant takes seconds, so a whole-file run takes
+# hours.) Space-separated mutmut name patterns (fnmatch):
+#   inventory  host patterns: Inventory.select/_split/_match (not the YAML parser)
+#   plan       the edit and the diff the operator approves: _edit_file, the comment position
+#              (_Source.line_end_after), the pre-image check (_checked_source), one_line
+#   gate       all of it
+#   change     apply and what it undoes on failure (_undo_written, _restore)
+#   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [inventory]='fleetctl.inventory.xǁInventoryǁ*'
-    [plan]='fleetctl.plan.*'
+    [plan]='fleetctl.plan.x__edit_file__* fleetctl.plan.xǁ_Sourceǁline_end_after__*
+            fleetctl.plan.x__checked_source__* fleetctl.plan.x_one_line__*'
     [gate]='fleetctl.gate.*'
-    [change]='fleetctl.probes.change.*'
-    [callsites]='fleetctl.probes.callsites.*'
+    [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
+              fleetctl.probes.change.x__restore__*'
+    [callsites]='fleetctl.probes.callsites.x__walk__* fleetctl.probes.callsites.x__scan_source__*
+                 fleetctl.probes.callsites.x__call_site__* fleetctl.probes.callsites.x__origin__*'
 )
-modules=("$@")
-[ ${#modules[@]} -gt 0 ] || modules=(inventory plan gate change callsites)
 patterns=()
-for m in "${modules[@]}"; do patterns+=("${SCOPE[$m]}"); done
+for m in "${modules[@]}"; do
+    for p in ${SCOPE[$m]}; do patterns+=("$p"); done  # split on blanks only (set -f above)
+done
+# MUTATION_ONLY="name ...": test just these mutants (say, last run's survivors after new tests)
+[ -z "${MUTATION_ONLY:-}" ] || read -r -a patterns <<< "$MUTATION_ONLY"
 
 cd "$STAGE"
 start=$(date +%s)
@@ -86,7 +102,7 @@ for module, c in sorted(rows.items()):
     print("%-28s %8d %8d %9d %9d %6.1f%%" % (module, total, caught, c["survived"], c["no tests"],
                                              100.0 * caught / total))
 if survivors:
-    print("\nnot killed (`cd .mutation && mutmut show NAME` shows the change):")
+    print("\nnot killed (`mutmut show NAME` in the run's .mutation/ folder shows the change):")
     for module, name, status in survivors:
         print("  %-10s %s" % (status, name))
 EOF
