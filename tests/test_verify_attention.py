@@ -52,10 +52,10 @@ def _check(mod, x, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("D", [64, 128])
 # KV heads and the GQA group vary independently (review M6): several KV heads *and* a group > 1,
-# so that a query head mapped to the wrong KV head shows
-@pytest.mark.parametrize("Hkv, G", [(2, 1), (1, 8), (2, 4), (4, 2)])
+# so that a query head mapped to the wrong KV head shows; each such pair with both head dims
+@pytest.mark.parametrize("Hkv, G, D", [(2, 1, 64), (1, 8, 128), (2, 4, 64), (2, 4, 128), (4, 2, 64),
+                                       (4, 2, 128)])
 @pytest.mark.parametrize("prefix", [0, 1, 4097])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_cpu_backend_matches_reference(cpu_module, T, prefix, Hkv, G, D, dtype):
