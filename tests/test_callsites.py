@@ -375,6 +375,49 @@ def test_synthetic_nested_shapes_match_independent_reading(tmp_path):
     assert _origins(r)[(f, 7)]["kind"] == "assignment" and _origins(r)[(f, 7)]["expr"] == "e and f"
 
 
+def test_synthetic_signatures_and_star_args(tmp_path):
+    """How need_sort reaches __init__ when the call does not name it: a keyword-only or first
+    positional default, a required parameter, *args / **kwargs, and the same class name in two
+    files (the caller's own file decides, not the first by path)."""
+    loc = make_tree(tmp_path, {
+        "a.py": """\
+            class KwTokenToKVPoolAllocator:
+                def __init__(self, size, *, need_sort=False):
+                    pass
+            class FirstTokenToKVPoolAllocator:
+                def __init__(self, need_sort=False, size=1):
+                    pass
+            class RequiredTokenToKVPoolAllocator:
+                def __init__(self, size, need_sort):
+                    pass
+            class TwinTokenToKVPoolAllocator:
+                def __init__(self, size, need_sort=True):
+                    pass
+            """,
+        "z.py": """\
+            class TwinTokenToKVPoolAllocator:
+                def __init__(self, size):
+                    pass
+            a = KwTokenToKVPoolAllocator(1)
+            b = FirstTokenToKVPoolAllocator()
+            c = RequiredTokenToKVPoolAllocator(1)
+            d = TwinTokenToKVPoolAllocator(1)
+            e = RequiredTokenToKVPoolAllocator(*args)
+            f = RequiredTokenToKVPoolAllocator(1, *rest, **kw)
+            """})
+    r = callsites.scan(str(loc))
+    ns = {x["line"]: x["need_sort"] for x in r["allocator_call_sites"] if x["file"] == "sglang/z.py"}
+    a = "sglang/a.py::"
+    assert ns[4] == {"passing": "default", "expr": None, "resolved": a + "KwTokenToKVPoolAllocator"}
+    assert ns[5] == {"passing": "default", "expr": None, "resolved": a + "FirstTokenToKVPoolAllocator"}
+    assert ns[6] == {"passing": "absent", "expr": None, "resolved": a + "RequiredTokenToKVPoolAllocator"}
+    assert ns[7] == {"passing": "absent", "expr": None, "resolved": "sglang/z.py::TwinTokenToKVPoolAllocator"}
+    assert ns[8] == {"passing": "absent", "expr": None, "starargs": True,
+                     "resolved": a + "RequiredTokenToKVPoolAllocator"}
+    assert ns[9] == {"passing": "absent", "expr": None, "starargs": True, "kwargs": True,
+                     "resolved": a + "RequiredTokenToKVPoolAllocator"}
+
+
 def test_synthetic_skips_and_errors(tmp_path):
     loc = make_tree(tmp_path, {
         "ok.py": "need_sort = True\n",
