@@ -311,11 +311,15 @@ def test_synthetic_origins(tmp_path):
             need_sort |= other
             s = "héllo ✓ 日本"; need_sort = "é" in s
             y = (need_sort := 3)
+            total = alloc(need_sort=a or b) + other(
+                1,
+            )
         """})
     r = callsites.scan(str(loc))
     o = {x["line"]: x for x in r["need_sort_origins"]}
     # not 1 (default), 2 (bare annotation), 3 (pass-through), 8 (attribute store)
-    assert sorted(o) == [4, 6, 9, 10, 11, 12]
+    assert sorted(o) == [4, 6, 9, 10, 11, 12, 13]
+    assert (o[13]["expr"], o[13]["col"], o[13]["stmt_end_line"]) == ("a or b", 28, 15)  # the statement's end
     assert (o[4]["kind"], o[4]["callee"], o[4]["expr"], o[4]["literal"]) == ("keyword", "alloc", "self.need_sort", False)
     assert (o[6]["expr"], o[6]["literal"], o[6]["stmt_end_line"]) == ("False", True, 7)
     assert (o[9]["target"], o[9]["expr"]) == ("need_sort", "x > 1")
@@ -325,7 +329,7 @@ def test_synthetic_origins(tmp_path):
     text = (loc / "sglang" / "o.py").read_text(encoding="utf-8").splitlines()[10]
     assert o[11]["value_line"] == o[11]["value_end_line"] == 11
     assert text[o[11]["value_col"]:o[11]["value_end_col"]] == '"é" in s' == o[11]["expr"]
-    assert o[11]["value_col"] == text.index('"é"')
+    assert o[11]["value_col"] == o[11]["col"] == text.index('"é"')
 
 
 NESTED = """\
@@ -404,6 +408,11 @@ def test_synthetic_signatures_and_star_args(tmp_path):
             d = TwinTokenToKVPoolAllocator(1)
             e = RequiredTokenToKVPoolAllocator(*args)
             f = RequiredTokenToKVPoolAllocator(1, *rest, **kw)
+            if fast:
+                Alloc = KwTokenToKVPoolAllocator
+            else:
+                Alloc = FirstTokenToKVPoolAllocator
+            g = Alloc(1)
             """})
     r = callsites.scan(str(loc))
     ns = {x["line"]: x["need_sort"] for x in r["allocator_call_sites"] if x["file"] == "sglang/z.py"}
@@ -416,6 +425,11 @@ def test_synthetic_signatures_and_star_args(tmp_path):
                      "resolved": a + "RequiredTokenToKVPoolAllocator"}
     assert ns[9] == {"passing": "absent", "expr": None, "starargs": True, "kwargs": True,
                      "resolved": a + "RequiredTokenToKVPoolAllocator"}
+    # an alias bound in both branches of an `if` at module level is seen after it
+    g = [x for x in r["allocator_call_sites"] if (x["file"], x["line"]) == ("sglang/z.py", 14)]
+    assert [(x["callee"], x["aliased"], x["alias_of"], x["need_sort"]) for x in g] == [
+        ("Alloc", True, ["KwTokenToKVPoolAllocator", "FirstTokenToKVPoolAllocator"],
+         {"passing": "default", "expr": None, "resolved": a + "KwTokenToKVPoolAllocator"})]
 
 
 def test_synthetic_skips_and_errors(tmp_path):
