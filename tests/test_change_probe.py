@@ -24,7 +24,7 @@ from fleetctl.probes import change
 from fleetctl.wheelcache import ensure_wheel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_plan import PLAYBOOK, host_inputs, release_files  # noqa: E402
+from test_plan import PLAYBOOK, host_inputs, release_file  # noqa: E402
 
 RELS = {"0.5.23": "sglang/srt/mem_cache/kv_cache_configurator.py",
         "0.5.10": "sglang/srt/model_executor/model_runner_kv_cache_mixin.py"}
@@ -41,7 +41,7 @@ def site(tmp_path):
     Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
     """
     site, state = tmp_path / "site", tmp_path / "state"
-    files = {rel: release_files(v)[rel] for v, rel in RELS.items()}
+    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
     originals = {}
     for rel, text in files.items():
         p = site / rel

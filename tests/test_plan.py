@@ -79,6 +79,12 @@ def release_files(version: str) -> dict[str, str]:
     return _RELEASES[version]
 
 
+def release_file(version: str, rel: str) -> str:
+    """The text of one file of the release's wheel (without reading the whole wheel)."""
+    with zipfile.ZipFile(ensure_wheel(version)) as z:
+        return z.read(rel).decode()
+
+
 def computed(findings: list[dict]) -> list[dict]:
     """Computed origins, read independently: local `need_sort = expr` or keyword, not literal, not a bare name."""
     return [f for f in findings if not f["literal"] and not f["expr"].isidentifier()
