@@ -292,6 +292,20 @@ def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
     assert reinspect_problems(pb, plan, {}, facts, again, patched) == []
 
 
+@pytest.mark.parametrize("src, want", [
+    # the comment goes after the value, before the line's trailing blanks (which stay)
+    ("need_sort = a in b  \t\n", "need_sort = True  # fleetctl defrag-tier0: was a in b  \t\n"),
+    # a value ending in a letter is not trimmed
+    ("need_sort = a in AX\n", "need_sort = True  # fleetctl defrag-tier0: was a in AX\n"),
+    # an existing comment is kept, the marker goes after it
+    ("x = f(need_sort=a or b)   # keep\n", "x = f(need_sort=True)   # keep  # fleetctl defrag-tier0: was a or b\n"),
+])
+def test_comment_position(pb, src, want):
+    plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
+    assert plan.files[0].new_text == want
+    assert apply_diff(src, plan.files[0].diff, "sglang/a.py") == want
+
+
 def test_crlf_source(pb):
     text = "x = 1\r\nneed_sort = a in (\r\n    b)\r\ny = make(need_sort=c or d)\r\n"
     facts, findings, sources = host_inputs({"sglang/w.py": text})
