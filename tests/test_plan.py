@@ -306,6 +306,29 @@ def test_comment_position(pb, src, want):
     assert apply_diff(src, plan.files[0].diff, "sglang/a.py") == want
 
 
+def test_two_edits_on_one_line_and_refusals(pb):
+    """Two sites on one line: both comments at its end, in order. A value inside another value,
+    and a finding without its source text, are refused with the reason."""
+    src = "x = f(need_sort=a or b, y=g(need_sort=c or d))\n"
+    plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
+    assert plan.files[0].new_text == ("x = f(need_sort=True, y=g(need_sort=True))  # fleetctl defrag-tier0: was a or b"
+                                      "  # fleetctl defrag-tier0: was c or d\n")
+    nested = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": "x = f(need_sort=g(need_sort=a or b))\n"}))
+    assert (nested.status, nested.reason, nested.files) == ("failed", "overlapping edits in sglang/a.py", [])
+    facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a or b\n"})
+    gone = plan_host(pb, "h", {}, facts, findings, {})
+    assert (gone.status, gone.reason) == ("failed", "no source text for sglang/a.py")
+
+
+def test_one_line():
+    """Single-line values are kept verbatim; a comment or a line break sends them through tokenize,
+    which keeps the tokens and puts one space where there was any whitespace."""
+    assert one_line("  a  or  b ") == "a  or  b"
+    assert one_line('a  or  "#"') == 'a or "#"'
+    assert one_line("X or\n  X") == "X or X"
+    assert one_line("f(\n  a,  # why\n  b,\n)") == "f(a, b,)"
+
+
 def test_crlf_source(pb):
     text = "x = 1\r\nneed_sort = a in (\r\n    b)\r\ny = make(need_sort=c or d)\r\n"
     facts, findings, sources = host_inputs({"sglang/w.py": text})
