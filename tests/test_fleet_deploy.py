@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetctl.kernelpkg import load_package
+
 pytestmark = pytest.mark.lab
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
@@ -104,6 +106,16 @@ def test_deploy_builds_tests_and_activates_everywhere(server_lab, deployed):
         assert active(server_lab, name) == h["build_key"]
         keys.add(h["build_key"])
     assert len(keys) == 1  # same package, same torch, no GPU: one key
+    # the activated kernel itself, on the host (review L6: the stand-in server never loads it):
+    # the module `current` names imports and passes the package's own reference test there
+    pkg = load_package(KERNELS, "verify_attention")
+    tol = json.dumps({k: list(v) for k, v in pkg.tolerances.items()})
+    r = server_lab.ssh("lab-02", f"cd {KDIR}/current/src && /opt/sglang/venv/bin/python {pkg.test} "
+                       f"--module \"$(cat ../PASSED)\" --device cpu --reference {pkg.reference} "
+                       f"--tolerances '{tol}' --seed 1", timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["ok"] and result["seed"] == 1 and result["failures"] == [] and len(result["cases"]) > 10
     r = server_lab.ssh("lab-01", "tail -n 1 /var/lib/fleetctl/ledger.jsonl")
     entry = json.loads(r.stdout)
     assert (entry["change_id"], entry["state"]) == (doc["change_id"], "applied")
