@@ -24,7 +24,7 @@ from fleetctl.probes import change
 from fleetctl.wheelcache import ensure_wheel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_plan import PLAYBOOK, host_inputs, release_files  # noqa: E402
+from test_plan import PLAYBOOK, host_inputs, release_file  # noqa: E402
 
 RELS = {"0.5.23": "sglang/srt/mem_cache/kv_cache_configurator.py",
         "0.5.10": "sglang/srt/model_executor/model_runner_kv_cache_mixin.py"}
@@ -41,7 +41,7 @@ def site(tmp_path):
     Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
     """
     site, state = tmp_path / "site", tmp_path / "state"
-    files = {rel: release_files(v)[rel] for v, rel in RELS.items()}
+    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
     originals = {}
     for rel, text in files.items():
         p = site / rel
@@ -124,22 +124,78 @@ def test_rollback_refuses_changed_file_unless_forced(site):
     assert all(Path(p).read_bytes() == d for p, d in originals.items())
 
 
-def test_error_midway_restores_and_records_failed(site, monkeypatch):
-    _, state, params, originals = site
-    real, calls = change.atomic_write, []
+def _fail_second_file(point, params, monkeypatch):
+    """Make apply fail on the second file at `point` (review H2): (a) before its write, (b) after
+    its rename, (c) dropping its bytecode (observation O1), (d) a post-write state mismatch."""
+    second = params["files"][1]["path"]
+    real_write, real_drop = change.atomic_write, change.drop_pycache
 
-    def failing(path, data, tag):
-        calls.append(path)
-        if path == params["files"][1]["path"]:
+    def write(path, data, tag):
+        if path == second and data != Path(path).read_bytes() and point == "before-write":
             raise OSError("disk full")
-        real(path, data, tag)
+        if path == second and point == "wrong-bytes" and data.endswith(b"\n") and tag == "c1" \
+                and hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
+            data = data + b"# torn\n"  # what lands on disk is not what was planned
+        real_write(path, data, tag)
+        if path == second and point == "after-rename" and tag == "c1" and \
+                hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
+            raise OSError(5, "Input/output error")  # say, fsync of the directory after the rename
 
-    monkeypatch.setattr(change, "atomic_write", failing)
+    def drop(path):
+        if path == second and point == "drop-pycache":
+            raise PermissionError(13, "Permission denied", path)
+        real_drop(path)
+
+    monkeypatch.setattr(change, "atomic_write", write)
+    monkeypatch.setattr(change, "drop_pycache", drop)
+
+
+@pytest.mark.parametrize("point, message", [
+    ("before-write", "disk full"),
+    ("after-rename", "Input/output error"),
+    ("drop-pycache", "Permission denied"),
+    ("wrong-bytes", "state after the write is not post_sha256"),
+])
+def test_error_midway_restores_and_records_failed(site, monkeypatch, point, message):
+    """Wherever the second file's write fails, both files are back byte for byte, the ledger says
+    failed, no temp file is left, and the probe says files restored (H2, O1)."""
+    site_dir, state, params, originals = site
+    _fail_second_file(point, params, monkeypatch)
     r = change.main(params)
-    assert not r["ok"] and "disk full" in r["error"]
-    assert params["files"][0]["path"] in calls  # the first file was written, then restored
-    assert all(Path(p).read_bytes() == d for p, d in originals.items())
+    assert not r["ok"] and r["error"].startswith("apply failed, files restored: ") and message in r["error"], r
+    assert "refused" not in r
+    for p, data in originals.items():
+        assert Path(p).read_bytes() == data, (point, p)
     assert ledger_states(state) == [("c1", "pending"), ("c1", "failed")]
+    assert message in change.read_ledger(str(state))[-1]["reason"]
+    assert not list(site_dir.rglob("*.tmp"))
+    monkeypatch.undo()
+    assert change.main(dict(params, change_id="c2"))["ok"]  # nothing pending blocks the next apply
+
+
+def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch):
+    """When the restore itself fails, the probe must not claim "files restored": it names the file."""
+    site_dir, state, params, originals = site
+    second = params["files"][1]["path"]
+    real = change.atomic_write
+
+    def write(path, data, tag):
+        if path == second and hashlib.sha256(data).hexdigest() == params["files"][1]["pre_sha256"]:
+            raise OSError("read-only file system")  # the restore of the second file
+        real(path, data, tag)
+        if path == second:
+            raise OSError("lost the directory fsync")
+
+    monkeypatch.setattr(change, "atomic_write", write)
+    r = change.main(params)
+    assert not r["ok"] and "files restored" not in r["error"], r
+    assert r["error"] == (f"apply failed: lost the directory fsync; NOT restored: {second} "
+                          "(OSError: read-only file system)")
+    first = params["files"][0]["path"]
+    assert Path(first).read_bytes() == originals[first]  # the first file was put back
+    assert sha(Path(second)) == params["files"][1]["post_sha256"]
+    last = change.read_ledger(str(state))[-1]
+    assert last["state"] == "failed" and "NOT restored: " + second in last["reason"]
 
 
 KILLER = """

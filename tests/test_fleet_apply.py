@@ -26,6 +26,9 @@ from fleetctl.playbook import load_playbook
 from fleetctl.connection import LockBusy
 from fleetctl.wheelcache import ensure_wheel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_plan import apply_diff  # noqa: E402
+
 pytestmark = pytest.mark.lab
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
@@ -77,8 +80,10 @@ def healthy_servers(server_lab):
     """Every test starts and ends with well-behaved stand-ins and no applied change."""
     yield
     for h in server_lab.hosts:
-        server_lab.set_behavior(h, {}, restart=True)
-    fleetctl(server_lab, "rollback", "--last", "all", "--yes")
+        server_lab.set_behavior(h, {}, restart=True)  # asserts its own rc
+    r = fleetctl(server_lab, "rollback", "--last", "all", "--yes")
+    assert r.returncode == 0, ("teardown rollback failed: later tests would see its state", r.stdout[-2000:],
+                               r.stderr[-2000:])
 
 
 def test_check_mode_changes_nothing(server_lab):
@@ -90,7 +95,15 @@ def test_check_mode_changes_nothing(server_lab):
     assert {h: hosts[h]["status"] for h in ("lab-02", "lab-03", "lab-04")} == dict.fromkeys(
         ("lab-02", "lab-03", "lab-04"), "changed")
     assert len(hosts["lab-04"]["plan"]["edits"]) == 4
-    assert "fleetctl defrag-tier0: was" in hosts["lab-04"]["plan"]["files"][0]["diff"]
+    for h in ("lab-02", "lab-03", "lab-04"):  # the diff the operator approves is the change (review M1)
+        for f in hosts[h]["plan"]["files"]:
+            body = f["diff"].splitlines()[2:]
+            assert any(l.startswith("+") and "fleetctl defrag-tier0: was" in l for l in body), f["diff"]
+            assert not any(l.startswith("-") and "fleetctl defrag-tier0" in l for l in body), f["diff"]
+            cat = server_lab.ssh(h, f"cat {f['path']}")
+            assert cat.returncode == 0, cat.stderr
+            patched = apply_diff(cat.stdout, f["diff"], f["rel"])
+            assert hashlib.sha256(patched.encode()).hexdigest() == f["post_sha256"]
     assert {h: tree_digest(server_lab, h) for h in server_lab.hosts} == before
     assert server_lab.ssh("lab-04", "test -e /var/lib/fleetctl/ledger.jsonl").returncode != 0
 
@@ -149,14 +162,17 @@ def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
                 change_probe(ctx, "apply", change_id="t-refused", playbook=pb.name, operator="test",
                              files=files, commit=False)
             after = ctx.run(["sha256sum", f.path]).stdout.decode().split()[0]
-            ctx.run(["sed", "-i", "$ d", f.path])
-            return {"after": after, "pre": f.pre_sha256, "rel": f.rel}
+            assert ctx.run(["sed", "-i", "$ d", f.path]).ok
+            edited = hashlib.sha256(g["sources"][f.rel].encode() + b"# operator was here\n").hexdigest()
+            return {"after": after, "edited": edited, "rel": f.rel}
 
         res = fleet.run([host], job)[0]
     assert res.status == "ok", res.error
-    assert res.data["after"] != res.data["pre"]  # the file stayed as the operator left it
+    assert res.data["after"] == res.data["edited"]  # the file stayed exactly as the operator left it
     assert host_sha(server_lab, "lab-04", res.data["rel"]) == wheel_sha("0.5.23", res.data["rel"])
-    assert server_lab.ssh("lab-04", "grep -c t-refused /var/lib/fleetctl/ledger.jsonl || true").stdout.strip() in ("", "0")
+    led = "/var/lib/fleetctl/ledger.jsonl"
+    r = server_lab.ssh("lab-04", f"test ! -e {led} || ! grep -q t-refused {led}")
+    assert r.returncode == 0, (r.returncode, r.stderr)  # no ledger line (an ssh failure is 255)
 
 
 def test_second_concurrent_run_fails_fast(server_lab, monkeypatch):
@@ -252,7 +268,9 @@ def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
 
 
 def test_slower_server_trips_the_latency_gate(server_lab):
-    server_lab.set_behavior("lab-03", {"slowdown": 10}, restart=False)
+    # a fixed 50 ms per decode step (16 steps: +0.8 s) trips 1.25 x baseline + the lab's slack on
+    # any machine, where a relative slowdown depends on how fast the baseline is (review L14b)
+    server_lab.set_behavior("lab-03", {"delay_ms": 50}, restart=False)
     before = tree_digest(server_lab, "lab-03")
     r, doc, hosts = apply_json(server_lab, "lab-03", "--yes")
     assert r.returncode == 2

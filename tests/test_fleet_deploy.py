@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetctl.kernelpkg import load_package
+
 pytestmark = pytest.mark.lab
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
@@ -26,7 +28,49 @@ def deploy(lab, pattern, *args, kernels: Path | None = None):
 
 
 def active(lab, host):
-    return lab.ssh(host, f"readlink {KDIR}/current || true").stdout.strip() or None
+    """The build key `current` points at on `host`, or None when there is no link (an ssh failure
+    fails the test rather than reading as "no link")."""
+    r = lab.ssh(host, f"if [ -L {KDIR}/current ]; then readlink {KDIR}/current; fi")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip() or None
+
+
+# The build's process tree: the torch.utils.cpp_extension child (its -c source names the module),
+# ninja, the compiler driver and cc1plus.
+BUILD_PROGRAMS = {"ninja", "cc1plus", "c++", "g++", "gcc", "cc", "as", "ld"}
+
+
+def build_pids(lab, host) -> dict[int, str]:
+    """{pid: command line} of the build processes on lab host `host`, found from the control side:
+    only pids of that host (lab.pids, as this namespace numbers them), matched on /proc/PID/cmdline."""
+    out = {}
+    for pid in lab.pids(host):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        cmd = b" ".join(argv).decode(errors="replace")
+        if os.path.basename(argv[0].decode(errors="replace")) in BUILD_PROGRAMS or "torch.utils.cpp_extension" in cmd:
+            out[pid] = cmd
+    return out
+
+
+def kill_build(lab, host, timeout: float = 20) -> dict[int, str]:
+    """SIGKILL every build process on `host` (new ones too, until none is left) and return what
+    was killed; fails the test if any is still there after `timeout` s."""
+    killed, deadline = {}, time.monotonic() + timeout
+    while True:
+        left = build_pids(lab, host)
+        if not left:
+            return killed
+        assert time.monotonic() < deadline, f"build processes still alive on {host}: {left}"
+        for pid, cmd in left.items():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed[pid] = cmd
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
 
 
 def variant(tmp_path, name, edit=None) -> Path:
@@ -62,6 +106,16 @@ def test_deploy_builds_tests_and_activates_everywhere(server_lab, deployed):
         assert active(server_lab, name) == h["build_key"]
         keys.add(h["build_key"])
     assert len(keys) == 1  # same package, same torch, no GPU: one key
+    # the activated kernel itself, on the host (review L6: the stand-in server never loads it):
+    # the module `current` names imports and passes the package's own reference test there
+    pkg = load_package(KERNELS, "verify_attention")
+    tol = json.dumps({k: list(v) for k, v in pkg.tolerances.items()})
+    r = server_lab.ssh("lab-02", f"cd {KDIR}/current/src && /opt/sglang/venv/bin/python {pkg.test} "
+                       f"--module \"$(cat ../PASSED)\" --device cpu --reference {pkg.reference} "
+                       f"--tolerances '{tol}' --seed 1", timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    result = json.loads(r.stdout.splitlines()[-1])
+    assert result["ok"] and result["seed"] == 1 and result["failures"] == [] and len(result["cases"]) > 10
     r = server_lab.ssh("lab-01", "tail -n 1 /var/lib/fleetctl/ledger.jsonl")
     entry = json.loads(r.stdout)
     assert (entry["change_id"], entry["state"]) == (doc["change_id"], "applied")
@@ -84,6 +138,7 @@ def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path)
                        "def verify_attention_ref(*a, **k):\n    return _orig(*a, **k) * 1.01\n")
 
     before = active(server_lab, "lab-01")
+    assert before is not None  # deployed: a vacuous None == None must not pass
     r, doc, hosts = deploy(server_lab, "lab-01", kernels=variant(tmp_path, "broken", break_reference))
     assert r.returncode == 2
     h = hosts["lab-01"]
@@ -93,6 +148,9 @@ def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path)
 
 def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
     before = active(server_lab, "lab-02")
+    assert before is not None
+    # validation failure is simulated: the stand-in server never loads the kernel, so its greedy
+    # tokens are shifted by hand (the kernel itself is checked on the host in the test above)
     server_lab.set_behavior("lab-02", {"token_shift": 3}, restart=False)
     try:
         r, doc, hosts = deploy(server_lab, "lab-02", kernels=variant(tmp_path, "drift"))
@@ -117,11 +175,16 @@ def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, 
             assert time.monotonic() < deadline and p.poll() is None, "the build never started"
             time.sleep(0.5)
         os.kill(p.pid, signal.SIGKILL)
-        # the build's whole process tree dies too (as when a host's build is killed)
-        server_lab.ssh("lab-03", "pkill -9 -f 'torch.utils.cpp_extension' ; pkill -9 -f ninja ; pkill -9 -f 'cc1plus' ; true")
+        # the build's whole process tree dies too (as when a host's build is killed): only lab-03's
+        # processes, found from the control side (review M5: never `pkill -f` by name)
+        killed = kill_build(server_lab, "lab-03")
     finally:
+        p.kill()
         p.wait()
-    assert server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock").stdout.strip() != ""  # torch's lock is left
+    assert any("torch.utils.cpp_extension" in cmd for cmd in killed.values()), killed
+    assert build_pids(server_lab, "lab-03") == {}
+    lock = server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock")
+    assert lock.returncode == 0 and lock.stdout.strip() != "", lock.stderr  # torch's lock is left
     r, doc, hosts = deploy(server_lab, "lab-03", kernels=kernels)
     h = hosts["lab-03"]
     assert h["status"] == "changed", h["error"]

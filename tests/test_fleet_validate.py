@@ -88,4 +88,5 @@ def test_apply_on_hosts_without_server_reports_validation_skipped_or_uses_offlin
         assert hosts["lab-03"]["status"] == "failed" and hosts["lab-03"]["rolled_back"] is True
         assert "offline" in hosts["lab-03"]["error"] and "no decode here" in hosts["lab-03"]["error"]
     finally:
-        fleetctl(lab, "rollback", "--last", "lab-03:lab-04", "-i", str(inv), "--yes")
+        undo = fleetctl(lab, "rollback", "--last", "lab-03:lab-04", "-i", str(inv), "--yes")
+        assert undo.returncode == 0, (undo.stdout[-2000:], undo.stderr[-2000:])

@@ -237,10 +237,83 @@ def test_pattern_errors(fleet, pattern, message):
     assert err.value.exit_code == 5
 
 
+ANCHORED = """\
+all:
+  hosts:
+    gpu-01:
+    gpu-02:
+    lab-gpu-01:
+prod-gpu:
+  hosts:
+    big-box:
+"""
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("~gpu", ["gpu-01", "gpu-02"]),          # re.match: not lab-gpu-01
+    ("prod-gpu", ["big-box"]),
+    ("*gpu*", ["gpu-01", "gpu-02", "lab-gpu-01", "big-box"]),
+    ("~.*gpu", ["gpu-01", "gpu-02", "lab-gpu-01", "big-box"]),
+])
+def test_patterns_are_anchored_at_the_start(tmp_path, pattern, expected):
+    """H1: a regex matches from the name's start and a glob matches the whole name, as in Ansible."""
+    assert names(inventory.load(write(tmp_path, ANCHORED)).select(pattern)) == expected
+
+
+@pytest.mark.parametrize("pattern", ["gpu", "pu-0*", "~pu", "~-gpu", "~ab-gpu"])
+def test_unanchored_matches_are_refused(tmp_path, pattern):
+    """H1: `gpu` must not select group prod-gpu's host, nor `pu-0*`/`~pu` any name containing them."""
+    with pytest.raises(PatternError, match="matches no host"):
+        inventory.load(write(tmp_path, ANCHORED)).select(pattern)
+
+
+def test_names_starting_with_any_character(tmp_path):
+    """Only a leading '&' or '!' makes a part an intersection or exclusion; 'X', '~' or a digit do not."""
+    inv = inventory.load(write(tmp_path, "all:\n  hosts:\n    X1:\n    X2:\n    9b:\n    y:\n"))
+    assert names(inv.select("X1")) == ["X1"]
+    assert names(inv.select("X*")) == ["X1", "X2"]
+    assert names(inv.select("9b:y")) == ["9b", "y"]
+    assert names(inv.select("X*:!X2")) == ["X1"]
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    ("~(rtx|loose)", ["loose-1", "rtx-a"]),          # a regex matching a group still matches hosts
+    ("~gpu-0[12]", ["gpu-01", "gpu-02"]),            # a regex's [..] is a character class, not a subscript
+    ("gpu-01[0]", ["gpu-01"]),                       # a subscripted host name matches hosts
+    ("gpu-01:gpu-02,rtx*", ["gpu-01", "gpu-02", "rtx-a"]),  # parts of every comma chunk count
+])
+def test_regex_subscript_and_comma_chunks(fleet, pattern, expected):
+    assert names(fleet.select(pattern)) == expected
+
+
+def test_group_wins_over_a_host_of_the_same_name_unless_globbed(tmp_path):
+    """As Ansible: a plain pattern naming a group takes the group's hosts, not a same-named host."""
+    inv = inventory.load(write(tmp_path, "all:\n  hosts:\n    Xw:\n    \"web,1\":\nXw:\n  hosts:\n    w1:\n    w2:\n"))
+    assert names(inv.select("Xw[0:]")) == ["w1", "w2"]
+    assert names(inv.select("Xw*")) == ["Xw", "w1", "w2"]
+    assert names(inv.select("Xw")) == ["Xw"]  # exactly a host name: that host
+    assert names(inv.select("web,1")) == ["web,1"]  # a whole name is never split on ','
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("lab-01]", "invalid host pattern 'lab-01]': unbalanced brackets"),
+    ("gpu-01:&", "empty host pattern after '&'"),
+    ("~", "empty regular expression in host pattern '~'"),
+])
+def test_malformed_pattern_messages(fleet, pattern, message):
+    with pytest.raises(PatternError) as err:
+        fleet.select(pattern)
+    assert str(err.value) == message
+
+
 def test_pattern_error_lists_groups(fleet):
     with pytest.raises(PatternError) as err:
         fleet.select("nosuch")
     assert "groups: all, ungrouped, inference, h100, rtx, canary, prod" in str(err.value)
+    with pytest.raises(PatternError) as err:  # every part matches, the whole selects nothing
+        fleet.select("h100:&rtx")
+    assert str(err.value) == (f"host pattern 'h100:&rtx' matches no host in {fleet.path}; "
+                              "groups: all, ungrouped, inference, h100, rtx, canary, prod")
 
 
 @pytest.mark.parametrize("text, where, what", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import textwrap
 import zipfile
 from pathlib import Path
@@ -78,10 +79,61 @@ def release_files(version: str) -> dict[str, str]:
     return _RELEASES[version]
 
 
+def release_file(version: str, rel: str) -> str:
+    """The text of one file of the release's wheel (without reading the whole wheel)."""
+    with zipfile.ZipFile(ensure_wheel(version)) as z:
+        return z.read(rel).decode()
+
+
 def computed(findings: list[dict]) -> list[dict]:
     """Computed origins, read independently: local `need_sort = expr` or keyword, not literal, not a bare name."""
     return [f for f in findings if not f["literal"] and not f["expr"].isidentifier()
             and (f["kind"] == "keyword" or f["target"] == "need_sort")]
+
+
+_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@\n")
+
+
+def apply_diff(old: str, diff: str, rel: str) -> str:
+    """Apply unified diff `diff` to `old` as `patch` would, strictly: the headers name a/rel and
+    b/rel, every hunk starts where its header says, and every context and removed line must be
+    exactly the old text's line there. So a reversed diff (old and new swapped) cannot apply."""
+    lines = diff.splitlines(True)
+    assert lines[:2] == [f"--- a/{rel}\n", f"+++ b/{rel}\n"], lines[:2]
+    src, out, pos, i = old.splitlines(True), [], 0, 2
+    while i < len(lines):
+        m = _HUNK.fullmatch(lines[i])
+        assert m, f"not a hunk header: {lines[i]!r}"
+        old_len, new_len = int(m[2] or 1), int(m[4] or 1)
+        start = int(m[1]) - (1 if old_len else 0)  # an empty range names the line before it
+        assert start >= pos, "hunks out of order"
+        out += src[pos:start]
+        pos = start
+        assert len(out) == int(m[3]) - (1 if new_len else 0), "hunk starts elsewhere in the new text"
+        i, removed, added = i + 1, 0, 0
+        while i < len(lines) and not lines[i].startswith("@@ "):
+            tag, body = lines[i][0], lines[i][1:]
+            assert tag in " -+", lines[i]
+            if tag in " -":
+                assert pos < len(src) and src[pos] == body, f"line {pos + 1}: {body!r} is not {src[pos:pos + 1]}"
+                pos, removed = pos + 1, removed + 1
+            if tag in " +":
+                out.append(body)
+                added += 1
+            i += 1
+        assert (removed, added) == (old_len, new_len), "hunk line counts"
+    return "".join(out + src[pos:])
+
+
+def test_apply_diff_refuses_a_reversed_diff():
+    """The helper itself can fail: a diff applied to the wrong side does not apply."""
+    import difflib
+    old, new = "a\nb\nc\n", "a\nB\nc\nd\n"
+    diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "a/f", "b/f"))
+    assert apply_diff(old, diff, "f") == new
+    reverse = "".join(difflib.unified_diff(new.splitlines(True), old.splitlines(True), "a/f", "b/f"))
+    with pytest.raises(AssertionError):
+        apply_diff(old, reverse, "f")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +144,7 @@ def pb():
 EXPECTED = {"0.5.23": 4, "0.5.10": 1, "0.5.2": 1}
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("version", sorted(EXPECTED))
 def test_real_release_plan_apply_replan(pb, version):
     files = release_files(version)
@@ -110,7 +163,7 @@ def test_real_release_plan_apply_replan(pb, version):
         assert fc.pre_sha256 == findings["files"][fc.rel]["sha256"]
         assert fc.post_sha256 == hashlib.sha256(fc.new_text.encode()).hexdigest()
         assert fc.path == f"{facts['sglang']['location']}/{fc.rel}"
-        assert fc.diff.startswith(f"--- a/{fc.rel}\n+++ b/{fc.rel}\n")
+        assert apply_diff(files[fc.rel], fc.diff, fc.rel) == fc.new_text  # the diff the operator approves
         ast.parse(fc.new_text)
         patched[fc.rel] = fc.new_text
     # independent re-read: no computed origin left, each edited one now reads True with its comment
@@ -123,7 +176,10 @@ def test_real_release_plan_apply_replan(pb, version):
         line = patched[f["file"]].split("\n")[f["value_end_line"] - 1]
         assert MARK in line
     old = {one_line(f["expr"]) for f in want}
-    assert {l.split(MARK, 1)[1] for t in plan.files for l in t.new_text.split("\n") if MARK in l} == old
+    was = [l.split(MARK, 1)[1] for t in plan.files for l in t.new_text.split("\n") if MARK in l]
+    assert set(was) == old
+    if version == "0.5.23":  # spelled out by hand from the release's source (lines 932, 1025, 1511, 2805)
+        assert was == ['get_disagg().disaggregation_mode in ("decode", "prefill")'] * 4
     # literal origins and pass-through sites are untouched
     lit = lambda fs: [(f["file"], f["expr"]) for f in fs if f["literal"] and f["expr"] != "True"]
     assert lit(after) == lit(before)
@@ -181,6 +237,7 @@ def test_edge_cases_multiline_unicode_backslash(pb):
     assert [e["line"] for e in plan.edits] == [2, 6, 10, 12]
     assert [s["expr"] for s in plan.left_alone] == ["False"]
     new = plan.files[0].new_text
+    assert apply_diff(EDGE, plan.files[0].diff, "sglang/edge.py") == new
     tree = ast.parse(new)
     assert '"é€"; need_sort = True  # fleetctl defrag-tier0: was mode in ("decode", "prefill",)' in new
     assert 'need_sort=True, b=2)  # existing comment  # fleetctl defrag-tier0: was mode == "decode" or kw' in new
@@ -201,11 +258,15 @@ def test_hand_edit_after_apply_is_refused(pb):
     facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a in b\n"})
     new = plan_host(pb, "h", {}, facts, findings, sources).files[0].new_text
     assert new == "need_sort = True  # fleetctl defrag-tier0: was a in b\n"
+    assert plan_host(pb, "h", {}, facts, findings, sources).files[0].diff == (
+        "--- a/sglang/a.py\n+++ b/sglang/a.py\n@@ -1 +1 @@\n"
+        "-need_sort = a in b\n+need_sort = True  # fleetctl defrag-tier0: was a in b\n")
     f2, fi2, s2 = host_inputs({"sglang/a.py": new.replace("True", "a or b")})
     p = plan_host(pb, "h", {}, f2, fi2, s2)
     assert p.status == "failed" and "changed since" in p.reason
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.10"])
 def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
     """The real inspect probe (probes/callsites.py) on the release's files gives the same plan."""
@@ -231,12 +292,50 @@ def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
     assert reinspect_problems(pb, plan, {}, facts, again, patched) == []
 
 
+@pytest.mark.parametrize("src, want", [
+    # the comment goes after the value, before the line's trailing blanks (which stay)
+    ("need_sort = a in b  \t\n", "need_sort = True  # fleetctl defrag-tier0: was a in b  \t\n"),
+    # a value ending in a letter is not trimmed
+    ("need_sort = a in AX\n", "need_sort = True  # fleetctl defrag-tier0: was a in AX\n"),
+    # an existing comment is kept, the marker goes after it
+    ("x = f(need_sort=a or b)   # keep\n", "x = f(need_sort=True)   # keep  # fleetctl defrag-tier0: was a or b\n"),
+])
+def test_comment_position(pb, src, want):
+    plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
+    assert plan.files[0].new_text == want
+    assert apply_diff(src, plan.files[0].diff, "sglang/a.py") == want
+
+
+def test_two_edits_on_one_line_and_refusals(pb):
+    """Two sites on one line: both comments at its end, in order. A value inside another value,
+    and a finding without its source text, are refused with the reason."""
+    src = "x = f(need_sort=a or b, y=g(need_sort=c or d))\n"
+    plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
+    assert plan.files[0].new_text == ("x = f(need_sort=True, y=g(need_sort=True))  # fleetctl defrag-tier0: was a or b"
+                                      "  # fleetctl defrag-tier0: was c or d\n")
+    nested = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": "x = f(need_sort=g(need_sort=a or b))\n"}))
+    assert (nested.status, nested.reason, nested.files) == ("failed", "overlapping edits in sglang/a.py", [])
+    facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a or b\n"})
+    gone = plan_host(pb, "h", {}, facts, findings, {})
+    assert (gone.status, gone.reason) == ("failed", "no source text for sglang/a.py")
+
+
+def test_one_line():
+    """Single-line values are kept verbatim; a comment or a line break sends them through tokenize,
+    which keeps the tokens and puts one space where there was any whitespace."""
+    assert one_line("  a  or  b ") == "a  or  b"
+    assert one_line('a  or  "#"') == 'a or "#"'
+    assert one_line("X or\n  X") == "X or X"
+    assert one_line("f(\n  a,  # why\n  b,\n)") == "f(a, b,)"
+
+
 def test_crlf_source(pb):
     text = "x = 1\r\nneed_sort = a in (\r\n    b)\r\ny = make(need_sort=c or d)\r\n"
     facts, findings, sources = host_inputs({"sglang/w.py": text})
     plan = plan_host(pb, "h", {}, facts, findings, sources)
     assert plan.files[0].new_text == ("x = 1\r\nneed_sort = True  # fleetctl defrag-tier0: was a in (b)\r\n"
                                       "y = make(need_sort=True)  # fleetctl defrag-tier0: was c or d\r\n")
+    assert apply_diff(text, plan.files[0].diff, "sglang/w.py") == plan.files[0].new_text
 
 
 def test_offline_smoke_command_is_rendered_per_host(tmp_path):

@@ -25,7 +25,7 @@ from fleetctl.wheelcache import ensure_wheel
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY16 = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 BEHAVIORS = {"normal": {}, "shift": {"token_shift": 1}, "never": {"never_healthy": True},
-             "slow": {"slowdown": 3.0}, "late": {"unhealthy_for_s": 4}}
+             "slow": {"slowdown": 3.0}, "late": {"unhealthy_for_s": 4}, "delay": {"delay_ms": 20}}
 SRC_FILES = ["sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py",
              "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/schedule_batch.py",
              "sglang/srt/sampling/sampling_params.py", "sglang/srt/entrypoints/openai/protocol.py"]
@@ -244,6 +244,8 @@ def test_slowdown_is_slower(servers):
         return statistics.median(generate(port, body)["meta_info"]["e2e_latency"] for _ in range(3))
 
     assert median_e2e(servers["slow"]) > 2.0 * median_e2e(servers["normal"])
+    # a fixed delay: 16 steps x 20 ms more than the normal server, whatever this machine's speed
+    assert median_e2e(servers["delay"]) >= median_e2e(servers["normal"]) + 16 * 0.020
 
 
 def test_restart_sh_in_a_copied_dir(tmp_path):
@@ -267,7 +269,12 @@ def test_restart_sh_in_a_copied_dir(tmp_path):
         assert "server.py" in open("/proc/%d/cmdline" % second).read()
         assert "fleetctl stand-in" in (d / "server.log").read_text()
     finally:
-        os.kill(int((d / "server.pid").read_text()), 15)
+        last = int((d / "server.pid").read_text())  # the server this test started, by its pid
+        os.kill(last, 15)
+        deadline = time.monotonic() + 10
+        while alive(last) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(last)
 
 
 def alive(pid):

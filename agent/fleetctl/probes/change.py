@@ -181,7 +181,8 @@ def apply(params, state_dir):
     stale bytecode dropped, ledger "applied". With commit false the change stays "pending"
     (written, awaiting validation: `commit` makes it "applied", `rollback` undoes it, and a
     killed run's next `recover` undoes it). An error midway restores the written files from
-    the backup and records "failed".
+    the originals read before the write and records "failed"; the error says "files restored"
+    only when every touched file is back to pre_sha256, and names each file that is not.
     """
     cid = params["change_id"]
     known = changes(state_dir)
@@ -233,14 +234,34 @@ def apply(params, state_dir):
             if _state(f) != f["after_sha256"]:
                 raise OSError("%s: state after the write is not post_sha256" % f["path"])
     except Exception as e:
-        for f in written:
-            if _state(f) != f["before_sha256"]:
-                _restore(f, cid, originals.get(f["path"]))
-        _append(state_dir, entry, FAILED, "%s: %s" % (type(e).__name__, e))
+        left = _undo_written(written, cid, originals)
+        why = "%s: %s" % (type(e).__name__, e)
+        if left:
+            _append(state_dir, entry, FAILED, "%s; NOT restored: %s" % (why, "; ".join(left)))
+            return {"ok": False, "change_id": cid,
+                    "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))}
+        _append(state_dir, entry, FAILED, why)
         return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
     if params.get("commit", True):
         _append(state_dir, entry, APPLIED)
     return {"ok": True, "change_id": cid, "files": entry["files"]}
+
+
+def _undo_written(written, tag, originals):
+    """Put every entry apply touched back to before_sha256; a restore that fails (say, its
+    stale bytecode cannot be dropped) counts only by the file's state afterwards. Returns
+    ["path (error)"] for the entries that are not back to before_sha256."""
+    left = []
+    for f in written:
+        error = None
+        if _state(f) != f["before_sha256"]:
+            try:
+                _restore(f, tag, originals.get(f["path"]))
+            except Exception as e:
+                error = "%s: %s" % (type(e).__name__, e)
+        if _state(f) != f["before_sha256"]:
+            left.append("%s (%s)" % (f["path"], error or "state after restore is not before_sha256"))
+    return left
 
 
 def commit(params, state_dir):

@@ -29,6 +29,7 @@ default `behavior.json` next to this script; a missing file means behave):
   {"never_healthy": true}  /health answers 503 forever
   {"token_shift": K}       every greedy pick is shifted by K (mod vocab): different tokens
   {"slowdown": F}          every decode step takes F times as long (measured, then slept)
+  {"delay_ms": M}          every decode step takes M ms longer (a fixed slowdown, whatever the machine)
   {"truncate_tokens": N}   generation stops after N tokens with a "stop" finish reason
 
 Stdlib + torch only; never imports fleetctl (it is copied alone onto lab hosts).
@@ -50,7 +51,7 @@ log = logging.getLogger("fleetctl-standin")
 
 VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 2048
 EOS = 256  # ids 0..255 are bytes; 256.. are special ids (EOS) and never decode to text
-BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "truncate_tokens"}
+BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens"}
 # The subsets of GenerateReqInput / SamplingParams / CompletionRequest fields implemented here;
 # any other field is refused with 400 instead of being silently ignored.
 GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream"}
@@ -163,6 +164,7 @@ class Engine:
         gen = torch.Generator().manual_seed(sp.get("sampling_seed") or 0)
         shift = int(self.behavior.get("token_shift", 0))
         slowdown = float(self.behavior.get("slowdown", 1.0))
+        delay_s = float(self.behavior.get("delay_ms", 0)) / 1000.0
         truncate = self.behavior.get("truncate_tokens")
         out, cache, finish = [], None, {"type": "length", "length": max_new}
         with self.lock, torch.inference_mode():
@@ -179,6 +181,8 @@ class Engine:
                 out.append(nxt)
                 if slowdown > 1.0:
                     time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+                if delay_s > 0:
+                    time.sleep(delay_s)
                 if truncate is not None and len(out) >= truncate:
                     return out, {"type": "stop", "matched": EOS}
                 if (nxt in stops and not sp.get("ignore_eos", False)

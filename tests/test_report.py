@@ -1,0 +1,66 @@
+"""Rendering: identical hosts coalesced into one row, host lists shortened with their count (review M4)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from fleetctl.fleet import HostResult
+from fleetctl.report import coalesce, host_list, render_inspect
+
+
+def test_coalesce_groups_equal_values_in_first_seen_order():
+    items = [("a", {"x": 1, "y": [1]}), ("b", {"x": 2}), ("c", {"y": [1], "x": 1}), ("d", {"x": 2}), ("e", None)]
+    assert coalesce(items) == [(["a", "c"], {"x": 1, "y": [1]}), (["b", "d"], {"x": 2}), (["e"], None)]
+    assert coalesce([]) == []
+
+
+def test_host_list_gives_the_count_when_shortened():
+    assert host_list(["a", "b"]) == "a, b"
+    six = [f"h{i}" for i in range(6)]
+    assert host_list(six) == "h0, h1, h2, h3, h4, h5"
+    assert host_list(six + ["h6"]) == "h0, h1, h2, h3, h4, h5 … (+1 more; 7 hosts)"
+    assert host_list([f"h{i}" for i in range(12)], limit=2) == "h0, h1 … (+10 more; 12 hosts)"
+
+
+def inspected(host: str, version: str, origins: int) -> HostResult:
+    """An inspect result as the inspect job returns it, for a host running SGLang `version`."""
+    facts = {"python": {"path": "/opt/sglang/venv/bin/python", "version": "3.11.7"},
+             "sglang": {"version": version, "location": "/opt/sglang/venv/lib/python3.11/site-packages"},
+             "torch": None, "gpus": [], "gpus_reason": "no nvidia-smi", "servers": []}
+    sites = [{"file": "sglang/srt/a.py", "line": 10, "end_line": 12, "callee": "TokenToKVPoolAllocator",
+              "aliased": False, "need_sort": {"passing": "keyword", "expr": "flag"}}]
+    found = [{"file": "sglang/srt/a.py", "line": 11 + i, "kind": "keyword", "callee": "TokenToKVPoolAllocator",
+              "expr": "x in y", "literal": False} for i in range(origins)]
+    return HostResult(host, host + ".example.invalid", "ok", elapsed_s=0.5,
+                      data={"facts": facts, "allocator_call_sites": sites, "need_sort_origins": found})
+
+
+def render(results) -> str:
+    out = io.StringIO()
+    render_inspect(results, Console(file=out, width=400, color_system=None))
+    return out.getvalue()
+
+
+def test_render_inspect_coalesces_identical_hosts_into_one_row():
+    text = render([inspected("gpu-01", "0.5.23", 1), inspected("gpu-02", "0.5.10", 1),
+                   inspected("gpu-03", "0.5.23", 1),
+                   HostResult("gpu-04", "gpu-04.example.invalid", "unreachable", error="connect timed out")])
+    rows = [line for line in text.splitlines() if "0.5.23" in line or "0.5.10" in line]
+    assert len(rows) == 2, text  # gpu-01 and gpu-03 share one row
+    assert "gpu-01, gpu-03" in rows[0] and "gpu-02" not in rows[0]
+    assert "gpu-02" in rows[1] and "gpu-01" not in rows[1]
+    # the findings tables: one per distinct set of findings (all three hosts found the same here)
+    assert "allocator call sites — gpu-01, gpu-02, gpu-03" in text
+    assert "need_sort origins — gpu-01, gpu-02, gpu-03" in text
+    # the unreachable host is listed with its error, not in the summary
+    assert "problems" in text and "connect timed out" in text
+    assert text.count("gpu-04") == 1
+
+
+def test_render_inspect_says_no_need_sort_for_a_release_without_it():
+    text = render([inspected("old-01", "0.4.6.post5", 0), inspected("old-02", "0.4.6.post5", 0)])
+    assert "none: this release has no need_sort" in text
+    assert "no need_sort origins: this release has no need_sort" in text
+    assert "allocator call sites — old-01, old-02" in text and "need_sort origins —" not in text
