@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fleetctl import gate
+from fleetctl.vocab import GateStatus
 
 
 def server(port=30000, ids=(1, 2, 3), e2e=1.0, client=2.0, ok=True, error=None, host="127.0.0.1"):
@@ -36,7 +37,7 @@ def test_latency_boundary_at_the_default_tolerance(after_e2e, passes):
     res = gate.compare(result(server(e2e=1.0)), result(server(e2e=after_e2e)))
     assert res.passed is passes and res.failed is (not passes)
     assert latency_check(res).passed is passes
-    assert res.status == (gate.PASSED if passes else gate.FAILED)
+    assert res.status == (GateStatus.PASSED if passes else GateStatus.FAILED)
 
 
 def test_latency_detail_names_both_values_and_the_ratio():
@@ -130,7 +131,7 @@ def test_passing_message_lists_every_check():
 def test_skipped_offline_and_missing_offline():
     empty = result()
     skipped = gate.compare(empty, empty)
-    assert skipped.status == gate.SKIPPED and skipped.skipped and not skipped.passed and not skipped.failed
+    assert skipped.status == GateStatus.SKIPPED and skipped.skipped and not skipped.passed and not skipped.failed
     assert skipped.message == "validation: skipped (no server and no offline check)" and skipped.checks == []
     ok = {"ok": True, "cmd": "true", "returncode": 0, "duration_s": 0.1, "tail": ["fine"]}
     res = gate.compare(result(offline=ok), result(offline=ok))
