@@ -231,6 +231,18 @@ def _nspid(pid: int) -> list[int] | None:
     return None
 
 
+def _in_pidns(entry: str, namespaces: set[tuple[int, int]]) -> bool:
+    """Whether /proc/ENTRY is a process (not a zombie) in one of `namespaces` ((st_dev, st_ino)
+    of a /proc/PID/ns/pid link)."""
+    if not entry.isdigit():
+        return False
+    try:
+        st = os.stat(f"/proc/{entry}/ns/pid")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) in namespaces
+
+
 def _pidns_members(init_pid: int) -> list[int]:
     """Pids (root view, ascending) of every live process in the PID namespace whose init is
     `init_pid` (its /proc/PID/ns/pid is the init's), and in PID namespaces nested in it (a
@@ -510,18 +522,30 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
     prefix = f"flab{lab_id}-"
     nss = [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines()
            if line.split() and line.split()[0].startswith(prefix)]
+    pid_nss: set[tuple[int, int]] = set()  # the hosts' PID namespaces, to see them empty below
     for _ in range(50):  # again until empty: a process may be starting (restart.sh, a session)
         pids = [int(p) for ns in nss
                 for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split()]
         if not pids:
             break
         pids.sort(key=lambda p: not _is_pidns_init(p))  # inits first
+        for pid in filter(_is_pidns_init, pids):
+            try:
+                st = os.stat(f"/proc/{pid}/ns/pid")
+                pid_nss.add((st.st_dev, st.st_ino))
+            except OSError:
+                pass
         for pid in pids:
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
+        time.sleep(0.05)
+    # a process being killed leaves its network namespace before its PID namespace: wait until
+    # no process is left in the hosts' PID namespaces either
+    deadline = time.monotonic() + 10
+    while pid_nss and time.monotonic() < deadline and any(_in_pidns(d, pid_nss) for d in os.listdir("/proc")):
         time.sleep(0.05)
     for ns in nss:
         _run(["ip", "netns", "del", ns], check=False)
