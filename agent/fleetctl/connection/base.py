@@ -50,7 +50,6 @@ class Settings:
     connect_timeout: seconds for TCP connect, banner, key exchange and auth together (every
       ProxyJump hop included).
     accept_new: store unknown host keys (OpenSSH's StrictHostKeyChecking=accept-new).
-    known_hosts: known_hosts files to use instead of the ssh_config's UserKnownHostsFile.
     ssh_config: the ssh_config file to read instead of the user's `~/.ssh/config` (passwd home)
       and /etc/ssh/ssh_config, as `ssh -F` does; None: those two.
     server_alive_interval / server_alive_count_max: keepalive defaults (seconds, count) where
@@ -59,7 +58,6 @@ class Settings:
 
     connect_timeout: float = 10.0
     accept_new: bool = False
-    known_hosts: tuple[Path, ...] = ()
     ssh_config: Path | None = None
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3

@@ -198,8 +198,6 @@ class ParamikoConnection(Connection):
         return out
 
     def _known_hosts_files(self, conn: fabric.Connection) -> list[Path]:
-        if self.settings.known_hosts:
-            return list(self.settings.known_hosts)
         configured = conn.ssh_config.get("userknownhostsfile")
         if configured:
             return [expand_home(p) for p in shlex.split(configured)]
