@@ -232,6 +232,8 @@ def test_the_wheel_carries_the_playbooks_and_kernels(tmp_path):
                  "fleetctl/probes/change.py", "fleetctl/changes.py", "fleetctl/standin/restart.sh"):
         assert want in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    assert (ROOT / "kernels/verify_attention/results/gpu_check.json").exists()
+    assert not [n for n in names if "/results/" in n], "GPU measurements are not package data"
 
 
 # ------------------------------------------------------------------ layering
