@@ -236,6 +236,72 @@ def test_recover_after_kill_mid_apply(site):
     assert change.main(dict(params, change_id="c3"))["ok"]  # a fresh apply goes through
 
 
+UNDO_KILLER = """
+import json, os, signal, sys
+from fleetctl.probes import change
+params = json.load(sys.stdin)
+second = params["files"][1]["path"]
+real, seen = os.replace, []
+def replace(src, dst):
+    if dst == second:
+        seen.append(src)
+        if len(seen) == 2:  # the undo's restore of the second file: temp written, not renamed
+            os.kill(os.getpid(), signal.SIGKILL)
+    real(src, dst)
+    if dst == second:
+        raise OSError(5, "Input/output error")  # after apply's rename: the undo starts
+os.replace = replace
+change.main(params)
+"""
+
+
+@pytest.mark.parametrize("backup", ["kept", "lost"])
+def test_recover_after_kill_inside_the_undo(site, backup):
+    """Killed while an apply that failed is putting files back: `recover` finishes the undo (or,
+    with the backup gone, says it could not) and removes the undo's own temp file either way
+    (mutation gap: the undo's temp-file tag)."""
+    site_dir, state, params, originals = site
+    listing = sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts)
+    p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    first, second = (Path(f["path"]) for f in params["files"])
+    assert sha(first) == params["files"][0]["pre_sha256"]  # the undo had put the first one back
+    assert sha(second) == params["files"][1]["post_sha256"]
+    left = sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts)
+    assert len(left) == len(listing) + 1  # the undo's temp file beside the second file
+    assert ledger_states(state) == [("c1", "pending")]
+    if backup == "lost":
+        (state / "backups" / "c1" / str(second).lstrip("/")).unlink()
+
+    r = change.main({"action": "recover", "state_dir": str(state)})
+    actions = [f["action"] for f in r["recovered"][0]["files"]]
+    assert sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts) == listing
+    if backup == "kept":
+        assert r["ok"] and actions == ["untouched", "restored"]
+        assert all(Path(q).read_bytes() == d for q, d in originals.items())
+        assert ledger_states(state)[-1] == ("c1", "rolled-back")
+    else:
+        assert actions[0] == "untouched" and actions[1].startswith("restore failed: ")
+        assert sha(second) == params["files"][1]["post_sha256"]
+        assert ledger_states(state)[-1] == ("c1", "failed")
+
+
+def test_a_link_restore_that_does_not_take_is_reported(tmp_path, monkeypatch):
+    """A link put back but found pointing elsewhere (replaced concurrently) fails the rollback
+    with the link and the target it should have, and the change stays not rolled back."""
+    state, link = tmp_path / "state", str(tmp_path / "current")
+    os.symlink("k0", link)
+    r = change.main({"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t",
+                     "state_dir": str(state),
+                     "files": [{"path": link, "kind": "link", "pre_target": "k0", "post_target": "k1"}]})
+    assert r["ok"] and os.readlink(link) == "k1"
+    monkeypatch.setattr(change, "set_link", lambda path, target, tag: None)  # someone else's link wins
+    r = change.main({"action": "rollback", "change_id": "c1", "state_dir": str(state)})
+    assert not r["ok"] and r["error"] == (
+        "rollback failed after restoring 0 of 1 files (none): %s: link after restore is not link:k0" % link)
+    assert ledger_states(state)[-1] == ("c1", "failed") and os.readlink(link) == "k1"
+
+
 def test_status_drift_and_record(tmp_path):
     site, state = tmp_path / "site", tmp_path / "state"
     with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:

@@ -118,3 +118,17 @@ def test_undefined_field_in_when_names_playbook_line(tmp_path):
     pb = load_playbook(write(tmp_path, GOOD.replace("not finding.literal", "not finding.literall")))
     with pytest.raises(ParseError, match=r"pb\.yaml:9: .*literall"):
         plan_host(pb, "h", {"fleetctl_restart_cmd": "x"}, *inputs())
+
+
+def test_a_value_that_parses_alone_but_breaks_the_file_is_refused(tmp_path):
+    """A value template's text is an expression on its own (`True  # was ...`), but inside a call
+    its comment swallows the closing parenthesis: the plan is refused with the line and Python's
+    message, and no file change is planned."""
+    pb = load_playbook(write(tmp_path, GOOD, value="True  # was {{ finding.expr }}\n"))
+    text = "x = f(need_sort=mode in ('decode',))\n"
+    facts, findings, sources = inputs(text)
+    findings["need_sort_origins"][0].update(kind="keyword", callee="f", target=None, value_col=16, value_end_col=35)
+    assert text[16:35] == findings["need_sort_origins"][0]["expr"]
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    assert (plan.status, plan.reason, plan.files) == (
+        "failed", "the edited sglang/a.py does not parse: line 1: '(' was never closed", [])
