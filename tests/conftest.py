@@ -20,13 +20,13 @@ from fleetctl.wheelcache import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite tests this checkout, never another installed copy: pytest's `pythonpath` puts agent/
-# first for this process, and PYTHONPATH carries it to every subprocess (probes, `python -m
-# fleetctl.cli`, build helpers).
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(ROOT / "agent")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+# first for this process (src/ in scripts/mutation.sh's copy), and PYTHONPATH carries that
+# directory to every subprocess (probes, `python -m fleetctl.cli`, build helpers).
 if not Path(fleetctl.__file__).resolve().is_relative_to(ROOT):
     raise pytest.UsageError(f"tests import fleetctl from {fleetctl.__file__}, not from this checkout {ROOT}: "
                             "run pytest from the repository root")
+os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(fleetctl.__file__).resolve().parent.parent)] + [
+    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 TEST_LAB_ID = int(os.environ.get("FLEETCTL_TEST_LAB_ID", "7"))
 
