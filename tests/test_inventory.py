@@ -431,3 +431,178 @@ def test_malformed_or_partly_unmatched_patterns_are_refused(tmp_path, pattern):
     inv.write_text("all:\n  hosts:\n    lab-01:\n    lab-02:\n")
     with pytest.raises(PatternError):
         inventory.load(inv).select(pattern)
+
+
+# ---- templated vars (invtemplate) ----------------------------------------------------------
+
+TEMPLATED = """\
+all:
+  vars:
+    domain: mgmt.example.invalid
+    base_port: "2200"
+    gateway: "{{ lookup('env', 'HOME') }}"
+  children:
+    gpu:
+      hosts:
+        gpu-[1:2]:
+        gpu-3:
+          ansible_host: !unsafe "{{ not.rendered }}"
+      vars:
+        ansible_host: "{{ inventory_hostname }}.{{ domain }}"
+        ansible_port: "{{ base_port | int + 1 }}"
+        ansible_user: "{{ missing_user | d('ops') }}"
+        fleetctl_python: "{{ hostvars[groups['gpu'][0]]['ansible_host'] | regex_replace('[.].*$', '') }}"
+        fleetctl_smoke_cmd: "echo {{ group_names | join(',') | quote }} {{ 'yes' | bool }}"
+        fleetctl_restart_cmd: "{{ undefined_thing.attr | default('systemctl restart sglang') }}"
+        unread: "{{ facts_only_ansible_has | ipaddr }}"
+    canary:
+      hosts:
+        gpu-2:
+"""
+
+
+def test_templated_vars_fleetctl_reads(tmp_path):
+    inv = inventory.load(write(tmp_path, TEMPLATED))
+    one, two, three = (inv.hosts[f"gpu-{i}"] for i in (1, 2, 3))
+    assert (one.address, one.port, one.user) == ("gpu-1.mgmt.example.invalid", 2201, "ops")
+    assert two.address == "gpu-2.mgmt.example.invalid"
+    assert one.python == two.python == "gpu-1"                 # hostvars + groups + regex_replace
+    assert one.smoke_cmd == "echo gpu True"                    # group_names, quote, bool
+    assert two.smoke_cmd == "echo canary,gpu True"             # sorted, without all/ungrouped
+    assert one.restart_cmd == "systemctl restart sglang"       # default after a chained undefined
+    # vars fleetctl never reads stay as written, lookups and unknown filters included
+    assert one.vars["gateway"] == "{{ lookup('env', 'HOME') }}"
+    assert one.vars["unread"] == "{{ facts_only_ansible_has | ipaddr }}"
+    # !unsafe: never rendered, stays marked
+    assert three.address == "{{ not.rendered }}"
+    assert isinstance(three.vars["ansible_host"], inventory.Unsafe)
+
+
+def test_lookup_in_group_vars_only_fails_where_fleetctl_reads_it(tmp_path):
+    path = write(tmp_path, "gpu:\n  hosts:\n    gpu-1:\n")
+    gv = write(tmp_path, "ntp: \"{{ lookup('file', '/etc/ntp') }}\"\nansible_user: ops\n", "group_vars/gpu.yml")
+    assert inventory.load(path).hosts["gpu-1"].user == "ops"
+    gv.write_text("ntp: x\nansible_host: \"{{ lookup('file', '/etc/hostip') }}\"\n")
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{gv}:2: ansible_host: lookup('file', '/etc/hostip') is an Ansible lookup")
+    assert "ansible-inventory" in str(err.value) and err.value.exit_code == 4
+
+
+@pytest.mark.parametrize("value, what", [
+    ("\"{{ x | ipaddr }}\"", "No filter named 'ipaddr'"),
+    ("\"{% if x %}{{ x | to_nice_json }}{% endif %}\"", "No filter named 'to_nice_json'"),
+    ("\"{{ nope }}\"", "'nope' is undefined"),
+    ("\"{{ ''.__class__.__mro__ }}\"", "is unsafe"),                 # the sandbox holds
+    ("\"{{ query('inventory_hostnames', 'all') }}\"", "is an Ansible lookup"),
+    ("\"{{ y }}\"", "ansible_host refers to itself: ansible_host -> y -> ansible_host"),
+])
+def test_unrenderable_needed_var_is_exit_4_at_its_line(tmp_path, value, what):
+    path = write(tmp_path, f"all:\n  vars:\n    x: 1\n    y: \"{{{{ ansible_host }}}}\"\n"
+                           f"  hosts:\n    a:\n      ansible_host: {value}\n")
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{path}:7: ansible_host")
+    assert what in str(err.value)
+
+
+@pytest.mark.parametrize("var, value, what", [
+    ("ansible_port", "\"{{ 'twenty' }}\"", "ansible_port must be a port number (1-65535), not 'twenty'"),
+    ("ansible_connection", "\"{{ 'docker' }}\"", "ansible_connection 'docker' is not one fleetctl can use"),
+    ("ansible_port", "\"{{ 70000 }}\"", "ansible_port must be a port number (1-65535), not '70000'"),
+])
+def test_rendered_values_are_checked_at_the_template_line(tmp_path, var, value, what):
+    path = write(tmp_path, f"all:\n  hosts:\n    a:\n      {var}: {value}\n")
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{path}:4: {what}")
+
+
+def test_vault_value_in_a_var_fleetctl_reads_needs_a_secret(tmp_path):
+    text = ("all:\n  hosts:\n    a:\n      other: !vault |\n        $ANSIBLE_VAULT;1.1;AES256\n        6162\n"
+            "      ansible_become_password: !vault |\n        $ANSIBLE_VAULT;1.1;AES256\n        6364\n")
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(path))}:7: ansible_become_password is "
+                                             r"vault-encrypted and no vault secret was given"):
+        inventory.load(path)
+    seen = []
+    inv = inventory.load(path, decrypt=lambda value, name, where: seen.append((value, name, where)) or "pw")
+    assert inv.hosts["a"].vars["ansible_become_password"] == "pw"
+    assert seen == [("$ANSIBLE_VAULT;1.1;AES256\n6364\n", "ansible_become_password", f"{path}:7")]
+    assert isinstance(inv.hosts["a"].vars["other"], inventory.Vaulted)   # never read: never decrypted
+
+
+# ---- host names and addresses in Ansible's forms ---------------------------------------------
+
+def test_host_names_and_addresses(tmp_path):
+    text = """\
+    all:
+      hosts:
+        fe80::1:
+        "[2001:db8::5]:2222":
+        "[2001:db8::[a:b]]:2223":
+        192.0.2.7:2201:
+        "192.0.2.[8:9]":
+        10:
+        "0042":
+        "db:primary":
+        gpu-1.example.invalid:2202:
+    """
+    inv = inventory.load(write(tmp_path, text))
+    assert list(inv.hosts) == ["fe80::1", "2001:db8::5", "2001:db8::a", "2001:db8::b", "192.0.2.7",
+                               "192.0.2.8", "192.0.2.9", "10", "0042", "db:primary", "gpu-1.example.invalid"]
+    ports = {name: host.port for name, host in inv.hosts.items()}
+    assert ports == {"fe80::1": None, "2001:db8::5": 2222, "2001:db8::a": 2223, "2001:db8::b": 2223,
+                     "192.0.2.7": 2201, "192.0.2.8": None, "192.0.2.9": None, "10": None, "0042": None,
+                     "db:primary": None, "gpu-1.example.invalid": 2202}
+    assert inv.hosts["fe80::1"].address == "fe80::1"
+
+
+def test_numbers_as_connection_strings(tmp_path):
+    inv = inventory.load(write(tmp_path, "all:\n  hosts:\n    a:\n      ansible_host: 3232235777\n"
+                                         "      ansible_user: 1000\n      ansible_port: '22'\n"))
+    host = inv.hosts["a"]
+    assert (host.address, host.user, host.port) == ("3232235777", "1000", 22)
+    assert host.vars["ansible_user"] == "1000"
+
+
+# ---- ansible_ssh_common_args / ansible_ssh_extra_args (case turn2/06) ------------------------
+
+CASE_06 = """\
+all:
+  children:
+    gpu:
+      hosts:
+        gpu-node-01: {ansible_host: 192.0.2.11}
+        gpu-node-02: {ansible_host: 192.0.2.12}
+      vars:
+        ansible_user: ops
+        ansible_ssh_common_args: '-o ProxyCommand="ssh -W %h:%p -q ops@bastion.example.invalid"'
+    gpu_b:
+      hosts:
+        gpu-node-03:
+          ansible_host: 192.0.2.13
+          ansible_ssh_common_args: '-J ops@bastion.example.invalid:2222'
+          ansible_ssh_extra_args: "-o ServerAliveInterval={{ 5 * 3 }} -F '/etc/ssh/fleet config'"
+"""
+
+
+def test_case_06_bastion_in_ssh_common_args(tmp_path):
+    """Case turn2/06: the bastion named only in ansible_ssh_common_args reaches the Host, split
+    as a shell would, so the connection can hand it to `ssh -G` and ssh."""
+    inv = inventory.load(write(tmp_path, CASE_06))
+    one, two, three = (inv.hosts[f"gpu-node-0{i}"] for i in (1, 2, 3))
+    assert one.ssh_common_args == two.ssh_common_args == (
+        "-o", "ProxyCommand=ssh -W %h:%p -q ops@bastion.example.invalid")
+    assert one.ssh_extra_args == ()
+    assert three.ssh_common_args == ("-J", "ops@bastion.example.invalid:2222")
+    assert three.ssh_extra_args == ("-o", "ServerAliveInterval=15", "-F", "/etc/ssh/fleet config")
+    assert (one.address, three.address, three.user) == ("192.0.2.11", "192.0.2.13", None)
+
+
+@pytest.mark.parametrize("value", ["'-o ProxyCommand=\"ssh -W %h:%p'", "'-J {{ \"it''s\" }}'", "[-J, x]"])
+def test_ssh_args_quoting_error_is_exit_4_at_its_line(tmp_path, value):
+    path = write(tmp_path, f"all:\n  vars:\n    ansible_ssh_common_args: {value}\n  hosts:\n    a:\n")
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path)
+    assert str(err.value).startswith(f"{path}:3: ansible_ssh_common_args ")

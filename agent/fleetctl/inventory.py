@@ -14,19 +14,22 @@ file, naming the file and line.
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import os
 import re
+import shlex
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from . import config
 from .errors import InventoryError, PatternError
+from .invtemplate import Templar, Unsafe, Vaulted, is_template, needed
 
 ENV_VAR = "FLEETCTL_INVENTORY"
 DEFAULT_PATH = "hosts.yaml"
@@ -34,8 +37,16 @@ DEFAULT_PATH = "hosts.yaml"
 _GROUP_KEYS = ("hosts", "children", "vars")
 _NULL_TAG = "tag:yaml.org,2002:null"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-# A host key `name:port` (ansible/parsing/utils/addresses.py, 'hostport').
+# A host key `name:port` and `[address]:port` (ansible/parsing/utils/addresses.py, 'hostport' and
+# 'bracketed_hostport'); the only way to give an IPv6 address a port is the brackets.
 _HOSTPORT = re.compile(r"((?:[^:\[\]]|\[[^\]]*\])*):([0-9]+)")
+_BRACKETED_HOSTPORT = re.compile(r"\[(.+)\]:([0-9]+)")
+# A host name as Ansible's parse_address accepts it: dot-separated labels of word characters and
+# '-', not ending in '-' or '_' (ansible/parsing/utils/addresses.py, 'label').
+_HOSTNAME = re.compile(r"[\w][\w-]*(?<![_-])(?:\.[\w][\w-]*(?<![_-]))*")
+# Connection vars given as a command-line fragment (Ansible's ssh connection, ssh_common_args /
+# ssh_extra_args): split as a shell would, so a quoting mistake is found at load.
+_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args")
 # One part of a ':'-separated host pattern, keeping [x:y] brackets whole (ansible/inventory/manager.py).
 _PATTERN_PART = re.compile(r"(?:[^\s:\[\]]|\[[^\]]*\])+")
 # `pattern[i]`, `pattern[i:j]`, `pattern[i:]` (ansible/inventory/manager.py, PATTERN_WITH_SUBSCRIPT).
@@ -44,24 +55,23 @@ _VARS_EXTENSIONS = ("", ".yml", ".yaml", ".json")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
 _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
              "ansible_private_key_file", "ansible_ssh_private_key_file",
-             "ansible_python_interpreter", "ansible_connection",
+             "ansible_python_interpreter", "ansible_connection", *_ARGS_VARS,
              *(v.name for v in config.HOST_VARS if v.type is str))
 # ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
 # `smart` are Ansible's names for its OpenSSH connection, served by paramiko until fleetctl has one.
 CONNECTIONS = ("paramiko", "paramiko_ssh", "ssh", "smart", "local")
+# Turns a vault value into its plain text: (ciphertext, var name, "file:line") -> text.
+Decrypt = Optional[Callable[[Vaulted, str, str], str]]
 # ansible_python_interpreter values that ask Ansible to discover the interpreter.
 _AUTO_INTERPRETERS = ("auto", "auto_silent", "auto_legacy", "auto_legacy_silent")
 
 
-class Vaulted(str):
-    """The ciphertext of an Ansible Vault value (`!vault |`); fleetctl never decrypts it."""
-
-
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads Ansible's own tags: `!unsafe` (a plain string) and `!vault`."""
+    """SafeLoader that also reads Ansible's own tags: `!unsafe` (an Unsafe string, never
+    templated) and `!vault` (a Vaulted ciphertext)."""
 
 
-_Loader.add_constructor("!unsafe", lambda loader, node: loader.construct_scalar(node))
+_Loader.add_constructor("!unsafe", lambda loader, node: Unsafe(loader.construct_scalar(node)))
 _Loader.add_constructor("!vault", lambda loader, node: Vaulted(loader.construct_scalar(node)))
 
 
@@ -82,7 +92,9 @@ class Host:
     `vars` are merged as Ansible does: groups sorted by (depth from `all`,
     ansible_group_priority, name), each overriding the one before, then group_vars/ files in
     the same order, then the host's own vars (from every place it is listed, later ones
-    winning), then host_vars/<name>. `groups` holds every group the host is in, transitively,
+    winning), then host_vars/<name>. The vars fleetctl reads (`invtemplate.needed`) are
+    templated, vault values among them decrypted; every other var is kept as the inventory wrote
+    it (templates unrendered, `!unsafe` as Unsafe, `!vault` as Vaulted). `groups` holds every group the host is in, transitively,
     `all` first, in the order of Inventory.groups.
     """
 
@@ -111,6 +123,21 @@ class Host:
         """ansible_ssh_private_key_file (or ansible_private_key_file), `~` expanded; None: none set."""
         path = _last(self.vars, "ansible_private_key_file", "ansible_ssh_private_key_file")
         return os.path.expanduser(path) if path else None
+
+    @property
+    def ssh_common_args(self) -> tuple[str, ...]:
+        """ansible_ssh_common_args, templated and split as a shell would (shlex; checked at load):
+        extra arguments for every ssh, scp and sftp command line of Ansible's ssh connection, where
+        Ansible users name a bastion (`-o ProxyCommand=...`, `-o ProxyJump=...`, `-J`, `-F FILE`;
+        Ansible FAQ, jump hosts). () when unset."""
+        return tuple(shlex.split(self.vars.get("ansible_ssh_common_args") or ""))
+
+    @property
+    def ssh_extra_args(self) -> tuple[str, ...]:
+        """ansible_ssh_extra_args, templated and split as a shell would (checked at load): extra
+        arguments for the ssh command line only (Ansible's ssh connection, ssh_extra_args). ()
+        when unset."""
+        return tuple(shlex.split(self.vars.get("ansible_ssh_extra_args") or ""))
 
     @property
     def connection(self) -> str:
@@ -272,7 +299,7 @@ def resolve_path(cli_path: str | None = None) -> Path:
     return path
 
 
-def load(path: Path) -> Inventory:
+def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     """Parse an Ansible YAML inventory file into an Inventory.
 
     Like Ansible's host_group_vars plugin, also reads the vars files beside the inventory:
@@ -282,12 +309,36 @@ def load(path: Path) -> Inventory:
     Raises InventoryError (exit 4) "<file>:<line>[:<col>]: <what>" for unreadable or bad YAML
     (line and column from PyYAML's problem_mark), a duplicate key, or a bad structure (a group
     or `hosts` that is not a mapping, an unknown key in a group, a bad host range, a group
-    cycle, ansible_port not a port number, a connection var that is not a string).
+    cycle, ansible_port not a port number, a connection var that is not a string), and for a var
+    fleetctl reads that cannot be templated (invtemplate) or is vault-encrypted while `decrypt`
+    (Vaulted, var name, "file:line" -> plain text) is None.
     """
-    return _parsed(Path(path), _Parser.parse)
+    return _parsed(Path(path), _Parser.parse, decrypt)
 
 
-def _parsed(path: Path, use: Callable[[_Parser], Any]) -> Any:
+def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str, ...]],
+               decrypt: Decrypt) -> Inventory:
+    """The Inventory of hosts whose vars are `merged` (in precedence order, with file:line), the
+    vars fleetctl reads templated and checked. Raises InventoryError naming the file:line of a
+    value that cannot be rendered or is not what fleetctl needs after rendering."""
+    def no_secret(value: Vaulted, name: str, where: str) -> str:
+        raise InventoryError(f"{where}: {name} is vault-encrypted and no vault secret was given: "
+                             "run with --vault-password-file FILE or --ask-vault-pass")
+
+    templar = Templar(merged, {h: v.where for h, v in merged.items()}, groups, decrypt or no_secret)
+    hosts = {}
+    for host, raw in merged.items():
+        final = dict(raw)
+        for name in filter(needed, raw):
+            try:
+                final[name] = _checked(name, templar.value(host, name))
+            except ValueError as e:
+                raise InventoryError(f"{raw.where.get(name, path)}: {e} (rendered from {raw[name]!r})") from None
+        hosts[host] = Host(host, MappingProxyType(final), tuple(g for g in groups if host in groups[g]))
+    return Inventory(path, hosts, groups)
+
+
+def _parsed(path: Path, use: Callable[[_Parser], Any], decrypt: Decrypt = None) -> Any:
     """Read `path` as YAML and return `use(parser)`; read and YAML errors become InventoryError."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -298,7 +349,7 @@ def _parsed(path: Path, use: Callable[[_Parser], Any]) -> Any:
         raise InventoryError(f"{path}: cannot read: {e.strerror}") from None
     parser = None
     try:
-        parser = _Parser(path, text)
+        parser = _Parser(path, text, decrypt)
         return use(parser)
     except yaml.reader.ReaderError as e:
         line = text[:e.position].count("\n") + 1
@@ -330,6 +381,48 @@ def _vars_files(directory: Path) -> list[Path]:
     return found
 
 
+class _Vars(dict):
+    """Vars, each with `where` it was set ("file:line"), merged layer over layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: dict[str, str] = {}
+
+    def set(self, name: str, value: Any, where: str):
+        self[name] = value
+        self.where[name] = where
+
+    def merge(self, other: _Vars):
+        self.update(other)
+        self.where.update(other.where)
+
+
+def _checked(name: str, data: Any) -> Any:
+    """`data` as the inventory var `name` must be for fleetctl: a port number (int), a string
+    (a number becomes its text, as Ansible uses it), a shell-splittable args string, or one of
+    CONNECTIONS. Other vars pass unchanged. Raises ValueError saying what is wrong."""
+    if name in _PORT_VARS or (name.startswith("fleetctl_") and name.endswith("_port")):
+        ok = isinstance(data, int) and not isinstance(data, bool) or isinstance(data, str) and data.isdigit()
+        if not ok or not 0 < int(data) < 65536:
+            raise ValueError(f"{name} must be a port number (1-65535), not {data!r}")
+        return int(data)
+    if name in _STR_VARS:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            data = str(data)
+        if not isinstance(data, str) or isinstance(data, Vaulted):
+            got = "a vault value" if isinstance(data, Vaulted) else repr(data)
+            raise ValueError(f"{name} must be a plain string, not {got}")
+    if name == "ansible_connection" and data not in CONNECTIONS:
+        raise ValueError(f"ansible_connection {data!r} is not one fleetctl can use: "
+                         f"use one of {', '.join(CONNECTIONS)}")
+    if name in _ARGS_VARS:
+        try:
+            shlex.split(data)
+        except ValueError as e:
+            raise ValueError(f"{name} {data!r} cannot be split as a shell would: {e}") from None
+    return data
+
+
 def _kind(node: Node) -> str:
     """How a YAML node reads in an error message."""
     if isinstance(node, SequenceNode):
@@ -341,6 +434,36 @@ def _kind(node: Node) -> str:
 
 def _is_null(node: Node | None) -> bool:
     return node is None or (isinstance(node, ScalarNode) and node.tag == _NULL_TAG)
+
+
+def _host_names(entry: str) -> tuple[list[str], int | None]:
+    """The host names and port of one host entry, as Ansible's _expand_hostpattern reads it
+    (ansible/plugins/inventory/__init__.py with parse_address): `name`, `name:port`, an IPv4 or
+    IPv6 address, `[address]:port`, each with `[a:b]` ranges. An entry that is none of those (say
+    `db:primary`) is one name, whole. Raises ValueError for a bad range."""
+    address, port = entry, None
+    for form in (_BRACKETED_HOSTPORT, _HOSTPORT):
+        match = form.fullmatch(address)
+        if match:
+            address, port = match[1], int(match[2])
+    if not _is_address(address):
+        address, port = entry, None
+    return (_expand_range(address) if "[" in address and "]" in address else [address]), port
+
+
+def _is_address(address: str) -> bool:
+    """Whether `address` (ranges expanded) is an IP address or a host name of dot-separated labels."""
+    try:
+        names = _expand_range(address) if "[" in address else [address]
+    except ValueError:
+        return False
+    for name in names:
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            if not _HOSTNAME.fullmatch(name):
+                return False
+    return True
 
 
 def _expand_range(name: str) -> list[str]:
@@ -375,11 +498,12 @@ def _expand_range(name: str) -> list[str]:
 class _Parser:
     """Walks the composed YAML node tree (for line numbers) and builds the Inventory."""
 
-    def __init__(self, path: Path, text: str):
+    def __init__(self, path: Path, text: str, decrypt: Decrypt = None):
         self.path = path
+        self.decrypt = decrypt
         self.yaml = _Loader(text)
-        self.host_vars: dict[str, dict[str, Any]] = {}  # host -> own vars, file order
-        self.group_vars: dict[str, dict[str, Any]] = {"all": {}}  # group -> vars, file order
+        self.host_vars: dict[str, _Vars] = {}  # host -> own vars, file order
+        self.group_vars: dict[str, _Vars] = {"all": _Vars()}  # group -> vars, file order
         self.priority: dict[str, int] = {}
         self.members: dict[str, list[str]] = {"all": []}  # group -> hosts listed directly
         self.children: dict[str, dict[str, Node]] = {"all": {}}  # group -> child -> key node
@@ -400,22 +524,22 @@ class _Parser:
             self.group(name, key, value, None)
         return self.build()
 
-    def vars_file(self) -> dict[str, Any]:
+    def vars_file(self) -> _Vars:
         """The vars in a group_vars/ or host_vars/ file (an empty file has none)."""
         root = self.yaml.get_single_node()
         if root is not None:
             self.check_duplicates(root, set())
         return self.vars(root, "a vars file")
 
-    def adjacent_vars(self, kind: str, names) -> dict[str, dict[str, Any]]:
+    def adjacent_vars(self, kind: str, names) -> dict[str, _Vars]:
         """name -> vars from <inventory dir>/<kind>/ ("group_vars" or "host_vars") for each of `names`."""
         base = self.path.parent / kind
-        found: dict[str, dict[str, Any]] = {}
+        found: dict[str, _Vars] = {}
         for name in names if base.is_dir() else ():
             files = [base / (name + ext) for ext in _VARS_EXTENSIONS if (base / (name + ext)).is_file()]
             files += _vars_files(base / name) if (base / name).is_dir() else []
             for path in files:
-                found.setdefault(name, {}).update(_parsed(path, _Parser.vars_file))
+                found.setdefault(name, _Vars()).merge(_parsed(path, _Parser.vars_file))
         return found
 
     def check_duplicates(self, node: Node, seen: set[int]):
@@ -462,7 +586,7 @@ class _Parser:
         if not _is_null(node) and not isinstance(node, MappingNode):
             self.fail(node, f"group '{name}' must be a mapping of hosts, children and vars, "
                             f"not {_kind(node)}")
-        self.group_vars.setdefault(name, {})
+        self.group_vars.setdefault(name, _Vars())
         self.members.setdefault(name, [])
         self.children.setdefault(name, {})
         if parent is not None:
@@ -472,7 +596,7 @@ class _Parser:
                 own = self.vars(value, f"vars of group '{name}'")
                 if "ansible_group_priority" in own:
                     self.priority[name] = own.pop("ansible_group_priority")
-                self.group_vars[name].update(own)
+                self.group_vars[name].merge(own)
             elif section == "children":
                 for child, ckey, cvalue in self.names(value, name, section):
                     self.group(child, ckey, cvalue, name)
@@ -484,45 +608,37 @@ class _Parser:
                                 f"hosts, children and vars; is a 'hosts:' or 'children:' level missing?)")
 
     def host(self, entry: str, key: Node, node: Node | None, group: str):
-        match = _HOSTPORT.fullmatch(entry)
-        base, port = (match[1], int(match[2])) if match else (entry, None)
         try:
-            names = _expand_range(base) if "[" in base else [base]
+            names, port = _host_names(entry)
         except ValueError as e:
             self.fail(key, f"bad host range in {entry!r}: {e}")
         own = self.vars(node, f"vars of host '{entry}'")
         for name in names:
-            merged = self.host_vars.setdefault(name, {})
+            merged = self.host_vars.setdefault(name, _Vars())
             if name not in self.members[group]:
                 self.members[group].append(name)
             if port is not None:
-                merged["ansible_port"] = port
-            merged.update(own)
+                merged.set("ansible_port", port, f"{self.path}:{key.start_mark.line + 1}")
+            merged.merge(own)
 
-    def vars(self, node: Node | None, what: str) -> dict[str, Any]:
-        """A vars mapping, its values constructed; connection vars type-checked at their line."""
+    def vars(self, node: Node | None, what: str) -> _Vars:
+        """A vars mapping, its values constructed, each with its file:line; the vars fleetctl
+        reads are checked at their line unless templated or vaulted (then after rendering)."""
+        out = _Vars()
         if _is_null(node):
-            return {}
+            return out
         if not isinstance(node, MappingNode):
             self.fail(node, f"{what} must be a mapping, not {_kind(node)}")
-        out = {}
         for name, _, value in self.items(node):
             data = self.yaml.construct_object(value, deep=True)
-            if name in _PORT_VARS or (name.startswith("fleetctl_") and name.endswith("_port")):
-                ok = isinstance(data, int) and not isinstance(data, bool) or \
-                    isinstance(data, str) and data.isdigit()
-                if not ok or not 0 < int(data) < 65536:
-                    self.fail(value, f"{name} must be a port number (1-65535), not {data!r}")
-                data = int(data)
-            elif name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
+            if name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
                 self.fail(value, f"{name} must be an integer, not {data!r}")
-            elif name in _STR_VARS and (not isinstance(data, str) or isinstance(data, Vaulted)):
-                got = "a vault value" if isinstance(data, Vaulted) else repr(data)
-                self.fail(value, f"{name} must be a plain string, not {got}")
-            elif name == "ansible_connection" and data not in CONNECTIONS:
-                self.fail(value, f"ansible_connection {data!r} is not one fleetctl can use: "
-                                 f"use one of {', '.join(CONNECTIONS)}")
-            out[name] = data
+            if not (is_template(data) or isinstance(data, Vaulted)):
+                try:
+                    data = _checked(name, data)
+                except ValueError as e:
+                    self.fail(value, str(e))
+            out.set(name, data, f"{self.path}:{value.start_mark.line + 1}")
         return out
 
     def build(self) -> Inventory:
@@ -550,7 +666,7 @@ class _Parser:
                 in_groups[host].discard("ungrouped")
             else:
                 in_groups[host].add("ungrouped")
-        self.group_vars.setdefault("ungrouped", {})
+        self.group_vars.setdefault("ungrouped", _Vars())
         parents.setdefault("ungrouped", [])
         order = ["all", "ungrouped"] + [g for g in self.group_vars if g not in ("all", "ungrouped")]
         groups = {g: tuple(h for h in self.host_vars if g in in_groups[h]) for g in order}
@@ -558,17 +674,16 @@ class _Parser:
             del groups["ungrouped"]
         group_files = self.adjacent_vars("group_vars", groups)
         host_files = self.adjacent_vars("host_vars", self.host_vars)
-        hosts = {}
+        merged_vars = {}
         for host, own in self.host_vars.items():
             ordered = sorted(in_groups[host], key=lambda g: (depth_of(g), self.priority.get(g, 1), g))
-            merged: dict[str, Any] = {}
-            for layer in [self.group_vars[g] for g in ordered] + [group_files.get(g, {}) for g in ordered]:
-                merged.update(layer)
-            merged.update(own)
-            merged.update(host_files.get(host, {}))
-            member_of = tuple(g for g in groups if g in in_groups[host])
-            hosts[host] = Host(host, MappingProxyType(merged), member_of)
-        return Inventory(self.path, hosts, groups)
+            merged = _Vars()
+            for layer in [self.group_vars[g] for g in ordered] + [group_files.get(g, _Vars()) for g in ordered]:
+                merged.merge(layer)
+            merged.merge(own)
+            merged.merge(host_files.get(host, _Vars()))
+            merged_vars[host] = merged
+        return _inventory(self.path, merged_vars, groups, self.decrypt)
 
     def check_cycles(self):
         """Refuse a group that is its own ancestor, naming the line of the edge that closes the loop."""

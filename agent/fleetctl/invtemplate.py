@@ -1,0 +1,188 @@
+"""Templated inventory vars: the vars fleetctl reads, rendered as Ansible renders them, safely.
+
+Only the vars fleetctl reads (`needed`) are rendered, and the vars they reference are rendered
+only when referenced (`_HostVars` is a lazy mapping): real group_vars hold lookups and facts that
+fleetctl never reads, and they must not stop a load. Templates render in Jinja2's
+ImmutableSandboxedEnvironment with Jinja2's own filters plus the Ansible ones inventories use for
+connection values (`bool`, `quote`, `regex_replace`; ansible/plugins/filter/core.py), and with
+Ansible's magic variables `inventory_hostname`, `inventory_hostname_short`, `groups`,
+`group_names` and `hostvars` (ansible/vars/manager.py, _get_magic_variables). `!unsafe` values
+(`Unsafe`) are never rendered, as in Ansible. A lookup, an unknown filter, an undefined variable
+or a sandbox violation in a needed var is an InventoryError (exit 4) naming the file and line the
+value came from.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any, Callable, Iterator, Mapping
+
+import jinja2
+import jinja2.sandbox
+
+from .errors import InventoryError
+
+# Names of the vars fleetctl reads; everything else is left as the inventory wrote it.
+_NEEDED = ("ansible_host", "ansible_port", "ansible_user", "ansible_connection",
+           "ansible_python_interpreter", "ansible_private_key_file")
+_NEEDED_PREFIXES = ("ansible_ssh_", "ansible_become", "fleetctl_")
+_MARKERS = ("{{", "{%", "{#")
+_HINT = ("fleetctl renders plain Jinja2 with only Ansible's default/d, bool, int, quote and "
+         "regex_replace filters: put the rendered value in the inventory (`ansible -i INVENTORY HOST "
+         "-m debug -a var=NAME` shows it; `ansible-inventory -i INVENTORY --list` the inventory as "
+         "Ansible reads it)")
+
+
+class Unsafe(str):
+    """An `!unsafe` value (Ansible's AnsibleUnsafeText): used as written, never templated."""
+
+
+class Vaulted(str):
+    """The ciphertext of an Ansible Vault value (`!vault |`); decrypted only with a vault secret."""
+
+
+def needed(name: str) -> bool:
+    """Whether fleetctl reads the inventory var `name` (so it is templated and checked at load)."""
+    return name in _NEEDED or name.startswith(_NEEDED_PREFIXES)
+
+
+def is_template(value: Any) -> bool:
+    """Whether `value` is a string Ansible would template (not `!unsafe`, holds a Jinja2 marker)."""
+    return isinstance(value, str) and not isinstance(value, (Unsafe, Vaulted)) and \
+        any(m in value for m in _MARKERS)
+
+
+class _NotRun(Exception):
+    """A template called something fleetctl never runs (a lookup)."""
+
+
+def _lookup(kind: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise _NotRun(f"{kind}({', '.join(map(repr, args))}) is an Ansible lookup, which fleetctl does not run")
+    return refuse
+
+
+def _bool(value: Any) -> bool:
+    """Ansible's `bool` filter (ansible/module_utils/parsing/convert_bool.py, boolean(strict=False))."""
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("yes", "on", "1", "true", "t", "y", "1.0")
+
+
+def _regex_replace(value: Any, pattern: str = "", replacement: str = "",
+                   ignorecase: bool = False, multiline: bool = False, count: int = 0) -> str:
+    """Ansible's `regex_replace` filter (ansible/plugins/filter/core.py): re.sub on str(value)."""
+    flags = (re.I if ignorecase else 0) | (re.M if multiline else 0)
+    return re.sub(pattern, replacement, str(value), count=count, flags=flags)
+
+
+class _Undefined(jinja2.ChainableUndefined, jinja2.StrictUndefined):
+    """Undefined as in Ansible: `a.b | default(x)` works; using an undefined value is an error."""
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=_Undefined, autoescape=False)
+    env.filters.update(bool=_bool, quote=shlex.quote, regex_replace=_regex_replace)
+    env.globals.update(lookup=_lookup("lookup"), query=_lookup("query"), q=_lookup("q"))
+    return env
+
+
+class Templar:
+    """Renders needed vars of every host of one inventory, lazily and once each.
+
+    `raw`: host -> merged vars as the inventory wrote them; `where`: host -> var -> "file:line"
+    the value came from; `groups`: group -> hosts (transitively), `all` first; `decrypt`: turns a
+    Vaulted into its plain text (raises InventoryError when no vault secret was given).
+    """
+
+    def __init__(self, raw: Mapping[str, Mapping[str, Any]], where: Mapping[str, Mapping[str, str]],
+                 groups: Mapping[str, tuple[str, ...]], decrypt: Callable[[Vaulted, str, str], str]):
+        self.raw, self.where, self.decrypt = raw, where, decrypt
+        self.groups = {g: list(hosts) for g, hosts in groups.items()}
+        self.env = _environment()
+        self.done: dict[tuple[str, str], Any] = {}
+        self.active: list[tuple[str, str]] = []
+        self.hostvars = {h: _HostVars(self, h) for h in raw}
+
+    def value(self, host: str, name: str) -> Any:
+        """The rendered value of `name` for `host`: a template becomes its text (checked and
+        converted by the caller), a vault value its plain text, anything else stays as it is.
+        Raises KeyError when the host has no such var, InventoryError when it cannot be rendered."""
+        key = (host, name)
+        if key in self.done:
+            return self.done[key]
+        raw = self.raw[host][name]
+        where = self.where[host].get(name, "?")
+        if key in self.active:
+            loop = " -> ".join(n for _, n in self.active[self.active.index(key):] + [key])
+            raise InventoryError(f"{where}: {name} refers to itself: {loop}")
+        self.active.append(key)
+        try:
+            self.done[key] = self._render(host, name, raw, where)
+        finally:
+            self.active.pop()
+        return self.done[key]
+
+    def _render(self, host: str, name: str, value: Any, where: str) -> Any:
+        if isinstance(value, Vaulted):
+            return self.decrypt(value, name, where)
+        if isinstance(value, dict):
+            return {k: self._render(host, name, v, where) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._render(host, name, v, where) for v in value]
+        if not is_template(value):
+            return value
+        try:
+            template = self.env.from_string(value)
+            context = template.new_context(_Context(self, host), shared=True)
+            text = template.environment.concat(template.root_render_func(context))
+        except InventoryError:
+            raise
+        except _NotRun as e:
+            raise InventoryError(f"{where}: {name}: {e}; {_HINT}") from None
+        except jinja2.TemplateError as e:
+            raise InventoryError(f"{where}: {name}: cannot render {value!r}: {str(e.message or e).rstrip('.')}; {_HINT}") from None
+        return text
+
+
+class _HostVars(Mapping[str, Any]):
+    """One host's vars as a template sees them: each rendered when first read."""
+
+    def __init__(self, templar: Templar, host: str):
+        self.templar, self.host = templar, host
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.templar.raw[self.host]:
+            raise KeyError(name)
+        return self.templar.value(self.host, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.templar.raw[self.host])
+
+    def __len__(self) -> int:
+        return len(self.templar.raw[self.host])
+
+
+class _Context(Mapping[str, Any]):
+    """What a template of `host` sees: its vars (lazily), Ansible's magic variables, the globals."""
+
+    def __init__(self, templar: Templar, host: str):
+        member_of = sorted(g for g, hosts in templar.groups.items()
+                           if host in hosts and g not in ("all", "ungrouped"))
+        self.vars = templar.hostvars[host]
+        self.magic = {"inventory_hostname": host, "inventory_hostname_short": host.split(".")[0],
+                      "groups": templar.groups, "group_names": member_of, "hostvars": templar.hostvars}
+        self.globals = templar.env.globals
+
+    def __getitem__(self, name: str) -> Any:
+        for layer in (self.magic, self.vars, self.globals):
+            if name in layer:
+                return layer[name]
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self.globals), **dict.fromkeys(self.vars), **dict.fromkeys(self.magic)})
+
+    def __len__(self) -> int:
+        return len(set(self.globals) | set(self.vars) | set(self.magic))
