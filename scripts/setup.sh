@@ -18,6 +18,12 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
+# tests/test_inventory_ansible.py makes a venv for the ansible extra (Debian's python3 needs python3-venv)
+if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
+fi
 # torch==2.13.0 is a CPU build that pip takes from this machine's own disk.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[kernel,test]'
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from fleetctl import inventory
+from fleetctl import ansiblesrc, inventory
 from fleetctl.errors import InventoryError, PatternError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,7 +335,6 @@ def test_pattern_error_lists_groups(fleet):
     ("all:\n  hosts:\n    gpu-[03:1]:\n", 3, "bad host range in 'gpu-[03:1]'"),
     ("all:\n  hosts:\n    gpu-[1:x]:\n", 3, "is not a numeric or one-letter range"),
     ("- all\n", 1, "an inventory is a mapping of groups"),
-    ("plugin: aws_ec2\n", 1, "inventory plugin configuration"),
     ("\n# nothing\n", 1, "empty inventory"),
 ])
 def test_structure_errors(tmp_path, text, where, what):
@@ -386,8 +386,10 @@ def test_resolve_path_order(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETCTL_INVENTORY", str(tmp_path / "gone.yaml"))
     with pytest.raises(InventoryError, match=r"gone.yaml \(from \$FLEETCTL_INVENTORY\): no such file"):
         inventory.resolve_path(None)
-    with pytest.raises(InventoryError, match=r"from -i\): is not a file"):
-        inventory.resolve_path(str(tmp_path))
+    assert inventory.resolve_path(str(tmp_path)) == tmp_path   # an inventory directory
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(InventoryError, match=r"from -i\): is not a file or directory"):
+        inventory.resolve_path(str(tmp_path / "fifo"))
 
 
 def test_example_inventory_loads():
@@ -606,3 +608,44 @@ def test_ssh_args_quoting_error_is_exit_4_at_its_line(tmp_path, value):
     with pytest.raises(InventoryError) as err:
         inventory.load(path)
     assert str(err.value).startswith(f"{path}:3: ansible_ssh_common_args ")
+
+
+# ---- other sources without the ansible extra ------------------------------------------------
+
+INVENTORIES = ROOT / "tests" / "inventories"
+
+
+@pytest.mark.parametrize("source, what", [
+    ("ini/hosts.ini", "an inventory that is not Ansible's YAML format"),
+    ("mixed", "an inventory directory"),
+    ("script/inventory.py", "an executable inventory script"),
+])
+def test_other_sources_need_the_ansible_extra(monkeypatch, source, what):
+    """Without ansible-core only the non-YAML sources are refused, saying what to install or how
+    to convert (tests/test_inventory_ansible.py reads them with it)."""
+    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    with pytest.raises(InventoryError) as err:
+        inventory.load(INVENTORIES / source)
+    assert str(err.value).startswith(f"{INVENTORIES / source}: {what}")
+    assert "pip install 'fleetctl[ansible]'" in str(err.value) and "ansible-inventory -i" in str(err.value)
+    assert err.value.exit_code == 4
+    assert len(inventory.load(INVENTORIES / "yaml/hosts.yaml").hosts) == 5
+
+
+def test_plugin_configuration_and_non_yaml_text_go_to_ansible(monkeypatch, tmp_path):
+    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    for name, text in [("aws_ec2.yml", "plugin: amazon.aws.aws_ec2\nregions: [us-east-1]\n"),
+                       ("hosts", "[gpu]\ngpu-01 ansible_user=ops\n"), ("list", "gpu-01\ngpu-02\n")]:
+        with pytest.raises(InventoryError, match="needs ansible-core"):
+            inventory.load(write(tmp_path, text, name))
+    assert list(inventory.load(write(tmp_path, "gpu:\n  hosts: {gpu-01: }\n", "hosts")).hosts) == ["gpu-01"]
+    with pytest.raises(InventoryError, match=r"hosts.yml:3:1: expected the node content"):  # a YAML error
+        inventory.load(write(tmp_path, "all:\n  - [\n", "hosts.yml"))
+
+
+def test_vault_options_need_a_secret_and_the_extra(monkeypatch):
+    with pytest.raises(InventoryError, match="--vault-password-file FILE or --ask-vault-pass"):
+        ansiblesrc.decrypter()
+    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    with pytest.raises(InventoryError, match=r"needs ansible-core: pip install 'fleetctl\[ansible\]'"):
+        ansiblesrc.decrypter("/nonexistent/vault-pass")

@@ -42,7 +42,13 @@ err = _console(stderr=True)
 
 Pattern = Annotated[str, typer.Argument(help="Host pattern: name, group, glob, all, a:b, a:&b, a:!b.")]
 InventoryOpt = Annotated[Optional[str], typer.Option("-i", "--inventory",
-                         help="Inventory file (else $FLEETCTL_INVENTORY, else ./hosts.yaml).")]
+                         help=("Inventory: an Ansible YAML file, or (with the ansible extra installed) any "
+                               "source ansible-inventory reads (INI, directory, script, plugin); else "
+                               "$FLEETCTL_INVENTORY, else ./hosts.yaml."))]
+VaultPasswordFile = Annotated[Optional[str], typer.Option(
+    "--vault-password-file", envvar="ANSIBLE_VAULT_PASSWORD_FILE",
+    help="Vault password file (or script), as Ansible's; needs the ansible extra. Else $ANSIBLE_VAULT_PASSWORD_FILE.")]
+AskVaultPass = Annotated[bool, typer.Option("--ask-vault-pass", help="Ask for the vault password; needs the ansible extra.")]
 Forks = Annotated[int, typer.Option("--forks", "-f", help="Hosts worked on at once.")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds for each host's whole job.")]
 ConnectTimeout = Annotated[float, typer.Option("--connect-timeout",
@@ -69,12 +75,18 @@ def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool,
                  run_timeout=run_timeout)
 
 
-def _select(inventory: str | None, pattern: str) -> list[inv.Host]:
-    return inv.load(inv.resolve_path(inventory)).select(pattern)
+def _select(inventory: str | None, pattern: str, vault_password_file: str | None = None,
+            ask_vault_pass: bool = False) -> list[inv.Host]:
+    decrypt = None
+    if vault_password_file or ask_vault_pass:
+        from .ansiblesrc import decrypter
+        decrypt = decrypter(vault_password_file, ask_vault_pass)
+    return inv.load(inv.resolve_path(inventory), decrypt, vault_password_file).select(pattern)
 
 
 @app.command()
-def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
             forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
@@ -84,7 +96,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     from .gather import gather
     from .report import inspect_document, render_inspect, render_status_line
 
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, gather, "inspect")
     if json_out:
@@ -150,7 +162,8 @@ def _confirm(what: str, yes: bool) -> None:
 
 
 @app.command()
-def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
              port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
              repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
@@ -162,7 +175,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
 
     opts = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=timeout)
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
                 ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
@@ -171,7 +184,8 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
 
 @app.command()
 def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --playbooks-dir) or a path to a .yaml file.")],
-          pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+          pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
           check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
           diff: Annotated[bool, typer.Option("--diff", help="Print unified diffs, identical ones coalesced.")] = False,
           serial: Annotated[Optional[str], typer.Option("--serial", help="Rolling batches: N, P% or a list 1,25%,100%.")] = None,
@@ -200,7 +214,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     opts = ApplyOptions(check=check, serial=serial, max_fail_percentage=max_fail_percentage,
                         smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                           allow_token_drift, latency_slack))
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
 
     def confirm(plan_results, to_change) -> None:
         if not json_out:
@@ -226,7 +240,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
 def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or HOSTS with --last.")],
              last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
              force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
-             inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+             inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False, yes: Yes = False,
              forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None,
@@ -238,7 +253,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
@@ -246,7 +261,8 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 
 
 @app.command()
-def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
@@ -255,7 +271,7 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut =
     from .changes import status_job
     from .report import render_status
 
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         results = fleet.run(hosts, status_job(), "status")
     _finish(results, json_out, render_status)
@@ -263,7 +279,8 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut =
 
 @deploy_app.command("kernel")
 def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME (see --kernels-dir).")],
-                  pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+                  pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False, yes: Yes = False,
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
                   = config.BUILD_DEADLINE_S,
@@ -286,7 +303,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                            latency_slack), max_jobs=max_jobs, build_timeout=build_timeout)
-    hosts = _select(inventory, pattern)
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
     with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:

@@ -30,6 +30,7 @@ CONNECT_TIMEOUT_S = 10.0     # TCP connect, banner, key exchange and auth
 INSPECT_TIMEOUT_S = 60.0     # per-host deadline of inspect
 STATUS_TIMEOUT_S = 120.0     # per-host deadline of status
 ROLLBACK_TIMEOUT_S = 300.0   # per-host deadline of rollback
+ANSIBLE_INVENTORY_TIMEOUT_S = 120.0  # `ansible-inventory --list` of a non-YAML source (scripts, cloud plugins)
 
 
 def smoke_job_timeout(health_timeout: float) -> float:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from . import config
+from . import ansiblesrc, config
 from .errors import InventoryError, PatternError
 from .invtemplate import Templar, Unsafe, Vaulted, is_template, needed
 
@@ -52,6 +52,8 @@ _PATTERN_PART = re.compile(r"(?:[^\s:\[\]]|\[[^\]]*\])+")
 # `pattern[i]`, `pattern[i:j]`, `pattern[i:]` (ansible/inventory/manager.py, PATTERN_WITH_SUBSCRIPT).
 _SUBSCRIPT = re.compile(r"(.+)\[(?:(-?[0-9]+)|([0-9]+)[:-]([0-9]*))\]")
 _VARS_EXTENSIONS = ("", ".yml", ".yaml", ".json")
+# Inventory file suffixes of Ansible's yaml inventory plugin (ansible/plugins/inventory/yaml.py).
+_YAML_SUFFIXES = (".yml", ".yaml", ".json")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
 _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
              "ansible_private_key_file", "ansible_ssh_private_key_file",
@@ -284,7 +286,8 @@ def resolve_path(cli_path: str | None = None) -> Path:
     """The inventory file: `-i PATH` (cli_path), else $FLEETCTL_INVENTORY, else ./hosts.yaml.
 
     `~` is expanded; a relative path stays relative to the current directory.
-    Raises InventoryError (exit 4) when the chosen file does not exist or is not a file.
+    Raises InventoryError (exit 4) when the chosen path does not exist or is neither a file
+    nor a directory (an inventory directory is read through ansible-inventory).
     """
     if cli_path:
         path, origin = Path(cli_path), "-i"
@@ -293,14 +296,21 @@ def resolve_path(cli_path: str | None = None) -> Path:
     else:
         path, origin = Path(DEFAULT_PATH), "the default ./hosts.yaml; use -i PATH or $FLEETCTL_INVENTORY"
     path = path.expanduser()
-    if not path.is_file():
+    if not (path.is_file() or path.is_dir()):
         raise InventoryError(f"inventory {path} (from {origin}): "
-                             f"{'is not a file' if path.exists() else 'no such file'}")
+                             f"{'is not a file or directory' if path.exists() else 'no such file'}")
     return path
 
 
-def load(path: Path, decrypt: Decrypt = None) -> Inventory:
-    """Parse an Ansible YAML inventory file into an Inventory.
+def load(path: Path, decrypt: Decrypt = None, vault_password_file: str | None = None) -> Inventory:
+    """Read an inventory source into an Inventory.
+
+    Ansible's YAML inventory format is read here. Any other source (a directory, an executable
+    script starting with `#!`, a plugin configuration with `plugin:`, a file that is not a YAML
+    mapping, such as INI) is read through ansible-inventory (ansiblesrc.load_source, which passes
+    `vault_password_file` on); without ansible-core that is exit 4 saying what to install.
+    Either way the vars fleetctl reads are then templated (invtemplate) and vault values among
+    them decrypted with `decrypt`.
 
     Like Ansible's host_group_vars plugin, also reads the vars files beside the inventory:
     group_vars/<group> and host_vars/<host> (no extension, .yml, .yaml, .json, or a directory of
@@ -313,7 +323,38 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     fleetctl reads that cannot be templated (invtemplate) or is vault-encrypted while `decrypt`
     (Vaulted, var name, "file:line" -> plain text) is None.
     """
-    return _parsed(Path(path), _Parser.parse, decrypt)
+    path = Path(path)
+    if _is_yaml_inventory(path):
+        return _parsed(path, _Parser.parse, decrypt)
+    hosts, groups = ansiblesrc.load_source(path, vault_password_file)
+    merged = {}
+    for host, values in hosts.items():
+        merged[host] = _Vars()
+        for name, value in values.items():
+            where = f"{path}: host {host} (as ansible-inventory reads it)"
+            try:
+                merged[host].set(name, _prechecked(name, value), where)
+            except ValueError as e:
+                raise InventoryError(f"{where}: {e}") from None
+    return _inventory(path, merged, groups, decrypt)
+
+
+def _is_yaml_inventory(path: Path) -> bool:
+    """Whether `path` is for the YAML reader: a file with a YAML suffix that is not a plugin
+    configuration or a script (a broken one is reported by the YAML reader, with its line), or
+    any other file holding a YAML mapping of groups."""
+    if not path.is_file():
+        return False
+    try:
+        with path.open("rb") as f:
+            if f.read(2) == b"#!" and os.access(path, os.X_OK):
+                return False
+        root = yaml.compose(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return path.suffix in _YAML_SUFFIXES
+    if isinstance(root, MappingNode):
+        return not any(isinstance(k, ScalarNode) and k.value == "plugin" for k, _ in root.value)
+    return path.suffix in _YAML_SUFFIXES
 
 
 def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str, ...]],
@@ -423,6 +464,11 @@ def _checked(name: str, data: Any) -> Any:
     return data
 
 
+def _prechecked(name: str, data: Any) -> Any:
+    """`data` checked by _checked unless it is a template or a vault value (checked once rendered)."""
+    return data if is_template(data) or isinstance(data, Vaulted) else _checked(name, data)
+
+
 def _kind(node: Node) -> str:
     """How a YAML node reads in an error message."""
     if isinstance(node, SequenceNode):
@@ -519,8 +565,6 @@ class _Parser:
             self.fail(root, f"an inventory is a mapping of groups (such as 'all:'), not {_kind(root)}")
         self.check_duplicates(root, set())
         for name, key, value in self.items(root):
-            if name == "plugin":
-                self.fail(key, "this is an inventory plugin configuration, not a YAML inventory")
             self.group(name, key, value, None)
         return self.build()
 
@@ -633,11 +677,10 @@ class _Parser:
             data = self.yaml.construct_object(value, deep=True)
             if name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
                 self.fail(value, f"{name} must be an integer, not {data!r}")
-            if not (is_template(data) or isinstance(data, Vaulted)):
-                try:
-                    data = _checked(name, data)
-                except ValueError as e:
-                    self.fail(value, str(e))
+            try:
+                data = _prechecked(name, data)
+            except ValueError as e:
+                self.fail(value, str(e))
             out.set(name, data, f"{self.path}:{value.start_mark.line + 1}")
         return out
 

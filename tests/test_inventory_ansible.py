@@ -1,0 +1,158 @@
+"""Every inventory in tests/inventories/ gives the same hosts, groups and connection values in
+fleetctl as in Ansible itself; vault values decrypt with ansible-core's vault library.
+
+The `ansible` extra (pyproject.toml) is installed once into a venv in the wheel cache
+(`$FLEETCTL_WHEEL_CACHE/venvs/`), which later sessions reuse; fleetctl runs there from this
+checkout (PYTHONPATH, set by conftest).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shlex
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+
+from fleetctl import wheelcache
+
+ROOT = Path(__file__).resolve().parents[1]
+INVENTORIES = ROOT / "tests" / "inventories"
+SOURCES = ["yaml/hosts.yaml", "ini/hosts.ini", "mixed", "script/inventory.py", "bastion/hosts.yaml"]
+# the vars fleetctl reads (invtemplate.needed), spelled independently of it
+NEEDED = r"ansible_(host|port|user|connection|python_interpreter|private_key_file|ssh_.*|become.*)|fleetctl_.*"
+
+FLEETCTL_VIEW = """
+import json, sys
+from fleetctl import inventory
+inv = inventory.load(sys.argv[1])
+print(json.dumps({"groups": {g: list(h) for g, h in inv.groups.items()}, "hosts": {
+    h.name: {"vars": {k: v for k, v in h.vars.items() if inventory.needed(k)}, "groups": list(h.groups),
+             "address": h.address, "port": h.port, "user": h.user, "connection": h.connection,
+             "ssh_common_args": list(h.ssh_common_args), "ssh_extra_args": list(h.ssh_extra_args)}
+    for h in inv.hosts.values()}}))
+"""
+
+
+@pytest.fixture(scope="session")
+def ansible_python() -> Path:
+    """The python of a venv holding the `ansible` extra, made once (under a lock) and reused."""
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ansible"]
+    key = hashlib.sha256(json.dumps([spec, sys.version]).encode()).hexdigest()[:12]
+    home = wheelcache.cache_dir() / "venvs" / f"ansible-{key}"
+    home.parent.mkdir(parents=True, exist_ok=True)
+    python, ready = home / "bin" / "python", home / ".fleetctl-ready"
+    with open(home.parent / f"ansible-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ready.exists():
+            venv.EnvBuilder(clear=True, with_pip=True).create(home)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *spec],
+                           check=True, timeout=600)
+            ready.touch()
+    return python
+
+
+def view(python: Path, *argv: str) -> dict:
+    done = subprocess.run([str(python), *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_inventory_agrees_with_ansible(ansible_python, source):
+    path = str(INVENTORIES / source)
+    ansible = view(ansible_python, str(ROOT / "tests" / "ansible_view.py"), path, NEEDED)
+    ours = view(ansible_python, "-c", FLEETCTL_VIEW, path)
+    expected_groups = {g: set(h) for g, h in ansible["groups"].items() if h or g != "ungrouped"}
+    assert {g: set(h) for g, h in ours["groups"].items()} == expected_groups
+    assert set(ours["hosts"]) == set(ansible["hosts"]) and any(ansible["hosts"].values())
+    for name, theirs in ansible["hosts"].items():
+        host = ours["hosts"][name]
+        assert host["vars"] == theirs, name
+        assert set(host["groups"]) == {g for g, members in expected_groups.items() if name in members}
+        assert host["address"] == theirs.get("ansible_host", name)
+        assert (host["port"], host["user"]) == (theirs.get("ansible_port"), theirs.get("ansible_user"))
+        assert host["connection"] == theirs.get("ansible_connection", "paramiko")
+        # Ansible's ssh connection splits both with shlex (plugins/connection/ssh.py, _build_command)
+        assert host["ssh_common_args"] == shlex.split(theirs.get("ansible_ssh_common_args", ""))
+        assert host["ssh_extra_args"] == shlex.split(theirs.get("ansible_ssh_extra_args", ""))
+
+
+def test_the_sources_cover_what_the_issue_names():
+    """The comparison above is only as good as its inventories: each form must really be there."""
+    assert "{{" in (INVENTORIES / "yaml/group_vars/gpu/10-connection.yml").read_text()
+    assert "lookup(" in (INVENTORIES / "yaml/group_vars/all.yml").read_text()
+    ini = (INVENTORIES / "ini/hosts.ini").read_text()
+    assert all(part in ini for part in ("[01:04]", ":vars]", ":children]", "[2001:db8::8]:2201"))
+    assert {p.suffix for p in (INVENTORIES / "mixed").iterdir() if p.is_file()} == {".yaml", ".ini"}
+    assert (INVENTORIES / "script/inventory.py").stat().st_mode & 0o111
+
+
+VAULTED = """\
+all:
+  hosts:
+    gpu-01:
+      ansible_become_password: !vault |
+{cipher}
+      other_secret: !vault |
+{cipher}
+"""
+
+DECRYPT = """
+import sys
+from fleetctl import ansiblesrc, inventory
+from fleetctl.errors import InventoryError
+try:
+    inv = inventory.load(sys.argv[1], ansiblesrc.decrypter(sys.argv[2]))
+except InventoryError as e:
+    print("ERROR", e)
+else:
+    host = inv.hosts["gpu-01"]
+    print(host.vars["ansible_become_password"], type(host.vars["other_secret"]).__name__)
+"""
+
+
+def test_vault_values_decrypt_with_ansible_core(ansible_python, tmp_path):
+    secret = tmp_path / "vault-pass"
+    secret.write_text("correct horse\n")
+    done = subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt_string",
+                           "--vault-password-file", str(secret), "s3cret become"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    cipher = "\n".join("        " + line.strip() for line in done.stdout.splitlines()[1:] if line.strip())
+    path = tmp_path / "hosts.yaml"
+    path.write_text(VAULTED.format(cipher=cipher))
+    out = subprocess.run([str(ansible_python), "-c", DECRYPT, str(path), str(secret)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out == "s3cret become Vaulted\n"     # a vault value fleetctl never reads stays encrypted
+    secret.write_text("wrong\n")
+    out = subprocess.run([str(ansible_python), "-c", DECRYPT, str(path), str(secret)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith(f"ERROR {path}:4: ansible_become_password: cannot decrypt the vault value")
+
+
+LOAD = """
+import sys
+from fleetctl import inventory
+from fleetctl.errors import InventoryError
+try:
+    inventory.load(sys.argv[1])
+except InventoryError as e:
+    print("ERROR", e)
+"""
+
+
+def test_a_source_ansible_cannot_parse_is_exit_4(ansible_python, tmp_path):
+    """ansible-inventory only warns on a source it cannot parse and lists no hosts; fleetctl
+    makes it fail and says why."""
+    path = tmp_path / "hosts.ini"
+    path.write_text("[gpu\ngpu-01 ansible_user\n")
+    out = subprocess.run([str(ansible_python), "-c", LOAD, str(path)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith(f"ERROR {path}: ansible-inventory failed (exit 1): ")
+    assert "Completely failed to parse inventory source" in out
