@@ -366,7 +366,7 @@ def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str
         raise InventoryError(f"{where}: {name} is vault-encrypted and no vault secret was given: "
                              "run with --vault-password-file FILE or --ask-vault-pass")
 
-    templar = Templar(merged, {h: v.where for h, v in merged.items()}, groups, decrypt or no_secret)
+    templar = Templar(merged, {h: v.where for h, v in merged.items()}, groups, decrypt or no_secret, path)
     hosts = {}
     for host, raw in merged.items():
         final = dict(raw)

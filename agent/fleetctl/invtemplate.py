@@ -6,7 +6,8 @@ fleetctl never reads, and they must not stop a load. Templates render in Jinja2'
 ImmutableSandboxedEnvironment with Jinja2's own filters plus the Ansible ones inventories use for
 connection values (`bool`, `quote`, `regex_replace`; ansible/plugins/filter/core.py), and with
 Ansible's magic variables `inventory_hostname`, `inventory_hostname_short`, `groups`,
-`group_names` and `hostvars` (ansible/vars/manager.py, _get_magic_variables). `!unsafe` values
+`group_names` and `hostvars` (ansible/vars/manager.py, _get_magic_variables) and the host vars
+`inventory_dir` and `inventory_file` (ansible/inventory/data.py, add_host). `!unsafe` values
 (`Unsafe`) are never rendered, as in Ansible. A lookup, an unknown filter, an undefined variable
 or a sandbox violation in a needed var is an InventoryError (exit 4) naming the file and line the
 value came from.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import jinja2
@@ -93,12 +95,20 @@ class Templar:
 
     `raw`: host -> merged vars as the inventory wrote them; `where`: host -> var -> "file:line"
     the value came from; `groups`: group -> hosts (transitively), `all` first; `decrypt`: turns a
-    Vaulted into its plain text (raises InventoryError when no vault secret was given).
+    Vaulted into its plain text (raises InventoryError when no vault secret was given); `source`:
+    the inventory file or directory (for `inventory_dir` and `inventory_file`).
     """
 
     def __init__(self, raw: Mapping[str, Mapping[str, Any]], where: Mapping[str, Mapping[str, str]],
-                 groups: Mapping[str, tuple[str, ...]], decrypt: Callable[[Vaulted, str, str], str]):
+                 groups: Mapping[str, tuple[str, ...]], decrypt: Callable[[Vaulted, str, str], str],
+                 source: Path):
         self.raw, self.where, self.decrypt = raw, where, decrypt
+        source = source.absolute()
+        # Ansible sets these on each host from the file that defined it; a directory source's
+        # files are not known here, so only its directory is.
+        self.source = {"inventory_dir": str(source if source.is_dir() else source.parent)}
+        if not source.is_dir():
+            self.source["inventory_file"] = str(source)
         self.groups = {g: list(hosts) for g, hosts in groups.items()}
         self.env = _environment()
         self.done: dict[tuple[str, str], Any] = {}
@@ -172,7 +182,8 @@ class _Context(Mapping[str, Any]):
                            if host in hosts and g not in ("all", "ungrouped"))
         self.vars = templar.hostvars[host]
         self.magic = {"inventory_hostname": host, "inventory_hostname_short": host.split(".")[0],
-                      "groups": templar.groups, "group_names": member_of, "hostvars": templar.hostvars}
+                      "groups": templar.groups, "group_names": member_of, "hostvars": templar.hostvars,
+                      **templar.source}
         self.globals = templar.env.globals
 
     def __getitem__(self, name: str) -> Any:
