@@ -649,3 +649,16 @@ def test_vault_options_need_a_secret_and_the_extra(monkeypatch):
     monkeypatch.setattr(ansiblesrc, "available", lambda: False)
     with pytest.raises(InventoryError, match=r"needs ansible-core: pip install 'fleetctl\[ansible\]'"):
         ansiblesrc.decrypter("/nonexistent/vault-pass")
+
+
+def test_a_vault_encrypted_vars_file(tmp_path):
+    """A group_vars file encrypted whole with ansible-vault needs the secret; with it, it is read
+    as any vars file (the vault library itself is exercised in test_inventory_ansible.py)."""
+    path = write(tmp_path, "gpu:\n  hosts:\n    gpu-1:\n")
+    secret = write(tmp_path, "$ANSIBLE_VAULT;1.1;AES256\n6162\n", "group_vars/gpu.yml")
+    with pytest.raises(InventoryError, match=rf"^{re.escape(str(secret))}:1: the file is vault-encrypted and "
+                                             r"no vault secret was given: run with --vault-password-file"):
+        inventory.load(path)
+    plain = {"$ANSIBLE_VAULT;1.1;AES256\n6162\n": "ansible_user: ops\nansible_port: 2222\n"}
+    inv = inventory.load(path, decrypt=lambda value, name, where: plain[value])
+    assert (inv.hosts["gpu-1"].user, inv.hosts["gpu-1"].port) == ("ops", 2222)

@@ -114,7 +114,7 @@ except InventoryError as e:
     print("ERROR", e)
 else:
     host = inv.hosts["gpu-01"]
-    print(host.vars["ansible_become_password"], type(host.vars["other_secret"]).__name__)
+    print(host.vars["ansible_become_password"], type(host.vars["other_secret"]).__name__, host.user)
 """
 
 
@@ -127,10 +127,20 @@ def test_vault_values_decrypt_with_ansible_core(ansible_python, tmp_path):
     cipher = "\n".join("        " + line.strip() for line in done.stdout.splitlines()[1:] if line.strip())
     path = tmp_path / "hosts.yaml"
     path.write_text(VAULTED.format(cipher=cipher))
+    group_vars = tmp_path / "group_vars" / "all.yml"   # a vars file encrypted whole
+    group_vars.parent.mkdir()
+    group_vars.write_text("ansible_user: vaulted-ops\n")
+    subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt", "--vault-password-file", str(secret),
+                    str(group_vars)], capture_output=True, timeout=120, check=True)
+    assert group_vars.read_text().startswith("$ANSIBLE_VAULT;")
     out = subprocess.run([str(ansible_python), "-c", DECRYPT, str(path), str(secret)],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert out == "s3cret become Vaulted\n"     # a vault value fleetctl never reads stays encrypted
+    assert out == "s3cret become Vaulted vaulted-ops\n"  # a vault value fleetctl never reads stays encrypted
     secret.write_text("wrong\n")
+    out = subprocess.run([str(ansible_python), "-c", DECRYPT, str(path), str(secret)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith(f"ERROR {group_vars}:1: the file: cannot decrypt the vault value")
+    group_vars.unlink()
     out = subprocess.run([str(ansible_python), "-c", DECRYPT, str(path), str(secret)],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith(f"ERROR {path}:4: ansible_become_password: cannot decrypt the vault value")

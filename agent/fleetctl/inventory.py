@@ -62,6 +62,9 @@ _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_us
 # ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
 # `smart` are Ansible's names for its OpenSSH connection, served by paramiko until fleetctl has one.
 CONNECTIONS = ("paramiko", "paramiko_ssh", "ssh", "smart", "local")
+# What an encrypted file starts with (ansible/parsing/vault, b_HEADER).
+_VAULT_HEADER = "$ANSIBLE_VAULT"
+_NO_SECRET = "no vault secret was given: run with --vault-password-file FILE or --ask-vault-pass"
 # Turns a vault value into its plain text: (ciphertext, var name, "file:line") -> text.
 Decrypt = Optional[Callable[[Vaulted, str, str], str]]
 # ansible_python_interpreter values that ask Ansible to discover the interpreter.
@@ -363,8 +366,7 @@ def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str
     vars fleetctl reads templated and checked. Raises InventoryError naming the file:line of a
     value that cannot be rendered or is not what fleetctl needs after rendering."""
     def no_secret(value: Vaulted, name: str, where: str) -> str:
-        raise InventoryError(f"{where}: {name} is vault-encrypted and no vault secret was given: "
-                             "run with --vault-password-file FILE or --ask-vault-pass")
+        raise InventoryError(f"{where}: {name} is vault-encrypted and {_NO_SECRET}")
 
     templar = Templar(merged, {h: v.where for h, v in merged.items()}, groups, decrypt or no_secret, path)
     hosts = {}
@@ -380,7 +382,8 @@ def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str
 
 
 def _parsed(path: Path, use: Callable[[_Parser], Any], decrypt: Decrypt = None) -> Any:
-    """Read `path` as YAML and return `use(parser)`; read and YAML errors become InventoryError."""
+    """Read `path` as YAML (a vault-encrypted file decrypted first) and return `use(parser)`;
+    read, YAML and missing-secret errors become InventoryError."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -388,6 +391,10 @@ def _parsed(path: Path, use: Callable[[_Parser], Any], decrypt: Decrypt = None) 
         raise InventoryError(f"{path}:{line}: not UTF-8 text") from None
     except OSError as e:
         raise InventoryError(f"{path}: cannot read: {e.strerror}") from None
+    if text.startswith(_VAULT_HEADER):  # a whole file encrypted with ansible-vault
+        if decrypt is None:
+            raise InventoryError(f"{path}:1: the file is vault-encrypted and {_NO_SECRET}")
+        text = decrypt(Vaulted(text), "the file", f"{path}:1")
     parser = None
     try:
         parser = _Parser(path, text, decrypt)
@@ -583,7 +590,7 @@ class _Parser:
             files = [base / (name + ext) for ext in _VARS_EXTENSIONS if (base / (name + ext)).is_file()]
             files += _vars_files(base / name) if (base / name).is_dir() else []
             for path in files:
-                found.setdefault(name, _Vars()).merge(_parsed(path, _Parser.vars_file))
+                found.setdefault(name, _Vars()).merge(_parsed(path, _Parser.vars_file, self.decrypt))
         return found
 
     def check_duplicates(self, node: Node, seen: set[int]):
