@@ -662,3 +662,22 @@ def test_a_vault_encrypted_vars_file(tmp_path):
     plain = {"$ANSIBLE_VAULT;1.1;AES256\n6162\n": "ansible_user: ops\nansible_port: 2222\n"}
     inv = inventory.load(path, decrypt=lambda value, name, where: plain[value])
     assert (inv.hosts["gpu-1"].user, inv.hosts["gpu-1"].port) == ("ops", 2222)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-i", str(INVENTORIES / "ini/hosts.ini")], "needs ansible-core to be read: pip install 'fleetctl[ansible]'"),
+    (["-i", str(INVENTORIES / "yaml/hosts.yaml"), "--vault-password-file", "/nonexistent/pass"],
+     "decrypting vault values needs ansible-core: pip install 'fleetctl[ansible]'"),
+    (["-i", str(INVENTORIES / "yaml/hosts.yaml"), "--ask-vault-pass"], "needs ansible-core"),
+])
+def test_cli_inventory_options_and_errors(monkeypatch, capsys, argv, message):
+    """The vault options reach the inventory, and an error's text is printed as it is (Rich
+    markup would eat `[ansible]` or a host range)."""
+    from fleetctl import cli
+
+    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["fleetctl", "status", "all", *argv])
+    with pytest.raises(SystemExit) as done:
+        cli.main()
+    assert done.value.code == 4
+    assert message in capsys.readouterr().err

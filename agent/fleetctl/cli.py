@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import TyperException
 from rich.console import Console
+from rich.markup import escape
 
 from . import config
 from . import inventory as inv
@@ -407,7 +408,7 @@ def main() -> None:
         err.print("aborted")
         sys.exit(130)
     except FleetctlError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 
