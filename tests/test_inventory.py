@@ -645,10 +645,10 @@ def test_plugin_configuration_and_non_yaml_text_go_to_ansible(monkeypatch, tmp_p
 
 def test_vault_options_need_a_secret_and_the_extra(monkeypatch):
     with pytest.raises(InventoryError, match="--vault-password-file FILE or --ask-vault-pass"):
-        ansiblesrc.decrypter()
+        ansiblesrc.Vault()
     monkeypatch.setattr(ansiblesrc, "available", lambda: False)
     with pytest.raises(InventoryError, match=r"needs ansible-core: pip install 'fleetctl\[ansible\]'"):
-        ansiblesrc.decrypter("/nonexistent/vault-pass")
+        ansiblesrc.Vault("/nonexistent/vault-pass")
 
 
 def test_a_vault_encrypted_vars_file(tmp_path):

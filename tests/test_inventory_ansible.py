@@ -109,7 +109,7 @@ import sys
 from fleetctl import ansiblesrc, inventory
 from fleetctl.errors import InventoryError
 try:
-    inv = inventory.load(sys.argv[1], ansiblesrc.decrypter(sys.argv[2]))
+    inv = inventory.load(sys.argv[1], ansiblesrc.Vault(sys.argv[2]))
 except InventoryError as e:
     print("ERROR", e)
 else:
@@ -166,3 +166,35 @@ def test_a_source_ansible_cannot_parse_is_exit_4(ansible_python, tmp_path):
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.startswith(f"ERROR {path}: ansible-inventory failed (exit 1): ")
     assert "Completely failed to parse inventory source" in out
+
+
+SOURCE_WITH_VAULT = """
+import sys
+from fleetctl import ansiblesrc, inventory
+ansiblesrc.getpass.getpass = lambda prompt: "correct horse"   # --ask-vault-pass, answered
+vault = ansiblesrc.Vault(ask=True) if sys.argv[2] == "ask" else ansiblesrc.Vault(sys.argv[2])
+host = inventory.load(sys.argv[1], vault).hosts["gpu-01"]
+print(host.user, host.vars["ansible_become_password"])
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "ask"])
+def test_ansible_source_with_an_encrypted_vars_file(ansible_python, tmp_path, how):
+    """ansible-inventory gets the secret too (a file, or the typed password on its stdin), so a
+    source whose group_vars file is encrypted whole loads; the vars fleetctl reads decrypt."""
+    secret = tmp_path / "vault-pass"
+    secret.write_text("correct horse\n")
+    (tmp_path / "inv" / "group_vars").mkdir(parents=True)
+    (tmp_path / "inv" / "hosts.ini").write_text("[gpu]\ngpu-01 ansible_host=192.0.2.5\n")
+    group_vars = tmp_path / "inv" / "group_vars" / "gpu.yml"
+    become = subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt_string",
+                             "--vault-password-file", str(secret), "pw-in-vault"],
+                            capture_output=True, text=True, timeout=120, check=True).stdout
+    group_vars.write_text("ansible_user: ops-from-vault\nansible_become_password: " + become)
+    subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt", "--vault-password-file", str(secret),
+                    str(group_vars)], capture_output=True, timeout=120, check=True)
+    out = subprocess.run([str(ansible_python), "-c", SOURCE_WITH_VAULT, str(tmp_path / "inv"),
+                          str(secret) if how == "file" else "ask"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ops-from-vault pw-in-vault\n"

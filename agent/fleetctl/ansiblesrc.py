@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import config
 from .errors import InventoryError
@@ -35,10 +35,11 @@ def available() -> bool:
     return importlib.util.find_spec("ansible") is not None
 
 
-def load_source(source: Path, vault_password_file: str | None = None) -> tuple[dict[str, dict[str, Any]],
-                                                                              dict[str, tuple[str, ...]]]:
+def load_source(source: Path, vault: Vault | None = None) -> tuple[dict[str, dict[str, Any]],
+                                                                   dict[str, tuple[str, ...]]]:
     """Read `source` with `ansible-inventory -i SOURCE --list` (ansible-core of this interpreter,
-    run as `python -m ansible.cli.inventory`, within config.ANSIBLE_INVENTORY_TIMEOUT_S seconds).
+    run as `python -m ansible.cli.inventory`, within config.ANSIBLE_INVENTORY_TIMEOUT_S seconds),
+    with `vault`'s secret for the vault-encrypted files of the source.
 
     Returns (host -> vars in Ansible's precedence, unrendered; group -> hosts, transitively, `all`
     first, then `ungrouped` when it has hosts, then the other groups depth first as
@@ -52,12 +53,11 @@ def load_source(source: Path, vault_password_file: str | None = None) -> tuple[d
                              f"it where Ansible is installed: ansible-inventory -i {source} --list --export -y "
                              "> hosts.yaml)")
     argv = [sys.executable, "-m", "ansible.cli.inventory", "-i", str(source), "--list"]
-    if vault_password_file:
-        argv += ["--vault-password-file", vault_password_file]
+    vault_args, stdin = vault.inventory_args() if vault else ([], None)
     env = {**os.environ, "ANSIBLE_INVENTORY_UNPARSED_FAILED": "True",
            "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "True", "ANSIBLE_NOCOLOR": "1"}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL,
+        done = subprocess.run(argv + vault_args, capture_output=True, text=True, env=env, input=stdin or "",
                               timeout=config.ANSIBLE_INVENTORY_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise InventoryError(f"{source}: ansible-inventory did not finish within "
@@ -116,37 +116,57 @@ def _hosts_and_groups(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], 
     return {h: dict(hostvars.get(h, {})) for h in groups["all"]}, groups
 
 
-def decrypter(password_file: str | None = None, ask: bool = False) -> Callable[[Vaulted, str, str], str]:
-    """A function (ciphertext, var name, "file:line") -> plain text, using ansible-core's vault
-    library with the secret from `password_file` (a file, or an executable printing it, as
-    Ansible's --vault-password-file) or typed at a prompt (`ask`, as --ask-vault-pass).
-    The secret is read once, on the first vault value fleetctl needs.
-    Raises InventoryError (exit 4) when neither is given or ansible-core is missing, and (from the
-    returned function) when the secret cannot be read or a value cannot be decrypted with it.
+class Vault:
+    """The vault secret of one run, as Ansible's --vault-password-file FILE (a file, or an
+    executable printing the password) or --ask-vault-pass (typed at a prompt), read once, when
+    first needed. Called as (ciphertext, var name, "file:line") -> plain text, it decrypts with
+    ansible-core's vault library.
+    Raises InventoryError (exit 4) when neither is given or ansible-core is missing, and, when
+    called, when the secret cannot be read or a value cannot be decrypted with it.
     """
-    if not (password_file or ask):
-        raise InventoryError("a vault secret needs --vault-password-file FILE or --ask-vault-pass")
-    if not available():
-        raise InventoryError(f"decrypting vault values needs ansible-core: {EXTRA}")
-    from ansible.errors import AnsibleError
-    from ansible.parsing.dataloader import DataLoader
-    from ansible.parsing.vault import VaultLib, VaultSecret, get_file_vault_secret
 
-    vault: list[VaultLib] = []
+    def __init__(self, password_file: str | None = None, ask: bool = False):
+        if not (password_file or ask):
+            raise InventoryError("a vault secret needs --vault-password-file FILE or --ask-vault-pass")
+        if not available():
+            raise InventoryError(f"decrypting vault values needs ansible-core: {EXTRA}")
+        self.password_file = password_file
+        self._vault: Any = None
+        self._password: bytes | None = None
 
-    def decrypt(value: Vaulted, name: str, where: str) -> str:
-        try:
-            if not vault:
-                if password_file:
-                    secret = get_file_vault_secret(filename=password_file, vault_id="default", loader=DataLoader())
+    def password(self) -> bytes:
+        """The vault password (prompted for or read from the file on first use)."""
+        from ansible.errors import AnsibleError
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.parsing.vault import VaultLib, VaultSecret, get_file_vault_secret
+
+        if self._vault is None:
+            try:
+                if self.password_file:
+                    secret = get_file_vault_secret(filename=self.password_file, vault_id="default",
+                                                   loader=DataLoader())
                     secret.load()
                 else:
                     secret = VaultSecret(getpass.getpass("Vault password: ").encode())
-                vault.append(VaultLib([("default", secret)]))
-            return vault[0].decrypt(str(value)).decode("utf-8")
+            except AnsibleError as e:
+                raise InventoryError(f"cannot read the vault secret: {e.message}") from None
+            self._vault, self._password = VaultLib([("default", secret)]), secret.bytes
+        return self._password
+
+    def __call__(self, value: Vaulted, name: str, where: str) -> str:
+        from ansible.errors import AnsibleError
+
+        self.password()
+        try:
+            return self._vault.decrypt(str(value)).decode("utf-8")
         except AnsibleError as e:
             raise InventoryError(f"{where}: {name}: cannot decrypt the vault value: {e.message}") from None
         except UnicodeDecodeError:
             raise InventoryError(f"{where}: {name}: the decrypted vault value is not UTF-8 text") from None
 
-    return decrypt
+    def inventory_args(self) -> tuple[list[str], str | None]:
+        """ansible-inventory's options for this secret, and what to send on its stdin: the file
+        itself, or the typed password through /dev/stdin."""
+        if self.password_file:
+            return ["--vault-password-file", self.password_file], None
+        return ["--vault-password-file", "/dev/stdin"], self.password().decode() + "\n"

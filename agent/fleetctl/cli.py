@@ -78,11 +78,11 @@ def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool,
 
 def _select(inventory: str | None, pattern: str, vault_password_file: str | None = None,
             ask_vault_pass: bool = False) -> list[inv.Host]:
-    decrypt = None
+    vault = None
     if vault_password_file or ask_vault_pass:
-        from .ansiblesrc import decrypter
-        decrypt = decrypter(vault_password_file, ask_vault_pass)
-    return inv.load(inv.resolve_path(inventory), decrypt, vault_password_file).select(pattern)
+        from .ansiblesrc import Vault
+        vault = Vault(vault_password_file, ask_vault_pass)
+    return inv.load(inv.resolve_path(inventory), vault).select(pattern)
 
 
 @app.command()

@@ -305,13 +305,14 @@ def resolve_path(cli_path: str | None = None) -> Path:
     return path
 
 
-def load(path: Path, decrypt: Decrypt = None, vault_password_file: str | None = None) -> Inventory:
+def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     """Read an inventory source into an Inventory.
 
     Ansible's YAML inventory format is read here. Any other source (a directory, an executable
     script starting with `#!`, a plugin configuration with `plugin:`, a file that is not a YAML
-    mapping, such as INI) is read through ansible-inventory (ansiblesrc.load_source, which passes
-    `vault_password_file` on); without ansible-core that is exit 4 saying what to install.
+    mapping, such as INI) is read through ansible-inventory (ansiblesrc.load_source, given the
+    secret when `decrypt` is an ansiblesrc.Vault); without ansible-core that is exit 4 saying
+    what to install.
     Either way the vars fleetctl reads are then templated (invtemplate) and vault values among
     them decrypted with `decrypt`.
 
@@ -329,7 +330,7 @@ def load(path: Path, decrypt: Decrypt = None, vault_password_file: str | None = 
     path = Path(path)
     if _is_yaml_inventory(path):
         return _parsed(path, _Parser.parse, decrypt)
-    hosts, groups = ansiblesrc.load_source(path, vault_password_file)
+    hosts, groups = ansiblesrc.load_source(path, decrypt if isinstance(decrypt, ansiblesrc.Vault) else None)
     merged = {}
     for host, values in hosts.items():
         merged[host] = _Vars()
