@@ -681,3 +681,11 @@ def test_cli_inventory_options_and_errors(monkeypatch, capsys, argv, message):
         cli.main()
     assert done.value.code == 4
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_decrypted_value_is_not_printed(tmp_path):
+    path = write(tmp_path, "all:\n  hosts:\n    a:\n      ansible_port: !vault |\n        $ANSIBLE_VAULT;1.1;AES256\n")
+    with pytest.raises(InventoryError) as err:
+        inventory.load(path, decrypt=lambda value, name, where: "hunter2")
+    assert str(err.value).startswith(f"{path}:4: ansible_port: the decrypted vault value is not what fleetctl needs")
+    assert "hunter2" not in str(err.value)

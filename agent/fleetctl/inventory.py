@@ -8,7 +8,9 @@ alphabetic), as in ansible/parsing/utils/addresses.py and ansible/inventory/help
 Vars files in group_vars/ and host_vars/ beside the inventory are read as Ansible's
 host_group_vars plugin reads them. Where Ansible only warns (a key other than
 hosts/children/vars, a group that is not a mapping, a duplicate key), fleetctl refuses the
-file, naming the file and line.
+file, naming the file and line. Other sources (INI, directories, scripts, plugins) come from
+`ansible-inventory` (ansiblesrc). Either way the vars fleetctl reads are templated as Ansible
+templates them (invtemplate) and checked once rendered.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ class Host:
     the same order, then the host's own vars (from every place it is listed, later ones
     winning), then host_vars/<name>. The vars fleetctl reads (`invtemplate.needed`) are
     templated, vault values among them decrypted; every other var is kept as the inventory wrote
-    it (templates unrendered, `!unsafe` as Unsafe, `!vault` as Vaulted). `groups` holds every group the host is in, transitively,
-    `all` first, in the order of Inventory.groups.
+    it (templates unrendered, `!unsafe` as Unsafe, `!vault` as Vaulted). `groups` holds every
+    group the host is in, transitively, `all` first, in the order of Inventory.groups.
     """
 
     name: str
@@ -377,7 +379,10 @@ def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str
             try:
                 final[name] = _checked(name, templar.value(host, name))
             except ValueError as e:
-                raise InventoryError(f"{raw.where.get(name, path)}: {e} (rendered from {raw[name]!r})") from None
+                if isinstance(raw[name], Vaulted):  # never print what a vault value holds
+                    raise InventoryError(f"{raw.where[name]}: {name}: the decrypted vault value is not "
+                                         "what fleetctl needs here (a port number, or a string)") from None
+                raise InventoryError(f"{raw.where[name]}: {e} (rendered from {raw[name]!r})") from None
         hosts[host] = Host(host, MappingProxyType(final), tuple(g for g in groups if host in groups[g]))
     return Inventory(path, hosts, groups)
 
