@@ -689,3 +689,17 @@ def test_a_bad_decrypted_value_is_not_printed(tmp_path):
         inventory.load(path, decrypt=lambda value, name, where: "hunter2")
     assert str(err.value).startswith(f"{path}:4: ansible_port: the decrypted vault value is not what fleetctl needs")
     assert "hunter2" not in str(err.value)
+
+
+def test_magic_variables_of_other_hosts(tmp_path):
+    """hostvars[h] holds h's magic variables too, and `groups` always has `ungrouped`, as in Ansible."""
+    text = """\
+    gpu:
+      hosts:
+        gpu-1.example.invalid: {ansible_host: 192.0.2.1}
+        gpu-2.example.invalid:
+          ansible_host: "{{ hostvars['gpu-1.example.invalid'].inventory_hostname_short }}-peer"
+          fleetctl_smoke_cmd: "echo {{ hostvars['gpu-1.example.invalid']['group_names'] | join(',') }} {{ groups.ungrouped | length }}"
+    """
+    host = inventory.load(write(tmp_path, text)).hosts["gpu-2.example.invalid"]
+    assert (host.address, host.smoke_cmd) == ("gpu-1-peer", "echo gpu 0")

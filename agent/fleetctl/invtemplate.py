@@ -1,7 +1,7 @@
 """Templated inventory vars: the vars fleetctl reads, rendered as Ansible renders them, safely.
 
 Only the vars fleetctl reads (`needed`) are rendered, and the vars they reference are rendered
-only when referenced (`_HostVars` is a lazy mapping): real group_vars hold lookups and facts that
+only when referenced (`_Vars` is a lazy mapping): real group_vars hold lookups and facts that
 fleetctl never reads, and they must not stop a load. Templates render in Jinja2's
 ImmutableSandboxedEnvironment with Jinja2's own filters plus the Ansible ones inventories use for
 connection values (`bool`, `quote`, `regex_replace`; ansible/plugins/filter/core.py), and with
@@ -113,7 +113,8 @@ class Templar:
         self.env = _environment()
         self.done: dict[tuple[str, str], Any] = {}
         self.active: list[tuple[str, str]] = []
-        self.hostvars = {h: _HostVars(self, h) for h in raw}
+        self.groups.setdefault("ungrouped", [])  # Ansible always has it
+        self.hostvars = {h: _hostvars(self, h) for h in raw}
 
     def value(self, host: str, name: str) -> Any:
         """The rendered value of `name` for `host`: a template becomes its text (checked and
@@ -145,7 +146,7 @@ class Templar:
             return value
         try:
             template = self.env.from_string(value)
-            context = template.new_context(_Context(self, host), shared=True)
+            context = template.new_context(_context(self, host), shared=True)
             text = template.environment.concat(template.root_render_func(context))
         except InventoryError:
             raise
@@ -156,8 +157,27 @@ class Templar:
         return text
 
 
-class _HostVars(Mapping[str, Any]):
-    """One host's vars as a template sees them: each rendered when first read."""
+class _Layers(Mapping[str, Any]):
+    """Mappings looked up in order, the first that has a name winning (read lazily)."""
+
+    def __init__(self, *layers: Mapping[str, Any]):
+        self.layers = layers
+
+    def __getitem__(self, name: str) -> Any:
+        for layer in self.layers:
+            if name in layer:
+                return layer[name]
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(n for layer in self.layers for n in layer))
+
+    def __len__(self) -> int:
+        return len(set().union(*self.layers))
+
+
+class _Vars(Mapping[str, Any]):
+    """One host's inventory vars, each rendered when first read."""
 
     def __init__(self, templar: Templar, host: str):
         self.templar, self.host = templar, host
@@ -174,26 +194,20 @@ class _HostVars(Mapping[str, Any]):
         return len(self.templar.raw[self.host])
 
 
-class _Context(Mapping[str, Any]):
-    """What a template of `host` sees: its vars (lazily), Ansible's magic variables, the globals."""
+def _host_magic(templar: Templar, host: str) -> dict[str, Any]:
+    """The magic variables Ansible sets for `host` (its hostvars[host] has them too)."""
+    member_of = sorted(g for g, hosts in templar.groups.items() if host in hosts and g not in ("all", "ungrouped"))
+    return {"inventory_hostname": host, "inventory_hostname_short": host.split(".")[0],
+            "group_names": member_of, **templar.source}
 
-    def __init__(self, templar: Templar, host: str):
-        member_of = sorted(g for g, hosts in templar.groups.items()
-                           if host in hosts and g not in ("all", "ungrouped"))
-        self.vars = templar.hostvars[host]
-        self.magic = {"inventory_hostname": host, "inventory_hostname_short": host.split(".")[0],
-                      "groups": templar.groups, "group_names": member_of, "hostvars": templar.hostvars,
-                      **templar.source}
-        self.globals = templar.env.globals
 
-    def __getitem__(self, name: str) -> Any:
-        for layer in (self.magic, self.vars, self.globals):
-            if name in layer:
-                return layer[name]
-        raise KeyError(name)
+def _hostvars(templar: Templar, host: str) -> _Layers:
+    """hostvars[host]: the host's magic variables over its vars, as in Ansible."""
+    return _Layers(_host_magic(templar, host), _Vars(templar, host))
 
-    def __iter__(self) -> Iterator[str]:
-        return iter({**dict.fromkeys(self.globals), **dict.fromkeys(self.vars), **dict.fromkeys(self.magic)})
 
-    def __len__(self) -> int:
-        return len(set(self.globals) | set(self.vars) | set(self.magic))
+def _context(templar: Templar, host: str) -> _Layers:
+    """What a template of `host` sees: the magic variables (groups and hostvars among them), the
+    host's vars (lazily), the environment's globals."""
+    return _Layers({"groups": templar.groups, "hostvars": templar.hostvars}, templar.hostvars[host],
+                   templar.env.globals)
