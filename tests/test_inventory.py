@@ -442,6 +442,7 @@ all:
   vars:
     domain: mgmt.example.invalid
     base_port: "2200"
+    become_flag: "yes"
     gateway: "{{ lookup('env', 'HOME') }}"
   children:
     gpu:
@@ -457,6 +458,7 @@ all:
         fleetctl_smoke_cmd: "echo {{ group_names | join(',') | quote }} {{ 'yes' | bool }}"
         fleetctl_restart_cmd: "{{ undefined_thing.attr | default('systemctl restart sglang') }}"
         unread: "{{ facts_only_ansible_has | ipaddr }}"
+        ansible_become: "{{ become_flag | bool }}"
     canary:
       hosts:
         gpu-2:
@@ -472,6 +474,7 @@ def test_templated_vars_fleetctl_reads(tmp_path):
     assert one.smoke_cmd == "echo gpu True"                    # group_names, quote, bool
     assert two.smoke_cmd == "echo canary,gpu True"             # sorted, without all/ungrouped
     assert one.restart_cmd == "systemctl restart sglang"       # default after a chained undefined
+    assert one.vars["ansible_become"] is True                  # one {{ expr }} keeps its type
     # vars fleetctl never reads stay as written, lookups and unknown filters included
     assert one.vars["gateway"] == "{{ lookup('env', 'HOME') }}"
     assert one.vars["unread"] == "{{ facts_only_ansible_has | ipaddr }}"
@@ -512,6 +515,7 @@ def test_unrenderable_needed_var_is_exit_4_at_its_line(tmp_path, value, what):
     ("ansible_port", "\"{{ 'twenty' }}\"", "ansible_port must be a port number (1-65535), not 'twenty'"),
     ("ansible_connection", "\"{{ 'docker' }}\"", "ansible_connection 'docker' is not one fleetctl can use"),
     ("ansible_port", "\"{{ 70000 }}\"", "ansible_port must be a port number (1-65535), not '70000'"),
+    ("ansible_user", "\"{{ [inventory_hostname] }}\"", "ansible_user must be a plain string, not ['a']"),
 ])
 def test_rendered_values_are_checked_at_the_template_line(tmp_path, var, value, what):
     path = write(tmp_path, f"all:\n  hosts:\n    a:\n      {var}: {value}\n")

@@ -18,10 +18,11 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jinja2
 import jinja2.sandbox
+from jinja2.nativetypes import NativeCodeGenerator
 
 from .errors import InventoryError
 
@@ -83,8 +84,23 @@ class _Undefined(jinja2.ChainableUndefined, jinja2.StrictUndefined):
     """Undefined as in Ansible: `a.b | default(x)` works; using an undefined value is an error."""
 
 
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(undefined=_Undefined, autoescape=False)
+class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, rendering as ansible-core 2.19 does: a template that is one `{{ expr }}` gives
+    the expression's own value (a number, a list, a bool), anything else its text. (Jinja2's
+    native code generator folds an expression of constants alone to its text: `{{ 22 }}` is "22".)"""
+
+    code_generator_class = NativeCodeGenerator
+
+    @staticmethod
+    def concat(parts: Iterable[Any]) -> Any:
+        parts = list(parts)
+        if len(parts) == 1:
+            return str(parts[0]) if isinstance(parts[0], jinja2.Undefined) else parts[0]  # str(): the error
+        return "".join(map(str, parts))
+
+
+def _environment() -> _Environment:
+    env = _Environment(undefined=_Undefined, autoescape=False)
     env.filters.update(bool=_bool, quote=shlex.quote, regex_replace=_regex_replace)
     env.globals.update(lookup=_lookup("lookup"), query=_lookup("query"), q=_lookup("q"))
     return env
@@ -117,14 +133,14 @@ class Templar:
         self.hostvars = {h: _hostvars(self, h) for h in raw}
 
     def value(self, host: str, name: str) -> Any:
-        """The rendered value of `name` for `host`: a template becomes its text (checked and
-        converted by the caller), a vault value its plain text, anything else stays as it is.
+        """The rendered value of `name` for `host`: a template its value (see _Environment;
+        checked and converted by the caller), a vault value its plain text, anything else as it is.
         Raises KeyError when the host has no such var, InventoryError when it cannot be rendered."""
         key = (host, name)
         if key in self.done:
             return self.done[key]
         raw = self.raw[host][name]
-        where = self.where[host].get(name, "?")
+        where = self.where[host][name]
         if key in self.active:
             loop = " -> ".join(n for _, n in self.active[self.active.index(key):] + [key])
             raise InventoryError(f"{where}: {name} refers to itself: {loop}")
