@@ -6,7 +6,7 @@ a command with input under a deadline, uploading a file and holding fleetctl's h
 written once, here, against that one primitive; every remote command line is built by
 `command.remote_argv` (the deadline wrapper; the become prefix and the container entry join it
 there later). Nothing in this module imports paramiko, so a local-only run (the GPU host
-itself) needs neither paramiko nor Fabric.
+itself) needs no paramiko.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from . import command
@@ -36,22 +37,15 @@ def passwd_home() -> Path:
     return Path(pwd.getpwuid(os.getuid()).pw_dir)
 
 
-def expand_home(path: str) -> Path:
-    """`path` with a leading `~/` (or a bare `~`) replaced by passwd_home()."""
-    if path == "~" or path.startswith("~/"):
-        return passwd_home() / path[2:]
-    return Path(path)
-
-
 @dataclass(frozen=True)
 class Settings:
     """How to reach hosts, for every connection kind.
 
-    connect_timeout: seconds for TCP connect, banner, key exchange and auth together (every
-      ProxyJump hop included).
+    connect_timeout: seconds for `ssh -G`, TCP connect, banner, key exchange and auth together
+      (every ProxyJump hop included).
     accept_new: store unknown host keys (OpenSSH's StrictHostKeyChecking=accept-new).
-    ssh_config: the ssh_config file to read instead of the user's `~/.ssh/config` (passwd home)
-      and /etc/ssh/ssh_config, as `ssh -F` does; None: those two.
+    ssh_config: the ssh_config file OpenSSH reads instead of the user's `~/.ssh/config` (passwd
+      home) and /etc/ssh/ssh_config (`ssh -F`); None: those two.
     server_alive_interval / server_alive_count_max: keepalive defaults (seconds, count) where
       the ssh_config sets no ServerAliveInterval / ServerAliveCountMax.
     """
@@ -61,6 +55,18 @@ class Settings:
     ssh_config: Path | None = None
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3
+
+    @cached_property
+    def resolver(self):
+        """The run's resolve.Resolver (one per Settings: each host and hop resolved once)."""
+        from .resolve import Resolver
+        return Resolver(self.ssh_config)
+
+    @cached_property
+    def jump_pool(self):
+        """The run's paramiko_ssh.JumpPool (one shared connection per bastion)."""
+        from .paramiko_ssh import JumpPool
+        return JumpPool()
 
 
 @dataclass

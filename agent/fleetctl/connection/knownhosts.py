@@ -16,13 +16,14 @@ import base64
 import binascii
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import paramiko
 from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
+
+from .resolve import match_patterns
 
 log = logging.getLogger("fleetctl")
 
@@ -32,20 +33,9 @@ _CACHE_LOCK = threading.Lock()
 
 def host_patterns_match(patterns: str, name: str) -> bool:
     """OpenSSH's match_hostname for a known_hosts pattern list (sshd(8), "SSH_KNOWN_HOSTS FILE
-    FORMAT"; ssh_config(5), PATTERNS): comma-separated, `*` and `?` wildcards, a `!` pattern
-    that matches refuses the name whatever else matches; case-insensitive. `name` is `host` or
+    FORMAT"): comma-separated patterns as resolve.match_patterns reads them. `name` is `host` or
     `[host]:port` as the client looks it up."""
-    name = name.lower()
-    hit = False
-    for p in patterns.lower().split(","):
-        neg = p.startswith("!")
-        # only `*` and `?` are special (`[host]:port` is literal, unlike fnmatch's classes)
-        regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in (p[1:] if neg else p))
-        if re.fullmatch(regex, name, re.DOTALL):
-            if neg:
-                return False
-            hit = True
-    return hit
+    return match_patterns(patterns.split(","), name)
 
 
 @dataclass
