@@ -57,8 +57,8 @@ class _Policy(paramiko.MissingHostKeyPolicy):
     """What to do with a key that no plain known_hosts line lists for the host's key name
     (`Resolved.host_key_name`: HostKeyAlias, `host` or `[host]:port`)."""
 
-    def __init__(self, known: knownhosts.KnownHosts, name: str, accept_into: Path | None):
-        self.known, self.name, self.accept_into = known, name, accept_into
+    def __init__(self, known: knownhosts.KnownHosts, name: str, accept_into: Path | None, hashed: bool):
+        self.known, self.name, self.accept_into, self.hashed = known, name, accept_into, hashed
 
     def missing_host_key(self, client, hostname, key):
         revoked = self.known.revocation(key)
@@ -74,25 +74,26 @@ class _Policy(paramiko.MissingHostKeyPolicy):
                                  "known_hosts, or pass --accept-new to store it on first use")
         client.get_host_keys().add(hostname, key.get_name(), key)
         with _ACCEPT_LOCK:
-            knownhosts.append(self.accept_into, self.name, key)
+            knownhosts.append(self.accept_into, self.name, key, self.hashed)
 
 
 def _verifying_client(r: Resolved, settings: Settings) -> paramiko.SSHClient:
     """A paramiko client that verifies `r`'s host key against `r`'s known_hosts files (user
     files, then the global ones as read-only pins) under its key name."""
     client = paramiko.SSHClient()
-    known = knownhosts.load([*r.known_hosts, *r.global_known_hosts])
     name = r.host_key_name
+    known = knownhosts.lookup(name, [*r.known_hosts, *r.global_known_hosts])
     # paramiko looks the key up as `host` / `[host]:port` of the address it dials
     dialled = r.hostname if r.port == 22 else f"[{r.hostname}]:{r.port}"
-    for ktype, key in (known.keys.lookup(name) or {}).items():
+    for ktype, key in (known.keys.lookup(name) or {}).items():  # lookup() filed them under `name`
         client.get_host_keys().add(dialled, ktype, key)
     accept = settings.accept_new
     if r.strict_host_key_checking in ("no", "off"):
         log.warning("fleetctl: %s: StrictHostKeyChecking %s in ssh_config is treated as accept-new (a changed "
                     "key is still refused)", r.name, r.strict_host_key_checking)
         accept = True
-    client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept and r.known_hosts else None))
+    client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept and r.known_hosts else None,
+                                               r.hash_known_hosts))
     return client
 
 
