@@ -1,8 +1,9 @@
 """Reaching hosts: one interface (`Connection`), one command builder (`command`), one kind per
 way of reaching a host, picked by the host's `ansible_connection`.
 
-Kinds: `paramiko` (the default; also `paramiko_ssh`, and for now `ssh` and `smart`, until
-fleetctl has a connection through the OpenSSH client) and `local` (this machine). Everything
+Kinds: `paramiko` (the default; also `paramiko_ssh`), `ssh` (also `smart`: the system OpenSSH
+client, over a ControlMaster) and `local` (this machine). Every SSH kind reaches what OpenSSH's
+`ssh -G` resolves (resolve.py). Everything
 above this package runs argv lists through `Connection.run`, uploads with `put_bytes` and locks
 with `hold_lock`; nothing above it imports paramiko or builds a command line.
 """
@@ -24,5 +25,8 @@ def connect(host, settings: Settings) -> Connection:
     if kind == "local":
         from .local import LocalConnection
         return LocalConnection(host, settings)
+    if kind in ("ssh", "smart"):
+        from .openssh import OpenSSHConnection
+        return OpenSSHConnection(host, settings)
     from .paramiko_ssh import ParamikoConnection
     return ParamikoConnection(host, settings)

@@ -16,10 +16,10 @@ import math
 import os
 import pwd
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 from . import command
@@ -29,6 +29,7 @@ from .errors import LockBusy, RemoteTimeout, Unreachable
 LOCK_HANDSHAKE_MAX = 4096
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
+_RUN_STATE_LOCK = threading.Lock()
 
 
 def passwd_home() -> Path:
@@ -56,17 +57,37 @@ class Settings:
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3
 
-    @cached_property
+    def _run_state(self, name: str, make):
+        """The run's one `name` object (made by `make()` on first use, from any thread)."""
+        with _RUN_STATE_LOCK:
+            if name not in self.__dict__:
+                self.__dict__[name] = make()  # a frozen dataclass's __dict__ still holds run state
+            return self.__dict__[name]
+
+    @property
     def resolver(self):
         """The run's resolve.Resolver (one per Settings: each host and hop resolved once)."""
         from .resolve import Resolver
-        return Resolver(self.ssh_config)
+        return self._run_state("resolver", lambda: Resolver(self.ssh_config))
 
-    @cached_property
+    @property
     def jump_pool(self):
         """The run's paramiko_ssh.JumpPool (one shared connection per bastion)."""
         from .paramiko_ssh import JumpPool
-        return JumpPool()
+        return self._run_state("jump_pool", JumpPool)
+
+    def close(self) -> None:
+        """End the run's shared state: the OpenSSH masters still open (bastions included) and
+        their control directory (idempotent)."""
+        files = self.__dict__.get("control_files")
+        if files is not None:
+            files.close()
+
+    @property
+    def control_files(self):
+        """The run's openssh.ControlFiles (ControlPath directory and per-run ssh_config)."""
+        from .openssh import ControlFiles
+        return self._run_state("control_files", lambda: ControlFiles(self.ssh_config, self.accept_new))
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""`ansible_connection: ssh` (or `smart`): the system OpenSSH client, as Ansible's default
+connection uses it. It verifies everything OpenSSH verifies (host certificates, FIDO keys,
+GSSAPI, KnownHostsCommand...) because it is OpenSSH.
+
+A per-run ssh_config (`ControlFiles.config`) sets ControlMaster/ControlPath/ControlPersist for
+every host and then `Include`s the user's config (`--ssh-config`, else ~/.ssh/config of the passwd
+home and /etc/ssh/ssh_config), so ProxyJump's own ssh processes share bastion masters too.
+ControlPath is `<private 0700 dir under /tmp>/%C` (a unix socket path has 108 bytes at most).
+The master is opened first (`ssh -M -N -f`, then `-O check`), so a connect or host-key failure is
+`unreachable` before any command; a command's exit status travels in-band on stderr (ssh's own
+255 cannot be told from the command's); close() runs `-O exit` for this host's master, and the
+run's last cleanup (`ControlFiles.close`) for every master left, bastions included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import command
+from .base import Connection, Process, passwd_home
+from .errors import HostKeyRefused, Unreachable
+from .local import LocalProcess
+
+# Seconds a master outlives its last client if fleetctl dies without closing it.
+CONTROL_PERSIST_S = 60
+# The in-band exit status line a remote command ends its stderr with (command.exit_status_line).
+_EXIT_RE = re.compile(re.escape(command.EXIT_LINE_PREFIX) + rb"(\d+)\n?$")
+# Bytes of the master's stderr kept for an error message.
+_ERR_MAX = 2000
+
+
+class ControlFiles:
+    """The run's control directory (private, 0700, under /tmp) and its ssh_config: ControlMaster,
+    ControlPath and ControlPersist for every host, BatchMode, and a host-key policy never weaker
+    than accept-new, then the user's configuration by Include (OpenSSH keeps the first value it
+    obtains, so these win)."""
+
+    def __init__(self, user_config: Path | None, accept_new: bool):
+        self.dir = Path(tempfile.mkdtemp(prefix="fc-", dir="/tmp"))
+        includes = [user_config] if user_config else [passwd_home() / ".ssh" / "config", Path("/etc/ssh/ssh_config")]
+        self.config = self.dir / "ssh_config"
+        self.config.write_text(
+            "Host *\n"
+            "  ControlMaster auto\n"
+            f"  ControlPath {self.dir}/%C\n"
+            f"  ControlPersist {CONTROL_PERSIST_S}\n"
+            "  BatchMode yes\n"
+            f"  StrictHostKeyChecking {'accept-new' if accept_new else 'yes'}\n"
+            + "".join(f"  Include {p}\n" for p in includes))
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """`ssh -O exit` for every master still listening in the directory, then remove it
+        (idempotent)."""
+        with self._lock:
+            if not self.dir.exists():
+                return
+            for sock in self.dir.iterdir():
+                if sock.is_socket():
+                    subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleetctl-master"],
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class OpenSSHProcess(LocalProcess):
+    """A command run over the host's master by a local `ssh` (see Process); the remote exit
+    status comes from the in-band line, so a lost connection (ssh's 255, no line) is Unreachable."""
+
+    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
+        out, err, code = super().communicate(stdin, deadline)
+        m = _EXIT_RE.search(err)
+        if m is None:
+            raise Unreachable(f"connection lost during a command (ssh exit {code}): "
+                              f"{err[-_ERR_MAX:].decode('utf-8', 'replace').strip()}")
+        return out, err[:m.start()], int(m[1])
+
+
+class OpenSSHConnection(Connection):
+    """One host through the system `ssh`, over a ControlMaster this connection opens."""
+
+    kind = "ssh"
+
+    def __init__(self, host, settings):
+        super().__init__(host, settings)
+        self._address: str | None = None
+        self._master = False
+
+    @property
+    def address(self) -> str:
+        return self._address or self.host.address
+
+    def _argv(self, *extra: str) -> list[str]:
+        h = self.host
+        opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
+        return ["ssh", "-F", str(self.settings.control_files.config), *(w for o in opts for w in o), *extra]
+
+    def open(self) -> None:
+        """Resolve the host (`ssh -G`), open its master (`ssh -M -N -f`) and check it
+        (`-O check`), all within settings.connect_timeout seconds. Raises SshConfigError (exit
+        4), HostKeyRefused (ssh's host key verification failed), Unreachable."""
+        deadline = time.monotonic() + self.settings.connect_timeout
+        h = self.host
+        self._address = self.settings.resolver.resolve(h.address, deadline, h.name, h.user, h.port,
+                                                       h.key_file).hostname
+        left = deadline - time.monotonic()
+        with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
+            try:
+                r = subprocess.run(self._argv("-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
+                                              "--", h.address),
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                   timeout=max(0.1, left), start_new_session=True)
+            except subprocess.TimeoutExpired:
+                raise Unreachable(f"no SSH session within the connect timeout ({self.settings.connect_timeout:g} s)") \
+                    from None
+            err.seek(0)
+            msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
+        if r.returncode != 0:
+            if "Host key verification failed" in msg or "IDENTIFICATION HAS CHANGED" in msg \
+                    or "REVOKED HOST KEY" in msg:
+                raise HostKeyRefused(f"OpenSSH refused the host key of {self.address}: {msg}")
+            raise Unreachable(f"cannot connect to {self.address} (ssh exit {r.returncode}): {msg}")
+        self._master = True
+        check = subprocess.run(self._argv("-O", "check", "--", h.address), stdin=subprocess.DEVNULL,
+                               capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
+        if check.returncode != 0:
+            raise Unreachable(f"the SSH master to {self.address} is not running: "
+                              f"{check.stderr[-_ERR_MAX:].decode('utf-8', 'replace').strip()}")
+
+    def _start(self, argv: list[str], timeout: float) -> Process:
+        return OpenSSHProcess(self._argv("-T", "-o", "ControlMaster=no", "--", self.host.address,
+                                         command.exit_status_line(argv)))
+
+    def close(self) -> None:
+        """`ssh -O exit` for the master this connection opened (idempotent)."""
+        if self._master:
+            self._master = False
+            subprocess.run(self._argv("-O", "exit", "--", self.host.address), stdin=subprocess.DEVNULL,
+                           capture_output=True, timeout=10)
