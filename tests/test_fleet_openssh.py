@@ -79,3 +79,23 @@ def test_ssh_connection_host_keys_as_openssh_decides(lab, tmp_path):
     r, _, hosts = lab.cli_json("inspect", "lab-04", "-i", str(inv), "--ssh-config", str(cfg), "--accept-new")
     assert r.returncode == 0, hosts["lab-04"]["error"]
     assert known.read_text().split()[0] == lab.address("lab-04")
+
+
+def test_apply_and_rollback_through_the_ssh_connection(server_lab, tmp_path):
+    """The change engine (lock held over the master, uploads on stdin, the validation gate) under
+    the ssh connection, on one host; rolled back to the wheel's bytes."""
+    inv = str(inventory_with(server_lab, tmp_path, "ssh"))
+    r, doc, hosts = server_lab.cli_json("apply", "defrag-tier0", "lab-02", "-i", inv, "--yes")
+    try:
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        assert hosts["lab-02"]["status"] == "changed" and hosts["lab-02"]["validation"]["status"] == "passed"
+        files = hosts["lab-02"]["plan"]["files"]
+        for f in files:
+            got = server_lab.ssh("lab-02", f"sha256sum {f['path']}").stdout.split()[0]
+            assert got == f["post_sha256"]
+    finally:
+        r, _, rolled = server_lab.cli_json("rollback", "--last", "lab-02", "-i", inv, "--yes")
+    assert r.returncode == 0 and rolled["lab-02"]["status"] == "changed", rolled
+    for f in files:
+        got = server_lab.ssh("lab-02", f"sha256sum {f['path']}").stdout.split()[0]
+        assert got == f["pre_sha256"]
