@@ -210,3 +210,33 @@ def test_fallback_reads_first_values_host_patterns_and_hops(tmp_path, monkeypatc
         [("bastion.example.invalid", "jump"), ("gpu-1.example.invalid", "ops")]
     negated = resolved(case03(tmp_path, "Host * !gpu-1\n  User no\n"), "gpu-1")
     assert negated.user != "no" and negated.port == 22
+
+
+# ------------------------------------------------------------------ fleetctl hosts
+
+def test_hosts_shows_what_would_be_dialled_and_the_known_hosts_lines_that_apply(tmp_path):
+    import paramiko
+    known = tmp_path / "known_hosts"
+    key = "AAAAC3NzaC1lZDI1NTE5AAAAIB/R2EBNwSNgM01ZxqKmqKH3/HY4aKPrWNIZZ8vUBvYh"
+    known.write_text(f"{paramiko.HostKeys.hash_host('gpu-node-01')} ssh-ed25519 {key}\n"
+                     f"other.example.invalid ssh-ed25519 {key}\n")
+    config = case03(tmp_path, CASE03_A + f"    UserKnownHostsFile {known}\n")
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n    gpu-node-01:\n    bastion:\n    bad:\n      ansible_port: 2\n"
+                   "    here:\n      ansible_connection: local\n")
+    (tmp_path / "bad.conf").write_text("Host bad\n  Nonsense yes\n")
+    run = lambda cfg, pattern: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "fleetctl.cli", "hosts", pattern, "-i", str(inv), "--ssh-config", str(cfg), "--json"],
+        capture_output=True, text=True, timeout=60)
+    r = run(config, "all:!bad")
+    assert r.returncode == 0, r.stderr
+    hosts = {d["host"]: d for d in json.loads(r.stdout)["hosts"]}
+    node = hosts["gpu-node-01"]
+    assert (node["connection"], node["address"], node["port"], node["user"]) == ("paramiko", "gpu-node-01", 22, "ops")
+    assert node["jump"] == ["jump@bastion.example.invalid:22"] and node["host_key_name"] == "gpu-node-01"
+    assert node["known_hosts"][0] == str(known)
+    assert [line.split(": ", 1)[0] for line in node["known_hosts_lines"]] == [f"{known}:1"]
+    assert hosts["bastion"]["jump"] == [] and hosts["bastion"]["known_hosts_lines"] == []
+    assert hosts["here"]["connection"] == "local" and hosts["here"]["address"] == "localhost"
+    r = run(tmp_path / "bad.conf", "bad")
+    assert r.returncode == 4 and "line 2: Bad configuration option: nonsense" in json.loads(r.stdout)["hosts"][0]["error"]

@@ -57,14 +57,18 @@ RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
     "Seconds for the whole command: hosts still in progress then fail, the rest are not attempted."))]
 
 
-def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
-           ssh_config: str | None = None, run_timeout: float | None = None) -> Fleet:
+def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None) -> Settings:
     if connect_timeout <= 0:
         raise UsageError("--connect-timeout must be positive")
     if ssh_config is not None and not os.path.isfile(ssh_config):
         raise UsageError(f"--ssh-config {ssh_config}: no such file")
-    settings = Settings(connect_timeout=connect_timeout, accept_new=accept_new,
-                        ssh_config=Path(ssh_config).resolve() if ssh_config else None)
+    return Settings(connect_timeout=connect_timeout, accept_new=accept_new,
+                    ssh_config=Path(ssh_config).resolve() if ssh_config else None)
+
+
+def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
+           ssh_config: str | None = None, run_timeout: float | None = None) -> Fleet:
+    settings = _settings(connect_timeout, accept_new, ssh_config)
     return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err,
                  run_timeout=run_timeout)
 
@@ -93,6 +97,25 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
         render_inspect(results, out)
         render_status_line(results, out)
     raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
+          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None) -> None:
+    """Show how each host would be reached, without connecting: connection kind, address, port,
+    user, identity files, jump chain, known_hosts files and the lines that apply (from ssh -G)."""
+    from .errors import EXIT_PARSE
+    from .reach import describe
+    from .report import render_hosts
+
+    selected = _select(inventory, pattern)
+    settings = _settings(connect_timeout, False, ssh_config)
+    docs = [describe(h, settings) for h in selected]
+    if json_out:
+        _print_json({"hosts": docs})
+    else:
+        render_hosts(docs, out)
+    raise typer.Exit(EXIT_PARSE if any(d["error"] for d in docs) else 0)
 
 
 HealthTimeout = Annotated[float, typer.Option("--health-timeout", help=(

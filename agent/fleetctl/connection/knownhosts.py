@@ -124,21 +124,37 @@ def _found_by_ssh_keygen(name: str, path: Path) -> list[tuple[str, str]]:
     return found
 
 
-def _matches(entry: HostKeyEntry, name: str) -> bool:
-    """Whether a plain line's host field applies to `name` (the reader without ssh-keygen: hashed
-    names as paramiko hashes them, patterns as host_patterns_match)."""
-    hashed = [h for h in entry.hostnames if h.startswith("|1|")]
-    if any(paramiko.HostKeys.hash_host(name, h) == h for h in hashed):
-        return True
-    plain = [h for h in entry.hostnames if not h.startswith("|1|")]
+def _applies(line: str, name: str) -> bool:
+    """Whether a known_hosts line applies to `name` (the matcher without ssh-keygen: hashed names
+    as paramiko hashes them, patterns as host_patterns_match; marker lines by their patterns)."""
+    fields = line.split()
+    if not fields or fields[0].startswith("#") or (fields[0].startswith("@") and len(fields) < 2):
+        return False
+    patterns = (fields[1] if fields[0].startswith("@") else fields[0]).split(",")
+    for h in (p for p in patterns if p.startswith("|1|")):
+        try:
+            if paramiko.HostKeys.hash_host(name, h) == h:
+                return True
+        except (binascii.Error, ValueError, IndexError):
+            continue
+    plain = [p for p in patterns if not p.startswith("|1|")]
     return bool(plain) and host_patterns_match(",".join(plain), name)
+
+
+def found_lines(name: str, path: Path) -> list[tuple[str, str]]:
+    """(file:line, line) for every line of `path` that applies to the host key name `name`:
+    found by `ssh-keygen -F` when it is on PATH, else by _applies. Raises OSError when `path`
+    cannot be read."""
+    if shutil.which("ssh-keygen") is not None:
+        return _found_by_ssh_keygen(name, path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), start=1) if _applies(line, name)]
 
 
 def lookup(name: str, files: list[Path]) -> KnownHosts:
     """What `files` (in order; missing ones skipped) say about the host key name `name` (`host`,
     `[host]:port` or a HostKeyAlias): its plain keys under `name` (revoked keys left out), and
-    the @revoked and @cert-authority lines that apply to it. Lines are found with
-    `ssh-keygen -F` when it is on PATH, else each file is read and matched here. Cached per
+    the @revoked and @cert-authority lines that apply to it (found_lines). Cached per
     process by `name` and each file's identity (path, size, mtime_ns), so each warning is
     logged once."""
     ident = []
@@ -153,26 +169,18 @@ def lookup(name: str, files: list[Path]) -> KnownHosts:
         if key in _CACHE:
             return _CACHE[key]
     out, entries = KnownHosts(), []
-    keygen = shutil.which("ssh-keygen") is not None
     for p in files:
         if not p.exists():
             continue
         try:
-            if keygen:
-                lines = _found_by_ssh_keygen(name, p)
-            else:
-                text = p.read_text(encoding="utf-8", errors="replace")
-                lines = [(f"{p}:{n}", line) for n, line in enumerate(text.splitlines(), start=1)]
+            lines = found_lines(name, p)
         except OSError as e:
             out.warnings.append(f"{p}: cannot read ({e.strerror or e}); its keys are not used")
             continue
         for where, line in lines:
             _take(line, where, out, entries)
-    if not keygen:
-        out.revoked = [m for m in out.revoked if host_patterns_match(m.patterns, name)]
-        out.authorities = [m for m in out.authorities if host_patterns_match(m.patterns, name)]
     for e in entries:
-        if out.revocation(e.key) is None and (keygen or _matches(e, name)):
+        if out.revocation(e.key) is None:
             out.keys.add(name, e.key.get_name(), e.key)
     with _CACHE_LOCK:
         for w in out.warnings:
