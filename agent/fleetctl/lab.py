@@ -353,8 +353,9 @@ def _forget_known_hosts(known_hosts: Path, addresses: list[str]) -> None:
     keep = []
     for line in known_hosts.read_text().splitlines(keepends=True):
         parts = line.split()
+        field = parts[1] if parts and parts[0].startswith("@") and len(parts) >= 4 else (parts or [""])[0]
         if len(parts) >= 3 and not line.startswith("#") and any(
-                _host_matches(parts[0], a) for a in addresses):
+                _host_matches(field, a) for a in addresses):
             continue
         keep.append(line)
     known_hosts.write_text("".join(keep))
@@ -375,7 +376,7 @@ def _sshd_config(hd: Path, sd: Path) -> Path:
         f"AuthorizedKeysFile {sd / 'client_ed25519.pub'}\n"
         "PermitRootLogin prohibit-password\n"
         "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\nMaxStartups 200\n"
+        "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\nMaxStartups 200\nLogLevel VERBOSE\n"
         "Subsystem sftp internal-sftp\n")
     return cfg
 
@@ -554,7 +555,7 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
         if dev == _bridge(lab_id) or dev.startswith(prefix):
             _run(["ip", "link", "del", dev], check=False)
     _forget_known_hosts(known_hosts or default_known_hosts(),
-                        [_address(lab_id, i) for i in range(244)])
+                        [_address(lab_id, i) for i in range(244)] + [_reach_address(lab_id, n) for n in REACH_HOSTS])
     for p in ("lab.json", "hosts.yaml"):
         (sd / p).unlink(missing_ok=True)
     shutil.rmtree(sd / "hosts", ignore_errors=True)
@@ -659,6 +660,94 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
     inv = inventory_path(state_dir=sd)
     inv.write_text(_inventory_yaml(state, sd))
     return inv
+
+
+# ---------------------------------------------------------------- hosts for reaching tests
+
+# The reach hosts: name -> (what it is). Each is a bare sshd (LogLevel VERBOSE, its log in
+# <host dir>/sshd.log) in a network namespace of its own, sharing this machine's filesystem: they
+# exist to be reached, not to run SGLang.
+REACH_HOSTS = {
+    "lab-hidden": "reachable only through lab-01 (the bastion): no route from the control side",
+    "lab-ca": "its ed25519 host key is signed by the lab's host CA; known_hosts has only @cert-authority",
+    "lab-rsa": "only an RSA host key",
+}
+
+
+def _reach_address(lab_id: int, name: str) -> str:
+    """lab-hidden: 10.214.<lab-id>.2 on a link to lab-01 only; the others on the lab bridge."""
+    return {"lab-hidden": f"10.214.{lab_id}.2", "lab-ca": f"10.213.{lab_id}.251",
+            "lab-rsa": f"10.213.{lab_id}.252"}[name]
+
+
+def _reach_sshd(name: str, ns: str, address: str, hd: Path, sd: Path, host_keys: list[Path],
+                certificate: Path | None = None) -> int:
+    cfg = hd / "sshd_config"
+    cfg.write_text(
+        f"ListenAddress {address}:22\n" + "".join(f"HostKey {k}\n" for k in host_keys)
+        + (f"HostCertificate {certificate}\n" if certificate else "")
+        + f"PidFile {hd / 'sshd.pid'}\nAuthorizedKeysFile {sd / 'client_ed25519.pub'}\n"
+        "PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\n"
+        "LogLevel VERBOSE\n")
+    return _spawn(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(cfg)], hd / "sshd.log").pid
+
+
+def lab_add_reach_hosts(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None) -> dict:
+    """Add REACH_HOSTS to the running lab `lab_id` and return {name: {address, log, key}}
+    (`key`: the host's public key file). lab-01 becomes their bastion: lab-hidden sits on a link
+    from lab-01's network namespace. `known_hosts` (default ~/.ssh/known_hosts of the passwd
+    home) gets plain lines for lab-hidden and lab-rsa and one `@cert-authority` line for
+    lab-ca's address; `lab_down` removes the hosts and those lines. Raises LabError."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    state = _load(sd)
+    bastion = next(h for h in state["hosts"] if h["name"] == _hostname(0))
+    known_hosts = Path(known_hosts or default_known_hosts())
+    out, lines = {}, []
+    ca = sd / "host_ca"
+    if not ca.exists():
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fleetctl-lab-{lab_id}-host-ca", "-f", str(ca)])
+    for name in REACH_HOSTS:
+        ns, addr, hd = f"flab{lab_id}-{name[4:7]}", _reach_address(lab_id, name), _host_dir(sd, name)
+        hd.mkdir(parents=True, exist_ok=True)
+        ktype = "rsa" if name == "lab-rsa" else "ed25519"
+        key = hd / f"ssh_host_{ktype}_key"
+        key.unlink(missing_ok=True)
+        _run(["ssh-keygen", "-q", "-t", ktype, "-N", "", "-C", name, "-f", str(key)])
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "link", "add", ns, "type", "veth", "peer", "name", ns + "p"])
+        _run(["ip", "link", "set", ns + "p", "netns", ns])
+        if name == "lab-hidden":  # a link to the bastion's namespace only
+            _run(["ip", "link", "set", ns, "netns", bastion["netns"]])
+            for cmd in (["addr", "add", f"10.214.{lab_id}.1/24", "dev", ns], ["link", "set", ns, "up"]):
+                _run(["ip", "-n", bastion["netns"], *cmd])
+        else:
+            _run(["ip", "link", "set", ns, "master", _bridge(lab_id), "up"])
+        for cmd in (["link", "set", ns + "p", "name", "eth0"], ["addr", "add", f"{addr}/24", "dev", "eth0"],
+                    ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+            _run(["ip", "-n", ns, *cmd])
+        cert = None
+        pub = key.with_name(key.name + ".pub")
+        if name == "lab-ca":
+            _run(["ssh-keygen", "-q", "-s", str(ca), "-I", name, "-h", "-n", addr, str(pub)])
+            cert = key.with_name(key.name + "-cert.pub")
+            lines.append(f"@cert-authority {addr} {' '.join((sd / 'host_ca.pub').read_text().split()[:2])}\n")
+        else:
+            lines.append(f"{addr} {' '.join(pub.read_text().split()[:2])}\n")
+        (hd / "sshd.log").write_bytes(b"")
+        _reach_sshd(name, ns, addr, hd, sd, [key], cert)
+        out[name] = {"address": addr, "log": hd / "sshd.log", "key": pub}
+    deadline = time.monotonic() + 15
+    for name, h in out.items():  # lab-hidden cannot be dialled from here: its log says when it listens
+        while b"Server listening" not in h["log"].read_bytes():
+            if time.monotonic() > deadline:
+                raise LabError(f"{name}: sshd did not start, see {h['log']}")
+            time.sleep(0.05)
+    _forget_known_hosts(known_hosts, [h["address"] for h in out.values()])
+    with open(known_hosts, "a") as f:
+        f.writelines(lines)
+    return out
 
 
 def _inventory_yaml(state: dict, sd: Path) -> str:

@@ -56,7 +56,14 @@ class ControlFiles:
             f"  StrictHostKeyChecking {'accept-new' if accept_new else 'yes'}\n"
             + "".join(f"  Include {p}\n" for p in includes))
         self._lock = threading.Lock()
+        self._hop_locks: dict[tuple, threading.Lock] = {}
         atexit.register(self.close)
+
+    def hop_lock(self, key: tuple) -> threading.Lock:
+        """The lock that serialises opening the master to one ProxyJump hop (concurrent first
+        connections with ControlMaster auto would each open their own)."""
+        with self._lock:
+            return self._hop_locks.setdefault(key, threading.Lock())
 
     def close(self) -> None:
         """`ssh -O exit` for every master still listening in the directory, then remove it
@@ -104,36 +111,61 @@ class OpenSSHConnection(Connection):
         return ["ssh", "-F", str(self.settings.control_files.config), *(w for o in opts for w in o), *extra]
 
     def open(self) -> None:
-        """Resolve the host (`ssh -G`), open its master (`ssh -M -N -f`) and check it
-        (`-O check`), all within settings.connect_timeout seconds. Raises SshConfigError (exit
+        """Resolve the host (`ssh -G`), open the masters of its ProxyJump hops (one per hop for
+        the whole run, as ProxyJump's own `ssh -W` will use them) and its own (`ssh -M -N -f`),
+        and check it (`-O check`), all within settings.connect_timeout seconds. Raises SshConfigError (exit
         4), HostKeyRefused (ssh's host key verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
-        self._address = self.settings.resolver.resolve(h.address, deadline, h.name, h.user, h.port,
-                                                       h.key_file).hostname
+        resolved = self.settings.resolver.resolve(h.address, deadline, h.name, h.user, h.port, h.key_file)
+        self._address = resolved.hostname
+        for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
+            jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []
+            opts = [*(["-l", hop.user] if hop.user else []), *(["-p", str(hop.port)] if hop.port else []), *jump]
+            lock = self.settings.control_files.hop_lock((*jump, *opts, hop.host))
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise Unreachable(f"ProxyJump hop {hop}: no SSH session within the connect timeout")
+            try:
+                if self._check(["ssh", "-F", str(self.settings.control_files.config), *opts, "--", hop.host],
+                               deadline) is not None:
+                    self._open_master(["ssh", "-F", str(self.settings.control_files.config), *opts], hop.host,
+                                      deadline, f"ProxyJump hop {hop}")
+            finally:
+                lock.release()
+        self._open_master(self._argv(), h.address, deadline, self.address)
+        self._master = True
+        problem = self._check(self._argv("--", h.address), deadline)
+        if problem is not None:
+            raise Unreachable(f"the SSH master to {self.address} is not running: {problem}")
+
+    @staticmethod
+    def _check(argv: list[str], deadline: float) -> str | None:
+        """None if the master `argv` (an ssh command line ending in its destination) names is
+        running (`ssh -O check`), else ssh's message."""
+        r = subprocess.run([*argv[:-2], "-O", "check", *argv[-2:]], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=max(1.0, deadline - time.monotonic()))
+        return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
+
+    def _open_master(self, argv: list[str], destination: str, deadline: float, what: str) -> None:
+        """Start a master (`ssh -M -N -f`) for `destination` with `argv`'s options, by `deadline`.
+        Raises HostKeyRefused, Unreachable naming `what`."""
         left = deadline - time.monotonic()
         with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
             try:
-                r = subprocess.run(self._argv("-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
-                                              "--", h.address),
+                r = subprocess.run([*argv, "-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
+                                    "--", destination],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                    timeout=max(0.1, left), start_new_session=True)
             except subprocess.TimeoutExpired:
-                raise Unreachable(f"no SSH session within the connect timeout ({self.settings.connect_timeout:g} s)") \
-                    from None
+                raise Unreachable(f"{what}: no SSH session within the connect timeout "
+                                  f"({self.settings.connect_timeout:g} s)") from None
             err.seek(0)
             msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
         if r.returncode != 0:
             if "Host key verification failed" in msg or "IDENTIFICATION HAS CHANGED" in msg \
                     or "REVOKED HOST KEY" in msg:
-                raise HostKeyRefused(f"OpenSSH refused the host key of {self.address}: {msg}")
-            raise Unreachable(f"cannot connect to {self.address} (ssh exit {r.returncode}): {msg}")
-        self._master = True
-        check = subprocess.run(self._argv("-O", "check", "--", h.address), stdin=subprocess.DEVNULL,
-                               capture_output=True, timeout=max(1.0, deadline - time.monotonic()))
-        if check.returncode != 0:
-            raise Unreachable(f"the SSH master to {self.address} is not running: "
-                              f"{check.stderr[-_ERR_MAX:].decode('utf-8', 'replace').strip()}")
+                raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
+            raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
 
     def _start(self, argv: list[str], timeout: float) -> Process:
         return OpenSSHProcess(self._argv("-T", "-o", "ControlMaster=no", "--", self.host.address,
