@@ -352,20 +352,24 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
            with_server: Annotated[bool, typer.Option("--with-server",
                                   help="Start the SGLang stand-in server on each host.")] = False,
            lab_id: LabId = 0) -> None:
-    """Start the lab: one real sshd per network namespace, each with a real SGLang release."""
+    """Start the lab: one real sshd per network namespace, each with a real SGLang release; its
+    Host blocks go to <state dir>/ssh_config, Included (one marked line) by ~/.ssh/config."""
     from . import lab
 
     path = lab.lab_up(hosts, [r.strip() for r in releases.split(",") if r.strip()],
                       with_server=with_server, lab_id=lab_id)
+    lab.add_ssh_config_include(lab.user_ssh_config(), lab_id)
     typer.echo(str(path))
 
 
 @lab_app.command("down")
 def lab_down(lab_id: LabId = 0) -> None:
-    """Stop the lab and remove every namespace, link and process it made."""
+    """Stop the lab and remove every namespace, link and process it made, and its Include line
+    in ~/.ssh/config."""
     from . import lab
 
     lab.lab_down(lab_id=lab_id)
+    lab.remove_ssh_config_include(lab.user_ssh_config(), lab_id)
 
 
 @lab_app.command("status")
