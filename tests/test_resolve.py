@@ -240,3 +240,52 @@ def test_hosts_shows_what_would_be_dialled_and_the_known_hosts_lines_that_apply(
     assert hosts["here"]["connection"] == "local" and hosts["here"]["address"] == "localhost"
     r = run(tmp_path / "bad.conf", "bad")
     assert r.returncode == 4 and "line 2: Bad configuration option: nonsense" in json.loads(r.stdout)["hosts"][0]["error"]
+
+
+def test_proxycommand_tokens_hostkeyalias_and_known_hosts_files(tmp_path):
+    known = tmp_path / "kh_%h"
+    config = case03(tmp_path, f"Host gpu\n  HostName gpu.example.invalid\n  Port 2200\n  User ops\n"
+                              f"  ProxyCommand nc -X connect %h %p %r %n %%\n  HostKeyAlias gpu-alias\n"
+                              f"  UserKnownHostsFile {known} ~/kh2\n  GlobalKnownHostsFile none\n")
+    r = resolved(config, "gpu")
+    assert r.proxy_command == "nc -X connect gpu.example.invalid 2200 ops gpu %"
+    assert r.host_key_name == "gpu-alias"
+    assert r.known_hosts == (tmp_path / "kh_gpu.example.invalid", passwd_home() / "kh2")
+    assert r.global_known_hosts == ()
+    plain = resolved(case03(tmp_path, "Host h\n  Port 2201\n"), "h")
+    assert plain.host_key_name == "[h]:2201" and plain.proxy_command is None
+
+
+def test_paramiko_offers_agent_keys_then_files_and_identities_only_filters_the_agent(tmp_path):
+    """IdentityAgent and IdentitiesOnly (ssh_config(5)) with a real ssh-agent; nothing dialled."""
+    import paramiko
+    from fleetctl.connection.paramiko_ssh import _OpenSSHAuth
+
+    keys = {}
+    for name in ("in_file", "agent_only"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
+        keys[name] = paramiko.PKey.from_path(tmp_path / name).asbytes()
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        env = dict(os.environ, SSH_AUTH_SOCK=str(sock))
+        for name in ("agent_only", "in_file"):
+            subprocess.run(["ssh-add", "-q", str(tmp_path / name)], env=env, check=True, capture_output=True)
+        base = f"Host h\n  IdentityFile {tmp_path / 'in_file'}\n  IdentityAgent {sock}\n"
+
+        def offered(extra: str) -> list[tuple[str, bytes]]:
+            r = resolved(case03(tmp_path, base + extra), "h")
+            return [(type(s).__name__, s.pkey.asbytes()) for s in _OpenSSHAuth(r, 5).sources]
+
+        assert offered("") == [("InMemoryPrivateKey", keys["agent_only"]), ("InMemoryPrivateKey", keys["in_file"])]
+        assert offered("  IdentitiesOnly yes\n") == [("InMemoryPrivateKey", keys["in_file"])]
+        no_agent = resolved(case03(tmp_path, f"Host h\n  IdentityAgent none\n  IdentityFile {tmp_path / 'in_file'}\n"),
+                            "h")
+        assert [(type(s).__name__, s.pkey.asbytes()) for s in _OpenSSHAuth(no_agent, 5).sources] == \
+            [("OnDiskPrivateKey", keys["in_file"])]
+    finally:
+        agent.terminate()
+        agent.wait()
