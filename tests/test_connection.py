@@ -74,6 +74,17 @@ def test_factory_picks_the_kind_from_ansible_connection(tmp_path):
     assert isinstance(connect(hosts["b"], Settings(ssh_config=write_empty(tmp_path))), ParamikoConnection)
 
 
+def test_dash_c_is_the_kind_of_hosts_whose_inventory_sets_none(tmp_path):
+    from fleetctl.connection import kind_for
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    a:\n      ansible_connection: paramiko\n    b:\n")
+    hosts = {h.name: h for h in inventory.load(path).select("all")}
+    assert [kind_for(hosts[n], Settings(connection="ssh")) for n in "ab"] == ["paramiko", "ssh"]
+    assert kind_for(hosts["b"], Settings()) == "paramiko"
+    from fleetctl.connection.openssh import OpenSSHConnection
+    assert isinstance(connect(hosts["b"], Settings(connection="smart")), OpenSSHConnection)
+
+
 def write_empty(tmp_path: Path) -> Path:
     p = tmp_path / "empty_ssh_config"
     p.write_text("")

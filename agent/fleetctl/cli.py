@@ -53,22 +53,28 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 SshConfig = Annotated[Optional[str], typer.Option("--ssh-config", envvar="FLEETCTL_SSH_CONFIG", help=(
     "ssh_config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config (as ssh -F); "
     "else $FLEETCTL_SSH_CONFIG."))]
+ConnectionOpt = Annotated[Optional[str], typer.Option("-c", "--connection", help=(
+    "Connection kind for hosts whose inventory sets no ansible_connection: paramiko (default), ssh "
+    "(the OpenSSH client), local."))]
 RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
     "Seconds for the whole command: hosts still in progress then fail, the rest are not attempted."))]
 
 
-def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None) -> Settings:
+def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
+              connection: str | None = None) -> Settings:
+    if connection is not None and connection not in inv.CONNECTIONS:
+        raise UsageError(f"-c {connection}: not a connection fleetctl has ({', '.join(inv.CONNECTIONS)})")
     if connect_timeout <= 0:
         raise UsageError("--connect-timeout must be positive")
     if ssh_config is not None and not os.path.isfile(ssh_config):
         raise UsageError(f"--ssh-config {ssh_config}: no such file")
     return Settings(connect_timeout=connect_timeout, accept_new=accept_new,
-                    ssh_config=Path(ssh_config).resolve() if ssh_config else None)
+                    ssh_config=Path(ssh_config).resolve() if ssh_config else None, connection=connection)
 
 
 def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
-           ssh_config: str | None = None, run_timeout: float | None = None) -> Fleet:
-    settings = _settings(connect_timeout, accept_new, ssh_config)
+           ssh_config: str | None = None, run_timeout: float | None = None, connection: str | None = None) -> Fleet:
+    settings = _settings(connect_timeout, accept_new, ssh_config, connection)
     return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err,
                  run_timeout=run_timeout)
 
@@ -81,7 +87,7 @@ def _select(inventory: str | None, pattern: str) -> list[inv.Host]:
 def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
             forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
@@ -89,7 +95,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, gather, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
@@ -101,7 +107,8 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
 
 @app.command()
 def hosts(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
-          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None) -> None:
+          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
+          connection: ConnectionOpt = None) -> None:
     """Show how each host would be reached, without connecting: connection kind, address, port,
     user, identity files, jump chain, known_hosts files and the lines that apply (from ssh -G)."""
     from .errors import EXIT_PARSE
@@ -109,7 +116,7 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = 
     from .report import render_hosts
 
     selected = _select(inventory, pattern)
-    settings = _settings(connect_timeout, False, ssh_config)
+    settings = _settings(connect_timeout, False, ssh_config, connection)
     docs = [describe(h, settings) for h in selected]
     if json_out:
         _print_json({"hosts": docs})
@@ -177,7 +184,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
              port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
              repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
     from .report import render_validate
@@ -187,7 +194,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut
     _positive(timeout=timeout)
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout) as fleet:
+                ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
     _finish(results, json_out, render_validate)
 
@@ -205,7 +212,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-          accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+          accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
           run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
@@ -231,7 +238,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout) as fleet:
+                ssh_config, run_timeout, connection) as fleet:
         outcome = check_then_apply(fleet, hosts, pb, opts, confirm, check_timeout=timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")
@@ -252,7 +259,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
              forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .changes import rollback_job
@@ -263,7 +270,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
     _finish(results, json_out, render_rollback)
 
@@ -272,14 +279,14 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-           accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+           accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from .changes import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, status_job(), "status")
     _finish(results, json_out, render_status)
 
@@ -294,7 +301,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
                   repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
                   connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, accept_new: AcceptNew = False,
-                  ssh_config: SshConfig = None, run_timeout: RunTimeout = None,
+                  ssh_config: SshConfig = None, connection: ConnectionOpt = None, run_timeout: RunTimeout = None,
                   kernels_dir: KernelsDir = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     activate it atomically, validate, and switch back on failure."""
@@ -312,7 +319,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     hosts = _select(inventory, pattern)
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
-    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
     def render(rs, console):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .connection import Settings
+from .connection import Settings, kind_for
 from .errors import FleetctlError
 from .inventory import Host
 
@@ -21,10 +21,11 @@ def describe(host: Host, settings: Settings) -> dict:
     proxy_command, host_key_name, known_hosts, known_hosts_lines, error}; `error` is the
     resolution's refusal (SshConfigError: OpenSSH refuses the config, exit 4) or None. Runs
     `ssh -G` (and `ssh-keygen -F`) within settings.connect_timeout seconds; dials nothing."""
-    doc = {"host": host.name, "connection": host.connection, "address": host.address, "port": None,
+    kind = kind_for(host, settings)
+    doc = {"host": host.name, "connection": kind, "address": host.address, "port": None,
            "user": host.user, "identity_files": [], "jump": [], "proxy_command": None, "host_key_name": None,
            "known_hosts": [], "known_hosts_lines": [], "error": None}
-    if host.connection == "local":
+    if kind == "local":
         doc["address"] = "localhost"
         return doc
     from .connection import knownhosts

@@ -14,14 +14,20 @@ from .base import Connection, HostLock, Result, Settings
 from .errors import HostKeyRefused, LockBusy, RemoteTimeout, Unreachable
 
 __all__ = ["Connection", "HostKeyRefused", "HostLock", "LockBusy", "RemoteTimeout", "Result", "Settings",
-           "Unreachable", "connect"]
+           "Unreachable", "connect", "kind_for"]
+
+
+def kind_for(host, settings: Settings) -> str:
+    """The connection kind of `host`: its ansible_connection, else settings.connection (`-c`),
+    else paramiko (Ansible: connection variables override the command line)."""
+    return host.vars.get("ansible_connection") or settings.connection or host.connection
 
 
 def connect(host, settings: Settings) -> Connection:
     """A new, unopened connection to `host` of the kind its `ansible_connection` names (the
     inventory loader has already refused unknown kinds, naming the file and line). paramiko is
     imported only for an SSH host."""
-    kind = host.connection
+    kind = kind_for(host, settings)
     if kind == "local":
         from .local import LocalConnection
         return LocalConnection(host, settings)

@@ -49,6 +49,8 @@ class Settings:
       home) and /etc/ssh/ssh_config (`ssh -F`); None: those two.
     server_alive_interval / server_alive_count_max: keepalive defaults (seconds, count) where
       the ssh_config sets no ServerAliveInterval / ServerAliveCountMax.
+    connection: the connection kind of hosts whose inventory sets no ansible_connection (`-c`,
+      which host variables override, as in Ansible); None: paramiko.
     """
 
     connect_timeout: float = 10.0
@@ -56,6 +58,7 @@ class Settings:
     ssh_config: Path | None = None
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3
+    connection: str | None = None
 
     def _run_state(self, name: str, make):
         """The run's one `name` object (made by `make()` on first use, from any thread)."""
