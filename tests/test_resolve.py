@@ -289,3 +289,13 @@ def test_paramiko_offers_agent_keys_then_files_and_identities_only_filters_the_a
     finally:
         agent.terminate()
         agent.wait()
+
+
+def test_debians_default_ssh_config_is_fine_for_paramiko(tmp_path):
+    """Debian's /etc/ssh/ssh_config turns GSSAPIAuthentication on: ssh tries it and falls back to
+    public keys, and so must paramiko's resolution not refuse it."""
+    config = case03(tmp_path, "Host *\n    SendEnv LANG LC_*\n    HashKnownHosts yes\n    GSSAPIAuthentication yes\n")
+    r = resolved(config, "gpu-1")
+    assert r.unsupported_by_paramiko() == [] and r.hash_known_hosts is True
+    refused = resolved(case03(tmp_path, "Host *\n  ForwardAgent yes\n  DynamicForward 1080\n"), "gpu-1")
+    assert sorted(refused.unsupported_by_paramiko()) == ["dynamicforward 1080", "forwardagent yes"]

@@ -53,9 +53,11 @@ _DEFAULTS = {
 }
 # Options that change what the connection is, which the paramiko connection cannot do, with the
 # value `ssh -G` prints when they are off (an option absent from `ssh -G` output is off too).
+# Authentication methods ssh would try before public keys and fall back from (GSSAPIAuthentication,
+# which Debian's /etc/ssh/ssh_config turns on; HostbasedAuthentication) are not among them:
+# paramiko offers only the public keys.
 UNSUPPORTED_BY_PARAMIKO = {
-    "certificatefile": None, "pkcs11provider": "none", "gssapiauthentication": "no",
-    "hostbasedauthentication": "no", "localforward": None, "remoteforward": None, "dynamicforward": None,
+    "certificatefile": None, "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
     "remotecommand": None, "forwardagent": "no", "forwardx11": "no", "tunnel": "false",
     "permitlocalcommand": "no", "proxyusefdpass": "no", "knownhostscommand": None, "revokedhostkeys": None,
     "verifyhostkeydns": "false", "bindaddress": None, "bindinterface": None, "sessiontype": "default",
