@@ -31,8 +31,7 @@ def describe(host: Host, settings: Settings) -> dict:
     from .connection import knownhosts
     from .connection.resolve import hop_chain
     try:
-        r = settings.resolver.resolve(host.address, time.monotonic() + settings.connect_timeout, host.name,
-                                      host.user, host.port, host.key_file)
+        r = settings.resolver.resolve_host(host, time.monotonic() + settings.connect_timeout)
     except (FleetctlError, OSError) as e:
         doc["error"] = str(e)
         return doc

@@ -54,7 +54,7 @@ class ControlFiles:
             f"  ControlPersist {CONTROL_PERSIST_S}\n"
             "  BatchMode yes\n"
             f"  StrictHostKeyChecking {'accept-new' if accept_new else 'yes'}\n"
-            + "".join(f"  Include {p}\n" for p in includes))
+            + "".join(f'  Include "{p}"\n' for p in includes))
         self._lock = threading.Lock()
         self._hop_locks: dict[tuple, threading.Lock] = {}
         atexit.register(self.close)
@@ -117,7 +117,7 @@ class OpenSSHConnection(Connection):
         4), HostKeyRefused (ssh's host key verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
-        resolved = self.settings.resolver.resolve(h.address, deadline, h.name, h.user, h.port, h.key_file)
+        resolved = self.settings.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
         for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
             jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []

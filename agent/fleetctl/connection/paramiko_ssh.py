@@ -332,7 +332,7 @@ class ParamikoConnection(Connection):
 
     def _resolve(self, deadline: float) -> Resolved:
         h = self.host
-        r = self.settings.resolver.resolve(h.address, deadline, h.name, h.user, h.port, h.key_file)
+        r = self.settings.resolver.resolve_host(h, deadline)
         bad = [o for x in hop_chain(r) for o in x.unsupported_by_paramiko()]
         if bad:
             raise SshConfigError(f"{h.name}: the paramiko connection cannot honour {', '.join(bad)} from ssh_config: "

@@ -368,6 +368,11 @@ class Resolver:
             return [self.config_file]
         return [passwd_home() / ".ssh" / "config", Path("/etc/ssh/ssh_config")]
 
+    def resolve_host(self, host, deadline: float) -> Resolved:
+        """How OpenSSH reaches inventory `host`: `ssh -G` for ansible_host (else its name) with
+        ansible_user / ansible_port / ansible_ssh_private_key_file as `-o` options (see resolve)."""
+        return self.resolve(host.address, deadline, host.name, host.user, host.port, host.key_file)
+
     def resolve(self, address: str, deadline: float, what: str, user: str | None = None, port: int | None = None,
                 identity_file: str | None = None, extra_args: tuple[str, ...] = ()) -> Resolved:
         """How OpenSSH reaches `address` (with the inventory's user, port and key file, when set;
