@@ -99,3 +99,18 @@ def test_apply_and_rollback_through_the_ssh_connection(server_lab, tmp_path):
     for f in files:
         got = server_lab.ssh("lab-02", f"sha256sum {f['path']}").stdout.split()[0]
         assert got == f["pre_sha256"]
+
+
+@pytest.mark.parametrize("kind", ["paramiko", "ssh"])
+def test_strict_host_key_checking_no_is_accept_new_never_weaker(lab, tmp_path, kind):
+    known = tmp_path / "known_hosts"
+    cfg = write_ssh_config(tmp_path / "config", known, "Host *\n  StrictHostKeyChecking no\n")
+    r, _, hosts = lab.cli_json("inspect", "lab-02", "-c", kind, "--ssh-config", str(cfg))
+    assert r.returncode == 0, hosts["lab-02"]["error"]
+    assert "StrictHostKeyChecking no/off in ssh_config is treated as accept-new" in r.stderr
+    assert known.read_text().split()[0] == lab.address("lab-02")
+    fake = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA: not lab-02's key
+    known.write_text(f"{lab.address('lab-02')} ssh-ed25519 {fake}\n")
+    r, _, hosts = lab.cli_json("inspect", "lab-02", "-c", kind, "--ssh-config", str(cfg))
+    assert r.returncode == 3 and hosts["lab-02"]["status"] == UNREACHABLE
+    assert known.read_text() == f"{lab.address('lab-02')} ssh-ed25519 {fake}\n"

@@ -15,6 +15,7 @@ run's last cleanup (`ControlFiles.close`) for every master left, bastions includ
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import re
 import shutil
@@ -28,6 +29,8 @@ from . import command
 from .base import Connection, Process, passwd_home
 from .errors import HostKeyRefused, Unreachable
 from .local import LocalProcess
+
+log = logging.getLogger("fleetctl")
 
 # Seconds a master outlives its last client if fleetctl dies without closing it.
 CONTROL_PERSIST_S = 60
@@ -100,6 +103,7 @@ class OpenSSHConnection(Connection):
         super().__init__(host, settings)
         self._address: str | None = None
         self._master = False
+        self._strict: list[str] = []
 
     @property
     def address(self) -> str:
@@ -108,17 +112,24 @@ class OpenSSHConnection(Connection):
     def _argv(self, *extra: str) -> list[str]:
         h = self.host
         opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
-        return ["ssh", "-F", str(self.settings.control_files.config), *(w for o in opts for w in o), *extra]
+        return ["ssh", "-F", str(self.settings.control_files.config), *(w for o in opts for w in o), *self._strict,
+                *extra]
 
     def open(self) -> None:
         """Resolve the host (`ssh -G`), open the masters of its ProxyJump hops (one per hop for
         the whole run, as ProxyJump's own `ssh -W` will use them) and its own (`ssh -M -N -f`),
-        and check it (`-O check`), all within settings.connect_timeout seconds. Raises SshConfigError (exit
-        4), HostKeyRefused (ssh's host key verification failed), Unreachable."""
+        and check it (`-O check`), all within settings.connect_timeout seconds. A config's
+        `StrictHostKeyChecking no` counts as accept-new, with a warning (the run's ssh_config
+        says `yes` first). Raises SshConfigError (exit 4), HostKeyRefused (ssh's host key
+        verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
         resolved = self.settings.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
+        if resolved.host_key_checking_off:
+            log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
+                        "changed key is still refused)", h.name)
+            self._strict = ["-o", "StrictHostKeyChecking=accept-new"]
         for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
             jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []
             opts = [*(["-l", hop.user] if hop.user else []), *(["-p", str(hop.port)] if hop.port else []), *jump]

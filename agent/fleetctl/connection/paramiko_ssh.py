@@ -88,9 +88,9 @@ def _verifying_client(r: Resolved, settings: Settings) -> paramiko.SSHClient:
     for ktype, key in (known.keys.lookup(name) or {}).items():  # lookup() filed them under `name`
         client.get_host_keys().add(dialled, ktype, key)
     accept = settings.accept_new
-    if r.strict_host_key_checking in ("no", "off"):
-        log.warning("fleetctl: %s: StrictHostKeyChecking %s in ssh_config is treated as accept-new (a changed "
-                    "key is still refused)", r.name, r.strict_host_key_checking)
+    if r.host_key_checking_off:
+        log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
+                    "changed key is still refused)", r.name)
         accept = True
     client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept and r.known_hosts else None,
                                                r.hash_known_hosts))

@@ -132,6 +132,12 @@ class Resolved:
             return self.host_key_alias
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
+    @property
+    def host_key_checking_off(self) -> bool:
+        """Whether the config says StrictHostKeyChecking no/off (`ssh -G` prints `false`), which
+        fleetctl treats as accept-new: never weaker."""
+        return self.strict_host_key_checking in ("no", "off", "false")
+
     def unsupported_by_paramiko(self) -> list[str]:
         """The options set here that the paramiko connection cannot honour, as `Keyword value`."""
         out = []
