@@ -193,6 +193,7 @@ def test_fallback_refuses_include_with_file_and_line_through_the_cli(tmp_path):
     ("Host *\n  User u\nMatch host x\n  User v\n", 3, "Match"),
     ("Host *\n  ProxyJump a,b\n", 2, "ProxyJump chain"),
     ("Host *\n  HostName %h.%l\n", 2, "HostName token %l"),
+    ("Host *\n  User u\n  IdentityFile ~/.ssh/id_%T\n", 3, "identityfile token %T"),
 ])
 def test_fallback_refuses_what_only_openssh_evaluates(tmp_path, monkeypatch, text, line, what):
     no_ssh(tmp_path, monkeypatch)

@@ -63,6 +63,9 @@ UNSUPPORTED_BY_PARAMIKO = {
     "verifyhostkeydns": "false", "bindaddress": None, "bindinterface": None, "sessiontype": "default",
 }
 _TOKEN = re.compile(r"%(.?)", re.DOTALL)
+# The tokens expand() knows (ssh_config(5), TOKENS), and the keywords whose values take them.
+EXPANDED_TOKENS = "%CdhijkLlnpru"
+_TOKEN_KEYWORDS = ("identityfile", "certificatefile", "userknownhostsfile", "identityagent", "controlpath")
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ def fallback_options(address: str, files: list[Path], cli: dict[str, str]) -> di
     ones skipped), after `cli` (keyword -> value, as `-o`): the first value of an option wins,
     IdentityFile and CertificateFile accumulate. Values carry no expansion yet except HostName's %h.
     Raises SshConfigError with file:line for Include, Match, a ProxyJump chain, a HostName token
-    other than %h and %%."""
+    other than %h and %%, a token expand() does not know in a keyword that takes tokens."""
     out: dict[str, list[str]] = {k.lower(): [v] for k, v in cli.items()}
     for path in files:
         try:
@@ -259,6 +262,9 @@ def fallback_options(address: str, files: list[Path], cli: dict[str, str]) -> di
                 if bad:
                     raise SshConfigError(f"{where}: HostName token %{bad[0]} cannot be expanded without OpenSSH")
                 value = _TOKEN.sub(lambda m: address if m[1] == "h" else "%", value)
+            bad = [t for t in _TOKEN.findall(value) if t not in EXPANDED_TOKENS]
+            if key in _TOKEN_KEYWORDS and bad:
+                raise SshConfigError(f"{where}: {key} token %{bad[0]} cannot be expanded without OpenSSH")
             if key in ("identityfile", "certificatefile"):
                 out.setdefault(key, []).append(value)
             else:
