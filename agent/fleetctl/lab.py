@@ -571,8 +571,10 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     (default 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23) pip-installed from the wheel cache
     (fleetctl.wheelcache) into /opt/sglang/venv; `jobs` venvs are built at once. Host keys go
     to `known_hosts` (default ~/.ssh/known_hosts of $HOME), stale lines for the lab's addresses
-    removed first. With `with_server`, agent/fleetctl/standin/restart.sh starts the stand-in
-    SGLang server on each host's 127.0.0.1:30000. Raises LabError (no root, a step failed: the
+    removed first; `<state dir>/ssh_config` gets a Host block per host (lab_ssh_config_path;
+    `fleetctl lab up` Includes it from ~/.ssh/config). With `with_server`,
+    agent/fleetctl/standin/restart.sh starts the stand-in SGLang server on each host's
+    127.0.0.1:30000. Raises LabError (no root, a step failed: the
     half-built lab is torn down) or FleetctlError (a wheel cannot be had).
     """
     require_root()
