@@ -74,6 +74,17 @@ def test_factory_picks_the_kind_from_ansible_connection(tmp_path):
     assert isinstance(connect(hosts["b"], Settings(ssh_config=write_empty(tmp_path))), ParamikoConnection)
 
 
+def test_dash_c_is_the_kind_of_hosts_whose_inventory_sets_none(tmp_path):
+    from fleetctl.connection import kind_for
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    a:\n      ansible_connection: paramiko\n    b:\n")
+    hosts = {h.name: h for h in inventory.load(path).select("all")}
+    assert [kind_for(hosts[n], Settings(connection="ssh")) for n in "ab"] == ["paramiko", "ssh"]
+    assert kind_for(hosts["b"], Settings()) == "paramiko"
+    from fleetctl.connection.openssh import OpenSSHConnection
+    assert isinstance(connect(hosts["b"], Settings(connection="smart")), OpenSSHConnection)
+
+
 def write_empty(tmp_path: Path) -> Path:
     p = tmp_path / "empty_ssh_config"
     p.write_text("")
@@ -194,21 +205,22 @@ def test_case01_cert_authority_line_does_not_stop_the_file(tmp_path):
     f = tmp_path / "known_hosts"
     f.write_text(f"gpu-node-01.example.invalid ssh-ed25519 {NODE01}\n"
                  f"@cert-authority *.example.invalid ssh-ed25519 {CA}\n")
-    kh = knownhosts.load([f])
+    kh = knownhosts.lookup("gpu-node-01.example.invalid", [f])
     assert kh.warnings == []
     node01 = kh.keys.lookup("gpu-node-01.example.invalid")
     assert node01 is not None and node01["ssh-ed25519"].get_base64() == NODE01
-    assert kh.keys.lookup("gpu-node-02.example.invalid") is None
-    ca = kh.authority("gpu-node-02.example.invalid")
+    kh2 = knownhosts.lookup("gpu-node-02.example.invalid", [f])
+    assert kh2.keys.lookup("gpu-node-02.example.invalid") is None
+    ca = kh2.authority("gpu-node-02.example.invalid")
     assert ca is not None and ca.where == f"{f}:2" and ca.blob == base64.b64decode(CA)
-    assert kh.authority("gpu-node-02.other.invalid") is None
+    assert knownhosts.lookup("gpu-node-02.other.invalid", [f]).authority("gpu-node-02.other.invalid") is None
 
 
 def test_case01_variant_b_revoked_key_is_refused_even_where_a_plain_line_lists_it(tmp_path):
     f = tmp_path / "known_hosts"
     f.write_text(f"gpu-node-01.example.invalid ssh-ed25519 {NODE01}\n"
                  f"@revoked * ssh-ed25519 {NODE01}\n")
-    kh = knownhosts.load([f])
+    kh = knownhosts.lookup("gpu-node-01.example.invalid", [f])
     assert kh.warnings == []
     assert kh.keys.lookup("gpu-node-01.example.invalid") is None  # never accepted as known
     key = paramiko.Ed25519Key(data=base64.b64decode(NODE01))
@@ -222,11 +234,16 @@ def test_unreadable_lines_are_warnings_with_file_and_line_and_the_rest_loads(tmp
                  "@frobnicate * ssh-ed25519 " + CA + "\n"
                  "fido.example.invalid sk-ssh-ed25519@openssh.com " + CA + "\n"
                  "[gpu-node-01.example.invalid]:2222,alias.example.invalid ssh-ed25519 " + NODE01)
-    kh = knownhosts.load([f])
-    assert [w.split(":", 2)[1] for w in kh.warnings] == ["3", "4", "5"]
-    assert all(w.startswith(f"{f}:") for w in kh.warnings)
+    warnings = []
+    for name in ("broken.example.invalid", "fido.example.invalid"):
+        kh = knownhosts.lookup(name, [f])
+        warnings += kh.warnings
+        assert kh.keys.lookup(name) is None
+    assert [w.split(":", 2)[1] for w in warnings] == ["3", "5"]
+    assert all(w.startswith(f"{f}:") for w in warnings)
+    kh = knownhosts.lookup("[gpu-node-01.example.invalid]:2222", [f])
     assert kh.keys.lookup("[gpu-node-01.example.invalid]:2222")["ssh-ed25519"].get_base64() == NODE01
-    assert kh.keys.lookup("alias.example.invalid") is not None
+    assert knownhosts.lookup("alias.example.invalid", [f]).keys.lookup("alias.example.invalid") is not None
 
 
 def test_host_patterns_match_as_openssh(tmp_path):
@@ -251,3 +268,48 @@ def test_accept_new_appends_on_a_line_of_its_own(tmp_path):
     assert (fresh.stat().st_mode & 0o777) == 0o600 and (fresh.parent.stat().st_mode & 0o777) == 0o700
     assert hashlib.sha256(fresh.read_bytes()).hexdigest() == hashlib.sha256(
         f"c.example.invalid ssh-ed25519 {CA}\n".encode()).hexdigest()
+
+
+@pytest.mark.parametrize("matcher", ["ssh-keygen", "fallback"])
+def test_lookup_matches_patterns_negation_hashed_names_and_markers_as_openssh(tmp_path, monkeypatch, matcher):
+    if matcher == "fallback":
+        (tmp_path / "bin").mkdir()
+        monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    f = tmp_path / "known_hosts"
+    hashed = paramiko.HostKeys.hash_host("node-7.example.invalid")
+    f.write_text(f"gpu-?.example.invalid,!gpu-9.example.invalid ssh-ed25519 {NODE01}\n"
+                 f"{hashed} ssh-ed25519 {CA}\n"
+                 f"@revoked gpu-3.example.invalid ssh-ed25519 {NODE01}\n")
+    one = knownhosts.lookup("gpu-1.example.invalid", [f]).keys.lookup("gpu-1.example.invalid")
+    assert [k.get_base64() for k in one.values()] == [NODE01]
+    assert knownhosts.lookup("gpu-9.example.invalid", [f]).keys.lookup("gpu-9.example.invalid") is None
+    seven = knownhosts.lookup("node-7.example.invalid", [f]).keys.lookup("node-7.example.invalid")
+    assert [k.get_base64() for k in seven.values()] == [CA]
+    three = knownhosts.lookup("gpu-3.example.invalid", [f])
+    assert three.keys.lookup("gpu-3.example.invalid") is None and three.revoked[0].where == f"{f}:3"
+    assert knownhosts.lookup("gpu-1.example.invalid", [f]).revoked == []
+
+
+def test_accept_new_hashes_the_name_with_hash_known_hosts(tmp_path):
+    f = tmp_path / "known_hosts"
+    knownhosts.append(f, "[gpu-1.example.invalid]:2222", paramiko.Ed25519Key(data=base64.b64decode(CA)), hashed=True)
+    text = f.read_text()
+    assert text.startswith("|1|") and "gpu-1" not in text
+    found = knownhosts.lookup("[gpu-1.example.invalid]:2222", [f]).keys.lookup("[gpu-1.example.invalid]:2222")
+    assert found["ssh-ed25519"].get_base64() == CA
+
+
+@pytest.mark.parametrize("option", ["ForwardAgent yes", "LocalForward 8080 localhost:80", "RemoteCommand uptime"])
+def test_paramiko_refuses_an_option_it_cannot_honour_naming_the_host(tmp_path, option):
+    """Exit 4 before anything is dialled (the address is .invalid: resolving it would fail
+    differently)."""
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host gpu-*\n  HostName %h.example.invalid\n  {option}\n")
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    gpu-1:\n")
+    host = inventory.load(path).select("all")[0]
+    with Fleet(Settings(ssh_config=config, connect_timeout=20)) as fleet:
+        r = fleet.run([host], lambda ctx: {})[0]
+    assert r.parse_error is True and r.status == FAILED
+    key = option.split()[0].lower()
+    assert r.error.startswith(f"gpu-1: the paramiko connection cannot honour {key} ")

@@ -72,6 +72,31 @@ def test_private_dirs_are_private(lab):
         lab.ssh(a, f"rm -f {' '.join(paths)}")
 
 
+def test_lab_ssh_config_reaches_hosts_by_name_and_its_include_line_comes_and_goes(lab, tmp_path):
+    """`lab up` writes <state dir>/ssh_config; `fleetctl lab up` Includes it from ~/.ssh/config
+    (here a stand-in file: the test must not edit the real one) before the first Host line, and
+    `lab down` removes exactly that line."""
+    lab_config = labmod.lab_ssh_config_path(lab.lab_id, lab.state_dir)
+    r = subprocess.run(["ssh", "-F", str(lab_config), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                        "lab-02", "hostname"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == "lab-02", r.stderr
+    user = tmp_path / "ssh" / "config"
+    labmod.add_ssh_config_include(user, lab.lab_id, lab.state_dir)
+    assert (user.stat().st_mode & 0o777) == 0o600 and (user.parent.stat().st_mode & 0o777) == 0o700
+    assert user.read_text() == f"Include {lab_config} # fleetctl lab {lab.lab_id}\n"
+    mine = "ServerAliveInterval 5\nHost other\n  User someone\nMatch all\n  Port 2222"  # no newline at the end
+    user.write_text(mine)
+    labmod.add_ssh_config_include(user, lab.lab_id, lab.state_dir)
+    labmod.add_ssh_config_include(user, lab.lab_id, lab.state_dir)
+    lines = user.read_text().splitlines()
+    assert lines[:2] == ["ServerAliveInterval 5", f"Include {lab_config} # fleetctl lab {lab.lab_id}"]
+    assert len(lines) == 6
+    g = subprocess.run(["ssh", "-G", "-F", str(user), "lab-03"], capture_output=True, text=True, timeout=30)
+    assert f"hostname {lab.address('lab-03')}" in g.stdout.splitlines() and "port 2222" in g.stdout.splitlines()
+    labmod.remove_ssh_config_include(user, lab.lab_id, lab.state_dir)
+    assert user.read_text() == mine + "\n"
+
+
 def test_freeze_accepts_tcp_but_sends_no_banner(lab):
     h = lab.hosts[0]
     lab.fault(h, "freeze")

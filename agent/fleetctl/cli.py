@@ -60,18 +60,28 @@ JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON document o
 SshConfig = Annotated[Optional[str], typer.Option("--ssh-config", envvar="FLEETCTL_SSH_CONFIG", help=(
     "ssh_config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config (as ssh -F); "
     "else $FLEETCTL_SSH_CONFIG."))]
+ConnectionOpt = Annotated[Optional[str], typer.Option("-c", "--connection", help=(
+    "Connection kind for hosts whose inventory sets no ansible_connection: paramiko (default), ssh "
+    "(the OpenSSH client), local."))]
 RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
     "Seconds for the whole command: hosts still in progress then fail, the rest are not attempted."))]
 
 
-def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
-           ssh_config: str | None = None, run_timeout: float | None = None) -> Fleet:
+def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
+              connection: str | None = None) -> Settings:
+    if connection is not None and connection not in inv.CONNECTIONS:
+        raise UsageError(f"-c {connection}: not a connection fleetctl has ({', '.join(inv.CONNECTIONS)})")
     if connect_timeout <= 0:
         raise UsageError("--connect-timeout must be positive")
     if ssh_config is not None and not os.path.isfile(ssh_config):
         raise UsageError(f"--ssh-config {ssh_config}: no such file")
-    settings = Settings(connect_timeout=connect_timeout, accept_new=accept_new,
-                        ssh_config=Path(ssh_config).resolve() if ssh_config else None)
+    return Settings(connect_timeout=connect_timeout, accept_new=accept_new,
+                    ssh_config=Path(ssh_config).resolve() if ssh_config else None, connection=connection)
+
+
+def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
+           ssh_config: str | None = None, run_timeout: float | None = None, connection: str | None = None) -> Fleet:
+    settings = _settings(connect_timeout, accept_new, ssh_config, connection)
     return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err,
                  run_timeout=run_timeout)
 
@@ -90,7 +100,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
             forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
@@ -98,7 +108,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, gather, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
@@ -106,6 +116,27 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
         render_inspect(results, out)
         render_status_line(results, out)
     raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+          ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
+          connection: ConnectionOpt = None) -> None:
+    """Show how each host would be reached, without connecting: connection kind, address, port,
+    user, identity files, jump chain, known_hosts files and the lines that apply (from ssh -G)."""
+    from .errors import EXIT_PARSE
+    from .reach import describe
+    from .report import render_hosts
+
+    selected = _select(inventory, pattern, vault_password_file, ask_vault_pass)
+    settings = _settings(connect_timeout, False, ssh_config, connection)
+    docs = [describe(h, settings) for h in selected]
+    if json_out:
+        _print_json({"hosts": docs})
+    else:
+        render_hosts(docs, out)
+    raise typer.Exit(EXIT_PARSE if any(d["error"] for d in docs) else 0)
 
 
 HealthTimeout = Annotated[float, typer.Option("--health-timeout", help=(
@@ -168,7 +199,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
              port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
              repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
     from .report import render_validate
@@ -178,7 +209,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
     _positive(timeout=timeout)
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout) as fleet:
+                ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, validate_job(opts), "validate")
     _finish(results, json_out, render_validate)
 
@@ -197,7 +228,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-          accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+          accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
           run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
@@ -223,7 +254,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout) as fleet:
+                ssh_config, run_timeout, connection) as fleet:
         outcome = check_then_apply(fleet, hosts, pb, opts, confirm, check_timeout=timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")
@@ -245,7 +276,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False, yes: Yes = False,
              forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-             accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .changes import rollback_job
@@ -256,7 +287,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
     _finish(results, json_out, render_rollback)
 
@@ -266,14 +297,14 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
     ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
-           accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+           accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from .changes import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         results = fleet.run(hosts, status_job(), "status")
     _finish(results, json_out, render_status)
 
@@ -289,7 +320,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
                   repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
                   connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, accept_new: AcceptNew = False,
-                  ssh_config: SshConfig = None, run_timeout: RunTimeout = None,
+                  ssh_config: SshConfig = None, connection: ConnectionOpt = None, run_timeout: RunTimeout = None,
                   kernels_dir: KernelsDir = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     activate it atomically, validate, and switch back on failure."""
@@ -307,7 +338,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
-    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
     def render(rs, console):
@@ -347,20 +378,24 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
            with_server: Annotated[bool, typer.Option("--with-server",
                                   help="Start the SGLang stand-in server on each host.")] = False,
            lab_id: LabId = 0) -> None:
-    """Start the lab: one real sshd per network namespace, each with a real SGLang release."""
+    """Start the lab: one real sshd per network namespace, each with a real SGLang release; its
+    Host blocks go to <state dir>/ssh_config, Included (one marked line) by ~/.ssh/config."""
     from . import lab
 
     path = lab.lab_up(hosts, [r.strip() for r in releases.split(",") if r.strip()],
                       with_server=with_server, lab_id=lab_id)
+    lab.add_ssh_config_include(lab.user_ssh_config(), lab_id)
     typer.echo(str(path))
 
 
 @lab_app.command("down")
 def lab_down(lab_id: LabId = 0) -> None:
-    """Stop the lab and remove every namespace, link and process it made."""
+    """Stop the lab and remove every namespace, link and process it made, and its Include line
+    in ~/.ssh/config."""
     from . import lab
 
     lab.lab_down(lab_id=lab_id)
+    lab.remove_ssh_config_include(lab.user_ssh_config(), lab_id)
 
 
 @lab_app.command("status")

@@ -30,6 +30,13 @@ class ParseError(FleetctlError):
     exit_code = EXIT_PARSE
 
 
+class SshConfigError(FleetctlError):
+    """An ssh_config OpenSSH refuses, or one fleetctl cannot honour for a host: the message names
+    the host, and the file and line where known."""
+
+    exit_code = EXIT_PARSE
+
+
 class PatternError(FleetctlError):
     """A host pattern that matches no host, or bad options."""
 

@@ -204,10 +204,12 @@ class Fleet:
         return self.connection(host)
 
     def close(self) -> None:
-        """Close every connection this fleet opened."""
+        """Close every connection this fleet opened, then the run's shared connection state
+        (Settings.close: OpenSSH masters)."""
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+        self.settings.close()
 
     def __enter__(self) -> "Fleet":
         return self

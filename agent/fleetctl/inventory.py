@@ -62,7 +62,7 @@ _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_us
              "ansible_python_interpreter", "ansible_connection", *_ARGS_VARS,
              *(v.name for v in config.HOST_VARS if v.type is str))
 # ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
-# `smart` are Ansible's names for its OpenSSH connection, served by paramiko until fleetctl has one.
+# `smart` are Ansible's names for its OpenSSH connection (fleetctl.connection.openssh).
 CONNECTIONS = ("paramiko", "paramiko_ssh", "ssh", "smart", "local")
 # What an encrypted file starts with (ansible/parsing/vault, b_HEADER).
 _VAULT_HEADER = "$ANSIBLE_VAULT"

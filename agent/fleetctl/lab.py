@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -353,8 +354,9 @@ def _forget_known_hosts(known_hosts: Path, addresses: list[str]) -> None:
     keep = []
     for line in known_hosts.read_text().splitlines(keepends=True):
         parts = line.split()
+        field = parts[1] if parts and parts[0].startswith("@") and len(parts) >= 4 else (parts or [""])[0]
         if len(parts) >= 3 and not line.startswith("#") and any(
-                _host_matches(parts[0], a) for a in addresses):
+                _host_matches(field, a) for a in addresses):
             continue
         keep.append(line)
     known_hosts.write_text("".join(keep))
@@ -375,7 +377,7 @@ def _sshd_config(hd: Path, sd: Path) -> Path:
         f"AuthorizedKeysFile {sd / 'client_ed25519.pub'}\n"
         "PermitRootLogin prohibit-password\n"
         "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\nMaxStartups 200\n"
+        "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\nMaxStartups 200\nLogLevel VERBOSE\n"
         "Subsystem sftp internal-sftp\n")
     return cfg
 
@@ -554,8 +556,8 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
         if dev == _bridge(lab_id) or dev.startswith(prefix):
             _run(["ip", "link", "del", dev], check=False)
     _forget_known_hosts(known_hosts or default_known_hosts(),
-                        [_address(lab_id, i) for i in range(244)])
-    for p in ("lab.json", "hosts.yaml"):
+                        [_address(lab_id, i) for i in range(244)] + [_reach_address(lab_id, n) for n in REACH_HOSTS])
+    for p in ("lab.json", "hosts.yaml", "ssh_config"):
         (sd / p).unlink(missing_ok=True)
     shutil.rmtree(sd / "hosts", ignore_errors=True)
 
@@ -569,8 +571,10 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     (default 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23) pip-installed from the wheel cache
     (fleetctl.wheelcache) into /opt/sglang/venv; `jobs` venvs are built at once. Host keys go
     to `known_hosts` (default ~/.ssh/known_hosts of $HOME), stale lines for the lab's addresses
-    removed first. With `with_server`, agent/fleetctl/standin/restart.sh starts the stand-in
-    SGLang server on each host's 127.0.0.1:30000. Raises LabError (no root, a step failed: the
+    removed first; `<state dir>/ssh_config` gets a Host block per host (lab_ssh_config_path;
+    `fleetctl lab up` Includes it from ~/.ssh/config). With `with_server`,
+    agent/fleetctl/standin/restart.sh starts the stand-in SGLang server on each host's
+    127.0.0.1:30000. Raises LabError (no root, a step failed: the
     half-built lab is torn down) or FleetctlError (a wheel cannot be had).
     """
     require_root()
@@ -656,9 +660,165 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
         for h in state["hosts"]:
             pub = (_host_dir(sd, h["name"]) / "ssh_host_ed25519_key.pub").read_text().split()
             f.write(f"{h['address']} {pub[0]} {pub[1]}\n")
+    _write_lab_ssh_config(sd, state, known_hosts)
     inv = inventory_path(state_dir=sd)
     inv.write_text(_inventory_yaml(state, sd))
     return inv
+
+
+# ---------------------------------------------------------------- ssh_config
+
+def user_ssh_config() -> Path:
+    """~/.ssh/config of the passwd home, which `lab up` / `lab down` add / remove the Include in."""
+    from .connection.base import passwd_home
+    return passwd_home() / ".ssh" / "config"
+
+
+def lab_ssh_config_path(lab_id: int = 0, state_dir: Path | None = None) -> Path:
+    """`<state dir>/ssh_config`: Host blocks for the lab's host names (written by lab_up)."""
+    return state_dir_for(lab_id, state_dir) / "ssh_config"
+
+
+def _write_lab_ssh_config(sd: Path, state: dict, known_hosts: Path) -> Path:
+    path = sd / "ssh_config"
+    path.write_text(f"# fleetctl lab {state['lab_id']}: written by `fleetctl lab up`\n" + "".join(
+        f"Host {h['name']}\n  HostName {h['address']}\n  User root\n  IdentityFile {sd / 'client_ed25519'}\n"
+        f"  IdentitiesOnly yes\n  UserKnownHostsFile {known_hosts}\n" for h in state["hosts"]))
+    return path
+
+
+def _include_line(lab_id: int, lab_config: Path) -> str:
+    return f"Include {lab_config} # fleetctl lab {lab_id}\n"
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a private temp file beside it and a rename; the file keeps
+    its mode (0600 when it is new) and never exists half-written."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.fleetctl-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def add_ssh_config_include(user_config: Path, lab_id: int = 0, state_dir: Path | None = None) -> None:
+    """Add the marked line `Include <state dir>/ssh_config # fleetctl lab ID` to `user_config`
+    (the passwd home's ~/.ssh/config for `fleetctl lab up`) before its first Host or Match line,
+    so that it applies to every host; the file is created 0600 (its directory 0700) if missing
+    and written atomically. Adding it twice leaves one line."""
+    line = _include_line(lab_id, lab_ssh_config_path(lab_id, state_dir))
+    user_config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lines = user_config.read_text().splitlines(keepends=True) if user_config.exists() else []
+    if line in lines:
+        return
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    at = next((i for i, text in enumerate(lines) if text.split()[:1] and text.split()[0].lower() in ("host", "match")),
+              len(lines))
+    _replace_atomically(user_config, "".join(lines[:at] + [line] + lines[at:]))
+
+
+def remove_ssh_config_include(user_config: Path, lab_id: int = 0, state_dir: Path | None = None) -> None:
+    """Remove exactly the line add_ssh_config_include wrote (nothing else changes)."""
+    if not user_config.exists():
+        return
+    line = _include_line(lab_id, lab_ssh_config_path(lab_id, state_dir))
+    lines = user_config.read_text().splitlines(keepends=True)
+    if line in lines:
+        _replace_atomically(user_config, "".join(text for text in lines if text != line))
+
+
+# ---------------------------------------------------------------- hosts for reaching tests
+
+# The reach hosts: name -> (what it is). Each is a bare sshd (LogLevel VERBOSE, its log in
+# <host dir>/sshd.log) in a network namespace of its own, sharing this machine's filesystem: they
+# exist to be reached, not to run SGLang.
+REACH_HOSTS = {
+    "lab-hidden": "reachable only through lab-01 (the bastion): no route from the control side",
+    "lab-ca": "its ed25519 host key is signed by the lab's host CA; known_hosts has only @cert-authority",
+    "lab-rsa": "only an RSA host key",
+}
+
+
+def _reach_address(lab_id: int, name: str) -> str:
+    """lab-hidden: 10.214.<lab-id>.2 on a link to lab-01 only; the others on the lab bridge."""
+    return {"lab-hidden": f"10.214.{lab_id}.2", "lab-ca": f"10.213.{lab_id}.251",
+            "lab-rsa": f"10.213.{lab_id}.252"}[name]
+
+
+def _reach_sshd(name: str, ns: str, address: str, hd: Path, sd: Path, host_keys: list[Path],
+                certificate: Path | None = None) -> int:
+    cfg = hd / "sshd_config"
+    cfg.write_text(
+        f"ListenAddress {address}:22\n" + "".join(f"HostKey {k}\n" for k in host_keys)
+        + (f"HostCertificate {certificate}\n" if certificate else "")
+        + f"PidFile {hd / 'sshd.pid'}\nAuthorizedKeysFile {sd / 'client_ed25519.pub'}\n"
+        "PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\n"
+        "LogLevel VERBOSE\n")
+    return _spawn(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(cfg)], hd / "sshd.log").pid
+
+
+def lab_add_reach_hosts(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None) -> dict:
+    """Add REACH_HOSTS to the running lab `lab_id` and return {name: {address, log, key}}
+    (`key`: the host's public key file). lab-01 becomes their bastion: lab-hidden sits on a link
+    from lab-01's network namespace. `known_hosts` (default ~/.ssh/known_hosts of the passwd
+    home) gets plain lines for lab-hidden and lab-rsa and one `@cert-authority` line for
+    lab-ca's address; `lab_down` removes the hosts and those lines. Raises LabError."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    state = _load(sd)
+    bastion = next(h for h in state["hosts"] if h["name"] == _hostname(0))
+    known_hosts = Path(known_hosts or default_known_hosts())
+    out, lines = {}, []
+    ca = sd / "host_ca"
+    if not ca.exists():
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fleetctl-lab-{lab_id}-host-ca", "-f", str(ca)])
+    for name in REACH_HOSTS:
+        ns, addr, hd = f"flab{lab_id}-{name[4:7]}", _reach_address(lab_id, name), _host_dir(sd, name)
+        hd.mkdir(parents=True, exist_ok=True)
+        ktype = "rsa" if name == "lab-rsa" else "ed25519"
+        key = hd / f"ssh_host_{ktype}_key"
+        key.unlink(missing_ok=True)
+        _run(["ssh-keygen", "-q", "-t", ktype, "-N", "", "-C", name, "-f", str(key)])
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "link", "add", ns, "type", "veth", "peer", "name", ns + "p"])
+        _run(["ip", "link", "set", ns + "p", "netns", ns])
+        if name == "lab-hidden":  # a link to the bastion's namespace only
+            _run(["ip", "link", "set", ns, "netns", bastion["netns"]])
+            for cmd in (["addr", "add", f"10.214.{lab_id}.1/24", "dev", ns], ["link", "set", ns, "up"]):
+                _run(["ip", "-n", bastion["netns"], *cmd])
+        else:
+            _run(["ip", "link", "set", ns, "master", _bridge(lab_id), "up"])
+        for cmd in (["link", "set", ns + "p", "name", "eth0"], ["addr", "add", f"{addr}/24", "dev", "eth0"],
+                    ["link", "set", "eth0", "up"], ["link", "set", "lo", "up"]):
+            _run(["ip", "-n", ns, *cmd])
+        cert = None
+        pub = key.with_name(key.name + ".pub")
+        if name == "lab-ca":
+            _run(["ssh-keygen", "-q", "-s", str(ca), "-I", name, "-h", "-n", addr, str(pub)])
+            cert = key.with_name(key.name + "-cert.pub")
+            lines.append(f"@cert-authority {addr} {' '.join((sd / 'host_ca.pub').read_text().split()[:2])}\n")
+        else:
+            lines.append(f"{addr} {' '.join(pub.read_text().split()[:2])}\n")
+        (hd / "sshd.log").write_bytes(b"")
+        _reach_sshd(name, ns, addr, hd, sd, [key], cert)
+        out[name] = {"address": addr, "log": hd / "sshd.log", "key": pub}
+    deadline = time.monotonic() + 15
+    for name, h in out.items():  # lab-hidden cannot be dialled from here: its log says when it listens
+        while b"Server listening" not in h["log"].read_bytes():
+            if time.monotonic() > deadline:
+                raise LabError(f"{name}: sshd did not start, see {h['log']}")
+            time.sleep(0.05)
+    _forget_known_hosts(known_hosts, [h["address"] for h in out.values()])
+    with open(known_hosts, "a") as f:
+        f.writelines(lines)
+    return out
 
 
 def _inventory_yaml(state: dict, sd: Path) -> str:
@@ -811,10 +971,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "up":
             t = time.monotonic()
             inv = lab_up(a.hosts, a.releases.split(","), a.with_server, a.lab_id, a.state_dir)
+            add_ssh_config_include(user_ssh_config(), a.lab_id, a.state_dir)
             print(f"lab up in {time.monotonic() - t:.1f} s", file=sys.stderr)
             print(inv)
         elif a.cmd == "down":
             lab_down(a.lab_id, a.state_dir)
+            remove_ssh_config_include(user_ssh_config(), a.lab_id, a.state_dir)
         elif a.cmd == "status":
             for h in lab_status(a.lab_id, a.state_dir):
                 print(json.dumps(h))

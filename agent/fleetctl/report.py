@@ -265,3 +265,25 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
         t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), backend, built, active, val, detail)
     console.print(t)
+
+
+def render_hosts(docs: list[dict], console: Console) -> None:
+    """Print `fleetctl hosts`: one row per host (reach.describe entries: kind, address, port,
+    user, identity files, jump chain, host key name), then each host's known_hosts lines that
+    apply, then the hosts whose resolution was refused. Every value is printed as text (no Rich
+    markup is read from it)."""
+    t = Table(title="fleetctl hosts", show_lines=True)
+    for c in ("host", "connection", "address", "port", "user", "identity files", "jump", "host key name"):
+        t.add_column(c, overflow="fold")
+    for d in (d for d in docs if not d["error"]):
+        jump = " -> ".join(d["jump"]) or (f"ProxyCommand {d['proxy_command']}" if d["proxy_command"] else "direct")
+        t.add_row(*(Text(str(v if v is not None else "")) for v in (
+            d["host"], d["connection"], d["address"], d["port"], d["user"], "\n".join(d["identity_files"]), jump,
+            d["host_key_name"])))
+    console.print(t)
+    for d in (d for d in docs if not d["error"] and d["connection"] != "local"):
+        console.print(Text(f"{d['host']}: known_hosts {' '.join(d['known_hosts']) or 'none'}", style="bold"))
+        for line in d["known_hosts_lines"] or ["(no line applies: the host key is unknown)"]:
+            console.print(Text("  " + line))
+    for d in (d for d in docs if d["error"]):
+        console.print(Text(f"{d['host']}: {d['error']}", style="red"))

@@ -6,7 +6,7 @@ a command with input under a deadline, uploading a file and holding fleetctl's h
 written once, here, against that one primitive; every remote command line is built by
 `command.remote_argv` (the deadline wrapper; the become prefix and the container entry join it
 there later). Nothing in this module imports paramiko, so a local-only run (the GPU host
-itself) needs neither paramiko nor Fabric.
+itself) needs no paramiko.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 import os
 import pwd
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from .errors import LockBusy, RemoteTimeout, Unreachable
 LOCK_HANDSHAKE_MAX = 4096
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
+_RUN_STATE_LOCK = threading.Lock()
 
 
 def passwd_home() -> Path:
@@ -36,24 +38,19 @@ def passwd_home() -> Path:
     return Path(pwd.getpwuid(os.getuid()).pw_dir)
 
 
-def expand_home(path: str) -> Path:
-    """`path` with a leading `~/` (or a bare `~`) replaced by passwd_home()."""
-    if path == "~" or path.startswith("~/"):
-        return passwd_home() / path[2:]
-    return Path(path)
-
-
 @dataclass(frozen=True)
 class Settings:
     """How to reach hosts, for every connection kind.
 
-    connect_timeout: seconds for TCP connect, banner, key exchange and auth together (every
-      ProxyJump hop included).
+    connect_timeout: seconds for `ssh -G`, TCP connect, banner, key exchange and auth together
+      (every ProxyJump hop included).
     accept_new: store unknown host keys (OpenSSH's StrictHostKeyChecking=accept-new).
-    ssh_config: the ssh_config file to read instead of the user's `~/.ssh/config` (passwd home)
-      and /etc/ssh/ssh_config, as `ssh -F` does; None: those two.
+    ssh_config: the ssh_config file OpenSSH reads instead of the user's `~/.ssh/config` (passwd
+      home) and /etc/ssh/ssh_config (`ssh -F`); None: those two.
     server_alive_interval / server_alive_count_max: keepalive defaults (seconds, count) where
       the ssh_config sets no ServerAliveInterval / ServerAliveCountMax.
+    connection: the connection kind of hosts whose inventory sets no ansible_connection (`-c`,
+      which host variables override, as in Ansible); None: paramiko.
     """
 
     connect_timeout: float = 10.0
@@ -61,6 +58,39 @@ class Settings:
     ssh_config: Path | None = None
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3
+    connection: str | None = None
+
+    def _run_state(self, name: str, make):
+        """The run's one `name` object (made by `make()` on first use, from any thread)."""
+        with _RUN_STATE_LOCK:
+            if name not in self.__dict__:
+                self.__dict__[name] = make()  # a frozen dataclass's __dict__ still holds run state
+            return self.__dict__[name]
+
+    @property
+    def resolver(self):
+        """The run's resolve.Resolver (one per Settings: each host and hop resolved once)."""
+        from .resolve import Resolver
+        return self._run_state("resolver", lambda: Resolver(self.ssh_config))
+
+    @property
+    def jump_pool(self):
+        """The run's paramiko_ssh.JumpPool (one shared connection per bastion)."""
+        from .paramiko_ssh import JumpPool
+        return self._run_state("jump_pool", JumpPool)
+
+    def close(self) -> None:
+        """End the run's shared state: the OpenSSH masters still open (bastions included) and
+        their control directory (idempotent)."""
+        files = self.__dict__.get("control_files")
+        if files is not None:
+            files.close()
+
+    @property
+    def control_files(self):
+        """The run's openssh.ControlFiles (ControlPath directory and per-run ssh_config)."""
+        from .openssh import ControlFiles
+        return self._run_state("control_files", lambda: ControlFiles(self.ssh_config, self.accept_new))
 
 
 @dataclass

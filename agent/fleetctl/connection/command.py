@@ -53,6 +53,17 @@ def shell_line(argv: list[str]) -> str:
     return shlex.join(argv)
 
 
+# The line a command's exit status is reported on, at the end of its stderr (exit_status_line).
+EXIT_LINE_PREFIX = b"\nfleetctl-exit:"
+
+
+def exit_status_line(argv: list[str]) -> str:
+    """`argv` as one shell line that ends its stderr with `\nfleetctl-exit:N\n` (N: its exit
+    status) and exits with N: the status travels in-band, for a transport (the OpenSSH client)
+    whose own failure status 255 a command could also return."""
+    return shell_line(argv) + '; c=$?; printf \'\\nfleetctl-exit:%d\\n\' "$c" >&2; exit "$c"'
+
+
 def operator_argv(cmd: str) -> list[str]:
     """An operator's own shell command (inventory `fleetctl_restart_cmd`, a playbook handler):
     run by `sh -c`, as written by the person who owns the host."""

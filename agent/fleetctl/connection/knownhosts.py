@@ -4,10 +4,12 @@ OpenSSH's sshd(8) manual, "SSH_KNOWN_HOSTS FILE FORMAT": a line is `[marker] hos
 base64-key [comment]`; the markers are `@cert-authority` (the key is a CA that signs host
 certificates for the hosts matching the patterns) and `@revoked` (the key must never be
 accepted). paramiko's `HostKeys.load()` knows neither: one marker line raises `InvalidHostKey`
-and stops the whole file (paramiko#771, pyinfra#1944). Here each line is read on its own: a line
-that cannot be read is a warning with file:line and the others still load; revoked keys are
-refused for every host whatever line lists them; CA lines are remembered so that a host they
-cover is refused with the reason (paramiko cannot verify host certificates).
+and stops the whole file (paramiko#771, pyinfra#1944). Here the lines that apply to a host are
+found by OpenSSH's own matcher (`ssh-keygen -F NAME -f FILE`) and each is read on its own: a line
+that cannot be read is a warning with file:line and the others still load; a key under an
+@revoked line that applies to the host is refused whatever other line lists it; CA lines are
+remembered so that a host they cover is refused with the reason (paramiko cannot verify host
+certificates).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import binascii
 import logging
 import os
 import re
+import shutil
+import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,28 +28,22 @@ from pathlib import Path
 import paramiko
 from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
 
+from .resolve import match_patterns
+
 log = logging.getLogger("fleetctl")
 
 _CACHE: dict[tuple, "KnownHosts"] = {}
+# Seconds one `ssh-keygen -F` may take, and the bytes of its output read at most.
+KEYGEN_TIMEOUT_S = 10
+KEYGEN_OUTPUT_MAX = 1 << 20
 _CACHE_LOCK = threading.Lock()
 
 
 def host_patterns_match(patterns: str, name: str) -> bool:
     """OpenSSH's match_hostname for a known_hosts pattern list (sshd(8), "SSH_KNOWN_HOSTS FILE
-    FORMAT"; ssh_config(5), PATTERNS): comma-separated, `*` and `?` wildcards, a `!` pattern
-    that matches refuses the name whatever else matches; case-insensitive. `name` is `host` or
+    FORMAT"): comma-separated patterns as resolve.match_patterns reads them. `name` is `host` or
     `[host]:port` as the client looks it up."""
-    name = name.lower()
-    hit = False
-    for p in patterns.lower().split(","):
-        neg = p.startswith("!")
-        # only `*` and `?` are special (`[host]:port` is literal, unlike fnmatch's classes)
-        regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in (p[1:] if neg else p))
-        if re.fullmatch(regex, name, re.DOTALL):
-            if neg:
-                return False
-            hit = True
-    return hit
+    return match_patterns(patterns.split(","), name)
 
 
 @dataclass
@@ -77,47 +75,88 @@ class KnownHosts:
         return next((m for m in self.authorities if host_patterns_match(m.patterns, name)), None)
 
 
-def _read(path: Path, out: KnownHosts, entries: list[HostKeyEntry]) -> None:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
+def _take(line: str, where: str, out: KnownHosts, entries: list[HostKeyEntry]) -> None:
+    """Read one known_hosts line (found at `where`, "file:line") into `out` / `entries`."""
+    line = line.strip()
+    if not line or line.startswith("#"):
         return
-    except OSError as e:
-        out.warnings.append(f"{path}: cannot read ({e.strerror}); its keys are not used")
-        return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        where = f"{path}:{lineno}"
-        if line.startswith("@"):
-            fields = line.split()
-            if len(fields) < 4 or fields[0] not in ("@cert-authority", "@revoked"):
-                out.warnings.append(f"{where}: unknown marker or short line, ignored")
-                continue
-            try:
-                blob = base64.b64decode(fields[3], validate=True)
-            except (binascii.Error, ValueError):
-                out.warnings.append(f"{where}: the key is not base64, line ignored")
-                continue
-            (out.revoked if fields[0] == "@revoked" else out.authorities).append(Marker(fields[1], blob, where))
-            continue
+    if line.startswith("@"):
+        fields = line.split()
+        if len(fields) < 4 or fields[0] not in ("@cert-authority", "@revoked"):
+            out.warnings.append(f"{where}: unknown marker or short line, ignored")
+            return
         try:
-            entry = HostKeyEntry.from_line(line, lineno)
-        except (InvalidHostKey, paramiko.SSHException, binascii.Error, ValueError) as e:
-            out.warnings.append(f"{where}: unreadable line ({type(e).__name__}), ignored")
-            continue
-        if entry is None:
-            out.warnings.append(f"{where}: key type {line.split()[1] if len(line.split()) > 1 else '?'} "
-                                "not supported by paramiko, line ignored")
-            continue
-        entries.append(entry)
+            blob = base64.b64decode(fields[3], validate=True)
+        except (binascii.Error, ValueError):
+            out.warnings.append(f"{where}: the key is not base64, line ignored")
+            return
+        (out.revoked if fields[0] == "@revoked" else out.authorities).append(Marker(fields[1], blob, where))
+        return
+    try:
+        entry = HostKeyEntry.from_line(line)
+    except (InvalidHostKey, paramiko.SSHException, binascii.Error, ValueError) as e:
+        out.warnings.append(f"{where}: unreadable line ({type(e).__name__}), ignored")
+        return
+    if entry is None:
+        out.warnings.append(f"{where}: key type {line.split()[1] if len(line.split()) > 1 else '?'} "
+                            "not supported by paramiko, line ignored")
+        return
+    entries.append(entry)
 
 
-def load(files: list[Path]) -> KnownHosts:
-    """Read `files` in order (missing ones are skipped). Cached per process by each file's
-    identity (path, size, mtime_ns), so every host of a run shares one reading and each warning
-    is logged once."""
+def _found_by_ssh_keygen(name: str, path: Path) -> list[tuple[str, str]]:
+    """(file:line, line) for every line of `path` that OpenSSH's matcher applies to `name`:
+    `ssh-keygen -F NAME -f FILE` (ssh-keygen(1); host patterns, `!` negation, hashed names,
+    markers, `[host]:port`), which prints `# Host NAME found: line N [CA|REVOKED]` before each."""
+    try:
+        r = subprocess.run(["ssh-keygen", "-F", name, "-f", str(path)], capture_output=True, timeout=KEYGEN_TIMEOUT_S,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"ssh-keygen -F did not finish within {KEYGEN_TIMEOUT_S} s") from None
+    found, lineno = [], None
+    for line in r.stdout[:KEYGEN_OUTPUT_MAX].decode("utf-8", "replace").splitlines():
+        m = re.match(r"# Host .* found: line (\d+)", line)
+        if m:
+            lineno = m[1]
+        elif lineno is not None and line.strip():
+            found.append((f"{path}:{lineno}", line))
+            lineno = None
+    return found
+
+
+def _applies(line: str, name: str) -> bool:
+    """Whether a known_hosts line applies to `name` (the matcher without ssh-keygen: hashed names
+    as paramiko hashes them, patterns as host_patterns_match; marker lines by their patterns)."""
+    fields = line.split()
+    if not fields or fields[0].startswith("#") or (fields[0].startswith("@") and len(fields) < 2):
+        return False
+    patterns = (fields[1] if fields[0].startswith("@") else fields[0]).split(",")
+    for h in (p for p in patterns if p.startswith("|1|")):
+        try:
+            if paramiko.HostKeys.hash_host(name, h) == h:
+                return True
+        except (binascii.Error, ValueError, IndexError):
+            continue
+    plain = [p for p in patterns if not p.startswith("|1|")]
+    return bool(plain) and host_patterns_match(",".join(plain), name)
+
+
+def found_lines(name: str, path: Path) -> list[tuple[str, str]]:
+    """(file:line, line) for every line of `path` that applies to the host key name `name`:
+    found by `ssh-keygen -F` when it is on PATH, else by _applies. Raises OSError when `path`
+    cannot be read."""
+    if shutil.which("ssh-keygen") is not None:
+        return _found_by_ssh_keygen(name, path)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return [(f"{path}:{n}", line) for n, line in enumerate(text.splitlines(), start=1) if _applies(line, name)]
+
+
+def lookup(name: str, files: list[Path]) -> KnownHosts:
+    """What `files` (in order; missing ones skipped) say about the host key name `name` (`host`,
+    `[host]:port` or a HostKeyAlias): its plain keys under `name` (revoked keys left out), and
+    the @revoked and @cert-authority lines that apply to it (found_lines). Cached per
+    process by `name` and each file's identity (path, size, mtime_ns), so each warning is
+    logged once."""
     ident = []
     for p in files:
         try:
@@ -125,26 +164,35 @@ def load(files: list[Path]) -> KnownHosts:
             ident.append((str(p), st.st_size, st.st_mtime_ns))
         except OSError:
             ident.append((str(p), None, None))
-    key = tuple(ident)
+    key = (name, tuple(ident))
     with _CACHE_LOCK:
         if key in _CACHE:
             return _CACHE[key]
-        out, entries = KnownHosts(), []
-        for p in files:
-            _read(p, out, entries)
-        for e in entries:
-            if out.revocation(e.key) is None:
-                for name in e.hostnames:
-                    out.keys.add(name, e.key.get_name(), e.key)
+    out, entries = KnownHosts(), []
+    for p in files:
+        if not p.exists():
+            continue
+        try:
+            lines = found_lines(name, p)
+        except OSError as e:
+            out.warnings.append(f"{p}: cannot read ({e.strerror or e}); its keys are not used")
+            continue
+        for where, line in lines:
+            _take(line, where, out, entries)
+    for e in entries:
+        if out.revocation(e.key) is None:
+            out.keys.add(name, e.key.get_name(), e.key)
+    with _CACHE_LOCK:
         for w in out.warnings:
             log.warning("fleetctl: known_hosts %s", w)
-        _CACHE[key] = out
-        return out
+        return _CACHE.setdefault(key, out)
 
 
-def append(path: Path, name: str, key: paramiko.PKey) -> None:
-    """Append `name keytype base64` to `path` (created 0600 in a 0700 directory), on a line of
-    its own even when the file's last line has no newline."""
+def append(path: Path, name: str, key: paramiko.PKey, hashed: bool = False) -> None:
+    """Append `name keytype base64` to `path` (created 0600 in a 0700 directory) in one
+    O_APPEND write, on a line of its own even when the file's last line has no newline; with
+    `hashed` (ssh_config HashKnownHosts yes) the name is written hashed (`|1|salt|hash`), as ssh
+    does."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -153,6 +201,7 @@ def append(path: Path, name: str, key: paramiko.PKey) -> None:
         if size:
             os.lseek(fd, size - 1, os.SEEK_SET)
             glue = b"" if os.read(fd, 1) == b"\n" else b"\n"
-        os.write(fd, glue + f"{name} {key.get_name()} {key.get_base64()}\n".encode())
+        field = paramiko.HostKeys.hash_host(name) if hashed else name
+        os.write(fd, glue + f"{field} {key.get_name()} {key.get_base64()}\n".encode())
     finally:
         os.close(fd)

@@ -1,15 +1,23 @@
-"""`ansible_connection: paramiko` (the default): SSH through Fabric over paramiko.
+"""`ansible_connection: paramiko` (the default): SSH through paramiko, to what OpenSSH resolved.
+
+Where to connect comes from `ssh -G` (resolve.py): HostName, Port, User, only the identity files
+it lists (`look_for_keys` off) and the agent at IdentityAgent (with IdentitiesOnly, only agent
+keys that match an identity file), ProxyJump hops in the order written, ProxyCommand,
+HostKeyAlias, UserKnownHostsFile and GlobalKnownHostsFile, ConnectTimeout, ServerAlive*. An
+option that changes the connection and paramiko cannot honour (resolve.UNSUPPORTED_BY_PARAMIKO)
+is exit 4 naming the host. One transport to each bastion is shared by every host of the run
+behind it (JumpPool), under the same host-key policy and deadlines.
 
 Host keys are always verified (known_hosts read by knownhosts.py, markers included): an unknown
-key is refused unless `accept_new` (then stored, as OpenSSH's StrictHostKeyChecking=accept-new),
-a changed key is always refused with both fingerprints, a revoked key is refused, and a host
-covered only by a `@cert-authority` line is refused with the reason. Fabric installs paramiko's
-AutoAddPolicy, so the policy is replaced on the target and on every ProxyJump hop.
+key is refused unless `accept_new` (then stored, as OpenSSH's StrictHostKeyChecking=accept-new;
+`StrictHostKeyChecking no` in a config counts as accept-new, with a warning), a changed key is
+always refused with both fingerprints, a revoked key is refused, and a host covered only by a
+`@cert-authority` line is refused with the reason.
 
-Every wait is bounded: the whole connect (DNS, TCP, banner, key exchange, auth, every hop) by
-connect_timeout; the exec request by the command's deadline; a silent dead peer by keepalives
-(a want-reply global request every ServerAliveInterval seconds, the transport closed after
-ServerAliveCountMax unanswered ones, as ssh_config(5) describes for OpenSSH).
+Every wait is bounded: the whole connect (`ssh -G`, DNS, TCP, banner, key exchange, auth, every
+hop) by connect_timeout; the exec request by the command's deadline; a silent dead peer by
+keepalives (a want-reply global request every ServerAliveInterval seconds, the transport closed
+after ServerAliveCountMax unanswered ones, as ssh_config(5) describes for OpenSSH).
 """
 
 from __future__ import annotations
@@ -17,23 +25,24 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import math
 import select
-import shlex
 import socket
 import threading
 import time
 from pathlib import Path
 
-import fabric
 import paramiko
+from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPrivateKey
 
+from ..errors import SshConfigError
 from . import command, knownhosts
-from .base import Connection, Process, Settings, expand_home, passwd_home
+from .base import Connection, Process, Settings
 from .errors import HostKeyRefused, RemoteTimeout, Unreachable
+from .resolve import Resolved, hop_chain
 
 # paramiko logs failed handshakes with tracebacks on stderr; fleetctl reports each host's error itself.
 logging.getLogger("paramiko").setLevel(logging.CRITICAL)
+log = logging.getLogger("fleetctl")
 
 _ACCEPT_LOCK = threading.Lock()
 
@@ -45,26 +54,168 @@ def fingerprint(key: paramiko.PKey) -> str:
 
 
 class _Policy(paramiko.MissingHostKeyPolicy):
-    """What to do with a key that no plain known_hosts line lists for the host."""
+    """What to do with a key that no plain known_hosts line lists for the host's key name
+    (`Resolved.host_key_name`: HostKeyAlias, `host` or `[host]:port`)."""
 
-    def __init__(self, known: knownhosts.KnownHosts, accept_into: Path | None):
-        self.known, self.accept_into = known, accept_into
+    def __init__(self, known: knownhosts.KnownHosts, name: str, accept_into: Path | None, hashed: bool):
+        self.known, self.name, self.accept_into, self.hashed = known, name, accept_into, hashed
 
     def missing_host_key(self, client, hostname, key):
         revoked = self.known.revocation(key)
         if revoked:
-            raise HostKeyRefused(f"host key {fingerprint(key)} of {hostname} is revoked "
+            raise HostKeyRefused(f"host key {fingerprint(key)} of {self.name} is revoked "
                                  f"(@revoked at {revoked.where}); nothing was run")
-        ca = self.known.authority(hostname)
+        ca = self.known.authority(self.name)
         if ca:
             raise HostKeyRefused(f"a CA vouches for this host (@cert-authority at {ca.where}); paramiko cannot "
                                  "verify host certificates: use ansible_connection: ssh")
         if self.accept_into is None:
-            raise HostKeyRefused(f"unknown host key for {hostname} ({fingerprint(key)}); verify it and add it to "
+            raise HostKeyRefused(f"unknown host key for {self.name} ({fingerprint(key)}); verify it and add it to "
                                  "known_hosts, or pass --accept-new to store it on first use")
         client.get_host_keys().add(hostname, key.get_name(), key)
         with _ACCEPT_LOCK:
-            knownhosts.append(self.accept_into, hostname, key)
+            knownhosts.append(self.accept_into, self.name, key, self.hashed)
+
+
+def _verifying_client(r: Resolved, settings: Settings) -> paramiko.SSHClient:
+    """A paramiko client that verifies `r`'s host key against `r`'s known_hosts files (user
+    files, then the global ones as read-only pins) under its key name."""
+    client = paramiko.SSHClient()
+    name = r.host_key_name
+    known = knownhosts.lookup(name, [*r.known_hosts, *r.global_known_hosts])
+    # paramiko looks the key up as `host` / `[host]:port` of the address it dials
+    dialled = r.hostname if r.port == 22 else f"[{r.hostname}]:{r.port}"
+    for ktype, key in (known.keys.lookup(name) or {}).items():  # lookup() filed them under `name`
+        client.get_host_keys().add(dialled, ktype, key)
+    accept = settings.accept_new
+    if r.host_key_checking_off:
+        log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
+                    "changed key is still refused)", r.name)
+        accept = True
+    client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept and r.known_hosts else None,
+                                               r.hash_known_hosts))
+    return client
+
+
+class _AgentAt(paramiko.agent.AgentSSH):
+    """The SSH agent listening on the unix socket `path` (IdentityAgent), asked within `timeout`
+    seconds. Raises OSError when it cannot be reached."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(path)
+        self._connect(sock)
+
+
+class _OpenSSHAuth(AuthStrategy):
+    """Public keys as OpenSSH offers them (ssh_config(5), IdentityFile, IdentitiesOnly): the agent's
+    keys (only those matching an identity file with IdentitiesOnly), then the identity files the
+    agent does not hold. A file that cannot be loaded (passphrase, unknown type) is skipped with a
+    warning, as BatchMode ssh does."""
+
+    def __init__(self, r: Resolved, timeout: float):
+        super().__init__(ssh_config=None)
+        self.r = r
+        files = []
+        for path in r.identity_files:
+            try:
+                files.append((path, paramiko.PKey.from_path(path)))
+            except (paramiko.SSHException, OSError, ValueError) as e:
+                log.warning("fleetctl: %s: identity file %s skipped (%s)", r.name, path, e)
+        agent_keys = []
+        if r.identity_agent:
+            try:
+                agent_keys = list(_AgentAt(r.identity_agent, timeout).get_keys())
+            except (OSError, paramiko.SSHException) as e:
+                log.warning("fleetctl: %s: agent %s not used (%s)", r.name, r.identity_agent, e)
+        file_blobs = {k.asbytes() for _, k in files}
+        if r.identities_only:
+            agent_keys = [k for k in agent_keys if k.asbytes() in file_blobs]
+        agent_blobs = {k.asbytes() for k in agent_keys}
+        self.sources = [InMemoryPrivateKey(r.user, k) for k in agent_keys] + [
+            OnDiskPrivateKey(r.user, "ssh-config", str(p), k) for p, k in files if k.asbytes() not in agent_blobs]
+
+    def get_sources(self):
+        yield from self.sources
+
+
+def _connect(client: paramiko.SSHClient, r: Resolved, sock, deadline: float) -> None:
+    """Connect `client` to `r` (over `sock`, or dialling itself), authenticate, by `deadline`."""
+    left = max(0.1, deadline - time.monotonic())
+    tcp = left if r.connect_timeout is None else min(left, r.connect_timeout)
+    client.connect(r.hostname, r.port, r.user, sock=sock, timeout=tcp, banner_timeout=left, auth_timeout=left,
+                   channel_timeout=left, auth_strategy=_OpenSSHAuth(r, left))
+
+
+def _proxy_command(r: Resolved):
+    """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell)."""
+    return paramiko.ProxyCommand(command.shell_line(["sh", "-c", r.proxy_command]))
+
+
+class _Jump:
+    """One shared connection to a bastion (the chain of hosts that leads to it is its key)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.client: paramiko.SSHClient | None = None
+        self.users = 0
+
+
+class JumpPool:
+    """The run's connections to ProxyJump hosts: one per chain, shared by every host behind it
+    (security review L12: one bastion session per host exhausts sshd's MaxStartups), opened by
+    the first host that needs it, closed when the last one lets go."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._jumps: dict[tuple, _Jump] = {}
+
+    def lease(self, chain: list[Resolved], settings: Settings, deadline: float) -> tuple[paramiko.Transport, list]:
+        """Open (or share) every connection of `chain` (dialled in order, each through the one
+        before), by `deadline`; -> (the last one's transport, the lease to hand to release()).
+        Raises HostKeyRefused, Unreachable, paramiko errors as SSHClient.connect does."""
+        held: list[tuple[tuple, _Jump]] = []
+        transport = None
+        try:
+            for i, hop in enumerate(chain):
+                key = tuple((h.hostname, h.port, h.user) for h in chain[:i + 1])
+                with self._lock:
+                    jump = self._jumps.setdefault(key, _Jump())
+                if not jump.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise Unreachable(f"ProxyJump hop {hop.name}: no session within the connect timeout")
+                try:
+                    live = jump.client is not None and jump.client.get_transport() is not None \
+                        and jump.client.get_transport().is_active()
+                    if not live:
+                        if transport is not None:
+                            sock = transport.open_channel("direct-tcpip", (hop.hostname, hop.port), ("", 0),
+                                                          timeout=max(0.1, deadline - time.monotonic()))
+                        else:
+                            sock = _proxy_command(hop) if hop.proxy_command else None
+                        client = _verifying_client(hop, settings)
+                        _connect(client, hop, sock, deadline)
+                        jump.client = client
+                    jump.users += 1
+                    held.append((key, jump))
+                    transport = jump.client.get_transport()
+                finally:
+                    jump.lock.release()
+        except BaseException:
+            self.release(held)
+            raise
+        return transport, held
+
+    def release(self, held: list) -> None:
+        """Let go of a lease; a connection no host uses any more is closed."""
+        for key, jump in reversed(held):
+            with jump.lock:
+                jump.users -= 1
+                if jump.users <= 0 and jump.client is not None:
+                    jump.client.close()
+                    jump.client = None
+        held.clear()
 
 
 class _Keepalive(threading.Thread):
@@ -161,82 +312,67 @@ class ParamikoProcess(Process):
 
 
 class ParamikoConnection(Connection):
-    """A verified SSH connection to one inventory host, Fabric over paramiko.
-
-    Settings layer as Fabric does: the ssh_config (Settings.ssh_config, else the passwd home's
-    ~/.ssh/config and /etc/ssh/ssh_config: HostName, User, Port, IdentityFile, ProxyJump,
-    UserKnownHostsFile, ServerAliveInterval, ServerAliveCountMax) first, then the inventory's
-    ansible_user / ansible_port / ansible_ssh_private_key_file on top.
-    """
+    """A verified SSH connection to one inventory host, over paramiko, to what `ssh -G` resolved
+    for its address with the inventory's ansible_user / ansible_port /
+    ansible_ssh_private_key_file given as `-o` options (they win, as in Ansible)."""
 
     kind = "paramiko"
 
     def __init__(self, host, settings: Settings):
         super().__init__(host, settings)
-        config = fabric.Config(runtime_ssh_path=str(settings.ssh_config) if settings.ssh_config else None,
-                               user_ssh_path=str(passwd_home() / ".ssh" / "config"))
-        t = settings.connect_timeout
-        connect_kwargs = {"banner_timeout": t, "auth_timeout": t, "channel_timeout": t}
-        if host.key_file:
-            connect_kwargs["key_filename"] = [host.key_file]
-        self._conn = fabric.Connection(host.address, user=host.user, port=host.port, config=config,
-                                       connect_timeout=max(1, math.ceil(t)), connect_kwargs=connect_kwargs)
-        cfg = self._conn.ssh_config
-        self._keepalive_s = float(cfg.get("serveraliveinterval") or settings.server_alive_interval)
-        self._keepalive_n = int(cfg.get("serveralivecountmax") or settings.server_alive_count_max)
+        self.resolved: Resolved | None = None
+        self._client: paramiko.SSHClient | None = None
+        self._lease: list = []
         self._keepalive: _Keepalive | None = None
         self._dead: str | None = None
-        for conn in self._chain():  # the target and every ProxyJump hop: same policy and deadline
-            conn.connect_timeout = max(1, math.ceil(t))
-            self._verify_host_keys(conn)
-
-    def _chain(self) -> list[fabric.Connection]:
-        out, conn = [], self._conn
-        while isinstance(conn, fabric.Connection):
-            out.append(conn)
-            conn = conn.gateway
-        return out
-
-    def _known_hosts_files(self, conn: fabric.Connection) -> list[Path]:
-        configured = conn.ssh_config.get("userknownhostsfile")
-        if configured:
-            return [expand_home(p) for p in shlex.split(configured)]
-        return [passwd_home() / ".ssh" / "known_hosts"]
-
-    def _verify_host_keys(self, conn: fabric.Connection) -> None:
-        """Load known_hosts into `conn`'s client and replace Fabric's AutoAddPolicy."""
-        files = self._known_hosts_files(conn)
-        known = knownhosts.load(files)
-        keys = conn.client.get_host_keys()
-        for name in known.keys.keys():
-            for ktype, key in known.keys.lookup(name).items():
-                keys.add(name, ktype, key)
-        conn.client.set_missing_host_key_policy(_Policy(known, files[0] if self.settings.accept_new else None))
 
     @property
     def address(self) -> str:
-        return self._conn.host
+        return self.resolved.hostname if self.resolved else self.host.address
+
+    def _resolve(self, deadline: float) -> Resolved:
+        h = self.host
+        r = self.settings.resolver.resolve_host(h, deadline)
+        bad = [o for x in hop_chain(r) for o in x.unsupported_by_paramiko()]
+        if bad:
+            raise SshConfigError(f"{h.name}: the paramiko connection cannot honour {', '.join(bad)} from ssh_config: "
+                                 "use ansible_connection: ssh, or drop the option for this host")
+        return r
+
+    def _open(self, deadline: float) -> None:
+        r = self.resolved = self._resolve(deadline)
+        sock = None
+        if r.hops:
+            transport, self._lease = self.settings.jump_pool.lease(hop_chain(r)[:-1], self.settings, deadline)
+            sock = transport.open_channel("direct-tcpip", (r.hostname, r.port), ("", 0),
+                                          timeout=max(0.1, deadline - time.monotonic()))
+        elif r.proxy_command:
+            sock = _proxy_command(r)
+        self._client = _verifying_client(r, self.settings)
+        _connect(self._client, r, sock, deadline)
 
     def _close_transports(self) -> None:
-        for conn in self._chain():
-            transport = conn.client.get_transport()
-            if transport is not None:
-                transport.close()
+        if self._client is not None:
+            self._client.close()
+        self.settings.jump_pool.release(self._lease)
 
     def open(self) -> None:
-        """Connect, verify the host key and authenticate within settings.connect_timeout seconds.
+        """Resolve the host (`ssh -G`), connect, verify the host key and authenticate, all within
+        settings.connect_timeout seconds.
 
-        The deadline holds wherever paramiko or the resolver would block (DNS, a hop's TCP
-        connect, sshd that accepts TCP but never sends a banner, an agent that never answers):
-        the connect runs in a worker that is abandoned, and its transports closed, at the
-        deadline. Raises HostKeyRefused (unknown, changed, revoked or CA-only key) or
+        The deadline holds wherever paramiko or the resolver would block (`Match exec`, DNS, a
+        hop's TCP connect, sshd that accepts TCP but never sends a banner, an agent that never
+        answers): the connect runs in a worker that is abandoned, and its transports closed, at
+        the deadline. Raises SshConfigError (exit 4: OpenSSH refuses the config, or an option
+        paramiko cannot honour), HostKeyRefused (unknown, changed, revoked or CA-only key) or
         Unreachable (anything else)."""
         done, abandoned = threading.Event(), threading.Event()
         box: dict = {}
+        deadline = time.monotonic() + self.settings.connect_timeout
 
         def connect():
             try:
-                self._conn.open()
+                self._open(deadline)
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box["error"] = e
             finally:
@@ -249,14 +385,16 @@ class ParamikoConnection(Connection):
             abandoned.set()
             self._close_transports()
             raise Unreachable(f"no SSH session within the connect timeout ({self.settings.connect_timeout:g} s): "
-                              "no DNS answer, TCP connect, banner, key exchange or auth answer")
+                              "no ssh -G result, DNS answer, TCP connect, banner, key exchange or auth answer")
         e = box.get("error")
         if e is None:
-            transport = self._conn.client.get_transport()
-            self._keepalive = _Keepalive(transport, self._keepalive_s, self._keepalive_n, self._on_dead)
+            r = self.resolved
+            interval = r.server_alive_interval or self.settings.server_alive_interval
+            self._keepalive = _Keepalive(self._client.get_transport(), interval, r.server_alive_count_max,
+                                         self._on_dead)
             self._keepalive.start()
             return
-        if isinstance(e, HostKeyRefused):
+        if isinstance(e, (HostKeyRefused, SshConfigError)):
             raise e
         if isinstance(e, paramiko.BadHostKeyException):
             raise HostKeyRefused(
@@ -275,7 +413,7 @@ class ParamikoConnection(Connection):
 
     def alive(self) -> bool:
         """Whether the SSH transport is still up."""
-        transport = self._conn.client.get_transport()
+        transport = self._client.get_transport() if self._client is not None else None
         return transport is not None and transport.is_active()
 
     def lost(self, when: str) -> Unreachable:
@@ -285,7 +423,7 @@ class ParamikoConnection(Connection):
     def _start(self, argv: list[str], timeout: float) -> Process:
         if not self.alive():
             raise self.lost("before a command")
-        transport = self._conn.client.get_transport()
+        transport = self._client.get_transport()
         wait = min(self.settings.connect_timeout, timeout)
         try:
             chan = transport.open_session(timeout=wait)
@@ -311,10 +449,10 @@ class ParamikoConnection(Connection):
         return ParamikoProcess(self, chan)
 
     def close(self) -> None:
-        """Close the connection and every hop (idempotent)."""
+        """Close the connection, and let go of its ProxyJump hops (idempotent)."""
         if self._keepalive is not None:
             self._keepalive.stopped.set()
         try:
-            self._conn.close()
+            self._close_transports()
         except Exception:  # noqa: BLE001 - closing a half-open paramiko transport may raise; nothing to keep
             pass

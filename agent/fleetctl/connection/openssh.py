@@ -1,0 +1,221 @@
+"""`ansible_connection: ssh` (or `smart`): the system OpenSSH client, as Ansible's default
+connection uses it. It verifies everything OpenSSH verifies (host certificates, FIDO keys,
+GSSAPI, KnownHostsCommand...) because it is OpenSSH.
+
+A per-run ssh_config (`ControlFiles.config_for`) sets ControlMaster/ControlPath/ControlPersist for
+every host and then `Include`s the user's config (`--ssh-config`, else ~/.ssh/config of the passwd
+home and /etc/ssh/ssh_config), so ProxyJump's own ssh processes share bastion masters too.
+ControlPath is `<private 0700 dir under /tmp>/%C` (a unix socket path has 108 bytes at most).
+The master is opened first (`ssh -M -N -f`, then `-O check`), so a connect or host-key failure is
+`unreachable` before any command; a command's exit status travels in-band on stderr (ssh's own
+255 cannot be told from the command's); close() runs `-O exit` for this host's master, and the
+run's last cleanup (`ControlFiles.close`) for every master left, bastions included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import command
+from .base import Connection, Process, passwd_home
+from .errors import HostKeyRefused, Unreachable
+from .local import LocalProcess
+
+log = logging.getLogger("fleetctl")
+
+# Seconds a master outlives its last client if fleetctl dies without closing it.
+CONTROL_PERSIST_S = 60
+# The in-band exit status line a remote command ends its stderr with (command.exit_status_line).
+_EXIT_RE = re.compile(re.escape(command.EXIT_LINE_PREFIX) + rb"(\d+)\n?$")
+# Bytes of the master's stderr kept for an error message.
+_ERR_MAX = 2000
+
+
+class ControlFiles:
+    """The run's control directory (private, 0700, under /tmp) and its ssh_config: ControlMaster,
+    ControlPath and ControlPersist for every host, BatchMode, and a host-key policy never weaker
+    than accept-new, then the user's configuration by Include (OpenSSH keeps the first value it
+    obtains, so these win)."""
+
+    def __init__(self, user_config: Path | None, accept_new: bool):
+        self.dir = Path(tempfile.mkdtemp(prefix="fc-", dir="/tmp"))
+        self._user_config, self._accept_new = user_config, accept_new
+        self._configs: dict[Path | None, Path] = {}
+        self._lock = threading.Lock()
+        self._hop_locks: dict[tuple, threading.Lock] = {}
+        atexit.register(self.close)
+
+    def config_for(self, host_config: Path | None) -> Path:
+        """The run's ssh_config that Includes `host_config` (a host's own `-F FILE` from
+        ansible_ssh_common_args / ansible_ssh_extra_args), else the user's configuration; one
+        file per distinct configuration, all with the same control settings."""
+        with self._lock:
+            if host_config not in self._configs:
+                includes = [host_config or self._user_config] if host_config or self._user_config else [
+                    passwd_home() / ".ssh" / "config", Path("/etc/ssh/ssh_config")]
+                path = self.dir / f"ssh_config-{len(self._configs)}"
+                path.write_text(
+                    "Host *\n"
+                    "  ControlMaster auto\n"
+                    f"  ControlPath {self.dir}/%C\n"
+                    f"  ControlPersist {CONTROL_PERSIST_S}\n"
+                    "  BatchMode yes\n"
+                    f"  StrictHostKeyChecking {'accept-new' if self._accept_new else 'yes'}\n"
+                    + "".join(f'  Include "{p}"\n' for p in includes))
+                self._configs[host_config] = path
+            return self._configs[host_config]
+
+    def hop_lock(self, key: tuple) -> threading.Lock:
+        """The lock that serialises opening the master to one ProxyJump hop (concurrent first
+        connections with ControlMaster auto would each open their own)."""
+        with self._lock:
+            return self._hop_locks.setdefault(key, threading.Lock())
+
+    def close(self) -> None:
+        """`ssh -O exit` for every master still listening in the directory, then remove it
+        (idempotent)."""
+        with self._lock:
+            if not self.dir.exists():
+                return
+            for sock in self.dir.iterdir():
+                if sock.is_socket():
+                    subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleetctl-master"],
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class OpenSSHProcess(LocalProcess):
+    """A command run over the host's master by a local `ssh` (see Process); the remote exit
+    status comes from the in-band line, so a lost connection (ssh's 255, no line) is Unreachable."""
+
+    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
+        out, err, code = super().communicate(stdin, deadline)
+        m = _EXIT_RE.search(err)
+        if m is None:
+            raise Unreachable(f"connection lost during a command (ssh exit {code}): "
+                              f"{err[-_ERR_MAX:].decode('utf-8', 'replace').strip()}")
+        return out, err[:m.start()], int(m[1])
+
+
+class OpenSSHConnection(Connection):
+    """One host through the system `ssh`, over a ControlMaster this connection opens."""
+
+    kind = "ssh"
+
+    def __init__(self, host, settings):
+        super().__init__(host, settings)
+        self._address: str | None = None
+        self._master = False
+        self._strict: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return self._address or self.host.address
+
+    def _config(self) -> tuple[str, list[str]]:
+        """The run's ssh_config for this host and the host's ssh args without their `-F FILE`
+        (which that ssh_config Includes instead: ssh keeps only the last `-F`)."""
+        words, own = [], None
+        args = [*self.host.ssh_common_args, *self.host.ssh_extra_args]
+        i = 0
+        while i < len(args):
+            if args[i] == "-F" and i + 1 < len(args):
+                own, i = Path(args[i + 1]).expanduser().resolve(), i + 2
+                continue
+            if args[i].startswith("-F") and len(args[i]) > 2:
+                own = Path(args[i][2:]).expanduser().resolve()
+            else:
+                words.append(args[i])
+            i += 1
+        return str(self.settings.control_files.config_for(own)), words
+
+    def _argv(self, *extra: str) -> list[str]:
+        """ssh with the host's ansible_ssh_common_args and ansible_ssh_extra_args first, the run's
+        ssh_config, then ansible_user / ansible_port / ansible_ssh_private_key_file (the order of
+        resolve.ssh_g_argv, so this ssh dials what `ssh -G` resolved)."""
+        h = self.host
+        config, args = self._config()
+        opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
+        return ["ssh", *args, "-F", config, *(w for o in opts for w in o), *self._strict, *extra]
+
+    def open(self) -> None:
+        """Resolve the host (`ssh -G`), open the masters of its ProxyJump hops (one per hop for
+        the whole run, as ProxyJump's own `ssh -W` will use them) and its own (`ssh -M -N -f`),
+        and check it (`-O check`), all within settings.connect_timeout seconds. A config's
+        `StrictHostKeyChecking no` counts as accept-new, with a warning (the run's ssh_config
+        says `yes` first). Raises SshConfigError (exit 4), HostKeyRefused (ssh's host key
+        verification failed), Unreachable."""
+        deadline = time.monotonic() + self.settings.connect_timeout
+        h = self.host
+        resolved = self.settings.resolver.resolve_host(h, deadline)
+        self._address = resolved.hostname
+        if resolved.host_key_checking_off:
+            log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
+                        "changed key is still refused)", h.name)
+            self._strict = ["-o", "StrictHostKeyChecking=accept-new"]
+        for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
+            jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []
+            opts = [*(["-l", hop.user] if hop.user else []), *(["-p", str(hop.port)] if hop.port else []), *jump]
+            lock = self.settings.control_files.hop_lock((*jump, *opts, hop.host))
+            if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise Unreachable(f"ProxyJump hop {hop}: no SSH session within the connect timeout")
+            try:
+                if self._check(["ssh", "-F", self._config()[0], *opts, "--", hop.host], deadline) is not None:
+                    self._open_master(["ssh", "-F", self._config()[0], *opts], hop.host, deadline,
+                                      f"ProxyJump hop {hop}")
+            finally:
+                lock.release()
+        self._open_master(self._argv(), h.address, deadline, self.address)
+        self._master = True
+        problem = self._check(self._argv("--", h.address), deadline)
+        if problem is not None:
+            raise Unreachable(f"the SSH master to {self.address} is not running: {problem}")
+
+    @staticmethod
+    def _check(argv: list[str], deadline: float) -> str | None:
+        """None if the master `argv` (an ssh command line ending in its destination) names is
+        running (`ssh -O check`), else ssh's message."""
+        r = subprocess.run([*argv[:-2], "-O", "check", *argv[-2:]], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=max(1.0, deadline - time.monotonic()))
+        return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
+
+    def _open_master(self, argv: list[str], destination: str, deadline: float, what: str) -> None:
+        """Start a master (`ssh -M -N -f`) for `destination` with `argv`'s options, by `deadline`.
+        Raises HostKeyRefused, Unreachable naming `what`."""
+        left = deadline - time.monotonic()
+        with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
+            try:
+                r = subprocess.run([*argv, "-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
+                                    "--", destination],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                   timeout=max(0.1, left), start_new_session=True)
+            except subprocess.TimeoutExpired:
+                raise Unreachable(f"{what}: no SSH session within the connect timeout "
+                                  f"({self.settings.connect_timeout:g} s)") from None
+            err.seek(0)
+            msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
+        if r.returncode != 0:
+            if "Host key verification failed" in msg or "IDENTIFICATION HAS CHANGED" in msg \
+                    or "REVOKED HOST KEY" in msg:
+                raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
+            raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
+
+    def _start(self, argv: list[str], timeout: float) -> Process:
+        return OpenSSHProcess(self._argv("-T", "-o", "ControlMaster=no", "--", self.host.address,
+                                         command.exit_status_line(argv)))
+
+    def close(self) -> None:
+        """`ssh -O exit` for the master this connection opened (idempotent)."""
+        if self._master:
+            self._master = False
+            subprocess.run(self._argv("-O", "exit", "--", self.host.address), stdin=subprocess.DEVNULL,
+                           capture_output=True, timeout=10)
