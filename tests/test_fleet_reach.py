@@ -113,3 +113,29 @@ def test_a_revoked_host_key_is_refused(lab, reach, kind, tmp_path):
     assert r.returncode == 3 and got["lab-rsa"]["status"] == "unreachable"
     assert "revoked" in got["lab-rsa"]["error"].lower()
     assert accepted(hosts["lab-rsa"]["log"], mark) == []
+
+
+@pytest.mark.parametrize("kind, args", [
+    ("paramiko", "-J root@{bastion}"),
+    ("ssh", "-J root@{bastion}"),
+    ("ssh", "-o ProxyCommand=\"ssh -F {cfg} -W %h:%p -q root@{bastion}\""),
+])
+def test_a_bastion_named_only_in_ansible_ssh_common_args(lab, reach, kind, args):
+    """Case turn2/06 through real sshd: the private address is ansible_host, the bastion is named
+    only in the inventory's ansible_ssh_common_args (no ProxyJump for it in any ssh_config); the
+    host is reached through the bastion, never dialled directly (it has no route from here)."""
+    hosts, cfg, d = reach
+    bastion = lab.address("lab-01")
+    inv = d / f"hosts-common-args-{kind}-{len(args)}.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"gpu-node-01": {
+        "ansible_host": hosts["lab-hidden"]["address"], "ansible_connection": kind,
+        "ansible_ssh_common_args": args.format(bastion=bastion, cfg=cfg)}}}}))
+    _, resolved = run(lab, "hosts", inv, cfg)
+    assert resolved["gpu-node-01"]["address"] == hosts["lab-hidden"]["address"]
+    if args.startswith("-J"):
+        assert resolved["gpu-node-01"]["jump"] == [f"root@{bastion}:22"]
+    mark = hosts["lab-hidden"]["log"].stat().st_size
+    r, got = run(lab, "inspect", inv, cfg)
+    assert r.returncode == 0 and got["gpu-node-01"]["status"] == "ok", got["gpu-node-01"]["error"]
+    logins = accepted(hosts["lab-hidden"]["log"], mark)
+    assert logins and {src for _, src, _ in logins} == {f"10.214.{lab.lab_id}.1"}, logins

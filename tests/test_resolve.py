@@ -300,3 +300,38 @@ def test_debians_default_ssh_config_is_fine_for_paramiko(tmp_path):
     assert r.unsupported_by_paramiko() == [] and r.hash_known_hosts is True
     refused = resolved(case03(tmp_path, "Host *\n  ForwardAgent yes\n  DynamicForward 1080\n"), "gpu-1")
     assert sorted(refused.unsupported_by_paramiko()) == ["dynamicforward 1080", "forwardagent yes"]
+
+
+# ------------------------------------------------------------------ ansible_ssh_common_args (case 06)
+
+def test_case06_bastion_in_ansible_ssh_common_args_is_what_ssh_resolves(tmp_path):
+    """Case turn2/06: the inventory's ansible_ssh_common_args reach `ssh -G` first on its command
+    line: -o ProxyCommand, -J (the hop resolved from the config alone, as ssh's ProxyJump does),
+    and -F FILE, which wins over --ssh-config (ssh keeps the last -F; fleetctl adds none then)."""
+    inv_dir = tmp_path / "inv"
+    shutil.copytree(Path(__file__).parent / "inventories" / "bastion", inv_dir)
+    (inv_dir / "bastion.d").mkdir()
+    (inv_dir / "bastion.d" / "n1").write_text("Host *\n  ProxyJump deploy@front.example.invalid:2200\n")
+    config = tmp_path / "ssh_config"
+    config.write_text("Host *\n  User fromconfig\n")
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "hosts", "all", "-i", str(inv_dir / "hosts.yaml"),
+                        "--ssh-config", str(config), "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    hosts = {d["host"]: d for d in json.loads(r.stdout)["hosts"]}
+    one = hosts["gpu-node-01"]
+    assert (one["address"], one["user"], one["jump"]) == ("192.0.2.11", "ops", [])
+    assert one["proxy_command"] == "ssh -W 192.0.2.11:22 -q ops@bastion.example.invalid"
+    three = hosts["gpu-node-03"]
+    assert (three["address"], three["user"], three["jump"]) == (
+        "192.0.2.13", "fromconfig", ["ops@bastion.example.invalid:2222"])
+    four = hosts["gpu-node-04"]  # its own -F: the --ssh-config's User is not read
+    assert (four["address"], four["jump"]) == ("192.0.2.14", ["deploy@front.example.invalid:2200"])
+    assert four["user"] != "fromconfig"
+
+
+def test_fallback_refuses_ansible_ssh_args_it_cannot_evaluate(tmp_path, monkeypatch):
+    no_ssh(tmp_path, monkeypatch)
+    config = case03(tmp_path, "Host *\n  User u\n")
+    with pytest.raises(SshConfigError, match=r"h: ansible_ssh_common_args / ansible_ssh_extra_args \(-J b\) need "
+                                             r"the OpenSSH client"):
+        resolved(config, "h", extra_args=("-J", "b"))

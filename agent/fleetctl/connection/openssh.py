@@ -29,6 +29,7 @@ from . import command
 from .base import Connection, Process, passwd_home
 from .errors import HostKeyRefused, Unreachable
 from .local import LocalProcess
+from .resolve import split_config_option
 
 log = logging.getLogger("fleetctl")
 
@@ -124,19 +125,8 @@ class OpenSSHConnection(Connection):
     def _config(self) -> tuple[str, list[str]]:
         """The run's ssh_config for this host and the host's ssh args without their `-F FILE`
         (which that ssh_config Includes instead: ssh keeps only the last `-F`)."""
-        words, own = [], None
-        args = [*self.host.ssh_common_args, *self.host.ssh_extra_args]
-        i = 0
-        while i < len(args):
-            if args[i] == "-F" and i + 1 < len(args):
-                own, i = Path(args[i + 1]).expanduser().resolve(), i + 2
-                continue
-            if args[i].startswith("-F") and len(args[i]) > 2:
-                own = Path(args[i][2:]).expanduser().resolve()
-            else:
-                words.append(args[i])
-            i += 1
-        return str(self.settings.control_files.config_for(own)), words
+        args, own = split_config_option([*self.host.ssh_common_args, *self.host.ssh_extra_args])
+        return str(self.settings.control_files.config_for(own)), args
 
     def _argv(self, *extra: str) -> list[str]:
         """ssh with the host's ansible_ssh_common_args and ansible_ssh_extra_args first, the run's

@@ -23,6 +23,7 @@ import hashlib
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -150,14 +151,31 @@ class Resolved:
         return out
 
 
+def split_config_option(args: tuple[str, ...] | list[str]) -> tuple[list[str], Path | None]:
+    """ssh command-line words without their `-F FILE` / `-FFILE`, and that file (the last one
+    given, as ssh keeps, made absolute against the working directory), else None."""
+    words, config, i = [], None, 0
+    while i < len(args):
+        if args[i] == "-F" and i + 1 < len(args):
+            config, i = Path(args[i + 1]).absolute(), i + 2
+            continue
+        if args[i].startswith("-F") and len(args[i]) > 2:
+            config = Path(args[i][2:]).absolute()
+        else:
+            words.append(args[i])
+        i += 1
+    return words, config
+
+
 def ssh_g_argv(address: str, config_file: Path | None = None, user: str | None = None, port: int | None = None,
                identity_file: str | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
     """The `ssh -G` command line for `address`, as Ansible's ssh connection orders its options:
     `extra_args` (ansible_ssh_common_args / ansible_ssh_extra_args, already split into words),
-    `-F config_file`, then `-o User=` / `-o Port=` / `-o IdentityFile=` for the inventory's values,
-    and `-o ControlPath=%C` so that OpenSSH prints its own %C hash."""
+    `-F config_file` unless those words give their own `-F` (a host's own config wins over
+    --ssh-config: ssh would keep the last `-F`), then `-o User=` / `-o Port=` / `-o IdentityFile=`
+    for the inventory's values, and `-o ControlPath=%C` so that OpenSSH prints its own %C hash."""
     argv = ["ssh", "-G", *extra_args]
-    if config_file is not None:
+    if config_file is not None and split_config_option(extra_args)[1] is None:
         argv += ["-F", str(config_file)]
     for key, value in (("User", user), ("Port", port), ("IdentityFile", identity_file)):
         if value is not None:
@@ -391,7 +409,7 @@ class Resolver:
                 identity_file: str | None = None, extra_args: tuple[str, ...] = ()) -> Resolved:
         """How OpenSSH reaches `address` (with the inventory's user, port and key file, when set;
         `extra_args`: words put first on the command line, Ansible's ansible_ssh_common_args and
-        ansible_ssh_extra_args, also given to every hop's resolution),
+        ansible_ssh_extra_args; not given to the hops' resolution, as ssh does not),
         every ProxyJump hop resolved too (a hop's own ProxyJump is followed only for the first
         hop, as ssh's `-J` does). `deadline` is a time.monotonic() value; `what` names the host in
         errors. Raises SshConfigError (exit 4), Unreachable (past the deadline)."""
@@ -423,14 +441,19 @@ class Resolver:
     def _resolve_new(self, argv, address, deadline, what, user, port, identity_file, extra_args, path) -> Resolved:
         if shutil.which("ssh"):
             options = run_ssh_g(argv, deadline, what)
+        elif extra_args:
+            raise SshConfigError(f"{what}: ansible_ssh_common_args / ansible_ssh_extra_args ({shlex.join(extra_args)}) "
+                                 "need the OpenSSH client to be read (ssh -G): install openssh-client")
         else:
             cli = {k: str(v) for k, v in (("User", user), ("Port", port), ("IdentityFile", identity_file)) if v}
             options = fallback_options(address, self._files(), cli)
         r = resolved_from(address, options, what)
         hops: list[Resolved] = []
         for i, hop in enumerate(r.proxy_jump):
+            # a hop is resolved from the config alone: ssh's ProxyJump hands its own ssh only -l, -p
+            # and -F, never the command line's other options (ssh.c, ProxyJump to ProxyCommand)
             h = self._resolve(hop.host, deadline, f"{what} (ProxyJump hop {hop})", hop.user, hop.port, None,
-                              extra_args, path)
+                              (), path)
             if i > 0 and h.proxy_jump:  # ssh -J a,b: b is reached through a, whatever b's own ProxyJump says
                 h = replace(h, proxy_jump=(), hops=())
             hops.append(h)
