@@ -273,6 +273,17 @@ def test_lab_refuses_without_root(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+def _describe(pid: str) -> str:
+    """A leftover process for the failure message: its state, parent and command line."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200].decode(errors="replace")
+        return f"{status.get('State')} ppid {status.get('PPid')}: {cmd}"
+    except OSError as e:
+        return f"gone ({e.strerror})"
+
+
 def test_down_leaves_no_process_in_the_hosts_pid_namespaces(lab):
     """`lab down` on the session lab, with processes that try to stay; then the lab is built
     again for the tests that follow."""
@@ -291,7 +302,7 @@ def test_down_leaves_no_process_in_the_hosts_pid_namespaces(lab):
                 left.append(d)
         except OSError:
             pass
-    assert left == [] and not any(labmod._alive(p) for p in members)
+    assert left == [] and not any(labmod._alive(p) for p in members), [(p, _describe(p)) for p in left]
     assert not any(labmod._alive(h[k]) for h in state.values() for k in ("init_pid", "sshd_pid", "proxy_pid"))
     assert f"flab{lab.lab_id}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                       text=True).stdout

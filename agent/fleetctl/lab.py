@@ -546,7 +546,7 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
         time.sleep(0.05)
     # a process being killed leaves its network namespace before its PID namespace: wait until
     # no process is left in the hosts' PID namespaces either
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # seconds: exits are slow on a loaded two-core machine
     while pid_nss and time.monotonic() < deadline and any(_in_pidns(d, pid_nss) for d in os.listdir("/proc")):
         time.sleep(0.05)
     for ns in nss:
