@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import yaml
