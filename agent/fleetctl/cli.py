@@ -81,12 +81,12 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
              run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
-    from .gather import gather
+    from .gather import inspect_job
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
-        results = fleet.run(hosts, gather, "inspect")
+        results = fleet.run(hosts, inspect_job, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
