@@ -8,7 +8,7 @@ origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsite
 
 from __future__ import annotations
 
-from .fleet import HostContext, HostResult
+from .fleet import HostContext, HostFailed, HostResult
 from .vocab import HostStatus
 
 PROBE_MODULES = ["callsites", "procs", "gpus", "locate", "facts"]
@@ -28,6 +28,24 @@ def install_errors(g: dict) -> list[str]:
     """"<install id>: <error>" for each install whose scan failed (its package directory was not
     found): gathered facts that must not pass for an empty scan."""
     return [f"{i['id']}: {i['scan']['error']}" for i in g.get("installs", []) if (i.get("scan") or {}).get("error")]
+
+
+def install_facts(g: dict, inst: dict | None) -> dict:
+    """The host's facts as seen from install `inst`: its sglang, python, torch and the servers
+    that run from it (the host's facts unchanged when `inst` is None)."""
+    if inst is None:
+        return g["facts"]
+    return {**g["facts"], "sglang": inst["sglang"], "python": inst["python"], "torch": inst["torch"],
+            "servers": [s for s in g["facts"]["servers"] if s.get("install") == inst["id"]]}
+
+
+def find_install(g: dict, install: str) -> dict:
+    """The gathered install whose id is `install`. Raises HostFailed naming the host's installs."""
+    for i in g.get("installs", []):
+        if i["id"] == install:
+            return i
+    raise HostFailed(f"no install {install} on this host (installs: "
+                     f"{', '.join(i['id'] for i in g.get('installs', [])) or 'none'})")
 
 
 def inspect_job(ctx: HostContext) -> HostResult:

@@ -1,5 +1,6 @@
-"""The facts probe on this machine, with real processes, real venvs and real pip installs:
-where SGLang is (asked of each interpreter), servers behind launcher wrappers, lost GPUs.
+"""Installs on this machine, with real processes, real venvs, real pip installs and git: where
+SGLang is (asked of each interpreter), servers behind launcher wrappers, lost GPUs, and apply,
+status, rollback per install (`--install`) through the local connection.
 
 Cases 11 (nvidia-smi with a lost GPU), 12 (editable install) and 14 (servers behind launchers).
 What cannot exist here is a stand-in, named as one: the `sglang` package built below is a
@@ -25,6 +26,8 @@ import pytest
 from fleetctl import probes
 from fleetctl.gather import PROBE_MODULES
 from fleetctl.probes import gpus
+
+PROBES = ["procs", "gpus", "locate", "facts", "gittree"]
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 
@@ -198,11 +201,22 @@ def pip(python: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def installs(tmp_path_factory):
+def installs():
     """base: a venv with a stand-in sglang 0.4.6.post5 wheel and a stand-in `conda` launcher;
     base/envs/sglang: a venv with a stand-in sglang 0.5.5 wheel; editable: a venv with the
-    0.5.5 checkout installed `pip install -e` (case 12)."""
-    root = tmp_path_factory.mktemp("installs")
+    0.5.5 checkout installed `pip install -e` (case 12), a git work tree owned by `nobody`.
+    Under a directory others may enter (pytest's own tmp dirs are root-only), removed at the end."""
+    import shutil
+    import tempfile
+    root = Path(tempfile.mkdtemp(prefix="fleetctl-installs-"))
+    root.chmod(0o755)
+    try:
+        yield _build_installs(root)
+    finally:
+        shutil.rmtree(root)
+
+
+def _build_installs(root: Path) -> dict:
     wheels = root / "wheels"
     for version in ("0.4.6.post5", "0.5.5"):
         proj = make_project(root / f"src-{version}", version)
@@ -216,6 +230,13 @@ def installs(tmp_path_factory):
     checkout = make_project(root / "sgl-workspace" / "sglang", "0.5.5")
     editable = make_venv(root / "editable")
     pip(editable, "-e", str(checkout))
+    # a git work tree owned by another user (as a developer's checkout is): git must run as them
+    work = checkout.parent
+    git = ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    subprocess.run(git + ["add", "python/pyproject.toml", "python/sglang", "python/sglang_router"], check=True)
+    subprocess.run(git + ["commit", "-qm", "stand-in sglang 0.5.5"], check=True)
+    subprocess.run(["chown", "-R", "nobody:nogroup", str(work)], check=True)
     return {"root": root, "base": base, "env": env, "checkout": checkout, "editable": editable}
 
 
@@ -408,3 +429,99 @@ def test_router_with_dp_workers_is_one_server(installs, started):
     for port in ports:  # each is really a listening port
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     assert s["install"] == f"host:{site_packages(env)}/sglang"
+
+
+@pytest.mark.parametrize("name", PROBES)
+def test_probe_modules_are_stdlib_py38(name):
+    import ast
+    src = probes.source(name)
+    tree = ast.parse(src, feature_version=(3, 8))
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= sys.stdlib_module_names | {"callsites", *PROBES}
+    assert "print(" not in src
+
+
+# ---- apply, status, rollback per install, through the local connection ---------------------
+
+@pytest.fixture
+def local(tmp_path, installs):
+    """This machine as one host (ansible_connection: local, the editable venv's python), a
+    fleet for it and a state dir of the test's own (never this machine's /var/lib/fleetctl)."""
+    from fleetctl import inventory
+    from fleetctl.connection import Settings
+    from fleetctl.fleet import Fleet
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n"
+                   f"      fleetctl_python: {installs['editable']}\n")
+    hosts = inventory.load(inv).select("all")
+    with Fleet(Settings(), forks=1, timeout=300) as fleet:
+        yield fleet, hosts, str(tmp_path / "state")
+
+
+def apply_to(local, install: str):
+    from fleetctl.apply import ApplyOptions, check_then_apply
+    from fleetctl.paths import find_playbook
+    from fleetctl.playbook import load_playbook
+    fleet, hosts, state = local
+    pb = load_playbook(find_playbook("defrag-tier0", None))
+    out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=install, state_dir=state), lambda *a: None)
+    [r] = out.results
+    return out, r
+
+
+def sha(path: Path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_apply_status_rollback_on_a_git_checkout(installs, local):
+    """The change lands in the checkout (not site-packages); status judges drift there against
+    the ledger and git (run as the tree's owner, the repository's fsmonitor never run);
+    rollback --last --install gives the original bytes back."""
+    from fleetctl.changes import rollback_job, status_job
+    fleet, hosts, state = local
+    checkout = installs["checkout"]
+    runner, alloc = checkout / RUNNER, checkout / "sglang/srt/mem_cache/allocator.py"
+    before = sha(runner)
+    iid = f"host:{checkout / 'sglang'}"
+    marker = checkout.parent / ".git" / "fsmonitor-ran"  # a place the owner may write
+    subprocess.run(["runuser", "-u", "nobody", "--", "git", "-C", str(checkout.parent), "config",
+                    "core.fsmonitor", f"touch {marker}"], check=True)
+    out, r = apply_to(local, iid)
+    assert (r.status, r.error) == ("changed", None), r.data.get("plan")
+    assert [f["path"] for f in r.data["plan"]["files"]] == [str(runner)]
+    line5 = runner.read_text().splitlines()[4]
+    assert line5.startswith("    need_sort = True") and "fleetctl defrag-tier0:" in line5
+    assert os.stat(runner).st_uid == os.stat(checkout).st_uid  # owner kept
+    [st] = fleet.run(hosts, status_job(state, install=iid))
+    assert (st.status, st.error) == ("ok", None)
+    [inst] = st.data["installs"]
+    assert (inst["install"], inst["git"], inst["modified"]) == ("editable", str(checkout.parent), [])
+    assert [c["install"] for c in st.data["changes"]] == [iid]
+    alloc.write_text(alloc.read_text() + "# hand edit\n")
+    try:
+        [st] = fleet.run(hosts, status_job(state, install=iid))
+        assert not marker.exists()  # the repository's fsmonitor never ran (nor before, above)
+    finally:
+        subprocess.run(["runuser", "-u", "nobody", "--", "git", "-c", "core.fsmonitor=false", "-C",
+                        str(checkout.parent), "checkout", "-q",
+                        "--", str(alloc)], check=True)
+    assert st.status == "failed" and st.data["modified"] == [
+        {"path": str(alloc), "problem": "modified outside fleetctl (git)"}]
+    [rb] = fleet.run(hosts, rollback_job(None, False, state, install=iid))
+    assert rb.status == "changed" and rb.data["files"]
+    assert sha(runner) == before
+
+
+def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
+    from fleetctl.changes import rollback_job
+    fleet, hosts, state = local
+    sp = Path(site_packages(installs["env"]))
+    runner = sp / RUNNER
+    before = sha(runner)
+    # the inventory's interpreter sees the editable install; the wheel one is not on this host
+    # for it, and naming it is an error that names the installs there
+    _, r = apply_to(local, f"host:{sp}/sglang")
+    assert r.status == "failed" and f"no install host:{sp}/sglang" in r.error
+    assert f"host:{installs['checkout'] / 'sglang'}" in r.error and sha(runner) == before
