@@ -237,7 +237,7 @@ def _build_installs(root: Path) -> dict:
     subprocess.run(git + ["add", "python/pyproject.toml", "python/sglang", "python/sglang_router"], check=True)
     subprocess.run(git + ["commit", "-qm", "stand-in sglang 0.5.5"], check=True)
     subprocess.run(["chown", "-R", "nobody:nogroup", str(work)], check=True)
-    return {"root": root, "base": base, "env": env, "checkout": checkout, "editable": editable}
+    return {"root": root, "base": base, "env": env, "checkout": checkout, "editable": editable, "wheels": wheels}
 
 
 def probe(**params) -> dict:
@@ -459,13 +459,13 @@ def local(tmp_path, installs):
         yield fleet, hosts, str(tmp_path / "state")
 
 
-def apply_to(local, install: str):
+def apply_to(local, install: str, **opts):
     from fleetctl.apply import ApplyOptions, check_then_apply
     from fleetctl.paths import find_playbook
     from fleetctl.playbook import load_playbook
     fleet, hosts, state = local
     pb = load_playbook(find_playbook("defrag-tier0", None))
-    out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=install, state_dir=state), lambda *a: None)
+    out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=install, state_dir=state, **opts), lambda *a: None)
     [r] = out.results
     return out, r
 
@@ -525,3 +525,36 @@ def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
     _, r = apply_to(local, f"host:{sp}/sglang")
     assert r.status == "failed" and f"no install host:{sp}/sglang" in r.error
     assert f"host:{installs['checkout'] / 'sglang'}" in r.error and sha(runner) == before
+
+
+def test_export_patch_for_a_checkout_names_what_it_was_checked_against(installs, local, tmp_path):
+    """Pre-images equal to the release wheel (--pristine-dir): `<playbook>-sglang-<version>.patch`
+    checked against that wheel; after a local commit changes a pre-image: a `-<hash8>` name,
+    checked against what fleetctl read. Either applies with patch -p1 where it says."""
+    from fleetctl.export import write_patches
+    checkout = installs["checkout"]
+    iid = f"host:{checkout / 'sglang'}"
+    runner = checkout / RUNNER
+    _, r = apply_to(local, iid, check=True, export=True)
+    assert r.status == "changed" and r.data["installs"][iid]["version"] == "0.5.5"
+    [p1] = write_patches([r], "defrag-tier0", tmp_path / "a", installs["wheels"])
+    wheel = next(installs["wheels"].glob("sglang-0.5.5-*.whl"))
+    assert p1.name == "defrag-tier0-sglang-0.5.5.patch"
+    assert f"{wheel.name} sha256 {sha(wheel)}" in p1.read_text()
+    original = runner.read_bytes()
+    runner.write_bytes(b"# local change\n" + original)
+    try:
+        _, r2 = apply_to(local, iid, check=True, export=True)
+        [p2] = write_patches([r2], "defrag-tier0", tmp_path / "b", installs["wheels"])
+        copy = tmp_path / "copy"
+        (copy / RUNNER).parent.mkdir(parents=True)
+        (copy / RUNNER).write_bytes(runner.read_bytes())
+        patched = subprocess.run(["patch", "-p1", "--batch", "-d", str(copy)], stdin=p2.open(), capture_output=True)
+    finally:
+        runner.write_bytes(original)
+    assert p2.name.startswith("defrag-tier0-sglang-0.5.5-") and p2.name != p1.name
+    assert "the pre-images fleetctl read on the host (they differ from the release wheel)" in p2.read_text()
+    assert patched.returncode == 0, patched.stdout
+    [f] = r2.data["plan"]["files"]
+    assert sha(copy / RUNNER) == f["post_sha256"]
+    assert p2.read_text().count("--- a/sglang/srt/model_executor/model_runner.py") == 1

@@ -26,12 +26,13 @@ from .vocab import HostStatus, PlanStatus
 
 @dataclass
 class ApplyOptions(ChangeOptions):
-    """check: plan only; install: the install id to change (None: every install a server
+    """check: plan only; export: keep each planned file's texts (--export-patch); install: the install id to change (None: every install a server
     runs from, see select_installs); serial: Ansible serial spec ("1,25%,100%"); max_fail_percentage: a batch
     failing more than this percentage of its hosts stops the rollout; confirmed: host -> {path:
     post_sha256} of the plan the operator was shown (what is written must be what was shown)."""
 
     check: bool = False
+    export: bool = False
     install: str | None = None
     serial: str | None = None
     max_fail_percentage: float = 0.0
@@ -104,14 +105,20 @@ def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
                             "skipped_reason": reason if status == HostStatus.SKIPPED else None})
 
 
-def check_job(playbook: Playbook, state_dir: str, install: str | None = None):
+def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False):
     """Check mode: plan each selected install (select_installs) on the host and report what
     would change; touches nothing. A change left pending by a killed run is reported
-    ("pending": [ids]): apply undoes it first, so the host counts as changed."""
+    ("pending": [ids]): apply undoes it first, so the host counts as changed. data["installs"]:
+    {install id: its sglang facts}; with `texts` (for --export-patch), data["texts"]: {path:
+    {"pre_text", "post_text"}} of every planned file."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plans = _plans(ctx, playbook, install)
         result = _planned_result(ctx, [p for _, p in plans])
+        result.data["installs"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
+        if texts:
+            result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
+                                    for inst, p in plans if inst for f in p.files}
         pending = pending_ids(change_probe(ctx, "status", state_dir)["changes"])
         if pending:
             result.data["pending"] = pending
@@ -197,7 +204,8 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
     Returns (change id, results in inventory order). Raises UsageError for a bad serial spec."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
-        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install), "check", timeout=timeout)
+        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install, opts.export), "check",
+                              timeout=timeout)
     results: list[HostResult] = []
     start = 0
     stopped = None

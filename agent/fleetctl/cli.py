@@ -187,7 +187,13 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
           accept_new: AcceptNew = False, ssh_config: SshConfig = None,
           run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None,
-          install: InstallOpt = None) -> None:
+          install: InstallOpt = None,
+          export_patch: Annotated[Optional[Path], typer.Option("--export-patch", help=(
+              "Write the plan as checked patch files into DIR (one per SGLang version and pre-image set) "
+              "for image builds; implies --check."))] = None,
+          pristine_dir: Annotated[Optional[Path], typer.Option("--pristine-dir", help=(
+              "Release wheels (sglang-VERSION-*.whl) to check exported patches against, instead of the "
+              "wheel cache."))] = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
@@ -201,7 +207,10 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
         raise UsageError("--max-fail-percentage must be between 0 and 100")
     _positive(timeout=timeout)
     pb = load_playbook(find_playbook(playbook, playbooks_dir))
-    opts = ApplyOptions(check=check, install=install, serial=serial, max_fail_percentage=max_fail_percentage,
+    if pristine_dir is not None and export_patch is None:
+        raise UsageError("--pristine-dir goes with --export-patch")
+    check = check or export_patch is not None
+    opts = ApplyOptions(check=check, export=export_patch is not None, install=install, serial=serial, max_fail_percentage=max_fail_percentage,
                         smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                           allow_token_drift, latency_slack))
     hosts = _select(inventory, pattern)
@@ -217,13 +226,22 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     if outcome.nothing_to_change:
         err.print("nothing to change")
     cid = outcome.change_id
+    patches = []
+    if export_patch is not None:
+        from .export import write_patches
+        patches = [str(p) for p in write_patches(outcome.results, pb.name, export_patch, pristine_dir)]
+        for r in outcome.results:
+            r.data.pop("texts", None)
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
         if cid:
             console.print(f"change id: {cid}")
+        for p in patches:
+            console.print(f"patch written: {p}")
 
-    _finish(outcome.results, json_out, render, change_id=cid, check=check)
+    extra = {"patches": patches} if export_patch is not None else {}
+    _finish(outcome.results, json_out, render, change_id=cid, check=check, **extra)
 
 
 @app.command()
