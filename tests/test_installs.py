@@ -431,6 +431,18 @@ def test_router_with_dp_workers_is_one_server(installs, started):
     assert s["install"] == f"host:{site_packages(env)}/sglang"
 
 
+def test_the_last_of_a_repeated_option_wins_as_with_argparse():
+    from fleetctl.probes import procs
+    argv = ["/v/bin/python", "-m", "sglang.launch_server", "--port", "30000", "--tp", "2", "--port=30001"]
+    assert (procs._opt(argv, "--port"), procs._opt(argv, "--tp-size", "--tp"), procs._opt(argv, "--host")) == \
+        ("30001", "2", None)
+    assert procs.python_program(["python3", "-u", "-X", "dev", "-Wignore", "-m", "sglang.launch_server", "--x"]) == \
+        ("u", "m", "sglang.launch_server", ["--x"])
+    assert procs.python_program(["python", "-um", "sglang.launch_server"])[1:3] == ("m", "sglang.launch_server")
+    assert procs.server_kind(["/opt/conda/bin/python", "/opt/conda/bin/conda", "run", "-n", "e", "python", "-m",
+                              "sglang.launch_server"]) is None
+
+
 @pytest.mark.parametrize("name", PROBES)
 def test_probe_modules_are_stdlib_py38(name):
     import ast

@@ -32,14 +32,16 @@ def _read(path, mode="r"):
 
 
 def _opt(argv, *names):
-    """Value of the first of `names` in argv (`--name V` or `--name=V`), else None."""
+    """Value of the last of `names` in argv (`--name V` or `--name=V`; the last one given wins,
+    as with argparse), else None."""
+    found = None
     for i, a in enumerate(argv):
         for n in names:
             if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a[len(n) + 1:]
-    return None
+                found = argv[i + 1]
+            elif a.startswith(n + "="):
+                found = a[len(n) + 1:]
+    return found
 
 
 def _int_opt(argv, default, *names):
