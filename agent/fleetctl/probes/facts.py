@@ -7,8 +7,8 @@ its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a s
 (callsites.scan) -> the primary install, whose facts stay at the top level.
 
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
-inventory's ansible_python_interpreter / fleetctl_python (params["python"]); with neither,
-python3 on PATH and common venv locations. An interpreter is run only after untrusted() clears
+inventory's ansible_python_interpreter / fleetctl_python (params["python"]); python3 on PATH and
+common venv locations. An interpreter is run only after untrusted() clears
 it (its `.pth` files run at start).
 """
 
@@ -87,13 +87,12 @@ def torch_facts():
 
 def candidates(params, servers):
     """Interpreters to ask, in order: [(python, sys.path entries put first, reason, server pid
-    or None)]."""
+    or None)]: each server's, the inventory's, python3 on PATH, common venv locations (so that
+    installs no server runs from are listed too)."""
     out = [(s["python"], s["import_path"], "running server pid %d" % s["pid"], s["pid"])
            for s in servers if s["python"]]
     if params.get("python"):
         out.append((params["python"], [], "inventory", None))
-    if out:
-        return out
     for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
         p = os.path.join(d, "python3")
         if os.path.exists(p):
