@@ -526,6 +526,18 @@ def test_apply_status_rollback_on_a_git_checkout(installs, local):
     assert sha(runner) == before
 
 
+def test_apply_says_the_package_directory_was_not_found_not_no_need_sort(installs, local):
+    checkout = installs["checkout"]
+    moved = checkout.with_name("python-moved")
+    checkout.rename(moved)
+    try:
+        _, r = apply_to(local, None, check=True)
+    finally:
+        moved.rename(checkout)
+    assert r.status == "failed" and "sglang package directory not found under" in r.error
+    assert "need_sort" not in r.error
+
+
 def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
     from fleetctl.changes import rollback_job
     fleet, hosts, state = local
