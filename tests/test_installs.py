@@ -560,7 +560,7 @@ def test_export_patch_for_a_checkout_names_what_it_was_checked_against(installs,
     iid = f"host:{checkout / 'sglang'}"
     runner = checkout / RUNNER
     _, r = apply_to(local, iid, check=True, export=True)
-    assert r.status == "changed" and r.data["installs"][iid]["version"] == "0.5.5"
+    assert r.status == "changed" and r.data["install_sglang"][iid]["version"] == "0.5.5"
     [p1] = write_patches([r], "defrag-tier0", tmp_path / "a", installs["wheels"])
     wheel = next(installs["wheels"].glob("sglang-0.5.5-*.whl"))
     assert p1.name == "defrag-tier0-sglang-0.5.5.patch"

@@ -3,9 +3,11 @@
 What to change comes from the playbook (plan.py: facts + findings + sources -> a HostPlan, pure
 data); how a change is written, validated, committed or rolled back is the change engine's
 (changes.py), the same for kernel deploys. Per host, under the host's lock: recover a change a
-killed run left pending -> gather facts with sources -> plan -> (the plan must be the one the
-operator confirmed) -> changes.execute: baseline smoke, write ("pending"), handlers, checks
-(compile, reinspect), smoke gate -> "applied", or rollback to the byte-identical originals.
+killed run left pending -> gather facts with sources -> plan each selected install (every
+install a server runs from, or --install ID) -> (the plans must be the ones the operator
+confirmed) -> per install, changes.execute: baseline smoke, write ("pending"), handlers, checks
+(compile, reinspect), smoke gate -> "applied", or rollback to the byte-identical originals (and
+then the installs changed before it in this run are rolled back too).
 """
 
 from __future__ import annotations
@@ -108,14 +110,14 @@ def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
 def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False):
     """Check mode: plan each selected install (select_installs) on the host and report what
     would change; touches nothing. A change left pending by a killed run is reported
-    ("pending": [ids]): apply undoes it first, so the host counts as changed. data["installs"]:
+    ("pending": [ids]): apply undoes it first, so the host counts as changed. data["install_sglang"]:
     {install id: its sglang facts}; with `texts` (for --export-patch), data["texts"]: {path:
     {"pre_text", "post_text"}} of every planned file."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plans = _plans(ctx, playbook, install)
         result = _planned_result(ctx, [p for _, p in plans])
-        result.data["installs"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
+        result.data["install_sglang"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
         if texts:
             result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
                                     for inst, p in plans if inst for f in p.files}

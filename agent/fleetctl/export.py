@@ -53,14 +53,14 @@ class PatchGroup:
 
 def groups(results: list[HostResult]) -> list[PatchGroup]:
     """The distinct (version, pre-image set) of the changing installs in check results (data
-    "plans", "installs" and "texts", as check_job gives them with export on), first-seen order."""
+    "plans", "install_sglang" and "texts", as check_job gives them with export on), first-seen order."""
     out: dict[tuple, PatchGroup] = {}
     for r in results:
         d = r.data or {}
         for plan in d.get("plans", []):
             if not plan["files"]:
                 continue
-            version = (d.get("installs", {}).get(plan["install"]) or {}).get("version")
+            version = (d.get("install_sglang", {}).get(plan["install"]) or {}).get("version")
             files = sorted(({"rel": f["rel"], "pre_sha256": f["pre_sha256"], "post_sha256": f["post_sha256"],
                              "diff": f["diff"], **d["texts"][f["path"]]} for f in plan["files"]),
                            key=lambda f: f["rel"])
