@@ -414,6 +414,20 @@ def test_checkout_in_the_servers_working_directory_wins(installs, started, tmp_p
     assert s["import_path"][0] == str(checkout)
 
 
+def test_checkout_on_the_servers_pythonpath_wins_unless_the_server_ignores_it(installs, started):
+    """PYTHONPATH as the server saw it at start (its /proc/PID/environ), not the probe's; a server
+    run with -E ignores it, and so does fleetctl for that server."""
+    checkout, base = installs["checkout"], installs["base"]
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    p = started([str(base), "-m", "sglang.launch_server", "--port", "30006"], cwd="/", env=env)
+    q = started([str(base), "-E", "-m", "sglang.launch_server", "--port", "30007"], cwd="/", env=env)
+    out = probe()
+    [s] = servers_of(out, p.pid)
+    [t] = servers_of(out, q.pid)
+    assert s["install"] == f"host:{checkout / 'sglang'}" and s["import_path"] == ["/", str(checkout)]
+    assert t["install"] == f"host:{site_packages(base)}/sglang" and t["import_path"] == ["/"]
+
+
 def test_router_with_dp_workers_is_one_server(installs, started):
     env = installs["env"]
     p = started([str(env), "-m", "sglang_router.launch_server", "--dp-size", "2", "--port", "30010"])
