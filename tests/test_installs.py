@@ -123,8 +123,13 @@ def init_memory_pool(server_args, size, dtype, device, kvcache, page_size):
     return allocator
 '''
 LAUNCH_SERVER = '''\
-"""STAND-IN for sglang.launch_server (no GPU, no model here): sleeps until killed."""
-import time
+"""STAND-IN for sglang.launch_server (no GPU, no model here): sleeps until killed; with
+--schedulers N it first starts N children titled as SGLang titles its schedulers."""
+import subprocess, sys, time
+if "--schedulers" in sys.argv:
+    for i in range(int(sys.argv[sys.argv.index("--schedulers") + 1])):
+        subprocess.Popen([sys.executable, "-c", "import setproctitle, time; "
+                          "setproctitle.setproctitle('sglang::scheduler_TP%d'); time.sleep(120)" % i])
 time.sleep(120)
 '''
 ROUTER = '''\
@@ -392,10 +397,14 @@ def test_case14_venv_on_path_without_virtual_env(installs, started):
     timeout and nohup: the venv's python3 (argv[0] on the process's PATH), not the base it links to."""
     env = installs["env"]
     p = started(["timeout", "45", "nohup", "env", "-u", "VIRTUAL_ENV", f"PATH={env.parent}:/usr/bin:/bin",
-                 "CUDA_VISIBLE_DEVICES=2,3", "python3", "-m", "sglang.launch_server", "--tp", "2", "--port", "30001"])
+                 "CUDA_VISIBLE_DEVICES=2,3", "python3", "-m", "sglang.launch_server", "--tp", "2", "--port", "30001",
+                 "--schedulers", "2"])
     pid = server_pid(p.pid, "sglang.launch_server")
+    wait_for(lambda: sum(1 for k in descendants(pid)
+                         if Path(f"/proc/{k}/cmdline").read_bytes().startswith(b"sglang::")) == 2)
     [s] = servers_of(probe(), p.pid)
     assert (s["pid"], s["port"], s["tp_size"], s["python"]) == (pid, 30001, 2, str(env.parent / "python3"))
+    assert (s["processes"], s["workers"]) == (2, [])  # its sglang:: titled schedulers, counted under it
     assert (s["cuda_visible_devices"], s["gpus"]) == ("2,3", ["2", "3"])
     assert s["install"] == f"host:{site_packages(env)}/sglang"
 
