@@ -305,6 +305,12 @@ def test_case12_missing_package_directory_is_an_error_not_an_empty_scan(installs
     assert install_errors(out) == [f"{inst['id']}: {inst['scan']['error']}"]
 
 
+def test_idle_interpreters_are_asked_only_with_an_sglang_distribution(installs, tmp_path):
+    from fleetctl.probes.facts import may_have_sglang
+    assert may_have_sglang(str(installs["env"])) and may_have_sglang(str(installs["editable"]))
+    assert not may_have_sglang(str(make_venv(tmp_path / "empty")))
+
+
 def test_primary_install_rule():
     """The server with the lowest pid names the primary install; with no server, the only
     install; with several and no server, none, and facts say why."""

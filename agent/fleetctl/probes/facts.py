@@ -8,8 +8,8 @@ its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a s
 
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
 inventory's ansible_python_interpreter / fleetctl_python (params["python"]); python3 on PATH and
-common venv locations. An interpreter is run only after untrusted() clears
-it (its `.pth` files run at start).
+common venv locations whose site directories hold an sglang distribution. An interpreter is run
+only after untrusted() clears it (its `.pth` files run at start).
 """
 
 import glob
@@ -85,21 +85,49 @@ def torch_facts():
     return {"version": dist.version, "cuda": cuda}
 
 
+_DIST_MARKS = ("sglang-*.dist-info", "sglang-*.egg-info", "sglang.egg-link", "__editable__.sglang-*")
+
+
+def site_dirs(python):
+    """Site directories of interpreter path `python`, from its layout and pyvenv.cfg (a venv that
+    includes system site packages adds its base's)."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    pats = ["lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/dist-packages"]
+    dirs = [d for p in pats for d in sorted(glob.glob(os.path.join(prefix, p)))]
+    cfg = _read(os.path.join(prefix, "pyvenv.cfg")) or ""
+    conf = dict((k.strip(), v.strip()) for k, sep, v in (line.partition("=") for line in cfg.splitlines()) if sep)
+    if conf.get("include-system-site-packages", "false").lower() == "true" and conf.get("home"):
+        base = os.path.dirname(conf["home"])
+        dirs += [d for p in pats for d in sorted(glob.glob(os.path.join(base, p)))]
+    if prefix == "/usr" or os.path.dirname(conf.get("home", "")) == "/usr":
+        dirs.append("/usr/lib/python3/dist-packages")
+    return dirs
+
+
+def may_have_sglang(python):
+    """Whether an idle interpreter (no server runs it) is worth asking: one of its site
+    directories holds an sglang distribution (dist-info, egg-info, egg-link or PEP 660 editable
+    hook). Without one, its `import sglang` could only come from a working directory or
+    PYTHONPATH, which an idle interpreter has not got."""
+    return any(glob.glob(os.path.join(d, m)) for d in site_dirs(python) for m in _DIST_MARKS)
+
+
 def candidates(params, servers):
     """Interpreters to ask, in order: [(python, sys.path entries put first, reason, server pid
-    or None)]: each server's, the inventory's, python3 on PATH, common venv locations (so that
-    installs no server runs from are listed too)."""
+    or None)]: each server's, the inventory's, then python3 on PATH and common venv locations
+    that may_have_sglang (so that installs no server runs from are listed too)."""
     out = [(s["python"], s["import_path"], "running server pid %d" % s["pid"], s["pid"])
            for s in servers if s["python"]]
     if params.get("python"):
         out.append((params["python"], [], "inventory", None))
+    idle = []
     for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
         p = os.path.join(d, "python3")
         if os.path.exists(p):
-            out.append((p, [], "python3 on PATH", None))
+            idle.append((p, [], "python3 on PATH", None))
             break
-    out += [(p, [], "common location", None) for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
-    return out
+    idle += [(p, [], "common location", None) for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
+    return out + [c for c in idle if may_have_sglang(c[0])]
 
 
 def ask(python, first, timeout=LOCATE_TIMEOUT_S):
