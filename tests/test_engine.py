@@ -22,7 +22,7 @@ from fleetctl.fleet import Fleet, HostResult, exit_code
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.playbook import load_playbook
 from fleetctl.probes import change as change_probe_module
-from fleetctl.probes import facts as facts_probe
+from fleetctl.probes import procs as procs_probe
 from fleetctl.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 
@@ -44,7 +44,7 @@ def test_control_side_words_and_numbers_equal_the_probes_own():
     """The probes are stdlib-only and run on the host, so they keep their own constants."""
     assert tuple(s.value for s in ChangeState) == change_probe_module.STATES
     assert config.STATE_DIR == change_probe_module.STATE_DIR
-    assert config.DEFAULT_SGLANG_PORT == facts_probe.DEFAULT_PORT
+    assert config.DEFAULT_SGLANG_PORT == procs_probe.DEFAULT_PORT
 
 
 def test_port_and_inventory_var_names_are_spelled_once_on_the_control_side():

@@ -3,9 +3,11 @@
 What to change comes from the playbook (plan.py: facts + findings + sources -> a HostPlan, pure
 data); how a change is written, validated, committed or rolled back is the change engine's
 (changes.py), the same for kernel deploys. Per host, under the host's lock: recover a change a
-killed run left pending -> gather facts with sources -> plan -> (the plan must be the one the
-operator confirmed) -> changes.execute: baseline smoke, write ("pending"), handlers, checks
-(compile, reinspect), smoke gate -> "applied", or rollback to the byte-identical originals.
+killed run left pending -> gather facts with sources -> plan each selected install (every
+install a server runs from, or --install ID) -> (the plans must be the ones the operator
+confirmed) -> per install, changes.execute: baseline smoke, write ("pending"), handlers, checks
+(compile, reinspect), smoke gate -> "applied", or rollback to the byte-identical originals (and
+then the installs changed before it in this run are rolled back too).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
-    new_change_id, pending_ids
+    new_change_id, pending_ids, undo_changes
 from .config import CHECK_TIMEOUT_S
 from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
-from .gather import gather
+from .gather import find_install, gather, install_errors, install_facts
 from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
@@ -26,25 +28,56 @@ from .vocab import HostStatus, PlanStatus
 
 @dataclass
 class ApplyOptions(ChangeOptions):
-    """check: plan only; serial: Ansible serial spec ("1,25%,100%"); max_fail_percentage: a batch
-    failing more than this percentage of its hosts stops the rollout; confirmed: host -> {rel:
+    """check: plan only; export: keep each planned file's texts (--export-patch); install: the install id to change (None: every install a server
+    runs from, see select_installs); serial: Ansible serial spec ("1,25%,100%"); max_fail_percentage: a batch
+    failing more than this percentage of its hosts stops the rollout; confirmed: host -> {path:
     post_sha256} of the plan the operator was shown (what is written must be what was shown)."""
 
     check: bool = False
+    export: bool = False
+    install: str | None = None
     serial: str | None = None
     max_fail_percentage: float = 0.0
     confirmed: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def _findings(g: dict) -> dict:
-    return {"allocator_call_sites": g["allocator_call_sites"], "need_sort_origins": g["need_sort_origins"],
-            "files": (g.get("scan") or {}).get("files", {})}
+def select_installs(g: dict, install: str | None = None) -> list[dict]:
+    """The installs (gathered, see gather()) a change is for: the one whose id is `install`, else
+    every install a server runs from, else the only install ([] when there is none: the plan
+    then says sglang is not installed). Raises HostFailed when the id is not on the host, when
+    there are several installs and no server (the operator names one with --install), or when a
+    chosen install's scan failed (its reason, e.g. the package directory was not found)."""
+    installs = g.get("installs", [])
+    ids = ", ".join(i["id"] for i in installs) or "none"
+    if install:
+        chosen = [find_install(g, install)]
+    else:
+        chosen = [i for i in installs if i["servers"]] or (installs if len(installs) == 1 else [])
+        if not chosen and installs:
+            raise HostFailed(f"{len(installs)} installs and no server: name one with --install ({ids})")
+    errors = install_errors({"installs": chosen})
+    if errors:
+        raise HostFailed("; ".join(errors))
+    return chosen
 
 
-def _plan(ctx: HostContext, playbook: Playbook) -> tuple[dict, HostPlan]:
+def _findings(inst: dict) -> dict:
+    return {"allocator_call_sites": inst["allocator_call_sites"], "need_sort_origins": inst["need_sort_origins"],
+            "files": (inst.get("scan") or {}).get("files", {})}
+
+
+def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
+    """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
     g = gather(ctx, with_sources=True)
-    plan = plan_host(playbook, ctx.host.name, dict(ctx.host.vars), g["facts"], _findings(g), g.get("sources") or {})
-    return g, plan
+    chosen = select_installs(g, install) or [None]
+    plans = []
+    for inst in chosen:
+        findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [], "files": {}}
+        plan = plan_host(playbook, ctx.host.name, dict(ctx.host.vars), install_facts(g, inst), findings,
+                         (inst or {}).get("sources") or {})
+        plan.install = inst["id"] if inst else None
+        plans.append((inst, plan))
+    return g, plans
 
 
 def _plan_data(plan: HostPlan) -> dict:
@@ -54,22 +87,40 @@ def _plan_data(plan: HostPlan) -> dict:
     return d
 
 
-def _planned_result(ctx: HostContext, plan: HostPlan) -> HostResult:
-    status = plan.status.host_status
-    return ctx.result(status,
-                      plan.reason if status == HostStatus.FAILED else None,
-                      data={"plan": _plan_data(plan),
-                            "skipped_reason": plan.reason if status == HostStatus.SKIPPED else None})
+def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
+    """One host's check result over its installs' plans: failed when one is, else changed when
+    one changes, ok when one is ok, else skipped. data["plans"]: each plan; data["plan"]: all of
+    them as one (files, edits, left alone... together; each names its install)."""
+    statuses = [p.status.host_status for p in plans]
+    status = next((s for s in (HostStatus.FAILED, HostStatus.CHANGED, HostStatus.OK) if s in statuses),
+                  HostStatus.SKIPPED)
+    several = len(plans) > 1
+    why = [f"{p.install}: {p.reason}" if several else p.reason for p in plans
+           if p.status.host_status == status and p.reason]
+    datas = [_plan_data(p) for p in plans]
+    merged = dict(next((d for d, st in zip(datas, statuses) if st == status), datas[0]))
+    for key in ("files", "edits", "already_applied", "left_alone"):
+        merged[key] = [dict(x, install=d["install"]) for d in datas for x in d[key]]
+    reason = "; ".join(why) or None
+    return ctx.result(status, reason if status == HostStatus.FAILED else None,
+                      data={"plan": merged, "plans": datas,
+                            "skipped_reason": reason if status == HostStatus.SKIPPED else None})
 
 
-def check_job(playbook: Playbook, state_dir: str):
-    """Check mode: plan on the host and report what would change; touches nothing. A change left
-    pending by a killed run is reported ("pending": [ids]): apply undoes it first, so the host
-    counts as changed."""
+def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False):
+    """Check mode: plan each selected install (select_installs) on the host and report what
+    would change; touches nothing. A change left pending by a killed run is reported
+    ("pending": [ids]): apply undoes it first, so the host counts as changed. data["install_sglang"]:
+    {install id: its sglang facts}; with `texts` (for --export-patch), data["texts"]: {path:
+    {"pre_text", "post_text"}} of every planned file."""
 
     def job(ctx: HostContext) -> HostResult:
-        _, plan = _plan(ctx, playbook)
-        result = _planned_result(ctx, plan)
+        _, plans = _plans(ctx, playbook, install)
+        result = _planned_result(ctx, [p for _, p in plans])
+        result.data["install_sglang"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
+        if texts:
+            result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
+                                    for inst, p in plans if inst for f in p.files}
         pending = pending_ids(change_probe(ctx, "status", state_dir)["changes"])
         if pending:
             result.data["pending"] = pending
@@ -85,17 +136,8 @@ def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
     return change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts))
 
 
-def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
-    g, plan = _plan(ctx, playbook)
-    result = _planned_result(ctx, plan)
-    result.data.update(recovered=rec.changes, recovery_handlers=rec.handlers)
-    if plan.status != PlanStatus.CHANGE:
-        return result
-    confirmed = opts.confirmed.get(ctx.host.name)
-    if confirmed is not None and confirmed != {f.rel: f.post_sha256 for f in plan.files}:
-        raise HostFailed("the plan for this host changed after it was shown and confirmed "
-                         "(SGLang changed meanwhile?); nothing was written: run apply again")
-    facts = g["facts"]
+def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict | None, plan: HostPlan) -> Change:
+    facts = install_facts(g, inst)
     steps = {v["step"] for v in plan.validate}
 
     def checks() -> list[str]:
@@ -104,18 +146,56 @@ def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, 
             problems += compile_problems(ctx, facts["python"]["path"], [f.path for f in plan.files])
         if "reinspect" in steps and not problems:
             g2 = gather(ctx, with_sources=True)
-            problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), g2["facts"], _findings(g2),
-                                           g2.get("sources") or {})
+            again = next((i for i in g2.get("installs", []) if inst and i["id"] == inst["id"]), None)
+            if inst and again is None:
+                return [f"install {inst['id']} is gone after the change"]
+            problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), install_facts(g2, again),
+                                           _findings(again) if again else {}, (again or {}).get("sources") or {})
         return problems
 
-    change = Change(
-        change_id, playbook.name,
+    return Change(
+        cid, playbook.name,
         [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
          for f in plan.files],
         facts, plan.handlers, checks, smoke="smoke" in steps,
         offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
-        rollback=playbook.on_failure == "rollback")
-    return execute(ctx, result, change, opts)
+        rollback=playbook.on_failure == "rollback", install=plan.install)
+
+
+def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, opts: ApplyOptions) -> HostResult:
+    g, plans = _plans(ctx, playbook, opts.install)
+    result = _planned_result(ctx, [p for _, p in plans])
+    result.data.update(recovered=rec.changes, recovery_handlers=rec.handlers)
+    if result.status != HostStatus.CHANGED:
+        return result
+    confirmed = opts.confirmed.get(ctx.host.name)
+    if confirmed is not None and confirmed != {f.path: f.post_sha256 for _, p in plans for f in p.files}:
+        raise HostFailed("the plan for this host changed after it was shown and confirmed "
+                         "(SGLang changed meanwhile?); nothing was written: run apply again")
+    changing = [(inst, p) for inst, p in plans if p.status == PlanStatus.CHANGE]
+    done: list[Change] = []
+    for n, (inst, plan) in enumerate(changing, start=1):
+        change = _change(ctx, playbook, install_change_id(change_id, n, len(changing)), g, inst, plan)
+        one = execute(ctx, ctx.result(HostStatus.CHANGED, data={}), change, opts)
+        result.data.setdefault("changes", []).append({"install": plan.install, **one.data})
+        for key in ("change_id", "handlers", "validation", "rolled_back"):
+            if key in one.data:
+                result.data[key] = one.data[key]
+        if one.status == HostStatus.FAILED:
+            undone = undo_changes(ctx, done, opts.state_dir, f"install {plan.install} failed")
+            result.status = HostStatus.FAILED
+            result.error = (f"{plan.install}: {one.error}" if len(changing) > 1 else one.error) + \
+                (f"; rolled back with it: {', '.join(undone)}" if undone else "")
+            return result
+        done.append(change)
+    result.data["change_id"] = change_id if len(changing) > 1 else done[0].change_id
+    return result
+
+
+def install_change_id(change_id: str, n: int, count: int) -> str:
+    """The ledger id of the n-th (1-based) of `count` installs changed by run `change_id`:
+    the run's id itself for one install, else "<change_id>.<n>" (rollback CHANGE-ID takes all)."""
+    return change_id if count == 1 else f"{change_id}.{n}"
 
 
 def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
@@ -126,7 +206,8 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
     Returns (change id, results in inventory order). Raises UsageError for a bad serial spec."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
-        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir), "check", timeout=timeout)
+        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install, opts.export), "check",
+                              timeout=timeout)
     results: list[HostResult] = []
     start = 0
     stopped = None
@@ -180,7 +261,7 @@ def check_then_apply(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: 
         return ApplyOutcome(None, results, nothing_to_change=True)
     confirm(results, to_change)
     # what is written must be what was shown: each host's planned post-images
-    confirmed = {r.host: {f["rel"]: f["post_sha256"] for f in r.data["plan"]["files"]}
+    confirmed = {r.host: {f["path"]: f["post_sha256"] for f in r.data["plan"]["files"]}
                  for r in results if r.status == HostStatus.CHANGED and not r.data.get("pending")}
     cid, applied = run_playbook(fleet, to_change, playbook, replace(opts, check=False, confirmed=confirmed))
     by_name = {r.host: r for r in results} | {r.host: r for r in applied}

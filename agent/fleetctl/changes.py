@@ -35,7 +35,7 @@ from .config import LOCK_HOLD_EXTRA_S, LOCK_WAIT_S, ROLLBACK_RESERVE_S, STATE_DI
 from .connection import RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
-from .gather import gather
+from .gather import find_install, gather
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
 
@@ -164,7 +164,7 @@ class Change:
     checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;
     offline: an offline smoke command (None: the host's fleetctl_smoke_cmd); facts: the host's
     facts (interpreter, servers); rollback: False keeps a change that fails validation
-    (playbook on_failure: keep)."""
+    (playbook on_failure: keep); install: the install id the ledger entry is for."""
 
     change_id: str
     label: str
@@ -175,6 +175,7 @@ class Change:
     smoke: bool = True
     offline: str | None = None
     rollback: bool = True
+    install: str | None = None
 
 
 def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
@@ -190,7 +191,7 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
-                     operator=opts.operator, files=change.files, commit=False)
+                     operator=opts.operator, files=change.files, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, opts.smoke, baseline)
         return settle(ctx, result, change, opts.state_dir, problems)
@@ -290,13 +291,26 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     return result
 
 
+def undo_changes(ctx: HostContext, done: list[Change], state_dir: str, reason: str) -> list[str]:
+    """Roll back changes that were applied earlier in this run (latest first), with their
+    handlers, so that a host whose later change failed is left untouched. Returns their ids.
+    Raises HostFailed, ProbeError, RemoteTimeout, Unreachable."""
+    ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
+    for change in reversed(done):
+        change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
+        run_handlers(ctx, change.handlers)
+    return [c.change_id for c in done]
+
+
 # ---- the rollback and status commands ------------------------------------------------------
 
-def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR):
-    """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change;
-    `force`: restore files changed since) and run the restart handler. A change a killed run
-    left pending is undone first; when no id was given, that was the rollback asked for.
-    Result data: the probe's answer (change_id, files, forced, or nothing) + recovered, handlers."""
+def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, install: str | None = None):
+    """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change,
+    of install `install` when given; `force`: restore files changed since) and run the restart
+    handler. A run that changed several installs recorded "<change_id>.<n>" per install: the
+    run's id rolls back all of them (latest first). A change a killed run left pending is undone
+    first; when no id was given, that was the rollback asked for. Result data: the probe's answer
+    (change_id, files, forced, or nothing) + recovered, handlers."""
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
         if rec.changes and not change_id:
@@ -304,11 +318,19 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR)
                               data={"change_id": rec.changes[-1]["change_id"], "recovered": rec.changes,
                                     "files": [f["path"] for r in rec.changes for f in r["files"]],
                                     "handlers": rec.handlers})
-        params = {"change_id": change_id} if change_id else {"last": True}
-        res = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
-        if res.get("nothing"):
-            return ctx.result(HostStatus.OK,
-                              data={**res, "recovered": rec.changes})
+        ids = _rollback_ids(change_probe(ctx, "status", state_dir)["changes"], change_id, install)
+        if not ids:
+            return ctx.result(HostStatus.OK, data={"nothing": f"no applied change of install {install}",
+                                                   "recovered": rec.changes})
+        res: dict = {"change_id": change_id or ids[0], "files": [], "forced": []}
+        for cid in reversed(ids):
+            params = {"change_id": cid} if cid else {"last": True}
+            one = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+            if one.get("nothing"):
+                return ctx.result(HostStatus.OK, data={**one, "recovered": rec.changes})
+            res["change_id"] = change_id or one.get("change_id")
+            res["files"] += one.get("files", [])
+            res["forced"] += one.get("forced") or []
         handlers = run_handlers(ctx, restart_handlers(ctx))
         return ctx.result(HostStatus.CHANGED,
                           data={**res, "recovered": rec.changes, "handlers": handlers})
@@ -316,20 +338,60 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR)
     return change_job(state_dir, work)
 
 
-def status_job(state_dir: str = STATE_DIR):
-    """The `fleetctl status` job: ledger summary and drift for one host (applied changes whose
-    files no longer carry them, installed SGLang files that differ from the distribution's
-    RECORD with no ledger entry). Failed when anything is pending or drifted."""
+def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None) -> list[str | None]:
+    """Ledger ids to roll back, oldest first: `change_id` itself, or the "<change_id>.<n>" entries
+    of a run over several installs; without an id, the last applied change of `install` ([None]:
+    the probe's own "last" when no install is named; [] when that install has none)."""
+    if change_id:
+        parts = [c["change_id"] for c in ledger if c["change_id"].startswith(change_id + ".")
+                 and c["change_id"][len(change_id) + 1:].isdigit()]
+        return parts if parts and change_id not in {c["change_id"] for c in ledger} else [change_id]
+    if install is None:
+        return [None]
+    mine = [c["change_id"] for c in ledger if c["state"] == ChangeState.APPLIED and c.get("install") == install]
+    return mine[-1:]
+
+
+def status_job(state_dir: str = STATE_DIR, install: str | None = None):
+    """The `fleetctl status` job: ledger summary and drift for one host, per install (`install`:
+    only that one, and only its changes): applied changes whose files no longer carry them;
+    files modified outside fleetctl with no ledger entry to explain them, judged against the
+    distribution's RECORD for a wheel, and against git (probes/gittree.py: run as the tree's
+    owner) for an editable install or checkout in a git work tree (a tree without `.git` is
+    judged by the ledger alone). Failed when anything is pending or drifted."""
 
     def job(ctx: HostContext) -> HostResult:
-        g = gather(ctx)
-        sg = g["facts"].get("sglang") or {}
-        res = change_probe(ctx, "status", state_dir, location=sg.get("location"), dist="sglang")
-        res["sglang"] = sg.get("version")
+        g = gather(ctx, scan=False)
+        installs = [find_install(g, install)] if install else g.get("installs", [])
+        res = change_probe(ctx, "status", state_dir)
+        if install:
+            res["changes"] = [c for c in res["changes"] if c.get("install") == install]
+            ids = {c["change_id"] for c in res["changes"]}
+            res["drift"] = [d for d in res["drift"] if d["change_id"] in ids]
+        explained = {p for c in res["changes"] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)
+                     for p in c["files"]} - {d["path"] for d in res["drift"]}
+        trees = [i["sglang"]["location"] for i in installs if i["sglang"]["install"] != "wheel"]
+        git = ctx.probe("gittree", {"locations": trees}, modules=["gittree"])["trees"] if trees else {}
+        res["installs"], res["modified"] = [], []
+        for i in installs:
+            sg = i["sglang"]
+            one = {"id": i["id"], "sglang": sg["version"], "install": sg["install"]}
+            if sg["install"] == "wheel":
+                r = change_probe(ctx, "status", state_dir, location=sg["location"], dist="sglang")
+                one.update(modified=r["modified"] or [], record_error=r["record_error"])
+            else:
+                t = git[sg["location"]]
+                one.update(git=t["git"], git_error=t["error"],
+                           modified=[{"path": p, "problem": "modified outside fleetctl (git)"}
+                                     for p in t["modified"] if p not in explained])
+            res["installs"].append(one)
+            res["modified"] += one["modified"]
+        res["sglang"] = ", ".join(f"{i['sglang']} ({i['install']})" for i in res["installs"]) or None
         problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
                      "rollback undoes it" for c in pending_ids(res["changes"])] +
                     [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
-                    [f"{m['path']}: {m['problem']}" for m in res.get("modified") or []])
+                    [f"{m['path']}: {m['problem']}" for m in res["modified"]] +
+                    [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")])
         status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
         return ctx.result(status, error, data=res)
 

@@ -104,12 +104,12 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
              run_timeout: RunTimeout = None) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
-    from .gather import gather
+    from .gather import inspect_job
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
-        results = fleet.run(hosts, gather, "inspect")
+        results = fleet.run(hosts, inspect_job, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
@@ -149,6 +149,9 @@ LatencySlack = Annotated[Optional[float], typer.Option("--latency-slack", help=(
     "Extra seconds allowed on top of the latency ratio (default: the host's fleetctl_latency_slack, else 0)."))]
 AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
                        help="Let greedy tokens differ after a change (reported as token drift).")]
+InstallOpt = Annotated[Optional[str], typer.Option("--install", help=(
+    "The install to work on, by its id from inspect (host:<package_dir>); "
+    "default: every install a server runs from."))]
 Yes = Annotated[bool, typer.Option("--yes", "-y", help="Change hosts without asking.")]
 JobTimeout = Annotated[Optional[float], typer.Option("--timeout",
                        help="Seconds for each host's whole job (default: health timeout + 300).")]
@@ -200,7 +203,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
              repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
-             run_timeout: RunTimeout = None) -> None:
+             run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
     from .report import render_validate
     from .validate import validate_job
@@ -210,7 +213,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
                 ssh_config, run_timeout, connection) as fleet:
-        results = fleet.run(hosts, validate_job(opts), "validate")
+        results = fleet.run(hosts, validate_job(opts, install), "validate")
     _finish(results, json_out, render_validate)
 
 
@@ -229,7 +232,14 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
           allow_token_drift: AllowDrift = False, forks: Forks = 64, timeout: JobTimeout = None,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
           accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
-          run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None) -> None:
+          run_timeout: RunTimeout = None, playbooks_dir: PlaybooksDir = None,
+          install: InstallOpt = None,
+          export_patch: Annotated[Optional[Path], typer.Option("--export-patch", help=(
+              "Write the plan as checked patch files into DIR (one per SGLang version and pre-image set) "
+              "for image builds; implies --check."))] = None,
+          pristine_dir: Annotated[Optional[Path], typer.Option("--pristine-dir", help=(
+              "Release wheels (sglang-VERSION-*.whl) to check exported patches against, instead of the "
+              "wheel cache."))] = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
@@ -243,7 +253,10 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
         raise UsageError("--max-fail-percentage must be between 0 and 100")
     _positive(timeout=timeout)
     pb = load_playbook(find_playbook(playbook, playbooks_dir))
-    opts = ApplyOptions(check=check, serial=serial, max_fail_percentage=max_fail_percentage,
+    if pristine_dir is not None and export_patch is None:
+        raise UsageError("--pristine-dir goes with --export-patch")
+    check = check or export_patch is not None
+    opts = ApplyOptions(check=check, export=export_patch is not None, install=install, serial=serial, max_fail_percentage=max_fail_percentage,
                         smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                           allow_token_drift, latency_slack))
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -259,13 +272,22 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     if outcome.nothing_to_change:
         err.print("nothing to change")
     cid = outcome.change_id
+    patches = []
+    if export_patch is not None:
+        from .export import write_patches
+        patches = [str(p) for p in write_patches(outcome.results, pb.name, export_patch, pristine_dir)]
+        for r in outcome.results:
+            r.data.pop("texts", None)
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
         if cid:
             console.print(f"change id: {cid}")
+        for p in patches:
+            console.print(f"patch written: {p}")
 
-    _finish(outcome.results, json_out, render, change_id=cid, check=check)
+    extra = {"patches": patches} if export_patch is not None else {}
+    _finish(outcome.results, json_out, render, change_id=cid, check=check, **extra)
 
 
 @app.command()
@@ -277,18 +299,20 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
-             run_timeout: RunTimeout = None) -> None:
+             run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from .changes import rollback_job
     from .report import render_rollback
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
+    if install and not last:
+        raise UsageError("--install goes with --last (a CHANGE-ID already names its install)")
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
-        results = fleet.run(hosts, rollback_job(change_id, force), "rollback")
+        results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
     _finish(results, json_out, render_rollback)
 
 
@@ -298,14 +322,14 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
-             run_timeout: RunTimeout = None) -> None:
+             run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from .changes import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
-        results = fleet.run(hosts, status_job(), "status")
+        results = fleet.run(hosts, status_job(install=install), "status")
     _finish(results, json_out, render_status)
 
 

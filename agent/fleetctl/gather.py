@@ -1,21 +1,58 @@
 """Gather facts (Ansible's gather_facts): the inspect job run on every host.
 
-One round trip per host: the `facts` probe, bundled with `callsites`, runs on the host's own
-interpreter, finds the interpreter that runs SGLang, and returns facts, allocator call sites and
-need_sort origins (see probes/facts.py and probes/callsites.py for the sources of each fact).
+One round trip per host: the `facts` probe, bundled with its helpers, runs on the host's own
+interpreter, finds the servers and the installs they run from (each asked of its own interpreter),
+and returns facts, installs, and the primary install's allocator call sites and need_sort
+origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsites.py).
 """
 
 from __future__ import annotations
 
-from .fleet import HostContext
+from .fleet import HostContext, HostFailed, HostResult
+from .vocab import HostStatus
 
-PROBE_MODULES = ["callsites", "facts"]
+PROBE_MODULES = ["callsites", "procs", "gpus", "locate", "facts"]
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:
-    """Inspect one host. Returns {"facts", "allocator_call_sites", "need_sort_origins", "scan"}
-    (+ "sources": {file relative to site-packages: text} of files with need_sort origins when
+    """Inspect one host. Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins",
+    "scan"} (the last three of the primary install; + "sources": {file relative to the install's
+    location: text} of files with need_sort origins, per install and for the primary, when
     `with_sources`; no call sites or origins when not `scan`). Raises ProbeError, RemoteTimeout,
     Unreachable."""
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
     return ctx.probe("facts", params, modules=PROBE_MODULES)
+
+
+def install_errors(g: dict) -> list[str]:
+    """"<install id>: <error>" for each install whose scan failed (its package directory was not
+    found): gathered facts that must not pass for an empty scan."""
+    return [f"{i['id']}: {i['scan']['error']}" for i in g.get("installs", []) if (i.get("scan") or {}).get("error")]
+
+
+def install_facts(g: dict, inst: dict | None) -> dict:
+    """The host's facts as seen from install `inst`: its sglang, python, torch and the servers
+    that run from it (the host's facts unchanged when `inst` is None)."""
+    if inst is None:
+        return g["facts"]
+    return {**g["facts"], "sglang": inst["sglang"], "python": inst["python"], "torch": inst["torch"],
+            "servers": [s for s in g["facts"]["servers"] if s.get("install") == inst["id"]]}
+
+
+def find_install(g: dict, install: str) -> dict:
+    """The gathered install whose id is `install`. Raises HostFailed naming the host's installs."""
+    for i in g.get("installs", []):
+        if i["id"] == install:
+            return i
+    raise HostFailed(f"no install {install} on this host (installs: "
+                     f"{', '.join(i['id'] for i in g.get('installs', [])) or 'none'})")
+
+
+def inspect_job(ctx: HostContext) -> HostResult:
+    """The `inspect` job: gather(); a host with an install whose scan failed is failed, with
+    that reason, and keeps its facts."""
+    g = gather(ctx)
+    errors = install_errors(g)
+    if errors:
+        return ctx.result(HostStatus.FAILED, "; ".join(errors), data=g)
+    return ctx.result(HostStatus.OK, None, data=g)

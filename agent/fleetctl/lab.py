@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import yaml
@@ -463,12 +464,12 @@ def _stage_wheels(sd: Path, releases: list[str]) -> dict[str, Path]:
     return out
 
 
-def _build_venv(h: dict, wheel: Path) -> None:
-    """Create /opt/sglang/venv inside the host (so sys.prefix is that path there) and
-    pip-install the SGLang wheel (--no-deps --no-index; --no-compile for speed)."""
+def _build_venv(h: dict, wheel: Path, venv: str = VENV) -> None:
+    """Create `venv` (default /opt/sglang/venv) inside the host (so sys.prefix is that path there)
+    and pip-install `wheel` (--no-deps --no-index; --no-compile for speed)."""
     enter = _enter(h["init_pid"])
-    _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", VENV])
-    _run(enter + [sys.executable, "-m", "pip", "--python", f"{VENV}/bin/python", "install",
+    _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
+    _run(enter + [sys.executable, "-m", "pip", "--python", f"{venv}/bin/python", "install",
                   "--quiet", "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check",
                   str(wheel)], timeout=600)
 
@@ -491,13 +492,13 @@ def _start_server(h: dict, sd: Path) -> int:
     return pid
 
 
-def _wait_server(h: dict, timeout: float = 180.0) -> None:
-    """Wait until GET http://127.0.0.1:30000/health answers 200 inside the host, else LabError."""
+def _wait_server(h: dict, timeout: float = 180.0, port: int = SERVER_PORT) -> None:
+    """Wait until GET http://127.0.0.1:PORT/health answers 200 inside the host, else LabError."""
     probe = ("import sys, time, urllib.request\n"
              f"end = time.monotonic() + {timeout}\n"
              "while time.monotonic() < end:\n"
              "    try:\n"
-             f"        if urllib.request.urlopen('http://127.0.0.1:{SERVER_PORT}/health', timeout=2).status == 200: sys.exit(0)\n"
+             f"        if urllib.request.urlopen('http://127.0.0.1:{port}/health', timeout=2).status == 200: sys.exit(0)\n"
              "    except OSError: pass\n"
              "    time.sleep(0.2)\n"
              "sys.exit(1)\n")
@@ -945,6 +946,75 @@ def lab_fault(host: str, kind: str, arg: str | int | None = None, lab_id: int = 
         raise UsageError(f"unknown fault {kind!r}; kinds: {', '.join(FAULTS)}")
     _save(sd, state)
     return dict(f)
+
+
+# ---------------------------------------------------------------- install layouts
+
+CHECKOUT = "/opt/sglang/src/sglang"          # a git work tree laid out as SGLang's repository
+EDITABLE_VENV = "/opt/sglang/venv-editable"  # `pip install -e CHECKOUT/python`
+SECOND_VENV = "/opt/sglang/venv2"            # another release, beside /opt/sglang/venv
+SECOND_STANDIN = "/opt/sglang/fleetctl-standin"
+SECOND_PORT = SERVER_PORT + 1
+SETUPTOOLS = "80.9.0"  # >= 70.1 (PEP 660 editable installs of a flat packages.find layout)
+CHECKOUT_OWNER = "nobody"  # a developer's checkout is not root's: git must run as its owner
+
+
+def add_install_layouts(host: str, checkout_release: str, second_release: str, lab_id: int = 0,
+                        state_dir: Path | None = None) -> dict:
+    """Give lab host `host` (of a lab that is up, built without servers) the install layouts
+    fleets really have, next to its /opt/sglang/venv:
+
+    - an editable checkout: CHECKOUT, a git work tree owned by CHECKOUT_OWNER holding python/
+      (pyproject.toml, setuptools, packages.find) and python/sglang/ from the pure-Python release
+      wheel `checkout_release`, installed `pip install -e` (PEP 660, setuptools SETUPTOOLS from
+      the wheel cache, no index) into EDITABLE_VENV; the stand-in server runs from that venv on
+      127.0.0.1:30000, started plainly;
+    - SECOND_VENV with release `second_release`, and a stand-in server from it on
+      127.0.0.1:SECOND_PORT started through `timeout` (a launcher that stays its parent).
+
+    Returns {"restart_cmd": a handler command restarting both servers as they were started}.
+    Raises LabError (a step failed, a release wheel that is not pure Python) or FleetctlError
+    (a wheel cannot be had)."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    h = _find(_load(sd), host)
+    hd = _host_dir(sd, h["name"])
+    wheels = _stage_wheels(sd, [checkout_release, second_release])
+    if not wheels[checkout_release].name.endswith("-py3-none-any.whl"):
+        raise LabError(f"sglang {checkout_release} is not pure Python ({wheels[checkout_release].name}): "
+                       "an editable checkout needs no build step only for such a release")
+    tools = sd / "wheels" / ensure_wheel(SETUPTOOLS, package="setuptools").name
+    if not tools.exists():
+        shutil.copyfile(ensure_wheel(SETUPTOOLS, package="setuptools"), tools)
+    work = hd / PRIVATE_DIRS["/opt/sglang"] / CHECKOUT[len("/opt/sglang/"):]
+    proj = work / "python"
+    with zipfile.ZipFile(wheels[checkout_release]) as z:
+        z.extractall(proj, [n for n in z.namelist() if n.startswith("sglang/")])
+    (proj / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=70.1"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "sglang"\nversion = "{checkout_release}"\n\n'
+        '[tool.setuptools.packages.find]\ninclude = ["sglang*"]\n')
+    git = ["git", "-C", str(work), "-c", "user.name=fleetctl lab", "-c", "user.email=lab@example.invalid"]
+    _run(["git", "init", "-q", str(work)])
+    _run(git + ["add", "python"])
+    _run(git + ["commit", "-q", "-m", f"sglang {checkout_release} (from its release wheel)"])
+    _build_venv(h, tools, EDITABLE_VENV)  # the build backend, from the cache (no build isolation)
+    _run(_enter(h["init_pid"]) + [sys.executable, "-m", "pip", "--python", f"{EDITABLE_VENV}/bin/python", "install",
+                                  "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
+                                  "--disable-pip-version-check", "-e", f"{CHECKOUT}/python"], timeout=600)
+    _run(["chown", "-R", f"{CHECKOUT_OWNER}:", str(work)])
+    _build_venv(h, wheels[second_release], SECOND_VENV)
+    second = hd / PRIVATE_DIRS["/opt/sglang"] / SECOND_STANDIN[len("/opt/sglang/"):]
+    for dst in (hd / PRIVATE_DIRS["/opt/fleetctl-standin"], second):
+        shutil.copytree(STANDIN_SRC, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    first_cmd = f"PYTHON={EDITABLE_VENV}/bin/python /opt/fleetctl-standin/restart.sh"
+    second_cmd = (f"PYTHON={SECOND_VENV}/bin/python LAUNCHER='timeout 86400' "
+                  f"{SECOND_STANDIN}/restart.sh --port {SECOND_PORT}")
+    for cmd in (first_cmd, second_cmd):
+        _run(_enter(h["init_pid"], "sh", "-c", cmd), timeout=120)
+    _wait_server(h)
+    _wait_server(h, port=SECOND_PORT)
+    return {"restart_cmd": f"{first_cmd} && {second_cmd}"}
 
 
 # ---------------------------------------------------------------- python -m fleetctl.lab

@@ -51,6 +51,7 @@ class HostPlan:
     edits / already_applied / left_alone: sites as {file, line, kind, callee, expr, ...}.
     handlers: rendered handlers to run after the change [{name, command, wait_for_health_s}].
     validate: validate steps that apply to this host [{step}].
+    install: the id of the install planned ("host:<package_dir>"), None when there is none.
     """
 
     host: str
@@ -63,6 +64,7 @@ class HostPlan:
     left_alone: list[dict] = field(default_factory=list)
     handlers: list[dict] = field(default_factory=list)
     validate: list[dict] = field(default_factory=list)
+    install: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-serialisable form (files include new_text and diff)."""

@@ -23,13 +23,17 @@ STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus
 
 def inspect_document(results: list[HostResult]) -> dict:
     """The `inspect --json` document: {"hosts": [{host, address, status, error, elapsed_s, facts,
-    allocator_call_sites, need_sort_origins, scan}]}; lists are complete, never truncated."""
+    installs, allocator_call_sites, need_sort_origins, scan}]}; lists are complete, never
+    truncated. `installs`: [{id, python, sglang, torch, servers (pids), allocator_call_sites,
+    need_sort_origins, scan}] (README, "installs"); the top-level call sites, origins and scan
+    are the primary install's."""
     hosts = []
     for r in results:
         d = r.data or {}
         hosts.append({
             "host": r.host, "address": r.address, "status": r.status, "error": r.error,
             "elapsed_s": r.elapsed_s, "facts": d.get("facts"),
+            "installs": [{k: v for k, v in i.items() if k != "sources"} for i in d.get("installs", [])],
             "allocator_call_sites": d.get("allocator_call_sites", []),
             "need_sort_origins": d.get("need_sort_origins", []),
             "scan": d.get("scan"),
@@ -53,6 +57,22 @@ def host_list(hosts: list[str], limit: int = 6) -> str:
     return f"{', '.join(hosts[:limit])} … (+{len(hosts) - limit} more; {len(hosts)} hosts)"
 
 
+def _install_line(i: dict) -> str:
+    sg = i["sglang"]
+    err = (i.get("scan") or {}).get("error")
+    return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}"
+            + (f" servers {', '.join(map(str, i['servers']))}" if i.get("servers") else "")
+            + (f" ERROR {err}" if err else ""))
+
+
+def _gpus(f: dict) -> str:
+    names = ", ".join(sorted(Counter(f"{g['name']} sm_{(g['compute_cap'] or '?').replace('.', '')}"
+                                     for g in f.get("gpus", [])).elements()))
+    if names and f.get("gpus_reason"):
+        return f"{names}; {f['gpus_reason']}"
+    return names or f"none ({f.get('gpus_reason')})"
+
+
 def _summary(data: dict) -> dict:
     f = data.get("facts") or {}
     sg, torch = f.get("sglang"), f.get("torch")
@@ -62,12 +82,12 @@ def _summary(data: dict) -> dict:
     computed = [o for o in origins if not o["literal"]]
     return {
         "python": f"{(f.get('python') or {}).get('path')} ({(f.get('python') or {}).get('version')})",
-        "sglang": f"{sg['version']}" if sg else "not installed",
+        "sglang": f"{sg['version']} ({sg.get('install')})" if sg else f"none: {f.get('sglang_reason')}",
+        "installs": "\n".join(_install_line(i) for i in data.get("installs", [])) or "none",
         "torch": f"{torch['version']} / CUDA {torch['cuda'] or 'none'}" if torch else "none",
-        "gpus": ", ".join(sorted(Counter(f"{g['name']} sm_{g['compute_cap'].replace('.', '')}"
-                                         for g in f.get("gpus", [])).elements()))
-                or f"none ({f.get('gpus_reason')})",
+        "gpus": _gpus(f),
         "servers": ", ".join(f":{s['port']} {s.get('model_path') or '?'} tp={s['tp_size']}"
+                             + (f" dp={s['dp_size']}" if s.get("dp_size", 1) > 1 else "")
                              + (" (stand-in)" if s.get("kind") == "stand-in" else "")
                              for s in f.get("servers", [])) or "none",
         "call sites": f"{len(sites)}" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(passing.items())) + ")"

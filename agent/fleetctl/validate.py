@@ -14,7 +14,7 @@ from .config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from .connection import RemoteTimeout
 from .fleet import HostContext, HostResult
 from .gate import compare
-from .gather import gather
+from .gather import find_install, gather, install_facts
 from .inventory import Host
 from .vocab import HostStatus
 
@@ -77,14 +77,16 @@ def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
                    allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
 
 
-def validate_job(opts: SmokeOptions):
-    """The `fleetctl validate` job: ok when every server decodes its 16 greedy tokens (and the
-    offline check, if any, passes); failed otherwise; skipped when there is nothing to check."""
+def validate_job(opts: SmokeOptions, install: str | None = None):
+    """The `fleetctl validate` job: ok when every server (of install `install` when given)
+    decodes its 16 greedy tokens (and the offline check, if any, passes); failed otherwise;
+    skipped when there is nothing to check."""
 
     def job(ctx: HostContext) -> HostResult:
         facts = None
-        if ctx.host.sglang_port is None:
-            facts = gather(ctx)["facts"]
+        if ctx.host.sglang_port is None or install:
+            g = gather(ctx, scan=False)
+            facts = install_facts(g, find_install(g, install)) if install else g["facts"]
         res = smoke(ctx, facts, opts)
         r = ctx.result(HostStatus.OK, data=res)
         bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]

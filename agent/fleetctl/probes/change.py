@@ -170,7 +170,7 @@ def _append(state_dir, entry, state, reason=None):
 
 
 def apply(params, state_dir):
-    """{change_id, playbook, operator, files: [{path, pre_sha256, post_sha256, new_text}
+    """{change_id, playbook, operator, install?, files: [{path, pre_sha256, post_sha256, new_text}
     | {path, kind: "link", pre_target: str|None, post_target: str}], commit?}.
 
     A "link" item swaps symlink `path` from pre_target (None: absent) to post_target atomically;
@@ -216,7 +216,7 @@ def apply(params, state_dir):
         items.append({"path": f["path"], "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
                       "backup": os.path.join(backup_dir, f["path"].lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
-             "files": items}
+             "install": params.get("install"), "files": items}
     entry = _append(state_dir, entry, PENDING)
     written = []
     try:
@@ -406,7 +406,7 @@ def _record_problems(location, dist_name, explained):
 def status(params, state_dir):
     """{location?, dist: "sglang"}: ledger summary, drift of applied changes, RECORD differences.
 
-    changes: [{change_id, playbook, time, operator, state, reason, files: [path]}] (last state);
+    changes: [{change_id, playbook, install, time, operator, state, reason, files: [path]}] (last state);
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied changes whose
     file no longer has after_sha256; modified: [{path, problem}] for files of the installed
     distribution (dist-info RECORD) that differ and no applied change explains; record_error;
@@ -414,7 +414,8 @@ def status(params, state_dir):
     """
     summary, drift, explained = [], [], {}
     for cid, e in changes(state_dir).items():
-        summary.append({"change_id": cid, "playbook": e.get("playbook"), "time": e.get("time"),
+        summary.append({"change_id": cid, "playbook": e.get("playbook"), "install": e.get("install"),
+                        "time": e.get("time"),
                         "operator": e.get("operator"), "state": e["state"], "reason": e.get("reason"),
                         "files": [f["path"] for f in e["files"]]})
         if e["state"] == PENDING:  # interrupted, or a run in progress: its files are explained

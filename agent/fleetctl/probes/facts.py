@@ -1,13 +1,15 @@
-"""Inspect probe: facts about one host and the KV pool allocator call sites of its SGLang.
+"""Inspect probe: facts about one host, its SGLang installs and their allocator call sites.
 
-Runs on the host, stdlib only (Python 3.8+), sent by fleetctl over SSH stdin. One round trip:
-it finds the interpreter that runs SGLang, re-runs itself under that interpreter when it is not
-the one it was started with, and returns every fact as plain JSON data.
+Runs on the host, stdlib only (Python 3.8+), sent by fleetctl over SSH stdin with its helpers
+(procs: servers; locate: where `import sglang` resolves; gpus: nvidia-smi; callsites: the scan).
+Data flows one way: servers (procs.find_servers) -> interpreters to ask -> installs (each asked of
+its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a scan per install
+(callsites.scan) -> the primary install, whose facts stay at the top level.
 
-Interpreter order: the inventory's ansible_python_interpreter / fleetctl_python (params["python"]);
-else a running SGLang server's interpreter; else python3 on PATH and common venv locations.
-A candidate has SGLang when its site directories hold an `sglang` distribution
-(importlib.metadata on those paths): nothing is imported, and no candidate is run to find out.
+Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
+inventory's ansible_python_interpreter / fleetctl_python (params["python"]); python3 on PATH and
+common venv locations whose site directories hold an sglang distribution. An interpreter is run
+only after untrusted() clears it (its `.pth` files run at start).
 """
 
 import glob
@@ -18,14 +20,23 @@ import subprocess
 import sys
 import time
 
-DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
+try:  # the probe bundle loads these helpers before this module
+    import callsites
+    import gpus
+    import locate
+    import procs
+except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
+    from . import callsites, gpus, locate, procs
+
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
     "/opt/conda/bin/python", "/opt/conda/envs/*/bin/python", "/root/.venv/bin/python",
     "/root/venv/bin/python", "/home/*/.venv/bin/python", "/home/*/venv/bin/python",
     "/workspace/*/.venv/bin/python", "/usr/local/bin/python3", "/usr/bin/python3",
 ]
-NVIDIA_SMI_QUERY = "index,name,memory.total,driver_version,compute_cap"
+LOCATE_TIMEOUT_S = 60  # one interpreter's start + find_spec (site runs every .pth file)
+SEVERAL = "several installs, no server: see installs"
+NONE_FOUND = "no interpreter with an sglang distribution found"
 
 
 def _read(path, mode="r"):
@@ -34,147 +45,6 @@ def _read(path, mode="r"):
             return f.read()
     except OSError:
         return None
-
-
-# ---- running servers ---------------------------------------------------------------------
-
-def _opt(argv, *names):
-    """Value of the first of `names` in argv (`--name V` or `--name=V`), else None."""
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(n + "="):
-                return a[len(n) + 1:]
-    return None
-
-
-def server_kind(argv):
-    """'launch_server', 'serve', 'stand-in' or None for a process's argv."""
-    for i, a in enumerate(argv):
-        if a == "-m" and i + 1 < len(argv) and argv[i + 1] == "sglang.launch_server":
-            return "launch_server"
-        if os.path.basename(a) == "sglang" and i + 1 < len(argv) and argv[i + 1] == "serve":
-            return "serve"
-        if a.endswith("fleetctl-standin/server.py"):
-            return "stand-in"
-    return None
-
-
-def _proc_table():
-    """{pid: (argv, ppid)} for processes in this mount namespace; count of others."""
-    own_mnt = os.readlink("/proc/self/ns/mnt") if os.path.exists("/proc/self/ns/mnt") else None
-    table, others = {}, 0
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        raw = _read("/proc/%s/cmdline" % d, "rb")
-        stat = _read("/proc/%s/stat" % d)
-        if not raw or not stat:
-            continue
-        try:
-            mnt = os.readlink("/proc/%s/ns/mnt" % d)
-        except OSError:
-            mnt = own_mnt
-        argv = [a.decode("utf-8", "replace") for a in raw.rstrip(b"\0").split(b"\0")]
-        if own_mnt is not None and mnt != own_mnt:
-            if server_kind(argv):
-                others += 1
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        table[int(d)] = (argv, ppid)
-    return table, others
-
-
-def _interpreter_of(pid, argv):
-    """The python a server runs under: argv[0] if it is a python, the script's shebang, VIRTUAL_ENV."""
-    first = argv[0]
-    if os.path.basename(first).startswith("python") and os.path.isabs(first):
-        return first
-    for a in argv[:2]:
-        if os.path.basename(a) == "sglang" and os.path.isabs(a):
-            head = (_read(a) or "").split("\n", 1)[0]
-            if head.startswith("#!"):
-                return head[2:].strip().split()[0]
-    env = _read("/proc/%d/environ" % pid, "rb") or b""
-    for item in env.split(b"\0"):
-        if item.startswith(b"VIRTUAL_ENV="):
-            return os.path.join(item[12:].decode(), "bin", "python")
-    try:
-        return os.readlink("/proc/%d/exe" % pid)
-    except OSError:
-        return None
-
-
-def find_servers():
-    """Running SGLang servers: `python -m sglang.launch_server`, `sglang serve`, the lab stand-in,
-    and `sglang::scheduler*` processes followed up to their parent server.
-
-    Returns ([{pid, argv, kind, port, host, model_path, tp_size, python}], count of servers seen
-    in other mount namespaces (containers), which are not reported). Flags per
-    sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size).
-    """
-    table, others = _proc_table()
-    pids = {pid for pid, (argv, _) in table.items() if server_kind(argv)}
-    for pid, (argv, ppid) in table.items():
-        if argv and argv[0].startswith("sglang::scheduler"):
-            p, seen = ppid, set()
-            while p in table and p not in seen and p > 1:
-                seen.add(p)
-                if server_kind(table[p][0]):
-                    break
-                p = table[p][1]
-            else:
-                p = None
-            if p is not None and p in table:
-                pids.add(p)
-    servers = []
-    for pid in sorted(pids):
-        argv = table[pid][0]
-        port = _opt(argv, "--port")
-        tp = _opt(argv, "--tp-size", "--tp", "--tensor-parallel-size")
-        servers.append({
-            "pid": pid, "argv": argv, "kind": server_kind(argv) or "unknown",
-            "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
-            "host": _opt(argv, "--host") or "127.0.0.1",
-            "model_path": _opt(argv, "--model-path", "--model"),
-            "tp_size": int(tp) if tp and tp.isdigit() else 1,
-            "python": _interpreter_of(pid, argv),
-        })
-    return servers, others
-
-
-# ---- interpreters ------------------------------------------------------------------------
-
-def site_dirs(python):
-    """Site directories of interpreter path `python`, read from its layout and pyvenv.cfg."""
-    prefix = os.path.dirname(os.path.dirname(python))
-    pats = ["lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/dist-packages"]
-    dirs = [d for p in pats for d in sorted(glob.glob(os.path.join(prefix, p)))]
-    cfg = _read(os.path.join(prefix, "pyvenv.cfg")) or ""
-    conf = dict((k.strip(), v.strip()) for k, _, v in
-                (line.partition("=") for line in cfg.splitlines()) if _)
-    if conf.get("include-system-site-packages", "false").lower() == "true" and conf.get("home"):
-        base = os.path.dirname(conf["home"])
-        dirs += [d for p in pats for d in sorted(glob.glob(os.path.join(base, p)))]
-    if prefix == "/usr" or (conf and os.path.dirname(conf.get("home", "")) == "/usr"):
-        dirs.append("/usr/lib/python3/dist-packages")
-    return dirs
-
-
-def sglang_in(python):
-    """(version, site dir) of the sglang distribution visible to `python`, or None."""
-    try:
-        from importlib import metadata
-    except ImportError:  # Python < 3.8 cannot be the target; treated as "no sglang"
-        return None
-    if os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(python))):
-        path = sys.path
-    else:
-        path = site_dirs(python)
-    for dist in metadata.distributions(name="sglang", path=path):
-        return dist.version, str(dist.locate_file(""))
-    return None
 
 
 def untrusted(python):
@@ -194,38 +64,6 @@ def untrusted(python):
             return "%s is writable by group or others" % path
     return None
 
-
-def choose_interpreter(servers):
-    """The interpreter that runs SGLang here: (path, reason, [candidates considered])."""
-    candidates = []
-    for s in servers:
-        if s["python"]:
-            candidates.append((s["python"], "running server pid %d" % s["pid"]))
-    for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
-        p = os.path.join(d, "python3")
-        if os.path.exists(p):
-            candidates.append((p, "python3 on PATH"))
-            break
-    for pat in COMMON_PYTHONS:
-        for p in sorted(glob.glob(pat)):
-            candidates.append((p, "common location"))
-    seen, considered = set(), []
-    for path, why in candidates:
-        if path in seen or not os.access(path, os.X_OK):
-            continue
-        seen.add(path)
-        why_not = untrusted(path)
-        if why_not:
-            considered.append({"python": path, "reason": why, "sglang": None, "skipped": why_not})
-            continue
-        found = sglang_in(path)
-        considered.append({"python": path, "reason": why, "sglang": found[0] if found else None})
-        if found:
-            return path, why, considered
-    return None, "no interpreter with an sglang distribution found", considered
-
-
-# ---- facts in the target interpreter -----------------------------------------------------
 
 def torch_facts():
     """torch version and CUDA version from distribution metadata and torch/version.py (no import)."""
@@ -247,91 +85,188 @@ def torch_facts():
     return {"version": dist.version, "cuda": cuda}
 
 
-def gpu_facts(timeout=20):
-    """GPUs from `nvidia-smi --query-gpu=index,name,memory.total,driver_version,compute_cap
-    --format=csv,noheader,nounits`: ([{index, name, memory_total_mib, driver, compute_cap}], reason)."""
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=" + NVIDIA_SMI_QUERY, "--format=csv,noheader,nounits"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
-    except FileNotFoundError:
-        return [], "nvidia-smi not found"
-    except subprocess.TimeoutExpired:
-        return [], "nvidia-smi did not answer within %d s" % timeout
-    if r.returncode != 0:
-        return [], "nvidia-smi failed (exit %d): %s" % (r.returncode, r.stderr.decode(errors="replace").strip()[-300:])
-    gpus = []
-    for line in r.stdout.decode().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5:
-            continue
-        idx, name, mem, driver, cap = parts
-        gpus.append({"index": int(idx), "name": name,
-                     "memory_total_mib": int(mem) if mem.isdigit() else None,
-                     "driver": driver, "compute_cap": cap})
-    return gpus, None
+_DIST_MARKS = ("sglang-*.dist-info", "sglang-*.egg-info", "sglang.egg-link", "__editable__.sglang-*")
 
 
-def collect(params, servers, others, discovery):
-    """All inspect facts, gathered inside the interpreter that runs SGLang."""
-    from importlib import metadata
-    try:
-        dist = metadata.distribution("sglang")
-        sglang = {"version": dist.version, "location": str(dist.locate_file(""))}
-    except metadata.PackageNotFoundError:
-        sglang = None
-    gpus, gpu_reason = gpu_facts()
-    facts = {
-        "hostname": socket.gethostname(),
-        "python": {"path": params.get("python") or sys.executable,
-                   "version": "%d.%d.%d" % sys.version_info[:3]},
-        "sglang": sglang,
-        "torch": torch_facts(),
-        "gpus": gpus,
-        "gpus_reason": gpu_reason,
-        "servers": servers,
-        "servers_in_other_namespaces": others,
-        "interpreter_discovery": discovery,
-    }
-    out = {"facts": facts, "allocator_call_sites": [], "need_sort_origins": [], "scan": None}
-    if sglang and params.get("scan", True):
-        import callsites  # loaded before this module by the probe bundle
-        t0 = time.time()
-        found = callsites.scan(sglang["location"])
-        out["allocator_call_sites"] = found.pop("allocator_call_sites")
-        out["need_sort_origins"] = found.pop("need_sort_origins")
-        found["elapsed_s"] = round(time.time() - t0, 3)
-        out["scan"] = found
-        if params.get("with_sources"):
-            files = sorted({o["file"] for o in out["need_sort_origins"]})
-            out["sources"] = {}
-            for f in files:  # exact text: bytes decoded, no newline translation (sha256 must match)
-                raw = _read(os.path.join(sglang["location"], f), "rb")
-                try:
-                    out["sources"][f] = raw.decode("utf-8") if raw is not None else None
-                except UnicodeDecodeError:
-                    out["sources"][f] = None  # not UTF-8: planning refuses this file, inspect goes on
-    return out
+def site_dirs(python):
+    """Site directories of interpreter path `python`, from its layout and pyvenv.cfg (a venv that
+    includes system site packages adds its base's)."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    pats = ["lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/dist-packages"]
+    dirs = [d for p in pats for d in sorted(glob.glob(os.path.join(prefix, p)))]
+    cfg = _read(os.path.join(prefix, "pyvenv.cfg")) or ""
+    conf = dict((k.strip(), v.strip()) for k, sep, v in (line.partition("=") for line in cfg.splitlines()) if sep)
+    if conf.get("include-system-site-packages", "false").lower() == "true" and conf.get("home"):
+        base = os.path.dirname(conf["home"])
+        dirs += [d for p in pats for d in sorted(glob.glob(os.path.join(base, p)))]
+    if prefix == "/usr" or os.path.dirname(conf.get("home", "")) == "/usr":
+        dirs.append("/usr/lib/python3/dist-packages")
+    return dirs
 
 
-def main(params):
-    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool).
-    Returns {"facts", "allocator_call_sites", "need_sort_origins", "scan", ["sources"]}."""
-    servers, others = find_servers()
-    if params.get("python") or params.get("in_target"):
-        discovery = params.get("discovery") or {"python": params.get("python"), "reason": "inventory"}
-        return collect(params, servers, others, discovery)
-    target, reason, considered = choose_interpreter(servers)
-    discovery = {"python": target, "reason": reason, "considered": considered}
-    if target is None or os.path.realpath(sys.prefix) == os.path.realpath(os.path.dirname(os.path.dirname(target))):
-        params = dict(params, python=target or sys.executable)
-        return collect(params, servers, others, discovery)
+def may_have_sglang(python):
+    """Whether an idle interpreter (no server runs it) is worth asking: one of its site
+    directories holds an sglang distribution (dist-info, egg-info, egg-link or PEP 660 editable
+    hook). Without one, its `import sglang` could only come from a working directory or
+    PYTHONPATH, which an idle interpreter has not got."""
+    return any(glob.glob(os.path.join(d, m)) for d in site_dirs(python) for m in _DIST_MARKS)
+
+
+def candidates(params, servers):
+    """Interpreters to ask, in order: [(python, sys.path entries put first, reason, server pid
+    or None)]: each server's, the inventory's, then python3 on PATH and common venv locations
+    that may_have_sglang (so that installs no server runs from are listed too)."""
+    out = [(s["python"], s["import_path"], "running server pid %d" % s["pid"], s["pid"])
+           for s in servers if s["python"]]
+    if params.get("python"):
+        out.append((params["python"], [], "inventory", None))
+    idle = []
+    for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
+        p = os.path.join(d, "python3")
+        if os.path.exists(p):
+            idle.append((p, [], "python3 on PATH", None))
+            break
+    idle += [(p, [], "common location", None) for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
+    return out + [c for c in idle if may_have_sglang(c[0])]
+
+
+def ask(python, first, timeout=LOCATE_TIMEOUT_S):
+    """Run this probe bundle as `python -I` in / to locate sglang there (see locate.locate):
+    {python, sglang, error, torch}. Raises RuntimeError when it prints no result."""
     doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
-    doc["params"] = dict(params, in_target=True, python=target, discovery=discovery)
-    r = subprocess.run([target, "-c", FLEETCTL_WRAPPER], input=json.dumps(doc).encode(),  # noqa: F821
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    doc["params"] = {"locate": first}
+    try:
+        r = subprocess.run([python, "-I", "-c", FLEETCTL_WRAPPER], input=json.dumps(doc).encode(),  # noqa: F821
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("did not answer within %d s" % timeout)
     text = r.stdout.decode("utf-8", "replace")
     marker = "--fleetctl-probe-result--\n"
     if marker not in text:
-        raise RuntimeError("interpreter %s printed no result (exit %d): %s"
-                           % (target, r.returncode, r.stderr.decode("utf-8", "replace")[-1500:]))
-    return json.loads(text[text.rfind(marker) + len(marker):])
+        raise RuntimeError("printed no result (exit %d): %s"
+                           % (r.returncode, r.stderr.decode("utf-8", "replace")[-1500:]))
+    res = json.loads(text[text.rfind(marker) + len(marker):])
+    if "__probe_error__" in res:
+        raise RuntimeError(res["__probe_error__"][-1500:])
+    return res
+
+
+def discover(params, servers):
+    """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error}],
+    [{python, reason, sglang (version or None), skipped | error}] interpreters considered).
+    Sets each server's `install` (its install id, None when its interpreter has no sglang).
+    An install's id is "host:<package_dir>" (or "host:<location>" when the package directory
+    was not found)."""
+    installs, considered, asked = {}, [], {}
+    for s in servers:
+        s["install"] = None
+    for python, first, why, pid in candidates(params, servers):
+        key = (python, tuple(first))
+        if key not in asked:
+            entry = {"python": python, "reason": why, "sglang": None}
+            considered.append(entry)
+            asked[key] = None
+            if not os.access(python, os.X_OK):
+                entry["skipped"] = "not executable"
+                continue
+            why_not = untrusted(python)
+            if why_not:
+                entry["skipped"] = why_not
+                continue
+            try:
+                asked[key] = ask(python, first)
+            except (RuntimeError, OSError) as e:
+                entry["error"] = str(e)
+                continue
+            entry["sglang"] = (asked[key]["sglang"] or {}).get("version")
+        res = asked[key]
+        if not res or not res["sglang"]:
+            continue
+        sg = res["sglang"]
+        iid = "host:" + (sg["package_dir"] or sg["location"])
+        inst = installs.setdefault(iid, {"id": iid, "python": dict(res["python"], path=python), "sglang": sg,
+                                         "torch": res["torch"], "servers": [], "error": res["error"]})
+        if pid is not None:
+            inst["servers"].append(pid)
+            next(s for s in servers if s["pid"] == pid)["install"] = iid
+    return list(installs.values()), considered
+
+
+def scan_install(inst, with_sources):
+    """Add allocator_call_sites, need_sort_origins and scan ({files, stats, parse_errors,
+    elapsed_s, error}) to install `inst` (+ sources: {file relative to location: exact text, None
+    when not UTF-8} of files with need_sort origins, when `with_sources`). A package directory
+    that was not found is scan.error, never an empty scan."""
+    inst.update(allocator_call_sites=[], need_sort_origins=[])
+    error = inst.pop("error")
+    if error:
+        inst["scan"] = {"error": error}
+        return
+    location = inst["sglang"]["location"]
+    t0 = time.time()
+    found = callsites.scan(location)
+    inst["allocator_call_sites"] = found.pop("allocator_call_sites")
+    inst["need_sort_origins"] = found.pop("need_sort_origins")
+    found.update(elapsed_s=round(time.time() - t0, 3), error=None)
+    inst["scan"] = found
+    if with_sources:
+        inst["sources"] = {}
+        for f in sorted({o["file"] for o in inst["need_sort_origins"]}):
+            raw = _read(os.path.join(location, f), "rb")  # exact bytes: the sha256 must match
+            try:
+                inst["sources"][f] = raw.decode("utf-8") if raw is not None else None
+            except UnicodeDecodeError:
+                inst["sources"][f] = None  # not UTF-8: planning refuses this file, inspect goes on
+
+
+def primary(installs, servers):
+    """(the primary install or None, reason when None): the install of the server with the
+    lowest pid; with no server, the only install; otherwise none."""
+    by_id = dict((i["id"], i) for i in installs)
+    for s in sorted(servers, key=lambda s: s["pid"]):
+        if s.get("install") in by_id:
+            return by_id[s["install"]], None
+    if len(installs) == 1:
+        return installs[0], None
+    return None, SEVERAL if installs else NONE_FOUND
+
+
+def main(params):
+    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool); or
+    locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
+    Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins", "scan",
+    ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
+    if "locate" in params:
+        res = locate.locate(params["locate"])
+        res["torch"] = torch_facts()
+        return res
+    servers, others = procs.find_servers()
+    installs, considered = discover(params, servers)
+    for inst in installs:
+        if params.get("scan", True):
+            scan_install(inst, params.get("with_sources"))
+        else:
+            inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
+            inst.pop("error", None)
+    main_inst, reason = primary(installs, servers)
+    gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
+    facts = {
+        "hostname": socket.gethostname(),
+        "python": main_inst["python"] if main_inst else
+        {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
+        "sglang": main_inst["sglang"] if main_inst else None,
+        "sglang_reason": reason,
+        "torch": main_inst["torch"] if main_inst else None,
+        "gpus": gpu_rows, "gpu_errors": gpu_errors, "gpus_reason": gpus_reason,
+        "servers": servers,
+        "servers_in_other_namespaces": others,
+        "interpreter_discovery": {"python": main_inst["python"]["path"] if main_inst else None,
+                                  "reason": reason or "install %s" % main_inst["id"], "considered": considered},
+    }
+    out = {"facts": facts, "installs": installs, "allocator_call_sites": [], "need_sort_origins": [],
+           "scan": None}
+    if main_inst:
+        for k in ("allocator_call_sites", "need_sort_origins", "scan", "sources"):
+            if k in main_inst:
+                out[k] = main_inst[k]
+    return out

@@ -2,12 +2,15 @@
 # (Re)start the fleetctl SGLang STAND-IN server (not SGLang) in the background and return at once.
 # The caller waits for GET /health == 200 itself.
 #   PYTHON   interpreter to run server.py with (default /opt/sglang/venv/bin/python)
+#   LAUNCHER words put before it, a launcher that stays the server's parent (e.g. "timeout 86400");
+#            the pid file then holds the launcher's pid, which passes SIGTERM on to the server
 #   extra arguments are passed to server.py and override the defaults below
 #   (--host 127.0.0.1 --port 30000 --model-path fleetctl-standin/tiny --tp-size 1).
 # The pid file, log (server.log) and behaviour file (behavior.json) live next to this script.
 set -eu
 DIR=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-/opt/sglang/venv/bin/python}
+LAUNCHER=${LAUNCHER:-}
 PIDFILE="$DIR/server.pid"
 # running and not a zombie (an exited child nobody has reaped yet counts as gone)
 alive() {
@@ -33,7 +36,8 @@ fi
 
 echo "fleetctl stand-in: starting with $PYTHON" >>"$DIR/server.log"
 # setsid does not fork here (a background job is not a process group leader), so $! is the server
-setsid nohup "$PYTHON" "$DIR/server.py" --host 127.0.0.1 --port 30000 \
+# shellcheck disable=SC2086  # LAUNCHER is words on purpose
+setsid nohup $LAUNCHER "$PYTHON" "$DIR/server.py" --host 127.0.0.1 --port 30000 \
     --model-path fleetctl-standin/tiny --tp-size 1 --behavior "$DIR/behavior.json" "$@" \
     >>"$DIR/server.log" 2>&1 </dev/null &
 echo $! >"$PIDFILE"

@@ -1,0 +1,121 @@
+"""Remote probe helper: where `import sglang` resolves, asked of the interpreter itself.
+
+Stdlib only (Python 3.8+). `locate()` runs inside the install's own interpreter, started by the
+facts probe as `python -I` in `/` (site runs, so `.pth` files and PEP 660 editable finders work;
+-I drops the probe's own environment and directory), with the server's working directory and
+PYTHONPATH put first in `sys.path` as the server saw them at start. It asks
+`importlib.util.find_spec("sglang")` for the top-level name only: that finds the package without
+running `sglang/__init__.py` (a submodule spec would import the parent). A namespace package spec
+(origin None: a bare `sglang/` directory without `__init__.py`) counts as not found.
+
+The install kind (README, "installs"): `wheel` (a dist-info whose RECORD lists the package's
+`__init__.py` at the found place), `editable` (a dist-info whose `direct_url.json` says
+`dir_info.editable`, or an `sglang.egg-link`, pointing at the found location) or `checkout`
+(anything else: found through the working directory or PYTHONPATH; its version is
+`sglang/version.py`'s `__version__`, read with ast).
+"""
+
+import ast
+import json
+import os
+import sys
+
+
+def _same(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _url_dir(url):
+    """A file:// URL -> local path (PEP 610 direct_url.json), else None."""
+    if not url.startswith("file://"):
+        return None
+    from urllib.parse import unquote, urlparse
+    return unquote(urlparse(url).path)
+
+
+def _editable_dir(dist):
+    """The project directory of an editable dist (direct_url.json dir_info.editable), else None."""
+    try:
+        doc = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        return None
+    if isinstance(doc, dict) and (doc.get("dir_info") or {}).get("editable"):
+        return _url_dir(doc.get("url") or "")
+    return None
+
+
+def _egg_link_dir():
+    """The directory named by the first `sglang.egg-link` on sys.path (setup.py develop), else None."""
+    for entry in sys.path:
+        try:
+            with open(os.path.join(entry or ".", "sglang.egg-link")) as f:
+                return f.readline().strip() or None
+        except OSError:
+            continue
+    return None
+
+
+def _version_py(package_dir):
+    """`__version__` assigned as a string in <package_dir>/version.py, else None."""
+    try:
+        with open(os.path.join(package_dir, "version.py"), "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
+                                                for t in node.targets):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                return node.value.value
+    return None
+
+
+def _records(dist, rel):
+    """True when the dist's RECORD (a wheel's, PEP 376; an egg-info has none) lists `rel`."""
+    return any(line.split(",", 1)[0] == rel for line in (dist.read_text("RECORD") or "").splitlines())
+
+
+def locate(first):
+    """Where `import sglang` resolves for this interpreter with the entries `first` (absolute
+    paths) put at the front of sys.path.
+
+    Returns {"python": {path, version}, "sglang": {version, location, package_dir, install} or
+    None, "error": str or None}. `error` is set when an sglang distribution is installed but its
+    package directory cannot be found (its `location` is then the distribution's own directory
+    and `package_dir` null)."""
+    import importlib.util
+    from importlib import metadata
+    for entry in reversed(first):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("sglang")
+    origin = getattr(spec, "origin", None) if spec else None
+    package_dir = None
+    if origin and os.path.basename(origin) == "__init__.py" and os.path.isfile(origin):
+        package_dir = os.path.dirname(origin)
+    dist = next(iter(metadata.distributions(name="sglang", path=sys.path)), None)
+    out = {"python": {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
+           "sglang": None, "error": None}
+    if package_dir is None:
+        if dist is not None:
+            location = str(dist.locate_file(""))
+            what = "no spec" if spec is None else ("a namespace package" if origin in (None, "namespace")
+                                                  else "not a package: %s" % origin)
+            out["sglang"] = {"version": dist.version, "location": location, "package_dir": None,
+                             "install": "editable" if _editable_dir(dist) else "wheel"}
+            out["error"] = ("sglang package directory not found under %s: sglang %s is installed but "
+                            "importlib.util.find_spec('sglang') gives %s" % (location, dist.version, what))
+        return out
+    location = os.path.dirname(package_dir)
+    editable = (_editable_dir(dist) if dist is not None else None) or _egg_link_dir()
+    if editable and _same(editable, location):
+        install = "editable"
+    elif dist is not None and _records(dist, "sglang/__init__.py") \
+            and _same(str(dist.locate_file("sglang/__init__.py")), origin):
+        install = "wheel"
+    else:
+        install = "checkout"
+    version = dist.version if install != "checkout" and dist is not None else _version_py(package_dir)
+    out["sglang"] = {"version": version, "location": location, "package_dir": package_dir, "install": install}
+    return out

@@ -1,0 +1,286 @@
+"""Remote probe helper: the SGLang servers running on a host, read from /proc.
+
+Stdlib only (Python 3.8+), loaded by the facts probe bundle. A server is the process that runs
+Python itself: its /proc/PID/exe is a python and its own program (what follows the interpreter's
+options: `-m MODULE`, or a script) is SGLang's. Wrappers that start it (`conda run`, `uv run`,
+`torchrun`, `timeout`, `sudo -u`, `nohup`, `numactl`, `taskset`) carry the same words in their
+argv but are not servers: either their exe is no python (timeout, sudo, uv) or their program is
+the wrapper's own script (`python .../bin/conda run ...`). One server per process tree: a server
+below another server (the DP workers of `sglang_router.launch_server`) is one of its workers,
+and `sglang::` titled processes (SGLang's setproctitle names) count under their server.
+
+Facts come from the process itself: its interpreter (argv[0] on its own PATH, else /proc/PID/exe),
+its working directory and PYTHONPATH (what its `sys.path` started with), and the GPUs it uses
+(CUDA_VISIBLE_DEVICES, --tp-size, --dp-size, --base-gpu-id: sglang/srt/server_args.py).
+"""
+
+import os
+
+DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
+# Python's own options that take a value (python(1), "Command line and environment")
+_PY_VALUE_OPTS = "WX"
+_PY_LONG_VALUE_OPTS = {"--check-hash-based-pycs"}
+MAX_ARG = 4096  # characters kept of one argv item (a string from the host is bounded)
+
+
+def _read(path, mode="r"):
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+
+
+def _opt(argv, *names):
+    """Value of the last of `names` in argv (`--name V` or `--name=V`; the last one given wins,
+    as with argparse), else None."""
+    found = None
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith(n + "="):
+                found = a[len(n) + 1:]
+    return found
+
+
+def _int_opt(argv, default, *names):
+    v = _opt(argv, *names)
+    return int(v) if v and v.isdigit() else default
+
+
+def python_program(argv):
+    """Split a Python command line: (flags, kind, target, args). flags: the one-letter options
+    given (python(1): "-u -I" -> "uI"; values of -W/-X left out); kind "m" (module), "c"
+    (command), "script", "-" (stdin) or None when argv names no program. Clusters such as
+    `-um mod` or `-Wignore` are understood."""
+    i, flags = 1, ""
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a in _PY_LONG_VALUE_OPTS:
+            i += 2
+            continue
+        if a.startswith("--"):
+            i += 1
+            continue
+        if a == "-" or not a.startswith("-"):
+            break
+        takes_next = False
+        for j in range(1, len(a)):
+            ch = a[j]
+            if ch in "mc":
+                if a[j + 1:]:
+                    return flags, ch, a[j + 1:], argv[i + 1:]
+                return flags, ch, (argv[i + 1] if i + 1 < len(argv) else None), argv[i + 2:]
+            if ch in _PY_VALUE_OPTS:
+                takes_next = not a[j + 1:]
+                break
+            flags += ch
+        i += 2 if takes_next else 1
+    if i >= len(argv):
+        return flags, None, None, []
+    if argv[i] == "-":
+        return flags, "-", None, argv[i + 1:]
+    return flags, "script", argv[i], argv[i + 1:]
+
+
+def server_kind(argv):
+    """'launch_server', 'serve', 'router', 'stand-in' or None for a Python process's argv
+    (its program only: a wrapper's argv that merely carries these words is no server)."""
+    _, kind, target, args = python_program(argv)
+    if kind == "m":
+        return {"sglang.launch_server": "launch_server", "sglang_router.launch_server": "router"}.get(target)
+    if kind == "script" and target:
+        if os.path.basename(target) == "sglang" and args[:1] == ["serve"]:
+            return "serve"
+        if target.endswith("fleetctl-standin/server.py"):
+            return "stand-in"
+    return None
+
+
+def _is_python(pid):
+    """True when /proc/PID/exe is a Python interpreter binary (python, python3, python3.11...)."""
+    try:
+        exe = os.readlink("/proc/%d/exe" % pid)
+    except OSError:
+        return False
+    return os.path.basename(exe).replace(" (deleted)", "").startswith("python")
+
+
+def environ(pid, names):
+    """{name: value} of the variables `names` in /proc/PID/environ (the environment the process
+    started with); only these are read, so no secret of the process leaves the host."""
+    raw = _read("/proc/%d/environ" % pid, "rb") or b""
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        key = k.decode("utf-8", "replace")
+        if sep and key in names:
+            out[key] = v.decode("utf-8", "replace")[:MAX_ARG]
+    return out
+
+
+def _proc_table():
+    """{pid: (argv, ppid)} for processes in this mount namespace; count of servers in others."""
+    own_mnt = os.readlink("/proc/self/ns/mnt") if os.path.exists("/proc/self/ns/mnt") else None
+    table, others = {}, 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        raw = _read("/proc/%s/cmdline" % d, "rb")
+        stat = _read("/proc/%s/stat" % d)
+        if not raw or not stat:
+            continue
+        try:
+            mnt = os.readlink("/proc/%s/ns/mnt" % d)
+        except OSError:
+            mnt = own_mnt
+        argv = [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
+        if own_mnt is not None and mnt != own_mnt:
+            if server_kind(argv) and _is_python(int(d)):
+                others += 1
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        table[int(d)] = (argv, ppid)
+    return table, others
+
+
+def interpreter(pid, argv):
+    """The python path a process runs: argv[0] when it names the same file as /proc/PID/exe
+    (absolute, relative to the process's cwd, or looked up on its own PATH), which keeps a
+    venv's `bin/python` rather than the base interpreter it links to; else /proc/PID/exe.
+    None when /proc/PID/exe cannot be read."""
+    try:
+        exe = os.readlink("/proc/%d/exe" % pid)
+    except OSError:
+        return None
+    real = os.path.realpath(exe)
+    first = argv[0] if argv else ""
+    cwd = _cwd(pid) or "/"
+    if "/" in first:
+        names = [os.path.normpath(os.path.join(cwd, first))]
+    else:
+        path = environ(pid, {"PATH"}).get("PATH", "")
+        names = [os.path.join(os.path.join(cwd, d) if d else cwd, first) for d in path.split(":")] if first else []
+    for name in names:
+        if os.path.isfile(name) and os.path.realpath(name) == real:
+            return name
+    return exe
+
+
+def _cwd(pid):
+    try:
+        return os.readlink("/proc/%d/cwd" % pid)
+    except OSError:
+        return None
+
+
+def import_path(pid, argv):
+    """The entries a process's `sys.path` started with before site-packages, as Python set them
+    (python(1): `-m` and `-c` put the working directory first, a script its own directory;
+    `-I`, `-P` or PYTHONSAFEPATH put nothing; PYTHONPATH follows unless -I or -E). Paths are
+    absolute, relative ones taken against /proc/PID/cwd."""
+    flags, kind, target, _ = python_program(argv)
+    env = environ(pid, {"PYTHONPATH", "PYTHONSAFEPATH"})
+    cwd = _cwd(pid) or "/"
+    entries = []
+    if "I" not in flags and "P" not in flags and not ("E" not in flags and env.get("PYTHONSAFEPATH")):
+        if kind in ("m", "c", "-"):
+            entries.append(cwd)
+        elif kind == "script" and target:
+            entries.append(os.path.dirname(os.path.realpath(os.path.join(cwd, target))))
+    if "I" not in flags and "E" not in flags:
+        entries += [os.path.join(cwd, p) for p in env.get("PYTHONPATH", "").split(":") if p]
+    return entries
+
+
+def _listening_ports(pids):
+    """{pid: sorted TCP ports it listens on} from /proc/net/tcp{,6} and /proc/PID/fd sockets."""
+    inodes = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in (_read(name) or "").splitlines()[1:]:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A":  # TCP_LISTEN
+                inodes[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    out = {}
+    for pid in pids:
+        ports = set()
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                ports.add(inodes[link[8:-1]])
+        out[pid] = sorted(ports)
+    return out
+
+
+def _gpus_used(pid, argv, tp, dp):
+    """GPUs a server uses: CUDA_VISIBLE_DEVICES (None when unset: every GPU is visible), and the
+    device ids it takes, --base-gpu-id onwards, tp * dp of them (server_args.py)."""
+    visible = environ(pid, {"CUDA_VISIBLE_DEVICES"}).get("CUDA_VISIBLE_DEVICES")
+    base = _int_opt(argv, 0, "--base-gpu-id")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
+    n = tp * dp
+    used = ids[base:base + n] if ids is not None else [str(i) for i in range(base, base + n)]
+    return visible, used
+
+
+def _ancestors(pid, table):
+    seen, p = [], table[pid][1]
+    while p in table and p not in seen and p > 1:
+        seen.append(p)
+        p = table[p][1]
+    return seen
+
+
+def find_servers():
+    """Running SGLang servers in this mount namespace, one per process tree.
+
+    Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, python, cwd,
+    import_path, cuda_visible_devices, gpus, workers: [{pid, ports}], processes}], count of
+    servers in other mount namespaces, not reported here). `python`: see interpreter();
+    `import_path`: see import_path(); `processes`: the server's `sglang::` titled descendants;
+    `workers`: a router's Python children that listen on TCP ports (its DP workers; not its
+    multiprocessing resource tracker), and servers started below this one, with their ports.
+    Flags per sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size, --dp-size)."""
+    table, others = _proc_table()
+    cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and _is_python(pid)}
+    tops = {pid for pid in cands if not any(a in cands for a in _ancestors(pid, table))}
+    below = {}
+    for pid in table:
+        top = next((a for a in reversed(_ancestors(pid, table)) if a in tops), None)
+        if top is not None:
+            below.setdefault(top, []).append(pid)
+    servers = []
+    for pid in sorted(tops):
+        argv = table[pid][0]
+        kind = server_kind(argv)
+        port = _opt(argv, "--port")
+        tp = _int_opt(argv, 1, "--tp-size", "--tp", "--tensor-parallel-size")
+        dp = _int_opt(argv, 1, "--dp-size", "--dp", "--data-parallel-size")
+        visible, used = _gpus_used(pid, argv, tp, dp)
+        kids = sorted(below.get(pid, []))
+        children = [p for p in kids if kind == "router" and table[p][1] == pid and _is_python(p)]
+        ports = _listening_ports(set(children) | (set(kids) & cands))
+        workers = [p for p in kids if p in cands or (p in children and ports[p])]
+        servers.append({
+            "pid": pid, "argv": argv, "kind": kind,
+            "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
+            "host": _opt(argv, "--host") or "127.0.0.1",
+            "model_path": _opt(argv, "--model-path", "--model"),
+            "tp_size": tp, "dp_size": dp,
+            "python": interpreter(pid, argv), "cwd": _cwd(pid), "import_path": import_path(pid, argv),
+            "cuda_visible_devices": visible, "gpus": used,
+            "workers": [{"pid": p, "ports": ports[p]} for p in workers],
+            "processes": sum(1 for p in kids if table[p][0][:1] and table[p][0][0].startswith("sglang::")),
+        })
+    return servers, others

@@ -1,0 +1,188 @@
+"""Installs on lab hosts over real sshd: the layouts fleets have (an editable checkout in a git
+work tree, two venvs of different releases, a server behind a launcher), inspect exact against
+what each server itself imports, apply/validate/rollback per install, and `--export-patch`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import TEST_LAB_ID, Lab, require_lab, write_ssh_config
+from fleetctl import lab as labmod
+from fleetctl.wheelcache import cache_dir, ensure_wheel
+from test_callsites import independent
+
+pytestmark = pytest.mark.lab
+
+# this module's own lab, derived from the session's lab id (never another session's)
+LAB_ID = (TEST_LAB_ID + 100) % 256
+CHECKOUT_RELEASE, SECOND_RELEASE = "0.5.10", "0.5.2"
+
+RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
+
+
+def test_exported_patches_apply_to_a_fresh_unpack_of_each_release(lab, tmp_path):
+    """One patch per release with need_sort (0.4.6.post5 has none), written in check mode; each
+    applies with `patch -p1` to a fresh unpack of its wheel and gives the bytes apply writes (the
+    plan's post-images), and names the wheel's sha256 it was checked against."""
+    out = tmp_path / "patches"
+    r, doc, hosts = lab.cli_json("apply", "defrag-tier0", "all", "--export-patch", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert doc["check"] is True and doc["change_id"] is None
+    names = {f"defrag-tier0-sglang-{v}.patch": h for h, v in RELEASES.items() if v != "0.4.6.post5"}
+    assert sorted(doc["patches"]) == sorted(str(out / n) for n in names)
+    assert hosts["lab-01"]["status"] == "skipped"
+    for name, host in names.items():
+        version = RELEASES[host]
+        text = (out / name).read_text()
+        wheel = ensure_wheel(version)
+        assert f"{wheel.name} sha256 {hashlib.sha256(wheel.read_bytes()).hexdigest()}" in text
+        fresh = tmp_path / f"fresh-{version}"
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(fresh, [n for n in z.namelist() if n.startswith("sglang/")])
+        p = subprocess.run(["patch", "-p1", "--batch", "-d", str(fresh)], input=text, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+        files = hosts[host]["plan"]["files"]
+        assert files and "texts" not in hosts[host]
+        for f in files:
+            assert hashlib.sha256((fresh / f["rel"]).read_bytes()).hexdigest() == f["post_sha256"]
+    # check mode: no host has a ledger
+    assert lab.ssh("lab-04", "test -e /var/lib/fleetctl/ledger.jsonl").returncode == 1
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """One lab host (0.5.10 in /opt/sglang/venv, no server there) given lab.add_install_layouts:
+    an editable 0.5.10 checkout (git work tree) with a stand-in server, and a 0.5.2 venv with a
+    stand-in server started through `timeout`; built once for this module."""
+    require_lab()
+    home = tmp_path_factory.mktemp("home-installs")
+    known_hosts = home / ".ssh" / "known_hosts"
+    sd = labmod.state_dir_for(LAB_ID)
+    inv = labmod.lab_up(1, [CHECKOUT_RELEASE], lab_id=LAB_ID, state_dir=sd, known_hosts=known_hosts)
+    try:
+        extra = labmod.add_install_layouts("lab-01", CHECKOUT_RELEASE, SECOND_RELEASE, lab_id=LAB_ID, state_dir=sd)
+        doc = yaml.safe_load(inv.read_text())
+        doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(fleetctl_restart_cmd=extra["restart_cmd"],
+                                                               fleetctl_latency_slack=0.05)
+        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+        ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
+        env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
+                   FLEETCTL_WHEEL_CACHE=str(cache_dir()))
+        yield Lab(inv, ["lab-01"], sd, env, known_hosts, ssh_config, lab_id=LAB_ID,
+                  status=labmod.lab_status(LAB_ID, sd))
+    finally:
+        labmod.lab_down(LAB_ID, sd, known_hosts)
+
+
+def root_side(lab: Lab, path: str) -> Path:
+    """Where a path under the host's private /opt/sglang is on this machine."""
+    assert path.startswith("/opt/sglang/")
+    return lab.state_dir / "hosts" / "lab-01" / "opt-sglang" / path[len("/opt/sglang/"):]
+
+
+# Run by the server's own interpreter (its argv[0]), in its working directory, with its
+# environment: the file `import sglang` really runs (SGLang's __init__ needs packages a lab host
+# lacks, so the file is taken from the traceback when the import fails past it).
+IMPORTED = """
+import sys, traceback
+try:
+    import sglang
+    print(sglang.__file__)
+except Exception as e:
+    print([f.filename for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("sglang/__init__.py")][0])
+"""
+ONE_OFF = """
+import json, os, subprocess, sys
+pid = int(sys.argv[1])
+argv = open("/proc/%d/cmdline" % pid, "rb").read().split(b"\\0")
+env = dict(kv.split(b"=", 1) for kv in open("/proc/%d/environ" % pid, "rb").read().split(b"\\0") if b"=" in kv)
+r = subprocess.run([argv[0], "-c", sys.argv[2]], cwd=os.readlink("/proc/%d/cwd" % pid), env=env,
+                   capture_output=True, text=True)
+print(json.dumps({"python": argv[0].decode(), "file": r.stdout.strip(), "err": r.stderr[-500:]}))
+"""
+
+
+def imported_by(lab: Lab, pid: int) -> dict:
+    import shlex
+    r = lab.ssh("lab-01", f"python3 -c {shlex.quote(ONE_OFF)} {pid} {shlex.quote(IMPORTED)}")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_inspect_shows_the_sglang_each_server_imports(layouts):
+    r, _, hosts = layouts.cli_json("inspect", "lab-01")
+    h = hosts["lab-01"]
+    assert (r.returncode, h["status"], h["error"]) == (0, "ok", None), r.stderr
+    servers = {s["port"]: s for s in h["facts"]["servers"]}
+    assert sorted(servers) == [30000, 30001]  # the `timeout` launcher is no server
+    installs = {i["id"]: i for i in h["installs"]}
+    assert len(installs) == 3  # the two servers' and /opt/sglang/venv's (no server)
+    want = {30000: (CHECKOUT_RELEASE, "editable", "/opt/sglang/src/sglang/python"),
+            30001: (SECOND_RELEASE, "wheel", None)}
+    for port, s in servers.items():
+        truth = imported_by(layouts, s["pid"])
+        package_dir = os.path.dirname(truth["file"])
+        assert truth["file"].endswith("/sglang/__init__.py"), truth
+        assert s["python"] == truth["python"] and s["install"] == f"host:{package_dir}"
+        inst = installs[s["install"]]
+        version, kind, location = want[port]
+        assert (inst["sglang"]["version"], inst["sglang"]["install"]) == (version, kind)
+        assert inst["sglang"]["location"] == (location or os.path.dirname(package_dir))
+        assert inst["servers"] == [s["pid"]] and inst["scan"]["error"] is None
+        # exact against an independent AST reading of that tree
+        direct, aliased, origins = independent(root_side(layouts, os.path.dirname(package_dir)))
+        sites = {(x["file"], x["line"]): x for x in inst["allocator_call_sites"]}
+        assert {k for k, x in sites.items() if not x["aliased"]} == direct and direct
+        assert {k for k, x in sites.items() if x["aliased"]} == aliased
+        assert {(o["file"], o["line"]) for o in inst["need_sort_origins"]} == origins
+    primary = min(servers.values(), key=lambda s: s["pid"])
+    assert h["facts"]["sglang"] == installs[primary["install"]]["sglang"]
+    assert h["allocator_call_sites"] == installs[primary["install"]]["allocator_call_sites"]
+
+
+def tree_digest(lab: Lab, location: str) -> dict[str, str]:
+    root = root_side(lab, location) / "sglang"
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.py"))}
+
+
+def test_apply_validate_status_rollback_per_install(layouts):
+    """Default apply changes every install a server runs from (not /opt/sglang/venv), one ledger
+    entry and validation each; status judges the checkout against git; rollback of the run's id
+    gives both trees back byte-identical."""
+    _, _, hosts = layouts.cli_json("inspect", "lab-01")
+    installs = {i["id"]: i for i in hosts["lab-01"]["installs"]}
+    served = sorted(i for i, x in installs.items() if x["servers"])
+    idle = next(x["sglang"]["location"] for x in installs.values() if not x["servers"])
+    locations = [installs[i]["sglang"]["location"] for i in served]
+    before = {loc: tree_digest(layouts, loc) for loc in locations + [idle]}
+    r, doc, hosts = layouts.cli_json("apply", "defrag-tier0", "lab-01", "--yes", timeout=600)
+    h = hosts["lab-01"]
+    assert (r.returncode, h["status"], h["error"]) == (0, "changed", None), r.stderr[-2000:]
+    cid = doc["change_id"]
+    changes = h["changes"]
+    assert sorted(c["install"] for c in changes) == served
+    assert sorted(c["change_id"] for c in changes) == [f"{cid}.1", f"{cid}.2"]
+    assert all(c["validation"]["status"] == "passed" for c in changes)
+    for loc in locations:
+        assert tree_digest(layouts, loc) != before[loc]
+    assert tree_digest(layouts, idle) == before[idle]
+    for iid in served:
+        r, _, v = layouts.cli_json("validate", "lab-01", "--install", iid, timeout=300)
+        assert v["lab-01"]["status"] == "ok" and len(v["lab-01"]["servers"]) == 1, r.stderr
+    r, _, st = layouts.cli_json("status", "lab-01")
+    assert st["lab-01"]["status"] == "ok", st["lab-01"]["error"]
+    checkout = next(i for i in st["lab-01"]["installs"] if i["install"] == "editable")
+    assert (checkout["git"], checkout["modified"]) == ("/opt/sglang/src/sglang", [])
+    r, _, rb = layouts.cli_json("rollback", cid, "lab-01", "--yes", timeout=300)
+    assert rb["lab-01"]["status"] == "changed", rb["lab-01"]["error"]
+    for loc in locations + [idle]:
+        assert tree_digest(layouts, loc) == before[loc]
