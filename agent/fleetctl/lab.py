@@ -557,7 +557,7 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
             _run(["ip", "link", "del", dev], check=False)
     _forget_known_hosts(known_hosts or default_known_hosts(),
                         [_address(lab_id, i) for i in range(244)] + [_reach_address(lab_id, n) for n in REACH_HOSTS])
-    _remove_become_users(lab_id)
+    lab_remove_become_users(lab_id)
     for p in ("lab.json", "hosts.yaml", "ssh_config", "become_password"):
         (sd / p).unlink(missing_ok=True)
     shutil.rmtree(sd / "hosts", ignore_errors=True)
@@ -842,7 +842,7 @@ def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
     sd = state_dir_for(lab_id, state_dir)
     if shutil.which("sudo") is None:
         raise LabError("sudo is not installed (scripts/setup.sh installs it)")
-    _remove_become_users(lab_id)
+    lab_remove_become_users(lab_id)
     password = base64.b32encode(os.urandom(15)).decode().lower()
     users = become_users(lab_id)
     for user in users.values():
@@ -864,7 +864,7 @@ def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
     return password
 
 
-def _remove_become_users(lab_id: int) -> None:
+def lab_remove_become_users(lab_id: int) -> None:
     """Remove the lab's sudoers file and become_users (their homes too), if there."""
     _sudoers_path(lab_id).unlink(missing_ok=True)
     for user in become_users(lab_id).values():
