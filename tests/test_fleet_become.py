@@ -54,7 +54,8 @@ def become(server_lab, tmp_path_factory):
             "good": inventory("good", **{h: sudo for h in HOSTS}),
             "bad": inventory("bad", **{"lab-04": {**sudo, "ansible_become_password": "not-" + password},
                                        "lab-02": {"ansible_user": users["nosudo"],
-                                                  "ansible_become_password": password}}),
+                                                  "ansible_become_password": password},
+                                       "lab-03": {"ansible_user": users["tty"]}}),
         }
     finally:
         labmod.lab_remove_become_users(server_lab.lab_id)
@@ -131,14 +132,16 @@ def test_become_user_does_what_root_does_and_the_password_is_nowhere(server_lab,
         assert pw not in r.stdout and pw not in r.stderr
 
 
-def test_wrong_password_and_no_sudo_rights_fail_with_sudos_message(server_lab, become):
+def test_wrong_password_no_sudo_rights_and_requiretty_fail_with_sudos_message(server_lab, become):
     state = "cat /var/lib/fleetctl/ledger.jsonl 2>/dev/null | sha256sum"
-    before = {h: (digest(server_lab, h), server_lab.ssh(h, state).stdout) for h in ("lab-02", "lab-04")}
+    before = {h: (digest(server_lab, h), server_lab.ssh(h, state).stdout) for h in ("lab-02", "lab-03", "lab-04")}
     r = cli(server_lab, "apply", "defrag-tier0", "all", "--yes", "--json", "-i", become["bad"])
     hosts = as_json(r)
     assert r.returncode != 0
     assert hosts["lab-04"]["status"] == "failed" and "sudo refused the password" in hosts["lab-04"]["error"]
     assert "Sorry, try again" in hosts["lab-04"]["error"]
     assert hosts["lab-02"]["status"] == "failed" and "not in the sudoers file" in hosts["lab-02"]["error"], hosts
-    assert {h: (digest(server_lab, h), server_lab.ssh(h, state).stdout) for h in ("lab-02", "lab-04")} == before
+    assert hosts["lab-03"]["status"] == "failed"
+    assert "sudo requires a tty (Defaults requiretty)" in hosts["lab-03"]["error"], hosts["lab-03"]
+    assert {h: (digest(server_lab, h), server_lab.ssh(h, state).stdout) for h in ("lab-02", "lab-03", "lab-04")} == before
     assert become["password"] not in r.stdout + r.stderr

@@ -828,8 +828,9 @@ def _sudoers_path(lab_id: int) -> Path:
 
 def become_users(lab_id: int) -> dict[str, str]:
     """The lab's non-root logins (role -> user name): `sudo` may sudo to any user, without a
-    password on lab-03 and with one on lab-04 (and nowhere else); `nosudo` has no sudo rights."""
-    return {"sudo": f"flab{lab_id}sudo", "nosudo": f"flab{lab_id}nosudo"}
+    password on lab-03 and with one on lab-04 (and nowhere else); `nosudo` has no sudo rights;
+    `tty` may sudo without a password anywhere, but only from a tty (`Defaults requiretty`)."""
+    return {"sudo": f"flab{lab_id}sudo", "nosudo": f"flab{lab_id}nosudo", "tty": f"flab{lab_id}tty"}
 
 
 def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
@@ -850,7 +851,8 @@ def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
         _run(["chpasswd"], input=f"{user}:{password}\n")
     rules = (f"# fleetctl lab {lab_id}: written by lab_add_become_users, removed by `fleetctl lab down`\n"
              f"{users['sudo']} {_hostname(2)} = (ALL) NOPASSWD: ALL\n"
-             f"{users['sudo']} {_hostname(3)} = (ALL) ALL\n")
+             f"{users['sudo']} {_hostname(3)} = (ALL) ALL\n"
+             f"Defaults:{users['tty']} requiretty\n{users['tty']} ALL = (ALL) NOPASSWD: ALL\n")
     tmp = _sudoers_path(lab_id).with_name(f".fleetctl-lab-{lab_id}.tmp")  # sudo skips names with a dot
     tmp.write_text(rules)
     tmp.chmod(0o440)
