@@ -9,6 +9,7 @@ command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need_apt+=(openssh-s
 command -v ssh >/dev/null 2>&1 || need_apt+=(openssh-client)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v flock >/dev/null 2>&1 || need_apt+=(util-linux)
+command -v sudo >/dev/null 2>&1 || need_apt+=(sudo)  # become (ansible_become) and its lab users
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 [ -x /usr/bin/ninja ] || need_apt+=(ninja-build)  # on the PATH of SSH sessions (lab hosts)
 if [ ${#need_apt[@]} -gt 0 ]; then

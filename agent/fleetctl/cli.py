@@ -6,6 +6,7 @@ or parse error; 5 bad options or a pattern that matches nothing.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
@@ -50,6 +51,8 @@ VaultPasswordFile = Annotated[Optional[str], typer.Option(
     "--vault-password-file", envvar="ANSIBLE_VAULT_PASSWORD_FILE",
     help="Vault password file (or script), as Ansible's; needs the ansible extra. Else $ANSIBLE_VAULT_PASSWORD_FILE.")]
 AskVaultPass = Annotated[bool, typer.Option("--ask-vault-pass", help="Ask for the vault password; needs the ansible extra.")]
+AskBecomePass = Annotated[bool, typer.Option("--ask-become-pass", "-K", help=(
+    "Ask for the sudo password of hosts with ansible_become that set no ansible_become_password."))]
 Forks = Annotated[int, typer.Option("--forks", "-f", help="Hosts worked on at once.")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds for each host's whole job.")]
 ConnectTimeout = Annotated[float, typer.Option("--connect-timeout",
@@ -68,7 +71,7 @@ RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
 
 
 def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
-              connection: str | None = None) -> Settings:
+              connection: str | None = None, ask_become_pass: bool = False) -> Settings:
     if connection is not None and connection not in inv.CONNECTIONS:
         raise UsageError(f"-c {connection}: not a connection fleetctl has ({', '.join(inv.CONNECTIONS)})")
     if connect_timeout <= 0:
@@ -76,12 +79,14 @@ def _settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
     if ssh_config is not None and not os.path.isfile(ssh_config):
         raise UsageError(f"--ssh-config {ssh_config}: no such file")
     return Settings(connect_timeout=connect_timeout, accept_new=accept_new,
-                    ssh_config=Path(ssh_config).resolve() if ssh_config else None, connection=connection)
+                    ssh_config=Path(ssh_config).resolve() if ssh_config else None, connection=connection,
+                    become_password=getpass.getpass("BECOME password: ") if ask_become_pass else None)
 
 
 def _fleet(forks: int, timeout: float, connect_timeout: float, accept_new: bool, json_out: bool,
-           ssh_config: str | None = None, run_timeout: float | None = None, connection: str | None = None) -> Fleet:
-    settings = _settings(connect_timeout, accept_new, ssh_config, connection)
+           ssh_config: str | None = None, run_timeout: float | None = None, connection: str | None = None,
+           ask_become_pass: bool = False) -> Fleet:
+    settings = _settings(connect_timeout, accept_new, ssh_config, connection, ask_become_pass)
     return Fleet(settings, forks=forks, timeout=timeout, progress=err.is_terminal and not json_out, console=err,
                  run_timeout=run_timeout)
 
@@ -97,7 +102,7 @@ def _select(inventory: str | None, pattern: str, vault_password_file: str | None
 
 @app.command()
 def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False,
             forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
@@ -108,7 +113,8 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     from .report import inspect_document, render_inspect, render_status_line
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         results = fleet.run(hosts, inspect_job, "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
@@ -198,7 +204,7 @@ def _confirm(what: str, yes: bool) -> None:
 
 @app.command()
 def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False,
              port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
              repeat: Repeat = 3, forks: Forks = 64, timeout: JobTimeout = None,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
@@ -212,7 +218,8 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
     _positive(timeout=timeout)
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout, connection) as fleet:
+                ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         results = fleet.run(hosts, validate_job(opts, install), "validate")
     _finish(results, json_out, render_validate)
 
@@ -220,7 +227,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
 @app.command()
 def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --playbooks-dir) or a path to a .yaml file.")],
           pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False,
           check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
           diff: Annotated[bool, typer.Option("--diff", help="Print unified diffs, identical ones coalesced.")] = False,
           serial: Annotated[Optional[str], typer.Option("--serial", help="Rolling batches: N, P% or a list 1,25%,100%.")] = None,
@@ -267,7 +274,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
-                ssh_config, run_timeout, connection) as fleet:
+                ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         outcome = check_then_apply(fleet, hosts, pb, opts, confirm, check_timeout=timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")
@@ -295,7 +303,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
              force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
              inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False, yes: Yes = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False, yes: Yes = False,
              forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
              connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
              accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
@@ -311,14 +319,15 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
     _finish(results, json_out, render_rollback)
 
 
 @app.command()
 def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
@@ -328,7 +337,8 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
     from .report import render_status
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
-    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         results = fleet.run(hosts, status_job(install=install), "status")
     _finish(results, json_out, render_status)
 
@@ -336,7 +346,7 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
 @deploy_app.command("kernel")
 def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME (see --kernels-dir).")],
                   pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
-    ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False, yes: Yes = False,
+    ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False, yes: Yes = False,
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
                   = config.BUILD_DEADLINE_S,
@@ -362,7 +372,8 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
-    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection) as fleet:
+    with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
     def render(rs, console):

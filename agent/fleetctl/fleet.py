@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import probes
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
-from .connection import Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
+from .connection import BecomeFailed, Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
 from .inventory import Host
 from .vocab import HostStatus
 
@@ -232,7 +232,7 @@ class Fleet:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
             result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
-        except (HostFailed, LockBusy, probes.ProbeError) as e:
+        except (BecomeFailed, HostFailed, LockBusy, probes.ProbeError) as e:
             result.status, result.error = FAILED, str(e)
         except FleetctlError as e:  # a template or expression error in the playbook, say
             result.status, result.error = FAILED, str(e)

@@ -31,7 +31,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from . import ansiblesrc, config
 from .errors import InventoryError, PatternError
-from .invtemplate import Templar, Unsafe, Vaulted, is_template, needed
+from .invtemplate import Templar, Unsafe, Vaulted, as_bool, is_template, needed
 
 ENV_VAR = "FLEETCTL_INVENTORY"
 DEFAULT_PATH = "hosts.yaml"
@@ -48,7 +48,7 @@ _BRACKETED_HOSTPORT = re.compile(r"\[(.+)\]:([0-9]+)")
 _HOSTNAME = re.compile(r"[\w][\w-]*(?<![_-])(?:\.[\w][\w-]*(?<![_-]))*")
 # Connection vars given as a command-line fragment (Ansible's ssh connection, ssh_common_args /
 # ssh_extra_args): split as a shell would, so a quoting mistake is found at load.
-_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args")
+_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_become_flags")
 # One part of a ':'-separated host pattern, keeping [x:y] brackets whole (ansible/inventory/manager.py).
 _PATTERN_PART = re.compile(r"(?:[^\s:\[\]]|\[[^\]]*\])+")
 # `pattern[i]`, `pattern[i:j]`, `pattern[i:]` (ansible/inventory/manager.py, PATTERN_WITH_SUBSCRIPT).
@@ -57,9 +57,16 @@ _VARS_EXTENSIONS = ("", ".yml", ".yaml", ".json")
 # Inventory file suffixes of Ansible's yaml inventory plugin (ansible/plugins/inventory/yaml.py).
 _YAML_SUFFIXES = (".yml", ".yaml", ".json")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
+# Become (privilege escalation) vars, as Ansible's sudo become plugin reads them
+# (ansible/plugins/become/sudo.py: become_user, become_flags, become_pass and its aliases).
+_BECOME_PASSWORD_VARS = ("ansible_become_password", "ansible_become_pass", "ansible_sudo_pass")
+_BECOME_STR_VARS = ("ansible_become_user", "ansible_become_flags", "ansible_become_method",
+                    *_BECOME_PASSWORD_VARS)
+# The only become method fleetctl runs (Ansible's default).
+BECOME_METHODS = ("sudo",)
 _STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
              "ansible_private_key_file", "ansible_ssh_private_key_file",
-             "ansible_python_interpreter", "ansible_connection", *_ARGS_VARS,
+             "ansible_python_interpreter", "ansible_connection", *_ARGS_VARS, *_BECOME_STR_VARS,
              *(v.name for v in config.HOST_VARS if v.type is str))
 # ansible_connection values fleetctl reaches hosts with (see fleetctl.connection); `ssh` and
 # `smart` are Ansible's names for its OpenSSH connection (fleetctl.connection.openssh).
@@ -145,6 +152,31 @@ class Host:
         arguments for the ssh command line only (Ansible's ssh connection, ssh_extra_args). ()
         when unset."""
         return tuple(shlex.split(self.vars.get("ansible_ssh_extra_args") or ""))
+
+    @property
+    def become(self) -> bool:
+        """ansible_become: run every command as become_user through sudo (Ansible's `bool`
+        reading of yes/true/on/1; checked at load). Default False."""
+        return bool(self.vars.get("ansible_become", False))
+
+    @property
+    def become_user(self) -> str:
+        """ansible_become_user: the user sudo runs commands as (`sudo -u`), default root."""
+        return self.vars.get("ansible_become_user") or "root"
+
+    @property
+    def become_flags(self) -> tuple[str, ...]:
+        """ansible_become_flags, split as a shell would (checked at load): extra sudo options
+        placed before `-u`. () when unset (fleetctl never adds Ansible's default `-H -S -n`:
+        it gives -S itself and answers the prompt, see connection/command.py)."""
+        return tuple(shlex.split(self.vars.get("ansible_become_flags") or ""))
+
+    @property
+    def become_password(self) -> str | None:
+        """The sudo password: ansible_become_password (or ansible_become_pass, ansible_sudo_pass;
+        the last set wins), templated and vault-decrypted at load. None: not set."""
+        password = _last(self.vars, *reversed(_BECOME_PASSWORD_VARS))
+        return None if password is None else str(password)
 
     @property
     def connection(self) -> str:
@@ -379,7 +411,7 @@ def _inventory(path: Path, merged: dict[str, _Vars], groups: dict[str, tuple[str
             try:
                 final[name] = _checked(name, templar.value(host, name))
             except ValueError as e:
-                if isinstance(raw[name], Vaulted):  # never print what a vault value holds
+                if isinstance(raw[name], Vaulted) or name in _BECOME_PASSWORD_VARS:  # never print a secret
                     raise InventoryError(f"{raw.where[name]}: {name}: the decrypted vault value is not "
                                          "what fleetctl needs here (a port number, or a string)") from None
                 raise InventoryError(f"{raw.where[name]}: {e} (rendered from {raw[name]!r})") from None
@@ -466,6 +498,11 @@ def _checked(name: str, data: Any) -> Any:
         if not isinstance(data, str) or isinstance(data, Vaulted):
             got = "a vault value" if isinstance(data, Vaulted) else repr(data)
             raise ValueError(f"{name} must be a plain string, not {got}")
+    if name == "ansible_become":
+        return as_bool(data)
+    if name == "ansible_become_method" and data not in BECOME_METHODS:
+        raise ValueError(f"ansible_become_method {data!r} is not one fleetctl can use: use "
+                         f"{', '.join(BECOME_METHODS)} (or leave it unset)")
     if name == "ansible_connection" and data not in CONNECTIONS:
         raise ValueError(f"ansible_connection {data!r} is not one fleetctl can use: "
                          f"use one of {', '.join(CONNECTIONS)}")

@@ -66,7 +66,7 @@ def _lookup(kind: str) -> Callable[..., Any]:
     return refuse
 
 
-def _bool(value: Any) -> bool:
+def as_bool(value: Any) -> bool:
     """Ansible's `bool` filter (ansible/module_utils/parsing/convert_bool.py, boolean(strict=False))."""
     if isinstance(value, bool):
         return value
@@ -101,7 +101,7 @@ class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
 def _environment() -> _Environment:
     env = _Environment(undefined=_Undefined, autoescape=False)
-    env.filters.update(bool=_bool, quote=shlex.quote, regex_replace=_regex_replace)
+    env.filters.update(bool=as_bool, quote=shlex.quote, regex_replace=_regex_replace)
     env.globals.update(lookup=_lookup("lookup"), query=_lookup("query"), q=_lookup("q"))
     return env
 

@@ -164,8 +164,8 @@ def default_known_hosts() -> Path:
 
 # ---------------------------------------------------------------- small helpers
 
-def _run(cmd: list[str], check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], check: bool = True, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
     if check and r.returncode != 0:
         raise LabError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
     return r
@@ -558,7 +558,8 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
             _run(["ip", "link", "del", dev], check=False)
     _forget_known_hosts(known_hosts or default_known_hosts(),
                         [_address(lab_id, i) for i in range(244)] + [_reach_address(lab_id, n) for n in REACH_HOSTS])
-    for p in ("lab.json", "hosts.yaml", "ssh_config"):
+    lab_remove_become_users(lab_id)
+    for p in ("lab.json", "hosts.yaml", "ssh_config", "become_password"):
         (sd / p).unlink(missing_ok=True)
     shutil.rmtree(sd / "hosts", ignore_errors=True)
 
@@ -820,6 +821,57 @@ def lab_add_reach_hosts(lab_id: int = 0, state_dir: Path | None = None, known_ho
     with open(known_hosts, "a") as f:
         f.writelines(lines)
     return out
+
+
+def _sudoers_path(lab_id: int) -> Path:
+    return Path(f"/etc/sudoers.d/fleetctl-lab-{lab_id}")
+
+
+def become_users(lab_id: int) -> dict[str, str]:
+    """The lab's non-root logins (role -> user name): `sudo` may sudo to any user, without a
+    password on lab-03 and with one on lab-04 (and nowhere else); `nosudo` has no sudo rights;
+    `tty` may sudo without a password anywhere, but only from a tty (`Defaults requiretty`)."""
+    return {"sudo": f"flab{lab_id}sudo", "nosudo": f"flab{lab_id}nosudo", "tty": f"flab{lab_id}tty"}
+
+
+def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
+    """Create the lab's become_users on this machine (the hosts share its /etc: each host is
+    its own UTS namespace, so sudo matches rules by the host name) and one sudoers file
+    /etc/sudoers.d/fleetctl-lab-<id> with the per-host rules, checked by `visudo -c`; both
+    logins sign in with the lab's client key and have a new random password, returned (also in
+    <state dir>/become_password, mode 0600). `lab_down` removes users and file. Raises LabError."""
+    require_root()
+    sd = state_dir_for(lab_id, state_dir)
+    if shutil.which("sudo") is None:
+        raise LabError("sudo is not installed (scripts/setup.sh installs it)")
+    lab_remove_become_users(lab_id)
+    password = base64.b32encode(os.urandom(15)).decode().lower()
+    users = become_users(lab_id)
+    for user in users.values():
+        _run(["useradd", "--create-home", "--home-dir", f"/home/{user}", "--shell", "/bin/sh", user])
+        _run(["chpasswd"], input=f"{user}:{password}\n")
+    rules = (f"# fleetctl lab {lab_id}: written by lab_add_become_users, removed by `fleetctl lab down`\n"
+             f"{users['sudo']} {_hostname(2)} = (ALL) NOPASSWD: ALL\n"
+             f"{users['sudo']} {_hostname(3)} = (ALL) ALL\n"
+             f"Defaults:{users['tty']} requiretty\n{users['tty']} ALL = (ALL) NOPASSWD: ALL\n")
+    tmp = _sudoers_path(lab_id).with_name(f".fleetctl-lab-{lab_id}.tmp")  # sudo skips names with a dot
+    tmp.write_text(rules)
+    tmp.chmod(0o440)
+    _run(["visudo", "-c", "-q", "-f", str(tmp)])
+    tmp.rename(_sudoers_path(lab_id))
+    secret = sd / "become_password"
+    secret.unlink(missing_ok=True)
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password)
+    return password
+
+
+def lab_remove_become_users(lab_id: int) -> None:
+    """Remove the lab's sudoers file and become_users (their homes too), if there."""
+    _sudoers_path(lab_id).unlink(missing_ok=True)
+    for user in become_users(lab_id).values():
+        _run(["userdel", "--remove", user], check=False)
 
 
 def _inventory_yaml(state: dict, sd: Path) -> str:

@@ -4,8 +4,8 @@ Follows pyinfra's `connectors/base.py` and mitogen's transports: a connection ki
 class that only knows how to open a session and start one process over there (`_start`). Running
 a command with input under a deadline, uploading a file and holding fleetctl's host lock are
 written once, here, against that one primitive; every remote command line is built by
-`command.remote_argv` (the deadline wrapper; the become prefix and the container entry join it
-there later). Nothing in this module imports paramiko, so a local-only run (the GPU host
+`command.remote_argv` (the deadline wrapper) and, for a host with ansible_become,
+`command.become_argv`; the sudo password handshake is done here, once, for every kind. Nothing in this module imports paramiko, so a local-only run (the GPU host
 itself) needs no paramiko.
 """
 
@@ -15,21 +15,26 @@ import hashlib
 import math
 import os
 import pwd
+import secrets
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import command
-from .errors import LockBusy, RemoteTimeout, Unreachable
+from .errors import BecomeFailed, LockBusy, RemoteTimeout, Unreachable
 
 # Bytes of the lock handshake read at most (a hostile host cannot make the controller hold more).
 LOCK_HANDSHAKE_MAX = 4096
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
 _RUN_STATE_LOCK = threading.Lock()
+# Bytes of sudo's stderr read at most before the command starts (its prompt, lecture, refusal).
+BECOME_HANDSHAKE_MAX = 8192
+# Characters of sudo's message kept in an error.
+_SUDO_SAID_MAX = 300
 
 
 def passwd_home() -> Path:
@@ -51,6 +56,8 @@ class Settings:
       the ssh_config sets no ServerAliveInterval / ServerAliveCountMax.
     connection: the connection kind of hosts whose inventory sets no ansible_connection (`-c`,
       which host variables override, as in Ansible); None: paramiko.
+    become_password: the sudo password of hosts whose inventory sets no ansible_become_password
+      (`--ask-become-pass`, -K); never in repr. None: none given.
     """
 
     connect_timeout: float = 10.0
@@ -59,6 +66,7 @@ class Settings:
     server_alive_interval: float = 15.0
     server_alive_count_max: int = 3
     connection: str | None = None
+    become_password: str | None = field(default=None, repr=False)
 
     def _run_state(self, name: str, make):
         """The run's one `name` object (made by `make()` on first use, from any thread)."""
@@ -122,6 +130,15 @@ class Process(ABC):
         seconds). stdin stays open."""
 
     @abstractmethod
+    def read_err(self, limit: int, timeout: float) -> bytes:
+        """The stderr bytes that arrive next (at most `limit`; b"" at EOF or after `timeout`
+        seconds). For the become handshake, before `communicate`."""
+
+    @abstractmethod
+    def write(self, data: bytes) -> None:
+        """Send `data` on stdin, which stays open. Raises Unreachable when the connection is lost."""
+
+    @abstractmethod
     def wait(self, timeout: float) -> int | None:
         """The exit status within `timeout` seconds, else None."""
 
@@ -159,13 +176,68 @@ class Connection(ABC):
         """Start `argv` (already wrapped by command.remote_argv) over there, within `timeout`
         seconds. Raises Unreachable, RemoteTimeout."""
 
+    def _begin(self, argv: list[str], timeout: float, start_s: float | None = None) -> tuple[Process, bytes, int]:
+        """Start `argv` under the deadline wrapper of `timeout` seconds (and, for a host with
+        ansible_become, under sudo, its password handshake done), within `start_s` seconds
+        (default: the whole deadline): (the process, stderr it already wrote, the whole seconds
+        it may run). Raises BecomeFailed, RemoteTimeout, Unreachable."""
+        wrapped, limit = command.remote_argv(argv, timeout)
+        start_s = limit if start_s is None else start_s
+        if not self.host.become:
+            return self._start(wrapped, start_s), b"", limit
+        prompt = f"fleetctl-sudo-{secrets.token_hex(8)}:"
+        ready = f"fleetctl-ready-{secrets.token_hex(8)}"
+        proc = self._start(command.become_argv(wrapped, self.host.become_user, self.host.become_flags,
+                                               prompt, ready), start_s)
+        try:
+            rest = self._answer_sudo(proc, prompt.encode(), ready.encode() + b"\n", time.monotonic() + start_s)
+        except BaseException:
+            proc.close()
+            raise
+        return proc, rest, limit
+
+    def _answer_sudo(self, proc: Process, prompt: bytes, ready: bytes, deadline: float) -> bytes:
+        """Read sudo's stderr until the command's `ready` line (return what follows it). The
+        password is written once, and only after sudo's own `prompt` arrived: with NOPASSWD or a
+        cached sudo it would otherwise reach the command's stdin. Never a pty (sudo -S).
+        Raises BecomeFailed with sudo's message (a second prompt: the password was refused;
+        sudo exiting: no rights, or `Defaults requiretty`), RemoteTimeout at `deadline`."""
+        seen, answered = b"", False
+        while True:
+            at = seen.find(ready)
+            if at >= 0:
+                return seen[at + len(ready):]
+            if prompt in seen:
+                password = self.host.become_password
+                if password is None:
+                    password = self.settings.become_password
+                if answered:
+                    raise BecomeFailed(f"sudo refused the password: {_sudo_said(seen, prompt)}")
+                if password is None:
+                    raise BecomeFailed("sudo asked for a password and none was given: set "
+                                       "ansible_become_password (vault it) or run with --ask-become-pass (-K)")
+                proc.write(password.encode() + b"\n")
+                answered, seen = True, seen.replace(prompt, b"", 1)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteTimeout("sudo did not start the command by its deadline")
+            chunk = proc.read_err(BECOME_HANDSHAKE_MAX, left) if len(seen) < BECOME_HANDSHAKE_MAX else b""
+            if not chunk and time.monotonic() < deadline:
+                said = _sudo_said(seen, prompt)
+                if "must have a tty" in said:
+                    raise BecomeFailed("sudo requires a tty (Defaults requiretty)")
+                raise BecomeFailed(f"sudo did not run the command: {said or 'no message'}")
+            seen += chunk
+
     def run(self, argv: list[str], timeout: float, stdin: bytes = b"") -> Result:
         """Run `argv` (a list of words, never a shell string) with `stdin` bytes then EOF, killed
-        over there (the whole process group) if it outlives `timeout` seconds.
-        Raises RemoteTimeout at the deadline, Unreachable if the connection is lost."""
-        wrapped, limit = command.remote_argv(argv, timeout)
+        over there (the whole process group) if it outlives `timeout` seconds; as the become
+        user when the host has ansible_become.
+        Raises RemoteTimeout at the deadline, Unreachable if the connection is lost, BecomeFailed
+        when sudo does not start it."""
         start = time.monotonic()
-        proc = self._start(wrapped, limit)
+        proc, early_err, limit = self._begin(argv, timeout)
         try:
             out, err, code = proc.communicate(stdin, start + limit + command.KILL_AFTER_S + 3)
         finally:
@@ -173,7 +245,7 @@ class Connection(ABC):
         elapsed = time.monotonic() - start
         if code in command.TIMEOUT_EXITS and elapsed >= limit - 0.5:
             raise RemoteTimeout(f"remote command ran past its deadline of {limit} s and was killed on the host")
-        return Result(code, out, err, elapsed)
+        return Result(code, out, early_err + err, elapsed)
 
     def put_bytes(self, data: bytes, remote_path: str, timeout: float, mode: int = 0o644) -> None:
         """Write `data` to `remote_path` over there: sent on the stdin of a command that writes a
@@ -196,8 +268,7 @@ class Connection(ABC):
         taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
-        wrapped, _ = command.remote_argv(command.lock_argv(state_dir, who, hold), hold + timeout)
-        proc = self._start(wrapped, timeout)
+        proc, _, _ = self._begin(command.lock_argv(state_dir, who, hold), hold + timeout, timeout)
         line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
         if line.strip() == b"LOCKED":
             return HostLock(proc)
@@ -208,6 +279,14 @@ class Connection(ABC):
             who = holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})")
+
+
+def _sudo_said(seen: bytes, prompt: bytes) -> str:
+    """What sudo wrote on stderr, as one bounded line of printable text: its prompts and the
+    in-band exit line (command.exit_status_line) taken out, anything else unprintable as `?`."""
+    text = seen.split(command.EXIT_LINE_PREFIX)[0].replace(prompt, b"").decode("utf-8", "replace")
+    text = " ".join("".join(c if c.isprintable() else "?" for c in line) for line in text.split())
+    return text[-_SUDO_SAID_MAX:]
 
 
 class HostLock:

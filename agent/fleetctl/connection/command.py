@@ -4,8 +4,9 @@ Every command fleetctl starts on a host is a list of words (argv), never a shell
 values pasted in: values travel as separate words (or on stdin), so nothing a host or an
 inventory says can be parsed as shell. `remote_argv` wraps each one in the deadline wrapper
 (coreutils `timeout -k`, which runs the command in its own process group and kills that group at
-the deadline, so the remote work dies even when fleetctl is gone); the become prefix and the
-container entry are composed here too when they arrive. The few fixed scripts fleetctl needs
+the deadline, so the remote work dies even when fleetctl is gone) and, for a host with
+ansible_become, in the become prefix (`become_argv`: sudo, outside the deadline wrapper, since a
+non-root `timeout` could not kill root's command). The few fixed scripts fleetctl needs
 (upload, lock) live here as constants that take their values as positional parameters.
 """
 
@@ -45,6 +46,19 @@ def remote_argv(argv: list[str], timeout: float) -> tuple[list[str], int]:
         raise TypeError(f"a remote command is a non-empty list of strings, not {argv!r}")
     limit = max(1, math.ceil(timeout))
     return ["timeout", "-k", str(KILL_AFTER_S), str(limit), *argv], limit
+
+
+def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str, ready: str) -> list[str]:
+    """`argv` (already under the deadline wrapper) run by sudo as `user`: `sudo -S -p PROMPT
+    FLAGS -u USER -- sh -c 'print READY on stderr; exec "$@"' ...`. -S: sudo reads a password
+    from stdin, never a tty (sudo(8)); -p: its prompt is PROMPT, written to stderr with no
+    newline, so the caller sees whether sudo asks before anything reaches the command's stdin;
+    READY on a line of its own on stderr says sudo let the command start. `prompt` and `ready`
+    are the caller's random markers (no `%`, which sudo's -p expands)."""
+    if "%" in prompt:
+        raise ValueError("a sudo prompt marker must not hold %")
+    return ["sudo", "-S", "-p", prompt, *flags, "-u", user, "--",
+            "sh", "-c", 'printf "%s\n" "$0" >&2; exec "$@"', ready, *argv]
 
 
 def shell_line(argv: list[str]) -> str:

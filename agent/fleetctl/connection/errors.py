@@ -17,3 +17,8 @@ class RemoteTimeout(Exception):
 
 class LockBusy(Exception):
     """Another fleetctl run holds the host's lock."""
+
+
+class BecomeFailed(Exception):
+    """sudo did not start the command (a wrong or missing password, no sudo rights, a sudo that
+    requires a tty); nothing ran as the become user. The message is sudo's own, bounded."""

@@ -56,6 +56,19 @@ class LocalProcess(Process):
             buf += chunk
         return buf.split(b"\n", 1)[0]
 
+    def read_err(self, limit: int, timeout: float) -> bytes:
+        fd = self._p.stderr.fileno()
+        if not select.select([fd], [], [], max(0.0, timeout))[0]:
+            return b""
+        return os.read(fd, limit)
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._p.stdin.write(data)
+            self._p.stdin.flush()
+        except OSError as e:
+            raise Unreachable(f"the command's stdin closed: {e}") from None
+
     def wait(self, timeout: float) -> int | None:
         try:
             return self._p.wait(timeout)

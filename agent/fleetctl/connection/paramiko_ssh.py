@@ -299,6 +299,19 @@ class ParamikoProcess(Process):
             pass
         return buf.split(b"\n", 1)[0]
 
+    def read_err(self, limit: int, timeout: float) -> bytes:
+        self.chan.settimeout(max(0.01, timeout))
+        try:
+            return self.chan.recv_stderr(limit)
+        except socket.timeout:
+            return b""
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.chan.sendall(data)
+        except (paramiko.SSHException, OSError) as e:
+            raise self.conn.lost(f"while answering sudo's prompt: {e}") from None
+
     def wait(self, timeout: float) -> int | None:
         end = time.monotonic() + timeout
         while not self.chan.exit_status_ready():
