@@ -25,6 +25,7 @@ def test_become_vars_on_host(tmp_path):
     a, b = inv.hosts["a"], inv.hosts["b"]
     assert (a.become, a.become_user, a.become_flags, a.become_password) == (True, "root", ("-E", "-H"), "pw")
     assert (b.become, b.become_user, b.become_password) == (False, "svc", None)
+    assert "'pw'" not in repr(a) and "ansible_become_pass" not in repr(a)  # logs, tracebacks
 
 
 def test_other_become_method_is_exit_4_with_file_and_line(tmp_path):

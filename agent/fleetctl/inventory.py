@@ -113,7 +113,7 @@ class Host:
     """
 
     name: str
-    vars: Mapping[str, Any] = field(compare=False)
+    vars: Mapping[str, Any] = field(compare=False, repr=False)  # may hold a decrypted become password
     groups: tuple[str, ...]
 
     @property
