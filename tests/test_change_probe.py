@@ -55,7 +55,7 @@ def site(tmp_path):
     plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(site)))
     assert plan.status == "change" and len(plan.files) == 2
     params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
-              "operator": "tester",
+              "operator": "tester", "root": str(site),
               "files": [{k: getattr(fc, k) for k in ("path", "pre_sha256", "post_sha256", "new_text")}
                         for fc in plan.files]}
     return site, state, params, originals
@@ -203,10 +203,11 @@ import json, os, signal, sys
 from fleetctl.probes import change
 params = json.load(sys.stdin)
 real = os.replace
-def replace(src, dst):
-    if dst == params["files"][1]["path"]:
+def replace(src, dst, **dir_fds):
+    where = os.readlink("/proc/self/fd/%d" % dir_fds["dst_dir_fd"])
+    if os.path.join(where, dst) == params["files"][1]["path"]:
         os.kill(os.getpid(), signal.SIGKILL)  # killed after the temp file, before the rename
-    real(src, dst)
+    real(src, dst, **dir_fds)
 os.replace = replace
 change.main(params)
 """
@@ -219,8 +220,7 @@ def test_recover_after_kill_mid_apply(site):
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["post_sha256"]
     assert sha(second) == params["files"][1]["pre_sha256"]
-    tmp = second.parent / f".{second.name}.fleetctl-c1.tmp"
-    assert tmp.exists()
+    [tmp] = second.parent.glob(f".{second.name}.fleetctl-c1.*.tmp")  # a random name nobody can plant
     assert ledger_states(state) == [("c1", "pending")]
     refused = change.main(dict(params, change_id="c2"))
     assert not refused["ok"] and "pending" in refused["error"]
@@ -253,7 +253,7 @@ def test_status_drift_and_record(tmp_path):
     plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs({rel: text}, location=str(site)))
     fc = plan.files[0]
     r = change.main({"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
-                     "operator": "t", "files": [{"path": fc.path, "pre_sha256": fc.pre_sha256,
+                     "operator": "t", "root": str(site), "files": [{"path": fc.path, "pre_sha256": fc.pre_sha256,
                                                  "post_sha256": fc.post_sha256, "new_text": fc.new_text}]})
     assert r["ok"], r
     r = change.main(st)
@@ -297,7 +297,7 @@ def test_symlink_changes_swap_roll_back_and_recover(tmp_path):
     def act(cid, pre, post, commit=True):
         return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "operator": "t",
                             "files": [{"path": link, "kind": "link", "pre_target": pre, "post_target": post}],
-                            "commit": commit, **sd})
+                            "commit": commit, "root": str(kdir), **sd})
 
     assert act("c1", None, "k1")["ok"] and os.readlink(link) == "k1"
     refused = act("c2", None, "k2")

@@ -96,7 +96,7 @@ def sha(b: bytes) -> str:
 def write_change(path: Path, new: str, cid: str, facts: dict, **kw) -> Change:
     old = path.read_bytes()
     return Change(cid, "test", [{"path": str(path), "pre_sha256": sha(old), "post_sha256": sha(new.encode()),
-                                 "new_text": new}], facts, smoke=False, **kw)
+                                 "new_text": new}], facts, str(path.parent), smoke=False, **kw)
 
 
 def ledger_state(state: Path, cid: str) -> str:
@@ -155,7 +155,7 @@ def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_pa
 
     def killed(ctx):
         change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="test", operator="t",
-                     files=change.files, commit=False)
+                     files=change.files, root=change.root, commit=False)
         return {}
 
     run_one(host, killed)

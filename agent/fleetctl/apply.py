@@ -112,7 +112,7 @@ def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, 
         change_id, playbook.name,
         [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
          for f in plan.files],
-        facts, plan.handlers, checks, smoke="smoke" in steps,
+        facts, facts["sglang"]["location"], plan.handlers, checks, smoke="smoke" in steps,
         offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
         rollback=playbook.on_failure == "rollback")
     return execute(ctx, result, change, opts)

@@ -164,12 +164,15 @@ class Change:
     checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;
     offline: an offline smoke command (None: the host's fleetctl_smoke_cmd); facts: the host's
     facts (interpreter, servers); rollback: False keeps a change that fails validation
-    (playbook on_failure: keep)."""
+    (playbook on_failure: keep); root: the directory every file must lie in (links resolved; the
+    install's package directory, or the kernels dir), on a network file system only when the
+    host's fleetctl_shared_tree says so."""
 
     change_id: str
     label: str
     files: list[dict]
     facts: dict
+    root: str
     handlers: list[dict] = field(default_factory=list)
     checks: Callable[[], list[str]] = lambda: []
     smoke: bool = True
@@ -190,7 +193,8 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
-                     operator=opts.operator, files=change.files, commit=False)
+                     operator=opts.operator, files=change.files, root=change.root,
+                     shared_tree=ctx.host.shared_tree, commit=False)
         result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, opts.smoke, baseline)
         return settle(ctx, result, change, opts.state_dir, problems)

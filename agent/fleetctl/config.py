@@ -59,6 +59,8 @@ SGLANG_PORT = HostVar("fleetctl_sglang_port", "port", "port of the server the sm
 SGLANG_HOST = HostVar("fleetctl_sglang_host", str, "address of that server on the host (default 127.0.0.1)")
 SMOKE_CMD = HostVar("fleetctl_smoke_cmd", str, "an offline smoke command, run on the host")
 LATENCY_SLACK = HostVar("fleetctl_latency_slack", float, "seconds added to the latency gate's ratio")
+SHARED_TREE = HostVar("fleetctl_shared_tree", bool, "the SGLang install is on a network file system other "
+                      "hosts mount too, and changing it from this host is meant")
 
-HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK)
+HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE)
 DEFAULT_SGLANG_HOST = "127.0.0.1"

@@ -155,6 +155,12 @@ class Host:
         """fleetctl_latency_slack: seconds added to the latency gate's ratio (default 0)."""
         return float(self.vars.get(config.LATENCY_SLACK.name, 0.0))
 
+    @property
+    def shared_tree(self) -> bool:
+        """fleetctl_shared_tree: true lets a change write a package tree on a network file
+        system (NFS, CIFS, Ceph, Lustre, GPFS, FUSE), which every host mounting it then sees."""
+        return self.vars.get(config.SHARED_TREE.name) is True
+
 
 @dataclass
 class Inventory:
