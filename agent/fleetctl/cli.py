@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import TyperException
 from rich.console import Console
+from rich.text import Text
 
 from . import config
 from . import inventory as inv
@@ -82,7 +83,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
     from .gather import gather
-    from .report import inspect_document, render_inspect, render_status_line
+    from .report import inspect_document, render_inspect
 
     hosts = _select(inventory, pattern)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
@@ -90,8 +91,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut 
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
-        render_inspect(results, out)
-        render_status_line(results, out)
+        _render(results, render_inspect)
     raise typer.Exit(exit_code(results))
 
 
@@ -216,8 +216,6 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
-        if cid:
-            console.print(f"change id: {cid}")
 
     _finish(outcome.results, json_out, render, change_id=cid, check=check)
 
@@ -292,25 +290,32 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
-    def render(rs, console):
-        render_deploy(rs, console)
-        console.print(f"change id: {cid}")
-
-    _finish(results, json_out, render, change_id=cid, kernel=pkg.name)
+    _finish(results, json_out, render_deploy, change_id=cid, kernel=pkg.name)
 
 
 def _finish(results, json_out: bool, render, **doc) -> None:
-    """Print the results (one JSON document, or `render(results, out)` and the recap line) and
-    exit with Ansible's code for them."""
+    """Print the results (one JSON document, or `_render`) and exit with Ansible's code for them."""
     from .fleet import exit_code
-    from .report import render_status_line
 
     if json_out:
         _print_json({**doc, "hosts": [r.to_json() for r in results]})
     else:
-        render(results, out)
-        render_status_line(results, out)
+        _render(results, render, doc.get("change_id"))
     raise typer.Exit(exit_code(results))
+
+
+def _render(results, render, change_id: str | None = None) -> None:
+    """`render(results, out)`, the change id when there is one, and the recap line. A report that
+    cannot be rendered is said so in one line; the change id and the recap follow it anyway."""
+    from .report import render_status_line, text
+
+    try:
+        render(results, out)
+    except Exception as e:  # noqa: BLE001 - the change id and the exit code must still be given
+        out.print(text(f"the report could not be rendered: {type(e).__name__}: {e}", style="red"))
+    if change_id:
+        out.print(text(f"change id: {change_id}"))
+    render_status_line(results, out)
 
 
 def _print_json(doc: dict) -> None:
@@ -390,7 +395,9 @@ def main() -> None:
         err.print("aborted")
         sys.exit(130)
     except FleetctlError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        from .report import text
+
+        err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from rich.markup import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -274,8 +275,8 @@ class Fleet:
                 except KeyboardInterrupt:
                     if self.interrupted:
                         for fut in pending:
-                            self.console.print(f"[bold red]stopped while {futures[fut].name} was in progress"
-                                               + (f":[/] {note}" if note else "[/]"), highlight=False)
+                            self.console.print(f"[bold red]stopped while {escape(futures[fut].name)} was in progress"
+                                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
                         raise
                     # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
