@@ -5,8 +5,10 @@ message, checks that the venv, the state dir and every decoy are byte-identical,
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import pytest
+import yaml
 
 from fleetctl.changes import change_probe
 from fleetctl.fleet import Fleet, HostFailed
@@ -139,3 +141,44 @@ def test_planted_links_never_redirect_a_write(lab, guarded):
                                "fleetctl does not go through it")
     assert (seen["tmp-applied"], seen["tmp-restored"]) == (True, True)
     assert seen["modes"] == ["700 root", "600 root"]
+
+
+def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
+    """A server started with --api-key and a model path holding Rich markup and terminal escapes
+    (what any local user can put in a process's argv): inspect prints the path escaped and the
+    key nowhere; apply refuses the host before writing (its baseline decode gets 401), then
+    goes through with fleetctl_sglang_api_key, which is never printed (review M5, M8, M9)."""
+    key = "sk-fleetctl-" + secrets.token_hex(12)
+    model = "[/INST] [bold red]FAKE OK[/] \x1b[2K"
+    plant = (f"/opt/fleetctl-standin/restart.sh --api-key {key} "
+             "--model-path \"$(printf '[/INST] [bold red]FAKE OK[/] \\033[2K')\"")
+    inv = yaml.safe_load(server_lab.inventory.read_text())
+    inv["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_sglang_api_key"] = key
+    with_key = tmp_path / "hosts.yaml"
+    with_key.write_text(yaml.safe_dump(inv))
+    r = server_lab.ssh(HOST, plant)
+    assert r.returncode == 0, r.stderr
+    before = digest(server_lab, f"{SITE}/sglang", f"{STATE}/ledger.jsonl", f"{STATE}/backups")
+    try:
+        shown = server_lab.cli("inspect", HOST, env={"COLUMNS": "400"})
+        js, doc, hosts = server_lab.cli_json("inspect", HOST)
+        assert (shown.returncode, js.returncode) == (0, 0), shown.stdout[-2000:]
+        [srv] = hosts[HOST]["facts"]["servers"]
+        assert srv["model_path"] == model and "<redacted>" in srv["argv"]
+        assert "[/INST] [bold red]FAKE OK[/] \\x1b[2K" in shown.stdout and "\x1b" not in shown.stdout
+
+        refused, _, hosts = server_lab.cli_json("apply", "defrag-tier0", HOST, "--yes")
+        assert refused.returncode == 2
+        assert (hosts[HOST]["status"], hosts[HOST]["error"]) == (
+            "failed", "baseline smoke failed: not changing this host: "
+                      '127.0.0.1:30000: /generate answered HTTP 401: {"error": "Unauthorized"}')
+        assert digest(server_lab, f"{SITE}/sglang", f"{STATE}/ledger.jsonl", f"{STATE}/backups") == before
+
+        passed, _, hosts = server_lab.cli_json("apply", "defrag-tier0", HOST, "--yes", "-i", str(with_key))
+        assert (passed.returncode, hosts[HOST]["status"]) == (0, "changed"), passed.stdout[-3000:]
+        for out in (shown, js, refused, passed):
+            assert key not in out.stdout + out.stderr
+    finally:
+        server_lab.set_behavior(HOST, {}, restart=True)
+        r = server_lab.cli("rollback", "--last", HOST, "--yes")
+        assert r.returncode == 0, r.stdout[-2000:]

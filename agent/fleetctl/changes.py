@@ -8,7 +8,8 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
     change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
                                      for the whole job) -> recover -> work(ctx, recovery)
     recover                          undo changes a killed run left "pending"; restart SGLang
-    execute(ctx, result, change)     baseline smoke -> write, ledger "pending" -> validate_change
+    execute(ctx, result, change)     baseline smoke (a failing one refuses the host) -> write,
+                                     ledger "pending" -> validate_change
                                      -> settle; a connection lost from the write on -> put_back
     put_back                         one reconnect, then finish by the ledger's state (roll back)
     validate_change                  handlers -> checks -> smoke gate against the baseline
@@ -36,6 +37,7 @@ from .connection import RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
 from .gather import gather
+from .probes import redact
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
 
@@ -102,12 +104,13 @@ def restart_handlers(ctx: HostContext) -> list[dict]:
 
 def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     """Run each handler's shell command ({"name", "command"}) on the host, in order. Returns
-    [{"name", "exit_code", "output" (last 1000 chars)}]; a non-zero exit raises HostFailed."""
+    [{"name", "exit_code", "output" (last 1000 chars, secrets redacted: probes/redact.py)}]; a
+    non-zero exit raises HostFailed."""
     ran = []
     for h in handlers:
         r = ctx.run(operator_argv(h["command"]))
-        ran.append({"name": h["name"], "exit_code": r.exit_code,
-                    "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
+        out = redact.text((r.stdout[-65536:] + r.stderr[-65536:]).decode("utf-8", "replace"))
+        ran.append({"name": h["name"], "exit_code": r.exit_code, "output": out[-1000:]})
         if r.exit_code != 0:
             raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
     return ran
@@ -190,6 +193,7 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     put_back)."""
     baseline = (smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S)
                 if change.smoke else None)
+    refuse_failing_baseline(baseline)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
@@ -200,6 +204,20 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
         return settle(ctx, result, change, opts.state_dir, problems)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
+
+
+def refuse_failing_baseline(baseline: dict | None) -> None:
+    """Raise HostFailed ("baseline smoke failed: not changing this host: <why>") when a server
+    or the offline check already fails before the change (a 401 from an --api-key server, a
+    server that is down): a change could only fail its gate and cost two restarts."""
+    if baseline is None:
+        return
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in baseline["servers"] if not s["ok"]]
+    off = baseline.get("offline")
+    if off is not None and not off["ok"]:
+        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']})")
+    if bad:
+        raise HostFailed("baseline smoke failed: not changing this host: " + "; ".join(bad))
 
 
 def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,

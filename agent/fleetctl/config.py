@@ -62,5 +62,8 @@ LATENCY_SLACK = HostVar("fleetctl_latency_slack", float, "seconds added to the l
 SHARED_TREE = HostVar("fleetctl_shared_tree", bool, "the SGLang install is on a network file system other "
                       "hosts mount too, and changing it from this host is meant")
 
-HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE)
+SGLANG_API_KEY = HostVar("fleetctl_sglang_api_key", str, "the server's --api-key, sent by the smoke decode as "
+                         "Authorization: Bearer (never printed)")
+
+HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY)
 DEFAULT_SGLANG_HOST = "127.0.0.1"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .fleet import HostContext
 
-PROBE_MODULES = ["callsites", "facts"]
+PROBE_MODULES = ["redact", "callsites", "facts"]
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:

@@ -26,6 +26,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from . import config
+from .probes import redact
 from .errors import InventoryError, PatternError
 
 ENV_VAR = "FLEETCTL_INVENTORY"
@@ -154,6 +155,13 @@ class Host:
     def latency_slack(self) -> float:
         """fleetctl_latency_slack: seconds added to the latency gate's ratio (default 0)."""
         return float(self.vars.get(config.LATENCY_SLACK.name, 0.0))
+
+    @property
+    def sglang_api_key(self) -> str | None:
+        """fleetctl_sglang_api_key: the SGLang server's API key for the smoke decode (a secret:
+        it travels on the probe's stdin and is never printed); None: not set."""
+        key = self.vars.get(config.SGLANG_API_KEY.name)
+        return None if key is None else str(key)
 
     @property
     def shared_tree(self) -> bool:
@@ -523,7 +531,8 @@ class _Parser:
             elif name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
                 self.fail(value, f"{name} must be an integer, not {data!r}")
             elif name in _STR_VARS and (not isinstance(data, str) or isinstance(data, Vaulted)):
-                got = "a vault value" if isinstance(data, Vaulted) else repr(data)
+                got = ("a vault value" if isinstance(data, Vaulted) else
+                       f"a {type(data).__name__}" if redact.secret_name(name) else repr(data))
                 self.fail(value, f"{name} must be a plain string, not {got}")
             elif name == "ansible_connection" and data not in CONNECTIONS:
                 self.fail(value, f"ansible_connection {data!r} is not one fleetctl can use: "

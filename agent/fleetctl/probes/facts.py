@@ -18,6 +18,11 @@ import subprocess
 import sys
 import time
 
+if __package__:  # imported from the fleetctl package
+    from . import redact
+else:
+    import redact  # loaded before this module by the probe bundle
+
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -112,7 +117,8 @@ def find_servers():
 
     Returns ([{pid, argv, kind, port, host, model_path, tp_size, python}], count of servers seen
     in other mount namespaces (containers), which are not reported). Flags per
-    sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size).
+    sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size). Secrets in argv
+    (--api-key, tokens, URL passwords) are redacted here, before they leave the host (redact.py).
     """
     table, others = _proc_table()
     pids = {pid for pid, (argv, _) in table.items() if server_kind(argv)}
@@ -130,7 +136,7 @@ def find_servers():
                 pids.add(p)
     servers = []
     for pid in sorted(pids):
-        argv = table[pid][0]
+        argv = redact.argv(table[pid][0])
         port = _opt(argv, "--port")
         tp = _opt(argv, "--tp-size", "--tp", "--tensor-parallel-size")
         servers.append({
