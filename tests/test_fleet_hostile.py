@@ -150,8 +150,11 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
     goes through with fleetctl_sglang_api_key, which is never printed (review M5, M8, M9)."""
     key = "sk-fleetctl-" + secrets.token_hex(12)
     model = "[/INST] [bold red]FAKE OK[/] \x1b[2K"
-    plant = (f"/opt/fleetctl-standin/restart.sh --api-key {key} "
-             "--model-path \"$(printf '[/INST] [bold red]FAKE OK[/] \\033[2K')\"")
+    # the stand-in behind the key, and beside it a fake "server" any local user can start
+    plant = (f"/opt/fleetctl-standin/restart.sh --api-key {key} && "
+             "{ setsid nohup python3 -c 'import time; time.sleep(1e9)' -m sglang.launch_server --port 30001 "
+             f"--model-path \"$(printf '[/INST] [bold red]FAKE OK[/] \\033[2K')\" --api-key {key} "
+             ">/dev/null 2>&1 </dev/null & echo $! > /tmp/fake-server.pid; }")
     inv = yaml.safe_load(server_lab.inventory.read_text())
     inv["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_sglang_api_key"] = key
     with_key = tmp_path / "hosts.yaml"
@@ -163,8 +166,8 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
         shown = server_lab.cli("inspect", HOST, env={"COLUMNS": "400"})
         js, doc, hosts = server_lab.cli_json("inspect", HOST)
         assert (shown.returncode, js.returncode) == (0, 0), shown.stdout[-2000:]
-        [srv] = hosts[HOST]["facts"]["servers"]
-        assert srv["model_path"] == model and "<redacted>" in srv["argv"]
+        fake = next(s for s in hosts[HOST]["facts"]["servers"] if s["port"] == 30001)
+        assert fake["model_path"] == model and fake["argv"][-2:] == ["--api-key", "<redacted>"]
         assert "[/INST] [bold red]FAKE OK[/] \\x1b[2K" in shown.stdout and "\x1b" not in shown.stdout
 
         refused, _, hosts = server_lab.cli_json("apply", "defrag-tier0", HOST, "--yes")
@@ -179,6 +182,7 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
         for out in (shown, js, refused, passed):
             assert key not in out.stdout + out.stderr
     finally:
+        server_lab.ssh(HOST, "kill $(cat /tmp/fake-server.pid)")
         server_lab.set_behavior(HOST, {}, restart=True)
         r = server_lab.cli("rollback", "--last", HOST, "--yes")
         assert r.returncode == 0, r.stdout[-2000:]
