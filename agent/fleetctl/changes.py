@@ -108,7 +108,7 @@ def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     non-zero exit raises HostFailed."""
     ran = []
     for h in handlers:
-        r = ctx.run(operator_argv(h["command"]))
+        r = ctx.run(operator_argv(h["command"]), what=f"handler {h['name']!r}", keep_ends=True)
         out = redact.text((r.stdout[-65536:] + r.stderr[-65536:]).decode("utf-8", "replace"))
         ran.append({"name": h["name"], "exit_code": r.exit_code, "output": out[-1000:]})
         if r.exit_code != 0:

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import probes
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
-from .connection import Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
+from .connection import Connection, LockBusy, OutputTooLarge, RemoteTimeout, Result, Settings, Unreachable, connect
 from .inventory import Host
 from .vocab import HostStatus
 
@@ -96,18 +96,21 @@ class HostContext:
             raise RemoteTimeout("host deadline reached")
         return left
 
-    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None, what: str | None = None,
+            keep_ends: bool = False) -> Result:
         """Run `argv` (a list of words) on the host, bounded by `timeout` seconds and by the host
-        deadline. Raises RemoteTimeout, Unreachable."""
+        deadline; output bounded as Connection.run says (`what`, `keep_ends`).
+        Raises RemoteTimeout, Unreachable, OutputTooLarge."""
         limit = self.remaining() if timeout is None else min(timeout, self.remaining())
-        return self.conn.run(argv, timeout=limit, stdin=stdin)
+        return self.conn.run(argv, timeout=limit, stdin=stdin, what=what, keep_ends=keep_ends)
 
     def probe(self, main: str, params: dict, modules: list[str] | None = None,
               python: str | None = None, timeout: float | None = None) -> dict:
         """Run probe `main` with `params` on the host's interpreter (`python`, or the inventory's,
         or python3 on PATH). Raises probes.ProbeError, RemoteTimeout, Unreachable."""
         py = python or self.host.python
-        r = self.run(probes.command(py), stdin=probes.bundle(main, params, modules), timeout=timeout)
+        r = self.run(probes.command(py), stdin=probes.bundle(main, params, modules), timeout=timeout,
+                     what=f"the {main} probe")
         return probes.parse_output(r.stdout, r.stderr, r.exit_code)
 
 
@@ -231,7 +234,7 @@ class Fleet:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
             result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
-        except (HostFailed, LockBusy, probes.ProbeError) as e:
+        except (HostFailed, LockBusy, OutputTooLarge, probes.ProbeError) as e:
             result.status, result.error = FAILED, str(e)
         except FleetctlError as e:  # a template or expression error in the playbook, say
             result.status, result.error = FAILED, str(e)

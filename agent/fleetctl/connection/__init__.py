@@ -10,7 +10,7 @@ with `hold_lock`; nothing above it imports paramiko or Fabric or builds a comman
 from __future__ import annotations
 
 from .base import Connection, HostLock, Result, Settings
-from .errors import HostKeyRefused, LockBusy, RemoteTimeout, Unreachable
+from .errors import HostKeyRefused, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 
 __all__ = ["Connection", "HostKeyRefused", "HostLock", "LockBusy", "RemoteTimeout", "Result", "Settings",
            "Unreachable", "connect"]

@@ -17,3 +17,8 @@ class RemoteTimeout(Exception):
 
 class LockBusy(Exception):
     """Another fleetctl run holds the host's lock."""
+
+
+class OutputTooLarge(Exception):
+    """A remote command printed more than the controller holds (connection.base.OUTPUT_MAX);
+    it was stopped."""
