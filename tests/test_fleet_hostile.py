@@ -186,3 +186,24 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
         server_lab.set_behavior(HOST, {}, restart=True)
         r = server_lab.cli("rollback", "--last", HOST, "--yes")
         assert r.returncode == 0, r.stdout[-2000:]
+
+
+def test_world_writable_pth_in_an_inventory_venv_is_refused(lab, guarded, tmp_path):
+    """A `.pth` another user can write in the inventory's interpreter (site.py runs its import
+    lines at startup, as root): fleetctl refuses that interpreter, naming the file, and never
+    starts it (review M6)."""
+    pth = f"{SITE}/zz-fleetctl-test.pth"
+    sh(lab, f"printf 'import os; open(\"{DECOY}/pwned\", \"w\")\\n' > {pth} && chmod 666 {pth}")
+    inv = yaml.safe_load(lab.inventory.read_text())
+    inv["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_python"] = "/opt/sglang/venv/bin/python"
+    named = tmp_path / "hosts.yaml"
+    named.write_text(yaml.safe_dump(inv))
+    try:
+        r, _, hosts = lab.cli_json("inspect", HOST, "-i", str(named))
+        pwned = lab.ssh(HOST, f"test -e {DECOY}/pwned").returncode == 0
+    finally:
+        sh(lab, f"rm -f {pth}")
+    assert r.returncode == 2 and hosts[HOST]["status"] == "failed"
+    assert hosts[HOST]["error"] == (f"interpreter /opt/sglang/venv/bin/python refused: {pth} is writable by group "
+                                    "or others (fleetctl runs it as root)")
+    assert not pwned

@@ -68,6 +68,10 @@ class HostFailed(Exception):
     """Raised by a job to mark its host failed with a message (no traceback shown)."""
 
 
+# The trust probe and the module whose check it runs.
+TRUST_MODULES = ["redact", "facts", "trust"]
+
+
 @dataclass
 class HostContext:
     """A job's view of its host: the open connection, its deadline (monotonic seconds), and a
@@ -107,9 +111,21 @@ class HostContext:
     def probe(self, main: str, params: dict, modules: list[str] | None = None,
               python: str | None = None, timeout: float | None = None) -> dict:
         """Run probe `main` with `params` on the host's interpreter (`python`, or the inventory's,
-        or python3 on PATH). Raises probes.ProbeError, RemoteTimeout, Unreachable."""
+        or python3 on PATH). A named interpreter is first checked by the trust probe under
+        python3 on PATH (once per connection): one that root must not run (probes/facts.py
+        `untrusted`) raises HostFailed naming the file. Raises probes.ProbeError, RemoteTimeout,
+        Unreachable, OutputTooLarge."""
         py = python or self.host.python
-        r = self.run(probes.command(py), stdin=probes.bundle(main, params, modules), timeout=timeout,
+        if py and py not in self.conn.trusted_interpreters:
+            why = self._run_probe("trust", {"python": py}, TRUST_MODULES, None, timeout)["untrusted"]
+            if why:
+                raise HostFailed(f"interpreter {py} refused: {why} (fleetctl runs it as root)")
+            self.conn.trusted_interpreters.add(py)
+        return self._run_probe(main, params, modules, py, timeout)
+
+    def _run_probe(self, main: str, params: dict, modules: list[str] | None, python: str | None,
+                   timeout: float | None) -> dict:
+        r = self.run(probes.command(python), stdin=probes.bundle(main, params, modules), timeout=timeout,
                      what=f"the {main} probe")
         return probes.parse_output(r.stdout, r.stderr, r.exit_code)
 

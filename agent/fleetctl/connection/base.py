@@ -146,6 +146,8 @@ class Connection(ABC):
     def __init__(self, host, settings: Settings):
         self.host = host
         self.settings = settings
+        # interpreters the trust probe found root may run on this host (fleet.HostContext.probe)
+        self.trusted_interpreters: set[str] = set()
 
     @property
     @abstractmethod
