@@ -1,10 +1,15 @@
 """Interpreter trust (security review M6) through the local connection: a named interpreter is
-checked by the trust probe under python3 on PATH before anything runs it as this user/root."""
+checked by the trust probe under python3 on PATH before anything runs it as this user/root.
+And SIGTERM handled as Ctrl-C (L8), on the same local hosts."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +62,21 @@ def test_a_trusted_interpreter_runs(tmp_path):
     r = inspect_with(tmp_path, prefix / "bin" / "python")
     assert r.status == "ok", r.error
     assert r.data["facts"]["python"]["path"] == str(prefix / "bin" / "python")
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path):
+    """SIGTERM mid-run (review L8): the host in progress finishes, the next is not started."""
+    slow = tmp_path / "slowpy"
+    slow.write_text(f"#!/bin/sh\nsleep 4\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n" + "".join(
+        f"    {h}:\n      ansible_connection: local\n      fleetctl_python: {slow}\n" for h in ("a", "b")))
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "-i", str(inv), "--forks", "1",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, (out[-2000:], err[-2000:])
+    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert hosts["a"]["status"] == "ok" and hosts["b"]["status"] == "not attempted", hosts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,7 +20,7 @@ from rich.text import Text
 
 from . import config
 from . import inventory as inv
-from .errors import EXIT_OPTIONS, FleetctlError, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError, UsageError
 from .connection import Settings
 from .fleet import Fleet
 
@@ -383,8 +384,20 @@ def lab_fault(host: str, kind: Annotated[str, typer.Argument(
     lab.lab_fault(host, kind, arg, lab_id=lab_id)
 
 
+_terminated = []  # set by SIGTERM
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a CI cancel, a service stop) is handled as Ctrl-C: hosts in progress finish,
+    none start; the exit status is then 143 instead of 130."""
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5)."""
+    """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5;
+    SIGTERM as Ctrl-C, exit 143)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = app(standalone_mode=False)
     except TyperException as e:  # Typer's own click: usage errors, bad parameters, no arguments
@@ -393,13 +406,14 @@ def main() -> None:
         sys.exit(EXIT_OPTIONS)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        sys.exit(130)
+        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
     except FleetctlError as e:
         from .report import text
 
         err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    sys.exit(EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code)
 
 
 if __name__ == "__main__":
