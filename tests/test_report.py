@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from fleetctl.fleet import HostResult
-from fleetctl.report import coalesce, host_list, render_inspect, render_status, render_validate
+from fleetctl.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
 
 
 def test_coalesce_groups_equal_values_in_first_seen_order():
@@ -108,3 +108,16 @@ def test_status_and_validate_tables_tolerate_odd_data():
     assert "malformed data from the host: KeyError: 'change_id'" in text
     assert "\\x1b[1A" in text and "\x1b" not in text and "0.5.2" in text
     assert "malformed data from the host: ValueError: Unknown format code 'f'" in text
+
+
+def test_handlers_are_shown_with_the_plan_coalesced_and_redacted():
+    def planned(host, cmd):
+        return HostResult(host, "a", "changed", data={"plan": {"handlers": [{"name": "restart sglang",
+                                                                           "command": cmd}]}})
+    out = io.StringIO()
+    render_handlers([planned("h1", "systemctl restart sglang"), planned("h2", "systemctl restart sglang"),
+                     planned("h3", "HF_TOKEN=hf_x /opt/restart.sh [/x]"), HostResult("h4", "a", "ok", data={})],
+                    Console(file=out, width=200, color_system=None))
+    assert out.getvalue().splitlines() == [
+        "handlers run after the change — h1, h2:", "  restart sglang: systemctl restart sglang",
+        "handlers run after the change — h3:", "  restart sglang: HF_TOKEN=<redacted> /opt/restart.sh [/x]"]

@@ -21,6 +21,7 @@ from .gather import gather
 from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
+from .probes import redact
 from .vocab import HostStatus, PlanStatus
 
 
@@ -48,9 +49,15 @@ def _plan(ctx: HostContext, playbook: Playbook) -> tuple[dict, HostPlan]:
 
 
 def _plan_data(plan: HostPlan) -> dict:
+    """The plan as reported (tables, --json): no new texts, secrets in commands redacted."""
     d = plan.to_dict()
     for f in d["files"]:
         f.pop("new_text", None)
+    for h in d.get("handlers") or []:
+        h["command"] = redact.text(h["command"])
+    for v in d.get("validate") or []:
+        if v.get("offline"):
+            v["offline"] = redact.text(v["offline"])
     return d
 
 

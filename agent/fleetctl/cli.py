@@ -192,7 +192,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     from .apply import ApplyOptions, check_then_apply
     from .paths import find_playbook
     from .playbook import load_playbook
-    from .report import render_apply
+    from .report import render_apply, render_handlers
 
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
@@ -206,6 +206,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     def confirm(plan_results, to_change) -> None:
         if not json_out:
             render_apply(plan_results, out, diff=True, check=True, title="plan (nothing is changed yet)")
+            render_handlers(plan_results, out)
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .fleet import HostResult
+from .probes import redact
 from .vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 
 # C0 controls but tab and newline, DEL, C1 controls, and the Unicode bidi and zero-width format
@@ -276,6 +277,18 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), str(edits), str(left),
                   text(val), text(detail))
     console.print(t)
+
+
+def render_handlers(results: list[HostResult], console: Console) -> None:
+    """The handler commands (restarts) each planned host would run after its change, identical
+    ones coalesced, secrets redacted: shown with the plan, before the confirmation (review L10)."""
+    planned = ((r.host, [[h.get("name"), redact.text(str(h.get("command")))]
+                         for h in ((r.data or {}).get("plan") or {}).get("handlers") or []])
+               for r in results)
+    for hosts, handlers in coalesce((h, hs) for h, hs in planned if hs):
+        console.print(text(f"handlers run after the change — {host_list(hosts)}:", style="bold"))
+        for name, command in handlers:
+            console.print(text(f"  {name}: {command}"), highlight=False, soft_wrap=True)
 
 
 def render_status(results: list[HostResult], console: Console) -> None:
