@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import zipfile
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import config, inventory
+from fleetctl import config, inventory, standin
 from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, rollback_job
 from fleetctl.connection import Settings
 from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
@@ -23,6 +24,7 @@ from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.playbook import load_playbook
 from fleetctl.probes import change as change_probe_module
 from fleetctl.probes import facts as facts_probe
+from fleetctl.probes import smoke as smoke_probe
 from fleetctl.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 
@@ -249,3 +251,40 @@ def test_deploy_and_apply_share_the_engine_and_not_each_other():
     cli = (PKG / "cli.py").read_text()
     for flow in ("run_playbook", "new_change_id", "fleet.run(hosts, deploy_job", "opts.confirmed"):
         assert flow not in cli
+
+
+def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_path):
+    """Review L13: the rollback's restart handler runs, then the health wait; a server that does
+    not come back is reported in the reason and in data["after_rollback"]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = standin.start_local(port, {}, tmp_path)
+    try:
+        assert smoke_probe.wait_healthy(f"http://127.0.0.1:{port}", 120)[0]
+        target, state, marker = tmp_path / "mod.py", tmp_path / "state", tmp_path / "restarted-once"
+        target.write_text("X = 1\n")
+        host = local_host(tmp_path, fleetctl_sglang_port=port)
+        # the first run (after the write) restarts nothing; the rollback's run stops the server
+        handler = {"name": "restart sglang",
+                   "command": f"if [ -e {marker} ]; then kill {server.pid}; fi; touch {marker}"}
+        opts = ChangeOptions(smoke=SmokeOptions(health_timeout=3, repeat=1), state_dir=str(state))
+
+        def work(ctx, rec):
+            res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
+            change = write_change(target, "X = 2\n", "c-l13", {}, handlers=[handler],
+                                  checks=lambda: ["a check failed"])
+            change.smoke = True
+            return execute(ctx, res, change, opts)
+
+        with Fleet(Settings(), forks=1, timeout=300) as fleet:  # the baseline keeps the 120 s rollback reserve
+            r = fleet.run([host], change_job(str(state), work))[0]
+    finally:
+        server.kill()
+        server.wait(10)
+    assert r.status == HostStatus.FAILED and r.data.get("rolled_back") is True, r.error
+    assert r.error.startswith("rolled back: a check failed; after the rollback the server is not healthy: "
+                              f"127.0.0.1:{port}: health deadline exceeded after 3 s"), r.error
+    [after] = r.data["after_rollback"]
+    assert (after["port"], after["ok"]) == (port, False)
+    assert target.read_text() == "X = 1\n"

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 from .config import LOCK_HOLD_EXTRA_S, LOCK_WAIT_S, ROLLBACK_RESERVE_S, STATE_DIR
-from .connection import RemoteTimeout, Unreachable
+from .connection import OutputTooLarge, RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
 from .gather import gather
-from .probes import redact
+from .probes import ProbeError, redact
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
 
@@ -201,7 +201,7 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
                      shared_tree=ctx.host.shared_tree, commit=False)
         result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, opts.smoke, baseline)
-        return settle(ctx, result, change, opts.state_dir, problems)
+        return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
 
@@ -235,7 +235,7 @@ def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeO
         state = ledger.get(change.change_id)
         if state == ChangeState.PENDING:
             return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
-                          [f"the connection was lost ({lost}); reconnected to roll back"])
+                          [f"the connection was lost ({lost}); reconnected to roll back"], opts.smoke)
     except Unreachable as e:
         raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
                           f"({lost}; reconnecting: {e})") from None
@@ -288,20 +288,25 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
 
 
 def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
-           problems: list[str]) -> HostResult:
+           problems: list[str], smoke_opts: SmokeOptions | None = None) -> HostResult:
     """Finish a pending change: commit it ("applied") when there are no problems; else roll it
     back (byte-identical) and run its handlers again, or, without change.rollback, commit it and
-    mark the host failed. Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose
-    validation used up its deadline is still put back. Raises HostFailed, ProbeError,
-    RemoteTimeout, Unreachable (from the probe)."""
+    mark the host failed. A rollback whose handlers restarted a server is followed by the
+    health wait and one smoke decode (`smoke_opts`, when change.smoke): result.data
+    ["after_rollback"], and the reason says when the server did not come back (review L13).
+    Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
+    deadline is still put back. Raises HostFailed, ProbeError, RemoteTimeout, Unreachable (from
+    the probe)."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     if problems and change.rollback:
         reason = "; ".join(problems)
         change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
         try:
-            run_handlers(ctx, change.handlers)
+            ran = run_handlers(ctx, change.handlers)
         except HostFailed as e:
-            reason += f"; after the rollback: {e}"
+            ran, reason = [], reason + f"; after the rollback: {e}"
+        if ran and change.smoke and smoke_opts is not None:
+            reason += _health_after_rollback(ctx, result, change, smoke_opts)
         result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True
         return result
@@ -310,6 +315,21 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     if problems:
         result.status, result.error = HostStatus.FAILED, "; ".join(problems) + " (on_failure: keep)"
     return result
+
+
+def _health_after_rollback(ctx: HostContext, result: HostResult, change: Change, opts: SmokeOptions) -> str:
+    """The health wait and one decode after a rollback's restart; sets result.data
+    ["after_rollback"] ([{host, port, ok, error, health_wait_s}]) and returns "" or the text to
+    add to the failure reason."""
+    try:
+        after = smoke(ctx, change.facts, replace(opts, repeat=1), reserve=5.0)
+    except (RemoteTimeout, ProbeError, HostFailed, OutputTooLarge) as e:
+        result.data["after_rollback"] = {"error": str(e)}
+        return f"; after the rollback, the health check failed: {e}"
+    result.data["after_rollback"] = [{k: s.get(k) for k in ("host", "port", "ok", "error", "health_wait_s")}
+                                     for s in after["servers"]]
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in after["servers"] if not s["ok"]]
+    return f"; after the rollback the server is not healthy: {'; '.join(bad)}" if bad else ""
 
 
 # ---- the rollback and status commands ------------------------------------------------------
