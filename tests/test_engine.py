@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl import config, inventory, standin
-from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, rollback_job
+from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, recover_job, rollback_job
 from fleetctl.connection import Settings
 from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
 from fleetctl.fleet import Fleet, HostResult, exit_code
@@ -288,3 +288,21 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
     [after] = r.data["after_rollback"]
     assert (after["port"], after["ok"]) == (port, False)
     assert target.read_text() == "X = 1\n"
+
+
+def test_recover_command_undoes_a_pending_change_and_applies_nothing(tmp_path):
+    """`fleetctl recover HOSTS` (issue 13): a killed run's pending change is undone, the restart
+    handler runs, nothing is applied; a second recover finds nothing."""
+    target, marker, state = tmp_path / "mod.py", tmp_path / "restarted", tmp_path / "state"
+    target.write_text("X = 1\n")
+    host = local_host(tmp_path, fleetctl_restart_cmd=f"echo ran >> {marker}")
+    change = write_change(target, "X = 2\n", "c-pending", {})
+    run_one(host, lambda ctx: change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="t",
+                                           operator="t", files=change.files, root=change.root, commit=False))
+    r = run_one(host, recover_job(str(state)))
+    assert (r.status, [c["change_id"] for c in r.data["recovered"]]) == (HostStatus.CHANGED, ["c-pending"])
+    assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"
+    assert ledger_state(state, "c-pending") == ChangeState.ROLLED_BACK
+    again = run_one(host, recover_job(str(state)))
+    assert (again.status, again.data["recovered"]) == (HostStatus.OK, [])
+    assert marker.read_text() == "ran\n"  # nothing pending: no restart

@@ -358,6 +358,21 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR)
     return change_job(state_dir, work)
 
 
+def recover_job(state_dir: str = STATE_DIR):
+    """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
+    SGLang when there were any) and apply nothing. Changed when it undid something, ok when
+    nothing was pending, failed when a file had unknown content and was left alone (ledger
+    "failed"). Result data: recovered (probes/change.py recover entries), handlers."""
+
+    def work(ctx: HostContext, rec: Recovery) -> HostResult:
+        failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
+        status = HostStatus.FAILED if failed else HostStatus.CHANGED if rec.changes else HostStatus.OK
+        error = "; ".join(f"change {c['change_id']}: {c['reason']}" for c in failed) or None
+        return ctx.result(status, error, data={"recovered": rec.changes, "handlers": rec.handlers})
+
+    return change_job(state_dir, work)
+
+
 def status_job(state_dir: str = STATE_DIR):
     """The `fleetctl status` job: ledger summary and drift for one host (applied changes whose
     files no longer carry them, installed SGLang files that differ from the distribution's

@@ -246,6 +246,23 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 
 
 @app.command()
+def recover(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False, yes: Yes = False,
+            forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
+            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
+            accept_new: AcceptNew = False, ssh_config: SshConfig = None,
+            run_timeout: RunTimeout = None) -> None:
+    """Undo the changes a killed run left pending (and restart SGLang where there were any); apply nothing."""
+    from .changes import recover_job
+    from .report import render_recover
+
+    hosts = _select(inventory, pattern)
+    _confirm(f"undo pending changes on {len(hosts)} host(s)", yes)
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout) as fleet:
+        results = fleet.run(hosts, recover_job(), "recover")
+    _finish(results, json_out, render_recover)
+
+
+@app.command()
 def status(pattern: Pattern, inventory: InventoryOpt = None, json_out: JsonOut = False,
            forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,

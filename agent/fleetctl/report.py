@@ -223,6 +223,25 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
     console.print(t)
 
 
+def render_recover(results: list[HostResult], console: Console) -> None:
+    """Per-host outcome of `fleetctl recover`: each pending change undone and what happened to
+    each of its files."""
+    t = Table(title="recover", title_justify="left")
+    for c in ("host", "status", "change", "files"):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        d = r.data or {}
+
+        def cells(d=d, r=r):
+            done = d.get("recovered") or []
+            changes = "\n".join(f"{c['change_id']} -> {c['state']}" for c in done) or "nothing pending"
+            files = "\n".join(f"{f['path']}: {f['action']}" for c in done for f in c.get("files") or [])
+            return [changes, files or r.error or ""]
+
+        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, _tolerant(cells, 2)))
+    console.print(t)
+
+
 def render_validate(results: list[HostResult], console: Console) -> None:
     """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s."""
     t = Table(title="fleetctl validate", title_justify="left")
