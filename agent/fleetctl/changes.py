@@ -215,7 +215,7 @@ def refuse_failing_baseline(baseline: dict | None) -> None:
     bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in baseline["servers"] if not s["ok"]]
     off = baseline.get("offline")
     if off is not None and not off["ok"]:
-        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']})")
+        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}): {' | '.join(off['tail'][-3:])}")
     if bad:
         raise HostFailed("baseline smoke failed: not changing this host: " + "; ".join(bad))
 
