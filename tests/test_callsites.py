@@ -10,8 +10,10 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import sys
 import textwrap
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -446,3 +448,20 @@ def test_synthetic_skips_and_errors(tmp_path):
     assert [e["file"] for e in r["parse_errors"]] == ["sglang/bad.py"]
     assert "SyntaxError" in r["parse_errors"][0]["error"]
     assert r["stats"] == {"files_total": 3, "files_parsed": 1}
+
+
+def test_a_fifo_or_a_symlink_among_the_sources_is_reported_not_read(tmp_path):
+    """Review L11: the scan never opens a FIFO (it would hang) nor follows a link out of the tree."""
+    pkg = tmp_path / "sglang"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    os.mkfifo(pkg / "fifo.py")
+    outside = tmp_path / "outside.py"
+    outside.write_text("y = 2\n")
+    (pkg / "link.py").symlink_to(outside)
+    t0 = time.monotonic()
+    r = callsites.scan(str(tmp_path))
+    assert time.monotonic() - t0 < 30
+    errors = {e["file"]: e["error"] for e in r["parse_errors"]}
+    assert errors == {"sglang/fifo.py": f"OSError: [Errno 22] not a regular file, not read: '{pkg}/fifo.py'",
+                      "sglang/link.py": f"OSError: [Errno 22] not a regular file, not read: '{pkg}/link.py'"}

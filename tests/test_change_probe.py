@@ -13,6 +13,7 @@ import py_compile
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def site(tmp_path):
     plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(site)))
     assert plan.status == "change" and len(plan.files) == 2
     params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
-              "operator": "tester",
+              "operator": "tester", "root": str(site),
               "files": [{k: getattr(fc, k) for k in ("path", "pre_sha256", "post_sha256", "new_text")}
                         for fc in plan.files]}
     return site, state, params, originals
@@ -203,10 +204,11 @@ import json, os, signal, sys
 from fleetctl.probes import change
 params = json.load(sys.stdin)
 real = os.replace
-def replace(src, dst):
-    if dst == params["files"][1]["path"]:
+def replace(src, dst, **dir_fds):
+    where = os.readlink("/proc/self/fd/%d" % dir_fds["dst_dir_fd"])
+    if os.path.join(where, dst) == params["files"][1]["path"]:
         os.kill(os.getpid(), signal.SIGKILL)  # killed after the temp file, before the rename
-    real(src, dst)
+    real(src, dst, **dir_fds)
 os.replace = replace
 change.main(params)
 """
@@ -219,8 +221,7 @@ def test_recover_after_kill_mid_apply(site):
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["post_sha256"]
     assert sha(second) == params["files"][1]["pre_sha256"]
-    tmp = second.parent / f".{second.name}.fleetctl-c1.tmp"
-    assert tmp.exists()
+    [tmp] = second.parent.glob(f".{second.name}.fleetctl-c1.*.tmp")  # a random name nobody can plant
     assert ledger_states(state) == [("c1", "pending")]
     refused = change.main(dict(params, change_id="c2"))
     assert not refused["ok"] and "pending" in refused["error"]
@@ -319,7 +320,7 @@ def test_status_drift_and_record(tmp_path):
     plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs({rel: text}, location=str(site)))
     fc = plan.files[0]
     r = change.main({"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
-                     "operator": "t", "files": [{"path": fc.path, "pre_sha256": fc.pre_sha256,
+                     "operator": "t", "root": str(site), "files": [{"path": fc.path, "pre_sha256": fc.pre_sha256,
                                                  "post_sha256": fc.post_sha256, "new_text": fc.new_text}]})
     assert r["ok"], r
     r = change.main(st)
@@ -363,7 +364,7 @@ def test_symlink_changes_swap_roll_back_and_recover(tmp_path):
     def act(cid, pre, post, commit=True):
         return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "operator": "t",
                             "files": [{"path": link, "kind": "link", "pre_target": pre, "post_target": post}],
-                            "commit": commit, **sd})
+                            "commit": commit, "root": str(kdir), **sd})
 
     assert act("c1", None, "k1")["ok"] and os.readlink(link) == "k1"
     refused = act("c2", None, "k2")
@@ -378,3 +379,98 @@ def test_symlink_changes_swap_roll_back_and_recover(tmp_path):
     assert change.main({"action": "rollback", "change_id": "c1", **sd})["ok"]
     assert not os.path.lexists(link)
     assert ledger_states(state)[-1] == ("c1", "rolled-back")
+
+
+# ---- a hostile or odd host (security review H1, M7, L1, L6, L11) ---------------------------
+
+def test_state_dir_and_ledger_are_private_whatever_the_umask(site):
+    _, state, params, _ = site
+    old = os.umask(0)
+    try:
+        assert change.main(params)["ok"]
+    finally:
+        os.umask(old)
+    assert (state.stat().st_mode & 0o7777, (state / "ledger.jsonl").stat().st_mode & 0o7777) == (0o700, 0o600)
+    assert (state / "backups").stat().st_mode & 0o7777 == 0o700
+
+
+def test_extended_attributes_are_kept(site):
+    _, state, params, _ = site
+    target = params["files"][0]["path"]
+    os.setxattr(target, "user.fleetctl-test", b"label")
+    assert change.main(params)["ok"]
+    assert os.getxattr(target, "user.fleetctl-test") == b"label"
+    assert change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})["ok"]
+    assert os.getxattr(target, "user.fleetctl-test") == b"label"
+
+
+def test_network_file_system_is_refused_unless_shared_tree(site, tmp_path, monkeypatch):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                         "40 22 0:50 / /mnt/shared\\040tree rw - nfs4 srv:/x rw\n"
+                         "41 22 0:51 / /mnt/fuse rw - fuse.sshfs u@h: rw\n")
+    assert change.fs_type("/mnt/shared tree/lib", str(mountinfo)) == "nfs4"
+    assert change.fs_type("/mnt/shared", str(mountinfo)) == "ext4"
+    assert change.fs_type("/mnt/fuse", str(mountinfo)) == "fuse.sshfs"
+    assert change.is_network_fs("fuse.sshfs") and not change.is_network_fs("ext4")
+    _, state, params, originals = site
+    monkeypatch.setattr(change, "fs_type", lambda path: "nfs4" if path == params["root"] else "ext4")
+    r = change.main(params)
+    assert not r["ok"] and r["refused"] and r["error"] == (
+        f"{params['root']} is on nfs4, a network file system: one host's apply would change every host that "
+        "mounts it (set fleetctl_shared_tree: true for this host if that is meant)")
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
+    assert change.main(dict(params, shared_tree=True))["ok"]
+
+
+def test_paths_outside_the_root_or_not_normalised_are_refused(site, tmp_path):
+    _, state, params, _ = site
+    decoy = tmp_path / "decoy"
+    decoy.write_text("x")
+    first = params["files"][0]
+    for path, why in [(str(decoy), f"{decoy} is outside {params['root']} (links resolved): fleetctl only writes there"),
+                      (params["root"] + "/sglang/../../decoy", "not an absolute, normalised path"),
+                      ("sglang/x.py", "not an absolute, normalised path")]:
+        r = change.main(dict(params, files=[dict(first, path=path)]))
+        assert not r["ok"] and r["refused"] and why in r["error"], r
+    assert not change.main(dict(params, root=None))["ok"]
+    assert decoy.read_text() == "x"
+
+
+def test_forged_ledger_entry_is_refused(site, tmp_path):
+    _, state, params, _ = site
+    assert change.main(dict(params, commit=False))["ok"]
+    decoy = tmp_path / "decoy"
+    decoy.write_text("x")
+    entry = change.read_ledger(str(state))[-1]
+    entry["files"][0]["backup"] = str(decoy)  # a backup outside backups/<change_id>/
+    with open(state / "ledger.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    r = change.main({"action": "recover", "state_dir": str(state)})
+    assert not r["ok"] and r["refused"] and r["error"] == (
+        f"ledger entry c1 has backup {str(decoy)!r}, not {state}/backups/c1{entry['files'][0]['path']}: "
+        "not trusting it")
+    entry["files"][0].update(path=str(decoy), backup=f"{state}/backups/c1{decoy}")
+    with open(state / "ledger.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
+    assert not r["ok"] and f"names {str(decoy)!r} outside {params['root']}" in r["error"]
+    assert decoy.read_text() == "x"
+
+
+def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
+    site, state = tmp_path / "site", tmp_path / "state"
+    with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:
+        z.extractall(site)
+    os.mkfifo(site / "sglang" / "fifo.py")
+    [record] = site.glob("sglang-*.dist-info/RECORD")
+    up = "../" * len(site.parts)
+    with open(record, "a") as f:
+        f.write(f"sglang/fifo.py,sha256=AAAA,1\n{up}dev/zero,sha256=AAAA,1\n")
+    t0 = time.monotonic()
+    r = change.main({"action": "status", "state_dir": str(state), "location": str(site), "dist": "sglang"})
+    assert time.monotonic() - t0 < 30
+    assert r["modified"] == [
+        {"path": str(site / "sglang" / "fifo.py"),
+         "problem": f"skipped, not read: {site}/sglang/fifo.py is a FIFO, not a regular file"},
+        {"path": "/dev/zero", "problem": "skipped, not read: /dev/zero is a character device, not a regular file"}]

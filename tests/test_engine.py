@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import config, inventory
-from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, rollback_job
+from fleetctl import config, inventory, standin
+from fleetctl.changes import Change, ChangeOptions, change_job, change_probe, execute, recover_job, rollback_job
 from fleetctl.connection import Settings
 from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
 from fleetctl.fleet import Fleet, HostResult, exit_code
@@ -23,6 +24,7 @@ from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.playbook import load_playbook
 from fleetctl.probes import change as change_probe_module
 from fleetctl.probes import procs as procs_probe
+from fleetctl.probes import smoke as smoke_probe
 from fleetctl.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 
@@ -96,7 +98,7 @@ def sha(b: bytes) -> str:
 def write_change(path: Path, new: str, cid: str, facts: dict, **kw) -> Change:
     old = path.read_bytes()
     return Change(cid, "test", [{"path": str(path), "pre_sha256": sha(old), "post_sha256": sha(new.encode()),
-                                 "new_text": new}], facts, smoke=False, **kw)
+                                 "new_text": new}], facts, str(path.parent), smoke=False, **kw)
 
 
 def ledger_state(state: Path, cid: str) -> str:
@@ -155,7 +157,7 @@ def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_pa
 
     def killed(ctx):
         change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="test", operator="t",
-                     files=change.files, commit=False)
+                     files=change.files, root=change.root, commit=False)
         return {}
 
     run_one(host, killed)
@@ -249,3 +251,58 @@ def test_deploy_and_apply_share_the_engine_and_not_each_other():
     cli = (PKG / "cli.py").read_text()
     for flow in ("run_playbook", "new_change_id", "fleet.run(hosts, deploy_job", "opts.confirmed"):
         assert flow not in cli
+
+
+def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_path):
+    """Review L13: the rollback's restart handler runs, then the health wait; a server that does
+    not come back is reported in the reason and in data["after_rollback"]."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = standin.start_local(port, {}, tmp_path)
+    try:
+        assert smoke_probe.wait_healthy(f"http://127.0.0.1:{port}", 120)[0]
+        target, state, marker = tmp_path / "mod.py", tmp_path / "state", tmp_path / "restarted-once"
+        target.write_text("X = 1\n")
+        host = local_host(tmp_path, fleetctl_sglang_port=port)
+        # the first run (after the write) restarts nothing; the rollback's run stops the server
+        handler = {"name": "restart sglang",
+                   "command": f"if [ -e {marker} ]; then kill {server.pid}; fi; touch {marker}"}
+        opts = ChangeOptions(smoke=SmokeOptions(health_timeout=3, repeat=1), state_dir=str(state))
+
+        def work(ctx, rec):
+            res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
+            change = write_change(target, "X = 2\n", "c-l13", {}, handlers=[handler],
+                                  checks=lambda: ["a check failed"])
+            change.smoke = True
+            return execute(ctx, res, change, opts)
+
+        with Fleet(Settings(), forks=1, timeout=300) as fleet:  # the baseline keeps the 120 s rollback reserve
+            r = fleet.run([host], change_job(str(state), work))[0]
+    finally:
+        server.kill()
+        server.wait(10)
+    assert r.status == HostStatus.FAILED and r.data.get("rolled_back") is True, r.error
+    assert r.error.startswith("rolled back: a check failed; after the rollback the server is not healthy: "
+                              f"127.0.0.1:{port}: health deadline exceeded after 3 s"), r.error
+    [after] = r.data["after_rollback"]
+    assert (after["port"], after["ok"]) == (port, False)
+    assert target.read_text() == "X = 1\n"
+
+
+def test_recover_command_undoes_a_pending_change_and_applies_nothing(tmp_path):
+    """`fleetctl recover HOSTS` (issue 13): a killed run's pending change is undone, the restart
+    handler runs, nothing is applied; a second recover finds nothing."""
+    target, marker, state = tmp_path / "mod.py", tmp_path / "restarted", tmp_path / "state"
+    target.write_text("X = 1\n")
+    host = local_host(tmp_path, fleetctl_restart_cmd=f"echo ran >> {marker}")
+    change = write_change(target, "X = 2\n", "c-pending", {})
+    run_one(host, lambda ctx: change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="t",
+                                           operator="t", files=change.files, root=change.root, commit=False))
+    r = run_one(host, recover_job(str(state)))
+    assert (r.status, [c["change_id"] for c in r.data["recovered"]]) == (HostStatus.CHANGED, ["c-pending"])
+    assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"
+    assert ledger_state(state, "c-pending") == ChangeState.ROLLED_BACK
+    again = run_one(host, recover_job(str(state)))
+    assert (again.status, again.data["recovered"]) == (HostStatus.OK, [])
+    assert marker.read_text() == "ran\n"  # nothing pending: no restart

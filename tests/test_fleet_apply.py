@@ -160,7 +160,7 @@ def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
                       "new_text": f.new_text}]
             with pytest.raises(HostFailed, match="changed since inspect"):
                 change_probe(ctx, "apply", change_id="t-refused", playbook=pb.name, operator="test",
-                             files=files, commit=False)
+                             files=files, root=g["facts"]["sglang"]["location"], commit=False)
             after = ctx.run(["sha256sum", f.path]).stdout.decode().split()[0]
             assert ctx.run(["sed", "-i", "$ d", f.path]).ok
             edited = hashlib.sha256(g["sources"][f.rel].encode() + b"# operator was here\n").hexdigest()

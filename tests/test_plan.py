@@ -359,3 +359,12 @@ def test_reinspect_checks_only_the_edited_site_not_its_line(pb):
     assert plan.status == "change" and [e["expr"] for e in plan.edits] == ["a.b"]
     f2, fi2, s2 = host_inputs({"sglang/x.py": plan.files[0].new_text})
     assert reinspect_problems(pb, plan, {}, f2, fi2, s2) == []
+
+
+@pytest.mark.parametrize("src", ['need_sort = x == "\u2028"\n', 'need_sort = x == "\x0c"\n'])
+def test_a_comment_that_would_break_its_line_is_refused(pb, src):
+    """A value whose text holds a line separator (a lone CR ends a line for Python's tokenizer;
+    the rest for str.splitlines) must not reach the one-line comment (review L5)."""
+    plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
+    assert (plan.status, plan.files) == ("failed", [])
+    assert plan.reason.endswith("comment.j2 must render one '#' line holding 'fleetctl defrag-tier0:'"), plan.reason

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from fleetctl.fleet import HostResult
-from fleetctl.report import coalesce, host_list, render_inspect
+from fleetctl.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
 
 
 def test_coalesce_groups_equal_values_in_first_seen_order():
@@ -64,3 +64,60 @@ def test_render_inspect_says_no_need_sort_for_a_release_without_it():
     assert "none: this release has no need_sort" in text
     assert "no need_sort origins: this release has no need_sort" in text
     assert "allocator call sites — old-01, old-02" in text and "need_sort origins —" not in text
+
+
+HOSTILE = "[/INST] [bold red]FAKE OK[/] \x1b[1A\x1b[2K\x1b]52;c;aGk=\x07 \u202eevil"
+
+
+def test_host_strings_are_text_with_control_characters_visible():
+    """A model path, an error and call-site text holding Rich markup, ANSI/OSC escapes and a bidi
+    override are printed as they are, escapes visible (security review M5)."""
+    r = inspected("gpu-01", "0.5.23", 1)
+    r.data["facts"]["servers"] = [{"port": 30000, "model_path": HOSTILE, "tp_size": 1}]
+    r.data["allocator_call_sites"][0]["callee"] = HOSTILE
+    bad = HostResult("gpu-02", "gpu-02.example.invalid", "failed", error="handler said " + HOSTILE)
+    text = render([r, bad])
+    assert "\x1b" not in text and "\u202e" not in text and "\x07" not in text
+    shown = "[/INST] [bold red]FAKE OK[/] \\x1b[1A\\x1b[2K\\x1b]52;c;aGk=\\x07 \\u202eevil"
+    assert text.count(shown) >= 2, text  # the summary's server cell and the call-site table
+    assert "handler said [/INST]" in text
+
+
+def test_odd_host_data_is_reported_not_a_crash():
+    """Missing keys and wrong types from a host end in a "malformed" cell, and the other hosts'
+    rows are still printed."""
+    gpus = inspected("gpu-01", "0.5.23", 1)
+    gpus.data["facts"]["gpus"] = [{"name": "H200", "compute_cap": None}, {"name": None}]
+    sites = inspected("gpu-03", "0.5.2", 1)
+    sites.data["allocator_call_sites"] = [{"file": "x.py"}]
+    text = render([gpus, inspected("gpu-02", "0.5.10", 1), sites])
+    assert "malformed data from the host: KeyError: 'compute_cap'" in text
+    assert "malformed data from the host: KeyError: 'need_sort'" in text
+    assert "gpu-03: malformed call sites from the host: KeyError: 'need_sort'" in text
+    assert "0.5.10" in text and "allocator call sites — gpu-01, gpu-02" in text
+
+
+def test_status_and_validate_tables_tolerate_odd_data():
+    out = io.StringIO()
+    console = Console(file=out, width=300, color_system=None)
+    render_status([HostResult("h1", "a", "ok", data={"changes": [{"state": "applied"}], "sglang": HOSTILE}),
+                   HostResult("h2", "b", "ok", data={"changes": [], "sglang": "0.5.2", "drift": None,
+                                                     "modified": [{"path": HOSTILE}]})], console)
+    render_validate([HostResult("h3", "c", "ok", data={"servers": [{"port": 1, "health_wait_s": "x"}]})], console)
+    text = out.getvalue()
+    assert "malformed data from the host: KeyError: 'change_id'" in text
+    assert "\\x1b[1A" in text and "\x1b" not in text and "0.5.2" in text
+    assert "malformed data from the host: ValueError: Unknown format code 'f'" in text
+
+
+def test_handlers_are_shown_with_the_plan_coalesced_and_redacted():
+    def planned(host, cmd):
+        return HostResult(host, "a", "changed", data={"plan": {"handlers": [{"name": "restart sglang",
+                                                                           "command": cmd}]}})
+    out = io.StringIO()
+    render_handlers([planned("h1", "systemctl restart sglang"), planned("h2", "systemctl restart sglang"),
+                     planned("h3", "HF_TOKEN=hf_x /opt/restart.sh [/x]"), HostResult("h4", "a", "ok", data={})],
+                    Console(file=out, width=200, color_system=None))
+    assert out.getvalue().splitlines() == [
+        "handlers run after the change — h1, h2:", "  restart sglang: systemctl restart sglang",
+        "handlers run after the change — h3:", "  restart sglang: HF_TOKEN=<redacted> /opt/restart.sh [/x]"]

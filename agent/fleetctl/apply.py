@@ -23,6 +23,7 @@ from .gather import find_install, gather, install_errors, install_facts
 from .inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
+from .probes import redact
 from .vocab import HostStatus, PlanStatus
 
 
@@ -81,9 +82,15 @@ def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[d
 
 
 def _plan_data(plan: HostPlan) -> dict:
+    """The plan as reported (tables, --json): no new texts, secrets in commands redacted."""
     d = plan.to_dict()
     for f in d["files"]:
         f.pop("new_text", None)
+    for h in d.get("handlers") or []:
+        h["command"] = redact.text(h["command"])
+    for v in d.get("validate") or []:
+        if v.get("offline"):
+            v["offline"] = redact.text(v["offline"])
     return d
 
 
@@ -157,7 +164,8 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
         cid, playbook.name,
         [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
          for f in plan.files],
-        facts, plan.handlers, checks, smoke="smoke" in steps,
+        facts, facts["sglang"].get("package_dir") or facts["sglang"]["location"], plan.handlers, checks,
+        smoke="smoke" in steps,
         offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
         rollback=playbook.on_failure == "rollback", install=plan.install)
 

@@ -8,7 +8,8 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
     change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
                                      for the whole job) -> recover -> work(ctx, recovery)
     recover                          undo changes a killed run left "pending"; restart SGLang
-    execute(ctx, result, change)     baseline smoke -> write, ledger "pending" -> validate_change
+    execute(ctx, result, change)     baseline smoke (a failing one refuses the host) -> write,
+                                     ledger "pending" -> validate_change
                                      -> settle; a connection lost from the write on -> put_back
     put_back                         one reconnect, then finish by the ledger's state (roll back)
     validate_change                  handlers -> checks -> smoke gate against the baseline
@@ -32,10 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 from .config import LOCK_HOLD_EXTRA_S, LOCK_WAIT_S, ROLLBACK_RESERVE_S, STATE_DIR
-from .connection import RemoteTimeout, Unreachable
+from .connection import OutputTooLarge, RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
 from .gather import find_install, gather
+from .probes import ProbeError, redact
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
 
@@ -102,12 +104,13 @@ def restart_handlers(ctx: HostContext) -> list[dict]:
 
 def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     """Run each handler's shell command ({"name", "command"}) on the host, in order. Returns
-    [{"name", "exit_code", "output" (last 1000 chars)}]; a non-zero exit raises HostFailed."""
+    [{"name", "exit_code", "output" (last 1000 chars, secrets redacted: probes/redact.py)}]; a
+    non-zero exit raises HostFailed."""
     ran = []
     for h in handlers:
-        r = ctx.run(operator_argv(h["command"]))
-        ran.append({"name": h["name"], "exit_code": r.exit_code,
-                    "output": (r.stdout + r.stderr).decode("utf-8", "replace")[-1000:]})
+        r = ctx.run(operator_argv(h["command"]), what=f"handler {h['name']!r}", keep_ends=True)
+        out = redact.text((r.stdout[-65536:] + r.stderr[-65536:]).decode("utf-8", "replace"))
+        ran.append({"name": h["name"], "exit_code": r.exit_code, "output": out[-1000:]})
         if r.exit_code != 0:
             raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
     return ran
@@ -164,12 +167,15 @@ class Change:
     checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;
     offline: an offline smoke command (None: the host's fleetctl_smoke_cmd); facts: the host's
     facts (interpreter, servers); rollback: False keeps a change that fails validation
-    (playbook on_failure: keep); install: the install id the ledger entry is for."""
+    (playbook on_failure: keep); install: the install id the ledger entry is for; root: the
+    directory every file must lie in (links resolved; the install's package directory, or the
+    kernels dir), on a network file system only when the host's fleetctl_shared_tree says so."""
 
     change_id: str
     label: str
     files: list[dict]
     facts: dict
+    root: str
     handlers: list[dict] = field(default_factory=list)
     checks: Callable[[], list[str]] = lambda: []
     smoke: bool = True
@@ -188,15 +194,31 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     put_back)."""
     baseline = (smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S)
                 if change.smoke else None)
+    refuse_failing_baseline(baseline)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
-                     operator=opts.operator, files=change.files, commit=False, install=change.install)
+                     operator=opts.operator, files=change.files, root=change.root,
+                     shared_tree=ctx.host.shared_tree, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, opts.smoke, baseline)
-        return settle(ctx, result, change, opts.state_dir, problems)
+        return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
+
+
+def refuse_failing_baseline(baseline: dict | None) -> None:
+    """Raise HostFailed ("baseline smoke failed: not changing this host: <why>") when a server
+    or the offline check already fails before the change (a 401 from an --api-key server, a
+    server that is down): a change could only fail its gate and cost two restarts."""
+    if baseline is None:
+        return
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in baseline["servers"] if not s["ok"]]
+    off = baseline.get("offline")
+    if off is not None and not off["ok"]:
+        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}): {' | '.join(off['tail'][-3:])}")
+    if bad:
+        raise HostFailed("baseline smoke failed: not changing this host: " + "; ".join(bad))
 
 
 def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,
@@ -214,7 +236,7 @@ def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeO
         state = ledger.get(change.change_id)
         if state == ChangeState.PENDING:
             return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
-                          [f"the connection was lost ({lost}); reconnected to roll back"])
+                          [f"the connection was lost ({lost}); reconnected to roll back"], opts.smoke)
     except Unreachable as e:
         raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
                           f"({lost}; reconnecting: {e})") from None
@@ -267,20 +289,25 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
 
 
 def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
-           problems: list[str]) -> HostResult:
+           problems: list[str], smoke_opts: SmokeOptions | None = None) -> HostResult:
     """Finish a pending change: commit it ("applied") when there are no problems; else roll it
     back (byte-identical) and run its handlers again, or, without change.rollback, commit it and
-    mark the host failed. Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose
-    validation used up its deadline is still put back. Raises HostFailed, ProbeError,
-    RemoteTimeout, Unreachable (from the probe)."""
+    mark the host failed. A rollback whose handlers restarted a server is followed by the
+    health wait and one smoke decode (`smoke_opts`, when change.smoke): result.data
+    ["after_rollback"], and the reason says when the server did not come back (review L13).
+    Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
+    deadline is still put back. Raises HostFailed, ProbeError, RemoteTimeout, Unreachable (from
+    the probe)."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     if problems and change.rollback:
         reason = "; ".join(problems)
         change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
         try:
-            run_handlers(ctx, change.handlers)
+            ran = run_handlers(ctx, change.handlers)
         except HostFailed as e:
-            reason += f"; after the rollback: {e}"
+            ran, reason = [], reason + f"; after the rollback: {e}"
+        if ran and change.smoke and smoke_opts is not None:
+            reason += _health_after_rollback(ctx, result, change, smoke_opts)
         result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True
         return result
@@ -300,6 +327,21 @@ def undo_changes(ctx: HostContext, done: list[Change], state_dir: str, reason: s
         change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
         run_handlers(ctx, change.handlers)
     return [c.change_id for c in done]
+
+
+def _health_after_rollback(ctx: HostContext, result: HostResult, change: Change, opts: SmokeOptions) -> str:
+    """The health wait and one decode after a rollback's restart; sets result.data
+    ["after_rollback"] ([{host, port, ok, error, health_wait_s}]) and returns "" or the text to
+    add to the failure reason."""
+    try:
+        after = smoke(ctx, change.facts, replace(opts, repeat=1), reserve=5.0)
+    except (RemoteTimeout, ProbeError, HostFailed, OutputTooLarge) as e:
+        result.data["after_rollback"] = {"error": str(e)}
+        return f"; after the rollback, the health check failed: {e}"
+    result.data["after_rollback"] = [{k: s.get(k) for k in ("host", "port", "ok", "error", "health_wait_s")}
+                                     for s in after["servers"]]
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in after["servers"] if not s["ok"]]
+    return f"; after the rollback the server is not healthy: {'; '.join(bad)}" if bad else ""
 
 
 # ---- the rollback and status commands ------------------------------------------------------
@@ -350,6 +392,21 @@ def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None
         return [None]
     mine = [c["change_id"] for c in ledger if c["state"] == ChangeState.APPLIED and c.get("install") == install]
     return mine[-1:]
+
+
+def recover_job(state_dir: str = STATE_DIR):
+    """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
+    SGLang when there were any) and apply nothing. Changed when it undid something, ok when
+    nothing was pending, failed when a file had unknown content and was left alone (ledger
+    "failed"). Result data: recovered (probes/change.py recover entries), handlers."""
+
+    def work(ctx: HostContext, rec: Recovery) -> HostResult:
+        failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
+        status = HostStatus.FAILED if failed else HostStatus.CHANGED if rec.changes else HostStatus.OK
+        error = "; ".join(f"change {c['change_id']}: {c['reason']}" for c in failed) or None
+        return ctx.result(status, error, data={"recovered": rec.changes, "handlers": rec.handlers})
+
+    return change_job(state_dir, work)
 
 
 def status_job(state_dir: str = STATE_DIR, install: str | None = None):

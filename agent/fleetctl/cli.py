@@ -9,6 +9,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,11 +17,11 @@ from typing import Annotated, Optional
 import typer
 from typer.exceptions import TyperException
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from . import config
 from . import inventory as inv
-from .errors import EXIT_OPTIONS, FleetctlError, UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError, UsageError
 from .connection import Settings
 from .fleet import Fleet
 
@@ -110,7 +111,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from .fleet import exit_code
     from .gather import inspect_job
-    from .report import inspect_document, render_inspect, render_status_line
+    from .report import inspect_document, render_inspect
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
@@ -119,8 +120,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
-        render_inspect(results, out)
-        render_status_line(results, out)
+        _render(results, render_inspect)
     raise typer.Exit(exit_code(results))
 
 
@@ -254,7 +254,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     from .apply import ApplyOptions, check_then_apply
     from .paths import find_playbook
     from .playbook import load_playbook
-    from .report import render_apply
+    from .report import render_apply, render_handlers, text
 
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
@@ -271,6 +271,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     def confirm(plan_results, to_change) -> None:
         if not json_out:
             render_apply(plan_results, out, diff=True, check=True, title="plan (nothing is changed yet)")
+            render_handlers(plan_results, out)
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with _fleet(forks, timeout or config.smoke_job_timeout(health_timeout), connect_timeout, accept_new, json_out,
@@ -289,10 +290,8 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
-        if cid:
-            console.print(f"change id: {cid}")
         for p in patches:
-            console.print(f"patch written: {p}")
+            console.print(text(f"patch written: {p}"))
 
     extra = {"patches": patches} if export_patch is not None else {}
     _finish(outcome.results, json_out, render, change_id=cid, check=check, **extra)
@@ -323,6 +322,26 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
                 ask_become_pass) as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
     _finish(results, json_out, render_rollback)
+
+
+@app.command()
+def recover(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+            ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False,
+            yes: Yes = False,
+            forks: Forks = 64, timeout: Timeout = config.ROLLBACK_TIMEOUT_S,
+            connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
+            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
+            run_timeout: RunTimeout = None) -> None:
+    """Undo the changes a killed run left pending (and restart SGLang where there were any); apply nothing."""
+    from .changes import recover_job
+    from .report import render_recover
+
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
+    _confirm(f"undo pending changes on {len(hosts)} host(s)", yes)
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
+        results = fleet.run(hosts, recover_job(), "recover")
+    _finish(results, json_out, render_recover)
 
 
 @app.command()
@@ -376,25 +395,32 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
                 ask_become_pass) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
-    def render(rs, console):
-        render_deploy(rs, console)
-        console.print(f"change id: {cid}")
-
-    _finish(results, json_out, render, change_id=cid, kernel=pkg.name)
+    _finish(results, json_out, render_deploy, change_id=cid, kernel=pkg.name)
 
 
 def _finish(results, json_out: bool, render, **doc) -> None:
-    """Print the results (one JSON document, or `render(results, out)` and the recap line) and
-    exit with Ansible's code for them."""
+    """Print the results (one JSON document, or `_render`) and exit with Ansible's code for them."""
     from .fleet import exit_code
-    from .report import render_status_line
 
     if json_out:
         _print_json({**doc, "hosts": [r.to_json() for r in results]})
     else:
-        render(results, out)
-        render_status_line(results, out)
+        _render(results, render, doc.get("change_id"))
     raise typer.Exit(exit_code(results))
+
+
+def _render(results, render, change_id: str | None = None) -> None:
+    """`render(results, out)`, the change id when there is one, and the recap line. A report that
+    cannot be rendered is said so in one line; the change id and the recap follow it anyway."""
+    from .report import render_status_line, text
+
+    try:
+        render(results, out)
+    except Exception as e:  # noqa: BLE001 - the change id and the exit code must still be given
+        out.print(text(f"the report could not be rendered: {type(e).__name__}: {e}", style="red"))
+    if change_id:
+        out.print(text(f"change id: {change_id}"))
+    render_status_line(results, out)
 
 
 def _print_json(doc: dict) -> None:
@@ -466,8 +492,20 @@ def lab_fault(host: str, kind: Annotated[str, typer.Argument(
     lab.lab_fault(host, kind, arg, lab_id=lab_id)
 
 
+_terminated = []  # set by SIGTERM
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a CI cancel, a service stop) is handled as Ctrl-C: hosts in progress finish,
+    none start; the exit status is then 143 instead of 130."""
+    _terminated.append(signum)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
-    """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5)."""
+    """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5;
+    SIGTERM as Ctrl-C, exit 143)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = app(standalone_mode=False)
     except TyperException as e:  # Typer's own click: usage errors, bad parameters, no arguments
@@ -476,11 +514,14 @@ def main() -> None:
         sys.exit(EXIT_OPTIONS)
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        sys.exit(130)
+        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
     except FleetctlError as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        from .report import text
+
+        err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    sys.exit(EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ SGLANG_PORT = HostVar("fleetctl_sglang_port", "port", "port of the server the sm
 SGLANG_HOST = HostVar("fleetctl_sglang_host", str, "address of that server on the host (default 127.0.0.1)")
 SMOKE_CMD = HostVar("fleetctl_smoke_cmd", str, "an offline smoke command, run on the host")
 LATENCY_SLACK = HostVar("fleetctl_latency_slack", float, "seconds added to the latency gate's ratio")
+SHARED_TREE = HostVar("fleetctl_shared_tree", bool, "the SGLang install is on a network file system other "
+                      "hosts mount too, and changing it from this host is meant")
 
-HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK)
+SGLANG_API_KEY = HostVar("fleetctl_sglang_api_key", str, "the server's --api-key, sent by the smoke decode as "
+                         "Authorization: Bearer (never printed)")
+
+HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY)
 DEFAULT_SGLANG_HOST = "127.0.0.1"

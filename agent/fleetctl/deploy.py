@@ -104,7 +104,7 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
         return result
     change = Change(change_id, f"kernel {pkg.name}",
                     [{"path": link, "kind": "link", "pre_target": current, "post_target": key}],
-                    facts, restart_handlers(ctx))
+                    facts, f"{opts.state_dir}/kernels", restart_handlers(ctx))
     execute(ctx, result, change, opts)
     if result.status == HostStatus.FAILED:
         result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")

@@ -10,6 +10,7 @@ EXIT_UNREACHABLE = 3
 EXIT_PARSE = 4
 EXIT_OPTIONS = 5
 EXIT_INTERRUPTED = 130  # Ctrl-C: hosts in progress finished, the others were not started
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15), handled as Ctrl-C is
 
 
 class FleetctlError(Exception):

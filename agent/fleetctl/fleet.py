@@ -21,12 +21,14 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from rich.markup import escape
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import probes
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
-from .connection import BecomeFailed, Connection, LockBusy, RemoteTimeout, Result, Settings, Unreachable, connect
+from .connection import (BecomeFailed, Connection, LockBusy, OutputTooLarge, RemoteTimeout, Result, Settings,
+                         Unreachable, connect)
 from .inventory import Host
 from .vocab import HostStatus
 
@@ -67,6 +69,10 @@ class HostFailed(Exception):
     """Raised by a job to mark its host failed with a message (no traceback shown)."""
 
 
+# The trust probe and the module whose check it runs.
+TRUST_MODULES = ["redact", "facts", "trust"]
+
+
 @dataclass
 class HostContext:
     """A job's view of its host: the open connection, its deadline (monotonic seconds), and a
@@ -95,18 +101,33 @@ class HostContext:
             raise RemoteTimeout("host deadline reached")
         return left
 
-    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None) -> Result:
+    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None, what: str | None = None,
+            keep_ends: bool = False) -> Result:
         """Run `argv` (a list of words) on the host, bounded by `timeout` seconds and by the host
-        deadline. Raises RemoteTimeout, Unreachable."""
+        deadline; output bounded as Connection.run says (`what`, `keep_ends`).
+        Raises RemoteTimeout, Unreachable, OutputTooLarge."""
         limit = self.remaining() if timeout is None else min(timeout, self.remaining())
-        return self.conn.run(argv, timeout=limit, stdin=stdin)
+        return self.conn.run(argv, timeout=limit, stdin=stdin, what=what, keep_ends=keep_ends)
 
     def probe(self, main: str, params: dict, modules: list[str] | None = None,
               python: str | None = None, timeout: float | None = None) -> dict:
         """Run probe `main` with `params` on the host's interpreter (`python`, or the inventory's,
-        or python3 on PATH). Raises probes.ProbeError, RemoteTimeout, Unreachable."""
+        or python3 on PATH). A named interpreter is first checked by the trust probe under
+        python3 on PATH (once per connection): one that root must not run (probes/facts.py
+        `untrusted`) raises HostFailed naming the file. Raises probes.ProbeError, RemoteTimeout,
+        Unreachable, OutputTooLarge."""
         py = python or self.host.python
-        r = self.run(probes.command(py), stdin=probes.bundle(main, params, modules), timeout=timeout)
+        if py and py not in self.conn.trusted_interpreters:
+            why = self._run_probe("trust", {"python": py}, TRUST_MODULES, None, timeout)["untrusted"]
+            if why:
+                raise HostFailed(f"interpreter {py} refused: {why} (fleetctl runs it as root)")
+            self.conn.trusted_interpreters.add(py)
+        return self._run_probe(main, params, modules, py, timeout)
+
+    def _run_probe(self, main: str, params: dict, modules: list[str] | None, python: str | None,
+                   timeout: float | None) -> dict:
+        r = self.run(probes.command(python), stdin=probes.bundle(main, params, modules), timeout=timeout,
+                     what=f"the {main} probe")
         return probes.parse_output(r.stdout, r.stderr, r.exit_code)
 
 
@@ -232,7 +253,7 @@ class Fleet:
             result.status, result.error = UNREACHABLE, str(e)
         except RemoteTimeout as e:
             result.status, result.error = FAILED, f"deadline ({timeout:g} s) passed: {e}"
-        except (BecomeFailed, HostFailed, LockBusy, probes.ProbeError) as e:
+        except (BecomeFailed, HostFailed, LockBusy, OutputTooLarge, probes.ProbeError) as e:
             result.status, result.error = FAILED, str(e)
         except FleetctlError as e:  # a template or expression error in the playbook, say
             result.status, result.error = FAILED, str(e)
@@ -276,8 +297,8 @@ class Fleet:
                 except KeyboardInterrupt:
                     if self.interrupted:
                         for fut in pending:
-                            self.console.print(f"[bold red]stopped while {futures[fut].name} was in progress"
-                                               + (f":[/] {note}" if note else "[/]"), highlight=False)
+                            self.console.print(f"[bold red]stopped while {escape(futures[fut].name)} was in progress"
+                                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
                         raise
                     # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .fleet import HostContext, HostFailed, HostResult
 from .vocab import HostStatus
 
-PROBE_MODULES = ["callsites", "procs", "gpus", "locate", "facts"]
+PROBE_MODULES = ["redact", "callsites", "procs", "gpus", "locate", "facts"]
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:

@@ -30,6 +30,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from . import ansiblesrc, config
+from .probes import redact
 from .errors import InventoryError, PatternError
 from .invtemplate import Templar, Unsafe, Vaulted, as_bool, is_template, needed
 
@@ -220,6 +221,19 @@ class Host:
     def latency_slack(self) -> float:
         """fleetctl_latency_slack: seconds added to the latency gate's ratio (default 0)."""
         return float(self.vars.get(config.LATENCY_SLACK.name, 0.0))
+
+    @property
+    def sglang_api_key(self) -> str | None:
+        """fleetctl_sglang_api_key: the SGLang server's API key for the smoke decode (a secret:
+        it travels on the probe's stdin and is never printed); None: not set."""
+        key = self.vars.get(config.SGLANG_API_KEY.name)
+        return None if key is None else str(key)
+
+    @property
+    def shared_tree(self) -> bool:
+        """fleetctl_shared_tree: true lets a change write a package tree on a network file
+        system (NFS, CIFS, Ceph, Lustre, GPFS, FUSE), which every host mounting it then sees."""
+        return self.vars.get(config.SHARED_TREE.name) is True
 
 
 @dataclass
@@ -496,7 +510,8 @@ def _checked(name: str, data: Any) -> Any:
         if isinstance(data, (int, float)) and not isinstance(data, bool):
             data = str(data)
         if not isinstance(data, str) or isinstance(data, Vaulted):
-            got = "a vault value" if isinstance(data, Vaulted) else repr(data)
+            got = ("a vault value" if isinstance(data, Vaulted) else
+                   f"a {type(data).__name__}" if redact.secret_name(name) else repr(data))
             raise ValueError(f"{name} must be a plain string, not {got}")
     if name == "ansible_become":
         return as_bool(data)

@@ -86,6 +86,11 @@ class _Refused(Exception):
     """The host's inputs do not allow a safe plan; becomes status "failed"."""
 
 
+# Every character Python's str.splitlines() breaks at (a lone CR ends a line for the tokenizer
+# too): a rendered comment holding one would end the comment and start code (review L5).
+_ANY_LINE_BREAK = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
 def sha256_text(text: str) -> str:
     """sha256 hex of the text's UTF-8 bytes (the bytes the change probe reads and writes)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -94,7 +99,7 @@ def sha256_text(text: str) -> str:
 def one_line(expr: str) -> str:
     """A (possibly multi-line) Python expression's source on one line: comments and line breaks
     dropped, tokens kept verbatim, one space where the source had any whitespace."""
-    if "\n" not in expr and "#" not in expr:
+    if not _ANY_LINE_BREAK.search(expr) and "#" not in expr:
         return expr.strip()
     out, prev = [], None
     for tok in tokenize.generate_tokens(io.StringIO("(" + expr + "\n)").readline):
@@ -221,7 +226,7 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
                 _parse(value, mode="eval")
             except SyntaxError:
                 raise _Refused(f"{task.value.template.filename} renders {value!r}, not a Python expression") from None
-            if "\n" in comment or not comment.startswith("#") or task.marker not in comment:
+            if _ANY_LINE_BREAK.search(comment) or not comment.startswith("#") or task.marker not in comment:
                 raise _Refused(f"{task.comment.template.filename} must render one '#' line holding {task.marker!r}")
             per_file.setdefault(rel, []).append((start, end, value))
             comments.setdefault(rel, {}).setdefault(at, []).append(comment)

@@ -2,11 +2,16 @@
 
 Hosts whose findings are identical are gathered into one block with their host list (as clubak
 gathers identical output); columns whose values differ between blocks are highlighted.
+
+Every string a host or an inventory supplies reaches Rich through `text()`: never parsed as
+markup, control characters shown as escapes (security review M5). A host's data of an odd shape
+becomes a "malformed" cell, never a crash that loses the report.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from typing import Any, Callable, Iterable
 
@@ -15,7 +20,33 @@ from rich.table import Table
 from rich.text import Text
 
 from .fleet import HostResult
+from .probes import redact
 from .vocab import PROBLEM_STATUSES, ChangeState, HostStatus
+
+# C0 controls but tab and newline, DEL, C1 controls, and the Unicode bidi and zero-width format
+# characters that reorder or hide text on a terminal.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(value: Any) -> str:
+    """`value` as a string (None: "") with each control character shown as \\xNN / \\uNNNN."""
+    s = "" if value is None else str(value)
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", s)
+
+
+def text(value: Any, style: str | None = None) -> Text:
+    """A table cell or message built from host or inventory data: plain text (no markup), control
+    characters visible (see visible)."""
+    return Text(visible(value), style=style)
+
+
+def _tolerant(build: Callable[[], Any], columns: int) -> Any:
+    """build(), or, when the host's data has an odd shape, `columns` cells: the first says so."""
+    try:
+        return build()
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        return ["malformed data from the host: " + visible(f"{type(e).__name__}: {e}")] + [""] * (columns - 1)
+
 
 STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus.SKIPPED: "cyan",
                 HostStatus.FAILED: "red", HostStatus.UNREACHABLE: "magenta", HostStatus.NOT_ATTEMPTED: "dim"}
@@ -66,7 +97,7 @@ def _install_line(i: dict) -> str:
 
 
 def _gpus(f: dict) -> str:
-    names = ", ".join(sorted(Counter(f"{g['name']} sm_{(g['compute_cap'] or '?').replace('.', '')}"
+    names = ", ".join(sorted(Counter(f"{g['name']} sm_{str(g['compute_cap'] or '?').replace('.', '')}"
                                      for g in f.get("gpus", [])).elements()))
     if names and f.get("gpus_reason"):
         return f"{names}; {f['gpus_reason']}"
@@ -74,6 +105,13 @@ def _gpus(f: dict) -> str:
 
 
 def _summary(data: dict) -> dict:
+    try:
+        return _summary_of(data)
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        return {"python": "malformed data from the host: " + visible(f"{type(e).__name__}: {e}")}
+
+
+def _summary_of(data: dict) -> dict:
     f = data.get("facts") or {}
     sg, torch = f.get("sglang"), f.get("torch")
     sites = data.get("allocator_call_sites", [])
@@ -103,44 +141,48 @@ def render_inspect(results: list[HostResult], console: Console) -> None:
     good = [r for r in results if r.status == HostStatus.OK]
     groups = coalesce((r.host, _summary(r.data)) for r in good)
     if groups:
-        cols = list(groups[0][1].keys())
-        differs = {c for c in cols if len({str(g[1][c]) for g in groups}) > 1}
+        cols = list(max((g[1] for g in groups), key=len).keys())
+        differs = {c for c in cols if len({str(g[1].get(c, "")) for g in groups}) > 1}
         t = Table(title="fleetctl inspect", show_lines=True)
         t.add_column("hosts", style="bold")
         for c in cols:
             t.add_column(c, style="yellow" if c in differs else None, overflow="fold")
         for hosts, s in groups:
-            t.add_row(host_list(hosts), *[str(s[c]) for c in cols])
+            t.add_row(text(host_list(hosts)), *[text(s.get(c, "")) for c in cols])
         console.print(t)
     findings = coalesce((r.host, {"sites": r.data.get("allocator_call_sites", []),
                                   "origins": r.data.get("need_sort_origins", [])}) for r in good)
     for hosts, f in findings:
         if not f["sites"] and not f["origins"]:
             continue
-        _render_findings(hosts, f["sites"], f["origins"], console)
+        try:
+            _render_findings(hosts, f["sites"], f["origins"], console)
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+            console.print(text(f"{host_list(hosts)}: malformed call sites from the host: {type(e).__name__}: {e}",
+                               style="red"))
     render_problems(results, console)
 
 
 def _render_findings(hosts: list[str], sites: list[dict], origins: list[dict], console: Console) -> None:
-    t = Table(title=f"allocator call sites — {host_list(hosts)}", title_justify="left")
+    t = Table(title=text(f"allocator call sites — {host_list(hosts)}"), title_justify="left")
     for c in ("file:line", "callee", "need_sort", "expr"):
         t.add_column(c, overflow="fold")
     for s in sites:
         ns = s["need_sort"]
         callee = s["callee"] + (" (alias)" if s.get("aliased") else "")
         style = {"absent": "dim", "default": "dim"}.get(ns["passing"])
-        t.add_row(f"{s['file']}:{s['line']}-{s['end_line']}", callee, Text(ns["passing"], style=style),
-                  ns.get("expr") or "")
+        t.add_row(text(f"{s['file']}:{s['line']}-{s['end_line']}"), text(callee), text(ns["passing"], style=style),
+                  text(ns.get("expr")))
     console.print(t)
     if not origins:
         console.print(Text("no need_sort origins: this release has no need_sort", style="cyan"))
         return
-    t = Table(title=f"need_sort origins — {host_list(hosts)}", title_justify="left")
+    t = Table(title=text(f"need_sort origins — {host_list(hosts)}"), title_justify="left")
     for c in ("file:line", "kind", "callee", "expr", "literal"):
         t.add_column(c, overflow="fold")
     for o in origins:
-        t.add_row(f"{o['file']}:{o['line']}", o["kind"], o.get("callee") or "",
-                  Text(o["expr"], style="dim" if o["literal"] else "bold"), "yes" if o["literal"] else "no")
+        t.add_row(text(f"{o['file']}:{o['line']}"), text(o["kind"]), text(o.get("callee")),
+                  text(o["expr"], style="dim" if o["literal"] else "bold"), "yes" if o["literal"] else "no")
     console.print(t)
 
 
@@ -154,14 +196,14 @@ def render_problems(results: list[HostResult], console: Console) -> None:
     t.add_column("status")
     t.add_column("error", overflow="fold")
     for hosts, (status, err) in coalesce(bad):
-        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), err)
+        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(err))
     console.print(t)
 
 
 def render_status_line(results: list[HostResult], console: Console) -> None:
     """One recap line, like Ansible's PLAY RECAP: counts per status."""
     counts = Counter(r.status for r in results)
-    parts = [Text(f"{k}={v}", style=STATUS_STYLE.get(k)) for k, v in sorted(counts.items())]
+    parts = [text(f"{k}={v}", style=STATUS_STYLE.get(k)) for k, v in sorted(counts.items())]
     line = Text("recap: ")
     for p in parts:
         line.append(p)
@@ -176,7 +218,7 @@ def table(title: str, columns: list[str], rows: list[list[Any]], console: Consol
     for c in columns:
         t.add_column(c, overflow="fold")
     for row in rows:
-        t.add_row(*[Text(str(v), style=style_of(c, v) if style_of else None) for c, v in zip(columns, row)])
+        t.add_row(*[text(v, style=style_of(c, v) if style_of else None) for c, v in zip(columns, row)])
     console.print(t)
 
 
@@ -187,14 +229,36 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
         t.add_column(c, overflow="fold")
     for r in results:
         d = r.data or {}
-        if r.error:
-            detail = r.error
-        elif d.get("nothing"):
-            detail = f"nothing to do: {d['nothing']}"
-        else:
-            forced = f"; forced over {', '.join(d['forced'])}" if d.get("forced") else ""
-            detail = f"restored {len(d.get('files', []))} file(s)/link(s) byte-identical{forced}"
-        t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), d.get("change_id") or "", detail)
+
+        def detail(r=r, d=d):
+            if r.error:
+                return r.error
+            if d.get("nothing"):
+                return f"nothing to do: {d['nothing']}"
+            forced = f"; forced over {', '.join(map(str, d['forced']))}" if d.get("forced") else ""
+            return f"restored {len(d.get('files') or [])} file(s)/link(s) byte-identical{forced}"
+
+        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), text(d.get("change_id")),
+                  *map(text, _tolerant(lambda detail=detail: [detail()], 1)))
+    console.print(t)
+
+
+def render_recover(results: list[HostResult], console: Console) -> None:
+    """Per-host outcome of `fleetctl recover`: each pending change undone and what happened to
+    each of its files."""
+    t = Table(title="recover", title_justify="left")
+    for c in ("host", "status", "change", "files"):
+        t.add_column(c, overflow="fold")
+    for r in results:
+        d = r.data or {}
+
+        def cells(d=d, r=r):
+            done = d.get("recovered") or []
+            changes = "\n".join(f"{c['change_id']} -> {c['state']}" for c in done) or "nothing pending"
+            files = "\n".join(f"{f['path']}: {f['action']}" for c in done for f in c.get("files") or [])
+            return [changes, files or r.error or ""]
+
+        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, _tolerant(cells, 2)))
     console.print(t)
 
 
@@ -206,20 +270,26 @@ def render_validate(results: list[HostResult], console: Console) -> None:
     for r in results:
         servers = (r.data or {}).get("servers") or [None]
         for s in servers:
+            status = text(r.status, style=STATUS_STYLE.get(r.status))
             if s is None:
-                t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), "", "", "", "", "", r.error or "")
+                t.add_row(text(r.host), status, "", "", "", "", "", text(r.error))
                 continue
-            lat = s.get("e2e_latency_s") or s.get("latency_s")
-            t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)),
-                      f":{s['port']} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
-                      f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
-                      " ".join(map(str, s.get("output_ids") or [])),
-                      f"{lat * 1000:.1f} ms" if lat else "", f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
-                      s.get("error") or "")
+
+            def cells(s=s):
+                lat = s.get("e2e_latency_s") or s.get("latency_s")
+                return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
+                        f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
+                        " ".join(map(str, s.get("output_ids") or [])),
+                        f"{lat * 1000:.1f} ms" if lat else "",
+                        f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "", s.get("error") or ""]
+
+            t.add_row(text(r.host), status, *map(text, _tolerant(cells, 6)))
         off = (r.data or {}).get("offline")
         if off:
-            t.add_row(r.host, Text(r.status, style=STATUS_STYLE.get(r.status)), "offline: " + off["cmd"],
-                      "", "", f"{off['duration_s']:.1f}s", "", " | ".join(off["tail"][-2:]))
+            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
+                      *map(text, _tolerant(lambda off=off: [
+                          f"offline: {off['cmd']}", "", "", f"{off['duration_s']:.1f}s", "",
+                          " | ".join(map(str, off["tail"][-2:]))], 6)))
     console.print(t)
 
 
@@ -229,9 +299,9 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
     if diff:
         diffs = coalesce((r.host, "".join(f["diff"] for f in r.data["plan"]["files"]))
                          for r in results if r.data.get("plan") and r.data["plan"]["files"])
-        for hosts, text in diffs:
-            console.rule(f"diff — {host_list(hosts)}")
-            console.print(Text(text), highlight=False, soft_wrap=True)
+        for hosts, diff_text in diffs:
+            console.rule(text(f"diff — {host_list(hosts)}"))
+            console.print(text(diff_text), highlight=False, soft_wrap=True)
     t = Table(title=title or ("check mode: nothing was changed" if check else "apply"), title_justify="left")
     for c in ("hosts", "status", "edits", "left alone", "validation", "detail"):
         t.add_column(c, overflow="fold")
@@ -243,8 +313,21 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
         rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
                               val, r.error or r.data.get("skipped_reason") or "")))
     for hosts, (status, edits, left, val, detail) in coalesce(rows):
-        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), str(edits), str(left), val, detail)
+        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), str(edits), str(left),
+                  text(val), text(detail))
     console.print(t)
+
+
+def render_handlers(results: list[HostResult], console: Console) -> None:
+    """The handler commands (restarts) each planned host would run after its change, identical
+    ones coalesced, secrets redacted: shown with the plan, before the confirmation (review L10)."""
+    planned = ((r.host, [[h.get("name"), redact.text(str(h.get("command")))]
+                         for h in ((r.data or {}).get("plan") or {}).get("handlers") or []])
+               for r in results)
+    for hosts, handlers in coalesce((h, hs) for h, hs in planned if hs):
+        console.print(text(f"handlers run after the change — {host_list(hosts)}:", style="bold"))
+        for name, command in handlers:
+            console.print(text(f"  {name}: {command}"), highlight=False, soft_wrap=True)
 
 
 def render_status(results: list[HostResult], console: Console) -> None:
@@ -255,16 +338,20 @@ def render_status(results: list[HostResult], console: Console) -> None:
     for r in results:
         d = r.data or {}
         if "changes" not in d:  # unreachable or failed before the ledger was read: nothing is known
-            unknown = Text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
-            t.add_row(r.host, unknown, unknown, unknown, unknown, unknown)
+            unknown = text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
+            t.add_row(text(r.host), unknown, unknown, unknown, unknown, unknown)
             continue
-        applied = [c["change_id"] + (" (PENDING: interrupted or in progress)"
-                                     if c["state"] == ChangeState.PENDING else "")
-                   for c in d.get("changes", []) if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)]
-        kernels = "\n".join(f"{k} -> {v[:12]}" for k, v in (d.get("kernels") or {}).items())
-        t.add_row(r.host, str(d.get("sglang") or ""), "\n".join(applied) or "none", kernels or "none",
-                  "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift", [])) or "none",
-                  "\n".join(m["path"] for m in d.get("modified") or []) or "none")
+
+        def cells(d=d):
+            applied = [str(c["change_id"]) + (" (PENDING: interrupted or in progress)"
+                                                  if c["state"] == ChangeState.PENDING else "")
+                       for c in d.get("changes") or [] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)]
+            return [d.get("sglang") or "", "\n".join(applied) or "none",
+                    "\n".join(f"{k} -> {str(v)[:12]}" for k, v in (d.get("kernels") or {}).items()) or "none",
+                    "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift") or []) or "none",
+                    "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none"]
+
+        t.add_row(text(r.host), *map(text, _tolerant(cells, 5)))
     console.print(t)
     render_problems(results, console)
 
@@ -283,7 +370,8 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
                               (d.get("validation") or {}).get("status", ""), r.error or "")))
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
-        t.add_row(host_list(hosts), Text(status, style=STATUS_STYLE.get(status)), backend, built, active, val, detail)
+        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
+                  text(active), text(val), text(detail))
     console.print(t)
 
 

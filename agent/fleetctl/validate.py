@@ -18,6 +18,9 @@ from .gather import find_install, gather, install_facts
 from .inventory import Host
 from .vocab import HostStatus
 
+# The smoke probe and the redaction it applies to what it returns.
+SMOKE_MODULES = ["redact", "smoke"]
+
 
 @dataclass(frozen=True)
 class SmokeOptions:
@@ -55,7 +58,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     Raises ProbeError, RemoteTimeout, Unreachable."""
     params = {"servers": smoke_targets(ctx.host, facts, opts) if servers else [],
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
-              "offline_cmd": offline_cmd or ctx.host.smoke_cmd}
+              "offline_cmd": offline_cmd or ctx.host.smoke_cmd, "api_key": ctx.host.sglang_api_key}
     if not params["servers"] and not params["offline_cmd"]:
         return {"servers": [], "offline": None}
     budget = ctx.remaining() - reserve
@@ -64,7 +67,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
     params["offline_timeout"] = budget - 5
     python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("smoke", params, python=python, timeout=budget)
+    return ctx.probe("smoke", params, modules=SMOKE_MODULES, python=python, timeout=budget)
 
 
 def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):

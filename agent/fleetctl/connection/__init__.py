@@ -11,7 +11,7 @@ with `hold_lock`; nothing above it imports paramiko or builds a command line.
 from __future__ import annotations
 
 from .base import Connection, HostLock, Result, Settings
-from .errors import BecomeFailed, HostKeyRefused, LockBusy, RemoteTimeout, Unreachable
+from .errors import BecomeFailed, HostKeyRefused, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 
 __all__ = ["BecomeFailed", "Connection", "HostKeyRefused", "HostLock", "LockBusy", "RemoteTimeout", "Result", "Settings",
            "Unreachable", "connect", "kind_for"]

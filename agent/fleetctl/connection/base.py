@@ -24,10 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import command
-from .errors import BecomeFailed, LockBusy, RemoteTimeout, Unreachable
+from .errors import BecomeFailed, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 
 # Bytes of the lock handshake read at most (a hostile host cannot make the controller hold more).
 LOCK_HANDSHAKE_MAX = 4096
+# Bytes of one command's stdout, and of its stderr, the controller holds at most (review M3):
+# past it the command is stopped and OutputTooLarge raised.
+OUTPUT_MAX = 64 << 20
+# Bytes kept of a command whose output is only shown (handlers): its first and last halves.
+TAIL_MAX = 1 << 20
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
 _RUN_STATE_LOCK = threading.Lock()
@@ -115,14 +120,46 @@ class Result:
         return self.exit_code == 0
 
 
+class OutputBuffer:
+    """One output stream of a command, never more than `limit` bytes held: with `keep_ends`,
+    the first and last limit/2 bytes and a line saying how many were dropped between them;
+    without, add() raises OutputTooLarge ("output over N MiB from WHAT") past the limit."""
+
+    def __init__(self, limit: int, what: str, keep_ends: bool = False):
+        self.limit, self.what, self.keep_ends = limit, what, keep_ends
+        self.head, self.tail, self.dropped = bytearray(), bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        """Take the next bytes read from the stream."""
+        if not self.keep_ends:
+            if len(self.head) + len(chunk) > self.limit:
+                raise OutputTooLarge(f"output over {self.limit >> 20} MiB from {self.what}")
+            self.head += chunk
+            return
+        half = self.limit // 2
+        room = half - len(self.head)
+        self.head += chunk[:max(room, 0)]
+        self.tail += chunk[max(room, 0):]
+        if len(self.tail) > half:
+            self.dropped += len(self.tail) - half
+            del self.tail[:len(self.tail) - half]
+
+    def value(self) -> bytes:
+        """What was kept."""
+        gap = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
+        return bytes(self.head) + gap + bytes(self.tail)
+
+
 class Process(ABC):
     """One process started over there by a connection kind."""
 
     @abstractmethod
-    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
-        """Send `stdin` then EOF, read stdout and stderr to the end, and return them with the exit
-        status (-1: killed by a signal). `deadline` is a time.monotonic() value.
-        Raises RemoteTimeout past the deadline, Unreachable when the connection is lost."""
+    def communicate(self, stdin: bytes, deadline: float, stdout: OutputBuffer,
+                    stderr: OutputBuffer) -> tuple[bytes, bytes, int]:
+        """Send `stdin` then EOF, read stdout and stderr to the end into the two buffers (which
+        bound them), and return what they kept with the exit status (-1: killed by a signal).
+        `deadline` is a time.monotonic() value. Raises RemoteTimeout past the deadline,
+        Unreachable when the connection is lost, OutputTooLarge from a buffer."""
 
     @abstractmethod
     def readline(self, limit: int, timeout: float) -> bytes:
@@ -156,6 +193,8 @@ class Connection(ABC):
     def __init__(self, host, settings: Settings):
         self.host = host
         self.settings = settings
+        # interpreters the trust probe found root may run on this host (fleet.HostContext.probe)
+        self.trusted_interpreters: set[str] = set()
 
     @property
     @abstractmethod
@@ -230,16 +269,22 @@ class Connection(ABC):
                 raise BecomeFailed(f"sudo did not run the command: {said or 'no message'}")
             seen += chunk
 
-    def run(self, argv: list[str], timeout: float, stdin: bytes = b"") -> Result:
+    def run(self, argv: list[str], timeout: float, stdin: bytes = b"", what: str | None = None,
+            keep_ends: bool = False) -> Result:
         """Run `argv` (a list of words, never a shell string) with `stdin` bytes then EOF, killed
         over there (the whole process group) if it outlives `timeout` seconds; as the become
-        user when the host has ansible_become.
-        Raises RemoteTimeout at the deadline, Unreachable if the connection is lost, BecomeFailed
-        when sudo does not start it."""
+        user when the host has ansible_become. Each output stream is held to OUTPUT_MAX bytes,
+        or with `keep_ends` to its first and last TAIL_MAX/2. `what` names the command in errors
+        (default: its first word).
+        Raises RemoteTimeout at the deadline, Unreachable if the connection is lost,
+        OutputTooLarge (the command is stopped), BecomeFailed when sudo does not start it."""
+        what = what or repr(argv[0])
+        size = TAIL_MAX if keep_ends else OUTPUT_MAX
         start = time.monotonic()
         proc, early_err, limit = self._begin(argv, timeout)
         try:
-            out, err, code = proc.communicate(stdin, start + limit + command.KILL_AFTER_S + 3)
+            out, err, code = proc.communicate(stdin, start + limit + command.KILL_AFTER_S + 3,
+                                              OutputBuffer(size, what, keep_ends), OutputBuffer(size, what, keep_ends))
         finally:
             proc.close()
         elapsed = time.monotonic() - start

@@ -33,7 +33,7 @@ _UPLOAD = (
 # $1 state dir, $2 who holds it, $3 seconds to hold it at most. flock -n fails at once (exit 75)
 # when another run holds the lock; its child says LOCKED, then waits for EOF on stdin.
 _LOCK = (
-    'mkdir -p -- "$1" && exec flock -n -E 75 "$1/lock" sh -c '
+    'umask 077 && mkdir -p -m 700 -- "$1" && exec flock -n -E 75 "$1/lock" sh -c '
     '\'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner"; echo LOCKED; '
     'exec timeout "$2" cat >/dev/null\' "$1" "$2" "$3"'
 )

@@ -22,3 +22,8 @@ class LockBusy(Exception):
 class BecomeFailed(Exception):
     """sudo did not start the command (a wrong or missing password, no sudo rights, a sudo that
     requires a tty); nothing ran as the become user. The message is sudo's own, bounded."""
+
+
+class OutputTooLarge(Exception):
+    """A remote command printed more than the controller holds (connection.base.OUTPUT_MAX);
+    it was stopped."""

@@ -13,8 +13,8 @@ import signal
 import subprocess
 import time
 
-from .base import Connection, Process
-from .errors import RemoteTimeout, Unreachable
+from .base import Connection, OutputBuffer, Process
+from .errors import OutputTooLarge, RemoteTimeout, Unreachable
 
 
 class LocalProcess(Process):
@@ -33,14 +33,40 @@ class LocalProcess(Process):
         except (ProcessLookupError, PermissionError):
             pass
 
-    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
+    def communicate(self, stdin: bytes, deadline: float, out: OutputBuffer,
+                    err: OutputBuffer) -> tuple[bytes, bytes, int]:
+        sinks = {self._p.stdout.fileno(): out, self._p.stderr.fileno(): err}
+        pending = memoryview(stdin)
+        writer = self._p.stdin.fileno()
+        if not pending:
+            self._p.stdin.close()
         try:
-            out, err = self._p.communicate(stdin, timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+            while sinks or pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RemoteTimeout("local command did not end by its deadline")
+                readable, writable, _ = select.select(list(sinks), [writer] if pending else [], [], left)
+                if writable:
+                    try:
+                        pending = pending[os.write(writer, pending[:65536]):]
+                    except BrokenPipeError:
+                        pending = pending[:0]
+                    if not pending:
+                        self._p.stdin.close()
+                for fd in readable:
+                    chunk = os.read(fd, 65536)
+                    if chunk:
+                        sinks[fd].add(chunk)
+                    else:
+                        del sinks[fd]
+            code = self._p.wait(max(0.0, deadline - time.monotonic()))
+        except (RemoteTimeout, OutputTooLarge, subprocess.TimeoutExpired):
             self._kill_group()
-            self._p.communicate()
-            raise RemoteTimeout("local command did not end by its deadline") from None
-        return out, err, self._p.returncode if self._p.returncode >= 0 else -1
+            self._p.wait()
+            if time.monotonic() >= deadline:
+                raise RemoteTimeout("local command did not end by its deadline") from None
+            raise
+        return out.value(), err.value(), code if code >= 0 else -1
 
     def readline(self, limit: int, timeout: float) -> bytes:
         buf = b""

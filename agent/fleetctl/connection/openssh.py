@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from . import command
-from .base import Connection, Process, passwd_home
+from .base import Connection, OutputBuffer, Process, passwd_home
 from .errors import HostKeyRefused, Unreachable
 from .local import LocalProcess
 from .resolve import split_config_option
@@ -98,8 +98,9 @@ class OpenSSHProcess(LocalProcess):
     """A command run over the host's master by a local `ssh` (see Process); the remote exit
     status comes from the in-band line, so a lost connection (ssh's 255, no line) is Unreachable."""
 
-    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
-        out, err, code = super().communicate(stdin, deadline)
+    def communicate(self, stdin: bytes, deadline: float, out: OutputBuffer,
+                    err: OutputBuffer) -> tuple[bytes, bytes, int]:
+        out, err, code = super().communicate(stdin, deadline, out, err)
         m = _EXIT_RE.search(err)
         if m is None:
             raise Unreachable(f"connection lost during a command (ssh exit {code}): "

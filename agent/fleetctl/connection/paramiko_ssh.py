@@ -36,7 +36,7 @@ from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPriva
 
 from ..errors import SshConfigError
 from . import command, knownhosts
-from .base import Connection, Process, Settings
+from .base import Connection, OutputBuffer, Process, Settings
 from .errors import HostKeyRefused, RemoteTimeout, Unreachable
 from .resolve import Resolved, hop_chain
 
@@ -258,7 +258,8 @@ class ParamikoProcess(Process):
     def __init__(self, conn: "ParamikoConnection", chan: paramiko.Channel):
         self.conn, self.chan = conn, chan
 
-    def communicate(self, stdin: bytes, deadline: float) -> tuple[bytes, bytes, int]:
+    def communicate(self, stdin: bytes, deadline: float, out: OutputBuffer,
+                    err: OutputBuffer) -> tuple[bytes, bytes, int]:
         chan = self.chan
         try:
             chan.settimeout(max(1.0, deadline - time.monotonic()))
@@ -269,12 +270,11 @@ class ParamikoProcess(Process):
             raise RemoteTimeout("the remote command did not take its input by its deadline") from None
         except (paramiko.SSHException, OSError) as e:
             raise self.conn.lost(f"while sending a command its input: {e}") from None
-        out, err = bytearray(), bytearray()
         while True:
             while chan.recv_ready():
-                out += chan.recv(65536)
+                out.add(chan.recv(65536))
             while chan.recv_stderr_ready():
-                err += chan.recv_stderr(65536)
+                err.add(chan.recv_stderr(65536))
             if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
             if time.monotonic() > deadline:
@@ -284,7 +284,7 @@ class ParamikoProcess(Process):
         if code == -1 and not self.conn.alive():
             # paramiko's exit_status_ready() is also true once the channel closed with the transport
             raise self.conn.lost("during a command")
-        return bytes(out), bytes(err), code
+        return out.value(), err.value(), code
 
     def readline(self, limit: int, timeout: float) -> bytes:
         buf = b""

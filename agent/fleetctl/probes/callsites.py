@@ -11,10 +11,12 @@ allocator's ``__init__`` signature.
 """
 
 import ast
+import errno
 import hashlib
 import io
 import os
 import re
+import stat
 import tokenize
 import warnings
 
@@ -197,16 +199,14 @@ class _Tree(object):
                 if rel in self.sources:
                     continue
                 try:
-                    with open(os.path.join(self.location, rel), "rb") as f:
-                        found = _CLASS_RE.findall(f.read())
+                    found = _CLASS_RE.findall(read_source(os.path.join(self.location, rel)))
                 except OSError:
                     continue
                 for n in found:
                     self._class_files.setdefault(n.decode("ascii", "replace"), []).append(rel)
         for rel in self._class_files.pop(name, []):
             try:
-                with open(os.path.join(self.location, rel), "rb") as f:
-                    self.parse(rel, f.read())
+                self.parse(rel, read_source(os.path.join(self.location, rel)))
             except OSError as e:
                 self.parse_errors.append({"file": rel, "error": "%s: %s" % (type(e).__name__, e)})
 
@@ -330,6 +330,29 @@ def _scan_source(tree, src):
     return sites, origins
 
 
+# A source file larger than this is not read (SGLang's largest is well under 1 MiB).
+MAX_SOURCE_BYTES = 16 << 20
+
+
+def read_source(path):
+    """The bytes of source file `path`, which must be a regular file (never followed through a
+    symlink, never a FIFO or device: those would hang or leave the tree) of at most
+    MAX_SOURCE_BYTES. Raises OSError saying why not (review L11)."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # not even opened: a device's open has effects
+        raise OSError(errno.EINVAL, "not a regular file, not read", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file, not read", path)
+        if st.st_size > MAX_SOURCE_BYTES:
+            raise OSError(errno.EFBIG, "over %d bytes, not read" % MAX_SOURCE_BYTES, path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_SOURCE_BYTES + 1)[:MAX_SOURCE_BYTES]
+    finally:
+        os.close(fd)
+
+
 def scan(location):
     """Scan the `sglang` package installed in site-packages directory `location`.
 
@@ -361,8 +384,7 @@ def scan(location):
             rel = os.path.relpath(path, location).replace(os.sep, "/")
             tree.files.append(rel)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = read_source(path)
             except OSError as e:
                 tree.parse_errors.append({"file": rel, "error": "%s: %s" % (type(e).__name__, e)})
                 continue

@@ -15,11 +15,14 @@ Every action returns {"ok": true, ...} or {"ok": false, "error": "..."} (a refus
 """
 
 import base64
+import errno
+import fnmatch
 import glob
 import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import time
 
@@ -34,21 +37,131 @@ class Refused(Exception):
     """A precondition failed before anything was changed."""
 
 
-def sha256_file(path):
-    """Hex sha256 of the file's bytes, or None when it does not exist."""
+class UnsafePath(Exception):
+    """A path fleetctl would write or read as root goes through a symlink, is not a regular
+    file, or leaves the directory it is confined to."""
+
+
+# statfs(2) f_type names as /proc/self/mountinfo gives them (proc(5)) of file systems that
+# other hosts may mount too: writing there from one host changes every host that mounts it.
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", "glusterfs", "beegfs",
+              "afs", "9p", "fuse", "fuseblk")
+# Files the probe reads (package sources, backups) are at most this many bytes.
+MAX_FILE_BYTES = 64 << 20
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+          (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+def kind_of(mode):
+    """"regular file", "symlink", "directory", "FIFO", "socket", "character device" or "block device"."""
+    return next((name for test, name in _KINDS if test(mode)), "regular file")
+
+
+def open_dir(path, create=None):
+    """A descriptor of directory `path` (absolute, normalised), reached from / one component at
+    a time with O_DIRECTORY|O_NOFOLLOW relative to the previous one, so nothing on the way can
+    redirect it. `create`: the mode of missing components (created, chmod'ed to it whatever the
+    umask, their parent fsynced); None: a missing one raises FileNotFoundError. Raises
+    UnsafePath when a component is a symlink or not a directory."""
+    parts = [] if path == "/" else path.split("/")[1:]
+    if not path.startswith("/") or os.path.normpath(path) != path or "" in parts:
+        raise UnsafePath("%s: not an absolute, normalised path" % path)
+    fd, done = os.open("/", _DIR), ""
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        for part in parts:
+            done += "/" + part
+            try:
+                nfd = os.open(part, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if create is None:
+                    raise
+                os.mkdir(part, create, dir_fd=fd)
+                nfd = os.open(part, _DIR, dir_fd=fd)
+                os.fchmod(nfd, create)
+                os.fsync(fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                raise UnsafePath("%s is a %s: fleetctl does not go through it" % (done, kind_of(st.st_mode)))
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _parent(path, create=None):
+    """(descriptor of the directory holding `path`, its base name): see open_dir."""
+    d, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        raise UnsafePath("%s: not a file path" % path)
+    return open_dir(d, create), name
+
+
+def _lstat(dfd, name):
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
         return None
+
+
+def _open_regular(dfd, name, path):
+    """A read descriptor of regular file `name` in `dfd` (never a link, FIFO or device: those
+    raise UnsafePath without being opened); FileNotFoundError when missing."""
+    st = _lstat(dfd, name)
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePath("%s is a %s, not a regular file" % (path, kind_of(st.st_mode)))
+    fd = os.open(name, _READ, dir_fd=dfd)
+    fst = os.fstat(fd)
+    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or fst.st_size > MAX_FILE_BYTES:
+        os.close(fd)
+        raise UnsafePath("%s changed while being opened, or is over %d bytes" % (path, MAX_FILE_BYTES))
+    return fd
+
+
+def read_file(path):
+    """The bytes of regular file `path` (see _open_regular), at most MAX_FILE_BYTES."""
+    dfd, name = _parent(path)
+    try:
+        fd = _open_regular(dfd, name, path)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise UnsafePath("%s is over %d bytes" % (path, MAX_FILE_BYTES))
+    return data
+
+
+def sha256_file(path):
+    """Hex sha256 of the file's bytes, None when it does not exist, or "<why>" (never a hex
+    digest) when it is not a regular file reached without symlinks: it is then not read."""
+    try:
+        return hashlib.sha256(read_file(path)).hexdigest()
+    except FileNotFoundError:
+        return None
+    except UnsafePath as e:
+        return "<%s>" % e
 
 
 def link_state(path):
     """A symlink's state as the ledger records it: "link:<target>", or None when absent."""
     try:
-        return "link:" + os.readlink(path)
+        dfd, name = _parent(path)
+    except (OSError, UnsafePath):
+        return None
+    try:
+        return "link:" + os.readlink(name, dir_fd=dfd)
     except OSError:
         return None
+    finally:
+        os.close(dfd)
 
 
 def _state(f):
@@ -56,90 +169,227 @@ def _state(f):
     return link_state(f["path"]) if f.get("kind") == "link" else sha256_file(f["path"])
 
 
+def _tmp_name(name, tag):
+    """A temp name beside `name` nobody can guess: the tag and 64 random bits."""
+    return ".%s.fleetctl-%s.%s.tmp" % (name, tag, secrets.token_hex(8))
+
+
+def _is_tmp(entry, name, tag):
+    return re.match(r"\.%s\.fleetctl-%s(\.[0-9a-f]{16})?\.tmp\Z" % (re.escape(name), re.escape(tag)), entry)
+
+
+def remove_tmp(path, tags):
+    """Remove the temp files apply or a restore left beside `path` for any of `tags`
+    (unlinking a planted symlink removes the link only). Returns their names."""
+    try:
+        dfd, name = _parent(path)
+    except (OSError, UnsafePath):
+        return []
+    try:
+        gone = [e for e in os.listdir(dfd) if any(_is_tmp(e, name, t) for t in tags)]
+        for e in gone:
+            os.unlink(e, dir_fd=dfd)
+        return gone
+    finally:
+        os.close(dfd)
+
+
 def set_link(path, target, tag):
     """Point symlink `path` at `target` atomically (new link beside it + rename); None removes it."""
-    if target is None:
-        if os.path.lexists(path):
-            os.unlink(path)
-    else:
-        tmp = _tmp_name(path, tag)
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        os.symlink(target, tmp)
-        os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _fsync_dir(d):
-    fd = os.open(d, os.O_RDONLY)
+    dfd, name = _parent(path)
     try:
-        os.fsync(fd)
+        st = _lstat(dfd, name)
+        if st is not None and not stat.S_ISLNK(st.st_mode):
+            raise UnsafePath("%s is a %s, not a symlink" % (path, kind_of(st.st_mode)))
+        if target is None:
+            if st is not None:
+                os.unlink(name, dir_fd=dfd)
+        else:
+            tmp = _tmp_name(name, tag)
+            os.symlink(target, tmp, dir_fd=dfd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
     finally:
-        os.close(fd)
+        os.close(dfd)
 
 
-def _tmp_name(path, tag):
-    return os.path.join(os.path.dirname(path), ".%s.fleetctl-%s.tmp" % (os.path.basename(path), tag))
+def _copy_xattrs(src, dst):
+    """Copy every extended attribute (POSIX ACLs, SELinux labels, security.*) from descriptor
+    `src` to `dst`; a file system without them (ENOTSUP) has none to keep."""
+    try:
+        names = os.listxattr(src)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        raise
+    for n in names:
+        os.setxattr(dst, n, os.getxattr(src, n))
 
 
 def atomic_write(path, data, tag):
-    """Replace `path` by `data` (bytes) atomically: temp file in the same directory, fsync, rename,
-    fsync the directory. Keeps the file's mode and owner (0644 and the caller's when it is missing)."""
+    """Replace regular file `path` by `data` (bytes) atomically, never through a symlink: the
+    parent reached by open_dir, a temp file beside it with an unguessable name opened
+    O_CREAT|O_EXCL|O_NOFOLLOW, fsync, rename with directory descriptors, fsync the directory.
+    Keeps the file's owner, mode and extended attributes (0644 and the caller's when it is
+    missing). Raises UnsafePath when `path` is a symlink or anything but a regular file."""
+    dfd, name = _parent(path)
     try:
-        st = os.stat(path)
-        mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
-    except FileNotFoundError:
-        mode, owner = 0o644, None
-    tmp = _tmp_name(path, tag)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
+        st = _lstat(dfd, name)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise UnsafePath("%s is a %s: fleetctl does not replace it" % (path, kind_of(st.st_mode)))
+        tmp = _tmp_name(name, tag)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fchmod(fd, mode)
-            if owner and owner != (os.geteuid(), os.getegid()):
-                os.fchown(fd, *owner)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(os.path.dirname(path) or ".")
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if st is None:
+                    os.fchmod(fd, 0o644)
+                else:
+                    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode))  # after fchown, which clears set-id bits
+                    src = _open_regular(dfd, name, path)
+                    try:
+                        _copy_xattrs(src, fd)
+                    finally:
+                        os.close(src)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def drop_pycache(path):
-    """Remove the module's stale bytecode: __pycache__/<stem>.*.pyc next to `path`."""
+    """Remove the module's stale bytecode: __pycache__/<stem>.*.pyc next to `path` (a symlinked
+    __pycache__ raises UnsafePath)."""
+    dfd, name = _parent(path)
+    try:
+        try:
+            pfd = os.open("__pycache__", _DIR, dir_fd=dfd)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise UnsafePath("%s/__pycache__ is not a directory" % os.path.dirname(path))
+            raise
+    finally:
+        os.close(dfd)
+    try:
+        pattern = glob.escape(os.path.splitext(name)[0]) + ".*.pyc"
+        for pyc in os.listdir(pfd):
+            if fnmatch.fnmatchcase(pyc, pattern):
+                os.unlink(pyc, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+def fs_type(path, mountinfo="/proc/self/mountinfo"):
+    """The type of the file system holding real path `path`: that of the last-mounted, longest
+    mount point above it in `mountinfo` (proc(5): field 5 the mount point, octal escapes, and
+    the type first after " - "). None when no line covers it."""
+    best, kind = None, None
+    with open(mountinfo, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) < 5 or not right.split():
+                continue
+            mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            inside = path == mp or path.startswith(mp.rstrip("/") + "/")
+            if inside and (best is None or len(mp) >= len(best)):
+                best, kind = mp, right.split()[0]
+    return kind
+
+
+def is_network_fs(kind):
+    """True for a type in NETWORK_FS or any FUSE file system ("fuse.sshfs")."""
+    return kind in NETWORK_FS or (kind or "").startswith("fuse.")
+
+
+def confine(path, root):
+    """`path` with its directory's links resolved, when that lies under `root` (a real path);
+    else Refused. The path must be absolute and normalised."""
+    if not isinstance(path, str) or not os.path.isabs(path) or os.path.normpath(path) != path:
+        raise Refused("%r: not an absolute, normalised path" % (path,))
     d, name = os.path.split(path)
-    stem = os.path.splitext(name)[0]
-    for pyc in glob.glob(os.path.join(d, "__pycache__", glob.escape(stem) + ".*.pyc")):
-        os.unlink(pyc)
+    real = os.path.join(os.path.realpath(d), name)
+    if not real.startswith(root.rstrip("/") + "/"):
+        raise Refused("%s is outside %s (links resolved): fleetctl only writes there" % (real, root))
+    return real
+
+
+def check_entry(entry, state_dir):
+    """Refuse a ledger entry whose paths fall outside what it may touch: every file under its
+    "root" (when recorded) and every backup exactly backups/<change_id>/<path>."""
+    root = entry.get("root")
+    for f in entry.get("files") or []:
+        p = f.get("path")
+        if not isinstance(p, str) or not os.path.isabs(p) or os.path.normpath(p) != p or \
+                (root and not p.startswith(root.rstrip("/") + "/")):
+            raise Refused("ledger entry %s names %r outside %s: not trusting it" % (entry.get("change_id"), p, root))
+        want = os.path.join(state_dir, "backups", entry["change_id"], p.lstrip("/"))
+        if f.get("kind") != "link" and f.get("backup") != want:
+            raise Refused("ledger entry %s has backup %r, not %s: not trusting it"
+                          % (entry.get("change_id"), f.get("backup"), want))
 
 
 def _now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _state_fd(state_dir, create):
+    """A descriptor of the state dir, which must be a directory root (this euid) owns, no
+    symlink on the way, writable by nobody else; it is made 0700 whatever the umask. None when
+    it is missing and not `create`. Raises Refused otherwise: its ledger cannot be trusted."""
+    try:
+        fd = open_dir(state_dir, 0o700 if create else None)
+    except FileNotFoundError:
+        return None
+    except UnsafePath as e:
+        raise Refused("state dir: %s" % e)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise Refused("state dir %s is owned by uid %d with mode %o: only its owner (uid %d) may write "
+                      "it, or its ledger cannot be trusted" % (state_dir, st.st_uid, stat.S_IMODE(st.st_mode),
+                                                               os.geteuid()))
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
 def read_ledger(state_dir):
     """The ledger's entries in file order; a torn last line (killed mid-write) is skipped."""
     out = []
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return out
     try:
-        with open(os.path.join(state_dir, "ledger.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
+        fd = _open_regular(dfd, "ledger.jsonl", os.path.join(state_dir, "ledger.jsonl"))
     except FileNotFoundError:
-        pass
+        return out
+    except UnsafePath as e:
+        raise Refused("ledger: %s" % e)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
     return out
 
 
@@ -154,18 +404,25 @@ def changes(state_dir):
 
 def _append(state_dir, entry, state, reason=None):
     entry = dict(entry, state=state, time=_now(), reason=reason)
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(state_dir, "ledger.jsonl")
-    with open(path, "a+b") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell():
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":  # a line torn by a kill: do not glue this entry onto it
-                f.write(b"\n")
-        f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(state_dir)
+    dfd = _state_fd(state_dir, create=True)
+    try:
+        fd = os.open("ledger.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+        with os.fdopen(fd, "a+b") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise Refused("ledger %s/ledger.jsonl is not a regular file" % state_dir)
+            os.fchmod(fd, 0o600)
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a line torn by a kill: do not glue this entry onto it
+                    f.write(b"\n")
+            f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
     return entry
 
 
@@ -191,38 +448,43 @@ def apply(params, state_dir):
     pending = [c for c, e in known.items() if e["state"] == PENDING]
     if pending:
         raise Refused("change %s is still pending: recover first" % pending[0])
-    paths = [f["path"] for f in params["files"]]
-    if len(set(paths)) != len(paths) or not all(os.path.isabs(p) for p in paths):
-        raise Refused("file paths must be absolute and distinct")
+    root = _root(params)
+    paths = [confine(f["path"], root) for f in params["files"]]
+    if len(set(paths)) != len(paths):
+        raise Refused("file paths must be distinct")
     backup_dir = os.path.join(state_dir, "backups", cid)
     originals, news, items = {}, {}, []
-    for f in params["files"]:
-        if f.get("kind") == "link":
-            before = "link:" + f["pre_target"] if f.get("pre_target") else None
-            if link_state(f["path"]) != before or (before is None and os.path.lexists(f["path"])):
-                raise Refused("%s: changed since inspect (link is %s)" % (f["path"], link_state(f["path"])))
-            items.append({"path": f["path"], "kind": "link", "before_sha256": before,
-                          "after_sha256": "link:" + f["post_target"]})
-            continue
+    for path, f in zip(paths, params["files"]):
         try:
-            originals[f["path"]] = _read(f["path"])
-        except OSError as e:
-            raise Refused("%s: %s" % (f["path"], e.strerror))
-        if hashlib.sha256(originals[f["path"]]).hexdigest() != f["pre_sha256"]:
-            raise Refused("%s: changed since inspect" % f["path"])
-        news[f["path"]] = f["new_text"].encode("utf-8")
-        if hashlib.sha256(news[f["path"]]).hexdigest() != f["post_sha256"]:
-            raise Refused("%s: new text does not hash to post_sha256" % f["path"])
-        items.append({"path": f["path"], "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
-                      "backup": os.path.join(backup_dir, f["path"].lstrip("/"))})
+            if f.get("kind") == "link":
+                before = "link:" + f["pre_target"] if f.get("pre_target") else None
+                if link_state(path) != before or (before is None and _lexists(path)):
+                    raise Refused("%s: changed since inspect (link is %s)" % (path, link_state(path)))
+                items.append({"path": path, "kind": "link", "before_sha256": before,
+                              "after_sha256": "link:" + f["post_target"]})
+                continue
+            try:
+                originals[path] = read_file(path)
+            except OSError as e:
+                raise Refused("%s: %s" % (path, e.strerror))
+            _check_pycache(path)
+        except UnsafePath as e:
+            raise Refused("%s: not changing it" % e)
+        if hashlib.sha256(originals[path]).hexdigest() != f["pre_sha256"]:
+            raise Refused("%s: changed since inspect" % path)
+        news[path] = f["new_text"].encode("utf-8")
+        if hashlib.sha256(news[path]).hexdigest() != f["post_sha256"]:
+            raise Refused("%s: new text does not hash to post_sha256" % path)
+        items.append({"path": path, "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
+                      "backup": os.path.join(backup_dir, path.lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
-             "install": params.get("install"), "files": items}
+             "install": params.get("install"), "root": root, "files": items}
     entry = _append(state_dir, entry, PENDING)
     written = []
     try:
         for f in entry["files"]:
             if f.get("kind") != "link":
-                os.makedirs(os.path.dirname(f["backup"]), mode=0o700, exist_ok=True)
+                os.close(open_dir(os.path.dirname(f["backup"]), create=0o700))
                 atomic_write(f["backup"], originals[f["path"]], cid)
         for f in entry["files"]:
             written.append(f)
@@ -245,6 +507,43 @@ def apply(params, state_dir):
     if params.get("commit", True):
         _append(state_dir, entry, APPLIED)
     return {"ok": True, "change_id": cid, "files": entry["files"]}
+
+
+def _root(params):
+    """The real path of params["root"], the directory the change is confined to (the install's
+    package directory, or the kernels dir). Refused when missing, or on a network file system
+    (NETWORK_FS) unless params["shared_tree"] (inventory fleetctl_shared_tree) says so."""
+    if not isinstance(params.get("root"), str) or not os.path.isabs(params["root"]):
+        raise Refused("no root: the absolute directory the change is confined to")
+    root = os.path.realpath(params["root"])
+    kind = fs_type(root)
+    if is_network_fs(kind) and not params.get("shared_tree"):
+        raise Refused("%s is on %s, a network file system: one host's apply would change every host that "
+                      "mounts it (set fleetctl_shared_tree: true for this host if that is meant)" % (root, kind))
+    return root
+
+
+def _lexists(path):
+    """True when `path` exists as anything, a dangling link included."""
+    try:
+        dfd, name = _parent(path)
+    except FileNotFoundError:
+        return False
+    try:
+        return _lstat(dfd, name) is not None
+    finally:
+        os.close(dfd)
+
+
+def _check_pycache(path):
+    """Raise UnsafePath when the __pycache__ beside `path` exists and is not a directory."""
+    dfd, _ = _parent(path)
+    try:
+        st = _lstat(dfd, "__pycache__")
+    finally:
+        os.close(dfd)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath("%s/__pycache__ is a %s" % (os.path.dirname(path), kind_of(st.st_mode)))
 
 
 def _undo_written(written, tag, originals):
@@ -286,7 +585,7 @@ def _restore(f, tag, data=None):
         if _state(f) != before:
             raise OSError("%s: link after restore is not %s" % (f["path"], before))
         return
-    data = _read(f["backup"]) if data is None else data
+    data = read_file(f["backup"]) if data is None else data
     if hashlib.sha256(data).hexdigest() != f["before_sha256"]:
         raise OSError("backup %s does not hash to before_sha256" % f["backup"])
     atomic_write(f["path"], data, tag)
@@ -319,6 +618,7 @@ def rollback(params, state_dir):
         return {"ok": True, "change_id": cid, "nothing": "already rolled back"}
     if entry["state"] not in (APPLIED, PENDING, FAILED):
         raise Refused("change %s is %s, not applied" % (cid, entry["state"]))
+    check_entry(entry, state_dir)
     moved = [f["path"] for f in entry["files"] if _state(f) not in (f["after_sha256"], f["before_sha256"])]
     if moved and not params.get("force"):
         raise Refused("changed since the apply (--force restores anyway): %s" % ", ".join(moved))
@@ -351,11 +651,10 @@ def recover(params, state_dir):
     for cid, entry in changes(state_dir).items():
         if entry["state"] != PENDING:
             continue
+        check_entry(entry, state_dir)
         actions, unknown = [], []
         for f in entry["files"]:
-            for tag in (cid, cid + "-rb"):
-                if os.path.lexists(_tmp_name(f["path"], tag)):
-                    os.unlink(_tmp_name(f["path"], tag))
+            remove_tmp(f["path"], (cid, cid + "-rb"))
             cur = _state(f)
             if cur == f["before_sha256"]:
                 action = "untouched"
@@ -363,7 +662,7 @@ def recover(params, state_dir):
                 try:
                     _restore(f, cid + "-rb")
                     action = "restored"
-                except OSError as e:
+                except (OSError, UnsafePath) as e:
                     action = "restore failed: %s" % e
                     unknown.append(f["path"])
             else:
@@ -396,6 +695,9 @@ def _record_problems(location, dist_name, explained):
         cur = sha256_file(path)
         if cur is None:
             out.append({"path": path, "problem": "missing"})
+            continue
+        if cur.startswith("<"):  # a FIFO, device, socket or link: never read
+            out.append({"path": path, "problem": "skipped, not read: " + cur[1:-1]})
             continue
         b64 = base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
         if b64 != pp.hash.value and explained.get(path) != cur:
@@ -449,8 +751,7 @@ def compile_check(params, state_dir):
     Returns {"ok": true, "problems": ["path:line: message"]}; touches nothing."""
     problems = []
     for path in params["paths"]:
-        with open(path, "rb") as f:
-            text = f.read()
+        text = read_file(path)
         try:
             compile(text, path, "exec", dont_inherit=True)
         except SyntaxError as e:

@@ -25,8 +25,9 @@ try:  # the probe bundle loads these helpers before this module
     import gpus
     import locate
     import procs
+    import redact
 except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
-    from . import callsites, gpus, locate, procs
+    from . import callsites, gpus, locate, procs, redact
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -48,12 +49,26 @@ def _read(path, mode="r"):
 
 
 def untrusted(python):
-    """Why `python` must not be run by this probe (it may run as root), or None.
+    """Why `python` must not be run as root by fleetctl, or None (review M6).
 
-    The interpreter file and its prefix directory must belong to root or to this user and not be
-    writable by group or others: otherwise another local user could plant a python and an
-    `sglang` dist-info, start a process that looks like a server, and have fleetctl run it."""
-    for path in (os.path.realpath(python), os.path.dirname(os.path.dirname(python))):
+    Everything that runs when it starts must belong to root (or this user) and be writable by
+    nobody else: the real interpreter, its bin/ directory, its prefix, each site directory (and
+    its parents up to the prefix), and each `.pth`, sitecustomize and usercustomize file there
+    (site.py executes `.pth` import lines at startup). Otherwise another local user could plant
+    code that root runs."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    paths = [os.path.realpath(python), os.path.dirname(python), prefix]
+    for d in site_dirs(python):
+        up = d
+        while up.startswith(prefix + "/") and up not in paths:
+            paths.append(up)
+            up = os.path.dirname(up)
+        if not d.startswith(prefix + "/"):
+            paths.append(d)
+        paths += sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
+        paths += [p for p in (os.path.join(d, n) for n in ("sitecustomize.py", "usercustomize.py"))
+                  if os.path.lexists(p)]
+    for path in paths:
         try:
             st = os.stat(path)
         except OSError as e:

@@ -16,6 +16,11 @@ its working directory and PYTHONPATH (what its `sys.path` started with), and the
 
 import os
 
+try:  # the probe bundle loads redact before this module
+    import redact
+except ImportError:  # imported as fleetctl.probes.procs
+    from . import redact
+
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
 _PY_VALUE_OPTS = "WX"
@@ -251,7 +256,9 @@ def find_servers():
     `import_path`: see import_path(); `processes`: the server's `sglang::` titled descendants;
     `workers`: a router's Python children that listen on TCP ports (its DP workers; not its
     multiprocessing resource tracker), and servers started below this one, with their ports.
-    Flags per sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size, --dp-size)."""
+    Flags per sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size, --dp-size).
+    Secrets in argv (--api-key, tokens, URL passwords) are redacted here, before they leave the
+    host (redact.py)."""
     table, others = _proc_table()
     cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and _is_python(pid)}
     tops = {pid for pid in cands if not any(a in cands for a in _ancestors(pid, table))}
@@ -273,7 +280,7 @@ def find_servers():
         ports = _listening_ports(set(children) | (set(kids) & cands))
         workers = [p for p in kids if p in cands or (p in children and ports[p])]
         servers.append({
-            "pid": pid, "argv": argv, "kind": kind,
+            "pid": pid, "argv": redact.argv(argv), "kind": kind,
             "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
             "host": _opt(argv, "--host") or "127.0.0.1",
             "model_path": _opt(argv, "--model-path", "--model"),

@@ -24,20 +24,37 @@ import time
 import urllib.error
 import urllib.request
 
+if __package__:  # imported from the fleetctl package
+    from . import redact
+else:
+    import redact  # loaded before this module by the probe bundle
+
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]
 TAIL_LINES = 20
+MAX_BODY = 16 << 20  # bytes of one HTTP answer read at most
+# The servers are on this host: never through the environment's http_proxy (review L9).
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# The inventory's fleetctl_sglang_api_key (main sets it from params; it is never returned):
+# sent as `Authorization: Bearer`, as SGLang's --api-key checks it (sglang/srt/utils.py add_api_key_middleware).
+API_KEY = None
 
 
 def _request(url, body=None, timeout=60.0):
-    """One HTTP exchange. Returns (status, parsed JSON or None). Raises OSError when no answer."""
+    """One HTTP exchange, never through a proxy, the answer read up to MAX_BODY bytes. Returns
+    (status, parsed JSON or None). Raises OSError when no answer or one over MAX_BODY."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if API_KEY:
+        headers["Authorization"] = "Bearer " + API_KEY
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
+        with _OPENER.open(req, timeout=timeout) as r:
+            status, raw = r.status, r.read(MAX_BODY + 1)
     except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
+        status, raw = e.code, e.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise OSError("answer over %d MiB from %s" % (MAX_BODY >> 20, url))
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:
@@ -159,7 +176,7 @@ def offline_check(cmd, timeout=600.0):
 
     stdin is /dev/null (the probe's own stdin is the SSH channel), stdout+stderr are captured.
     On timeout the whole group gets SIGKILL. Returns {cmd, ok (exit 0), returncode, timed_out,
-    duration_s, tail: last 20 output lines}.
+    duration_s, tail: last 20 output lines}; secrets in cmd and tail redacted (redact.py).
     """
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -177,8 +194,8 @@ def offline_check(cmd, timeout=600.0):
             out, _ = p.communicate(timeout=5)
         except subprocess.TimeoutExpired:  # a grandchild left the group and holds the pipe
             out = b""
-    lines = out.decode("utf-8", errors="replace").splitlines()
-    return {"cmd": cmd, "ok": p.returncode == 0 and not timed_out, "returncode": p.returncode,
+    lines = [redact.text(line) for line in out.decode("utf-8", errors="replace").splitlines()[-TAIL_LINES:]]
+    return {"cmd": redact.text(cmd), "ok": p.returncode == 0 and not timed_out, "returncode": p.returncode,
             "timed_out": timed_out, "duration_s": round(time.monotonic() - t0, 3),
             "tail": lines[-TAIL_LINES:]}
 
@@ -187,9 +204,13 @@ def main(params):
     """Probe entry point. params (all optional):
     servers: [{host, port}] decided by the control side; health_timeout (600 s); repeat (3);
     max_new_tokens (16); input_ids (fixed prompt); request_timeout (60 s, per HTTP request);
-    offline_cmd: a shell command string (from the playbook or inventory); offline_timeout (600 s).
-    Returns {"servers": [smoke_server result, ...], "offline": offline_check result or None}.
+    offline_cmd: a shell command string (from the playbook or inventory); offline_timeout (600 s);
+    api_key: the servers' API key (sent as a bearer token, never returned).
+    Returns {"servers": [smoke_server result, ...], "offline": offline_check result or None};
+    server errors have their secrets redacted (redact.py).
     """
+    global API_KEY
+    API_KEY = params.get("api_key")
     servers = [smoke_server(s["host"], s["port"],
                             health_timeout=float(params.get("health_timeout", 600)),
                             repeat=int(params.get("repeat", 3)),
@@ -198,6 +219,8 @@ def main(params):
                             request_timeout=float(params.get("request_timeout", 60)),
                             warmup=int(params.get("warmup", 1)))
                for s in params.get("servers") or []]
+    for s in servers:
+        s["error"] = redact.text(s["error"])
     offline = None
     if params.get("offline_cmd"):
         offline = offline_check(params["offline_cmd"], float(params.get("offline_timeout", 600)))

@@ -31,12 +31,15 @@ default `behavior.json` next to this script; a missing file means behave):
   {"slowdown": F}          every decode step takes F times as long (measured, then slept)
   {"delay_ms": M}          every decode step takes M ms longer (a fixed slowdown, whatever the machine)
   {"truncate_tokens": N}   generation stops after N tokens with a "stop" finish reason
+`--api-key KEY` protects every route but /health*, /ready* and /metrics* as SGLang's does
+(sglang/srt/utils/auth.py `decide_request_auth`, 0.5.23): `Authorization: Bearer KEY`, else 401.
 
 Stdlib + torch only; never imports fleetctl (it is copied alone onto lab hosts).
 Usage: python server.py --host 127.0.0.1 --port 30000 --model-path fleetctl-standin/tiny
 """
 
 import argparse
+import hmac
 import json
 import logging
 import os
@@ -334,7 +337,21 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def authorized(self):
+        """True when the request may go on (see --api-key in the module docstring); else it
+        has been answered 401."""
+        key, path = self.state.args.api_key, self.path.split("?")[0]
+        if not key or path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        parts = (self.headers.get("Authorization") or "").split(" ", 1)
+        if len(parts) == 2 and parts[0].lower() == "bearer" and hmac.compare_digest(parts[1], key):
+            return True
+        self.reply(401, {"error": "Unauthorized"})
+        return False
+
     def do_GET(self):
+        if not self.authorized():
+            return
         s, path = self.state, self.path.split("?")[0]
         if path in ("/health", "/health_generate"):
             if not s.healthy():
@@ -349,6 +366,8 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(404, {"detail": "Not Found"})
 
     def do_POST(self):
+        if not self.authorized():
+            return
         s, path = self.state, self.path.split("?")[0]
         routes = {"/generate": s.generate, "/v1/completions": s.completions}
         if path not in routes:
@@ -383,6 +402,7 @@ def main(argv=None):
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--behavior", default=os.path.join(HERE, "behavior.json"))
+    p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")

@@ -1,0 +1,82 @@
+"""Interpreter trust (security review M6) through the local connection: a named interpreter is
+checked by the trust probe under python3 on PATH before anything runs it as this user/root.
+And SIGTERM handled as Ctrl-C (L8), on the same local hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetctl import inventory
+from fleetctl.connection import Settings
+from fleetctl.fleet import Fleet
+from fleetctl.gather import gather
+
+
+def venv(tmp_path: Path) -> Path:
+    """A venv-shaped prefix whose bin/python is this interpreter, with one site directory."""
+    prefix = tmp_path / "venv"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python").symlink_to(sys.executable)
+    site = prefix / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    return prefix
+
+
+def inspect_with(tmp_path: Path, python: Path):
+    path = tmp_path / "hosts.yaml"
+    path.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n      fleetctl_python: {python}\n")
+    host = inventory.load(path).select("here")[0]
+    with Fleet(Settings(), forks=1, timeout=60) as fleet:
+        return fleet.run([host], lambda ctx: gather(ctx, scan=False))[0]
+
+
+@pytest.mark.parametrize("plant", ["pth", "sitecustomize", "site-dir", "bin"])
+def test_an_interpreter_others_can_change_is_refused_before_it_runs(tmp_path, plant):
+    prefix = venv(tmp_path)
+    site = next((prefix / "lib").glob("python*/site-packages"))
+    marker = tmp_path / "ran"
+    code = f"import os; open({str(marker)!r}, 'w')\n"
+    target = {"pth": site / "zz.pth", "sitecustomize": site / "sitecustomize.py", "site-dir": site,
+              "bin": prefix / "bin"}[plant]
+    if plant in ("pth", "sitecustomize"):
+        target.write_text(code)
+    else:
+        (site / "zz.pth").write_text(code)
+    os.chmod(target, 0o777 if target.is_dir() else 0o666)
+    r = inspect_with(tmp_path, prefix / "bin" / "python")
+    assert (r.status, r.error) == ("failed", f"interpreter {prefix}/bin/python refused: {target} is writable by "
+                                             "group or others (fleetctl runs it as root)")
+    assert not marker.exists()  # the interpreter never started
+
+
+def test_a_trusted_interpreter_runs(tmp_path):
+    prefix = venv(tmp_path)
+    r = inspect_with(tmp_path, prefix / "bin" / "python")
+    assert r.status == "ok", r.error
+    assert r.data["facts"]["python"]["path"] == str(prefix / "bin" / "python")
+
+
+def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path):
+    """SIGTERM mid-run (review L8): the host in progress finishes, the next is not started."""
+    slow = tmp_path / "slowpy"
+    slow.write_text(f"#!/bin/sh\nsleep 4\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n" + "".join(
+        f"    {h}:\n      ansible_connection: local\n      fleetctl_python: {slow}\n" for h in ("a", "b")))
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "-i", str(inv), "--forks", "1",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, (out[-2000:], err[-2000:])
+    hosts = {h["host"]: h for h in json.loads(out)["hosts"]}
+    assert hosts["a"]["status"] == "ok" and hosts["b"]["status"] == "not attempted", hosts
