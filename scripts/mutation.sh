@@ -47,6 +47,13 @@ head = head.replace('pythonpath = ["agent"]', 'pythonpath = ["src"]')
 tail = re.sub(r'only_mutate = \[.*?\]', "only_mutate = [%s]" % ", ".join(
     '"%s"' % f.replace("agent/", "src/", 1) for f in files), tail, flags=re.S)
 tail = tail.replace('source_paths = ["agent"]', 'source_paths = ["src"]')
+if not wanted or "change" in wanted:
+    # mutmut picks a mutant's tests by the functions each test reached in this process; these
+    # tests reach the change probe only in a child process (they SIGKILL it), so they run for
+    # every mutant instead
+    killers = ["tests/test_change_probe.py::test_recover_after_kill_mid_apply",
+               "tests/test_change_probe.py::test_recover_after_kill_inside_the_undo"]
+    tail = re.sub(r'(pytest_add_cli_args = \[)', lambda m: m.group(1) + "".join('"%s", ' % k for k in killers), tail)
 open(dst, "w").write(head + "[tool.mutmut]" + tail)
 EOF
 
@@ -57,7 +64,8 @@ EOF
 #   plan       the edit and the diff the operator approves: _edit_file, the comment position
 #              (_Source.line_end_after), the pre-image check (_checked_source), one_line
 #   gate       all of it
-#   change     apply and what it undoes on failure (_undo_written, _restore)
+#   change     apply and what it undoes on failure (_undo_written, _restore), the writes that
+#              cannot be redirected (atomic_write, open_dir, confine) and recover
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [inventory]='fleetctl.inventory.xǁInventoryǁ*'
@@ -65,7 +73,9 @@ declare -A SCOPE=(
             fleetctl.plan.x__checked_source__* fleetctl.plan.x_one_line__*'
     [gate]='fleetctl.gate.*'
     [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
-              fleetctl.probes.change.x__restore__*'
+              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_atomic_write__*
+              fleetctl.probes.change.x_open_dir__* fleetctl.probes.change.x_confine__*
+              fleetctl.probes.change.x_recover__*'
     [callsites]='fleetctl.probes.callsites.x__walk__* fleetctl.probes.callsites.x__scan_source__*
                  fleetctl.probes.callsites.x__call_site__* fleetctl.probes.callsites.x__origin__*'
 )

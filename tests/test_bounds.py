@@ -37,9 +37,10 @@ PEAK = """
 import json, resource, sys, time
 from fleetctl.connection import OutputTooLarge, Settings
 from fleetctl.connection.local import LocalConnection
+from fleetctl.inventory import Host
 t0 = time.monotonic()
 try:
-    LocalConnection(None, Settings()).run(["head", "-c", str(1 << 30), "/dev/zero"], timeout=120)
+    LocalConnection(Host("here", {}, ("all",)), Settings()).run(["head", "-c", str(1 << 30), "/dev/zero"], timeout=120)
     err = None
 except OutputTooLarge as e:
     err = str(e)

@@ -70,7 +70,7 @@ class HostFailed(Exception):
 
 
 # The trust probe and the module whose check it runs.
-TRUST_MODULES = ["redact", "facts", "trust"]
+TRUST_MODULES = [*probes.FACTS_MODULES, "trust"]
 
 
 @dataclass

@@ -8,10 +8,11 @@ origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsite
 
 from __future__ import annotations
 
+from . import probes
 from .fleet import HostContext, HostFailed, HostResult
 from .vocab import HostStatus
 
-PROBE_MODULES = ["redact", "callsites", "procs", "gpus", "locate", "facts"]
+PROBE_MODULES = probes.FACTS_MODULES
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:
