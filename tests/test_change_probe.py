@@ -243,13 +243,14 @@ from fleetctl.probes import change
 params = json.load(sys.stdin)
 second = params["files"][1]["path"]
 real, seen = os.replace, []
-def replace(src, dst):
-    if dst == second:
+def replace(src, dst, **dir_fds):
+    where = os.path.join(os.readlink("/proc/self/fd/%d" % dir_fds["dst_dir_fd"]), dst)
+    if where == second:
         seen.append(src)
         if len(seen) == 2:  # the undo's restore of the second file: temp written, not renamed
             os.kill(os.getpid(), signal.SIGKILL)
-    real(src, dst)
-    if dst == second:
+    real(src, dst, **dir_fds)
+    if where == second:
         raise OSError(5, "Input/output error")  # after apply's rename: the undo starts
 os.replace = replace
 change.main(params)
@@ -293,7 +294,7 @@ def test_a_link_restore_that_does_not_take_is_reported(tmp_path, monkeypatch):
     state, link = tmp_path / "state", str(tmp_path / "current")
     os.symlink("k0", link)
     r = change.main({"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t",
-                     "state_dir": str(state),
+                     "state_dir": str(state), "root": str(tmp_path),
                      "files": [{"path": link, "kind": "link", "pre_target": "k0", "post_target": "k1"}]})
     assert r["ok"] and os.readlink(link) == "k1"
     monkeypatch.setattr(change, "set_link", lambda path, target, tag: None)  # someone else's link wins
