@@ -183,7 +183,8 @@ def wheel_sha() -> str:
 def apply_and_cut(server_lab, tmp_path, down_s: float, connect_timeout: float
                   ) -> tuple[subprocess.CompletedProcess, dict, float]:
     """Apply defrag-tier0 to lab-04 whose stand-in never gets healthy after the restart; once
-    this run's change is pending (the health wait), cut lab-04's link for `down_s` seconds."""
+    this run's change is pending (the health wait), cut lab-04's link for `down_s` seconds (a
+    server started after that is healthy again)."""
     cfg = write_ssh_config(tmp_path / "config", server_lab.known_hosts, KEEPALIVE)
     server_lab.set_behavior("lab-04", {"never_healthy": True}, restart=False)
     before = set(ledger(server_lab, "lab-04"))
@@ -196,6 +197,9 @@ def apply_and_cut(server_lab, tmp_path, down_s: float, connect_timeout: float
         while "pending" not in [s for c, s in ledger(server_lab, "lab-04").items() if c not in before]:
             assert time.monotonic() < deadline and p.poll() is None, "apply never reached pending"
             time.sleep(0.2)
+        # the server restarted by the rollback comes up healthy (the behaviour file is read at
+        # start), so the health wait after a rollback that restarted (review L13) is short
+        server_lab.set_behavior("lab-04", {}, restart=False)
         server_lab.fault("lab-04", "down")
         t0 = time.monotonic()
         time.sleep(down_s)
