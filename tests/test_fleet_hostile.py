@@ -58,17 +58,20 @@ def guarded(lab):
     assert after == before
 
 
-def test_apply_refuses_a_symlinked_target(lab, guarded):
+def test_apply_never_writes_through_a_symlinked_target(lab, guarded):
     """The edited file is a link to a file outside the package with the same bytes: apply (the
-    CLI, check pass and all) fails the host with the reason and writes nothing anywhere."""
+    CLI, check pass and all) changes nothing on the host and writes nothing anywhere (the
+    decoys are hashed by `guarded`)."""
     sh(lab, f"mv {TARGET} {TARGET}.real && ln -s {DECOY}/copy.py {TARGET}")
     try:
         r, doc, hosts = lab.cli_json("apply", "defrag-tier0", HOST, "--yes")
     finally:
         sh(lab, f"rm -f {TARGET} && mv {TARGET}.real {TARGET}")
-    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
-    assert hosts[HOST]["status"] == "failed"
-    assert hosts[HOST]["error"] == f"apply: {TARGET} is a symlink, not a regular file: not changing it"
+    # inspect reads only regular files (review L11): the linked file is not scanned, so no plan
+    # edits it and nothing is written through the link (the probe's own refusal of a linked
+    # target is test_planted_links_never_redirect_a_write's)
+    assert r.returncode == 0 and "nothing to change" in r.stderr, (r.stdout[-2000:], r.stderr[-2000:])
+    assert hosts[HOST]["status"] != "changed" and not hosts[HOST].get("change_id")
 
 
 def test_planted_links_never_redirect_a_write(lab, guarded):
@@ -150,11 +153,11 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
     goes through with fleetctl_sglang_api_key, which is never printed (review M5, M8, M9)."""
     key = "sk-fleetctl-" + secrets.token_hex(12)
     model = "[/INST] [bold red]FAKE OK[/] \x1b[2K"
-    # the stand-in behind the key, and beside it a fake "server" any local user can start
-    plant = (f"/opt/fleetctl-standin/restart.sh --api-key {key} && "
-             "{ setsid nohup python3 -c 'import time; time.sleep(1e9)' -m sglang.launch_server --port 30001 "
-             f"--model-path \"$(printf '[/INST] [bold red]FAKE OK[/] \\033[2K')\" --api-key {key} "
-             ">/dev/null 2>&1 </dev/null & echo $! > /tmp/fake-server.pid; }")
+    # the stand-in behind the key, its model path holding markup and escapes (an argv is the
+    # process owner's to choose; a process that only carries SGLang's words in its argv is not
+    # taken for a server since the installs model, so the hostile argv is the real server's)
+    plant = (f"/opt/fleetctl-standin/restart.sh --api-key {key} "
+             "--model-path \"$(printf '[/INST] [bold red]FAKE OK[/] \\033[2K')\"")
     inv = yaml.safe_load(server_lab.inventory.read_text())
     inv["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_sglang_api_key"] = key
     with_key = tmp_path / "hosts.yaml"
@@ -166,8 +169,8 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
         shown = server_lab.cli("inspect", HOST, env={"COLUMNS": "400"})
         js, doc, hosts = server_lab.cli_json("inspect", HOST)
         assert (shown.returncode, js.returncode) == (0, 0), shown.stdout[-2000:]
-        fake = next(s for s in hosts[HOST]["facts"]["servers"] if s["port"] == 30001)
-        assert fake["model_path"] == model and fake["argv"][-2:] == ["--api-key", "<redacted>"]
+        served = next(s for s in hosts[HOST]["facts"]["servers"] if s["port"] == 30000)
+        assert served["model_path"] == model and served["argv"][-4:] == ["--api-key", "<redacted>", "--model-path", model]
         assert "[/INST] [bold red]FAKE OK[/] \\x1b[2K" in shown.stdout and "\x1b" not in shown.stdout
 
         refused, _, hosts = server_lab.cli_json("apply", "defrag-tier0", HOST, "--yes")
@@ -182,7 +185,6 @@ def test_api_key_server_with_hostile_argv(server_lab, tmp_path):
         for out in (shown, js, refused, passed):
             assert key not in out.stdout + out.stderr
     finally:
-        server_lab.ssh(HOST, "kill $(cat /tmp/fake-server.pid)")
         server_lab.set_behavior(HOST, {}, restart=True)
         r = server_lab.cli("rollback", "--last", HOST, "--yes")
         assert r.returncode == 0, r.stdout[-2000:]
