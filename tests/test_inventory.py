@@ -547,19 +547,19 @@ def test_host_names_and_addresses(tmp_path):
         fe80::1:
         "[2001:db8::5]:2222":
         "[2001:db8::[a:b]]:2223":
-        192.0.2.7:2201:
-        "192.0.2.[8:9]":
+        10.213.250.7:2201:
+        "10.213.250.[8:9]":
         10:
         "0042":
         "db:primary":
         gpu-1.example.invalid:2202:
     """
     inv = inventory.load(write(tmp_path, text))
-    assert list(inv.hosts) == ["fe80::1", "2001:db8::5", "2001:db8::a", "2001:db8::b", "192.0.2.7",
-                               "192.0.2.8", "192.0.2.9", "10", "0042", "db:primary", "gpu-1.example.invalid"]
+    assert list(inv.hosts) == ["fe80::1", "2001:db8::5", "2001:db8::a", "2001:db8::b", "10.213.250.7",
+                               "10.213.250.8", "10.213.250.9", "10", "0042", "db:primary", "gpu-1.example.invalid"]
     ports = {name: host.port for name, host in inv.hosts.items()}
     assert ports == {"fe80::1": None, "2001:db8::5": 2222, "2001:db8::a": 2223, "2001:db8::b": 2223,
-                     "192.0.2.7": 2201, "192.0.2.8": None, "192.0.2.9": None, "10": None, "0042": None,
+                     "10.213.250.7": 2201, "10.213.250.8": None, "10.213.250.9": None, "10": None, "0042": None,
                      "db:primary": None, "gpu-1.example.invalid": 2202}
     assert inv.hosts["fe80::1"].address == "fe80::1"
 
@@ -579,15 +579,15 @@ all:
   children:
     gpu:
       hosts:
-        gpu-node-01: {ansible_host: 192.0.2.11}
-        gpu-node-02: {ansible_host: 192.0.2.12}
+        gpu-node-01: {ansible_host: 10.213.250.11}
+        gpu-node-02: {ansible_host: 10.213.250.12}
       vars:
         ansible_user: ops
         ansible_ssh_common_args: '-o ProxyCommand="ssh -W %h:%p -q ops@bastion.example.invalid"'
     gpu_b:
       hosts:
         gpu-node-03:
-          ansible_host: 192.0.2.13
+          ansible_host: 10.213.250.13
           ansible_ssh_common_args: '-J ops@bastion.example.invalid:2222'
           ansible_ssh_extra_args: "-o ServerAliveInterval={{ 5 * 3 }} -F '/etc/ssh/fleet config'"
 """
@@ -603,7 +603,7 @@ def test_case_06_bastion_in_ssh_common_args(tmp_path):
     assert one.ssh_extra_args == ()
     assert three.ssh_common_args == ("-J", "ops@bastion.example.invalid:2222")
     assert three.ssh_extra_args == ("-o", "ServerAliveInterval=15", "-F", "/etc/ssh/fleet config")
-    assert (one.address, three.address, three.user) == ("192.0.2.11", "192.0.2.13", None)
+    assert (one.address, three.address, three.user) == ("10.213.250.11", "10.213.250.13", None)
 
 
 @pytest.mark.parametrize("value", ["'-o ProxyCommand=\"ssh -W %h:%p'", "'-J {{ \"it''s\" }}'", "[-J, x]"])
@@ -700,7 +700,7 @@ def test_magic_variables_of_other_hosts(tmp_path):
     text = """\
     gpu:
       hosts:
-        gpu-1.example.invalid: {ansible_host: 192.0.2.1}
+        gpu-1.example.invalid: {ansible_host: 10.213.250.1}
         gpu-2.example.invalid:
           ansible_host: "{{ hostvars['gpu-1.example.invalid'].inventory_hostname_short }}-peer"
           fleetctl_smoke_cmd: "echo {{ hostvars['gpu-1.example.invalid']['group_names'] | join(',') }} {{ groups.ungrouped | length }}"

@@ -185,7 +185,7 @@ def test_ansible_source_with_an_encrypted_vars_file(ansible_python, tmp_path, ho
     secret = tmp_path / "vault-pass"
     secret.write_text("correct horse\n")
     (tmp_path / "inv" / "group_vars").mkdir(parents=True)
-    (tmp_path / "inv" / "hosts.ini").write_text("[gpu]\ngpu-01 ansible_host=192.0.2.5\n")
+    (tmp_path / "inv" / "hosts.ini").write_text("[gpu]\ngpu-01 ansible_host=10.213.250.5\n")
     group_vars = tmp_path / "inv" / "group_vars" / "gpu.yml"
     become = subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt_string",
                              "--vault-password-file", str(secret), "pw-in-vault"],

@@ -319,13 +319,13 @@ def test_case06_bastion_in_ansible_ssh_common_args_is_what_ssh_resolves(tmp_path
     assert r.returncode == 0, r.stderr
     hosts = {d["host"]: d for d in json.loads(r.stdout)["hosts"]}
     one = hosts["gpu-node-01"]
-    assert (one["address"], one["user"], one["jump"]) == ("192.0.2.11", "ops", [])
-    assert one["proxy_command"] == "ssh -W 192.0.2.11:22 -q ops@bastion.example.invalid"
+    assert (one["address"], one["user"], one["jump"]) == ("10.213.250.11", "ops", [])
+    assert one["proxy_command"] == "ssh -W 10.213.250.11:22 -q ops@bastion.example.invalid"
     three = hosts["gpu-node-03"]
     assert (three["address"], three["user"], three["jump"]) == (
-        "192.0.2.13", "fromconfig", ["ops@bastion.example.invalid:2222"])
+        "10.213.250.13", "fromconfig", ["ops@bastion.example.invalid:2222"])
     four = hosts["gpu-node-04"]  # its own -F: the --ssh-config's User is not read
-    assert (four["address"], four["jump"]) == ("192.0.2.14", ["deploy@front.example.invalid:2200"])
+    assert (four["address"], four["jump"]) == ("10.213.250.14", ["deploy@front.example.invalid:2200"])
     assert four["user"] != "fromconfig"
 
 

@@ -5,8 +5,8 @@ import sys
 
 INVENTORY = {
     "_meta": {"hostvars": {
-        "gpu-01.example.invalid": {"ansible_host": "192.0.2.31"},
-        "gpu-02.example.invalid": {"ansible_host": "192.0.2.32", "ansible_port": 2222},
+        "gpu-01.example.invalid": {"ansible_host": "10.213.250.31"},
+        "gpu-02.example.invalid": {"ansible_host": "10.213.250.32", "ansible_port": 2222},
     }},
     "gpu": {"hosts": ["gpu-01.example.invalid", "gpu-02.example.invalid"],
             "vars": {"ansible_user": "{{ 'svc' ~ '-gpu' }}", "fleetctl_sglang_port": 30000}},
