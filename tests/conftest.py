@@ -92,15 +92,19 @@ class Lab:
         return subprocess.run([sys.executable, "-m", "fleetctl.cli", *args], capture_output=True, text=True,
                               env={**self.env, **(env or {})}, timeout=timeout)
 
-    def cli_json(self, *args: str, env: dict | None = None, timeout: float = 300):
+    def cli_json(self, *args: str, env: dict | None = None, timeout: float = 300, rc: int | None = None):
         """cli(*args, "--json") -> (process, JSON document, {host name: its entry}); a run that
-        prints no JSON fails the test with its output."""
+        prints no JSON fails the test with its output, and so does an exit status other than
+        `rc` (when given), with each host's status, error and failed gate checks."""
         r = self.cli(*args, "--json", env=env, timeout=timeout)
         try:
             doc = json.loads(r.stdout)
         except json.JSONDecodeError:
             raise AssertionError(f"no JSON (exit {r.returncode}): {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
-        return r, doc, {h["host"]: h for h in doc["hosts"]}
+        hosts = {h["host"]: h for h in doc["hosts"]}
+        if rc is not None and r.returncode != rc:
+            raise AssertionError(f"exit {r.returncode}, not {rc}: {host_outcomes(hosts)} {r.stderr[-2000:]}")
+        return r, doc, hosts
 
     def ssh(self, host: str, command: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
         """Run `command` on `host` with the OpenSSH client, strict host-key checking on."""
@@ -109,6 +113,14 @@ class Lab:
              "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
              "-i", str(self.state_dir / "client_ed25519"), f"root@{self.address(host)}", command],
             capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
+
+
+def host_outcomes(hosts: dict) -> dict:
+    """{host: (status, error, [failed gate checks])} from a --json report's host entries."""
+    def failed(entry):
+        checks = (entry.get("validation") or {}).get("checks") or []
+        return [c for c in checks if not c.get("passed")]
+    return {h: (e.get("status"), e.get("error"), failed(e)) for h, e in hosts.items()}
 
 
 def write_ssh_config(path: Path, known_hosts: Path, extra: str = "") -> Path:
