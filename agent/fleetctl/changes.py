@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
-from .config import LOCK_HOLD_EXTRA_S, LOCK_WAIT_S, ROLLBACK_RESERVE_S, STATE_DIR
+from .config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
 from .connection import OutputTooLarge, RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
@@ -138,7 +138,7 @@ def locked(state_dir: str, work: Callable[[HostContext], HostResult]):
     interleaving. The job carries `stopped_note` for Fleet's Ctrl-C and run-deadline messages."""
 
     def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_WAIT_S,
+        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_START_S,
                                   hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + LOCK_HOLD_EXTRA_S)
         try:
             return work(ctx)

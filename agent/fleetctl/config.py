@@ -17,7 +17,9 @@ DEFAULT_SGLANG_PORT = 30000
 STATE_DIR = "/var/lib/fleetctl"
 
 # ---- deadlines (seconds) ----------------------------------------------------------------
-LOCK_WAIT_S = 5.0            # wait for another run's host lock before failing the host
+# the lock command's start on the host (session, sudo, mkdir, `flock -n`) until it says LOCKED: a
+# loaded host's sshd and shell can take seconds; another run's lock fails at once, not after this
+LOCK_START_S = 30.0
 ROLLBACK_RESERVE_S = 120.0   # kept from a host's deadline for rolling a change back
 LOCK_HOLD_EXTRA_S = 60.0     # the lock outlives the job's deadline + reserve by this much
 CHECK_TIMEOUT_S = 120.0      # per-host deadline of a check pass (no restarts, no health waits)
