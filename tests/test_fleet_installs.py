@@ -71,7 +71,7 @@ def layouts(tmp_path_factory):
         extra = labmod.add_install_layouts("lab-01", CHECKOUT_RELEASE, SECOND_RELEASE, lab_id=LAB_ID, state_dir=sd)
         doc = yaml.safe_load(inv.read_text())
         doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(fleetctl_restart_cmd=extra["restart_cmd"],
-                                                               fleetctl_latency_slack=0.05)
+                                                               fleetctl_latency_slack=labmod.LATENCY_SLACK_S)
         inv.write_text(yaml.safe_dump(doc, sort_keys=False))
         ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
         env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
