@@ -475,3 +475,63 @@ def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
         {"path": str(site / "sglang" / "fifo.py"),
          "problem": f"skipped, not read: {site}/sglang/fifo.py is a FIFO, not a regular file"},
         {"path": "/dev/zero", "problem": "skipped, not read: /dev/zero is a character device, not a regular file"}]
+
+
+# ---- pruning and space (issue 13: backups and builds do not fill /var/lib) -------------------
+
+def test_old_backups_no_rollback_needs_are_pruned_and_status_shows_the_space(site, monkeypatch):
+    site_dir, state, params, originals = site
+    monkeypatch.setattr(change, "KEEP_BACKUPS", 1)
+    sd = {"state_dir": str(state)}
+    pruned = []
+    for cid in ("c1", "c2"):  # applied then rolled back: no rollback can need their backups
+        pruned.append(change.main(dict(params, change_id=cid))["pruned"])
+        assert change.main({"action": "rollback", "change_id": cid, **sd})["ok"]
+    assert pruned == [[], [str(state / "backups" / "c1")]]  # c1: rolled back, older than the latest 1
+    res = change.main(dict(params, change_id="c3"))
+    assert res["ok"] and res["pruned"] == [str(state / "backups" / "c2")]
+    assert os.listdir(state / "backups") == ["c3"]
+    space = change.main({"action": "status", **sd})["space"]
+    backup_bytes = sum(p.stat().st_size for p in (state / "backups").rglob("*") if p.is_file())
+    assert space["backups"] == backup_bytes == sum(map(len, originals.values())) and space["kernels"] == 0
+    assert space["total"] == backup_bytes + (state / "ledger.jsonl").stat().st_size
+    # c3 is applied and nothing changed its files since: older than KEEP_BACKUPS, it keeps its backup
+    kdir = state / "kernels" / "k"
+    kdir.mkdir(parents=True)
+    assert change.main({"action": "apply", "change_id": "c4", "playbook": "kernel", "files": [
+        {"path": str(kdir / "current"), "kind": "link", "pre_target": None, "post_target": "b1"}],
+        "root": str(kdir), **sd})["pruned"] == []
+    assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"]
+    assert {str(p): p.read_bytes() for p in map(Path, originals)} == originals
+
+
+def test_builds_that_are_neither_current_nor_previous_are_pruned(tmp_path):
+    state = tmp_path / "state"
+    kdir = state / "kernels" / "verify_attention"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the state dir's")
+    def make(key):
+        (kdir / key / "build").mkdir(parents=True)
+        (kdir / key / "build" / "m.so").write_bytes(b"x" * 1000)
+
+    for key in ("k1", "k2", "k3", "failed-build"):
+        make(key)
+    (kdir / "planted").symlink_to(outside, target_is_directory=True)
+    sd = {"state_dir": str(state)}
+
+    def act(cid, pre, post):
+        return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "root": str(kdir),
+                            "files": [{"path": str(kdir / "current"), "kind": "link", "pre_target": pre,
+                                       "post_target": post}], **sd})
+
+    assert act("c1", None, "k1")["pruned"] == [str(kdir / k) for k in ("failed-build", "k2", "k3")]
+    for key in ("k2", "k3"):  # built again, as deploys build them
+        make(key)
+    assert act("c2", "k1", "k2")["pruned"] == [str(kdir / "k3")]  # k1 is the previous build: kept
+    make("k3")
+    assert act("c3", "k2", "k3")["pruned"] == [str(kdir / "k1")]
+    assert sorted(os.listdir(kdir)) == ["current", "k2", "k3", "planted"]
+    assert (outside / "keep.txt").read_text() == "not the state dir's"  # a link is never followed
+    assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"] and os.readlink(kdir / "current") == "k2"
+    assert change.main({"action": "status", **sd})["space"]["kernels"] == 2000

@@ -48,6 +48,7 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", 
               "afs", "9p", "fuse", "fuseblk")
 # Files the probe reads (package sources, backups) are at most this many bytes.
 MAX_FILE_BYTES = 64 << 20
+KEEP_BACKUPS = 10  # backups kept of the latest changes, whatever their state (prune())
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
@@ -504,9 +505,11 @@ def apply(params, state_dir):
                     "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))}
         _append(state_dir, entry, FAILED, why)
         return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
+    pruned = []
     if params.get("commit", True):
         _append(state_dir, entry, APPLIED)
-    return {"ok": True, "change_id": cid, "files": entry["files"]}
+        pruned = prune(state_dir)
+    return {"ok": True, "change_id": cid, "files": entry["files"], "pruned": pruned}
 
 
 def _root(params):
@@ -573,7 +576,7 @@ def commit(params, state_dir):
     if moved:
         raise Refused("changed since the apply: %s" % ", ".join(moved))
     _append(state_dir, entry, APPLIED, params.get("reason"))
-    return {"ok": True, "change_id": cid}
+    return {"ok": True, "change_id": cid, "pruned": prune(state_dir)}
 
 
 def _restore(f, tag, data=None):
@@ -705,6 +708,97 @@ def _record_problems(location, dist_name, explained):
     return out, None
 
 
+def _rmtree(dfd, name):
+    """Remove directory entry `name` of open directory `dfd` and everything below it, never
+    following a symlink (a link is removed itself)."""
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return
+    sub = os.open(name, _DIR, dir_fd=dfd)
+    try:
+        for entry in os.listdir(sub):
+            _rmtree(sub, entry)
+    finally:
+        os.close(sub)
+    os.rmdir(name, dir_fd=dfd)
+
+
+def _remove_under(state_dir, rel):
+    """Remove state_dir/rel (rel: "backups/<cid>" or "kernels/<name>/<key>") if it is there,
+    walking from the state dir without following links. Returns the path removed, or None."""
+    parts = rel.split("/")
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, _DIR, dir_fd=dfd)
+            os.close(dfd)
+            dfd = nxt
+        _rmtree(dfd, parts[-1])
+        return os.path.join(state_dir, rel)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+
+
+def prune(state_dir, keep=None):
+    """Remove what no rollback can need any more (review "Backups, ledger, lock"): the backups
+    of changes older than the latest `keep` (ledger order) that were rolled back, or applied
+    and superseded (every file changed again by a later applied change); and the kernel
+    builds (kernels/<name>/<key>) that are neither the one `current` points at nor the one the
+    latest applied change of that link switched from (the previous build). Pending and failed
+    changes keep their backups. `keep`: default KEEP_BACKUPS. Returns [paths removed]."""
+    keep = KEEP_BACKUPS if keep is None else keep
+    entries = list(changes(state_dir).values())
+    removed = []
+    for i, e in enumerate(entries[:max(0, len(entries) - keep)]):
+        later = {f["path"] for x in entries[i + 1:] if x["state"] == APPLIED for f in x["files"]}
+        files = [f for f in e["files"] if f.get("kind") != "link"]
+        superseded = e["state"] == APPLIED and all(f["path"] in later for f in files)
+        if files and (e["state"] == ROLLED_BACK or superseded) and _CHANGE_ID.match(e["change_id"]):
+            gone = _remove_under(state_dir, "backups/" + e["change_id"])
+            if gone:
+                removed.append(gone)
+    for link in sorted(glob.glob(os.path.join(glob.escape(state_dir), "kernels", "*", "current"))):
+        kdir = os.path.dirname(link)
+        keep_keys = {os.readlink(link)} if os.path.islink(link) else set()
+        where = lambda p: os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))  # noqa: E731
+        for e in reversed(entries):
+            f = next((f for f in e["files"] if f.get("kind") == "link" and where(f["path"]) == where(link)), None)
+            if f is not None and e["state"] == APPLIED:
+                if f.get("before_sha256"):
+                    keep_keys.add(f["before_sha256"][len("link:"):])
+                break
+        for key in sorted(os.listdir(kdir)):
+            path = os.path.join(kdir, key)
+            if key in keep_keys or key == "current" or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            gone = _remove_under(state_dir, os.path.relpath(path, state_dir))
+            if gone:
+                removed.append(gone)
+    return removed
+
+
+def space_used(state_dir):
+    """Bytes the state dir holds: {"backups": n, "kernels": n, "total": n} (sizes of the files
+    below it, links not followed)."""
+    out = {"backups": 0, "kernels": 0, "total": 0}
+    for dirpath, _, filenames in os.walk(state_dir):
+        rel = os.path.relpath(dirpath, state_dir).split(os.sep)[0]
+        for fn in filenames:
+            try:
+                size = os.lstat(os.path.join(dirpath, fn)).st_size
+            except OSError:
+                continue
+            out["total"] += size
+            if rel in ("backups", "kernels"):
+                out[rel] += size
+    return out
+
+
 def status(params, state_dir):
     """{location?, dist: "sglang"}: ledger summary, drift of applied changes, RECORD differences.
 
@@ -712,7 +806,7 @@ def status(params, state_dir):
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied changes whose
     file no longer has after_sha256; modified: [{path, problem}] for files of the installed
     distribution (dist-info RECORD) that differ and no applied change explains; record_error;
-    kernels: {name: active build key} from the `kernels/<name>/current` links.
+    kernels: {name: active build key} from the `kernels/<name>/current` links; space: space_used().
     """
     summary, drift, explained = [], [], {}
     for cid, e in changes(state_dir).items():
@@ -742,7 +836,7 @@ def status(params, state_dir):
     kernels = {os.path.basename(os.path.dirname(c)): os.readlink(c)
                for c in sorted(glob.glob(os.path.join(state_dir, "kernels", "*", "current")))}
     return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
-            "kernels": kernels}
+            "kernels": kernels, "space": space_used(state_dir)}
 
 
 def compile_check(params, state_dir):
