@@ -535,3 +535,88 @@ def test_builds_that_are_neither_current_nor_previous_are_pruned(tmp_path):
     assert (outside / "keep.txt").read_text() == "not the state dir's"  # a link is never followed
     assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"] and os.readlink(kdir / "current") == "k2"
     assert change.main({"action": "status", **sd})["space"]["kernels"] == 2000
+
+
+# ---- disk full (issue 13, review L7) ------------------------------------------------------------
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size_kib, where): a small tmpfs there (root only), unmounted at the end."""
+    mounted = []
+
+    def mount(size_kib: int, where: Path) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(where)], check=True)
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def _ledger_consistent(state: Path, cid: str, want: str) -> None:
+    entries = change.read_ledger(str(state))
+    assert [e["state"] for e in entries if e["change_id"] == cid][-1] == want
+    assert change.main({"action": "status", "state_dir": str(state)})["ok"]
+
+
+def test_disk_full_under_the_state_dir_keeps_the_original_bytes(site, tmpfs):
+    """The backups do not fit (a 8 KiB tmpfs over the state dir holds the ledger, not the
+    backups): nothing was written to the package, the apply says why, the ledger says failed."""
+    site_dir, state, params, originals = site
+    tmpfs(8, state)
+    res = change.main(dict(params, change_id="full1"))
+    assert not res["ok"] and res["error"] == "apply failed, files restored: [Errno 28] No space left on device", res
+    assert {p: Path(p).read_bytes() for p in originals} == originals
+    _ledger_consistent(state, "full1", "failed")
+
+
+def test_disk_full_in_the_package_tree_keeps_the_original_bytes(site, tmpfs, tmp_path):
+    """A copy of the package tree on a tmpfs with no room for the new file's temp copy: the target
+    is never half-written, the error says files restored, the ledger says failed."""
+    site_dir, state, params, originals = site
+    small = tmpfs(256, tmp_path / "full-site")
+    for p in originals:
+        dst = small / Path(p).relative_to(site_dir)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(originals[p])
+    copies = {str(small / Path(p).relative_to(site_dir)): b for p, b in originals.items()}
+    with open(small / "filler", "wb", buffering=0) as f:  # fill the rest
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    moved = dict(params, change_id="full2", root=str(small),
+                 files=[dict(f, path=str(small / Path(f["path"]).relative_to(site_dir))) for f in params["files"]])
+    res = change.main(moved)
+    assert not res["ok"] and res["error"].startswith("apply failed, files restored: "), res
+    assert "No space left on device" in res["error"]
+    assert {p: Path(p).read_bytes() for p in copies} == copies
+    assert not [n for n in os.listdir(small / Path(params["files"][0]["path"]).relative_to(site_dir).parent)
+                if ".fleetctl-" in n]  # no temp file left behind
+    _ledger_consistent(state, "full2", "failed")
+
+
+def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site, monkeypatch):
+    """Review L7: ENOSPC (twice) when the validated change is committed: the answer says it is
+    still pending and what the next run does, instead of a bare OSError."""
+    site_dir, state, params, originals = site
+    assert change.main(dict(params, change_id="c1", commit=False))["ok"]
+    real = change._append
+
+    def full(state_dir, entry, state_, reason=None):
+        if state_ == change.APPLIED:
+            raise OSError(28, "No space left on device")
+        return real(state_dir, entry, state_, reason)
+
+    monkeypatch.setattr(change, "_append", full)
+    res = change.main({"action": "commit", "change_id": "c1", "state_dir": str(state)})
+    assert res == {"ok": False, "change_id": "c1", "error": (
+        "validated, but the change could not be committed; the ledger could not record this (OSError: [Errno 28] "
+        "No space left on device): it still says pending, and the next run's recover undoes it")}
+    monkeypatch.setattr(change, "_append", real)
+    _ledger_consistent(state, "c1", "pending")
+    assert change.main({"action": "recover", "state_dir": str(state)})["ok"]
+    assert {p: Path(p).read_bytes() for p in originals} == originals

@@ -427,6 +427,22 @@ def _append(state_dir, entry, state, reason=None):
     return entry
 
 
+def _record(state_dir, entry, state, reason=None):
+    """_append, tried twice (a disk that was full a moment ago may have room again, review L7).
+    Returns None, or the OSError's text when the ledger could not record the state."""
+    for attempt in (0, 1):
+        try:
+            _append(state_dir, entry, state, reason)
+            return None
+        except OSError as e:
+            if attempt:
+                return "%s: %s" % (type(e).__name__, e)
+            time.sleep(0.2)
+
+
+_STILL_PENDING = "; the ledger could not record this (%s): it still says pending, and the next run's recover undoes it"
+
+
 def apply(params, state_dir):
     """{change_id, playbook, operator, install?, files: [{path, pre_sha256, post_sha256, new_text}
     | {path, kind: "link", pre_target: str|None, post_target: str}], commit?}.
@@ -500,14 +516,19 @@ def apply(params, state_dir):
         left = _undo_written(written, cid, originals)
         why = "%s: %s" % (type(e).__name__, e)
         if left:
-            _append(state_dir, entry, FAILED, "%s; NOT restored: %s" % (why, "; ".join(left)))
+            unrecorded = _record(state_dir, entry, FAILED, "%s; NOT restored: %s" % (why, "; ".join(left)))
             return {"ok": False, "change_id": cid,
-                    "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))}
-        _append(state_dir, entry, FAILED, why)
-        return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
+                    "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))
+                    + (_STILL_PENDING % unrecorded if unrecorded else "")}
+        unrecorded = _record(state_dir, entry, FAILED, why)
+        return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e
+                + (_STILL_PENDING % unrecorded if unrecorded else "")}
     pruned = []
     if params.get("commit", True):
-        _append(state_dir, entry, APPLIED)
+        unrecorded = _record(state_dir, entry, APPLIED)
+        if unrecorded:
+            return {"ok": False, "change_id": cid, "error": "the files are changed but the change could not be "
+                    "committed" + _STILL_PENDING % unrecorded}
         pruned = prune(state_dir)
     return {"ok": True, "change_id": cid, "files": entry["files"], "pruned": pruned}
 
@@ -575,7 +596,10 @@ def commit(params, state_dir):
     moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved:
         raise Refused("changed since the apply: %s" % ", ".join(moved))
-    _append(state_dir, entry, APPLIED, params.get("reason"))
+    unrecorded = _record(state_dir, entry, APPLIED, params.get("reason"))
+    if unrecorded:
+        return {"ok": False, "change_id": cid, "error": "validated, but the change could not be committed"
+                + _STILL_PENDING % unrecorded}
     return {"ok": True, "change_id": cid, "pruned": prune(state_dir)}
 
 
