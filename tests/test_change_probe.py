@@ -131,13 +131,13 @@ def _fail_second_file(point, params, monkeypatch):
     second = params["files"][1]["path"]
     real_write, real_drop = change.atomic_write, change.drop_pycache
 
-    def write(path, data, tag):
+    def write(path, data, tag, expect=None):
         if path == second and data != Path(path).read_bytes() and point == "before-write":
             raise OSError("disk full")
         if path == second and point == "wrong-bytes" and data.endswith(b"\n") and tag == "c1" \
                 and hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
             data = data + b"# torn\n"  # what lands on disk is not what was planned
-        real_write(path, data, tag)
+        real_write(path, data, tag, expect)
         if path == second and point == "after-rename" and tag == "c1" and \
                 hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
             raise OSError(5, "Input/output error")  # say, fsync of the directory after the rename
@@ -180,10 +180,10 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch)
     second = params["files"][1]["path"]
     real = change.atomic_write
 
-    def write(path, data, tag):
+    def write(path, data, tag, expect=None):
         if path == second and hashlib.sha256(data).hexdigest() == params["files"][1]["pre_sha256"]:
             raise OSError("read-only file system")  # the restore of the second file
-        real(path, data, tag)
+        real(path, data, tag, expect)
         if path == second:
             raise OSError("lost the directory fsync")
 
@@ -620,3 +620,25 @@ def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site
     _ledger_consistent(state, "c1", "pending")
     assert change.main({"action": "recover", "state_dir": str(state)})["ok"]
     assert {p: Path(p).read_bytes() for p in originals} == originals
+
+
+def test_a_file_rewritten_while_being_applied_is_left_as_the_writer_left_it(site, monkeypatch):
+    """Review L6: a `pip install` that rewrites the target between the pre-image check and the
+    rename: fleetctl does not clobber it (nor "restore" it afterwards); the files it did write
+    are restored and the ledger says failed."""
+    site_dir, state, params, originals = site
+    first, second = [f["path"] for f in params["files"]]
+    real = change._copy_xattrs
+
+    def pip_meanwhile(src, dst):
+        if os.fstat(src).st_ino == os.stat(second).st_ino:
+            Path(second).write_bytes(b"# pip's new bytes\n")  # in place, as an editor or pip might
+        return real(src, dst)
+
+    monkeypatch.setattr(change, "_copy_xattrs", pip_meanwhile)
+    res = change.main(dict(params, change_id="race"))
+    assert not res["ok"] and res["error"].startswith("apply failed, files restored: [Errno 11] changed on the host "
+                                                     "while being applied (a pip install?), left as it is"), res
+    assert Path(second).read_bytes() == b"# pip's new bytes\n"
+    assert Path(first).read_bytes() == originals[first]
+    assert [e["state"] for e in change.read_ledger(str(state)) if e["change_id"] == "race"][-1] == "failed"

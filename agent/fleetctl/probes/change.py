@@ -227,12 +227,28 @@ def _copy_xattrs(src, dst):
         os.setxattr(dst, n, os.getxattr(src, n))
 
 
-def atomic_write(path, data, tag):
+class ChangedMeanwhile(OSError):
+    """atomic_write(expect=...) found the file no longer as expected: nothing was replaced."""
+
+
+def _sha256_fd(fd):
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+
+
+def atomic_write(path, data, tag, expect=None):
     """Replace regular file `path` by `data` (bytes) atomically, never through a symlink: the
     parent reached by open_dir, a temp file beside it with an unguessable name opened
     O_CREAT|O_EXCL|O_NOFOLLOW, fsync, rename with directory descriptors, fsync the directory.
     Keeps the file's owner, mode and extended attributes (0644 and the caller's when it is
-    missing). Raises UnsafePath when `path` is a symlink or anything but a regular file."""
+    missing). `expect`: the sha256 the file must still have right before the rename (review L6:
+    a `pip install` that rewrote it meanwhile is not clobbered); else ChangedMeanwhile, nothing replaced.
+    Raises UnsafePath when `path` is a symlink or anything but a regular file."""
     dfd, name = _parent(path)
     try:
         st = _lstat(dfd, name)
@@ -260,6 +276,14 @@ def atomic_write(path, data, tag):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if expect is not None:
+                src = _open_regular(dfd, name, path)
+                try:
+                    if _sha256_fd(src) != expect:
+                        raise ChangedMeanwhile(errno.EAGAIN, "changed on the host while being applied (a pip "
+                                               "install?), left as it is", path)
+                finally:
+                    os.close(src)
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             try:
@@ -508,7 +532,11 @@ def apply(params, state_dir):
             if f.get("kind") == "link":
                 set_link(f["path"], f["after_sha256"][len("link:"):], cid)
             else:
-                atomic_write(f["path"], news[f["path"]], cid)
+                try:
+                    atomic_write(f["path"], news[f["path"]], cid, expect=f["before_sha256"])
+                except ChangedMeanwhile:
+                    written.pop()  # not written by this change: never "restored" over the new bytes
+                    raise
                 drop_pycache(f["path"])
             if _state(f) != f["after_sha256"]:
                 raise OSError("%s: state after the write is not post_sha256" % f["path"])
