@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 import fleetctl
 from fleetctl import lab as labmod
@@ -113,6 +114,15 @@ class Lab:
              "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
              "-i", str(self.state_dir / "client_ed25519"), f"root@{self.address(host)}", command],
             capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
+
+
+def become_inventory(lab: Lab, path: Path, **per_host: dict) -> str:
+    """Write an inventory at `path` of the lab hosts named in `per_host`, each with its lab vars,
+    `ansible_become: true` and the given vars (ansible_user: one of labmod.become_users, say)."""
+    hosts = yaml.safe_load(lab.inventory.read_text())["all"]["children"]["lab"]["hosts"]
+    doc = {"all": {"hosts": {h: {**hosts[h], "ansible_become": True, **v} for h, v in per_host.items()}}}
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
 
 
 def host_outcomes(hosts: dict) -> dict:

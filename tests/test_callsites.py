@@ -465,3 +465,19 @@ def test_a_fifo_or_a_symlink_among_the_sources_is_reported_not_read(tmp_path):
     errors = {e["file"]: e["error"] for e in r["parse_errors"]}
     assert errors == {"sglang/fifo.py": f"OSError: [Errno 22] not a regular file, not read: '{pkg}/fifo.py'",
                       "sglang/link.py": f"OSError: [Errno 22] not a regular file, not read: '{pkg}/link.py'"}
+
+
+def test_a_symlinked_directory_is_reported_skipped_not_silently_left_out(tmp_path):
+    """A symlinked directory in the package is never followed (it may lead out of the tree), and
+    its files are not scanned: the scan says so instead of leaving them out unsaid."""
+    pkg = tmp_path / "sglang"
+    (pkg / "srt").mkdir(parents=True)
+    (pkg / "srt" / "a.py").write_text("need_sort = True\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "b.py").write_text("need_sort = False\n")
+    (pkg / "srt" / "layers").symlink_to(elsewhere, target_is_directory=True)
+    r = callsites.scan(str(tmp_path))
+    assert [o["file"] for o in r["need_sort_origins"]] == ["sglang/srt/a.py"]
+    assert r["parse_errors"] == [{"file": "sglang/srt/layers",
+                                  "error": "skipped: a symlinked directory, not followed (none of its files is scanned)"}]

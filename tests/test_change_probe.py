@@ -131,13 +131,13 @@ def _fail_second_file(point, params, monkeypatch):
     second = params["files"][1]["path"]
     real_write, real_drop = change.atomic_write, change.drop_pycache
 
-    def write(path, data, tag):
+    def write(path, data, tag, expect=None):
         if path == second and data != Path(path).read_bytes() and point == "before-write":
             raise OSError("disk full")
         if path == second and point == "wrong-bytes" and data.endswith(b"\n") and tag == "c1" \
                 and hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
             data = data + b"# torn\n"  # what lands on disk is not what was planned
-        real_write(path, data, tag)
+        real_write(path, data, tag, expect)
         if path == second and point == "after-rename" and tag == "c1" and \
                 hashlib.sha256(data).hexdigest() == params["files"][1]["post_sha256"]:
             raise OSError(5, "Input/output error")  # say, fsync of the directory after the rename
@@ -180,10 +180,10 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch)
     second = params["files"][1]["path"]
     real = change.atomic_write
 
-    def write(path, data, tag):
+    def write(path, data, tag, expect=None):
         if path == second and hashlib.sha256(data).hexdigest() == params["files"][1]["pre_sha256"]:
             raise OSError("read-only file system")  # the restore of the second file
-        real(path, data, tag)
+        real(path, data, tag, expect)
         if path == second:
             raise OSError("lost the directory fsync")
 
@@ -475,3 +475,170 @@ def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
         {"path": str(site / "sglang" / "fifo.py"),
          "problem": f"skipped, not read: {site}/sglang/fifo.py is a FIFO, not a regular file"},
         {"path": "/dev/zero", "problem": "skipped, not read: /dev/zero is a character device, not a regular file"}]
+
+
+# ---- pruning and space (issue 13: backups and builds do not fill /var/lib) -------------------
+
+def test_old_backups_no_rollback_needs_are_pruned_and_status_shows_the_space(site, monkeypatch):
+    site_dir, state, params, originals = site
+    monkeypatch.setattr(change, "KEEP_BACKUPS", 1)
+    sd = {"state_dir": str(state)}
+    pruned = []
+    for cid in ("c1", "c2"):  # applied then rolled back: no rollback can need their backups
+        pruned.append(change.main(dict(params, change_id=cid))["pruned"])
+        assert change.main({"action": "rollback", "change_id": cid, **sd})["ok"]
+    assert pruned == [[], [str(state / "backups" / "c1")]]  # c1: rolled back, older than the latest 1
+    res = change.main(dict(params, change_id="c3"))
+    assert res["ok"] and res["pruned"] == [str(state / "backups" / "c2")]
+    assert os.listdir(state / "backups") == ["c3"]
+    space = change.main({"action": "status", **sd})["space"]
+    backup_bytes = sum(p.stat().st_size for p in (state / "backups").rglob("*") if p.is_file())
+    assert space["backups"] == backup_bytes == sum(map(len, originals.values())) and space["kernels"] == 0
+    assert space["total"] == backup_bytes + (state / "ledger.jsonl").stat().st_size
+    # c3 is applied and nothing changed its files since: older than KEEP_BACKUPS, it keeps its backup
+    kdir = state / "kernels" / "k"
+    kdir.mkdir(parents=True)
+    assert change.main({"action": "apply", "change_id": "c4", "playbook": "kernel", "files": [
+        {"path": str(kdir / "current"), "kind": "link", "pre_target": None, "post_target": "b1"}],
+        "root": str(kdir), **sd})["pruned"] == []
+    assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"]
+    assert {str(p): p.read_bytes() for p in map(Path, originals)} == originals
+
+
+def test_builds_that_are_neither_current_nor_previous_are_pruned(tmp_path):
+    state = tmp_path / "state"
+    kdir = state / "kernels" / "verify_attention"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the state dir's")
+    def make(key):
+        (kdir / key / "build").mkdir(parents=True)
+        (kdir / key / "build" / "m.so").write_bytes(b"x" * 1000)
+
+    for key in ("k1", "k2", "k3", "failed-build"):
+        make(key)
+    (kdir / "planted").symlink_to(outside, target_is_directory=True)
+    sd = {"state_dir": str(state)}
+
+    def act(cid, pre, post):
+        return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "root": str(kdir),
+                            "files": [{"path": str(kdir / "current"), "kind": "link", "pre_target": pre,
+                                       "post_target": post}], **sd})
+
+    assert act("c1", None, "k1")["pruned"] == [str(kdir / k) for k in ("failed-build", "k2", "k3")]
+    for key in ("k2", "k3"):  # built again, as deploys build them
+        make(key)
+    assert act("c2", "k1", "k2")["pruned"] == [str(kdir / "k3")]  # k1 is the previous build: kept
+    make("k3")
+    assert act("c3", "k2", "k3")["pruned"] == [str(kdir / "k1")]
+    assert sorted(os.listdir(kdir)) == ["current", "k2", "k3", "planted"]
+    assert (outside / "keep.txt").read_text() == "not the state dir's"  # a link is never followed
+    assert change.main({"action": "rollback", "change_id": "c3", **sd})["ok"] and os.readlink(kdir / "current") == "k2"
+    assert change.main({"action": "status", **sd})["space"]["kernels"] == 2000
+
+
+# ---- disk full (issue 13, review L7) ------------------------------------------------------------
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size_kib, where): a small tmpfs there (root only), unmounted at the end."""
+    mounted = []
+
+    def mount(size_kib: int, where: Path) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(where)], check=True)
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def _ledger_consistent(state: Path, cid: str, want: str) -> None:
+    entries = change.read_ledger(str(state))
+    assert [e["state"] for e in entries if e["change_id"] == cid][-1] == want
+    assert change.main({"action": "status", "state_dir": str(state)})["ok"]
+
+
+def test_disk_full_under_the_state_dir_keeps_the_original_bytes(site, tmpfs):
+    """The backups do not fit (a 8 KiB tmpfs over the state dir holds the ledger, not the
+    backups): nothing was written to the package, the apply says why, the ledger says failed."""
+    site_dir, state, params, originals = site
+    tmpfs(8, state)
+    res = change.main(dict(params, change_id="full1"))
+    assert not res["ok"] and res["error"] == "apply failed, files restored: [Errno 28] No space left on device", res
+    assert {p: Path(p).read_bytes() for p in originals} == originals
+    _ledger_consistent(state, "full1", "failed")
+
+
+def test_disk_full_in_the_package_tree_keeps_the_original_bytes(site, tmpfs, tmp_path):
+    """A copy of the package tree on a tmpfs with no room for the new file's temp copy: the target
+    is never half-written, the error says files restored, the ledger says failed."""
+    site_dir, state, params, originals = site
+    small = tmpfs(256, tmp_path / "full-site")
+    for p in originals:
+        dst = small / Path(p).relative_to(site_dir)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(originals[p])
+    copies = {str(small / Path(p).relative_to(site_dir)): b for p, b in originals.items()}
+    with open(small / "filler", "wb", buffering=0) as f:  # fill the rest
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    moved = dict(params, change_id="full2", root=str(small),
+                 files=[dict(f, path=str(small / Path(f["path"]).relative_to(site_dir))) for f in params["files"]])
+    res = change.main(moved)
+    assert not res["ok"] and res["error"].startswith("apply failed, files restored: "), res
+    assert "No space left on device" in res["error"]
+    assert {p: Path(p).read_bytes() for p in copies} == copies
+    assert not [n for n in os.listdir(small / Path(params["files"][0]["path"]).relative_to(site_dir).parent)
+                if ".fleetctl-" in n]  # no temp file left behind
+    _ledger_consistent(state, "full2", "failed")
+
+
+def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site, monkeypatch):
+    """Review L7: ENOSPC (twice) when the validated change is committed: the answer says it is
+    still pending and what the next run does, instead of a bare OSError."""
+    site_dir, state, params, originals = site
+    assert change.main(dict(params, change_id="c1", commit=False))["ok"]
+    real = change._append
+
+    def full(state_dir, entry, state_, reason=None):
+        if state_ == change.APPLIED:
+            raise OSError(28, "No space left on device")
+        return real(state_dir, entry, state_, reason)
+
+    monkeypatch.setattr(change, "_append", full)
+    res = change.main({"action": "commit", "change_id": "c1", "state_dir": str(state)})
+    assert res == {"ok": False, "change_id": "c1", "error": (
+        "validated, but the change could not be committed; the ledger could not record this (OSError: [Errno 28] "
+        "No space left on device): it still says pending, and the next run's recover undoes it")}
+    monkeypatch.setattr(change, "_append", real)
+    _ledger_consistent(state, "c1", "pending")
+    assert change.main({"action": "recover", "state_dir": str(state)})["ok"]
+    assert {p: Path(p).read_bytes() for p in originals} == originals
+
+
+def test_a_file_rewritten_while_being_applied_is_left_as_the_writer_left_it(site, monkeypatch):
+    """Review L6: a `pip install` that rewrites the target between the pre-image check and the
+    rename: fleetctl does not clobber it (nor "restore" it afterwards); the files it did write
+    are restored and the ledger says failed."""
+    site_dir, state, params, originals = site
+    first, second = [f["path"] for f in params["files"]]
+    real = change._copy_xattrs
+
+    def pip_meanwhile(src, dst):
+        if os.fstat(src).st_ino == os.stat(second).st_ino:
+            Path(second).write_bytes(b"# pip's new bytes\n")  # in place, as an editor or pip might
+        return real(src, dst)
+
+    monkeypatch.setattr(change, "_copy_xattrs", pip_meanwhile)
+    res = change.main(dict(params, change_id="race"))
+    assert not res["ok"] and res["error"].startswith("apply failed, files restored: [Errno 11] changed on the host "
+                                                     "while being applied (a pip install?), left as it is"), res
+    assert Path(second).read_bytes() == b"# pip's new bytes\n"
+    assert Path(first).read_bytes() == originals[first]
+    assert [e["state"] for e in change.read_ledger(str(state)) if e["change_id"] == "race"][-1] == "failed"

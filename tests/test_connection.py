@@ -175,6 +175,41 @@ def test_run_deadline_fails_hosts_in_progress_and_does_not_start_the_rest(tmp_pa
     assert later[0].status == NOT_ATTEMPTED
 
 
+def test_close_during_a_connect_never_keeps_nor_races_the_new_connection(tmp_path):
+    """Review L8, the second Ctrl-C: Fleet.close() while a worker is still opening a connection
+    neither fails (no dict changing size under it) nor leaves the worker a connection to go on
+    with: the connection that finishes opening after close() is closed and the job stops."""
+    import threading
+    opening, release, made = threading.Event(), threading.Event(), []
+
+    class SlowOpen(LocalConnection):
+        def open(self):
+            opening.set()
+            release.wait(30)
+            super().open()
+
+        def close(self):
+            made.append("closed")
+            super().close()
+
+    def slow(host, settings):
+        made.append("made")
+        return SlowOpen(host, settings)
+
+    fleet = Fleet(Settings(), forks=1, timeout=60, connect=slow)
+    box = {}
+    worker = threading.Thread(target=lambda: box.update(r=fleet.run([local_host(tmp_path)],
+                                                                    lambda ctx: {"ran": True})[0]))
+    worker.start()
+    assert opening.wait(30)
+    fleet.close()  # the second Ctrl-C's cleanup, while the worker is inside connect
+    release.set()
+    worker.join(60)
+    r = box["r"]
+    assert made == ["made", "closed"] and r.data.get("ran") is None
+    assert r.status == "unreachable" and "the run is stopping" in r.error, (r.status, r.error)
+
+
 def test_run_without_deadline_finishes_normally(tmp_path):
     with Fleet(Settings(), run_timeout=30) as fleet:
         r = fleet.run([local_host(tmp_path)], lambda ctx: {"out": ctx.run(["echo", "hi"]).stdout.decode()})[0]

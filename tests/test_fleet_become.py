@@ -1,5 +1,5 @@
 """Become (ansible_become, sudo) through real sshd: a non-root login with sudo does what root
-does (inspect, apply, status, rollback), a wrong password or a login without sudo rights is
+does (inspect, validate, apply, status, rollback; deploy kernel in test_fleet_deploy), a wrong password or a login without sudo rights is
 `failed` with sudo's message and changes nothing, and the password shows up nowhere: not in
 fleetctl's output, not on the host (ledger, backups, changed files, /tmp), not in any process's
 /proc/PID/cmdline or environ sampled on the host during the run."""
@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-import yaml
 
+from conftest import become_inventory
 from fleetctl import lab as labmod
 
 pytestmark = pytest.mark.lab
@@ -34,31 +34,23 @@ SPY = (f"n=0; seen=0; found=0; end=$(($(date +%s)+240)); "
 
 @pytest.fixture(scope="module")
 def become(server_lab, tmp_path_factory):
-    """The lab's become users and password, and inventories reaching HOSTS as them."""
-    password = labmod.lab_add_become_users(server_lab.lab_id, server_lab.state_dir)
+    """The lab's become users and password (created by `lab up`), and inventories reaching HOSTS as them."""
+    password = labmod.become_password(server_lab.lab_id, server_lab.state_dir)
     users = labmod.become_users(server_lab.lab_id)
-    base = yaml.safe_load(server_lab.inventory.read_text())
-    hosts = base["all"]["children"]["lab"]["hosts"]
     d = tmp_path_factory.mktemp("become")
 
     def inventory(name: str, **per_host: dict) -> str:
-        doc = {"all": {"hosts": {h: {**hosts[h], "ansible_become": True, **v} for h, v in per_host.items()}}}
-        path = d / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(doc))
-        return str(path)
+        return become_inventory(server_lab, d / f"{name}.yaml", **per_host)
 
     sudo = {"ansible_user": users["sudo"]}
-    try:
-        yield {
-            "password": password,
-            "good": inventory("good", **{h: sudo for h in HOSTS}),
-            "bad": inventory("bad", **{"lab-04": {**sudo, "ansible_become_password": "not-" + password},
-                                       "lab-02": {"ansible_user": users["nosudo"],
-                                                  "ansible_become_password": password},
-                                       "lab-03": {"ansible_user": users["tty"]}}),
-        }
-    finally:
-        labmod.lab_remove_become_users(server_lab.lab_id)
+    return {
+        "password": password,
+        "good": inventory("good", **{h: sudo for h in HOSTS}),
+        "bad": inventory("bad", **{"lab-04": {**sudo, "ansible_become_password": "not-" + password},
+                                   "lab-02": {"ansible_user": users["nosudo"],
+                                              "ansible_become_password": password},
+                                   "lab-03": {"ansible_user": users["tty"]}}),
+    }
 
 
 def cli(lab, *args, stdin=""):
@@ -98,6 +90,14 @@ def test_become_user_does_what_root_does_and_the_password_is_nowhere(server_lab,
             assert mine[h]["status"] == "ok", mine[h]
             for k in ("facts", "allocator_call_sites", "need_sort_origins"):
                 assert mine[h][k] == root[h][k], (h, k)
+        root_v = as_json(cli(lab, "validate", "all", "--json", "-c", kind))
+        runs.append(r := cli(lab, "validate", "all", "--json", *inv, stdin=pw + "\n"))
+        mine_v = as_json(r)
+        for h in HOSTS:  # the smoke decode ran on the host under sudo: same server, same tokens
+            assert mine_v[h]["status"] == "ok" and root_v[h]["status"] == "ok", mine_v[h]
+            assert ([(s["port"], s["ok"], s["output_ids"]) for s in mine_v[h]["servers"]]
+                    == [(s["port"], s["ok"], s["output_ids"]) for s in root_v[h]["servers"]]), h
+            assert mine_v[h]["servers"] and mine_v[h]["servers"][0]["output_ids"], mine_v[h]
         runs.append(r := cli(lab, "apply", "defrag-tier0", "all", "--yes", "--json", *inv, stdin=pw + "\n"))
         applied = as_json(r)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import become_inventory, host_outcomes
+from fleetctl import lab as labmod
 from fleetctl.kernelpkg import load_package
 
 pytestmark = pytest.mark.lab
@@ -193,3 +195,37 @@ def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, 
                        env=server_lab.env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout
     assert active(server_lab, "lab-03") == hosts["lab-03"]["previous"]
+
+
+def test_rollback_and_deploy_as_a_sudo_user_reuse_the_build_like_root(server_lab, deployed, tmp_path):
+    """Become (issue 16) for deploy kernel: rollback and deploy as the lab's sudo login (NOPASSWD
+    on lab-03, the password on lab-04), through both connections. The deploy reuses the build the
+    `deployed` fixture made (no compile here): its gather, preflight, state probes, the link swap
+    through the change engine, the restart and the smoke gate all run under sudo, and give what
+    root's deploy gave: the same build key active, changed, validation passed."""
+    users = labmod.become_users(server_lab.lab_id)
+    pw = labmod.become_password(server_lab.lab_id, server_lab.state_dir)
+    hosts_ = ("lab-03", "lab-04")
+    inv = become_inventory(server_lab, tmp_path / "become.yaml",
+                           # latency is not what this test is about: a restart on a loaded machine is slow
+                           **{h: {"ansible_user": users["sudo"], "ansible_become_password": pw,
+                                  "fleetctl_latency_slack": 1.0} for h in hosts_})
+    doc, root = deployed
+    cid = doc["change_id"]
+    for kind in ("paramiko", "ssh"):
+        r, _, hosts = server_lab.cli_json("rollback", cid, "all", "--yes", "-i", inv, "-c", kind, rc=0)
+        assert {h: (hosts[h]["status"], active(server_lab, h)) for h in hosts_} == {h: ("changed", None)
+                                                                                  for h in hosts_}, kind
+        r, d, hosts = deploy(server_lab, "all", "-i", inv, "-c", kind)
+        assert r.returncode == 0, (kind, host_outcomes(hosts))
+        for h in hosts_:
+            e = hosts[h]
+            assert (e["status"], e["reused"], e["build_key"], e["validation"]["status"]) == (
+                "changed", True, root[h]["build_key"], "passed"), (kind, h, e)
+            assert "build" not in e and active(server_lab, h) == root[h]["build_key"]
+            ledger = server_lab.ssh(h, "tail -n 1 /var/lib/fleetctl/ledger.jsonl").stdout
+            assert (json.loads(ledger)["change_id"], json.loads(ledger)["state"]) == (d["change_id"], "applied")
+            owner = server_lab.ssh(h, f"stat -c %U {KDIR}/current").stdout.strip()
+            assert owner == "root", (h, owner)  # written by root through sudo, not by the login
+        assert pw not in r.stdout + r.stderr
+        cid = d["change_id"]

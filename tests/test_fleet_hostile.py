@@ -5,7 +5,11 @@ message, checks that the venv, the state dir and every decoy are byte-identical,
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -209,3 +213,63 @@ def test_world_writable_pth_in_an_inventory_venv_is_refused(lab, guarded, tmp_pa
     assert hosts[HOST]["error"] == (f"interpreter /opt/sglang/venv/bin/python refused: {pth} is writable by group "
                                     "or others (fleetctl runs it as root)")
     assert not pwned
+
+
+# The fleetctl CLI in a child, its peak RSS read after it exits (RUSAGE_CHILDREN: the largest of
+# the children waited for, the ssh client included).
+PEAK_CLI = """
+import json, resource, subprocess, sys
+p = subprocess.run([sys.executable, "-m", "fleetctl.cli", *sys.argv[1:]], capture_output=True, text=True)
+print(json.dumps({"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr[-2000:],
+                  "peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["paramiko", "ssh"])
+def test_a_gibibyte_probe_answer_through_sshd_is_cut_at_the_cap(lab, tmp_path, kind):
+    """Review M3 through real sshd, both connections: an interpreter (named in the inventory,
+    root's and trusted) that answers the facts probe with 1 GiB: the host is failed with the cap's
+    message, the run goes on (lab-02 is inspected), and fleetctl never holds much more than the
+    64 MiB cap (peak RSS under cap + 200 MiB)."""
+    from fleetctl.connection.base import OUTPUT_MAX
+    big = "/opt/sglang/fleetctl-big/bin/python"  # the host's private /opt/sglang: root's, 0755
+    sh(lab, f"mkdir -p {big.rsplit('/', 1)[0]} && printf '#!/bin/sh\\nexec head -c {1 << 30} /dev/zero\\n' > {big} "
+            f"&& chmod 755 {big}")
+    inv = yaml.safe_load(lab.inventory.read_text())
+    hosts_ = inv["all"]["children"]["lab"]["hosts"]
+    hosts_[HOST]["fleetctl_python"] = big
+    named = tmp_path / "hosts.yaml"
+    named.write_text(yaml.safe_dump(inv))
+    try:
+        p = subprocess.run([sys.executable, "-c", PEAK_CLI, "inspect", f"{HOST},lab-02", "-i", str(named), "-c", kind,
+                            "--json"], capture_output=True, text=True, env=lab.env, timeout=600)
+    finally:
+        sh(lab, f"rm -rf {big.rsplit('/', 2)[0]}")
+    r = json.loads(p.stdout)
+    hosts = {h["host"]: h for h in json.loads(r["stdout"])["hosts"]}
+    assert r["rc"] == 2 and hosts[HOST]["status"] == "failed", (r["rc"], r["stderr"], hosts[HOST])
+    assert hosts[HOST]["error"].startswith("output over 64 MiB from the facts probe"), hosts[HOST]["error"]
+    assert hosts["lab-02"]["status"] == "ok", hosts["lab-02"]["error"]
+    assert r["peak"] < OUTPUT_MAX + (200 << 20), r["peak"]
+
+
+def test_a_record_naming_a_fifo_and_dev_zero_through_sshd_is_reported_not_read(lab, guarded):
+    """Review L11 / M3 through real sshd: the installed RECORD names a FIFO in the package and
+    /dev/zero; `status` finishes well within its deadline (neither is opened) and reports both
+    as skipped, not read."""
+    record = sh(lab, f"ls {SITE}/sglang-*.dist-info/RECORD").strip()
+    up = "../" * len(SITE.strip("/").split("/"))
+    sh(lab, f"cp -p {record} /root/RECORD.fleetctl-test && mkfifo {SITE}/sglang/fifo_planted.py && "
+            f"printf 'sglang/fifo_planted.py,sha256=AAAA,1\\n{up}dev/zero,sha256=AAAA,1\\n' >> {record}")
+    try:
+        t0 = time.monotonic()
+        r, _, hosts = lab.cli_json("status", HOST, "--timeout", "120")
+        took = time.monotonic() - t0
+    finally:
+        sh(lab, f"mv /root/RECORD.fleetctl-test {record} && rm -f {SITE}/sglang/fifo_planted.py")
+    h = hosts[HOST]
+    assert took < 120 and h["status"] == "failed", (took, h["status"], h["error"])
+    assert [m for m in h["modified"] if "skipped" in m["problem"]] == [
+        {"path": f"{SITE}/sglang/fifo_planted.py",
+         "problem": f"skipped, not read: {SITE}/sglang/fifo_planted.py is a FIFO, not a regular file"},
+        {"path": "/dev/zero", "problem": "skipped, not read: /dev/zero is a character device, not a regular file"}]

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -186,3 +187,83 @@ def test_apply_validate_status_rollback_per_install(layouts):
     assert rb["lab-01"]["status"] == "changed", rb["lab-01"]["error"]
     for loc in locations + [idle]:
         assert tree_digest(layouts, loc) == before[loc]
+
+
+
+def test_a_failing_install_rolls_back_the_installs_changed_before_it(layouts):
+    """One run, two installs: the second's validation fails (its server decodes other tokens after
+    the restart handler), so it is rolled back, and so is the first install the run had changed
+    already; the host is `failed` naming both, and both trees are byte-identical after."""
+    _, _, hosts = layouts.cli_json("inspect", "lab-01")
+    installs = {i["id"]: i for i in hosts["lab-01"]["installs"] if i["servers"]}
+    locations = [i["sglang"]["location"] for i in installs.values()]
+    before = {loc: tree_digest(layouts, loc) for loc in locations}
+    behavior = f"{labmod.SECOND_STANDIN}/behavior.json"
+    restart = yaml.safe_load(layouts.inventory.read_text())["all"]["children"]["lab"]["hosts"]["lab-01"][
+        "fleetctl_restart_cmd"]
+    # read at the server's next start: the baseline decode (before the change) is unshifted
+    assert layouts.ssh("lab-01", f"echo '{{\"token_shift\": 3}}' > {behavior}").returncode == 0
+    try:
+        r, doc, hosts = layouts.cli_json("apply", "defrag-tier0", "lab-01", "--yes", timeout=600)
+    finally:
+        layouts.ssh("lab-01", f"rm -f {behavior} && {restart}", timeout=180)
+    h = hosts["lab-01"]
+    assert (r.returncode, h["status"]) == (2, "failed"), (r.returncode, h["status"], h["error"])
+    cid = doc["change_id"]
+    changes = {c["install"]: c for c in h["changes"]}
+    second = next(i for i, x in installs.items() if x["sglang"]["install"] == "wheel")
+    first = next(i for i in installs if i != second)
+    assert [c["install"] for c in h["changes"]] == [first, second]  # the failing one came second
+    assert changes[second]["validation"]["status"] == "failed"
+    assert h["error"].startswith(f"{second}: ") and h["error"].endswith(f"; rolled back with it: {cid}.1"), h["error"]
+    for loc in locations:
+        assert tree_digest(layouts, loc) == before[loc], loc
+    ledger = [json.loads(x) for x in layouts.ssh("lab-01", "cat /var/lib/fleetctl/ledger.jsonl").stdout.splitlines()]
+    assert {e["change_id"]: e["state"] for e in ledger if e["change_id"].startswith(cid)} == {
+        f"{cid}.1": "rolled-back", f"{cid}.2": "rolled-back"}
+
+
+ROUTER_PORT = labmod.SECOND_PORT + 1
+
+
+def test_a_router_with_two_dp_workers_is_one_server_on_its_install(layouts):
+    """`python -m sglang_router.launch_server --dp-size 2` (the stand-in router: spawned DP workers
+    that are stand-in servers, the router routing to them), started through `sudo -u root` (a
+    wrapper that stays its parent), from /opt/sglang/venv: inspect shows one server, the router,
+    on that venv's install, with its two DP workers and the ports they listen on; the wrapper is
+    no server and the workers are no servers of their own."""
+    start = (f"cd /; setsid sudo -u root env PYTHONPATH=/opt/fleetctl-standin HOME=/tmp "
+             f"/opt/sglang/venv/bin/python -m sglang_router.launch_server --dp-size 2 --port {ROUTER_PORT} "
+             "> /tmp/router.log 2>&1 < /dev/null & echo $!")
+    r = layouts.ssh("lab-01", start)
+    assert r.returncode == 0, r.stderr
+    sudo_pid = int(r.stdout.split()[-1])
+    try:
+        ask = (f"python3 -c \"import urllib.request,sys; print(urllib.request.urlopen("
+               f"'http://127.0.0.1:{ROUTER_PORT}/health', timeout=5).status)\"")
+        deadline = time.monotonic() + 240
+        while layouts.ssh("lab-01", ask).stdout.strip() != "200":
+            assert time.monotonic() < deadline, layouts.ssh("lab-01", "tail -n 30 /tmp/router.log").stdout
+            time.sleep(1)
+        r, _, hosts = layouts.cli_json("inspect", "lab-01")
+        h = hosts["lab-01"]
+        assert h["status"] == "ok", h["error"]
+        [s] = [s for s in h["facts"]["servers"] if s["port"] == ROUTER_PORT]
+        assert (s["kind"], s["dp_size"], s["python"]) == ("router", 2, "/opt/sglang/venv/bin/python"), s
+        assert len(s["workers"]) == 2 and all(len(w["ports"]) == 1 for w in s["workers"]), s["workers"]
+        # the workers' ports are the ones the router routes to: each answers as a stand-in server
+        for w in s["workers"]:
+            port = w["ports"][0]
+            assert port >= 31000 and port != ROUTER_PORT
+            ok = layouts.ssh("lab-01", ask.replace(str(ROUTER_PORT), str(port))).stdout.strip()
+            assert ok == "200", (port, ok)
+        pids = {x["pid"] for x in h["facts"]["servers"]}
+        assert sudo_pid not in pids and not pids & {w["pid"] for w in s["workers"]}
+        assert sorted(x["port"] for x in h["facts"]["servers"]) == [30000, 30001, ROUTER_PORT]
+        venv = next(i for i in h["installs"] if i["id"] == s["install"])
+        assert venv["sglang"]["location"] == "/opt/sglang/venv/lib/python3.11/site-packages"
+        assert venv["servers"] == [s["pid"]]
+    finally:
+        layouts.ssh("lab-01", f"kill -TERM -- -{sudo_pid}; sleep 2; kill -KILL -- -{sudo_pid} 2>/dev/null; true")
+    r = layouts.ssh("lab-01", f"ps -eo args | grep -c '[s]glang_router'")
+    assert r.stdout.strip() == "0", r.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -311,6 +312,29 @@ def test_idle_interpreters_are_asked_only_with_an_sglang_distribution(installs, 
     assert not may_have_sglang(str(make_venv(tmp_path / "empty")))
 
 
+def test_an_idle_interpreter_with_only_a_pth_naming_a_checkout_is_asked(installs, tmp_path):
+    """No distribution at all, only a `.pth` line putting a checkout on sys.path (`conda develop`,
+    or by hand): still an install, so the interpreter is asked, and it finds the checkout. A
+    `.pth` naming a directory without sglang, a FIFO named `.pth` (never opened: it would hang)
+    and a symlinked `.pth` do not count."""
+    from fleetctl.probes.facts import may_have_sglang
+    py = make_venv(tmp_path / "pth")
+    sp = Path(site_packages(py))
+    os.mkfifo(sp / "a-fifo.pth")
+    (sp / "other.pth").write_text("# a comment\nimport os\n" + str(tmp_path) + "\n")
+    (tmp_path / "elsewhere.pth").write_text(str(installs["checkout"]) + "\n")
+    (sp / "linked.pth").symlink_to(tmp_path / "elsewhere.pth")
+    t0 = time.monotonic()
+    assert not may_have_sglang(str(py))
+    (sp / "sglang-dev.pth").write_text(str(installs["checkout"]) + "\n")
+    assert may_have_sglang(str(py)) and time.monotonic() - t0 < 30
+    (sp / "a-fifo.pth").unlink()  # site.py itself would block opening it
+    out = probe(python=str(py), scan=False)  # asked as fleetctl asks it: the checkout, through the .pth
+    [inst] = [i for i in out["installs"] if i["python"]["path"] == str(py)]
+    assert inst["sglang"]["package_dir"] == str(installs["checkout"] / "sglang"), inst
+    assert inst["sglang"]["install"] == "checkout"
+
+
 def test_primary_install_rule():
     """The server with the lowest pid names the primary install; with no server, the only
     install; with several and no server, none, and facts say why."""
@@ -370,7 +394,8 @@ def server_pid(root: int, module: str) -> int:
     def find():
         for pid in descendants(root) | {root}:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if argv[:1] != [b"timeout"] and b"-m" in argv and module.encode() in argv \
+            # its own program is the module (torchrun's is torch.distributed.run, with the same words)
+            if argv[:1] != [b"timeout"] and b"-m" in argv and argv[argv.index(b"-m") + 1:][:1] == [module.encode()] \
                     and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python"):
                 if b"conda" not in b" ".join(argv):
                     return pid
@@ -457,6 +482,36 @@ def test_router_with_dp_workers_is_one_server(installs, started):
     ports = [w["ports"][0] for w in s["workers"]]
     for port in ports:  # each is really a listening port
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert s["install"] == f"host:{site_packages(env)}/sglang"
+
+
+WRAPPERS = {
+    # a non-Python launcher that stays the server's parent (sudo forks, then waits); to root, as
+    # the test's interpreter may sit where another user cannot execute it (pyenv under /root)
+    "sudo -u": lambda env: ["sudo", "-u", "root", str(env)],
+    # uv (a Rust binary) runs `python` from the venv it is given, prepended to the child's PATH
+    "uv run": lambda env: [shutil.which("uv") or "uv", "run", "--no-project", "--offline", "--python", str(env),
+                           "--", "python"],
+    # torchrun is Python whose program is its own (torch.distributed.run): its worker is the server
+    "torchrun": lambda env: [str(env), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"],
+    "timeout": lambda env: ["timeout", "60", str(env)],
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_a_server_behind_a_launcher_is_one_server_on_the_envs_install(installs, started, wrapper, tmp_path):
+    """Each launcher of case 14 in front of `python -m sglang.launch_server` from the env venv:
+    exactly one server in the tree, the Python process itself (not the launcher), its own
+    interpreter (the venv's, not the launcher's), on the env's install."""
+    env = installs["env"]
+    port = 30020 + sorted(WRAPPERS).index(wrapper)
+    p = started([*WRAPPERS[wrapper](env), "-m", "sglang.launch_server", "--port", str(port)], cwd="/",
+                env=dict(os.environ, UV_CACHE_DIR=str(tmp_path / "uv-cache"), TORCHELASTIC_ERROR_FILE=""))
+    pid = server_pid(p.pid, "sglang.launch_server")
+    [s] = wait_for(lambda: servers_of(probe(scan=False), p.pid), 60)
+    assert (s["pid"], s["kind"], s["port"]) == (pid, "launch_server", port), s
+    assert pid != p.pid and os.path.realpath(s["python"]) == os.path.realpath(env)
+    assert os.path.dirname(s["python"]) == str(env.parent), s["python"]  # the venv's bin, not the base's
     assert s["install"] == f"host:{site_packages(env)}/sglang"
 
 

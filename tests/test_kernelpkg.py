@@ -335,3 +335,20 @@ def test_crashing_test_module_fails_the_test(built, tmp_path):
     assert not r["ok"] and r["rc"] == 1 and r["result"] is None
     assert "test module broken" in r["stderr_tail"]
     json.dumps(r)  # the probe result crosses SSH as JSON
+
+
+def test_builds_run_with_a_path_no_other_user_can_write(tmp_path, monkeypatch):
+    """Review M6 / issue 13: root's build never looks up `c++`, `ninja` or `nvcc` in a directory a
+    non-root user can write: such PATH entries, relative ones and missing ones are dropped; the
+    interpreter's bin directory (trust-checked by the facts probe) comes first."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    safe, shared, group, theirs = (tmp_path / n for n in ("safe", "shared", "group", "theirs"))
+    for d in (safe, shared, group, theirs):
+        d.mkdir()
+    shared.chmod(0o1777)  # even sticky: anyone may add a `ninja` there
+    group.chmod(0o775)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(shared), ".", "", str(group), str(theirs), str(safe),
+                                                str(tmp_path / "missing"), "/usr/bin"]))
+    assert kbuild._search_path(str(venv_bin / "python")).split(os.pathsep) == [str(venv_bin), str(safe), "/usr/bin"]

@@ -110,6 +110,23 @@ def test_status_and_validate_tables_tolerate_odd_data():
     assert "malformed data from the host: ValueError: Unknown format code 'f'" in text
 
 
+def test_status_shows_the_space_the_state_dir_uses_and_the_unscanned_files():
+    out = io.StringIO()
+    console = Console(file=out, width=300, color_system=None)
+    render_status([HostResult("h1", "a", "ok", data={"changes": [], "sglang": "0.5.2",
+                                                     "space": {"backups": 3 << 20, "kernels": 80 << 20,
+                                                               "total": (83 << 20) + 4096}}),
+                   HostResult("h2", "b", "ok", data={"changes": [], "sglang": "0.5.2"})], console)
+    text = out.getvalue()
+    assert "backups 3.0 MiB, kernel builds 80.0 MiB (state dir 83.0 MiB)" in text
+    [h2] = [line for line in text.splitlines() if "h2" in line]
+    assert "?" in h2 and "MiB" not in h2  # a host that did not say is not shown as 0
+    from fleetctl.report import _install_line
+    line = _install_line({"sglang": {"version": "0.5.2", "install": "wheel", "package_dir": "/v/sglang"},
+                          "scan": {"error": None, "parse_errors": [{"file": "sglang/srt/layers", "error": "x"}]}})
+    assert line == "0.5.2 wheel /v/sglang (1 not scanned: see --json scan.parse_errors)"
+
+
 def test_handlers_are_shown_with_the_plan_coalesced_and_redacted():
     def planned(host, cmd):
         return HostResult(host, "a", "changed", data={"plan": {"handlers": [{"name": "restart sglang",

@@ -14,6 +14,7 @@ run-deadline messages add; the fan-out itself knows nothing about what jobs do.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -200,12 +201,19 @@ class Fleet:
         self.progress = progress
         self.console = console or Console(stderr=True)
         self._conns: dict[str, Connection] = {}
+        self._conns_lock = threading.Lock()  # workers add connections while close() may run (review L8)
+        self._closing = False  # set by close(): no connection is opened or kept after it
         self.interrupted = False  # set by Ctrl-C: later batches must not start
 
     def connection(self, host: Host) -> Connection:
         """The run's one connection to `host`, opened on first use and reused by every later job.
-        Raises Unreachable / HostKeyRefused."""
-        conn = self._conns.get(host.name)
+        Raises Unreachable / HostKeyRefused, and Unreachable when the fleet is closing (a second
+        Ctrl-C): a connection that finished opening meanwhile is closed, never used."""
+        with self._conns_lock:
+            conn = None if self._closing else self._conns.get(host.name)
+            closing = self._closing
+        if closing:
+            raise Unreachable("not connected: the run is stopping")
         if conn is None:
             conn = self.connect(host, self.settings)
             try:
@@ -213,13 +221,20 @@ class Fleet:
             except Unreachable:
                 conn.close()
                 raise
-            self._conns[host.name] = conn
+            with self._conns_lock:
+                closing = self._closing
+                if not closing:
+                    self._conns[host.name] = conn
+            if closing:
+                conn.close()
+                raise Unreachable("not connected: the run is stopping")
         return conn
 
     def reconnect(self, host: Host) -> Connection:
         """Close the run's connection to `host` and open a new one (one try, within the connect
         timeout). Raises Unreachable / HostKeyRefused."""
-        old = self._conns.pop(host.name, None)
+        with self._conns_lock:
+            old = self._conns.pop(host.name, None)
         if old is not None:
             old.close()
         return self.connection(host)
@@ -227,9 +242,12 @@ class Fleet:
     def close(self) -> None:
         """Close every connection this fleet opened, then the run's shared connection state
         (Settings.close: OpenSSH masters)."""
-        for conn in self._conns.values():
+        with self._conns_lock:
+            self._closing = True
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for conn in conns:
             conn.close()
-        self._conns.clear()
         self.settings.close()
 
     def __enter__(self) -> "Fleet":

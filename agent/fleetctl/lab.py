@@ -580,7 +580,8 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     removed first; `<state dir>/ssh_config` gets a Host block per host (lab_ssh_config_path;
     `fleetctl lab up` Includes it from ~/.ssh/config). With `with_server`,
     agent/fleetctl/standin/restart.sh starts the stand-in SGLang server on each host's
-    127.0.0.1:30000. Raises LabError (no root, a step failed: the
+    127.0.0.1:30000. The lab's become users (become_users: sudo rules per host) are created
+    with a new password (become_password). Raises LabError (no root, a step failed: the
     half-built lab is torn down) or FleetctlError (a wheel cannot be had).
     """
     require_root()
@@ -667,6 +668,7 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
             pub = (_host_dir(sd, h["name"]) / "ssh_host_ed25519_key.pub").read_text().split()
             f.write(f"{h['address']} {pub[0]} {pub[1]}\n")
     _write_lab_ssh_config(sd, state, known_hosts)
+    lab_add_become_users(lab_id, sd)
     inv = inventory_path(state_dir=sd)
     inv.write_text(_inventory_yaml(state, sd))
     return inv
@@ -839,7 +841,7 @@ def become_users(lab_id: int) -> dict[str, str]:
 
 
 def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
-    """Create the lab's become_users on this machine (the hosts share its /etc: each host is
+    """Create (again: any earlier ones are removed first; `lab up` creates them) the lab's become_users on this machine (the hosts share its /etc: each host is
     its own UTS namespace, so sudo matches rules by the host name) and one sudoers file
     /etc/sudoers.d/fleetctl-lab-<id> with the per-host rules, checked by `visudo -c`; both
     logins sign in with the lab's client key and have a new random password, returned (also in
@@ -854,7 +856,7 @@ def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
     for user in users.values():
         _run(["useradd", "--create-home", "--home-dir", f"/home/{user}", "--shell", "/bin/sh", user])
         _run(["chpasswd"], input=f"{user}:{password}\n")
-    rules = (f"# fleetctl lab {lab_id}: written by lab_add_become_users, removed by `fleetctl lab down`\n"
+    rules = (f"# fleetctl lab {lab_id}: written by `fleetctl lab up`, removed by `fleetctl lab down`\n"
              f"{users['sudo']} {_hostname(2)} = (ALL) NOPASSWD: ALL\n"
              f"{users['sudo']} {_hostname(3)} = (ALL) ALL\n"
              f"Defaults:{users['tty']} requiretty\n{users['tty']} ALL = (ALL) NOPASSWD: ALL\n")
@@ -869,6 +871,15 @@ def lab_add_become_users(lab_id: int = 0, state_dir: Path | None = None) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(password)
     return password
+
+
+def become_password(lab_id: int = 0, state_dir: Path | None = None) -> str:
+    """The become_users' password `lab up` chose (<state dir>/become_password). Raises LabError
+    when the lab has none (not up, or built before `lab up` created become users)."""
+    try:
+        return (state_dir_for(lab_id, state_dir) / "become_password").read_text()
+    except FileNotFoundError:
+        raise LabError(f"lab {lab_id} has no become users: run `fleetctl lab up --lab-id {lab_id}`") from None
 
 
 def lab_remove_become_users(lab_id: int) -> None:

@@ -91,9 +91,11 @@ def host_list(hosts: list[str], limit: int = 6) -> str:
 def _install_line(i: dict) -> str:
     sg = i["sglang"]
     err = (i.get("scan") or {}).get("error")
+    unread = len((i.get("scan") or {}).get("parse_errors") or [])
     return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}"
             + (f" servers {', '.join(map(str, i['servers']))}" if i.get("servers") else "")
-            + (f" ERROR {err}" if err else ""))
+            + (f" ERROR {err}" if err else "")
+            + (f" ({unread} not scanned: see --json scan.parse_errors)" if unread else ""))
 
 
 def _gpus(f: dict) -> str:
@@ -330,16 +332,25 @@ def render_handlers(results: list[HostResult], console: Console) -> None:
             console.print(text(f"  {name}: {command}"), highlight=False, soft_wrap=True)
 
 
+def _space(space: dict | None) -> str:
+    """'backups 1.2 MiB, kernel builds 80.0 MiB (state dir 81.3 MiB)' from the status probe's
+    space (bytes), or '?' when the host did not say."""
+    if not space:
+        return "?"
+    mib = lambda n: f"{int(n) / (1 << 20):.1f} MiB"  # noqa: E731
+    return f"backups {mib(space['backups'])}, kernel builds {mib(space['kernels'])} (state dir {mib(space['total'])})"
+
+
 def render_status(results: list[HostResult], console: Console) -> None:
     """Applied changes and drift per host."""
     t = Table(title="fleetctl status", title_justify="left", show_lines=True)
-    for c in ("host", "sglang", "applied changes", "kernels", "drift", "modified outside fleetctl"):
+    for c in ("host", "sglang", "applied changes", "kernels", "drift", "modified outside fleetctl", "space used"):
         t.add_column(c, overflow="fold")
     for r in results:
         d = r.data or {}
         if "changes" not in d:  # unreachable or failed before the ledger was read: nothing is known
             unknown = text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
-            t.add_row(text(r.host), unknown, unknown, unknown, unknown, unknown)
+            t.add_row(text(r.host), unknown, unknown, unknown, unknown, unknown, unknown)
             continue
 
         def cells(d=d):
@@ -349,9 +360,10 @@ def render_status(results: list[HostResult], console: Console) -> None:
             return [d.get("sglang") or "", "\n".join(applied) or "none",
                     "\n".join(f"{k} -> {str(v)[:12]}" for k, v in (d.get("kernels") or {}).items()) or "none",
                     "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift") or []) or "none",
-                    "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none"]
+                    "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none",
+                    _space(d.get("space"))]
 
-        t.add_row(text(r.host), *map(text, _tolerant(cells, 5)))
+        t.add_row(text(r.host), *map(text, _tolerant(cells, 6)))
     console.print(t)
     render_problems(results, console)
 

@@ -367,7 +367,8 @@ def scan(location):
         expr, literal (value is a Constant), target (assignment only), value_line, value_col,
         value_end_line, value_end_col (span of the value, character columns), stmt_end_line}];
       files: {rel: {sha256, size (bytes)}} for files holding a call site or origin;
-      stats: {files_total, files_parsed}; parse_errors: [{file, error}].
+      stats: {files_total, files_parsed}; parse_errors: [{file, error}] (also each file that is
+        not a regular one and each symlinked directory: skipped, never read or followed).
     `need_sort` parameter defaults in signatures and attribute stores (`self.need_sort = x`,
     which keep a value that came from an origin) are not origins. Raises nothing for bad
     files (they go to parse_errors); an unreadable `location` gives empty results.
@@ -377,6 +378,11 @@ def scan(location):
     hashes, candidates = {}, []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for d in dirnames:  # os.walk lists a symlinked directory but never enters it: say so
+            if os.path.islink(os.path.join(dirpath, d)):
+                rel = os.path.relpath(os.path.join(dirpath, d), location).replace(os.sep, "/")
+                tree.parse_errors.append({"file": rel, "error": "skipped: a symlinked directory, not followed "
+                                                                "(none of its files is scanned)"})
         for fn in sorted(filenames):
             if not fn.endswith(".py"):
                 continue

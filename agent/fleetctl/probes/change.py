@@ -48,6 +48,7 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", 
               "afs", "9p", "fuse", "fuseblk")
 # Files the probe reads (package sources, backups) are at most this many bytes.
 MAX_FILE_BYTES = 64 << 20
+KEEP_BACKUPS = 10  # backups kept of the latest changes, whatever their state (prune())
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
@@ -226,12 +227,28 @@ def _copy_xattrs(src, dst):
         os.setxattr(dst, n, os.getxattr(src, n))
 
 
-def atomic_write(path, data, tag):
+class ChangedMeanwhile(OSError):
+    """atomic_write(expect=...) found the file no longer as expected: nothing was replaced."""
+
+
+def _sha256_fd(fd):
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+
+
+def atomic_write(path, data, tag, expect=None):
     """Replace regular file `path` by `data` (bytes) atomically, never through a symlink: the
     parent reached by open_dir, a temp file beside it with an unguessable name opened
     O_CREAT|O_EXCL|O_NOFOLLOW, fsync, rename with directory descriptors, fsync the directory.
     Keeps the file's owner, mode and extended attributes (0644 and the caller's when it is
-    missing). Raises UnsafePath when `path` is a symlink or anything but a regular file."""
+    missing). `expect`: the sha256 the file must still have right before the rename (review L6:
+    a `pip install` that rewrote it meanwhile is not clobbered); else ChangedMeanwhile, nothing replaced.
+    Raises UnsafePath when `path` is a symlink or anything but a regular file."""
     dfd, name = _parent(path)
     try:
         st = _lstat(dfd, name)
@@ -259,6 +276,14 @@ def atomic_write(path, data, tag):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if expect is not None:
+                src = _open_regular(dfd, name, path)
+                try:
+                    if _sha256_fd(src) != expect:
+                        raise ChangedMeanwhile(errno.EAGAIN, "changed on the host while being applied (a pip "
+                                               "install?), left as it is", path)
+                finally:
+                    os.close(src)
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             try:
@@ -426,6 +451,22 @@ def _append(state_dir, entry, state, reason=None):
     return entry
 
 
+def _record(state_dir, entry, state, reason=None):
+    """_append, tried twice (a disk that was full a moment ago may have room again, review L7).
+    Returns None, or the OSError's text when the ledger could not record the state."""
+    for attempt in (0, 1):
+        try:
+            _append(state_dir, entry, state, reason)
+            return None
+        except OSError as e:
+            if attempt:
+                return "%s: %s" % (type(e).__name__, e)
+            time.sleep(0.2)
+
+
+_STILL_PENDING = "; the ledger could not record this (%s): it still says pending, and the next run's recover undoes it"
+
+
 def apply(params, state_dir):
     """{change_id, playbook, operator, install?, files: [{path, pre_sha256, post_sha256, new_text}
     | {path, kind: "link", pre_target: str|None, post_target: str}], commit?}.
@@ -491,7 +532,11 @@ def apply(params, state_dir):
             if f.get("kind") == "link":
                 set_link(f["path"], f["after_sha256"][len("link:"):], cid)
             else:
-                atomic_write(f["path"], news[f["path"]], cid)
+                try:
+                    atomic_write(f["path"], news[f["path"]], cid, expect=f["before_sha256"])
+                except ChangedMeanwhile:
+                    written.pop()  # not written by this change: never "restored" over the new bytes
+                    raise
                 drop_pycache(f["path"])
             if _state(f) != f["after_sha256"]:
                 raise OSError("%s: state after the write is not post_sha256" % f["path"])
@@ -499,14 +544,21 @@ def apply(params, state_dir):
         left = _undo_written(written, cid, originals)
         why = "%s: %s" % (type(e).__name__, e)
         if left:
-            _append(state_dir, entry, FAILED, "%s; NOT restored: %s" % (why, "; ".join(left)))
+            unrecorded = _record(state_dir, entry, FAILED, "%s; NOT restored: %s" % (why, "; ".join(left)))
             return {"ok": False, "change_id": cid,
-                    "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))}
-        _append(state_dir, entry, FAILED, why)
-        return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e}
+                    "error": "apply failed: %s; NOT restored: %s" % (e, "; ".join(left))
+                    + (_STILL_PENDING % unrecorded if unrecorded else "")}
+        unrecorded = _record(state_dir, entry, FAILED, why)
+        return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e
+                + (_STILL_PENDING % unrecorded if unrecorded else "")}
+    pruned = []
     if params.get("commit", True):
-        _append(state_dir, entry, APPLIED)
-    return {"ok": True, "change_id": cid, "files": entry["files"]}
+        unrecorded = _record(state_dir, entry, APPLIED)
+        if unrecorded:
+            return {"ok": False, "change_id": cid, "error": "the files are changed but the change could not be "
+                    "committed" + _STILL_PENDING % unrecorded}
+        pruned = prune(state_dir)
+    return {"ok": True, "change_id": cid, "files": entry["files"], "pruned": pruned}
 
 
 def _root(params):
@@ -572,8 +624,11 @@ def commit(params, state_dir):
     moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved:
         raise Refused("changed since the apply: %s" % ", ".join(moved))
-    _append(state_dir, entry, APPLIED, params.get("reason"))
-    return {"ok": True, "change_id": cid}
+    unrecorded = _record(state_dir, entry, APPLIED, params.get("reason"))
+    if unrecorded:
+        return {"ok": False, "change_id": cid, "error": "validated, but the change could not be committed"
+                + _STILL_PENDING % unrecorded}
+    return {"ok": True, "change_id": cid, "pruned": prune(state_dir)}
 
 
 def _restore(f, tag, data=None):
@@ -705,6 +760,97 @@ def _record_problems(location, dist_name, explained):
     return out, None
 
 
+def _rmtree(dfd, name):
+    """Remove directory entry `name` of open directory `dfd` and everything below it, never
+    following a symlink (a link is removed itself)."""
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dfd)
+        return
+    sub = os.open(name, _DIR, dir_fd=dfd)
+    try:
+        for entry in os.listdir(sub):
+            _rmtree(sub, entry)
+    finally:
+        os.close(sub)
+    os.rmdir(name, dir_fd=dfd)
+
+
+def _remove_under(state_dir, rel):
+    """Remove state_dir/rel (rel: "backups/<cid>" or "kernels/<name>/<key>") if it is there,
+    walking from the state dir without following links. Returns the path removed, or None."""
+    parts = rel.split("/")
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, _DIR, dir_fd=dfd)
+            os.close(dfd)
+            dfd = nxt
+        _rmtree(dfd, parts[-1])
+        return os.path.join(state_dir, rel)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+
+
+def prune(state_dir, keep=None):
+    """Remove what no rollback can need any more (review "Backups, ledger, lock"): the backups
+    of changes older than the latest `keep` (ledger order) that were rolled back, or applied
+    and superseded (every file changed again by a later applied change); and the kernel
+    builds (kernels/<name>/<key>) that are neither the one `current` points at nor the one the
+    latest applied change of that link switched from (the previous build). Pending and failed
+    changes keep their backups. `keep`: default KEEP_BACKUPS. Returns [paths removed]."""
+    keep = KEEP_BACKUPS if keep is None else keep
+    entries = list(changes(state_dir).values())
+    removed = []
+    for i, e in enumerate(entries[:max(0, len(entries) - keep)]):
+        later = {f["path"] for x in entries[i + 1:] if x["state"] == APPLIED for f in x["files"]}
+        files = [f for f in e["files"] if f.get("kind") != "link"]
+        superseded = e["state"] == APPLIED and all(f["path"] in later for f in files)
+        if files and (e["state"] == ROLLED_BACK or superseded) and _CHANGE_ID.match(e["change_id"]):
+            gone = _remove_under(state_dir, "backups/" + e["change_id"])
+            if gone:
+                removed.append(gone)
+    for link in sorted(glob.glob(os.path.join(glob.escape(state_dir), "kernels", "*", "current"))):
+        kdir = os.path.dirname(link)
+        keep_keys = {os.readlink(link)} if os.path.islink(link) else set()
+        where = lambda p: os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))  # noqa: E731
+        for e in reversed(entries):
+            f = next((f for f in e["files"] if f.get("kind") == "link" and where(f["path"]) == where(link)), None)
+            if f is not None and e["state"] == APPLIED:
+                if f.get("before_sha256"):
+                    keep_keys.add(f["before_sha256"][len("link:"):])
+                break
+        for key in sorted(os.listdir(kdir)):
+            path = os.path.join(kdir, key)
+            if key in keep_keys or key == "current" or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            gone = _remove_under(state_dir, os.path.relpath(path, state_dir))
+            if gone:
+                removed.append(gone)
+    return removed
+
+
+def space_used(state_dir):
+    """Bytes the state dir holds: {"backups": n, "kernels": n, "total": n} (sizes of the files
+    below it, links not followed)."""
+    out = {"backups": 0, "kernels": 0, "total": 0}
+    for dirpath, _, filenames in os.walk(state_dir):
+        rel = os.path.relpath(dirpath, state_dir).split(os.sep)[0]
+        for fn in filenames:
+            try:
+                size = os.lstat(os.path.join(dirpath, fn)).st_size
+            except OSError:
+                continue
+            out["total"] += size
+            if rel in ("backups", "kernels"):
+                out[rel] += size
+    return out
+
+
 def status(params, state_dir):
     """{location?, dist: "sglang"}: ledger summary, drift of applied changes, RECORD differences.
 
@@ -712,7 +858,7 @@ def status(params, state_dir):
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied changes whose
     file no longer has after_sha256; modified: [{path, problem}] for files of the installed
     distribution (dist-info RECORD) that differ and no applied change explains; record_error;
-    kernels: {name: active build key} from the `kernels/<name>/current` links.
+    kernels: {name: active build key} from the `kernels/<name>/current` links; space: space_used().
     """
     summary, drift, explained = [], [], {}
     for cid, e in changes(state_dir).items():
@@ -742,7 +888,7 @@ def status(params, state_dir):
     kernels = {os.path.basename(os.path.dirname(c)): os.readlink(c)
                for c in sorted(glob.glob(os.path.join(state_dir, "kernels", "*", "current")))}
     return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
-            "kernels": kernels}
+            "kernels": kernels, "space": space_used(state_dir)}
 
 
 def compile_check(params, state_dir):

@@ -119,12 +119,37 @@ def site_dirs(python):
     return dirs
 
 
+MAX_PTH_BYTES = 1 << 20  # a .pth file read for its path lines (site.py's own have a few lines)
+
+
+def _pth_paths(site_dir):
+    """The directories the `.pth` files in `site_dir` add to sys.path (site.py: each line that
+    is not blank, a comment or an `import` line, relative to the site directory). A `.pth` is
+    read only when it is a regular file (never a FIFO, never through a symlink), up to
+    MAX_PTH_BYTES."""
+    out = []
+    for pth in sorted(glob.glob(os.path.join(glob.escape(site_dir), "*.pth"))):
+        try:
+            data = callsites.read_source(pth)[:MAX_PTH_BYTES]
+        except OSError:
+            continue
+        for line in data.decode("utf-8", "replace").splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", "import ", "import\t")):
+                out.append(os.path.join(site_dir, line))
+    return out
+
+
 def may_have_sglang(python):
     """Whether an idle interpreter (no server runs it) is worth asking: one of its site
     directories holds an sglang distribution (dist-info, egg-info, egg-link or PEP 660 editable
-    hook). Without one, its `import sglang` could only come from a working directory or
-    PYTHONPATH, which an idle interpreter has not got."""
-    return any(glob.glob(os.path.join(d, m)) for d in site_dirs(python) for m in _DIST_MARKS)
+    hook), or a `.pth` file there puts a directory holding `sglang/__init__.py` on sys.path (a
+    checkout added by hand or by `conda develop`, with no distribution). Without one, its
+    `import sglang` could only come from a working directory or PYTHONPATH, which an idle
+    interpreter has not got."""
+    dirs = site_dirs(python)
+    return (any(glob.glob(os.path.join(glob.escape(d), m)) for d in dirs for m in _DIST_MARKS)
+            or any(os.path.isfile(os.path.join(p, "sglang", "__init__.py")) for d in dirs for p in _pth_paths(d)))
 
 
 def candidates(params, servers):

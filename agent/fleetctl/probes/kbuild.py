@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -284,9 +285,38 @@ def _run(cmd: list) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(cmd, 127, "", str(e))
 
 
+def _root_only(d: str) -> bool:
+    """Whether directory `d` and every directory above it are owned by root (or this user) and
+    writable by nobody else; above `d`, a sticky root-owned directory such as /tmp is fine (no
+    other user can rename what root made in it), `d` itself never is."""
+    if not os.path.isabs(d):
+        return False
+    d, leaf = os.path.realpath(d), True
+    while True:
+        try:
+            st = os.stat(d)
+        except OSError:
+            return False
+        shared = st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX)
+        if not os.path.isdir(d) or st.st_uid not in (0, os.geteuid()) or shared:
+            return False
+        if d == "/":
+            return True
+        d, leaf = os.path.dirname(d), False
+
+
 def _search_path(python: str) -> str:
-    """PATH plus the interpreter's bin directory (where a venv's ninja lives)."""
-    return os.pathsep.join([os.path.dirname(os.path.abspath(python)), os.environ.get("PATH", os.defpath)])
+    """The PATH builds run with: the interpreter's bin directory (where a venv's ninja lives;
+    the facts probe's trust check cleared it), then this session's PATH, keeping only the
+    directories that no user but root can write (review M6: a planted `c++`, `ninja` or `nvcc`
+    in a user-writable directory on root's PATH would run as root). Relative and empty entries
+    (the working directory) are dropped too."""
+    dirs = [os.path.dirname(os.path.abspath(python))] + os.environ.get("PATH", os.defpath).split(os.pathsep)
+    kept = []
+    for d in dirs:
+        if d not in kept and _root_only(d):
+            kept.append(d)
+    return os.pathsep.join(kept)
 
 
 def _nvcc():
