@@ -184,3 +184,18 @@ def test_example_playbook_gate_rollback_and_cli_ledger(ansible, server_lab):
     assert {sha(server_lab, "lab-03", p) for p in files["lab-03"]} != set(before["lab-03"].values())
     server_lab.cli_json("rollback", entry["change_id"], "lab-03", "--yes", rc=0)
     assert {p: sha(server_lab, "lab-03", p) for p in files["lab-03"]} == before["lab-03"]
+
+
+def test_lock_lease_is_honoured_by_the_cli(ansible, server_lab):
+    """While fleetctl.sglang.lock holds its lease, `fleetctl recover` (which takes the host lock
+    like apply) fails fast naming the holder; once released, it runs."""
+    r = ansible.run("ansible", "lab-04", "-m", "fleetctl.sglang.lock", "-a", "state=acquired lease_s=120 holder=play-42")
+    assert r.returncode == 0 and '"changed": true' in r.stdout, r.stdout[-2000:]
+    try:
+        _, _, hosts = server_lab.cli_json("recover", "lab-04", "--yes")
+        assert hosts["lab-04"]["status"] == "failed" and "play-42" in hosts["lab-04"]["error"]
+    finally:
+        r = ansible.run("ansible", "lab-04", "-m", "fleetctl.sglang.lock", "-a", "state=released")
+    assert r.returncode == 0 and '"changed": true' in r.stdout, r.stdout[-2000:]
+    _, _, hosts = server_lab.cli_json("recover", "lab-04", "--yes", rc=0)
+    assert hosts["lab-04"]["status"] == "ok"

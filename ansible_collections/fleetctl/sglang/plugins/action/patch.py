@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
-# Copyright: fleetctl maintainers
-# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+# Copyright: (c) 2026, fleetctl maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """fleetctl.sglang.patch on the controller: gather (inspect module), plan (fleetctl's planner and
 the playbook's templates), then the patch module on the host with the plan as its argument."""
 

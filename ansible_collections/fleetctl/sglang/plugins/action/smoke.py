@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
-# Copyright: fleetctl maintainers
-# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+# Copyright: (c) 2026, fleetctl maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """fleetctl.sglang.smoke on the controller: pick the servers (inventory, else the inspect module's
 servers), run the smoke module, gate against the baseline (fleetctl's gate), commit on a pass."""
 

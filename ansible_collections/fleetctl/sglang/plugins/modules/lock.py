@@ -1,7 +1,7 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
-# Copyright: fleetctl maintainers
-# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+# Copyright: (c) 2026, fleetctl maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 
 from __future__ import annotations
 
@@ -69,7 +69,6 @@ lease:
 import json
 import os
 import signal
-import subprocess
 import time
 
 from ansible.module_utils.basic import AnsibleModule
@@ -94,25 +93,48 @@ def current(state_dir):
     return lease if start == lease.get("start") else None
 
 
+def start_holder(argv):
+    """Start `argv` detached (own session, stdin and stderr /dev/null, stdout a pipe to us):
+    (pid, the first line it prints, its exit status when it has already ended, else None)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the holder: outlives this module and the SSH session that ran it
+        try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(w, 1)
+            os.dup2(null, 2)
+            os.closerange(3, 65536)
+            os.execvp(argv[0], argv)
+        finally:
+            os._exit(127)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        line = f.readline(200)
+    done, status = os.waitpid(pid, os.WNOHANG)
+    return pid, line, (os.waitstatus_to_exitcode(status) if done else None)
+
+
 def take(state_dir, holder, lease_s, wait_s):
     """Start the detached flock holder; returns the lease, or None when another run holds the lock."""
     deadline = time.time() + wait_s
+    argv = ["flock", "-n", "-E", str(BUSY), os.path.join(state_dir, "lock"), "sh", "-c", HOLD,
+            state_dir, holder, str(lease_s)]
     while True:
-        p = subprocess.Popen(["flock", "-n", "-E", str(BUSY), os.path.join(state_dir, "lock"), "sh", "-c", HOLD,
-                              state_dir, holder, str(lease_s)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             start_new_session=True, close_fds=True)
-        if p.stdout.readline().strip() == b"LOCKED":
-            p.stdout.close()
-            with open("/proc/%d/stat" % p.pid) as f:
+        pid, line, code = start_holder(argv)
+        if line.strip() == b"LOCKED" and code is None:
+            with open("/proc/%d/stat" % pid) as f:
                 start = f.read().rsplit(")", 1)[1].split()[19]
-            lease = {"pid": p.pid, "start": start, "holder": holder, "expires": int(time.time()) + lease_s}
+            lease = {"pid": pid, "start": start, "holder": holder, "expires": int(time.time()) + lease_s}
             tmp = lease_path(state_dir) + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(lease, f)
             os.rename(tmp, lease_path(state_dir))
             return lease
-        if p.wait() != BUSY or time.time() >= deadline:
+        if code is None:
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code != BUSY or time.time() >= deadline:
             return None
         time.sleep(0.5)
 

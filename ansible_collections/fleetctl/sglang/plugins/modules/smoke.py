@@ -1,7 +1,7 @@
 #!/usr/bin/python
 # -*- coding: utf-8 -*-
-# Copyright: fleetctl maintainers
-# Apache License 2.0 (see https://www.apache.org/licenses/LICENSE-2.0)
+# Copyright: (c) 2026, fleetctl maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ options:
     description: The RV(smoke) result registered before the change; omitted, this run is a baseline.
     type: dict
   change_id:
-    description: A pending change (M(fleetctl.sglang.patch)'s RV(change_id)) to commit when the gate passes.
+    description: A pending change (the C(change_id) M(fleetctl.sglang.patch) returned) to commit when the gate passes.
     type: str
   offline_cmd:
     description: An offline smoke command (default the host's C(fleetctl_smoke_cmd)).
