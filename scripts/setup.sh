@@ -25,7 +25,8 @@ if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends python3-venv >/dev/null
 fi
-# torch==2.13.0 is a CPU build that pip takes from this machine's own disk.
+# torch==2.13.0 is a CPU build that pip takes from this machine's own disk. The test extra holds
+# ansible-core (ansible-playbook, ansible-test) for the fleetctl.sglang collection's tests.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[kernel,test]'
 
 # The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache.

@@ -67,18 +67,23 @@ def _findings(inst: dict) -> dict:
             "files": (inst.get("scan") or {}).get("files", {})}
 
 
-def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
-    """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
-    g = gather(ctx, with_sources=True)
-    chosen = select_installs(g, install) or [None]
+def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None) -> list[tuple[dict | None, HostPlan]]:
+    """Plan each selected install (select_installs) of gathered facts `g` (gathered with
+    sources): [(install, plan)], pure (no host is touched). Raises HostFailed (select_installs)."""
     plans = []
-    for inst in chosen:
+    for inst in select_installs(g, install) or [None]:
         findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [], "files": {}}
-        plan = plan_host(playbook, ctx.host.name, dict(ctx.host.vars), install_facts(g, inst), findings,
+        plan = plan_host(playbook, host.name, dict(host.vars), install_facts(g, inst), findings,
                          (inst or {}).get("sources") or {})
         plan.install = inst["id"] if inst else None
         plans.append((inst, plan))
-    return g, plans
+    return plans
+
+
+def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
+    """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
+    g = gather(ctx, with_sources=True)
+    return g, plan_installs(playbook, ctx.host, g, install)
 
 
 def _plan_data(plan: HostPlan) -> dict:
@@ -143,6 +148,16 @@ def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
     return change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts))
 
 
+def reinspect_install(playbook: Playbook, plan: HostPlan, host: Host, inst: dict | None, g2: dict) -> list[str]:
+    """The playbook's reinspect check of `plan` (made for install `inst`) against facts gathered
+    again after the write (`g2`, with sources): [problem] ([] when every edited site satisfies it)."""
+    again = next((i for i in g2.get("installs", []) if inst and i["id"] == inst["id"]), None)
+    if inst and again is None:
+        return [f"install {inst['id']} is gone after the change"]
+    return reinspect_problems(playbook, plan, dict(host.vars), install_facts(g2, again),
+                              _findings(again) if again else {}, (again or {}).get("sources") or {})
+
+
 def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict | None, plan: HostPlan) -> Change:
     facts = install_facts(g, inst)
     steps = {v["step"] for v in plan.validate}
@@ -152,12 +167,7 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
         if "compile" in steps:
             problems += compile_problems(ctx, facts["python"]["path"], [f.path for f in plan.files])
         if "reinspect" in steps and not problems:
-            g2 = gather(ctx, with_sources=True)
-            again = next((i for i in g2.get("installs", []) if inst and i["id"] == inst["id"]), None)
-            if inst and again is None:
-                return [f"install {inst['id']} is gone after the change"]
-            problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), install_facts(g2, again),
-                                           _findings(again) if again else {}, (again or {}).get("sources") or {})
+            problems += reinspect_install(playbook, plan, ctx.host, inst, gather(ctx, with_sources=True))
         return problems
 
     return Change(

@@ -31,6 +31,10 @@ deploy_app = typer.Typer(no_args_is_help=True, help="Deploy things to hosts.")
 app.add_typer(deploy_app, name="deploy")
 lab_app = typer.Typer(no_args_is_help=True, help="A local lab fleet: real sshd hosts in network namespaces.")
 app.add_typer(lab_app, name="lab")
+inventory_app = typer.Typer(no_args_is_help=True, help="The inventory, for other tools.")
+app.add_typer(inventory_app, name="inventory")
+collection_app = typer.Typer(no_args_is_help=True, help="The Ansible collection fleetctl.sglang.")
+app.add_typer(collection_app, name="collection")
 
 def _console(stderr: bool = False) -> Console:
     """A Rich console; piped output gets 160 columns (not Rich's 80) unless $COLUMNS says."""
@@ -430,6 +434,38 @@ def _print_json(doc: dict) -> None:
 # ---- lab ---------------------------------------------------------------------------------
 
 LabId = Annotated[int, typer.Option("--lab-id", help="Lab number (own subnet and state dir).")]
+
+
+@inventory_app.command("export")
+def inventory_export(inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+                     ask_vault_pass: AskVaultPass = False, ssh_config: SshConfig = None,
+                     connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S) -> None:
+    """Print the inventory (lab hosts included) as Ansible YAML, with the connection details
+    ansible-playbook needs (ansible_ssh_private_key_file, ansible_ssh_common_args: -o
+    UserKnownHostsFile=...) resolved from the ssh_config fleetctl reads."""
+    from .ansibleinv import export
+    from .errors import ParseError
+
+    vault = None
+    if vault_password_file or ask_vault_pass:
+        from .ansiblesrc import Vault
+        vault = Vault(vault_password_file, ask_vault_pass)
+    loaded = inv.load(inv.resolve_path(inventory), vault)
+    try:
+        sys.stdout.write(export(loaded, _settings(connect_timeout, False, ssh_config)))
+    except ValueError as e:
+        raise ParseError(str(e)) from None
+
+
+@collection_app.command("build")
+def collection_build(out: Annotated[Optional[str], typer.Option(
+        "--out", help="Put a complete copy in OUT/ansible_collections/fleetctl/sglang (default: generate in place).")]
+        = None) -> None:
+    """Generate the collection's plugins/module_utils from fleetctl's probes (never committed);
+    prints the collection's root."""
+    from . import collection
+
+    typer.echo(str(collection.build(Path(out) if out else None)))
 
 
 @lab_app.command("up")

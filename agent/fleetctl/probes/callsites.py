@@ -216,7 +216,9 @@ class _Tree(object):
         if name not in self.classes:
             self._parse_defining(name)
         preferred = [from_rel] + _import_origins(self.sources.get(from_rel), name)
-        rank = lambda d: (preferred.index(d[0]) if d[0] in preferred else len(preferred), d[0])
+
+        def rank(d):
+            return (preferred.index(d[0]) if d[0] in preferred else len(preferred), d[0])
         defs = sorted((d for d in self.classes.get(name, []) if d[1] is not skip), key=rank)
         return defs[0] if defs else None
 
@@ -405,7 +407,9 @@ def scan(location):
             s, o = _scan_source(tree, tree.sources[rel])
             sites += s
             origins += o
-    key = lambda d: (d["file"], d["line"], d["col"])
+
+    def key(d):
+        return (d["file"], d["line"], d["col"])
     used = {d["file"] for d in sites + origins}
     return {"allocator_call_sites": sorted(sites, key=key),
             "need_sort_origins": sorted(origins, key=key),

@@ -100,8 +100,8 @@ def locate(first):
     if package_dir is None:
         if dist is not None:
             location = str(dist.locate_file(""))
-            what = "no spec" if spec is None else ("a namespace package" if origin in (None, "namespace")
-                                                  else "not a package: %s" % origin)
+            what = "no spec" if spec is None else (
+                "a namespace package" if origin in (None, "namespace") else "not a package: %s" % origin)
             out["sglang"] = {"version": dist.version, "location": location, "package_dir": None,
                              "install": "editable" if _editable_dir(dist) else "wheel"}
             out["error"] = ("sglang package directory not found under %s: sglang %s is installed but "

@@ -1,0 +1,127 @@
+"""The controller side of the `fleetctl.sglang` collection's action plugins (pure: no host touched).
+
+The action plugins (ansible_collections/fleetctl/sglang/plugins/action/) gather with the inspect
+module, then call in here to turn Ansible's task vars into a fleetctl `Host`, plan with
+fleetctl's own planner and the playbook's templates (apply.plan_installs, the same code as
+`fleetctl apply`), shape the plan into the change module's argument and the result into
+Ansible's (changed, diff as fleetctl's own unified diffs), and gate a smoke decode against a
+baseline (validate.gate). Running modules stays in the plugins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import __version__, collection
+from .apply import install_change_id, plan_installs, reinspect_install
+from .changes import new_change_id
+from .fleet import HostFailed
+from .inventory import Host
+from .invtemplate import needed
+from .paths import find_playbook
+from .playbook import Playbook, load_playbook
+from .plan import HostPlan
+from .validate import SmokeOptions, gate, smoke_targets
+from .vocab import PlanStatus
+
+
+def check_pins(version: str, probe_sha256: str) -> None:
+    """Refuse (HostFailed) a collection built from another fleetctl than this controller's: its
+    modules' probes and this planner must be the same release (module_utils/pins.py)."""
+    here = collection.probe_hash()
+    if version != __version__ or probe_sha256 != here:
+        raise HostFailed(f"collection fleetctl.sglang was built for fleetctl {version} (probes {probe_sha256[:12]}), "
+                         f"this controller runs fleetctl {__version__} (probes {here[:12]}): rebuild it with "
+                         "`fleetctl collection build` or install the matching fleetctl")
+
+
+def host_from_vars(name: str, task_vars: dict, template: Callable[[Any], Any]) -> Host:
+    """A fleetctl Host named `name` from Ansible's task vars: the vars fleetctl reads
+    (invtemplate.needed), each rendered by `template` (the action plugin's templar)."""
+    return Host(name, {k: template(v) for k, v in task_vars.items() if needed(k)}, ())
+
+
+def load(playbook: str, playbooks_dir: str | None) -> Playbook:
+    """The fleetctl playbook named `playbook` (a name in the playbooks dir, or a .yaml path).
+    Raises ParseError."""
+    return load_playbook(find_playbook(playbook, playbooks_dir))
+
+
+def plan(playbook: Playbook, host: Host, gathered: dict, install: str | None) -> list[tuple[dict | None, HostPlan]]:
+    """Plan each selected install (see apply.plan_installs). Raises HostFailed: a failed plan
+    (refused, e.g. the file changed since inspect) with its reasons."""
+    plans = plan_installs(playbook, host, gathered, install)
+    failed = [f"{p.install}: {p.reason}" for _, p in plans if p.status == PlanStatus.FAILED]
+    if failed:
+        raise HostFailed("; ".join(failed))
+    return plans
+
+
+def diffs(plans: list[tuple[dict | None, HostPlan]]) -> list[dict]:
+    """Ansible's result "diff": one {"prepared": text} per planned file, the text being the same
+    unified diff `fleetctl apply --check --diff` prints."""
+    return [{"prepared": f.diff} for _, p in plans for f in p.files]
+
+
+def summary(plans: list[tuple[dict | None, HostPlan]]) -> list[dict]:
+    """The plans as reported in the result: per install its status, reason, files (path,
+    sha256s), edits, already applied and left alone sites, handlers."""
+    out = []
+    for _, p in plans:
+        d = p.to_dict()
+        d["files"] = [{k: f[k] for k in ("path", "pre_sha256", "post_sha256")} for f in d["files"]]
+        out.append(d)
+    return out
+
+
+def changes(playbook: Playbook, plans: list[tuple[dict | None, HostPlan]], operator: str,
+            shared_tree: bool) -> list[tuple[dict | None, HostPlan, dict]]:
+    """[(install, plan, the change module's `plan` argument)] for each plan that changes: a
+    fresh change id per run (install_change_id per install), the files with their pre-image and
+    post-image sha256 and new text, the root every file must lie in."""
+    changing = [(inst, p) for inst, p in plans if p.status == PlanStatus.CHANGE]
+    cid = new_change_id(playbook.name)
+    out = []
+    for n, (inst, p) in enumerate(changing, start=1):
+        sg = inst["sglang"]
+        out.append((inst, p, {
+            "change_id": install_change_id(cid, n, len(changing)), "playbook": playbook.name, "operator": operator,
+            "install": p.install, "root": sg.get("package_dir") or sg["location"], "shared_tree": shared_tree,
+            "files": [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256,
+                       "new_text": f.new_text} for f in p.files]}))
+    return out
+
+
+def checks(playbook: Playbook, plan_: HostPlan) -> set[str]:
+    """The validate steps of the plan ("compile", "reinspect", "smoke")."""
+    return {v["step"] for v in plan_.validate}
+
+
+def reinspect(playbook: Playbook, plan_: HostPlan, host: Host, inst: dict | None, gathered: dict) -> list[str]:
+    """The playbook's reinspect check against facts gathered after the write (apply.reinspect_install)."""
+    return reinspect_install(playbook, plan_, host, inst, gathered)
+
+
+def smoke_params(host: Host, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None,
+                 request_timeout: float) -> dict:
+    """The smoke module's arguments: the targets (validate.smoke_targets), waits, the offline
+    command (the task's, else the host's fleetctl_smoke_cmd) and the servers' API key."""
+    return {"servers": smoke_targets(host, facts, opts), "health_timeout": opts.health_timeout,
+            "repeat": opts.repeat, "request_timeout": request_timeout,
+            "offline_cmd": offline_cmd or host.smoke_cmd, "api_key": host.sglang_api_key}
+
+
+def smoke_problems(res: dict) -> list[str]:
+    """What failed in a smoke result ({"servers", "offline"}): ["host:port: error", "offline ..."]."""
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
+    off = res.get("offline")
+    if off is not None and not off["ok"]:
+        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}): {' | '.join(off['tail'][-3:])}")
+    return bad
+
+
+def gate_verdict(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> dict:
+    """The validation gate of `after` against `baseline` (validate.gate): its to_dict(), with
+    "failed" (bool) and "message"."""
+    verdict = gate(host, baseline, after, opts)
+    return {**verdict.to_dict(), "failed": verdict.failed, "message": verdict.message}
