@@ -360,11 +360,20 @@ def started():
         return p
 
     yield start
-    for p in procs:
+    for p in procs:  # the group, and descendants that left it (torchrun starts its worker in a session of its own)
+        try:
+            pids = descendants(p.pid) if p.poll() is None else set()
+        except FileNotFoundError:  # one exited while we read the tree
+            pids = set()
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         p.wait()
 
 
