@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
-    new_change_id, pending_ids, undo_changes
+    new_change_id, on_install, pending_ids, restart_handlers, undo_changes
 from .config import CHECK_TIMEOUT_S
 from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
@@ -70,15 +70,28 @@ def _findings(inst: dict) -> dict:
 def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
     """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
     g = gather(ctx, with_sources=True)
+    if ctx.container is None:  # a container's installs are changed inside it (--install ID)
+        g = {**g, "installs": [i for i in g.get("installs", []) if not i.get("root")]}
     chosen = select_installs(g, install) or [None]
     plans = []
     for inst in chosen:
         findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [], "files": {}}
-        plan = plan_host(playbook, ctx.host.name, dict(ctx.host.vars), install_facts(g, inst), findings,
+        plan = plan_host(playbook, ctx.host.name, _vars(ctx), install_facts(g, inst), findings,
                          (inst or {}).get("sources") or {})
         plan.install = inst["id"] if inst else None
         plans.append((inst, plan))
     return g, plans
+
+
+def _vars(ctx: HostContext) -> dict:
+    """The host's vars a plan is rendered with; inside a container, fleetctl_restart_cmd is the
+    container's restart (changes.restart_handlers)."""
+    v = dict(ctx.host.vars)
+    if ctx.container is not None:
+        v["fleetctl_restart_cmd"] = restart_handlers(ctx)[0]["command"] if restart_handlers(ctx) else None
+        if v["fleetctl_restart_cmd"] is None:
+            del v["fleetctl_restart_cmd"]
+    return v
 
 
 def _plan_data(plan: HostPlan) -> dict:
@@ -135,12 +148,14 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
                 result.status = HostStatus.CHANGED
         return result
 
-    return job
+    return on_install(install, state_dir, job)
 
 
 def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
     """The apply job for one host (see the module docstring)."""
-    return change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts))
+    return on_install(opts.install, opts.state_dir,
+                      change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts)),
+                      changing=True)
 
 
 def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict | None, plan: HostPlan) -> Change:
@@ -156,7 +171,7 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
             again = next((i for i in g2.get("installs", []) if inst and i["id"] == inst["id"]), None)
             if inst and again is None:
                 return [f"install {inst['id']} is gone after the change"]
-            problems += reinspect_problems(playbook, plan, dict(ctx.host.vars), install_facts(g2, again),
+            problems += reinspect_problems(playbook, plan, _vars(ctx), install_facts(g2, again),
                                            _findings(again) if again else {}, (again or {}).get("sources") or {})
         return problems
 
