@@ -29,7 +29,8 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     if ctx.container is not None:
         inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False},
                           modules=PROBE_MODULES)
-        return {**inner, **container.adopt(inner, ctx)}
+        mine = container.adopt(inner, ctx)
+        return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
     if records:
         params["records"] = f"{records}/{container.RECORDS}"
@@ -45,7 +46,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
             found["error"] = f"entering {container.prefix(found['root'])} with {how}: {e}"
             continue
         g["installs"] = g.get("installs", []) + inner["installs"]
-        g["facts"]["servers"] = g["facts"]["servers"] + inner["servers"]
+        g["facts"]["servers"] = g["facts"]["servers"] + inner["facts"]["servers"]
     return g
 
 

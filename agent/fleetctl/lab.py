@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import zipfile
@@ -1079,7 +1080,10 @@ CONTAINER_DIRS = {"/var/lib/containers": "var-lib-containers", "/run/containers"
                   "/run/libpod": "run-libpod", "/etc/containers": "etc-containers"}
 # ulimits given explicitly: Podman's defaults (the engine's own nofile/nproc) are not permitted here
 CONTAINER_ULIMITS = ("nofile=1024:1024", "nproc=4096:4096")
-# what the stand-in needs of the lab's Python (torch and what `import torch` imports)
+# where a container lab host's stand-in finds torch: this machine's site-packages, mounted read-only
+STANDIN_DEPS = "/opt/fleetctl-standin-deps"
+# what the stand-in needs of the lab's Python (torch and what `import torch` imports): the system
+# libraries they link to go into the image
 _IMAGE_PACKAGES = ("torch", "torchgen", "functorch", "typing_extensions", "sympy", "mpmath", "networkx",
                    "jinja2", "markupsafe", "filelock", "fsspec", "numpy", "numpy.libs")
 _STORAGE_CONF = ('[storage]\ndriver = "overlay"\nrunroot = "/run/containers/storage"\n'
@@ -1091,8 +1095,9 @@ _CONTAINERS_CONF = ('[engine]\ncgroup_manager = "cgroupfs"\nevents_logger = "fil
 
 def _image_rootfs(root: Path, release: str, wheel: Path) -> None:
     """Lay out an image's root filesystem at `root`: the lab's Python (this interpreter's prefix:
-    its binary, libpython, the standard library without tests or site-packages, and of
-    site-packages what the stand-in imports), the shared libraries all of that links to (ldd),
+    its binary, libpython, the standard library without tests or site-packages; what the
+    stand-in imports, torch, is mounted at STANDIN_DEPS when the container runs), the shared
+    libraries all of that links to (ldd),
     an editable SGLang checkout of `release` (CHECKOUT/python, installed as pip does a PEP 660
     editable install of a flat layout: a `.pth` naming the project directory and a dist-info
     whose direct_url.json says editable) in the venv VENV, and the stand-in at
@@ -1125,13 +1130,15 @@ def _image_rootfs(root: Path, release: str, wheel: Path) -> None:
     for entry in sorted(stdlib.iterdir()):
         if entry.name not in ("site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip"):
             put(entry)
-    for entry in sorted(site.iterdir()):
-        base = entry.name.split("-")[0].lower().removesuffix(".py")
-        if base in _IMAGE_PACKAGES:
-            put(entry)
+    # what the stand-in imports (torch) is not SGLang: the container mounts it read-only from this
+    # machine (STANDIN_DEPS), found through a .pth file, which keeps the image small to build
+    (root / str(site).lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (root / str(site).lstrip("/") / "fleetctl-standin-deps.pth").write_text(STANDIN_DEPS + "\n")
     # the system libraries every binary there links to, at their own paths
-    elfs = [p for p in root.rglob("*") if p.is_file() and (p.suffix == ".so" or ".so." in p.name
-                                                           or p.name == ver)]
+    deps = [site / e.name for e in sorted(site.iterdir())
+            if e.name.split("-")[0].lower().removesuffix(".py") in _IMAGE_PACKAGES]
+    elfs = [p for top in [root, *deps] if top.is_dir() for p in top.rglob("*")
+            if p.is_file() and (p.suffix == ".so" or ".so." in p.name or p.name == ver)]
     libs: set[str] = set()
     for i in range(0, len(elfs), 200):
         r = _run(["ldd", *map(str, elfs[i:i + 200])], check=False, timeout=300)
@@ -1220,8 +1227,10 @@ def container_run_argv(image: str, name: str = CONTAINER_NAME, read_only: bool =
     """The arguments of `podman run` for the lab's containerised stand-in server: rootful, runc,
     the host's network (the server answers on the lab host's 127.0.0.1:SERVER_PORT), explicit
     ulimits, the venv's interpreter executed directly (the image has no shell)."""
-    return ["run", "-d", "--name", name, "--runtime", "runc", "--network", "host",
+    # the stand-in is the container's PID 1, which a SIGTERM it has no handler for does not stop
+    return ["run", "-d", "--name", name, "--runtime", "runc", "--network", "host", "--stop-timeout", "2",
             *[w for u in CONTAINER_ULIMITS for w in ("--ulimit", u)], *(["--read-only"] if read_only else []),
+            "--volume", f"{sysconfig.get_paths()['purelib']}:{STANDIN_DEPS}:ro",
             image, f"{VENV}/bin/python", "/opt/fleetctl-standin/server.py", "--host", "127.0.0.1",
             "--port", str(SERVER_PORT), "--model-path", "fleetctl-standin/tiny", "--tp-size", "1"]
 

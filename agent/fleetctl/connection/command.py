@@ -106,8 +106,7 @@ except BlockingIOError:
         pass
     sys.exit(75)
 o = os.open(os.path.join(d, "lock.owner"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-os.write(o, ("%s since %s
-" % (who, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
+os.write(o, ("%s since %s\n" % (who, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
 os.close(o)
 print("LOCKED", flush=True)
 end = time.monotonic() + hold
