@@ -17,7 +17,7 @@ from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
     new_change_id, on_install, pending_ids, restart_handlers, undo_changes
-from .config import CHECK_TIMEOUT_S
+from .config import CHECK_TIMEOUT_S, RESTART_CMD
 from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
 from .inventory import Host
@@ -84,13 +84,13 @@ def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[d
 
 
 def _vars(ctx: HostContext) -> dict:
-    """The host's vars a plan is rendered with; inside a container, fleetctl_restart_cmd is the
-    container's restart (changes.restart_handlers)."""
+    """The host's vars a plan is rendered with; inside a container, the restart command is the
+    container's restart (changes.restart_handlers), or unset when there is none."""
     v = dict(ctx.host.vars)
     if ctx.container is not None:
-        v["fleetctl_restart_cmd"] = restart_handlers(ctx)[0]["command"] if restart_handlers(ctx) else None
-        if v["fleetctl_restart_cmd"] is None:
-            del v["fleetctl_restart_cmd"]
+        v.pop(RESTART_CMD.name, None)
+        for h in restart_handlers(ctx):
+            v[RESTART_CMD.name] = h["command"]
     return v
 
 
@@ -141,7 +141,9 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
         if texts:
             result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
                                     for inst, p in plans if inst for f in p.files}
-        pending = pending_ids(change_probe(ctx, "status", state_dir)["changes"])
+        # a read-only container holds no ledger (and apply refuses it): nothing can be pending there
+        read_only = ctx.container is not None and ctx.container["found"].get("read_only_rootfs")
+        pending = [] if read_only else pending_ids(change_probe(ctx, "status", state_dir)["changes"])
         if pending:
             result.data["pending"] = pending
             if result.status in (HostStatus.OK, HostStatus.SKIPPED):

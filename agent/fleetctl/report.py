@@ -200,6 +200,17 @@ def render_problems(results: list[HostResult], console: Console) -> None:
     console.print(t)
 
 
+def render_lasts(results: list[HostResult], console: Console) -> None:
+    """For each host whose job ran in a container (data["lasts"], data["root"]): which
+    container, how it was entered, and how long a change there lasts (container.LASTS)."""
+    for r in results:
+        if r.data.get("lasts"):
+            root = r.data.get("root") or {}
+            console.print(text(f"{r.host}: container {root.get('name')} ({root.get('image')}), entered with "
+                               f"{r.data.get('entered_with')}: a change there {r.data['lasts']}", style="yellow"),
+                          highlight=False, soft_wrap=True)
+
+
 def render_status_line(results: list[HostResult], console: Console) -> None:
     """One recap line, like Ansible's PLAY RECAP: counts per status."""
     counts = Counter(r.status for r in results)
