@@ -13,10 +13,10 @@ import shutil
 import pytest
 import yaml
 
-from conftest import SERVER_LAB_ID, ROOT, Lab, require_lab, write_ssh_config
+from conftest import ROOT, SERVER_LAB_ID, Lab, one_host_lab, require_lab
 from fleetctl import container
 from fleetctl import lab as labmod
-from fleetctl.wheelcache import cache_dir
+from test_fleet_installs import IMPORTED  # the file `import sglang` really runs, asked of the process
 
 pytestmark = pytest.mark.lab
 
@@ -41,14 +41,8 @@ def clab(tmp_path_factory):
     inv = labmod.lab_up(1, [RELEASE], lab_id=LAB_ID, state_dir=sd, known_hosts=known_hosts)
     try:
         labmod.add_container_host("lab-01", RELEASE, lab_id=LAB_ID, state_dir=sd)
-        doc = yaml.safe_load(inv.read_text())
-        doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(fleetctl_latency_slack=2.0)  # not about latency: one decode each
-        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
-        ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
-        env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
-                   FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-        yield Lab(inv, ["lab-01"], sd, env, known_hosts, ssh_config, lab_id=LAB_ID,
-                  status=labmod.lab_status(LAB_ID, sd))
+        # not a latency test: one decode each (--repeat 1), so a generous slack
+        yield one_host_lab(inv, sd, home, known_hosts, LAB_ID, {"fleetctl_latency_slack": 2.0})
     finally:
         labmod.lab_down(LAB_ID, sd, known_hosts)
 
@@ -68,16 +62,6 @@ def podman_field(lab: Lab, fmt: str) -> str:
     return r.stdout.strip()
 
 
-# the file `import sglang` really runs (SGLang's __init__ needs packages the image lacks, so the
-# file is taken from the traceback when the import fails past it)
-IMPORTED = """
-import traceback
-try:
-    import sglang
-    print(sglang.__file__)
-except Exception as e:
-    print([f.filename for f in traceback.extract_tb(e.__traceback__) if f.filename.endswith("sglang/__init__.py")][0])
-"""
 # {file relative to the package dir: sha256} of every file under it
 DIGEST = """
 import hashlib, json, os, sys
