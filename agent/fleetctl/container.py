@@ -70,26 +70,25 @@ def enter(ctx: HostContext, found: dict, how: str) -> HostContext:
 def adopt(inner: dict, ctx: HostContext) -> dict:
     """The facts `inner` gathered inside container ctx.container as its container installs:
     ids `<runtime>:<name>:<package_dir>`, each with `root` and `container` ({how, note,
-    read_only_rootfs, kubelet, lasts}); the servers inside get the host's pids (`pid`) and keep
-    their own (`pid_in_container`). Returns {"installs", "servers"}."""
+    read_only_rootfs, kubelet, lasts}); the servers inside get the host's pids (`pid`, in the
+    installs' `servers` too; None for a server the host did not list) and keep their own
+    (`pid_in_container`). Returns {"installs",
+    "servers"}."""
     c = ctx.container
     found = c["found"]
     pre = prefix(c["root"])
     info = {"how": c["how"], "note": NSENTER_NOTE if c["how"] == "nsenter" else None,
             "read_only_rootfs": found.get("read_only_rootfs"), "kubelet": found.get("kubelet"),
             "lasts": LASTS}
-    ids = {}
-    installs = []
-    for inst in inner.get("installs", []):
-        new = pre + inst["id"].split(":", 1)[1]
-        ids[inst["id"]] = new
-        installs.append({**inst, "id": new, "root": c["root"], "container": info})
-    servers = []
-    host_pids = list(found.get("servers") or [])
-    for n, s in enumerate(inner["facts"].get("servers", [])):
-        servers.append({**s, "pid_in_container": s["pid"],
-                        "pid": host_pids[n] if n < len(host_pids) else c["root"]["pid"],
-                        "install": ids.get(s.get("install")), "root": c["root"]})
+    ids = {inst["id"]: pre + inst["id"].split(":", 1)[1] for inst in inner.get("installs", [])}
+    to_host = {inner_pid: int(pid) for pid, inner_pid in (found.get("pids_in_container") or {}).items()}
+    servers = [{**s, "pid_in_container": s["pid"], "pid": to_host.get(s["pid"]),
+                "install": ids.get(s.get("install")), "root": c["root"]}
+               for s in inner["facts"].get("servers", [])]
+    host_pid = {s["pid_in_container"]: s["pid"] for s in servers}
+    installs = [{**inst, "id": ids[inst["id"]], "root": c["root"], "container": info,
+                 "servers": [host_pid.get(p, p) for p in inst.get("servers", [])]}
+                for inst in inner.get("installs", [])]
     return {"installs": installs, "servers": servers}
 
 
@@ -132,9 +131,8 @@ def keep_record(ctx: HostContext, state_dir: str, install: str, changes: list[di
     root = ctx.container["root"]
     doc = {"root": root, "install": install,
            "changes": [{k: c.get(k) for k in ("change_id", "state", "files")} for c in changes]}
-    host = HostContext(ctx.host, ctx.conn, ctx.deadline, ctx.reconnect)
-    host.conn.put_bytes(json.dumps(doc, sort_keys=True).encode(), record_path(state_dir, root),
-                        timeout=host.remaining(), mode=0o600)
+    ctx.conn.put_bytes(json.dumps(doc, sort_keys=True).encode(), record_path(state_dir, root),
+                       timeout=ctx.remaining(), mode=0o600)  # on the host: the connection, not the entry
 
 
 def lost_changes(records: list[dict], g: dict) -> list[dict]:

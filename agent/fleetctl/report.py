@@ -91,7 +91,10 @@ def host_list(hosts: list[str], limit: int = 6) -> str:
 def _install_line(i: dict) -> str:
     sg = i["sglang"]
     err = (i.get("scan") or {}).get("error")
-    return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}"
+    root = i.get("root")
+    where = (f" in container {root.get('name')} ({root.get('image')}, {root['runtime']}, entered with "
+             f"{(i.get('container') or {}).get('how')}; a change there lasts until it is recreated)") if root else ""
+    return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}{where}"
             + (f" servers {', '.join(map(str, i['servers']))}" if i.get("servers") else "")
             + (f" ERROR {err}" if err else ""))
 

@@ -66,6 +66,17 @@ def read_only_root(pid):
     return None
 
 
+def pid_in_container(pid):
+    """The pid of host process `pid` in its own (innermost) PID namespace: the last field of
+    the NSpid line of /proc/PID/status (proc(5)); `pid` itself when there is none."""
+    for line in (procs._read("/proc/%d/status" % pid) or "").splitlines():
+        if line.startswith("NSpid:"):
+            f = line.split()[1:]
+            if f and f[-1].isdigit():
+                return int(f[-1])
+    return pid
+
+
 def inspect(cli, container_id):
     """{name, image, image_id, pid} of a container as its runtime's CLI `cli` reports it (podman
     and docker `inspect`: Name, ImageName/Config.Image, Image, State.Pid; crictl `inspect`:
@@ -101,8 +112,8 @@ def clis():
 def containers(pids):
     """The containers of the server processes `pids` (pids as the host sees them), one entry per
     container: [{"root": {runtime, container_id, name, image, image_id, pid}, "servers": [pid],
-    "python": the first server's interpreter as the container sees it (its absolute argv[0], else
-    /proc/PID/exe), "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is the first server's
+    "pids_in_container": {str(host pid): its pid in the container}, "python": the first
+    server's interpreter as the container sees it (its absolute argv[0], else /proc/PID/exe), "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is the first server's
     pid; name, image and image_id are None without the runtime's CLI."""
     out = {}
     for pid in pids:
@@ -110,6 +121,7 @@ def containers(pids):
         key = cid or "pid-%d" % pid
         if key in out:
             out[key]["servers"].append(pid)
+            out[key]["pids_in_container"][str(pid)] = pid_in_container(pid)
             continue
         seen = inspect(RUNTIME_CLI.get(runtime, ""), cid)
         argv = [a.decode("utf-8", "replace")[:procs.MAX_ARG]
@@ -120,7 +132,8 @@ def containers(pids):
             exe = None
         out[key] = {"python": argv[0] if argv and argv[0].startswith("/") else exe,"root": {"runtime": runtime, "container_id": cid, "name": seen.get("name"),
                              "image": seen.get("image"), "image_id": seen.get("image_id"), "pid": pid},
-                    "servers": [pid], "kubelet": kube, "read_only_rootfs": read_only_root(pid)}
+                    "servers": [pid], "pids_in_container": {str(pid): pid_in_container(pid)},
+                    "kubelet": kube, "read_only_rootfs": read_only_root(pid)}
     return list(out.values())
 
 
