@@ -87,7 +87,7 @@ def validate_job(opts: SmokeOptions, install: str | None = None):
 
     def job(ctx: HostContext) -> HostResult:
         facts = None
-        ctx, inst = install_context(ctx, install)  # a container install: its probes run inside it
+        ctx, _ = install_context(ctx, install)  # a container install: its probes run inside it
         if ctx.host.sglang_port is None or install:
             g = gather(ctx, scan=False)
             facts = install_facts(g, find_install(g, install)) if install else g["facts"]
