@@ -12,6 +12,10 @@ command -v flock >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v sudo >/dev/null 2>&1 || need_apt+=(sudo)  # become (ansible_become) and its lab users
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
 [ -x /usr/bin/ninja ] || need_apt+=(ninja-build)  # on the PATH of SSH sessions (lab hosts)
+# the lab's container host (lab.add_container_host): rootful Podman on runc (this machine's cgroups
+# are in hybrid mode, which crun refuses)
+command -v podman >/dev/null 2>&1 || need_apt+=(podman)
+[ -x /usr/sbin/runc ] || command -v runc >/dev/null 2>&1 || need_apt+=(runc)
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq

@@ -140,6 +140,18 @@ def write_ssh_config(path: Path, known_hosts: Path, extra: str = "") -> Path:
     return path
 
 
+def one_host_lab(inv: Path, sd: Path, home: Path, known_hosts: Path, lab_id: int, host_vars: dict) -> Lab:
+    """A module's own one-host lab (lab-01, up): `host_vars` added to its inventory, an
+    ssh_config under `home` whose known_hosts is `known_hosts`, and the env to run the CLI with."""
+    doc = yaml.safe_load(inv.read_text())
+    doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(host_vars)
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
+    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
+               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
+    return Lab(inv, ["lab-01"], sd, env, known_hosts, ssh_config, lab_id=lab_id, status=labmod.lab_status(lab_id, sd))
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory) -> Iterator[Lab]:
     """Bring up the test lab (four hosts, releases 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23, no servers)

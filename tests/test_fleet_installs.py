@@ -13,11 +13,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import TEST_LAB_ID, Lab, require_lab, write_ssh_config
+from conftest import TEST_LAB_ID, Lab, one_host_lab, require_lab
 from fleetctl import lab as labmod
-from fleetctl.wheelcache import cache_dir, ensure_wheel
+from fleetctl.wheelcache import ensure_wheel
 from test_callsites import independent
 
 pytestmark = pytest.mark.lab
@@ -70,15 +69,9 @@ def layouts(tmp_path_factory):
     inv = labmod.lab_up(1, [CHECKOUT_RELEASE], lab_id=LAB_ID, state_dir=sd, known_hosts=known_hosts)
     try:
         extra = labmod.add_install_layouts("lab-01", CHECKOUT_RELEASE, SECOND_RELEASE, lab_id=LAB_ID, state_dir=sd)
-        doc = yaml.safe_load(inv.read_text())
-        doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(fleetctl_restart_cmd=extra["restart_cmd"],
-                                                               fleetctl_latency_slack=labmod.LATENCY_SLACK_S)
-        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
-        ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
-        env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
-                   FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-        yield Lab(inv, ["lab-01"], sd, env, known_hosts, ssh_config, lab_id=LAB_ID,
-                  status=labmod.lab_status(LAB_ID, sd))
+        yield one_host_lab(inv, sd, home, known_hosts, LAB_ID,
+                           {"fleetctl_restart_cmd": extra["restart_cmd"],
+                            "fleetctl_latency_slack": labmod.LATENCY_SLACK_S})
     finally:
         labmod.lab_down(LAB_ID, sd, known_hosts)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
-    new_change_id, pending_ids, undo_changes
-from .config import CHECK_TIMEOUT_S
+    new_change_id, on_install, pending_ids, restart_handlers, undo_changes
+from .config import CHECK_TIMEOUT_S, RESTART_CMD
 from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
 from .inventory import Host
@@ -67,13 +67,16 @@ def _findings(inst: dict) -> dict:
             "files": (inst.get("scan") or {}).get("files", {})}
 
 
-def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None) -> list[tuple[dict | None, HostPlan]]:
+def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None,
+                  host_vars: dict | None = None) -> list[tuple[dict | None, HostPlan]]:
     """Plan each selected install (select_installs) of gathered facts `g` (gathered with
-    sources): [(install, plan)], pure (no host is touched). Raises HostFailed (select_installs)."""
+    sources), rendered with `host_vars` (default: the host's vars): [(install, plan)], pure (no
+    host is touched). Raises HostFailed (select_installs)."""
     plans = []
     for inst in select_installs(g, install) or [None]:
         findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [], "files": {}}
-        plan = plan_host(playbook, host.name, dict(host.vars), install_facts(g, inst), findings,
+        plan = plan_host(playbook, host.name, dict(host.vars) if host_vars is None else host_vars,
+                         install_facts(g, inst), findings,
                          (inst or {}).get("sources") or {})
         plan.install = inst["id"] if inst else None
         plans.append((inst, plan))
@@ -83,7 +86,20 @@ def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None) 
 def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
     """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
     g = gather(ctx, with_sources=True)
-    return g, plan_installs(playbook, ctx.host, g, install)
+    if ctx.container is None:  # a container's installs are changed inside it (--install ID)
+        g = {**g, "installs": [i for i in g.get("installs", []) if not i.get("root")]}
+    return g, plan_installs(playbook, ctx.host, g, install, _vars(ctx))
+
+
+def _vars(ctx: HostContext) -> dict:
+    """The host's vars a plan is rendered with; inside a container, the restart command is the
+    container's restart (changes.restart_handlers), or unset when there is none."""
+    v = dict(ctx.host.vars)
+    if ctx.container is not None:
+        v.pop(RESTART_CMD.name, None)
+        for h in restart_handlers(ctx):
+            v[RESTART_CMD.name] = h["command"]
+    return v
 
 
 def _plan_data(plan: HostPlan) -> dict:
@@ -133,28 +149,35 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
         if texts:
             result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
                                     for inst, p in plans if inst for f in p.files}
-        pending = pending_ids(change_probe(ctx, "status", state_dir)["changes"])
+        # a read-only container holds no ledger (and apply refuses it): nothing can be pending there
+        read_only = ctx.container is not None and ctx.container["found"].get("read_only_rootfs")
+        pending = [] if read_only else pending_ids(change_probe(ctx, "status", state_dir)["changes"])
         if pending:
             result.data["pending"] = pending
             if result.status in (HostStatus.OK, HostStatus.SKIPPED):
                 result.status = HostStatus.CHANGED
         return result
 
-    return job
+    return on_install(install, state_dir, job)
 
 
 def apply_job(playbook: Playbook, change_id: str, opts: ApplyOptions):
     """The apply job for one host (see the module docstring)."""
-    return change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts))
+    return on_install(opts.install, opts.state_dir,
+                      change_job(opts.state_dir, lambda ctx, rec: _apply(ctx, rec, playbook, change_id, opts)),
+                      changing=True)
 
 
-def reinspect_install(playbook: Playbook, plan: HostPlan, host: Host, inst: dict | None, g2: dict) -> list[str]:
-    """The playbook's reinspect check of `plan` (made for install `inst`) against facts gathered
-    again after the write (`g2`, with sources): [problem] ([] when every edited site satisfies it)."""
+def reinspect_install(playbook: Playbook, plan: HostPlan, host: Host, inst: dict | None, g2: dict,
+                      host_vars: dict | None = None) -> list[str]:
+    """The playbook's reinspect check of `plan` (made for install `inst`, rendered with
+    `host_vars`, default the host's vars) against facts gathered again after the write (`g2`,
+    with sources): [problem] ([] when every edited site satisfies it)."""
     again = next((i for i in g2.get("installs", []) if inst and i["id"] == inst["id"]), None)
     if inst and again is None:
         return [f"install {inst['id']} is gone after the change"]
-    return reinspect_problems(playbook, plan, dict(host.vars), install_facts(g2, again),
+    return reinspect_problems(playbook, plan, dict(host.vars) if host_vars is None else host_vars,
+                              install_facts(g2, again),
                               _findings(again) if again else {}, (again or {}).get("sources") or {})
 
 
@@ -167,7 +190,8 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
         if "compile" in steps:
             problems += compile_problems(ctx, facts["python"]["path"], [f.path for f in plan.files])
         if "reinspect" in steps and not problems:
-            problems += reinspect_install(playbook, plan, ctx.host, inst, gather(ctx, with_sources=True))
+            problems += reinspect_install(playbook, plan, ctx.host, inst, gather(ctx, with_sources=True),
+                                          _vars(ctx))
         return problems
 
     return Change(

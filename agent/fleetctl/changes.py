@@ -36,7 +36,8 @@ from .config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_D
 from .connection import OutputTooLarge, RemoteTimeout, Unreachable
 from .connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
-from .gather import find_install, gather
+from . import container
+from .gather import find_install, gather, install_context
 from .probes import ProbeError, redact
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
@@ -97,7 +98,10 @@ def compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[st
 
 def restart_handlers(ctx: HostContext) -> list[dict]:
     """The restart handler from the host's `fleetctl_restart_cmd` ([] when unset): the one place
-    that turns the inventory var into a handler. Shape: [{"name", "command"}]."""
+    that turns the inventory var into a handler; inside a container, its container's restart
+    (container.restart_handlers). Shape: [{"name", "command"}]."""
+    if ctx.container is not None:
+        return container.restart_handlers(ctx)
     cmd = ctx.host.restart_cmd
     return [{"name": RESTART_HANDLER, "command": cmd}] if cmd else []
 
@@ -114,6 +118,32 @@ def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
         if r.exit_code != 0:
             raise HostFailed(f"handler {h['name']!r} failed (exit {r.exit_code}): {ran[-1]['output'].strip()}")
     return ran
+
+
+def on_install(install: str | None, state_dir: str, job: Callable[[HostContext], HostResult],
+               changing: bool = False) -> Callable[[HostContext], HostResult]:
+    """`job` run where install `install` lives: on the host, or inside its container
+    (gather.install_context). For a container install the result says what lasts
+    (data["lasts"]: container.LASTS, data["root"]); a `changing` job is refused on a container
+    where a change would not survive a restart (container.refusal), and after it the host keeps
+    its copy of the install's ledger records (container.keep_record)."""
+
+    def wrapped(ctx: HostContext) -> HostResult:
+        ictx, inst = install_context(ctx, install)
+        if inst is None:
+            return job(ctx)
+        why = container.refusal(inst) if changing else None
+        if why:
+            return ctx.result(HostStatus.FAILED, why, data={"root": inst["root"]})
+        result = job(ictx)
+        result.data.update(root=inst["root"], lasts=container.LASTS, entered_with=ictx.container["how"])
+        if changing:
+            ledger = [c for c in change_probe(ictx, "status", state_dir)["changes"] if c.get("install") == install]
+            container.keep_record(ictx, state_dir, install, ledger)
+        return result
+
+    wrapped.stopped_note = getattr(job, "stopped_note", None)
+    return wrapped
 
 
 # ---- lock and recovery ---------------------------------------------------------------------
@@ -138,7 +168,7 @@ def locked(state_dir: str, work: Callable[[HostContext], HostResult]):
     interleaving. The job carries `stopped_note` for Fleet's Ctrl-C and run-deadline messages."""
 
     def job(ctx: HostContext) -> HostResult:
-        lock = ctx.conn.hold_lock(state_dir, timeout=LOCK_START_S,
+        lock = ctx.hold_lock(state_dir, timeout=LOCK_START_S,
                                   hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + LOCK_HOLD_EXTRA_S)
         try:
             return work(ctx)
@@ -377,7 +407,7 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
         return ctx.result(HostStatus.CHANGED,
                           data={**res, "recovered": rec.changes, "handlers": handlers})
 
-    return change_job(state_dir, work)
+    return on_install(install, state_dir, change_job(state_dir, work), changing=True)
 
 
 def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None) -> list[str | None]:
@@ -415,11 +445,15 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
     files modified outside fleetctl with no ledger entry to explain them, judged against the
     distribution's RECORD for a wheel, and against git (probes/gittree.py: run as the tree's
     owner) for an editable install or checkout in a git work tree (a tree without `.git` is
-    judged by the ledger alone). Failed when anything is pending or drifted."""
+    judged by the ledger alone). On the host, container installs are left to `--install ID`
+    (their ledgers are inside them), and a host copy of a container change record whose
+    container was recreated is reported lost (container.CHANGE_LOST). Failed when anything is
+    pending, drifted or lost."""
 
     def job(ctx: HostContext) -> HostResult:
-        g = gather(ctx, scan=False)
-        installs = [find_install(g, install)] if install else g.get("installs", [])
+        g = gather(ctx, scan=False, records=state_dir if ctx.container is None else None)
+        installs = [find_install(g, install)] if install else \
+            [i for i in g.get("installs", []) if (i.get("root") is None) == (ctx.container is None)]
         res = change_probe(ctx, "status", state_dir)
         if install:
             res["changes"] = [c for c in res["changes"] if c.get("install") == install]
@@ -443,13 +477,15 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
                                      for p in t["modified"] if p not in explained])
             res["installs"].append(one)
             res["modified"] += one["modified"]
+        res["lost"] = container.lost_changes(g.get("container_records", []), g)
         res["sglang"] = ", ".join(f"{i['sglang']} ({i['install']})" for i in res["installs"]) or None
         problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
                      "rollback undoes it" for c in pending_ids(res["changes"])] +
                     [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
                     [f"{m['path']}: {m['problem']}" for m in res["modified"]] +
-                    [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")])
+                    [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")] +
+                    [f"{x['install']}: {x['problem']} ({', '.join(x['changes'])})" for x in res["lost"]])
         status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
         return ctx.result(status, error, data=res)
 
-    return job
+    return on_install(install, state_dir, job)

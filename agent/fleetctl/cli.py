@@ -317,8 +317,9 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
-    if install and not last:
-        raise UsageError("--install goes with --last (a CHANGE-ID already names its install)")
+    if install and not last and install.startswith("host:"):
+        raise UsageError("--install goes with --last, or names a container install (a CHANGE-ID already names "
+                         "its host install; a container's ledger is inside it)")
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
@@ -416,10 +417,11 @@ def _finish(results, json_out: bool, render, **doc) -> None:
 def _render(results, render, change_id: str | None = None) -> None:
     """`render(results, out)`, the change id when there is one, and the recap line. A report that
     cannot be rendered is said so in one line; the change id and the recap follow it anyway."""
-    from .report import render_status_line, text
+    from .report import render_lasts, render_status_line, text
 
     try:
         render(results, out)
+        render_lasts(results, out)
     except Exception as e:  # noqa: BLE001 - the change id and the exit code must still be given
         out.print(text(f"the report could not be rendered: {type(e).__name__}: {e}", style="red"))
     if change_id:

@@ -77,12 +77,28 @@ TRUST_MODULES = [*probes.FACTS_MODULES, "trust"]
 @dataclass
 class HostContext:
     """A job's view of its host: the open connection, its deadline (monotonic seconds), and a
-    way to replace a lost connection (`reconnected`)."""
+    way to replace a lost connection (`reconnected`). `container`: None on the host itself;
+    for a job on a container install (see `inside`), {"entry": command.container_entry
+    prefix, "how": how it is entered, "root": the install's root dict, "python": the
+    container's interpreter}: probes and the lock then run inside, commands (`run`: handlers)
+    on the host."""
 
     host: Host
     conn: Connection
     deadline: float
     reconnect: Callable[[], Connection] | None = None
+    container: dict | None = None
+
+    def inside(self, container: dict) -> "HostContext":
+        """This context with probes and the lock entered into `container` (shape: see above)."""
+        return replace(self, container=container)
+
+    def hold_lock(self, state_dir: str, timeout: float, hold_s: float):
+        """fleetctl's lock on this host, or inside the container (Connection.hold_lock)."""
+        if self.container is None:
+            return self.conn.hold_lock(state_dir, timeout=timeout, hold_s=hold_s)
+        return self.conn.hold_lock(state_dir, timeout=timeout, hold_s=hold_s, inside=self.container["entry"],
+                                   python=self.container["python"])
 
     def reconnected(self) -> "HostContext":
         """This context on a new connection to the host (the old one is closed). Raises
@@ -115,8 +131,13 @@ class HostContext:
         """Run probe `main` with `params` on the host's interpreter (`python`, or the inventory's,
         or python3 on PATH). A named interpreter is first checked by the trust probe under
         python3 on PATH (once per connection): one that root must not run (probes/facts.py
-        `untrusted`) raises HostFailed naming the file. Raises probes.ProbeError, RemoteTimeout,
-        Unreachable, OutputTooLarge."""
+        `untrusted`) raises HostFailed naming the file. Inside a container (`container`) the
+        probe runs under the container's own interpreter (default: the install's), entered by
+        the container's prefix; no trust probe there (the image's files are the container's;
+        the runtime confines it, or, entered with nsenter, the report says it is trusted as
+        host root). Raises probes.ProbeError, RemoteTimeout, Unreachable, OutputTooLarge."""
+        if self.container is not None:
+            return self._run_probe(main, params, modules, python or self.container["python"], timeout)
         py = python or self.host.python
         if py and py not in self.conn.trusted_interpreters:
             why = self._run_probe("trust", {"python": py}, TRUST_MODULES, None, timeout)["untrusted"]
@@ -127,7 +148,8 @@ class HostContext:
 
     def _run_probe(self, main: str, params: dict, modules: list[str] | None, python: str | None,
                    timeout: float | None) -> dict:
-        r = self.run(probes.command(python), stdin=probes.bundle(main, params, modules), timeout=timeout,
+        entry = self.container["entry"] if self.container is not None else []
+        r = self.run([*entry, *probes.command(python)], stdin=probes.bundle(main, params, modules), timeout=timeout,
                      what=f"the {main} probe")
         return probes.parse_output(r.stdout, r.stderr, r.exit_code)
 

@@ -8,21 +8,46 @@ origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsite
 
 from __future__ import annotations
 
-from . import probes
+from . import container, probes
 from .fleet import HostContext, HostFailed, HostResult
 from .vocab import HostStatus
 
 PROBE_MODULES = probes.FACTS_MODULES
 
 
-def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:
+def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, records: str | None = None) -> dict:
     """Inspect one host. Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins",
     "scan"} (the last three of the primary install; + "sources": {file relative to the install's
     location: text} of files with need_sort origins, per install and for the primary, when
-    `with_sources`; no call sites or origins when not `scan`). Raises ProbeError, RemoteTimeout,
-    Unreachable."""
+    `with_sources`; no call sites or origins when not `scan`). Containers whose servers the host
+    shows (facts.containers) are entered (container.how_to_enter) and their installs and
+    servers added (container.adopt); one that cannot be entered keeps the reason in its
+    facts.containers entry ("error"). On a context inside a container, only that container's
+    installs. `records`: the state dir whose host-side container change records to read too
+    ("container_records"). Raises ProbeError, RemoteTimeout, Unreachable, HostFailed (a bad
+    fleetctl_container_exec)."""
+    if ctx.container is not None:
+        inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False},
+                          modules=PROBE_MODULES)
+        mine = container.adopt(inner, ctx)
+        return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
-    return ctx.probe("facts", params, modules=PROBE_MODULES)
+    if records:
+        params["records"] = f"{records}/{container.RECORDS}"
+    g = ctx.probe("facts", params, modules=PROBE_MODULES)
+    for found in g["facts"].get("containers", []):
+        how, note = container.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})
+        found.update(entered_with=how, note=note, error=None)
+        if how is None:
+            continue
+        try:
+            inner = gather(container.enter(ctx, found, how), with_sources=with_sources, scan=scan)
+        except (probes.ProbeError, HostFailed) as e:
+            found["error"] = f"entering {container.prefix(found['root'])} with {how}: {e}"
+            continue
+        g["installs"] = g.get("installs", []) + inner["installs"]
+        g["facts"]["servers"] = g["facts"]["servers"] + inner["facts"]["servers"]
+    return g
 
 
 def install_errors(g: dict) -> list[str]:
@@ -57,3 +82,16 @@ def inspect_job(ctx: HostContext) -> HostResult:
     if errors:
         return ctx.result(HostStatus.FAILED, "; ".join(errors), data=g)
     return ctx.result(HostStatus.OK, None, data=g)
+
+
+def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext, dict | None]:
+    """(the context a job on install `install` runs in, the install when it is a container's):
+    `ctx` itself for a host install or none named; for a container install (an id that does
+    not start with "host:"), `ctx` entered into its container, found by a gather without a
+    scan. Raises HostFailed (no such install), ProbeError, RemoteTimeout, Unreachable."""
+    if not install or install.startswith("host:"):
+        return ctx, None
+    g = gather(ctx, scan=False)
+    inst = find_install(g, install)
+    found = next(c for c in g["facts"]["containers"] if c["root"] == inst["root"])
+    return container.enter(ctx, found, found["entered_with"]), inst

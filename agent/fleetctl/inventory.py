@@ -230,6 +230,12 @@ class Host:
         return None if key is None else str(key)
 
     @property
+    def container_exec(self) -> str | None:
+        """fleetctl_container_exec: how containers are entered (connection.command.CONTAINER_EXECS);
+        None: the runtime's own CLI when it is on the host, else nsenter."""
+        return self.vars.get(config.CONTAINER_EXEC.name) or None
+
+    @property
     def shared_tree(self) -> bool:
         """fleetctl_shared_tree: true lets a change write a package tree on a network file
         system (NFS, CIFS, Ceph, Lustre, GPFS, FUSE), which every host mounting it then sees."""

@@ -92,7 +92,10 @@ def _install_line(i: dict) -> str:
     sg = i["sglang"]
     err = (i.get("scan") or {}).get("error")
     unread = len((i.get("scan") or {}).get("parse_errors") or [])
-    return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}"
+    root = i.get("root")
+    where = (f" in container {root.get('name')} ({root.get('image')}, {root['runtime']}, entered with "
+             f"{(i.get('container') or {}).get('how')}; a change there lasts until it is recreated)") if root else ""
+    return (f"{sg['version']} {sg['install']} {sg['package_dir'] or sg['location']}{where}"
             + (f" servers {', '.join(map(str, i['servers']))}" if i.get("servers") else "")
             + (f" ERROR {err}" if err else "")
             + (f" ({unread} not scanned: see --json scan.parse_errors)" if unread else ""))
@@ -200,6 +203,17 @@ def render_problems(results: list[HostResult], console: Console) -> None:
     for hosts, (status, err) in coalesce(bad):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(err))
     console.print(t)
+
+
+def render_lasts(results: list[HostResult], console: Console) -> None:
+    """For each host whose job ran in a container (data["lasts"], data["root"]): which
+    container, how it was entered, and how long a change there lasts (container.LASTS)."""
+    for r in results:
+        if r.data.get("lasts"):
+            root = r.data.get("root") or {}
+            console.print(text(f"{r.host}: container {root.get('name')} ({root.get('image')}), entered with "
+                               f"{r.data.get('entered_with')}: a change there {r.data['lasts']}", style="yellow"),
+                          highlight=False, soft_wrap=True)
 
 
 def render_status_line(results: list[HostResult], console: Console) -> None:

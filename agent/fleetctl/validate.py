@@ -14,7 +14,7 @@ from .config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from .connection import RemoteTimeout
 from .fleet import HostContext, HostResult
 from .gate import compare
-from .gather import find_install, gather, install_facts
+from .gather import find_install, gather, install_context, install_facts
 from .inventory import Host
 from .vocab import HostStatus
 
@@ -87,6 +87,7 @@ def validate_job(opts: SmokeOptions, install: str | None = None):
 
     def job(ctx: HostContext) -> HostResult:
         facts = None
+        ctx, _ = install_context(ctx, install)  # a container install: its probes run inside it
         if ctx.host.sglang_port is None or install:
             g = gather(ctx, scan=False)
             facts = install_facts(g, find_install(g, install)) if install else g["facts"]

@@ -302,26 +302,34 @@ class Connection(ABC):
             raise OSError(f"upload to {remote_path} failed (exit {r.exit_code}): "
                           f"{r.stderr.decode('utf-8', 'replace').strip()[-300:]}")
 
-    def hold_lock(self, state_dir: str, timeout: float, hold_s: float) -> "HostLock":
+    def hold_lock(self, state_dir: str, timeout: float, hold_s: float, inside: list[str] | None = None,
+                  python: str | None = None) -> "HostLock":
         """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as it is held,
         and at most `hold_s` seconds.
 
         The lock is held by a remote `flock` whose child waits for EOF on its stdin: releasing,
         losing the connection or this process dying frees it; so does `hold_s` passing (a network
-        partition that sshd does not notice cannot keep a stale lock for hours). Raises LockBusy
+        partition that sshd does not notice cannot keep a stale lock for hours). `inside` (a
+        command.container_entry prefix) with `python` (the interpreter there) takes the lock
+        inside a container, by command.python_lock_argv (no shell there). Raises LockBusy
         at once when another run holds it (quoting who and since when), or when it cannot be
         taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
-        proc, _, _ = self._begin(command.lock_argv(state_dir, who, hold), hold + timeout, timeout)
+        argv = (command.python_lock_argv(python, state_dir, who, hold) if python
+                else command.lock_argv(state_dir, who, hold))
+        proc, _, _ = self._begin([*(inside or []), *argv], hold + timeout, timeout)
         line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
         if line.strip() == b"LOCKED":
             return HostLock(proc)
         code = proc.wait(timeout)
         proc.close()
         if code == _LOCK_BUSY_EXIT:
-            holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
-            who = holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+            if python:
+                who = line[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+            else:
+                holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
+                who = holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})")
 

@@ -6,7 +6,10 @@ inventory says can be parsed as shell. `remote_argv` wraps each one in the deadl
 (coreutils `timeout -k`, which runs the command in its own process group and kills that group at
 the deadline, so the remote work dies even when fleetctl is gone) and, for a host with
 ansible_become, in the become prefix (`become_argv`: sudo, outside the deadline wrapper, since a
-non-root `timeout` could not kill root's command). The few fixed scripts fleetctl needs
+non-root `timeout` could not kill root's command). A probe for an install in a container runs
+inside it: `container_entry` is one more prefix, inside the deadline wrapper (the runtime's exec,
+or nsenter, is what the wrapper kills), and the interpreter after it is executed directly
+(distroless images have no `sh` or `timeout`). The few fixed scripts fleetctl needs
 (upload, lock) live here as constants that take their values as positional parameters.
 """
 
@@ -59,6 +62,59 @@ def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str,
         raise ValueError("a sudo prompt marker must not hold %")
     return ["sudo", "-S", "-p", prompt, *flags, "-u", user, "--",
             "sh", "-c", 'printf "%s\n" "$0" >&2; exec "$@"', ready, *argv]
+
+
+# How a container is entered (inventory `fleetctl_container_exec`); "none": never.
+CONTAINER_EXECS = ("docker", "podman", "crictl", "nsenter", "none")
+
+
+def container_entry(how: str, container_id: str, pid: int) -> list[str]:
+    """The prefix that runs a command inside a container: `podman exec -i ID`, `docker exec -i
+    ID`, `crictl exec -i ID` (the runtime applies the container's cgroup, seccomp and LSM
+    profile), or `nsenter -t PID -a --` (every namespace of the container's process `pid` as
+    the host sees it: the command runs as host root with the image's files; no runtime
+    confinement). Raises ValueError for another `how` or a container id that is not hex."""
+    if how in ("podman", "docker", "crictl"):
+        if not container_id or not all(c in "0123456789abcdef" for c in container_id):
+            raise ValueError(f"container id {container_id!r} is not a hex id")
+        return [how, "exec", "-i", container_id]
+    if how == "nsenter":
+        return ["nsenter", "-t", str(int(pid)), "-a", "--"]
+    raise ValueError(f"no way to enter a container with {how!r} (one of {', '.join(CONTAINER_EXECS[:-1])})")
+
+
+def python_lock_argv(python: str, state_dir: str, who: str, hold_s: int) -> list[str]:
+    """lock_argv for a place with Python and nothing else (a distroless container): the same
+    protocol (STATE_DIR/lock held with flock; LOCKED once held; exit 75, the holder on stdout,
+    when another run holds it; released at EOF on stdin or after `hold_s` seconds)."""
+    return [python, "-I", "-c", _PY_LOCK, state_dir, who, str(hold_s)]
+
+
+_PY_LOCK = r"""
+import fcntl, os, select, sys, time
+d, who, hold = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.umask(0o077)
+os.makedirs(d, mode=0o700, exist_ok=True)
+fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    try:
+        o = os.open(os.path.join(d, "lock.owner"), os.O_RDONLY | os.O_NOFOLLOW)
+        sys.stdout.write(os.read(o, 4096).decode("utf-8", "replace"))
+    except OSError:
+        pass
+    sys.exit(75)
+o = os.open(os.path.join(d, "lock.owner"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+os.write(o, ("%s since %s\n" % (who, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
+os.close(o)
+print("LOCKED", flush=True)
+end = time.monotonic() + hold
+while time.monotonic() < end:
+    r, _, _ = select.select([0], [], [], max(0.0, end - time.monotonic()))
+    if r and not os.read(0, 65536):
+        break
+"""
 
 
 def shell_line(argv: list[str]) -> str:

@@ -16,7 +16,7 @@ from importlib import resources
 MARKER = "--fleetctl-probe-result--"
 # The facts probe and the helpers it imports, in load order (gather's inspect; the trust probe
 # runs facts.untrusted with the same bundle).
-FACTS_MODULES = ["redact", "callsites", "procs", "gpus", "locate", "facts"]
+FACTS_MODULES = ["redact", "callsites", "procs", "containers", "gpus", "locate", "facts"]
 
 WRAPPER = r"""
 import json, sys, traceback, types

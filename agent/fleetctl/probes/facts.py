@@ -22,12 +22,13 @@ import time
 
 try:  # the probe bundle loads these helpers before this module
     import callsites
+    import containers
     import gpus
     import locate
     import procs
     import redact
 except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
-    from . import callsites, gpus, locate, procs, redact
+    from . import callsites, containers, gpus, locate, procs, redact
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -281,6 +282,7 @@ def main(params):
         res["torch"] = torch_facts()
         return res
     servers, others = procs.find_servers()
+    found = containers.containers(others) if params.get("containers", True) else []
     installs, considered = discover(params, servers)
     for inst in installs:
         if params.get("scan", True):
@@ -299,12 +301,15 @@ def main(params):
         "torch": main_inst["torch"] if main_inst else None,
         "gpus": gpu_rows, "gpu_errors": gpu_errors, "gpus_reason": gpus_reason,
         "servers": servers,
-        "servers_in_other_namespaces": others,
+        "servers_in_other_namespaces": len(others),
+        "containers": found, "runtime_clis": containers.clis(),
         "interpreter_discovery": {"python": main_inst["python"]["path"] if main_inst else None,
                                   "reason": reason or "install %s" % main_inst["id"], "considered": considered},
     }
     out = {"facts": facts, "installs": installs, "allocator_call_sites": [], "need_sort_origins": [],
            "scan": None}
+    if params.get("records"):
+        out["container_records"] = containers.records(params["records"])
     if main_inst:
         for k in ("allocator_call_sites", "need_sort_origins", "scan", "sources"):
             if k in main_inst:

@@ -129,9 +129,10 @@ def environ(pid, names):
 
 
 def _proc_table():
-    """{pid: (argv, ppid)} for processes in this mount namespace; count of servers in others."""
+    """{pid: (argv, ppid)} for processes in this mount namespace; [pid] of the servers (tops of
+    their trees there: a server whose parent is a server is its worker) in other mount namespaces."""
     own_mnt = os.readlink("/proc/self/ns/mnt") if os.path.exists("/proc/self/ns/mnt") else None
-    table, others = {}, 0
+    table, others, parents = {}, [], {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -144,13 +145,14 @@ def _proc_table():
         except OSError:
             mnt = own_mnt
         argv = [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if own_mnt is not None and mnt != own_mnt:
             if server_kind(argv) and _is_python(int(d)):
-                others += 1
+                others.append(int(d))
+                parents[int(d)] = ppid
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
         table[int(d)] = (argv, ppid)
-    return table, others
+    return table, sorted(p for p in others if parents[p] not in parents)
 
 
 def interpreter(pid, argv):
@@ -251,8 +253,8 @@ def find_servers():
     """Running SGLang servers in this mount namespace, one per process tree.
 
     Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, python, cwd,
-    import_path, cuda_visible_devices, gpus, workers: [{pid, ports}], processes}], count of
-    servers in other mount namespaces, not reported here). `python`: see interpreter();
+    import_path, cuda_visible_devices, gpus, workers: [{pid, ports}], processes}], [pid] of the
+    servers in other mount namespaces: containers, see containers.py). `python`: see interpreter();
     `import_path`: see import_path(); `processes`: the server's `sglang::` titled descendants;
     `workers`: a router's Python children that listen on TCP ports (its DP workers; not its
     multiprocessing resource tracker), and servers started below this one, with their ports.

@@ -1,0 +1,152 @@
+"""Installs in containers: how fleetctl enters a container, names its install, and says what lasts.
+
+The facts probe on the host lists the containers SGLang servers run in (probes/containers.py:
+runtime, container id, name, image, image id, the host's pid). Each is entered (`enter`) by the
+runtime's own exec when its CLI is on the host (it applies the container's cgroup, seccomp and
+LSM profile), else by `nsenter -t PID -a` (said in the report: the probe then runs as host root
+on the image's files), or as the inventory's `fleetctl_container_exec` says; the same probes as
+on a host then run inside, under the container's own interpreter, and what they find is the
+container install `<runtime>:<name>:<package_dir>` with its `root`.
+
+A change inside a container lives in its writable layer: it lasts until the container is
+recreated (LASTS), and is refused where even a restart loses it (REFUSED: a kubelet-managed
+container, a read-only root file system). The host keeps a copy of each container change's
+record (`record_path`: keyed by container id and image id), which is how `status` tells a
+recreated container (CHANGE_LOST).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from .connection.command import CONTAINER_EXECS, container_entry
+from .fleet import HostContext, HostFailed
+
+LASTS = "lasts until the container is recreated (the change is in the container's writable layer, not its image)"
+REFUSED = "changes here do not survive a restart: use --export-patch"
+CHANGE_LOST = "container recreated since the change: change lost"
+NSENTER_NOTE = ("entered with nsenter (no runtime CLI on the host): the probe ran as host root on the "
+                "image's files, without the container's seccomp and LSM profile")
+# CLI that enters each runtime's containers (crictl for CRI runtimes)
+RUNTIME_CLI = {"podman": "podman", "docker": "docker", "containerd": "crictl", "cri-o": "crictl"}
+# where the host keeps its copy of container change records, under the state dir
+RECORDS = "containers"
+
+
+def how_to_enter(host, found: dict, clis: dict) -> tuple[str | None, str | None]:
+    """(how the container `found` is entered: "podman", "docker", "crictl", "nsenter" or None
+    for never, a note for the report or None). The inventory's fleetctl_container_exec wins;
+    else the runtime's CLI when `clis` (probes/containers.clis) says it is on the host, else
+    nsenter. Raises HostFailed for a fleetctl_container_exec that is no way in."""
+    asked = host.container_exec
+    if asked is not None and asked not in CONTAINER_EXECS:
+        raise HostFailed(f"fleetctl_container_exec: {asked!r} is not one of {', '.join(CONTAINER_EXECS)} "
+                         f"(fix the inventory var of host {host.name})")
+    if asked == "none":
+        return None, "not entered: fleetctl_container_exec is none"
+    how = asked or (RUNTIME_CLI.get(found["root"]["runtime"]) if clis.get(RUNTIME_CLI.get(found["root"]["runtime"], "")) else "nsenter")
+    return how, NSENTER_NOTE if how == "nsenter" else None
+
+
+def prefix(root: dict) -> str:
+    """The install id prefix of a container: `<runtime>:<name>:` (the container id's first 12
+    hex digits when the runtime's CLI gave no name)."""
+    return f"{root['runtime']}:{root.get('name') or (root.get('container_id') or '?')[:12]}:"
+
+
+def enter(ctx: HostContext, found: dict, how: str) -> HostContext:
+    """`ctx` entered into container `found` (probes/containers.containers entry) with `how`.
+    Raises HostFailed when the container gives no way in (no id for a runtime exec)."""
+    root = found["root"]
+    try:
+        entry = container_entry(how, root.get("container_id") or "", root["pid"])
+    except ValueError as e:
+        raise HostFailed(f"container of pid {root['pid']}: {e}") from None
+    return ctx.inside({"entry": entry, "how": how, "root": root, "python": found.get("python"),
+                       "found": found})
+
+
+def adopt(inner: dict, ctx: HostContext) -> dict:
+    """The facts `inner` gathered inside container ctx.container as its container installs:
+    ids `<runtime>:<name>:<package_dir>`, each with `root` and `container` ({how, note,
+    read_only_rootfs, kubelet, lasts}); the servers inside get the host's pids (`pid`, in the
+    installs' `servers` too; None for a server the host did not list) and keep their own
+    (`pid_in_container`). Returns {"installs",
+    "servers"}."""
+    c = ctx.container
+    found = c["found"]
+    pre = prefix(c["root"])
+    info = {"how": c["how"], "note": NSENTER_NOTE if c["how"] == "nsenter" else None,
+            "read_only_rootfs": found.get("read_only_rootfs"), "kubelet": found.get("kubelet"),
+            "lasts": LASTS}
+    ids = {inst["id"]: pre + inst["id"].split(":", 1)[1] for inst in inner.get("installs", [])}
+    to_host = {inner_pid: int(pid) for pid, inner_pid in (found.get("pids_in_container") or {}).items()}
+    servers = [{**s, "pid_in_container": s["pid"], "pid": to_host.get(s["pid"]),
+                "install": ids.get(s.get("install")), "root": c["root"]}
+               for s in inner["facts"].get("servers", [])]
+    host_pid = {s["pid_in_container"]: s["pid"] for s in servers}
+    installs = [{**inst, "id": ids[inst["id"]], "root": c["root"], "container": info,
+                 "servers": [host_pid.get(p, p) for p in inst.get("servers", [])]}
+                for inst in inner.get("installs", [])]
+    return {"installs": installs, "servers": servers}
+
+
+def refusal(inst: dict) -> str | None:
+    """Why a change to container install `inst` is refused (REFUSED, with the reason), or None
+    (also for a host install)."""
+    info = inst.get("container")
+    if not info:
+        return None
+    if info.get("kubelet"):
+        return f"{inst['id']}: a kubelet-managed container (cgroup under kubepods): {REFUSED}"
+    if info.get("read_only_rootfs"):
+        return f"{inst['id']}: the container's root file system is read-only: {REFUSED}"
+    return None
+
+
+def restart_handlers(ctx: HostContext) -> list[dict]:
+    """The restart handler of a container install: restart its container with the runtime's CLI
+    (run on the host), or, entered by nsenter (no CLI), the host's fleetctl_restart_cmd."""
+    how = ctx.container["how"]
+    root = ctx.container["root"]
+    if how in ("podman", "docker", "crictl"):
+        verb = "stop" if how == "crictl" else "restart"  # the kubelet starts a stopped CRI container again
+        return [{"name": "restart sglang", "command": shlex.join([how, verb, root["container_id"]])}]
+    cmd = ctx.host.restart_cmd
+    return [{"name": "restart sglang", "command": cmd}] if cmd else []
+
+
+def record_path(state_dir: str, root: dict) -> str:
+    """Where the host keeps its copy of a container change record: STATE_DIR/containers/
+    <container id>.<image id>.json (ids as hex; anything else in them dropped)."""
+    def clean(v):
+        return "".join(ch for ch in (v or "none").split(":")[-1] if ch in "0123456789abcdef")[:64] or "none"
+    return f"{state_dir}/{RECORDS}/{clean(root.get('container_id'))}.{clean(root.get('image_id'))}.json"
+
+
+def keep_record(ctx: HostContext, state_dir: str, install: str, changes: list[dict]) -> None:
+    """Write the host's copy of the ledger of container install `install` (ctx inside it):
+    {root, install, changes: [{change_id, state, files}]}. Raises OSError (the host refused)."""
+    root = ctx.container["root"]
+    doc = {"root": root, "install": install,
+           "changes": [{k: c.get(k) for k in ("change_id", "state", "files")} for c in changes]}
+    ctx.conn.put_bytes(json.dumps(doc, sort_keys=True).encode(), record_path(state_dir, root),
+                       timeout=ctx.remaining(), mode=0o600)  # on the host: the connection, not the entry
+
+
+def lost_changes(records: list[dict], g: dict) -> list[dict]:
+    """Host records (keep_record documents) whose container is gone while another container of
+    the same image runs: [{"install", "container_id", "image_id", "changes", "problem":
+    CHANGE_LOST}], for the records that hold an applied change."""
+    running = {(i["root"]["container_id"], i["root"]["image_id"]) for i in g.get("installs", []) if i.get("root")}
+    images = {img for _, img in running}
+    out = []
+    for r in records:
+        root = r.get("root") or {}
+        key = (root.get("container_id"), root.get("image_id"))
+        applied = [c["change_id"] for c in r.get("changes", []) if c.get("state") == "applied"]
+        if applied and key not in running and key[1] in images:
+            out.append({"install": r.get("install"), "container_id": key[0], "image_id": key[1],
+                        "changes": applied, "problem": CHANGE_LOST})
+    return out
