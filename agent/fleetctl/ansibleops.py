@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import __version__, collection
-from .apply import install_change_id, plan_installs, reinspect_install
+from .apply import host_side, install_change_id, plan_installs, reinspect_install
 from .changes import new_change_id
 from .fleet import HostFailed
 from .inventory import Host
@@ -50,7 +50,7 @@ def load(playbook: str, playbooks_dir: str | None) -> Playbook:
 def plan(playbook: Playbook, host: Host, gathered: dict, install: str | None) -> list[tuple[dict | None, HostPlan]]:
     """Plan each selected install (see apply.plan_installs). Raises HostFailed: a failed plan
     (refused, e.g. the file changed since inspect) with its reasons."""
-    plans = plan_installs(playbook, host, gathered, install)
+    plans = plan_installs(playbook, host, host_side(gathered), install)  # the collection enters no container
     failed = [f"{p.install}: {p.reason}" for _, p in plans if p.status == PlanStatus.FAILED]
     if failed:
         raise HostFailed("; ".join(failed))

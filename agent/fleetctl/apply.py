@@ -86,9 +86,15 @@ def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None,
 def _plans(ctx: HostContext, playbook: Playbook, install: str | None) -> tuple[dict, list[tuple[dict | None, HostPlan]]]:
     """Gather (with sources) and plan each selected install: (gathered, [(install, plan)])."""
     g = gather(ctx, with_sources=True)
-    if ctx.container is None:  # a container's installs are changed inside it (--install ID)
-        g = {**g, "installs": [i for i in g.get("installs", []) if not i.get("root")]}
+    if ctx.container is None:
+        g = host_side(g)
     return g, plan_installs(playbook, ctx.host, g, install, _vars(ctx))
+
+
+def host_side(g: dict) -> dict:
+    """Gathered facts without the container installs (those with a `root`): a container's
+    installs are changed inside it (--install ID), never from the host."""
+    return {**g, "installs": [i for i in g.get("installs", []) if not i.get("root")]}
 
 
 def _vars(ctx: HostContext) -> dict:
