@@ -15,13 +15,15 @@ from .vocab import HostStatus
 PROBE_MODULES = probes.FACTS_MODULES
 
 
-def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True) -> dict:
+def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, cache: bool = True) -> dict:
     """Inspect one host. Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins",
     "scan"} (the last three of the primary install; + "sources": {file relative to the install's
     location: text} of files with need_sort origins, per install and for the primary, when
-    `with_sources`; no call sites or origins when not `scan`). Raises ProbeError, RemoteTimeout,
+    `with_sources`; no call sites or origins when not `scan`). `cache`: use and refresh the host's
+    scan cache (probes/scancache.py; False: rescan every file). Raises ProbeError, RemoteTimeout,
     Unreachable."""
-    params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
+    params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources,
+              "cache_key": probes.sources_sha256(PROBE_MODULES) if cache else None}
     return ctx.probe("facts", params, modules=PROBE_MODULES)
 
 
@@ -49,11 +51,20 @@ def find_install(g: dict, install: str) -> dict:
                      f"{', '.join(i['id'] for i in g.get('installs', [])) or 'none'})")
 
 
-def inspect_job(ctx: HostContext) -> HostResult:
-    """The `inspect` job: gather(); a host with an install whose scan failed is failed, with
-    that reason, and keeps its facts."""
-    g = gather(ctx)
+def inspect_job(ctx: HostContext, cache: bool = True) -> HostResult:
+    """The `inspect` job: gather() (`cache`: see there); a host with an install whose scan
+    failed is failed, with that reason, and keeps its facts."""
+    g = gather(ctx, cache=cache)
     errors = install_errors(g)
     if errors:
         return ctx.result(HostStatus.FAILED, "; ".join(errors), data=g)
     return ctx.result(HostStatus.OK, None, data=g)
+
+
+def cache_clear_job(ctx: HostContext) -> HostResult:
+    """The `cache clear` job: empty the host's scan cache directory (probes/scancache.py main).
+    data: {cache: {path, removed (files), error}}."""
+    res = ctx.probe("scancache", {"action": "clear"}, modules=["scancache"])
+    status = HostStatus.FAILED if res.get("error") else HostStatus.CHANGED if res["removed"] else HostStatus.OK
+    return ctx.result(status, res.get("error"), data={"cache": res})
+

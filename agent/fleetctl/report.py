@@ -395,3 +395,11 @@ def render_hosts(docs: list[dict], console: Console) -> None:
             console.print(Text("  " + line))
     for d in (d for d in docs if d["error"]):
         console.print(Text(f"{d['host']}: {d['error']}", style="red"))
+
+
+def render_cache_clear(results: list[HostResult], console: Console) -> None:
+    """Per host: the scan cache directory emptied and how many files it held."""
+    rows = [[r.host, r.status, (r.data.get("cache") or {}).get("path") or "", (r.data.get("cache") or {}).get("removed", ""),
+             r.error or ""] for r in results]
+    table("scan cache cleared", ["host", "status", "path", "files removed", "error"], rows, console,
+          lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)

@@ -10,13 +10,15 @@ the raw bundle text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each mo
 
 from __future__ import annotations
 
+import hashlib
 import json
+from functools import lru_cache
 from importlib import resources
 
 MARKER = "--fleetctl-probe-result--"
 # The facts probe and the helpers it imports, in load order (gather's inspect; the trust probe
 # runs facts.untrusted with the same bundle).
-FACTS_MODULES = ["redact", "callsites", "procs", "gpus", "locate", "facts"]
+FACTS_MODULES = ["redact", "callsites", "scancache", "procs", "gpus", "locate", "facts"]
 
 WRAPPER = r"""
 import json, sys, traceback, types
@@ -39,9 +41,19 @@ class ProbeError(Exception):
     """A probe crashed on the host or printed no result; the message carries its traceback."""
 
 
+@lru_cache(maxsize=None)
 def source(name: str) -> str:
     """The source text of probe module `name` (e.g. "facts")."""
     return resources.files(__package__).joinpath(f"{name}.py").read_text()
+
+
+def sources_sha256(modules: list[str]) -> str:
+    """sha256 (hex) of the sources of probe `modules` in order: the key of a host's scan cache,
+    which a change to any bundled module invalidates (probes/scancache.py)."""
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(m.encode() + b"\0" + source(m).encode() + b"\0")
+    return h.hexdigest()
 
 
 def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:

@@ -26,8 +26,9 @@ try:  # the probe bundle loads these helpers before this module
     import locate
     import procs
     import redact
+    import scancache
 except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
-    from . import callsites, gpus, locate, procs, redact
+    from . import callsites, gpus, locate, procs, redact, scancache
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -207,11 +208,12 @@ def discover(params, servers):
     return list(installs.values()), considered
 
 
-def scan_install(inst, with_sources):
+def scan_install(inst, with_sources, store=None):
     """Add allocator_call_sites, need_sort_origins and scan ({files, stats, parse_errors,
-    elapsed_s, error}) to install `inst` (+ sources: {file relative to location: exact text, None
-    when not UTF-8} of files with need_sort origins, when `with_sources`). A package directory
-    that was not found is scan.error, never an empty scan."""
+    phases_s, cache: {hits, misses, path, error}, elapsed_s, error}) to install `inst` (+ sources:
+    {file relative to location: exact text, None when not UTF-8} of files with need_sort origins,
+    when `with_sources`), reading and refreshing its scan cache in `store` (a scancache.Store;
+    None: no cache). A package directory that was not found is scan.error, never an empty scan."""
     inst.update(allocator_call_sites=[], need_sort_origins=[])
     error = inst.pop("error")
     if error:
@@ -219,7 +221,15 @@ def scan_install(inst, with_sources):
         return
     location = inst["sglang"]["location"]
     t0 = time.time()
-    found = callsites.scan(location)
+    cached, why = store.load(inst["id"]) if store else (None, None)
+    found = callsites.scan(location, cache=cached)
+    found["cache"].update(path=store.file_path(inst["id"]) if store and store.fd is not None else None,
+                          error=(store.error or why) if store else None)
+    if store:
+        try:
+            store.save(inst["id"], inst["sglang"]["package_dir"], cached)
+        except OSError as e:
+            found["cache"]["error"] = "not written: %s" % e
     inst["allocator_call_sites"] = found.pop("allocator_call_sites")
     inst["need_sort_origins"] = found.pop("need_sort_origins")
     found.update(elapsed_s=round(time.time() - t0, 3), error=None)
@@ -247,7 +257,8 @@ def primary(installs, servers):
 
 
 def main(params):
-    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool); or
+    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
+    cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
     Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins", "scan",
     ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
@@ -257,12 +268,19 @@ def main(params):
         return res
     servers, others = procs.find_servers()
     installs, considered = discover(params, servers)
-    for inst in installs:
-        if params.get("scan", True):
-            scan_install(inst, params.get("with_sources"))
-        else:
-            inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
-            inst.pop("error", None)
+    store = scancache.Store(params["cache_key"]) if params.get("scan", True) and params.get("cache_key") else None
+    try:
+        for inst in installs:
+            if params.get("scan", True):
+                scan_install(inst, params.get("with_sources"), store)
+            else:
+                inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
+                inst.pop("error", None)
+        if store:
+            store.prune([i["id"] for i in installs])
+    finally:
+        if store:
+            store.close()
     main_inst, reason = primary(installs, servers)
     gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
     facts = {
