@@ -52,9 +52,10 @@ def find_install(g: dict, install: str) -> dict:
 
 
 def inspect_job(ctx: HostContext, cache: bool = True) -> HostResult:
-    """The `inspect` job: gather() (`cache`: see there); a host with an install whose scan
-    failed is failed, with that reason, and keeps its facts."""
+    """The `inspect` job: gather() (`cache`: see there) + timing (HostContext.timing); a host
+    with an install whose scan failed is failed, with that reason, and keeps its facts."""
     g = gather(ctx, cache=cache)
+    g["timing"] = ctx.timing
     errors = install_errors(g)
     if errors:
         return ctx.result(HostStatus.FAILED, "; ".join(errors), data=g)
