@@ -83,7 +83,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
     key = str(sd / "client_ed25519")
     env = dict(base_env, HOME=str(home), FLEETCTL_INVENTORY=str(inv), ANSIBLE_HOST_KEY_CHECKING="True",
                ANSIBLE_PRIVATE_KEY_FILE=key, ANSIBLE_FORKS=str(n), ANSIBLE_LOAD_CALLBACK_PLUGINS="0",
-               ANSIBLE_PYTHON_INTERPRETER="auto_silent")
+               ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3")  # pyenv shims on the lab hosts mislead discovery
     cp = home / "cp"
     cp.mkdir(mode=0o700)
     try:
@@ -103,8 +103,8 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
             "raw OpenSSH grep": ([*xargs, *ssh, "root@{}", GREP], "\n".join(addrs) + "\n"),
             "raw OpenSSH grep, live masters": ([*xargs, *master, "root@{}", GREP], "\n".join(addrs) + "\n"),
             "Fabric grep": ([sys.executable, "-c", FABRIC, ",".join(addrs), key, GREP], None),
-            "Ansible ad-hoc grep": (["ansible", "all", "-i", str(inv), "-m", "shell", "-a", GREP, "-f", str(n),
-                                     "-o"], None),
+            "Ansible ad-hoc grep": (["ansible", "all", "-i", str(inv), "-m", "shell", "-a", GREP, "-f", str(n)],
+                                    None),
             "fleetctl cold (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json"], None),
             "fleetctl warm (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json"], None),
             "fleetctl warm (ssh, per-run masters)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
 import zipfile
 from pathlib import Path
@@ -156,3 +157,24 @@ def test_store_drops_vanished_installs_and_stays_bounded(tmp_path, monkeypatch):
 
 def test_pool_size_is_bounded_by_affinity():
     assert 1 <= callsites.pool_size() <= min(callsites.MAX_WORKERS, len(os.sched_getaffinity(0)))
+
+
+def test_a_warm_locate_starts_no_interpreter_until_what_it_depends_on_changes(tmp_path, monkeypatch):
+    """facts.located keeps an interpreter's locate answer with the identities it depends on: a warm
+    run answers from the store; a checkout's version.py rewritten sends it to the interpreter again."""
+    from fleetctl import probes
+    from fleetctl.probes import facts
+
+    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", probes.bundle("facts", {}, probes.FACTS_MODULES).decode(),
+                        raising=False)
+    monkeypatch.setattr(facts, "FLEETCTL_WRAPPER", probes.WRAPPER, raising=False)
+    work = tmp_path / "work"
+    make_tree(work, {"__init__.py": "", "version.py": '__version__ = "0.5.23"\n'})
+    store = scancache.Store("k", str(tmp_path / "c"))
+    first = facts.located(sys.executable, [str(work)], store)
+    assert first["sglang"]["version"] == "0.5.23" and first["sglang"]["package_dir"] == str(work / "sglang")
+    real_ask, asked = facts.ask, []
+    monkeypatch.setattr(facts, "ask", lambda *a: asked.append(a) or real_ask(*a))
+    assert facts.located(sys.executable, [str(work)], store) == first and asked == []
+    (work / "sglang/version.py").write_text('__version__ = "0.5.24"\n')
+    assert facts.located(sys.executable, [str(work)], store)["sglang"]["version"] == "0.5.24" and len(asked) == 1

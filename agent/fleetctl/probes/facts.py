@@ -167,10 +167,53 @@ def ask(python, first, timeout=LOCATE_TIMEOUT_S):
     return res
 
 
-def discover(params, servers):
+def _stamp(python, first, package_dir):
+    """Identities ([path, size, mtime_ns, ctime_ns, inode] or [path]) of what decides where
+    `import sglang` resolves for `python` with `first` put first, and what it answers: the real
+    interpreter, its site directories and their .pth files, the `first` entries, and the package
+    directory with its __init__.py and version.py (a pip install or removal changes a site
+    directory; a checkout's version lives in version.py)."""
+    paths = [os.path.realpath(python)] + list(first)
+    for d in site_dirs(python):
+        paths += [d] + sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
+    if package_dir:
+        paths += [package_dir, os.path.dirname(package_dir)] + [os.path.join(package_dir, n)
+                                                                 for n in ("__init__.py", "version.py")]
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append([p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+        except OSError:
+            out.append([p])
+    return out
+
+
+def located(python, first, store):
+    """ask(python, first), or its answer kept in `store` (a scancache.Store, or None) while the
+    _stamp it was given under still holds: a warm run starts no second interpreter. Raises what
+    ask raises."""
+    ident = json.dumps([python, list(first)])
+    if store is not None:
+        kept, _ = store.load(ident, "locate")
+        res = kept.get("answer")
+        if res and kept.get("stamp") == _stamp(python, first, (res.get("sglang") or {}).get("package_dir")):
+            return res
+    res = ask(python, first)
+    if store is not None:
+        try:
+            store.save(ident, os.path.dirname(python), {
+                "answer": res, "stamp": _stamp(python, first, (res.get("sglang") or {}).get("package_dir"))}, "locate")
+        except OSError:
+            pass  # the cache is an optimisation: the answer stands
+    return res
+
+
+def discover(params, servers, store=None):
     """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error}],
     [{python, reason, sglang (version or None), skipped | error}] interpreters considered).
     Sets each server's `install` (its install id, None when its interpreter has no sglang).
+    `store`: a scancache.Store keeping interpreters' answers (see located), or None.
     An install's id is "host:<package_dir>" (or "host:<location>" when the package directory
     was not found)."""
     installs, considered, asked = {}, [], {}
@@ -190,7 +233,7 @@ def discover(params, servers):
                 entry["skipped"] = why_not
                 continue
             try:
-                asked[key] = ask(python, first)
+                asked[key] = located(python, first, store)
             except (RuntimeError, OSError) as e:
                 entry["error"] = str(e)
                 continue
@@ -267,9 +310,9 @@ def main(params):
         res["torch"] = torch_facts()
         return res
     servers, others = procs.find_servers()
-    installs, considered = discover(params, servers)
-    store = scancache.Store(params["cache_key"]) if params.get("scan", True) and params.get("cache_key") else None
+    store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
     try:
+        installs, considered = discover(params, servers, store)
         for inst in installs:
             if params.get("scan", True):
                 scan_install(inst, params.get("with_sources"), store)

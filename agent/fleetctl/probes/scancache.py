@@ -7,7 +7,9 @@ from / one component at a time with O_NOFOLLOW (a symlink on the way disables th
 regular file of this euid, at most MAX_FILE_BYTES. Anything else is reported, never followed.
 
 A cache file is `scan-<sha256 of the install id>.json`: a header line {format, install, key,
-package_dir} and a line of {rel: entry} (callsites.file_entry). `key` is the sha256 of the
+package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>.json` keeps an
+interpreter's locate answer with the identities it depends on (facts.located), so that a warm
+run starts no second interpreter. `key` is the sha256 of the
 bundled probe sources (sent by fleetctl): a file written by other probe code is discarded, as is
 one that cannot be read or parsed. The directory is bounded (MAX_DIR_BYTES, oldest dropped
 first) and loses the files of installs whose package directory is gone.
@@ -73,8 +75,8 @@ def _open_dir(path, create):
         raise
 
 
-def _name(install_id):
-    return "scan-%s.json" % hashlib.sha256(install_id.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+def _name(what, ident):
+    return "%s-%s.json" % (what, hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:32])
 
 
 def _read(dfd, name, limit=MAX_FILE_BYTES):
@@ -115,16 +117,17 @@ class Store(object):
             self.fd, self.error = None, str(e)
 
     def file_path(self, install_id):
-        """Where install `install_id`'s cache lives (absolute path)."""
-        return os.path.join(self.path, _name(install_id))
+        """Where install `install_id`'s scan cache lives (absolute path)."""
+        return os.path.join(self.path, _name("scan", install_id))
 
-    def load(self, install_id):
-        """{rel: entry} cached for `install_id` ({} when missing, unreadable, from other probe
-        sources, or the cache is off). Returns (entries, why discarded or None)."""
+    def load(self, install_id, what="scan"):
+        """The {…} cached for `install_id` ({} when missing, unreadable, from other probe
+        sources, or the cache is off). Returns (entries, why discarded or None). `what`: "scan"
+        (callsites entries) or "locate" (an interpreter's locate answer, see facts.located)."""
         if self.fd is None:
             return {}, None
         try:
-            data = _read(self.fd, _name(install_id))
+            data = _read(self.fd, _name(what, install_id))
         except CacheRefused as e:
             return {}, "discarded: %s" % e
         if data is None:
@@ -138,14 +141,15 @@ class Store(object):
             return {}, "discarded: not JSON (cut short?)"
         return (entries, None) if isinstance(entries, dict) else ({}, "discarded: not a mapping")
 
-    def save(self, install_id, package_dir, entries):
-        """Write `entries` for `install_id` (O_EXCL temporary file, renamed over the old one). A
-        cache over MAX_FILE_BYTES is not written. Raises OSError."""
+    def save(self, install_id, package_dir, entries, what="scan"):
+        """Write `entries` for `install_id` (O_EXCL temporary file, renamed over the old one); it
+        is pruned once `package_dir` is gone. A cache over MAX_FILE_BYTES is not written.
+        Raises OSError."""
         if self.fd is None:
             return
         head = {"format": FORMAT, "install": install_id, "key": self.key, "package_dir": package_dir}
         data = (json.dumps(head) + "\n" + json.dumps(entries, separators=(",", ":"))).encode("utf-8", "surrogateescape")
-        name = _name(install_id)
+        name = _name(what, install_id)
         if len(data) > MAX_FILE_BYTES:
             self._unlink(name)
             return
@@ -171,13 +175,13 @@ class Store(object):
         (not in `keep`, install ids) until the directory holds at most MAX_DIR_BYTES."""
         if self.fd is None:
             return
-        keep_names, sized = set(_name(i) for i in keep), []
+        keep_names, sized = set(_name(w, i) for i in keep for w in ("scan", "locate")), []
         for name in os.listdir(self.fd):
             try:
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
             except OSError:
                 continue
-            if not (name.startswith("scan-") and name.endswith(".json")) or name in keep_names:
+            if not (name.startswith(("scan-", "locate-")) and name.endswith(".json")) or name in keep_names:
                 continue
             try:
                 head = _header(_read(self.fd, name, 4096) or b"")
@@ -198,7 +202,7 @@ class Store(object):
         """Remove every cache file; returns how many."""
         if self.fd is None:
             return 0
-        names = [n for n in os.listdir(self.fd) if n.startswith(("scan-", ".scan-"))]
+        names = [n for n in os.listdir(self.fd) if n.startswith(("scan-", ".scan-", "locate-", ".locate-"))]
         for n in names:
             self._unlink(n)
         return len(names)
