@@ -82,7 +82,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
     up_s = time.time() - t0
     key = str(sd / "client_ed25519")
     env = dict(base_env, HOME=str(home), FLEETCTL_INVENTORY=str(inv), ANSIBLE_HOST_KEY_CHECKING="True",
-               ANSIBLE_PRIVATE_KEY_FILE=key, ANSIBLE_FORKS=str(n), ANSIBLE_LOAD_CALLBACK_PLUGINS="0",
+               ANSIBLE_PRIVATE_KEY_FILE=key, ANSIBLE_FORKS=str(n), ANSIBLE_TIMEOUT="60",
                ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3")  # pyenv shims on the lab hosts mislead discovery
     cp = home / "cp"
     cp.mkdir(mode=0o700)
@@ -117,10 +117,12 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
             for name, (cmd, stdin) in cmds.items():
                 if name.startswith("fleetctl cold"):
                     check("cache clear", timed(clear, env))
-                r = check(name, timed(cmd, env, stdin))
+                r = timed(cmd, env, stdin)
                 if name.startswith("fleetctl"):
-                    docs[name] = json.loads(r["out"])
-                raw[name].append({k: r[k] for k in ("wall_s", "cpu_s", "rss_kb")})
+                    docs[name] = json.loads(check(name, r)["out"])
+                elif r["rc"] != 0:  # a peer's failed run is kept (and said), not the end of the benchmark
+                    print(f"{name} failed (exit {r['rc']}): {r['out'][-1500:]} {r['err'][-1500:]}", file=sys.stderr)
+                raw[name].append({k: r[k] for k in ("wall_s", "cpu_s", "rss_kb", "rc")})
         # one host: grep -rl over the package, against a warm inspect of that host
         single = {"ssh grep -rl (one 0.5.23 host)": [], "fleetctl warm (one 0.5.23 host)": []}
         remote_grep = []
@@ -167,7 +169,9 @@ def report(res: dict, delay_ms: int, runs: int) -> str:
                      f"{'peak RSS MiB':>12s}")
         for k, w in r["median_wall_s"].items():
             cpu, rss = r["median_cpu_s"][k], r["median_rss_kb"][k] / 1024
-            lines.append(f"  {k:40s} {w:8.2f} {w / base:7.2f} {cpu:10.2f} {cpu / n:10.3f} {rss:12.1f}")
+            failed = sum(1 for x in r["raw"][k] if x["rc"] != 0)
+            lines.append(f"  {k:40s} {w:8.2f} {w / base:7.2f} {cpu:10.2f} {cpu / n:10.3f} {rss:12.1f}"
+                         + (f"  ({failed} of {len(r['raw'][k])} runs failed)" if failed else ""))
         s = r["single_median_s"]
         g, f = s["ssh grep -rl (one 0.5.23 host)"], s["fleetctl warm (one 0.5.23 host)"]
         lines.append(f"  one 0.5.23 host: ssh grep -rl {g:.2f} s, fleetctl warm {f:.2f} s: {f / g:.2f}x")
