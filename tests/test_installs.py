@@ -27,7 +27,7 @@ from fleetctl import probes
 from fleetctl.gather import PROBE_MODULES
 from fleetctl.probes import gpus
 
-PROBES = ["procs", "gpus", "locate", "facts", "gittree"]
+PROBES = ["procs", "gpus", "locate", "facts", "gittree", "scancache"]
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 
