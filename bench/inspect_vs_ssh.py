@@ -43,6 +43,8 @@ VENV_SP = "/opt/sglang/venv/lib/python3.11/site-packages"
 SRT = f"{VENV_SP}/sglang/srt"
 GREP = (f"grep -rnE 'TokenToKVPoolAllocator\\(|need_sort=' {SRT}/model_executor/*.py {SRT}/mem_cache/*.py"
         " | grep -v 'def ' | head")
+# The lab machine is shared and loaded: a connect may take longer than fleetctl's default 10 s.
+CT = ["--connect-timeout", "60"]
 GREP_RL = f"grep -rl -e TokenToKVPoolAllocator -e need_sort {VENV_SP}/sglang"
 FABRIC = """
 import sys
@@ -68,7 +70,7 @@ def timed(cmd: list[str], env: dict, stdin: str | None = None) -> dict:
 
 def check(name: str, r: dict) -> dict:
     if r["rc"] != 0:
-        raise SystemExit(f"{name} failed (exit {r['rc']}): {r['err']}")
+        raise SystemExit(f"{name} failed (exit {r['rc']}): {r['out'][-3000:]} {r['err']}")
     return r
 
 
@@ -81,7 +83,13 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
     inv = lab.lab_up(n, lab.DEFAULT_RELEASES, lab_id=lab_id, state_dir=sd, known_hosts=known)
     up_s = time.time() - t0
     key = str(sd / "client_ed25519")
-    env = dict(base_env, HOME=str(home), FLEETCTL_INVENTORY=str(inv), ANSIBLE_HOST_KEY_CHECKING="True",
+    # OpenSSH (and so Ansible) and fleetctl read ~/.ssh of the passwd home, not $HOME: every client
+    # is pointed at the lab's known_hosts, never root's own (stale keys of earlier labs live there)
+    ssh_config = home / "ssh_config"
+    ssh_config.write_text(f"Host *\n  UserKnownHostsFile {known}\n")
+    env = dict(base_env, HOME=str(home), FLEETCTL_INVENTORY=str(inv), FLEETCTL_SSH_CONFIG=str(ssh_config),
+               ANSIBLE_SSH_ARGS=f"-C -o ControlMaster=auto -o ControlPersist=60s -o UserKnownHostsFile={known}",
+               ANSIBLE_HOST_KEY_CHECKING="True",
                ANSIBLE_PRIVATE_KEY_FILE=key, ANSIBLE_FORKS=str(n), ANSIBLE_TIMEOUT="60",
                ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3")  # pyenv shims on the lab hosts mislead discovery
     cp = home / "cp"
@@ -105,12 +113,12 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
             "Fabric grep": ([sys.executable, "-c", FABRIC, ",".join(addrs), key, GREP], None),
             "Ansible ad-hoc grep": (["ansible", "all", "-i", str(inv), "-m", "shell", "-a", GREP, "-f", str(n)],
                                     None),
-            "fleetctl cold (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json"], None),
-            "fleetctl warm (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json"], None),
+            "fleetctl cold (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json", *CT], None),
+            "fleetctl warm (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json", *CT], None),
             "fleetctl warm (ssh, per-run masters)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json",
-                                                      "-c", "ssh"], None),
+                                                      "-c", "ssh", *CT], None),
         }
-        clear = [sys.executable, "-m", "fleetctl.cli", "cache", "clear", "all", "--json"]
+        clear = [sys.executable, "-m", "fleetctl.cli", "cache", "clear", "all", "--json", *CT]
         raw: dict[str, list[dict]] = {k: [] for k in cmds}
         docs = {}
         for _ in range(a.runs):
@@ -129,7 +137,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
         for _ in range(a.runs):
             r = check("grep -rl", timed([*ssh, f"root@{one['address']}", GREP_RL], env))
             single["ssh grep -rl (one 0.5.23 host)"].append(r["wall_s"])
-            r = check("inspect one", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json"], env))
+            r = check("inspect one", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json", *CT], env))
             single["fleetctl warm (one 0.5.23 host)"].append(r["wall_s"])
             r = check("remote grep time", timed(
                 [*ssh, f"root@{one['address']}", "bash -c " + shlex.quote(f"TIMEFORMAT=%R; time {GREP_RL} >/dev/null")],
