@@ -178,3 +178,25 @@ def test_ssh_config_proxyjump_is_honoured_and_every_hop_verified(lab, tmp_path):
     h = json.loads(r.stdout)["hosts"][0]
     assert r.returncode == 0, h["error"]
     assert h["facts"]["hostname"] == "lab-03" and h["facts"]["sglang"]["version"] == "0.5.10"
+
+
+def test_scan_cache_cold_warm_and_no_cache_give_one_answer(lab):
+    """Issue 18: on every lab release the answer is the same whether the host's scan cache was
+    just cleared (cold), filled (warm) or bypassed (--no-cache); `cache clear` empties it."""
+    r, _, cleared = lab.cli_json("cache", "clear", "all", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert {h["cache"]["path"] for h in cleared.values()} == {"/var/lib/fleetctl/scan-cache"}
+    runs = {name: inspect_json(lab, "all", *extra)[1] for name, extra in
+            (("cold", ()), ("warm", ()), ("no-cache", ("--no-cache",)))}
+    keys = ("allocator_call_sites", "need_sort_origins", "files", "stats", "parse_errors")
+    for host in RELEASES:
+        scans = {name: runs[name][host]["installs"][0]["scan"] for name in runs}
+        total = scans["cold"]["stats"]["files_total"]
+        assert (scans["cold"]["cache"]["hits"], scans["cold"]["cache"]["misses"]) == (0, total), host
+        assert (scans["warm"]["cache"]["hits"], scans["warm"]["cache"]["misses"]) == (total, 0), host
+        assert scans["warm"]["cache"]["path"].startswith("/var/lib/fleetctl/scan-cache/scan-")
+        assert scans["no-cache"]["cache"]["path"] is None
+        assert set(scans["warm"]["phases_s"]) == {"walk", "prefilter", "parse", "analysis"}
+        answers = [{k: (runs[n][host][k] if k in ("allocator_call_sites", "need_sort_origins") else scans[n][k])
+                    for k in keys} for n in runs]
+        assert answers[0]["allocator_call_sites"] and answers[0] == answers[1] == answers[2], host

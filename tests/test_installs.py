@@ -28,7 +28,7 @@ from fleetctl import probes
 from fleetctl.gather import PROBE_MODULES
 from fleetctl.probes import gpus
 
-PROBES = ["procs", "containers", "gpus", "locate", "facts", "gittree"]
+PROBES = ["procs", "containers", "gpus", "locate", "facts", "gittree", "scancache"]
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 

@@ -30,6 +30,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 deploy_app = typer.Typer(no_args_is_help=True, help="Deploy things to hosts.")
 app.add_typer(deploy_app, name="deploy")
 lab_app = typer.Typer(no_args_is_help=True, help="A local lab fleet: real sshd hosts in network namespaces.")
+cache_app = typer.Typer(no_args_is_help=True, help="The hosts' scan caches (kept by inspect, one per install).")
+app.add_typer(cache_app, name="cache")
 app.add_typer(lab_app, name="lab")
 inventory_app = typer.Typer(no_args_is_help=True, help="The inventory, for other tools.")
 app.add_typer(inventory_app, name="inventory")
@@ -111,8 +113,12 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
             forks: Forks = 64, timeout: Timeout = config.INSPECT_TIMEOUT_S,
             connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S,
             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
-             run_timeout: RunTimeout = None) -> None:
+             run_timeout: RunTimeout = None,
+            no_cache: Annotated[bool, typer.Option("--no-cache", help=(
+                "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
+    from functools import partial
+
     from .fleet import exit_code
     from .gather import inspect_job
     from .report import inspect_document, render_inspect
@@ -120,7 +126,7 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
     with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
                 ask_become_pass) as fleet:
-        results = fleet.run(hosts, inspect_job, "inspect")
+        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache), "inspect")
     if json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
@@ -365,6 +371,24 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
                 ask_become_pass) as fleet:
         results = fleet.run(hosts, status_job(install=install), "status")
     _finish(results, json_out, render_status)
+
+
+@cache_app.command("clear")
+def cache_clear(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+                ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False,
+                json_out: JsonOut = False, forks: Forks = 64, timeout: Timeout = config.STATUS_TIMEOUT_S,
+                connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, accept_new: AcceptNew = False,
+                ssh_config: SshConfig = None, connection: ConnectionOpt = None,
+                run_timeout: RunTimeout = None) -> None:
+    """Empty each host's scan cache (the next inspect reads and parses every file again)."""
+    from .gather import cache_clear_job
+    from .report import render_cache_clear
+
+    hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
+    with _fleet(forks, timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
+                ask_become_pass) as fleet:
+        results = fleet.run(hosts, cache_clear_job, "cache clear")
+    _finish(results, json_out, render_cache_clear)
 
 
 @deploy_app.command("kernel")

@@ -87,6 +87,10 @@ class HostContext:
     conn: Connection
     deadline: float
     reconnect: Callable[[], Connection] | None = None
+    # Where this job's time went (seconds): connect_s (opening the connection, 0 when reused),
+    # and for the probes run: probes (count), upload_bytes (bundles sent), remote_s (sending the
+    # bundle, the run there and reading its output), parse_s (reading the result here).
+    timing: dict = field(default_factory=dict)
     container: dict | None = None
 
     def inside(self, container: dict) -> "HostContext":
@@ -149,9 +153,16 @@ class HostContext:
     def _run_probe(self, main: str, params: dict, modules: list[str] | None, python: str | None,
                    timeout: float | None) -> dict:
         entry = self.container["entry"] if self.container is not None else []
-        r = self.run([*entry, *probes.command(python)], stdin=probes.bundle(main, params, modules), timeout=timeout,
-                     what=f"the {main} probe")
-        return probes.parse_output(r.stdout, r.stderr, r.exit_code)
+        stdin = probes.bundle(main, params, modules)
+        t0 = time.monotonic()
+        r = self.run([*entry, *probes.command(python)], stdin=stdin, timeout=timeout, what=f"the {main} probe")
+        t1 = time.monotonic()
+        out = probes.parse_output(r.stdout, r.stderr, r.exit_code)
+        t = self.timing
+        t.update(probes=t.get("probes", 0) + 1, upload_bytes=t.get("upload_bytes", 0) + len(stdin),
+                 remote_s=round(t.get("remote_s", 0) + t1 - t0, 3),
+                 parse_s=round(t.get("parse_s", 0) + time.monotonic() - t1, 3))
+        return out
 
 
 def parse_serial(spec: str | None, total: int) -> list[int]:
@@ -284,7 +295,8 @@ class Fleet:
         try:
             conn = self.connection(host)
             result.address = conn.address
-            out = job(HostContext(host, conn, start + timeout, lambda: self.reconnect(host)))
+            out = job(HostContext(host, conn, start + timeout, lambda: self.reconnect(host),
+                                  timing={"connect_s": round(time.monotonic() - start, 3)}))
             if isinstance(out, HostResult):
                 result = out
             else:

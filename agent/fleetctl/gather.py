@@ -15,23 +15,26 @@ from .vocab import HostStatus
 PROBE_MODULES = probes.FACTS_MODULES
 
 
-def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, records: str | None = None) -> dict:
+def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, records: str | None = None,
+           cache: bool = True) -> dict:
     """Inspect one host. Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins",
     "scan"} (the last three of the primary install; + "sources": {file relative to the install's
     location: text} of files with need_sort origins, per install and for the primary, when
-    `with_sources`; no call sites or origins when not `scan`). Containers whose servers the host
-    shows (facts.containers) are entered (container.how_to_enter) and their installs and
-    servers added (container.adopt); one that cannot be entered keeps the reason in its
+    `with_sources`; no call sites or origins when not `scan`). `cache`: use and refresh the
+    host's scan cache (probes/scancache.py; False: rescan every file). Containers whose servers
+    the host shows (facts.containers) are entered (container.how_to_enter) and their installs
+    and servers added (container.adopt); one that cannot be entered keeps the reason in its
     facts.containers entry ("error"). On a context inside a container, only that container's
-    installs. `records`: the state dir whose host-side container change records to read too
-    ("container_records"). Raises ProbeError, RemoteTimeout, Unreachable, HostFailed (a bad
-    fleetctl_container_exec)."""
+    installs (its own scan cache inside it). `records`: the state dir whose host-side container
+    change records to read too ("container_records"). Raises ProbeError, RemoteTimeout,
+    Unreachable, HostFailed (a bad fleetctl_container_exec)."""
+    key = probes.sources_sha256(PROBE_MODULES) if cache else None
     if ctx.container is not None:
-        inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False},
-                          modules=PROBE_MODULES)
+        inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
+                                    "cache_key": key}, modules=PROBE_MODULES)
         mine = container.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
-    params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources}
+    params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources, "cache_key": key}
     if records:
         params["records"] = f"{records}/{container.RECORDS}"
     g = ctx.probe("facts", params, modules=PROBE_MODULES)
@@ -41,7 +44,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
         if how is None:
             continue
         try:
-            inner = gather(container.enter(ctx, found, how), with_sources=with_sources, scan=scan)
+            inner = gather(container.enter(ctx, found, how), with_sources=with_sources, scan=scan, cache=cache)
         except (probes.ProbeError, HostFailed) as e:
             found["error"] = f"entering {container.prefix(found['root'])} with {how}: {e}"
             continue
@@ -74,10 +77,11 @@ def find_install(g: dict, install: str) -> dict:
                      f"{', '.join(i['id'] for i in g.get('installs', [])) or 'none'})")
 
 
-def inspect_job(ctx: HostContext) -> HostResult:
-    """The `inspect` job: gather(); a host with an install whose scan failed is failed, with
-    that reason, and keeps its facts."""
-    g = gather(ctx)
+def inspect_job(ctx: HostContext, cache: bool = True) -> HostResult:
+    """The `inspect` job: gather() (`cache`: see there) + timing (HostContext.timing); a host
+    with an install whose scan failed is failed, with that reason, and keeps its facts."""
+    g = gather(ctx, cache=cache)
+    g["timing"] = ctx.timing
     errors = install_errors(g)
     if errors:
         return ctx.result(HostStatus.FAILED, "; ".join(errors), data=g)
@@ -95,3 +99,12 @@ def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext,
     inst = find_install(g, install)
     found = next(c for c in g["facts"]["containers"] if c["root"] == inst["root"])
     return container.enter(ctx, found, found["entered_with"]), inst
+
+
+def cache_clear_job(ctx: HostContext) -> HostResult:
+    """The `cache clear` job: empty the host's scan cache directory (probes/scancache.py main).
+    data: {cache: {path, removed (files), error}}."""
+    res = ctx.probe("scancache", {"action": "clear"}, modules=["scancache"])
+    status = HostStatus.FAILED if res.get("error") else HostStatus.CHANGED if res["removed"] else HostStatus.OK
+    return ctx.result(status, res.get("error"), data={"cache": res})
+

@@ -54,10 +54,11 @@ STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus
 
 def inspect_document(results: list[HostResult]) -> dict:
     """The `inspect --json` document: {"hosts": [{host, address, status, error, elapsed_s, facts,
-    installs, allocator_call_sites, need_sort_origins, scan}]}; lists are complete, never
+    installs, allocator_call_sites, need_sort_origins, scan, timing}]}; lists are complete, never
     truncated. `installs`: [{id, python, sglang, torch, servers (pids), allocator_call_sites,
     need_sort_origins, scan}] (README, "installs"); the top-level call sites, origins and scan
-    are the primary install's."""
+    are the primary install's. `timing`: where the host's time went (fleet.HostContext.timing:
+    connect_s, probes, upload_bytes, remote_s, parse_s)."""
     hosts = []
     for r in results:
         d = r.data or {}
@@ -68,6 +69,7 @@ def inspect_document(results: list[HostResult]) -> dict:
             "allocator_call_sites": d.get("allocator_call_sites", []),
             "need_sort_origins": d.get("need_sort_origins", []),
             "scan": d.get("scan"),
+            "timing": d.get("timing"),
         })
     return {"hosts": hosts}
 
@@ -421,3 +423,11 @@ def render_hosts(docs: list[dict], console: Console) -> None:
             console.print(Text("  " + line))
     for d in (d for d in docs if d["error"]):
         console.print(Text(f"{d['host']}: {d['error']}", style="red"))
+
+
+def render_cache_clear(results: list[HostResult], console: Console) -> None:
+    """Per host: the scan cache directory emptied and how many files it held."""
+    rows = [[r.host, r.status, (r.data.get("cache") or {}).get("path") or "", (r.data.get("cache") or {}).get("removed", ""),
+             r.error or ""] for r in results]
+    table("scan cache cleared", ["host", "status", "path", "files removed", "error"], rows, console,
+          lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)

@@ -1,27 +1,31 @@
 """Remote probes: stdlib-only Python modules sent over SSH stdin to the host's own interpreter.
 
 A probe module defines `main(params: dict) -> dict`. `bundle()` packs the probe modules it needs
-with their parameters into one JSON document; `WRAPPER` (run as `python -c WRAPPER`) reads it from
+with their parameters into one JSON document (zlib-compressed); `WRAPPER` (run as `python -c WRAPPER`) reads it from
 stdin, loads each module into `sys.modules` in order, calls the main module's `main(params)` and
 prints the JSON result after a marker line. Nothing is written to the host to do this.
 A probe can re-run itself under another interpreter (see facts.py) with `FLEETCTL_BUNDLE`,
-the raw bundle text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each module's globals.
+the bundle's JSON text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each module's globals.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import zlib
+from functools import lru_cache
 from importlib import resources
 
 MARKER = "--fleetctl-probe-result--"
 # The facts probe and the helpers it imports, in load order (gather's inspect; the trust probe
 # runs facts.untrusted with the same bundle).
-FACTS_MODULES = ["redact", "callsites", "procs", "containers", "gpus", "locate", "facts"]
+FACTS_MODULES = ["redact", "callsites", "scancache", "procs", "containers", "gpus", "locate", "facts"]
 
 WRAPPER = r"""
-import json, sys, traceback, types
-raw = sys.stdin.read()
+import json, sys, traceback, types, zlib
 try:
+    data = sys.stdin.buffer.read()
+    raw = (data if data[:1] == b"{" else zlib.decompress(data)).decode("utf-8")
     b = json.loads(raw)
     for name, src in b["modules"]:
         m = types.ModuleType(name)
@@ -39,16 +43,27 @@ class ProbeError(Exception):
     """A probe crashed on the host or printed no result; the message carries its traceback."""
 
 
+@lru_cache(maxsize=None)
 def source(name: str) -> str:
     """The source text of probe module `name` (e.g. "facts")."""
     return resources.files(__package__).joinpath(f"{name}.py").read_text()
 
 
+def sources_sha256(modules: list[str]) -> str:
+    """sha256 (hex) of the sources of probe `modules` in order: the key of a host's scan cache,
+    which a change to any bundled module invalidates (probes/scancache.py)."""
+    h = hashlib.sha256()
+    for m in modules:
+        h.update(m.encode() + b"\0" + source(m).encode() + b"\0")
+    return h.hexdigest()
+
+
 def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
-    """The stdin document that runs probe `main` with `params` (modules loaded in list order)."""
+    """The stdin document that runs probe `main` with `params` (modules loaded in list order):
+    the JSON text, zlib-compressed (about a quarter of the bytes; WRAPPER also takes it plain)."""
     mods = modules or [main]
     doc = {"modules": [[m, source(m)] for m in mods], "main": main, "params": params, "wrapper": WRAPPER}
-    return json.dumps(doc).encode()
+    return zlib.compress(json.dumps(doc).encode(), 6)
 
 
 # Runs WRAPPER ($0) with the first python3 or python on PATH.

@@ -14,9 +14,11 @@ import ast
 import errno
 import hashlib
 import io
+import multiprocessing
 import os
 import re
 import stat
+import time
 import tokenize
 import warnings
 
@@ -163,70 +165,71 @@ def _init_signature(fn):
     return False, None, False
 
 
-class _Tree(object):
-    """The sglang tree: every file's path, the parsed sources, and their classes by name."""
+def _class_facts(src):
+    """[[name, __init__ facts (see _init_signature) or None, [base last names, None for other
+    expressions]]] of every class in `src` (nested ones too), in _walk order."""
+    out = []
+    for node, _, _ in src.nodes:
+        if isinstance(node, ast.ClassDef):
+            init = next((list(_init_signature(s)) for s in node.body
+                         if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == "__init__"), None)
+            out.append([node.name, init, [_last_name(b) for b in node.bases]])
+    return out
 
-    def __init__(self, location):
-        self.location = location
-        self.files = []        # every scanned rel path
-        self.sources = {}      # rel -> _Source
-        self.classes = {}      # class name -> [(rel, ClassDef)] of parsed sources
-        self.parse_errors = []
-        self._indexed = False  # whether unparsed files were searched for class definitions
-        self._params = {}      # (class name, from rel) -> need_sort_param result
 
-    def parse(self, rel, data):
-        """Parse one file; a failure goes to parse_errors and returns None."""
-        try:
-            text = _decode(data)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # e.g. invalid escapes: not ours to report
-                src = _Source(rel, text, ast.parse(text, filename=rel))
-        except (SyntaxError, ValueError, LookupError, RecursionError) as e:
-            self.parse_errors.append({"file": rel, "error": "%s: %s" % (type(e).__name__, e)})
-            return None
-        self.sources[rel] = src
-        for node, _, _ in src.nodes:
-            if isinstance(node, ast.ClassDef):
-                self.classes.setdefault(node.name, []).append((rel, node))
-        return src
+def _import_facts(src):
+    """{name: [files relative to the location it may come from]} for every `from X import name` in `src`."""
+    pkg = src.rel.split("/")[:-1]
+    out = {}
+    for node, _, _ in src.nodes:
+        if isinstance(node, ast.ImportFrom):
+            parts = (pkg[:len(pkg) - node.level + 1] if node.level else []) + (node.module or "").split(".")
+            base = "/".join(p for p in parts if p)
+            for a in node.names:
+                out.setdefault(a.name, []).extend([base + ".py", base + "/__init__.py"])
+    return out
 
-    def _parse_defining(self, name):
-        """Parse every not-yet-parsed file with a `class <name>` line (first miss reads all)."""
-        if not self._indexed:
-            self._indexed, self._class_files = True, {}
-            for rel in self.files:
-                if rel in self.sources:
-                    continue
-                try:
-                    found = _CLASS_RE.findall(read_source(os.path.join(self.location, rel)))
-                except OSError:
-                    continue
-                for n in found:
-                    self._class_files.setdefault(n.decode("ascii", "replace"), []).append(rel)
-        for rel in self._class_files.pop(name, []):
-            try:
-                self.parse(rel, read_source(os.path.join(self.location, rel)))
-            except OSError as e:
-                self.parse_errors.append({"file": rel, "error": "%s: %s" % (type(e).__name__, e)})
+
+class _Resolver(object):
+    """The cross-file facts, redone every scan from the per-file summaries: which class a name
+    means seen from a file, and which `__init__` it runs. `parsed`: {rel: summary["parsed"]};
+    `class_files`: {class name: [rel]} of files not parsed (a `class <name>` line); `load(rel)`:
+    the summary of such a file, parsed on demand (None when it cannot be)."""
+
+    def __init__(self, parsed, class_files, load):
+        self.parsed, self.class_files, self.load = parsed, class_files, load
+        self.classes = {}  # class name -> [(rel, index in that file's classes)]
+        self._params = {}  # (class name, from rel, skip) -> need_sort_param result
+        for rel in sorted(parsed):
+            self._index(rel)
+
+    def _index(self, rel):
+        for i, c in enumerate(self.parsed[rel]["classes"]):
+            self.classes.setdefault(c[0], []).append((rel, i))
 
     def find_class(self, name, from_rel, skip=None):
-        """ClassDef named `name` other than `skip`: in `from_rel` first, then the module
-        `from_rel` imports it from, then the first by path. Returns (rel, ClassDef) or None."""
+        """(rel, index) of the class named `name` other than `skip`: in `from_rel` first, then
+        the module `from_rel` imports it from, then the first by path; None when none."""
         if name not in self.classes:
-            self._parse_defining(name)
-        preferred = [from_rel] + _import_origins(self.sources.get(from_rel), name)
+            for rel in self.class_files.pop(name, []):
+                if rel not in self.parsed:
+                    found = self.load(rel)
+                    if found is not None:
+                        self.parsed[rel] = found
+                        self._index(rel)
+        imports = self.parsed[from_rel]["imports"] if from_rel in self.parsed else {}
+        preferred = [from_rel] + imports.get(name, [])
 
         def rank(d):
             return (preferred.index(d[0]) if d[0] in preferred else len(preferred), d[0])
-        defs = sorted((d for d in self.classes.get(name, []) if d[1] is not skip), key=rank)
+        defs = sorted((d for d in self.classes.get(name, []) if d != skip), key=rank)
         return defs[0] if defs else None
 
     def need_sort_param(self, name, from_rel, skip=None, depth=0):
         """(has_param, index, has_default, "rel::Class") of the `__init__` that class `name`
         (seen from file `from_rel`) runs, following bases left to right when it has none of
         its own (`class X(mod.X)` resolves to the other X); None if unresolved."""
-        key = (name, from_rel, id(skip))
+        key = (name, from_rel, skip)
         if key not in self._params:
             self._params[key] = self._need_sort_param(name, from_rel, skip, depth)
         return self._params[key]
@@ -235,64 +238,65 @@ class _Tree(object):
         found = self.find_class(name, from_rel, skip)
         if found is None or depth > 32:  # depth: a guard against inheritance cycles
             return None
-        rel, cls = found
-        for stmt in cls.body:
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == "__init__":
-                return _init_signature(stmt) + ("%s::%s" % (rel, name),)
-        for base in cls.bases:
-            base_name = _last_name(base)
-            res = base_name and self.need_sort_param(base_name, rel, cls if base_name == name else None, depth + 1)
+        rel, i = found
+        _, init, bases = self.parsed[rel]["classes"][i]
+        if init is not None:
+            return tuple(init) + ("%s::%s" % (rel, name),)
+        for base_name in bases:
+            res = base_name and self.need_sort_param(base_name, rel, found if base_name == name else None, depth + 1)
             if res:
                 return res
         return None
 
 
-def _import_origins(src, name):
-    """Files (relative to the location) that `src` imports class `name` from."""
-    if src is None:
-        return []
-    pkg = src.rel.split("/")[:-1]
-    out = []
-    for node, _, _ in src.nodes:
-        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
-            parts = (pkg[:len(pkg) - node.level + 1] if node.level else []) + (node.module or "").split(".")
-            base = "/".join(p for p in parts if p)
-            out += [base + ".py", base + "/__init__.py"]
-    return out
-
-
-def _call_site(tree, src, call, callee, alias_of):
-    """One allocator call site dict (see scan)."""
-    ns = {"passing": "absent", "expr": None}
-    kw = [k for k in call.keywords if k.arg == "need_sort"]
-    if kw:
-        ns = {"passing": "keyword", "expr": src.segment(kw[0].value)}
-    else:
-        param = None
-        for cls in alias_of or [callee]:
-            param = tree.need_sort_param(cls, src.rel)
-            if param:
-                break
-        ns["resolved"] = param[3] if param else None
-        positional = []
-        for arg in call.args:
-            if isinstance(arg, ast.Starred):
-                ns["starargs"] = True
-                break
-            positional.append(arg)
-        if param and param[1] is not None and param[1] < len(positional):
-            ns.update(passing="positional", expr=src.segment(positional[param[1]]))
-        elif param and param[0] and param[2]:
-            ns["passing"] = "default"
-        if any(k.arg is None for k in call.keywords):
-            ns["kwargs"] = True
+def _raw_site(src, call, callee, alias_of):
+    """One allocator call site as file `src` alone determines it (see scan); a call without a
+    need_sort keyword keeps, under "_args", what _resolve_site needs: the classes it may
+    construct, its positional argument texts (up to a *arg) and whether * or ** is passed."""
     site = {"file": src.rel, "line": call.lineno, "end_line": call.end_lineno,
             "col": src.char_col(call.lineno, call.col_offset),
             "end_col": src.char_col(call.end_lineno, call.end_col_offset),
-            "callee": callee, "aliased": bool(alias_of), "need_sort": ns}
+            "callee": callee, "aliased": bool(alias_of), "need_sort": {"passing": "absent", "expr": None}}
     if alias_of:
         site["alias_of"] = alias_of
+    kw = [k for k in call.keywords if k.arg == "need_sort"]
+    if kw:
+        site["need_sort"] = {"passing": "keyword", "expr": src.segment(kw[0].value)}
+        return site
+    positional, starargs = [], False
+    for arg in call.args:
+        if isinstance(arg, ast.Starred):
+            starargs = True
+            break
+        positional.append(src.segment(arg))
+    site["_args"] = {"classes": alias_of or [callee], "positional": positional, "starargs": starargs,
+                     "kwargs": any(k.arg is None for k in call.keywords)}
     return site
+
+
+def _resolve_site(resolver, raw):
+    """The call site `raw` (see _raw_site) with how need_sort reaches the `__init__` it runs."""
+    site = dict(raw)
+    args = site.pop("_args", None)
+    if args is None:
+        return site
+    ns = site["need_sort"] = dict(site["need_sort"])
+    param = None
+    for cls in args["classes"]:
+        param = resolver.need_sort_param(cls, site["file"])
+        if param:
+            break
+    ns["resolved"] = param[3] if param else None
+    if args["starargs"]:
+        ns["starargs"] = True
+    if param and param[1] is not None and param[1] < len(args["positional"]):
+        ns.update(passing="positional", expr=args["positional"][param[1]])
+    elif param and param[0] and param[2]:
+        ns["passing"] = "default"
+    if args["kwargs"]:
+        ns["kwargs"] = True
+    return site
+
 
 
 def _origin(src, kind, line, value, stmt, callee=None, target=None):
@@ -306,17 +310,17 @@ def _origin(src, kind, line, value, stmt, callee=None, target=None):
     return o
 
 
-def _scan_source(tree, src):
-    """(call sites, origins) found in one parsed source."""
+def _scan_source(src):
+    """(raw call sites (see _raw_site), origins) found in one parsed source."""
     aliases = _collect_aliases(src.nodes)
     sites, origins = [], []
     for node, stmt, scopes in src.nodes:
         if isinstance(node, ast.Call):
             callee = _last_name(node.func)
             if callee and callee.endswith(SUFFIX):
-                sites.append(_call_site(tree, src, node, callee, None))
+                sites.append(_raw_site(src, node, callee, None))
             elif isinstance(node.func, ast.Name) and _lookup(aliases, scopes, callee):
-                sites.append(_call_site(tree, src, node, callee, _lookup(aliases, scopes, callee)))
+                sites.append(_raw_site(src, node, callee, _lookup(aliases, scopes, callee)))
             for k in node.keywords:
                 if k.arg == "need_sort" and not isinstance(k.value, ast.Name):
                     origins.append(_origin(src, "keyword", k.value.lineno, k.value, stmt,
@@ -332,14 +336,34 @@ def _scan_source(tree, src):
     return sites, origins
 
 
+def summarize(rel, data):
+    """What file `rel` (its bytes `data`) alone determines: {"parsed": {classes (_class_facts),
+    imports (_import_facts), sites (raw, _raw_site), origins}} or {"error": "<Type>: <message>"}
+    when it does not decode or parse."""
+    try:
+        text = _decode(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. invalid escapes: not ours to report
+            src = _Source(rel, text, ast.parse(text, filename=rel))
+    except (SyntaxError, ValueError, LookupError, RecursionError) as e:
+        return {"error": "%s: %s" % (type(e).__name__, e)}
+    sites, origins = _scan_source(src)
+    return {"parsed": {"classes": _class_facts(src), "imports": _import_facts(src), "sites": sites,
+                       "origins": origins}}
+
+
+
 # A source file larger than this is not read (SGLang's largest is well under 1 MiB).
 MAX_SOURCE_BYTES = 16 << 20
+MAX_WORKERS = 8  # scan worker processes at most (issue 18)
+POOL_MIN_JOBS = 8  # fewer files than this are parsed in this process (a fork costs more)
+RACY_S = 2.0  # a file changed this recently is not cached: a rewrite within its ctime tick would pass
 
 
 def read_source(path):
-    """The bytes of source file `path`, which must be a regular file (never followed through a
-    symlink, never a FIFO or device: those would hang or leave the tree) of at most
-    MAX_SOURCE_BYTES. Raises OSError saying why not (review L11)."""
+    """(bytes, os.stat_result of the open file) of source file `path`, which must be a regular
+    file (never followed through a symlink, never a FIFO or device: those would hang or leave the
+    tree) of at most MAX_SOURCE_BYTES. Raises OSError saying why not (review L11)."""
     if not stat.S_ISREG(os.lstat(path).st_mode):  # not even opened: a device's open has effects
         raise OSError(errno.EINVAL, "not a regular file, not read", path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -350,15 +374,108 @@ def read_source(path):
         if st.st_size > MAX_SOURCE_BYTES:
             raise OSError(errno.EFBIG, "over %d bytes, not read" % MAX_SOURCE_BYTES, path)
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(MAX_SOURCE_BYTES + 1)[:MAX_SOURCE_BYTES]
+            return f.read(MAX_SOURCE_BYTES + 1)[:MAX_SOURCE_BYTES], st
     finally:
         os.close(fd)
 
 
-def scan(location):
+def identity(st):
+    """A file's identity for the scan cache: [size, mtime_ns, ctime_ns, inode] (ctime and inode
+    catch a rewrite whose size and mtime were put back)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def file_entry(path, rel, parse):
+    """One file's cache entry: {"id": identity, "candidate": holds a needle, "sha256" and "size"
+    (candidates), "class_names" (others: `class <name>` lines), + summarize()'s keys when
+    `parse`} or {"read_error": "<Type>: <message>"} when it cannot be read (see read_source).
+    Runs in a scan worker."""
+    try:
+        data, st = read_source(path)
+    except OSError as e:
+        return {"read_error": "%s: %s" % (type(e).__name__, e)}
+    entry = {"id": identity(st), "candidate": any(n in data for n in _NEEDLES)}
+    if entry["candidate"]:
+        entry.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    else:
+        names = [n.decode("ascii", "replace") for n in _CLASS_RE.findall(data)]
+        entry["class_names"] = sorted(set(names), key=names.index)
+    if parse:
+        entry.update(summarize(rel, data))
+    return entry
+
+
+def _entry_job(job):
+    return file_entry(*job)
+
+
+def _cgroup_cpus():
+    """CPUs the cgroup CPU quota allows (cgroup v2 cpu.max, else v1 cfs quota), None when unlimited."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = [line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")]
+    except OSError:
+        own = []
+    paths = [("/sys/fs/cgroup%s/cpu.max" % p.rstrip("/"), None) for p in own] + [
+        ("/sys/fs/cgroup/cpu.max", None), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")]
+    for quota_path, period_path in paths:
+        try:
+            with open(quota_path) as f:
+                words = f.read().split()
+            if period_path:
+                with open(period_path) as f:
+                    words.append(f.read().strip())
+        except OSError:
+            continue
+        if len(words) == 2 and words[0].isdigit() and words[1].isdigit() and int(words[1]) > 0:
+            return max(1, -(-int(words[0]) // int(words[1])))
+        return None  # "max" or -1: no quota
+    return None
+
+
+def pool_size():
+    """Scan workers: min(MAX_WORKERS, CPUs this process may run on, the cgroup CPU quota)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min([MAX_WORKERS, cpus] + [q for q in [_cgroup_cpus()] if q]))
+
+
+class _Workers(object):
+    """Maps file_entry over parse jobs: in a pool of forked workers at nice 10 (a serving host's own
+    work comes first) when there are enough jobs and fork is available, else in this process."""
+
+    def __init__(self, size):
+        self.size, self.pool = size, None
+
+    def map(self, jobs):
+        """[file_entry(*job) for job in jobs], in that order."""
+        if self.size > 1 and len(jobs) >= POOL_MIN_JOBS and self.pool is None:
+            try:
+                ctx = multiprocessing.get_context("fork")
+                self.pool = ctx.Pool(self.size, initializer=os.nice, initargs=(10,))
+            except (ValueError, OSError):
+                self.size = 1
+        if self.pool is not None and len(jobs) >= POOL_MIN_JOBS:
+            return self.pool.map(_entry_job, jobs, chunksize=max(1, len(jobs) // (self.size * 4)))
+        return [file_entry(*j) for j in jobs]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+
+
+def scan(location, cache=None, workers=None):
     """Scan the `sglang` package installed in site-packages directory `location`.
 
-    Args: location, a directory path holding `sglang/` (e.g. ".../site-packages").
+    Args: location, a directory path holding `sglang/` (e.g. ".../site-packages"); cache, the
+    {rel: entry (file_entry)} of an earlier scan of the same install, or None: entries whose
+    identity still matches the file are used instead of reading it, and `cache` is replaced in
+    place by this scan's entries (vanished files dropped, files changed in the last RACY_S
+    seconds left out: their ctime cannot yet tell a later rewrite); workers: the pool size
+    (None: pool_size(); 1: this process only).
     Returns a JSON-serialisable dict, every list sorted by (file, line, col), never truncated:
       allocator_call_sites: [{file (relative to location), line/end_line (ast.Call lineno/end_lineno),
         col/end_col (character offsets), callee (last name), aliased (bool), alias_of (aliased only),
@@ -370,52 +487,107 @@ def scan(location):
         value_end_line, value_end_col (span of the value, character columns), stmt_end_line}];
       files: {rel: {sha256, size (bytes)}} for files holding a call site or origin;
       stats: {files_total, files_parsed}; parse_errors: [{file, error}] (also each file that is
-        not a regular one and each symlinked directory: skipped, never read or followed).
-    `need_sort` parameter defaults in signatures and attribute stores (`self.need_sort = x`,
-    which keep a value that came from an origin) are not origins. Raises nothing for bad
-    files (they go to parse_errors); an unreadable `location` gives empty results.
+        not a regular one and each symlinked directory: skipped, never read or followed);
+      phases_s: {walk, prefilter, parse, analysis} (wall seconds); cache: {hits, misses} (files).
+    Only the cross-file resolution (base classes, `__init__` signatures) is redone for files
+    found in `cache`; the answer is the same with or without it. `need_sort` parameter defaults
+    in signatures and attribute stores (`self.need_sort = x`, which keep a value that came from
+    an origin) are not origins. Raises nothing for bad files (they go to parse_errors); an
+    unreadable `location` gives empty results.
     """
-    tree = _Tree(location)
-    root = os.path.join(location, "sglang")
-    hashes, candidates = {}, []
-    for dirpath, dirnames, filenames in os.walk(root):
+    old = cache if cache is not None else {}
+    entries, parse_errors, phases = {}, [], {}
+    t = time.time()
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(location, "sglang")):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for d in dirnames:  # os.walk lists a symlinked directory but never enters it: say so
             if os.path.islink(os.path.join(dirpath, d)):
                 rel = os.path.relpath(os.path.join(dirpath, d), location).replace(os.sep, "/")
-                tree.parse_errors.append({"file": rel, "error": "skipped: a symlinked directory, not followed "
-                                                                "(none of its files is scanned)"})
+                parse_errors.append({"file": rel, "error": "skipped: a symlinked directory, not followed "
+                                                           "(none of its files is scanned)"})
         for fn in sorted(filenames):
-            if not fn.endswith(".py"):
-                continue
-            path = os.path.join(dirpath, fn)
-            rel = os.path.relpath(path, location).replace(os.sep, "/")
-            tree.files.append(rel)
-            try:
-                data = read_source(path)
-            except OSError as e:
-                tree.parse_errors.append({"file": rel, "error": "%s: %s" % (type(e).__name__, e)})
-                continue
-            if any(n in data for n in _NEEDLES):
-                hashes[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-                candidates.append((rel, data))
-    for rel, data in candidates:
-        tree.parse(rel, data)
+            if fn.endswith(".py"):
+                path = os.path.join(dirpath, fn)
+                paths.append((path, os.path.relpath(path, location).replace(os.sep, "/")))
+    misses = []
+    for path, rel in paths:
+        e = old.get(rel)
+        try:
+            same = e is not None and e.get("id") == identity(os.lstat(path))
+        except OSError:
+            same = False
+        if same:
+            entries[rel] = e
+        else:
+            misses.append((path, rel, False))
+    phases["walk"] = time.time() - t
+    pool = _Workers(pool_size() if workers is None else workers)
+    try:
+        t = time.time()
+        for path, rel, _ in misses:  # reading and a substring test: a worker would cost more than it saves
+            entries[rel] = file_entry(path, rel, False)
+        phases["prefilter"] = time.time() - t
+        t = time.time()
+        unparsed = [(p, rel, True) for p, rel in paths
+                    if entries[rel].get("candidate") and "parsed" not in entries[rel] and "error" not in entries[rel]]
+        for (path, rel, _), e in zip(unparsed, pool.map(unparsed)):
+            entries[rel] = e
+        phases["parse"] = time.time() - t
+    finally:
+        pool.close()
+    t = time.time()
+    for path, rel in paths:
+        if "read_error" in entries[rel]:
+            parse_errors.append({"file": rel, "error": entries.pop(rel)["read_error"]})
+    parsed, class_files = {}, {}
+    candidates = [rel for _, rel in paths if rel in entries and entries[rel]["candidate"]]
+    for rel, e in entries.items():  # other files' classes are looked at only when needed (load)
+        if e["candidate"] and "parsed" in e:
+            parsed[rel] = e["parsed"]
+        elif not e["candidate"]:
+            for n in e["class_names"]:
+                class_files.setdefault(n, []).append(rel)
+    lazily = []
+
+    def load(rel):
+        """Parse non-candidate `rel` (once per cache lifetime) for the classes it defines."""
+        e = entries[rel]
+        if "parsed" not in e and "error" not in e:
+            e = file_entry(os.path.join(location, rel), rel, True)
+            if "read_error" in e:
+                parse_errors.append({"file": rel, "error": e["read_error"]})
+                return None
+            entries[rel] = e
+        lazily.append(rel)
+        return e.get("parsed")
+
+    resolver = _Resolver(parsed, class_files, load)
     sites, origins = [], []
-    for rel, _ in candidates:
-        if rel in tree.sources:
-            s, o = _scan_source(tree, tree.sources[rel])
-            sites += s
-            origins += o
+    for rel in candidates:
+        if "parsed" in entries[rel]:
+            sites += [_resolve_site(resolver, s) for s in entries[rel]["parsed"]["sites"]]
+            origins += entries[rel]["parsed"]["origins"]
+    parse_errors += [{"file": rel, "error": entries[rel]["error"]} for rel in candidates + lazily
+                     if "error" in entries[rel]]
 
     def key(d):
         return (d["file"], d["line"], d["col"])
     used = {d["file"] for d in sites + origins}
-    return {"allocator_call_sites": sorted(sites, key=key),
-            "need_sort_origins": sorted(origins, key=key),
-            "files": {rel: hashes[rel] for rel in sorted(used)},
-            "stats": {"files_total": len(tree.files), "files_parsed": len(tree.sources)},
-            "parse_errors": sorted(tree.parse_errors, key=lambda e: e["file"])}
+    result = {"allocator_call_sites": sorted(sites, key=key),
+              "need_sort_origins": sorted(origins, key=key),
+              "files": dict((rel, {"sha256": entries[rel]["sha256"], "size": entries[rel]["size"]})
+                            for rel in sorted(used)),
+              "stats": {"files_total": len(paths), "files_parsed": len(resolver.parsed)},
+              "parse_errors": sorted(parse_errors, key=lambda e: e["file"]),
+              "cache": {"hits": len(paths) - len(misses), "misses": len(misses)}}
+    phases["analysis"] = time.time() - t
+    result["phases_s"] = dict((k, round(v, 4)) for k, v in phases.items())
+    if cache is not None:
+        settled = time.time_ns() - int(RACY_S * 1e9)
+        cache.clear()
+        cache.update((rel, e) for rel, e in entries.items() if e["id"][2] < settled)
+    return result
 
 
 def main(params):

@@ -27,8 +27,9 @@ try:  # the probe bundle loads these helpers before this module
     import locate
     import procs
     import redact
+    import scancache
 except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
-    from . import callsites, containers, gpus, locate, procs, redact
+    from . import callsites, containers, gpus, locate, procs, redact, scancache
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -192,10 +193,53 @@ def ask(python, first, timeout=LOCATE_TIMEOUT_S):
     return res
 
 
-def discover(params, servers):
+def _stamp(python, first, package_dir):
+    """Identities ([path, size, mtime_ns, ctime_ns, inode] or [path]) of what decides where
+    `import sglang` resolves for `python` with `first` put first, and what it answers: the real
+    interpreter, its site directories and their .pth files, the `first` entries, and the package
+    directory with its __init__.py and version.py (a pip install or removal changes a site
+    directory; a checkout's version lives in version.py)."""
+    paths = [os.path.realpath(python)] + list(first)
+    for d in site_dirs(python):
+        paths += [d] + sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
+    if package_dir:
+        paths += [package_dir, os.path.dirname(package_dir)] + [os.path.join(package_dir, n)
+                                                                 for n in ("__init__.py", "version.py")]
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append([p, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+        except OSError:
+            out.append([p])
+    return out
+
+
+def located(python, first, store):
+    """ask(python, first), or its answer kept in `store` (a scancache.Store, or None) while the
+    _stamp it was given under still holds: a warm run starts no second interpreter. Raises what
+    ask raises."""
+    ident = json.dumps([python, list(first)])
+    if store is not None:
+        kept, _ = store.load(ident, "locate")
+        res = kept.get("answer")
+        if res and kept.get("stamp") == _stamp(python, first, (res.get("sglang") or {}).get("package_dir")):
+            return res
+    res = ask(python, first)
+    if store is not None:
+        try:
+            store.save(ident, os.path.dirname(python), {
+                "answer": res, "stamp": _stamp(python, first, (res.get("sglang") or {}).get("package_dir"))}, "locate")
+        except OSError:
+            pass  # the cache is an optimisation: the answer stands
+    return res
+
+
+def discover(params, servers, store=None):
     """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error}],
     [{python, reason, sglang (version or None), skipped | error}] interpreters considered).
     Sets each server's `install` (its install id, None when its interpreter has no sglang).
+    `store`: a scancache.Store keeping interpreters' answers (see located), or None.
     An install's id is "host:<package_dir>" (or "host:<location>" when the package directory
     was not found)."""
     installs, considered, asked = {}, [], {}
@@ -215,7 +259,7 @@ def discover(params, servers):
                 entry["skipped"] = why_not
                 continue
             try:
-                asked[key] = ask(python, first)
+                asked[key] = located(python, first, store)
             except (RuntimeError, OSError) as e:
                 entry["error"] = str(e)
                 continue
@@ -233,11 +277,12 @@ def discover(params, servers):
     return list(installs.values()), considered
 
 
-def scan_install(inst, with_sources):
+def scan_install(inst, with_sources, store=None):
     """Add allocator_call_sites, need_sort_origins and scan ({files, stats, parse_errors,
-    elapsed_s, error}) to install `inst` (+ sources: {file relative to location: exact text, None
-    when not UTF-8} of files with need_sort origins, when `with_sources`). A package directory
-    that was not found is scan.error, never an empty scan."""
+    phases_s, cache: {hits, misses, path, error}, elapsed_s, error}) to install `inst` (+ sources:
+    {file relative to location: exact text, None when not UTF-8} of files with need_sort origins,
+    when `with_sources`), reading and refreshing its scan cache in `store` (a scancache.Store;
+    None: no cache). A package directory that was not found is scan.error, never an empty scan."""
     inst.update(allocator_call_sites=[], need_sort_origins=[])
     error = inst.pop("error")
     if error:
@@ -245,7 +290,15 @@ def scan_install(inst, with_sources):
         return
     location = inst["sglang"]["location"]
     t0 = time.time()
-    found = callsites.scan(location)
+    cached, why = store.load(inst["id"]) if store else (None, None)
+    found = callsites.scan(location, cache=cached)
+    found["cache"].update(path=store.file_path(inst["id"]) if store and store.fd is not None else None,
+                          error=(store.error or why) if store else None)
+    if store:
+        try:
+            store.save(inst["id"], inst["sglang"]["package_dir"], cached)
+        except OSError as e:
+            found["cache"]["error"] = "not written: %s" % e
     inst["allocator_call_sites"] = found.pop("allocator_call_sites")
     inst["need_sort_origins"] = found.pop("need_sort_origins")
     found.update(elapsed_s=round(time.time() - t0, 3), error=None)
@@ -273,7 +326,8 @@ def primary(installs, servers):
 
 
 def main(params):
-    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool); or
+    """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
+    cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
     Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins", "scan",
     ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
@@ -283,13 +337,20 @@ def main(params):
         return res
     servers, others = procs.find_servers()
     found = containers.containers(others) if params.get("containers", True) else []
-    installs, considered = discover(params, servers)
-    for inst in installs:
-        if params.get("scan", True):
-            scan_install(inst, params.get("with_sources"))
-        else:
-            inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
-            inst.pop("error", None)
+    store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
+    try:
+        installs, considered = discover(params, servers, store)
+        for inst in installs:
+            if params.get("scan", True):
+                scan_install(inst, params.get("with_sources"), store)
+            else:
+                inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
+                inst.pop("error", None)
+        if store:
+            store.prune([i["id"] for i in installs])
+    finally:
+        if store:
+            store.close()
     main_inst, reason = primary(installs, servers)
     gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
     facts = {

@@ -1,0 +1,223 @@
+"""Remote probe helper: the scan cache, one file per install, kept on the host (issue 18).
+
+Stdlib only (Python 3.8+). Where: STATE_DIR/scan-cache when the probe runs as root, else the
+login user's `$XDG_CACHE_HOME/fleetctl` (default ~/.cache/fleetctl). The directory is reached
+from / one component at a time with O_NOFOLLOW (a symlink on the way disables the cache), made
+0700, and must belong to this euid; each cache file is opened with O_NOFOLLOW and must be a
+regular file of this euid, at most MAX_FILE_BYTES. Anything else is reported, never followed.
+
+A cache file is `scan-<sha256 of the install id>.json`: a header line {format, install, key,
+package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>.json` keeps an
+interpreter's locate answer with the identities it depends on (facts.located), so that a warm
+run starts no second interpreter. `key` is the sha256 of the
+bundled probe sources (sent by fleetctl): a file written by other probe code is discarded, as is
+one that cannot be read or parsed. The directory is bounded (MAX_DIR_BYTES, oldest dropped
+first) and loses the files of installs whose package directory is gone.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import stat
+
+STATE_DIR = "/var/lib/fleetctl"  # the ledger's state dir (probes/change.py)
+FORMAT = 1
+MAX_FILE_BYTES = 16 << 20
+MAX_DIR_BYTES = 64 << 20
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class CacheRefused(Exception):
+    """The cache directory or a cache file is not ours or not safe to use; the message says why."""
+
+
+def cache_dir():
+    """The cache directory's absolute path for this euid (see the module docstring)."""
+    if os.geteuid() == 0:
+        return os.path.join(STATE_DIR, "scan-cache")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.normpath(base), "fleetctl")
+
+
+def _open_dir(path, create):
+    """A descriptor of directory `path`, walked from / with O_NOFOLLOW; missing components made
+    0700 when `create` (else None is returned). Raises CacheRefused."""
+    if not os.path.isabs(path):
+        raise CacheRefused("%s is not an absolute path" % path)
+    fd, done = os.open("/", _DIR), ""
+    try:
+        for part in [p for p in path.split("/") if p]:
+            done += "/" + part
+            try:
+                nfd = os.open(part, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    os.close(fd)
+                    return None
+                os.mkdir(part, 0o700, dir_fd=fd)
+                nfd = os.open(part, _DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise CacheRefused("%s is a symlink or not a directory: the cache does not go through it" % done)
+                raise CacheRefused("%s: %s" % (done, e.strerror))
+            os.close(fd)
+            fd = nfd
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise CacheRefused("%s belongs to uid %d, not %d" % (path, st.st_uid, os.geteuid()))
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _name(what, ident):
+    return "%s-%s.json" % (what, hashlib.sha256(ident.encode("utf-8", "surrogateescape")).hexdigest()[:32])
+
+
+def _read(dfd, name, limit=MAX_FILE_BYTES):
+    """The bytes (at most `limit`) of cache file `name` in `dfd`, None when missing. Raises CacheRefused."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CacheRefused("%s: %s" % (name, e.strerror))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > MAX_FILE_BYTES:
+            raise CacheRefused("%s is not a regular file of uid %d under %d bytes" % (name, os.geteuid(), MAX_FILE_BYTES))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
+def _header(data):
+    try:
+        doc = json.loads(data.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class Store(object):
+    """The scan caches of this host's installs, for probe sources of sha256 `key`. `error` says
+    why the cache is off (the directory is refused), else None."""
+
+    def __init__(self, key, directory=None):
+        self.key, self.path, self.error = key, directory or cache_dir(), None
+        try:
+            self.fd = _open_dir(self.path, create=True)
+        except (CacheRefused, OSError) as e:
+            self.fd, self.error = None, str(e)
+
+    def file_path(self, install_id):
+        """Where install `install_id`'s scan cache lives (absolute path)."""
+        return os.path.join(self.path, _name("scan", install_id))
+
+    def load(self, install_id, what="scan"):
+        """The {…} cached for `install_id` ({} when missing, unreadable, from other probe
+        sources, or the cache is off). Returns (entries, why discarded or None). `what`: "scan"
+        (callsites entries) or "locate" (an interpreter's locate answer, see facts.located)."""
+        if self.fd is None:
+            return {}, None
+        try:
+            data = _read(self.fd, _name(what, install_id))
+        except CacheRefused as e:
+            return {}, "discarded: %s" % e
+        if data is None:
+            return {}, None
+        head = _header(data)
+        if not head or head.get("format") != FORMAT or head.get("install") != install_id or head.get("key") != self.key:
+            return {}, "discarded: written for another install or other probe code"
+        try:
+            entries = json.loads(data.split(b"\n", 1)[1])
+        except (ValueError, IndexError):
+            return {}, "discarded: not JSON (cut short?)"
+        return (entries, None) if isinstance(entries, dict) else ({}, "discarded: not a mapping")
+
+    def save(self, install_id, package_dir, entries, what="scan"):
+        """Write `entries` for `install_id` (O_EXCL temporary file, renamed over the old one); it
+        is pruned once `package_dir` is gone. A cache over MAX_FILE_BYTES is not written.
+        Raises OSError."""
+        if self.fd is None:
+            return
+        head = {"format": FORMAT, "install": install_id, "key": self.key, "package_dir": package_dir}
+        data = (json.dumps(head) + "\n" + json.dumps(entries, separators=(",", ":"))).encode("utf-8", "surrogateescape")
+        name = _name(what, install_id)
+        if len(data) > MAX_FILE_BYTES:
+            self._unlink(name)
+            return
+        tmp = ".%s.%d.tmp" % (name, os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o600, dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+
+    def _unlink(self, name):
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except OSError:
+            pass
+
+    def prune(self, keep):
+        """Drop the caches of installs whose package directory is gone, then the oldest ones
+        (not in `keep`, install ids) until the directory holds at most MAX_DIR_BYTES."""
+        if self.fd is None:
+            return
+        keep_names, sized = set(_name(w, i) for i in keep for w in ("scan", "locate")), []
+        for name in os.listdir(self.fd):
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not (name.startswith(("scan-", "locate-")) and name.endswith(".json")) or name in keep_names:
+                continue
+            try:
+                head = _header(_read(self.fd, name, 4096) or b"")
+            except CacheRefused:
+                head = None
+            if not head or not isinstance(head.get("package_dir"), str) or not os.path.isdir(head["package_dir"]):
+                self._unlink(name)
+            else:
+                sized.append((st.st_mtime_ns, st.st_size, name))
+        total = sum(s for _, s, _ in sized)
+        for _, size, name in sorted(sized):
+            if total <= MAX_DIR_BYTES:
+                break
+            self._unlink(name)
+            total -= size
+
+    def clear(self):
+        """Remove every cache file; returns how many."""
+        if self.fd is None:
+            return 0
+        names = [n for n in os.listdir(self.fd) if n.startswith(("scan-", ".scan-", "locate-", ".locate-"))]
+        for n in names:
+            self._unlink(n)
+        return len(names)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def main(params):
+    """Probe entry point for `fleetctl cache clear`: params {"action": "clear"} -> {path, removed, error}."""
+    store = Store(None)
+    try:
+        return {"path": store.path, "removed": store.clear() if params.get("action") == "clear" else 0,
+                "error": store.error}
+    finally:
+        store.close()
