@@ -21,7 +21,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(inventory plan gate change callsites)
-STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-rerun}  # one copy per module set
+# one copy per module set, and per MUTATION_ONLY selection (runs of different subsets coexist)
+STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-only-$(md5sum <<< "$MUTATION_ONLY" | cut -c1-8)}
 JOBS=${MUTATION_JOBS:-2}
 command -v mutmut >/dev/null || { echo "mutmut is missing: pip install -e '.[test]'" >&2; exit 2; }
 

@@ -11,6 +11,7 @@ import json
 import os
 import py_compile
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -199,6 +200,7 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch)
     assert last["state"] == "failed" and "NOT restored: " + second in last["reason"]
 
 
+# runs the probe with the params on stdin; SIGKILLs it at the first rename onto argv[1]
 KILLER = """
 import json, os, signal, sys
 from fleetctl.probes import change
@@ -206,7 +208,7 @@ params = json.load(sys.stdin)
 real = os.replace
 def replace(src, dst, **dir_fds):
     where = os.readlink("/proc/self/fd/%d" % dir_fds["dst_dir_fd"])
-    if os.path.join(where, dst) == params["files"][1]["path"]:
+    if os.path.join(where, dst) == sys.argv[1]:
         os.kill(os.getpid(), signal.SIGKILL)  # killed after the temp file, before the rename
     real(src, dst, **dir_fds)
 os.replace = replace
@@ -216,7 +218,8 @@ change.main(params)
 
 def test_recover_after_kill_mid_apply(site):
     _, state, params, originals = site
-    p = subprocess.run([sys.executable, "-c", KILLER], input=json.dumps(params), text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", KILLER, params["files"][1]["path"]], input=json.dumps(params),
+                       text=True, timeout=60)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["post_sha256"]
@@ -286,6 +289,67 @@ def test_recover_after_kill_inside_the_undo(site, backup):
         assert actions[0] == "untouched" and actions[1].startswith("restore failed: ")
         assert sha(second) == params["files"][1]["post_sha256"]
         assert ledger_states(state)[-1] == ("c1", "failed")
+
+
+def test_recover_after_kill_inside_a_link_restore(tmp_path):
+    """Killed between the new link and its rename while `recover` puts a kernel link back: the
+    next recover finishes and removes the temp link (mutation gap: the link restore's tag)."""
+    state, link = tmp_path / "state", tmp_path / "current"
+    os.symlink("k0", link)
+    r = change.main({"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t", "commit": False,
+                     "state_dir": str(state), "root": str(tmp_path),
+                     "files": [{"path": str(link), "kind": "link", "pre_target": "k0", "post_target": "k1"}]})
+    assert r["ok"] and os.readlink(link) == "k1"
+    listing = sorted(os.listdir(tmp_path))
+    recover = {"action": "recover", "state_dir": str(state)}
+    p = subprocess.run([sys.executable, "-c", KILLER, str(link)], input=json.dumps(recover), text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    [tmp] = tmp_path.glob(".current.fleetctl-c1-rb.*.tmp")
+    assert os.readlink(tmp) == "k0" and os.readlink(link) == "k1" and ledger_states(state) == [("c1", "pending")]
+    assert change.main(recover)["recovered"] == [{"change_id": "c1", "state": "rolled-back", "reason": "interrupted",
+                                                  "files": [{"path": str(link), "action": "restored"}]}]
+    assert os.readlink(link) == "k0" and sorted(os.listdir(tmp_path)) == listing
+
+
+def test_recover_leaves_unknown_content_alone(site):
+    """A file edited by hand while its change was pending is neither restored nor overwritten:
+    the change becomes "failed" and names it; the other file is restored."""
+    _, state, params, originals = site
+    assert change.main(dict(params, commit=False))["ok"]
+    first, second = (Path(f["path"]) for f in params["files"])
+    second.write_bytes(b"# edited by hand while the change was pending\n")
+    assert change.main({"action": "recover", "state_dir": str(state)}) == {"ok": True, "recovered": [{
+        "change_id": "c1", "state": "failed", "reason": f"interrupted; unknown content: {second}",
+        "files": [{"path": str(first), "action": "restored"},
+                  {"path": str(second), "action": "unknown content, left alone"}]}]}
+    assert first.read_bytes() == originals[str(first)]
+    assert second.read_bytes() == b"# edited by hand while the change was pending\n"
+    assert ledger_states(state)[-1] == ("c1", "failed")
+
+
+def test_a_restore_is_checked_against_before_sha256(site, monkeypatch):
+    """A backup that no longer hashes to before_sha256 is never written back, and a restore
+    whose bytes do not land as before_sha256 is reported, not counted as restored."""
+    _, state, params, originals = site
+    assert change.main(params)["ok"]
+    first = params["files"][0]["path"]
+    backup = state / "backups" / "c1" / first.lstrip("/")
+    good = backup.read_bytes()
+    backup.write_bytes(b"import os  # not what was there\n")
+    rollback = {"action": "rollback", "state_dir": str(state), "change_id": "c1"}
+    r = change.main(rollback)
+    assert not r["ok"] and r["error"] == (
+        f"rollback failed after restoring 0 of 2 files (none): backup {backup} does not hash to before_sha256")
+    assert sha(Path(first)) == params["files"][0]["post_sha256"]
+    backup.write_bytes(good)
+    real = change.atomic_write
+    monkeypatch.setattr(change, "atomic_write", lambda path, data, tag: real(path, data + b"# torn\n", tag))
+    r = change.main(rollback)
+    assert not r["ok"] and r["error"] == (
+        f"rollback failed after restoring 0 of 2 files (none): {first}: sha256 after restore is not before_sha256")
+    monkeypatch.undo()
+    assert change.main(dict(rollback, force=True))["ok"]
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
 
 
 def test_a_link_restore_that_does_not_take_is_reported(tmp_path, monkeypatch):
@@ -475,3 +539,115 @@ def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
         {"path": str(site / "sglang" / "fifo.py"),
          "problem": f"skipped, not read: {site}/sglang/fifo.py is a FIFO, not a regular file"},
         {"path": "/dev/zero", "problem": "skipped, not read: /dev/zero is a character device, not a regular file"}]
+
+
+# ---- the write path: no link, FIFO or device is ever followed or replaced ------------------
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_open_dir_goes_through_no_link_and_no_file(tmp_path):
+    real, alias, plain = tmp_path / "real", tmp_path / "alias", tmp_path / "plain"
+    (real / "sub").mkdir(parents=True)
+    alias.symlink_to(real)
+    plain.write_text("x")
+    fds = _fds()
+    for path in (real / "sub", Path("/")):
+        fd = change.open_dir(str(path))
+        try:
+            assert os.path.samestat(os.fstat(fd), os.stat(path))
+        finally:
+            os.close(fd)
+    for path, why in [(alias / "sub", f"{alias} is a symlink: fleetctl does not go through it"),
+                      (plain / "sub", f"{plain} is a regular file: fleetctl does not go through it")]:
+        for create in (None, 0o700):  # nor does creating the missing part go through them
+            with pytest.raises(change.UnsafePath) as e:
+                change.open_dir(str(path), create)
+            assert str(e.value) == why
+    with pytest.raises(FileNotFoundError):
+        change.open_dir(str(tmp_path / "missing" / "sub"))
+    assert not (tmp_path / "missing").exists() and sorted(os.listdir(real)) == ["sub"]
+    # relative, "..", a trailing "/" and the leading "//" that normpath keeps
+    for bad in ("relative/dir", f"{real}/../real", f"{real}/", f"/{real}", ""):
+        with pytest.raises(change.UnsafePath) as e:
+            change.open_dir(bad)
+        assert str(e.value) == f"{bad}: not an absolute, normalised path"
+    assert _fds() == fds  # no descriptor is left open, on success or on error
+
+
+def test_open_dir_creates_the_missing_part_with_its_mode_whatever_the_umask(tmp_path):
+    top = tmp_path.stat().st_mode
+    old = os.umask(0o077)
+    try:
+        fd = change.open_dir(str(tmp_path / "new" / "deeper"), create=0o751)
+    finally:
+        os.umask(old)
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / "new" / "deeper"))
+    finally:
+        os.close(fd)
+    assert [stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "new", tmp_path / "new" / "deeper")] == [0o751] * 2
+    assert tmp_path.stat().st_mode == top  # what existed is left as it was
+
+
+def test_confine_resolves_the_directory_and_keeps_to_the_root(tmp_path):
+    root = os.path.realpath(tmp_path / "site")
+    os.makedirs(f"{root}/pkg")
+    os.mkdir(f"{root}2")
+    os.symlink(f"{root}/pkg", f"{root}/alias")
+    os.symlink(f"{root}2", f"{root}/out")
+    os.symlink("elsewhere", f"{root}/pkg/link.py")
+    assert change.confine(f"{root}/alias/m.py", root) == f"{root}/pkg/m.py"
+    assert change.confine(f"{root}/pkg/m.py", root + "/") == f"{root}/pkg/m.py"
+    assert change.confine(f"{root}/pkg/link.py", root) == f"{root}/pkg/link.py"  # the file itself is not followed
+    assert change.confine("/m.py", "/") == "/m.py"
+    for path in (f"{root}2/m.py", f"{root}/out/m.py"):  # a sibling that shares the root's prefix; a link out
+        with pytest.raises(change.Refused) as e:
+            change.confine(path, root)
+        assert str(e.value) == f"{root}2/m.py is outside {root} (links resolved): fleetctl only writes there"
+    for bad in (None, 7, "pkg/m.py", f"{root}/pkg/../pkg/m.py", f"{root}/pkg/"):
+        with pytest.raises(change.Refused) as e:
+            change.confine(bad, root)
+        assert str(e.value) == "%r: not an absolute, normalised path" % (bad,)
+
+
+def test_atomic_write_never_replaces_a_link_or_a_special_file(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    link, fifo, folder = tmp_path / "link.py", tmp_path / "fifo.py", tmp_path / "dir.py"
+    link.symlink_to(outside)
+    os.mkfifo(fifo)
+    folder.mkdir()
+    listing, fds = sorted(os.listdir(tmp_path)), _fds()
+    for path, kind in ((link, "symlink"), (fifo, "FIFO"), (folder, "directory")):
+        with pytest.raises(change.UnsafePath) as e:
+            change.atomic_write(str(path), b"new", "t")
+        assert str(e.value) == f"{path} is a {kind}: fleetctl does not replace it"
+    assert outside.read_bytes() == b"keep" and os.readlink(link) == str(outside) and not os.listdir(folder)
+    assert sorted(os.listdir(tmp_path)) == listing and _fds() == fds
+
+
+def test_atomic_write_modes_owners_and_a_failed_write(tmp_path):
+    p = tmp_path / "new.py"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    old = os.umask(0o077)
+    try:
+        change.atomic_write(str(p), data, "t")
+    finally:
+        os.umask(old)
+    st = p.stat()
+    assert p.read_bytes() == data
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, os.geteuid(), os.getegid())
+    fds = _fds()
+    with pytest.raises(TypeError):  # fails after its temp file was made: the temp file goes
+        change.atomic_write(str(p), "not bytes", "t")
+    assert p.read_bytes() == data and os.listdir(tmp_path) == ["new.py"] and _fds() == fds
+    # set-id bits survive the change of owner (fchown clears them), and so do owner and group
+    for uid, gid in ((1234, 2345), (os.geteuid(), 2345)):
+        os.chown(p, uid, gid)
+        os.chmod(p, 0o6750)
+        change.atomic_write(str(p), b"y", "t")
+        st = p.stat()
+        assert (p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (b"y", 0o6750, uid, gid)
+    assert os.listdir(tmp_path) == ["new.py"] and _fds() == fds
