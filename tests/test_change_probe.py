@@ -200,6 +200,9 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch)
     assert last["state"] == "failed" and "NOT restored: " + second in last["reason"]
 
 
+# a probe run in a child process (which SIGKILLs itself) may take this long: generous, as on a
+# loaded machine (a mutation run at nice 19) a child that is not killed early is merely slow
+CHILD_S = 600
 # runs the probe with the params on stdin; SIGKILLs it at the first rename onto argv[1]
 KILLER = """
 import json, os, signal, sys
@@ -219,7 +222,7 @@ change.main(params)
 def test_recover_after_kill_mid_apply(site):
     _, state, params, originals = site
     p = subprocess.run([sys.executable, "-c", KILLER, params["files"][1]["path"]], input=json.dumps(params),
-                       text=True, timeout=60)
+                       text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["post_sha256"]
@@ -267,7 +270,7 @@ def test_recover_after_kill_inside_the_undo(site, backup):
     (mutation gap: the undo's temp-file tag)."""
     site_dir, state, params, originals = site
     listing = sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts)
-    p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["pre_sha256"]  # the undo had put the first one back
@@ -302,7 +305,7 @@ def test_recover_after_kill_inside_a_link_restore(tmp_path):
     assert r["ok"] and os.readlink(link) == "k1"
     listing = sorted(os.listdir(tmp_path))
     recover = {"action": "recover", "state_dir": str(state)}
-    p = subprocess.run([sys.executable, "-c", KILLER, str(link)], input=json.dumps(recover), text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", KILLER, str(link)], input=json.dumps(recover), text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     [tmp] = tmp_path.glob(".current.fleetctl-c1-rb.*.tmp")
     assert os.readlink(tmp) == "k0" and os.readlink(link) == "k1" and ledger_states(state) == [("c1", "pending")]
