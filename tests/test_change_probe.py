@@ -36,14 +36,27 @@ def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+@pytest.fixture(scope="session")
+def planned(tmp_path_factory):
+    """The real planner's change of two real files from two releases, planned once per session
+    (scanning and planning take seconds) for a site at a fixed location: ({rel: text},
+    [{path relative to the site, pre_sha256, post_sha256, new_text}])."""
+    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
+    where = tmp_path_factory.mktemp("planned") / "site"
+    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(where)))
+    assert plan.status == "change" and len(plan.files) == 2
+    return files, [{"path": str(Path(fc.path).relative_to(where)), "pre_sha256": fc.pre_sha256,
+                    "post_sha256": fc.post_sha256, "new_text": fc.new_text} for fc in plan.files]
+
+
 @pytest.fixture
-def site(tmp_path):
+def site(tmp_path, planned):
     """A site-packages copy holding two real files from two releases, with bytecode, odd mode and owner.
 
     Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
     """
     site, state = tmp_path / "site", tmp_path / "state"
-    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
+    files, changes = planned
     originals = {}
     for rel, text in files.items():
         p = site / rel
@@ -54,12 +67,9 @@ def site(tmp_path):
         os.chmod(p, 0o640)
         os.chown(p, 1234, 2345)
         originals[str(p)] = p.read_bytes()
-    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(site)))
-    assert plan.status == "change" and len(plan.files) == 2
     params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
               "operator": "tester", "root": str(site),
-              "files": [{k: getattr(fc, k) for k in ("path", "pre_sha256", "post_sha256", "new_text")}
-                        for fc in plan.files]}
+              "files": [dict(fc, path=str(site / fc["path"])) for fc in changes]}
     return site, state, params, originals
 
 
