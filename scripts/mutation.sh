@@ -7,7 +7,8 @@
 #
 # Usage: scripts/mutation.sh [MODULE ...]   MODULE: inventory plan gate change callsites (default: all)
 # Env:   MUTATION_JOBS   mutants tested in parallel (default 2)
-#        MUTATION_ONLY   space-separated mutant names: test only these (a rerun of survivors)
+#        MUTATION_ONLY   space-separated mutant names or name patterns (fnmatch): test only these
+#                        (a rerun of survivors, or one part of a module, each in its own stage dir)
 # Prints the score per module (killed / all mutants) and every survivor; tests/mutation-survivors.md
 # says why each remaining survivor is equivalent. Exits 0 whatever the score.
 #
