@@ -7,7 +7,8 @@
 #
 # Usage: scripts/mutation.sh [MODULE ...]   MODULE: inventory plan gate change callsites (default: all)
 # Env:   MUTATION_JOBS   mutants tested in parallel (default 2)
-#        MUTATION_ONLY   space-separated mutant names: test only these (a rerun of survivors)
+#        MUTATION_ONLY   space-separated mutant names or name patterns (fnmatch): test only these
+#                        (a rerun of survivors, or one part of a module, each in its own stage dir)
 # Prints the score per module (killed / all mutants) and every survivor; tests/mutation-survivors.md
 # says why each remaining survivor is equivalent. Exits 0 whatever the score.
 #
@@ -21,7 +22,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 modules=("$@")
 [ ${#modules[@]} -gt 0 ] || modules=(inventory plan gate change callsites)
-STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-rerun}  # one copy per module set
+# one copy per module set, and per MUTATION_ONLY selection (runs of different subsets coexist)
+STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-only-$(md5sum <<< "$MUTATION_ONLY" | cut -c1-8)}
 JOBS=${MUTATION_JOBS:-2}
 command -v mutmut >/dev/null || { echo "mutmut is missing: pip install -e '.[test]'" >&2; exit 2; }
 
@@ -47,6 +49,11 @@ head = head.replace('pythonpath = ["agent"]', 'pythonpath = ["src"]')
 tail = re.sub(r'only_mutate = \[.*?\]', "only_mutate = [%s]" % ", ".join(
     '"%s"' % f.replace("agent/", "src/", 1) for f in files), tail, flags=re.S)
 tail = tail.replace('source_paths = ["agent"]', 'source_paths = ["src"]')
+if wanted == ["change"]:
+    # only tests/test_change_probe.py reaches the change probe (a full run's stats say so): a
+    # change-only run need not collect, time and clean-run the other modules' tests
+    tail = re.sub(r'pytest_add_cli_args_test_selection = \[.*?\]',
+                  'pytest_add_cli_args_test_selection = ["tests/test_change_probe.py"]', tail, flags=re.S)
 if not wanted or "change" in wanted:
     # mutmut picks a mutant's tests by the functions each test reached in this process; these
     # tests reach the change probe only in a child process (they SIGKILL it), so they run for

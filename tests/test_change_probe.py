@@ -11,6 +11,7 @@ import json
 import os
 import py_compile
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -35,14 +36,27 @@ def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
+@pytest.fixture(scope="session")
+def planned(tmp_path_factory):
+    """The real planner's change of two real files from two releases, planned once per session
+    (scanning and planning take seconds) for a site at a fixed location: ({rel: text},
+    [{path relative to the site, pre_sha256, post_sha256, new_text}])."""
+    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
+    where = tmp_path_factory.mktemp("planned") / "site"
+    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(where)))
+    assert plan.status == "change" and len(plan.files) == 2
+    return files, [{"path": str(Path(fc.path).relative_to(where)), "pre_sha256": fc.pre_sha256,
+                    "post_sha256": fc.post_sha256, "new_text": fc.new_text} for fc in plan.files]
+
+
 @pytest.fixture
-def site(tmp_path):
+def site(tmp_path, planned):
     """A site-packages copy holding two real files from two releases, with bytecode, odd mode and owner.
 
     Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
     """
     site, state = tmp_path / "site", tmp_path / "state"
-    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
+    files, changes = planned
     originals = {}
     for rel, text in files.items():
         p = site / rel
@@ -53,12 +67,9 @@ def site(tmp_path):
         os.chmod(p, 0o640)
         os.chown(p, 1234, 2345)
         originals[str(p)] = p.read_bytes()
-    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(site)))
-    assert plan.status == "change" and len(plan.files) == 2
     params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
               "operator": "tester", "root": str(site),
-              "files": [{k: getattr(fc, k) for k in ("path", "pre_sha256", "post_sha256", "new_text")}
-                        for fc in plan.files]}
+              "files": [dict(fc, path=str(site / fc["path"])) for fc in changes]}
     return site, state, params, originals
 
 
@@ -68,8 +79,8 @@ def ledger_states(state: Path) -> list[tuple[str, str]]:
 
 def test_apply_then_rollback_is_byte_identical(site):
     site_dir, state, params, originals = site
-    r = change.main(params)
-    assert r["ok"], r
+    r = change.main(dict(params, install="/opt/venv/bin/python"))
+    assert r == {"ok": True, "change_id": "c1", "files": change.read_ledger(str(state))[-1]["files"]}, r
     for f in params["files"]:
         p = Path(f["path"])
         assert p.read_text() == f["new_text"] and sha(p) == f["post_sha256"]
@@ -81,7 +92,8 @@ def test_apply_then_rollback_is_byte_identical(site):
         assert backup.read_bytes() == originals[f["path"]]
     assert ledger_states(state) == [("c1", "pending"), ("c1", "applied")]
     entry = change.read_ledger(str(state))[-1]
-    assert entry["operator"] == "tester" and entry["playbook"] == "defrag-tier0"
+    assert (entry["operator"], entry["playbook"], entry["install"]) == ("tester", "defrag-tier0", "/opt/venv/bin/python")
+    assert entry["root"] == params["root"]
     assert [(f["before_sha256"], f["after_sha256"]) for f in entry["files"]] == \
         [(f["pre_sha256"], f["post_sha256"]) for f in params["files"]]
     # the same change again: the pre-image no longer matches
@@ -109,6 +121,65 @@ def test_pre_image_mismatch_refused_nothing_changed(site):
     assert not r["ok"] and r["refused"] and r["error"] == f"{second}: changed since inspect"
     assert {p: sha(Path(p)) for p in originals} == before
     assert not state.exists() or (ledger_states(state) == [] and not (state / "backups").exists())
+
+
+def test_apply_refusals_say_why_and_change_nothing(site, tmp_path):
+    """Each refusal of apply names its reason, and leaves the files, the ledger and the backups as
+    they were."""
+    site_dir, state, params, originals = site
+    first, second = (dict(f) for f in params["files"])
+    link = site_dir / "sglang" / "link.py"
+    link.symlink_to(first["path"])
+    (site_dir / "sglang" / "version.py").write_text("v = 1\n")
+    (site_dir / "sglang" / "__pycache__").write_text("not a directory")
+    cases = [
+        (dict(params, change_id="../c1"), "bad or already used change id '../c1'"),
+        (dict(params, files=[first, first]), "file paths must be distinct"),
+        (dict(params, files=[dict(first, path=f"{site_dir}/missing.py")]), f"{site_dir}/missing.py: No such file or directory"),
+        (dict(params, files=[dict(first, path=str(link))]), f"{link} is a symlink, not a regular file: not changing it"),
+        (dict(params, files=[dict(first, path=f"{site_dir}/sglang/version.py")]),
+         f"{site_dir}/sglang/__pycache__ is a regular file: not changing it"),
+        (dict(params, files=[first, dict(second, post_sha256=first["post_sha256"])]),
+         f"{second['path']}: new text does not hash to post_sha256"),
+    ]
+    for p, error in cases:
+        assert change.main(p) == {"ok": False, "refused": True, "error": error}, error
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
+    assert ledger_states(state) == [] and not (state / "backups").exists()
+    assert change.main(params)["ok"]
+    assert change.main(params) == {"ok": False, "refused": True, "error": "bad or already used change id 'c1'"}
+
+
+def test_a_link_changed_since_inspect_is_refused(tmp_path):
+    state, link, plain = tmp_path / "state", tmp_path / "current", tmp_path / "plain"
+    os.symlink("k9", link)
+    plain.write_text("x")
+
+    def act(path, pre):
+        return change.main({"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t",
+                            "state_dir": str(state), "root": str(tmp_path),
+                            "files": [{"path": str(path), "kind": "link", "pre_target": pre, "post_target": "k1"}]})
+
+    for path, pre, now in ((link, "k0", "link:k9"), (link, None, "link:k9"), (plain, None, "None")):
+        assert act(path, pre) == {"ok": False, "refused": True,
+                                  "error": f"{path}: changed since inspect (link is {now})"}, (path, pre)
+    assert os.readlink(link) == "k9" and plain.read_text() == "x" and ledger_states(state) == []
+
+
+def test_a_change_of_a_link_and_a_file_applies_and_rolls_back_both(tmp_path):
+    state, link, mod = tmp_path / "state", tmp_path / "current", tmp_path / "m.py"
+    os.symlink("k0", link)
+    mod.write_text("x = 1\n")
+    old, new = mod.read_bytes(), b"x = 2\n"
+    files = [{"path": str(link), "kind": "link", "pre_target": "k0", "post_target": "k1"},
+             {"path": str(mod), "pre_sha256": sha(mod), "post_sha256": hashlib.sha256(new).hexdigest(),
+              "new_text": new.decode()}]
+    r = change.main({"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t",
+                     "state_dir": str(state), "root": str(tmp_path), "files": files})
+    assert r["ok"] and [f["path"] for f in r["files"]] == [str(link), str(mod)], r
+    assert os.readlink(link) == "k1" and mod.read_bytes() == new
+    assert change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})["ok"]
+    assert os.readlink(link) == "k0" and mod.read_bytes() == old
 
 
 def test_rollback_refuses_changed_file_unless_forced(site):
@@ -151,54 +222,63 @@ def _fail_second_file(point, params, monkeypatch):
     monkeypatch.setattr(change, "drop_pycache", drop)
 
 
-@pytest.mark.parametrize("point, message", [
-    ("before-write", "disk full"),
-    ("after-rename", "Input/output error"),
-    ("drop-pycache", "Permission denied"),
-    ("wrong-bytes", "state after the write is not post_sha256"),
+@pytest.mark.parametrize("point, error", [
+    ("before-write", "OSError: disk full"),
+    ("after-rename", "OSError: [Errno 5] Input/output error"),
+    ("drop-pycache", "PermissionError: [Errno 13] Permission denied: '{second}'"),
+    ("wrong-bytes", "OSError: {second}: state after the write is not post_sha256"),
 ])
-def test_error_midway_restores_and_records_failed(site, monkeypatch, point, message):
+def test_error_midway_restores_and_records_failed(site, monkeypatch, point, error):
     """Wherever the second file's write fails, both files are back byte for byte, the ledger says
     failed, no temp file is left, and the probe says files restored (H2, O1)."""
     site_dir, state, params, originals = site
     _fail_second_file(point, params, monkeypatch)
+    error = error.format(second=params["files"][1]["path"])
     r = change.main(params)
-    assert not r["ok"] and r["error"].startswith("apply failed, files restored: ") and message in r["error"], r
-    assert "refused" not in r
+    assert r == {"ok": False, "change_id": "c1",
+                 "error": "apply failed, files restored: " + error.split(": ", 1)[1]}, r
     for p, data in originals.items():
         assert Path(p).read_bytes() == data, (point, p)
     assert ledger_states(state) == [("c1", "pending"), ("c1", "failed")]
-    assert message in change.read_ledger(str(state))[-1]["reason"]
+    assert change.read_ledger(str(state))[-1]["reason"] == error
     assert not list(site_dir.rglob("*.tmp"))
     monkeypatch.undo()
     assert change.main(dict(params, change_id="c2"))["ok"]  # nothing pending blocks the next apply
 
 
-def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch):
-    """When the restore itself fails, the probe must not claim "files restored": it names the file."""
+@pytest.mark.parametrize("failing", [(1,), (0, 1)])
+def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch, failing):
+    """When the restore itself fails, the probe must not claim "files restored": it names each
+    file that is not back (the second only, or both), and puts back the others."""
     site_dir, state, params, originals = site
     second = params["files"][1]["path"]
     real = change.atomic_write
+    pres = {params["files"][i]["pre_sha256"] for i in failing}
 
     def write(path, data, tag, expect=None):
-        if path == second and hashlib.sha256(data).hexdigest() == params["files"][1]["pre_sha256"]:
-            raise OSError("read-only file system")  # the restore of the second file
+        if tag == "c1" and hashlib.sha256(data).hexdigest() in pres and "backups" not in path:
+            raise OSError("read-only file system")  # the restore of a failing file
         real(path, data, tag, expect)
         if path == second:
             raise OSError("lost the directory fsync")
 
     monkeypatch.setattr(change, "atomic_write", write)
     r = change.main(params)
-    assert not r["ok"] and "files restored" not in r["error"], r
-    assert r["error"] == (f"apply failed: lost the directory fsync; NOT restored: {second} "
-                          "(OSError: read-only file system)")
+    left = "; ".join(f"{params['files'][i]['path']} (OSError: read-only file system)" for i in failing)
+    assert r == {"ok": False, "change_id": "c1",
+                 "error": f"apply failed: lost the directory fsync; NOT restored: {left}"}, r
     first = params["files"][0]["path"]
-    assert Path(first).read_bytes() == originals[first]  # the first file was put back
-    assert sha(Path(second)) == params["files"][1]["post_sha256"]
+    if failing == (1,):
+        assert Path(first).read_bytes() == originals[first]  # the first file was put back
+    assert all(sha(Path(params["files"][i]["path"])) == params["files"][i]["post_sha256"] for i in failing)
     last = change.read_ledger(str(state))[-1]
-    assert last["state"] == "failed" and "NOT restored: " + second in last["reason"]
+    assert (last["state"], last["reason"]) == ("failed", f"OSError: lost the directory fsync; NOT restored: {left}")
 
 
+# a probe run in a child process (which SIGKILLs itself) may take this long: generous, as on a
+# loaded machine (a mutation run at nice 19) a child that is not killed early is merely slow
+CHILD_S = 600
+# runs the probe with the params on stdin; SIGKILLs it at the first rename onto argv[1]
 KILLER = """
 import json, os, signal, sys
 from fleetctl.probes import change
@@ -206,7 +286,7 @@ params = json.load(sys.stdin)
 real = os.replace
 def replace(src, dst, **dir_fds):
     where = os.readlink("/proc/self/fd/%d" % dir_fds["dst_dir_fd"])
-    if os.path.join(where, dst) == params["files"][1]["path"]:
+    if os.path.join(where, dst) == sys.argv[1]:
         os.kill(os.getpid(), signal.SIGKILL)  # killed after the temp file, before the rename
     real(src, dst, **dir_fds)
 os.replace = replace
@@ -216,15 +296,16 @@ change.main(params)
 
 def test_recover_after_kill_mid_apply(site):
     _, state, params, originals = site
-    p = subprocess.run([sys.executable, "-c", KILLER], input=json.dumps(params), text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", KILLER, params["files"][1]["path"]], input=json.dumps(params),
+                       text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["post_sha256"]
     assert sha(second) == params["files"][1]["pre_sha256"]
     [tmp] = second.parent.glob(f".{second.name}.fleetctl-c1.*.tmp")  # a random name nobody can plant
     assert ledger_states(state) == [("c1", "pending")]
-    refused = change.main(dict(params, change_id="c2"))
-    assert not refused["ok"] and "pending" in refused["error"]
+    assert change.main(dict(params, change_id="c2")) == {
+        "ok": False, "refused": True, "error": "change c1 is still pending: recover first"}
 
     r = change.main({"action": "recover", "state_dir": str(state)})
     assert r["ok"] and r["recovered"] == [{
@@ -264,7 +345,7 @@ def test_recover_after_kill_inside_the_undo(site, backup):
     (mutation gap: the undo's temp-file tag)."""
     site_dir, state, params, originals = site
     listing = sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts)
-    p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
     assert sha(first) == params["files"][0]["pre_sha256"]  # the undo had put the first one back
@@ -286,6 +367,85 @@ def test_recover_after_kill_inside_the_undo(site, backup):
         assert actions[0] == "untouched" and actions[1].startswith("restore failed: ")
         assert sha(second) == params["files"][1]["post_sha256"]
         assert ledger_states(state)[-1] == ("c1", "failed")
+
+
+def test_recover_after_kill_inside_a_link_restore(tmp_path):
+    """Killed between the new link and its rename while `recover` puts a kernel link back: the
+    next recover finishes and removes the temp link (mutation gaps: the tag of the link swap in
+    apply and in the restore)."""
+    state, link = tmp_path / "state", tmp_path / "current"
+    os.symlink("k0", link)
+    apply = {"action": "apply", "change_id": "c1", "playbook": "kernel", "operator": "t", "commit": False,
+             "state_dir": str(state), "root": str(tmp_path),
+             "files": [{"path": str(link), "kind": "link", "pre_target": "k0", "post_target": "k1"}]}
+    # killed inside the apply's own swap: recover finds the link untouched and drops apply's temp link
+    listing = sorted(os.listdir(tmp_path)) + ["state"]
+    p = subprocess.run([sys.executable, "-c", KILLER, str(link)], input=json.dumps(apply), text=True, timeout=CHILD_S)
+    assert p.returncode == -signal.SIGKILL
+    [tmp] = tmp_path.glob(".current.fleetctl-c1.*.tmp")
+    assert os.readlink(tmp) == "k1" and os.readlink(link) == "k0"
+    recover = {"action": "recover", "state_dir": str(state)}
+    assert change.main(recover)["recovered"][0]["files"] == [{"path": str(link), "action": "untouched"}]
+    assert sorted(os.listdir(tmp_path)) == listing
+    # killed inside recover's swap back
+    r = change.main(dict(apply, change_id="c2"))
+    assert r["ok"] and os.readlink(link) == "k1"
+    p = subprocess.run([sys.executable, "-c", KILLER, str(link)], input=json.dumps(recover), text=True, timeout=CHILD_S)
+    assert p.returncode == -signal.SIGKILL
+    [tmp] = tmp_path.glob(".current.fleetctl-c2-rb.*.tmp")
+    assert os.readlink(tmp) == "k0" and os.readlink(link) == "k1" and ledger_states(state)[-1] == ("c2", "pending")
+    assert change.main(recover)["recovered"] == [{"change_id": "c2", "state": "rolled-back", "reason": "interrupted",
+                                                  "files": [{"path": str(link), "action": "restored"}]}]
+    assert os.readlink(link) == "k0" and sorted(os.listdir(tmp_path)) == listing
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_recover_leaves_unknown_content_alone(site, lost):
+    """A file edited by hand while its change was pending is neither restored nor overwritten:
+    the change becomes "failed" and names it; the other file is restored (or, its backup lost,
+    named too)."""
+    _, state, params, originals = site
+    assert change.main(dict(params, commit=False))["ok"]
+    first, second = (Path(f["path"]) for f in params["files"])
+    second.write_bytes(b"# edited by hand while the change was pending\n")
+    action, unknown = "restored", f"{second}"
+    if lost:
+        backup = state / "backups" / "c1" / str(first).lstrip("/")
+        backup.unlink()
+        action, unknown = f"restore failed: [Errno 2] No such file or directory: '{backup}'", f"{first}, {second}"
+    assert change.main({"action": "recover", "state_dir": str(state)}) == {"ok": True, "recovered": [{
+        "change_id": "c1", "state": "failed", "reason": f"interrupted; unknown content: {unknown}",
+        "files": [{"path": str(first), "action": action},
+                  {"path": str(second), "action": "unknown content, left alone"}]}]}
+    assert sha(first) == params["files"][0]["post_sha256" if lost else "pre_sha256"]
+    assert second.read_bytes() == b"# edited by hand while the change was pending\n"
+    assert ledger_states(state)[-1] == ("c1", "failed")
+
+
+def test_a_restore_is_checked_against_before_sha256(site, monkeypatch):
+    """A backup that no longer hashes to before_sha256 is never written back, and a restore
+    whose bytes do not land as before_sha256 is reported, not counted as restored."""
+    _, state, params, originals = site
+    assert change.main(params)["ok"]
+    first = params["files"][0]["path"]
+    backup = state / "backups" / "c1" / first.lstrip("/")
+    good = backup.read_bytes()
+    backup.write_bytes(b"import os  # not what was there\n")
+    rollback = {"action": "rollback", "state_dir": str(state), "change_id": "c1"}
+    r = change.main(rollback)
+    assert not r["ok"] and r["error"] == (
+        f"rollback failed after restoring 0 of 2 files (none): backup {backup} does not hash to before_sha256")
+    assert sha(Path(first)) == params["files"][0]["post_sha256"]
+    backup.write_bytes(good)
+    real = change.atomic_write
+    monkeypatch.setattr(change, "atomic_write",
+                        lambda path, data, tag, expect=None: real(path, data + b"# torn\n", tag, expect))
+    r = change.main(rollback)
+    assert not r["ok"] and r["error"] == (
+        f"rollback failed after restoring 0 of 2 files (none): {first}: sha256 after restore is not before_sha256")
+    monkeypatch.undo()
+    assert change.main(dict(rollback, force=True))["ok"]
+    assert all(Path(p).read_bytes() == d for p, d in originals.items())
 
 
 def test_a_link_restore_that_does_not_take_is_reported(tmp_path, monkeypatch):
@@ -642,3 +802,149 @@ def test_a_file_rewritten_while_being_applied_is_left_as_the_writer_left_it(site
     assert Path(second).read_bytes() == b"# pip's new bytes\n"
     assert Path(first).read_bytes() == originals[first]
     assert [e["state"] for e in change.read_ledger(str(state)) if e["change_id"] == "race"][-1] == "failed"
+
+
+# ---- the write path: no link, FIFO or device is ever followed or replaced ------------------
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_open_dir_goes_through_no_link_and_no_file(tmp_path):
+    real, alias, plain = tmp_path / "real", tmp_path / "alias", tmp_path / "plain"
+    (real / "sub").mkdir(parents=True)
+    alias.symlink_to(real)
+    plain.write_text("x")
+    fds = _fds()
+    for path in (real / "sub", Path("/")):
+        fd = change.open_dir(str(path))
+        try:
+            assert os.path.samestat(os.fstat(fd), os.stat(path))
+        finally:
+            os.close(fd)
+    for path, why in [(alias / "sub", f"{alias} is a symlink: fleetctl does not go through it"),
+                      (plain / "sub", f"{plain} is a regular file: fleetctl does not go through it")]:
+        for create in (None, 0o700):  # nor does creating the missing part go through them
+            with pytest.raises(change.UnsafePath) as e:
+                change.open_dir(str(path), create)
+            assert str(e.value) == why
+    with pytest.raises(FileNotFoundError):
+        change.open_dir(str(tmp_path / "missing" / "sub"))
+    assert not (tmp_path / "missing").exists() and sorted(os.listdir(real)) == ["sub"]
+    # relative, "..", a trailing "/" and the leading "//" that normpath keeps
+    for bad in ("relative/dir", f"{real}/../real", f"{real}/", f"/{real}", ""):
+        with pytest.raises(change.UnsafePath) as e:
+            change.open_dir(bad)
+        assert str(e.value) == f"{bad}: not an absolute, normalised path"
+    assert _fds() == fds  # no descriptor is left open, on success or on error
+
+
+def test_open_dir_creates_the_missing_part_with_its_mode_whatever_the_umask(tmp_path):
+    top = tmp_path.stat().st_mode
+    old = os.umask(0o077)
+    try:
+        fd = change.open_dir(str(tmp_path / "new" / "deeper"), create=0o751)
+    finally:
+        os.umask(old)
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / "new" / "deeper"))
+    finally:
+        os.close(fd)
+    assert [stat.S_IMODE(os.stat(p).st_mode) for p in (tmp_path / "new", tmp_path / "new" / "deeper")] == [0o751] * 2
+    assert tmp_path.stat().st_mode == top  # what existed is left as it was
+
+
+def test_confine_resolves_the_directory_and_keeps_to_the_root(tmp_path):
+    root = os.path.realpath(tmp_path / "site")
+    os.makedirs(f"{root}/pkg")
+    os.mkdir(f"{root}2")
+    os.symlink(f"{root}/pkg", f"{root}/alias")
+    os.symlink(f"{root}2", f"{root}/out")
+    os.symlink("elsewhere", f"{root}/pkg/link.py")
+    assert change.confine(f"{root}/alias/m.py", root) == f"{root}/pkg/m.py"
+    assert change.confine(f"{root}/pkg/m.py", root + "/") == f"{root}/pkg/m.py"
+    assert change.confine(f"{root}/pkg/link.py", root) == f"{root}/pkg/link.py"  # the file itself is not followed
+    assert change.confine("/m.py", "/") == "/m.py"
+    with pytest.raises(change.Refused):  # only "/" is stripped from the root's end
+        change.confine(f"{root}/pkg/m.py", root + "X")
+    for path in (f"{root}2/m.py", f"{root}/out/m.py"):  # a sibling that shares the root's prefix; a link out
+        with pytest.raises(change.Refused) as e:
+            change.confine(path, root)
+        assert str(e.value) == f"{root}2/m.py is outside {root} (links resolved): fleetctl only writes there"
+    for bad in (None, 7, "pkg/m.py", f"{root}/pkg/../pkg/m.py", f"{root}/pkg/"):
+        with pytest.raises(change.Refused) as e:
+            change.confine(bad, root)
+        assert str(e.value) == "%r: not an absolute, normalised path" % (bad,)
+
+
+def test_atomic_write_never_replaces_a_link_or_a_special_file(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    link, fifo, folder = tmp_path / "link.py", tmp_path / "fifo.py", tmp_path / "dir.py"
+    link.symlink_to(outside)
+    os.mkfifo(fifo)
+    folder.mkdir()
+    listing, fds = sorted(os.listdir(tmp_path)), _fds()
+    for path, kind in ((link, "symlink"), (fifo, "FIFO"), (folder, "directory")):
+        with pytest.raises(change.UnsafePath) as e:
+            change.atomic_write(str(path), b"new", "t")
+        assert str(e.value) == f"{path} is a {kind}: fleetctl does not replace it"
+    assert outside.read_bytes() == b"keep" and os.readlink(link) == str(outside) and not os.listdir(folder)
+    assert sorted(os.listdir(tmp_path)) == listing and _fds() == fds
+
+
+def test_atomic_write_never_opens_a_planted_temp_name(tmp_path, monkeypatch):
+    """Even with its random part guessed, the temp name is opened O_EXCL|O_NOFOLLOW: a link
+    planted there is neither followed nor removed, and the file is left as it was."""
+    target, outside = tmp_path / "m.py", tmp_path / "outside"
+    target.write_bytes(b"old")
+    outside.write_bytes(b"keep")
+    monkeypatch.setattr(change.secrets, "token_hex", lambda n: "0" * 2 * n)
+    planted = tmp_path / ".m.py.fleetctl-t.0000000000000000.tmp"
+    planted.symlink_to(outside)
+    with pytest.raises(FileExistsError):
+        change.atomic_write(str(target), b"new", "t")
+    assert (target.read_bytes(), outside.read_bytes(), os.readlink(planted)) == (b"old", b"keep", str(outside))
+
+
+def test_atomic_write_takes_short_writes_and_keeps_its_temp_file_private(tmp_path, monkeypatch):
+    """os.write may write less than asked: every byte still lands; and while the data is being
+    written the temp file is 0600 (its final mode is set once the data is in)."""
+    p, data, modes = tmp_path / "m.py", bytes(range(256)) * 64, set()
+    p.write_bytes(b"old")
+    os.chmod(p, 0o644)
+    real = os.write
+
+    def short(fd, view):
+        modes.add(stat.S_IMODE(os.fstat(fd).st_mode))
+        return real(fd, view[:1000])
+
+    monkeypatch.setattr(os, "write", short)
+    change.atomic_write(str(p), data, "t")
+    monkeypatch.undo()
+    assert p.read_bytes() == data and modes == {0o600} and stat.S_IMODE(p.stat().st_mode) == 0o644
+
+
+def test_atomic_write_modes_owners_and_a_failed_write(tmp_path):
+    p = tmp_path / "new.py"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    old = os.umask(0o077)
+    try:
+        change.atomic_write(str(p), data, "t")
+    finally:
+        os.umask(old)
+    st = p.stat()
+    assert p.read_bytes() == data
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, os.geteuid(), os.getegid())
+    fds = _fds()
+    with pytest.raises(TypeError):  # fails after its temp file was made: the temp file goes
+        change.atomic_write(str(p), "not bytes", "t")
+    assert p.read_bytes() == data and os.listdir(tmp_path) == ["new.py"] and _fds() == fds
+    # set-id bits survive the change of owner (fchown clears them), and so do owner and group
+    for uid, gid in ((1234, 2345), (os.geteuid(), 2345)):
+        os.chown(p, uid, gid)
+        os.chmod(p, 0o6750)
+        change.atomic_write(str(p), b"y", "t")
+        st = p.stat()
+        assert (p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (b"y", 0o6750, uid, gid)
+    assert os.listdir(tmp_path) == ["new.py"] and _fds() == fds

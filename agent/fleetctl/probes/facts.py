@@ -132,7 +132,7 @@ def _pth_paths(site_dir):
     out = []
     for pth in sorted(glob.glob(os.path.join(glob.escape(site_dir), "*.pth"))):
         try:
-            data = callsites.read_source(pth)[:MAX_PTH_BYTES]
+            data = callsites.read_source(pth)[0][:MAX_PTH_BYTES]
         except OSError:
             continue
         for line in data.decode("utf-8", "replace").splitlines():
