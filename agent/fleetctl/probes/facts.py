@@ -217,8 +217,8 @@ def _stamp(python, first, package_dir):
 
 def located(python, first, store):
     """ask(python, first), or its answer kept in `store` (a scancache.Store, or None) while the
-    _stamp it was given under still holds: a warm run starts no second interpreter. Raises what
-    ask raises."""
+    _stamp it was given under still holds: a warm run starts no second interpreter. An answer
+    whose sglang has no package directory is never kept. Raises what ask raises."""
     ident = json.dumps([python, list(first)])
     if store is not None:
         kept, _ = store.load(ident, "locate")
@@ -226,7 +226,10 @@ def located(python, first, store):
         if res and kept.get("stamp") == _stamp(python, first, (res.get("sglang") or {}).get("package_dir")):
             return res
     res = ask(python, first)
-    if store is not None:
+    found = res.get("sglang") or {}
+    if store is not None and (not found or found.get("package_dir")):
+        # an sglang without its package directory (a moved checkout) is asked again each run: what
+        # brings the directory back (a rename) changes nothing the stamp covers
         try:
             store.save(ident, os.path.dirname(python), {
                 "answer": res, "stamp": _stamp(python, first, (res.get("sglang") or {}).get("package_dir"))}, "locate")
