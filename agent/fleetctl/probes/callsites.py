@@ -298,7 +298,6 @@ def _resolve_site(resolver, raw):
     return site
 
 
-
 def _origin(src, kind, line, value, stmt, callee=None, target=None):
     """One need_sort origin dict (see scan)."""
     o = {"file": src.rel, "line": line, "col": src.char_col(value.lineno, value.col_offset),
@@ -350,7 +349,6 @@ def summarize(rel, data):
     sites, origins = _scan_source(src)
     return {"parsed": {"classes": _class_facts(src), "imports": _import_facts(src), "sites": sites,
                        "origins": origins}}
-
 
 
 # A source file larger than this is not read (SGLang's largest is well under 1 MiB).

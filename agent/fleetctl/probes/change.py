@@ -814,10 +814,12 @@ def prune(state_dir, keep=None):
             gone = _remove_under(state_dir, "backups/" + e["change_id"])
             if gone:
                 removed.append(gone)
+
+    def where(p):
+        return os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
     for link in sorted(glob.glob(os.path.join(glob.escape(state_dir), "kernels", "*", "current"))):
         kdir = os.path.dirname(link)
         keep_keys = {os.readlink(link)} if os.path.islink(link) else set()
-        where = lambda p: os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))  # noqa: E731
         for e in reversed(entries):
             f = next((f for f in e["files"] if f.get("kind") == "link" and where(f["path"]) == where(link)), None)
             if f is not None and e["state"] == APPLIED:

@@ -113,8 +113,9 @@ def containers(pids):
     """The containers of the server processes `pids` (pids as the host sees them), one entry per
     container: [{"root": {runtime, container_id, name, image, image_id, pid}, "servers": [pid],
     "pids_in_container": {str(host pid): its pid in the container}, "python": the first
-    server's interpreter as the container sees it (its absolute argv[0], else /proc/PID/exe), "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is the first server's
-    pid; name, image and image_id are None without the runtime's CLI."""
+    server's interpreter as the container sees it (its absolute argv[0], else /proc/PID/exe),
+    "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is the first server's pid;
+    name, image and image_id are None without the runtime's CLI."""
     out = {}
     for pid in pids:
         runtime, cid, kube = from_cgroup(procs._read("/proc/%d/cgroup" % pid) or "")
@@ -130,7 +131,8 @@ def containers(pids):
             exe = os.readlink("/proc/%d/exe" % pid)
         except OSError:
             exe = None
-        out[key] = {"python": argv[0] if argv and argv[0].startswith("/") else exe,"root": {"runtime": runtime, "container_id": cid, "name": seen.get("name"),
+        out[key] = {"python": argv[0] if argv and argv[0].startswith("/") else exe,
+                    "root": {"runtime": runtime, "container_id": cid, "name": seen.get("name"),
                              "image": seen.get("image"), "image_id": seen.get("image_id"), "pid": pid},
                     "servers": [pid], "pids_in_container": {str(pid): pid_in_container(pid)},
                     "kubelet": kube, "read_only_rootfs": read_only_root(pid)}

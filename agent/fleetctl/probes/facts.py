@@ -203,8 +203,8 @@ def _stamp(python, first, package_dir):
     for d in site_dirs(python):
         paths += [d] + sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
     if package_dir:
-        paths += [package_dir, os.path.dirname(package_dir)] + [os.path.join(package_dir, n)
-                                                                 for n in ("__init__.py", "version.py")]
+        paths += [package_dir, os.path.dirname(package_dir)]
+        paths += [os.path.join(package_dir, n) for n in ("__init__.py", "version.py")]
     out = []
     for p in paths:
         try:
