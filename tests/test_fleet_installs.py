@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import os
 import subprocess
 import time
@@ -13,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import TEST_LAB_ID, Lab, one_host_lab, require_lab
 from fleetctl import lab as labmod
@@ -185,23 +187,38 @@ def test_apply_validate_status_rollback_per_install(layouts):
 
 def test_a_failing_install_rolls_back_the_installs_changed_before_it(layouts):
     """One run, two installs: the second's validation fails (its server decodes other tokens after
-    the restart handler), so it is rolled back, and so is the first install the run had changed
-    already; the host is `failed` naming both, and both trees are byte-identical after."""
+    the restart handler of the second change), so it is rolled back, and so is the first install
+    the run had changed already; the host is `failed` naming both, and both trees are
+    byte-identical after."""
     _, _, hosts = layouts.cli_json("inspect", "lab-01")
     installs = {i["id"]: i for i in hosts["lab-01"]["installs"] if i["servers"]}
     locations = [i["sglang"]["location"] for i in installs.values()]
     before = {loc: tree_digest(layouts, loc) for loc in locations}
     behavior = f"{labmod.SECOND_STANDIN}/behavior.json"
-    restart = yaml.safe_load(layouts.inventory.read_text())["all"]["children"]["lab"]["hosts"]["lab-01"][
-        "fleetctl_restart_cmd"]
-    # read at the server's next start: the baseline decode (before the change) is unshifted
-    assert layouts.ssh("lab-01", f"echo '{{\"token_shift\": 3}}' > {behavior}").returncode == 0
+    doc = yaml.safe_load(layouts.inventory.read_text())
+    host_vars = doc["all"]["children"]["lab"]["hosts"]["lab-01"]
+    restart = host_vars["fleetctl_restart_cmd"]
+    # The handler restarts both servers after each install's change. Each change takes its baseline
+    # just before its write, so the second server must decode differently only from the second
+    # handler run on: this restart command counts its runs and, on the second, makes the second
+    # stand-in shift its tokens (read at its start) before restarting them as the lab's does.
+    script = "/tmp/fleetctl-test-restart.sh"
+    counter = "/tmp/fleetctl-test-restarts"
+    body = (f'n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}\n'
+            f'if [ $n -eq 2 ]; then echo \'{{"token_shift": 3}}\' > {behavior}; fi\n{restart}\n')
+    assert layouts.ssh("lab-01", f"rm -f {counter} {behavior} && printf '%s' {shlex.quote(body)} > {script}"
+                       ).returncode == 0
+    host_vars["fleetctl_restart_cmd"] = f"sh {script}"
+    original = layouts.inventory.read_text()
+    layouts.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
     try:
         r, doc, hosts = layouts.cli_json("apply", "defrag-tier0", "lab-01", "--yes", timeout=600)
     finally:
-        layouts.ssh("lab-01", f"rm -f {behavior} && {restart}", timeout=180)
+        layouts.inventory.write_text(original)
+        layouts.ssh("lab-01", f"rm -f {behavior} {counter} {script} && {restart}", timeout=180)
     h = hosts["lab-01"]
-    assert (r.returncode, h["status"]) == (2, "failed"), (r.returncode, h["status"], h["error"])
+    assert (r.returncode, h["status"]) == (2, "failed"), [(c["install"], c.get("validation"))
+                                                          for c in h.get("changes", [])]
     cid = doc["change_id"]
     changes = {c["install"]: c for c in h["changes"]}
     second = next(i for i, x in installs.items() if x["sglang"]["install"] == "wheel")
