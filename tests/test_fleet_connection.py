@@ -24,6 +24,7 @@ from fleetctl.wheelcache import ensure_wheel
 
 CA_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA (not a real one)
 KEEPALIVE = "Host *\n  ServerAliveInterval 1\n  ServerAliveCountMax 2\n"
+CUT_HEALTH_TIMEOUT_S = 300  # the health wait a cut interrupts: far longer than noticing the cut takes
 
 
 def plain_line(lab, host: str) -> str:
@@ -189,7 +190,7 @@ def apply_and_cut(server_lab, tmp_path, down_s: float, connect_timeout: float
     server_lab.set_behavior("lab-04", {"never_healthy": True}, restart=False)
     before = set(ledger(server_lab, "lab-04"))
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-04", "--yes", "--json",
-                          "--health-timeout", "60", "--connect-timeout", str(connect_timeout),
+                          "--health-timeout", str(CUT_HEALTH_TIMEOUT_S), "--connect-timeout", str(connect_timeout),
                           "--ssh-config", str(cfg)],
                          env=server_lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -205,7 +206,7 @@ def apply_and_cut(server_lab, tmp_path, down_s: float, connect_timeout: float
         time.sleep(down_s)
     finally:
         server_lab.fault("lab-04", "up")
-    out, err = p.communicate(timeout=180)
+    out, err = p.communicate(timeout=CUT_HEALTH_TIMEOUT_S + 300)
     took = time.monotonic() - t0
     try:
         host = json.loads(out)["hosts"][0]
@@ -240,11 +241,14 @@ def test_cut_shorter_than_the_reserve_is_rolled_back_in_the_same_run(server_lab,
     r, host, took = apply_and_cut(server_lab, tmp_path, down_s=3, connect_timeout=20)
     assert r.returncode == 2, r.stderr[-2000:]
     assert host["status"] == "failed" and host["rolled_back"] is True
-    assert host["error"].startswith("rolled back: the connection was lost (connection lost during a command")
+    # the cut lands during a command or while the health wait opens its next channel: either way lost
+    assert host["error"].startswith("rolled back: the connection was lost (connection lost "), host["error"]
     assert "keepalives" in host["error"]
     assert ledger(server_lab, "lab-04")[host["change_id"]] == "rolled-back"
     assert installed_sha(server_lab, "lab-04") == original
-    assert took < 60  # not the 60 s health wait: noticed by keepalives
+    # noticed by keepalives (2 x 1 s), not by the end of the health wait: the reconnect, the rollback and
+    # the restarted server's start take seconds to tens of seconds on a loaded machine, the wait 300 s
+    assert took < CUT_HEALTH_TIMEOUT_S / 2
 
 
 def test_cut_longer_than_the_reconnect_leaves_the_change_pending_and_the_next_run_undoes_it(
