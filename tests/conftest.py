@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ import yaml
 import fleetctl
 from fleetctl import lab as labmod
 from fleetctl.wheelcache import cache_dir
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite tests this checkout, never another installed copy: pytest's `pythonpath` puts agent/
@@ -114,6 +117,17 @@ class Lab:
              "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "ConnectTimeout=5",
              "-i", str(self.state_dir / "client_ed25519"), f"root@{self.address(host)}", command],
             capture_output=True, text=True, timeout=timeout, env=self.env, **kw)
+
+
+def kernel_variant(tmp_path: Path, name: str, edit=None) -> Path:
+    """A copy of kernels/ whose verify_attention differs (new build key), optionally broken."""
+    root = tmp_path / name
+    shutil.copytree(KERNELS_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
+    readme = root / "verify_attention" / "README.md"
+    readme.write_text(readme.read_text() + f"\n<!-- variant {name} -->\n")
+    if edit:
+        edit(root / "verify_attention")
+    return root
 
 
 def become_inventory(lab: Lab, path: Path, **per_host: dict) -> str:

@@ -619,6 +619,32 @@ def test_forged_ledger_entry_is_refused(site, tmp_path):
     assert decoy.read_text() == "x"
 
 
+def test_a_ledger_of_a_newer_schema_is_refused_and_nothing_changes(site):
+    """Every entry says its schema; a ledger holding one newer than this fleetctl's is refused by
+    every action (an older fleetctl or collection would misread it), and nothing is written."""
+    _, state, params, originals = site
+    assert change.main(dict(params, commit=False))["ok"]
+    assert {e["schema"] for e in change.read_ledger(str(state))} == {change.LEDGER_SCHEMA}
+    entry = dict(change.read_ledger(str(state))[-1], change_id="c9", schema=change.LEDGER_SCHEMA + 1)
+    with open(state / "ledger.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    ledger = (state / "ledger.jsonl").read_bytes()
+    on_disk = {p: Path(p).read_bytes() for p in originals}
+    for action in ({"action": "status"}, {"action": "recover"}, {"action": "commit", "change_id": "c1"},
+                   {"action": "rollback", "change_id": "c1"}, dict(params, change_id="c2")):
+        r = change.main(dict(action, state_dir=str(state)))
+        assert not r["ok"] and r["refused"], (action, r)
+        assert f"schema {change.LEDGER_SCHEMA + 1}, newer than this fleetctl's {change.LEDGER_SCHEMA}" in r["error"]
+        assert "(change c9)" in r["error"] and "upgrade fleetctl" in r["error"]
+    assert (state / "ledger.jsonl").read_bytes() == ledger
+    assert {p: Path(p).read_bytes() for p in originals} == on_disk
+    # a line of fleetctl before the schema was named (no "schema") is schema 1 and still read
+    lines = ledger.decode().splitlines()[:-1]
+    (state / "ledger.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(x).items()
+                                                            if k != "schema"}) + "\n" for x in lines))
+    assert change.main({"action": "status", "state_dir": str(state)})["ok"]
+
+
 def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
     site, state = tmp_path / "site", tmp_path / "state"
     with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:

@@ -63,3 +63,32 @@ def test_inventory_export_adds_key_and_known_hosts(tmp_path):
     assert hosts["gpu-01"]["ansible_ssh_common_args"] == f"-o UserKnownHostsFile={known} -o StrictHostKeyChecking=yes"
     assert hosts["gpu-02"]["fleetctl_sglang_port"] == 30001
     assert doc["all"]["children"]["gpu"]["hosts"] == {"gpu-01": None, "gpu-02": None}
+
+
+def test_kernel_module_upload_checks_every_file_and_follows_no_link(tmp_path, monkeypatch):
+    """The kernel module's transfer: each file is written only when its sha256 is the
+    controller's, never outside the source dir, never through a symlink (change.open_dir)."""
+    import base64
+    import hashlib
+    import importlib
+
+    collection.build(tmp_path / "c")
+    monkeypatch.syspath_prepend(str(tmp_path / "c"))
+    kernel = importlib.import_module("ansible_collections.fleetctl.sglang.plugins.modules.kernel")
+    files = {rel: {"b64": base64.b64encode(data).decode(), "sha256": hashlib.sha256(data).hexdigest()}
+             for rel, data in {"kernel.yaml": b"name: k\n", "csrc/k.cpp": b"int k;\n"}.items()}
+    src = tmp_path / "kernels" / "k" / "key" / "src"
+    kernel.upload(str(src), files)
+    assert (src / "csrc" / "k.cpp").read_bytes() == b"int k;\n" and (src / "kernel.yaml").read_bytes() == b"name: k\n"
+    assert oct(src.stat().st_mode & 0o777) == "0o700" and not [p for p in src.rglob("*.tmp")]
+    with pytest.raises(ValueError, match="damaged"):
+        kernel.upload(str(src), {"kernel.yaml": dict(files["kernel.yaml"], sha256="0" * 64)})
+    assert (src / "kernel.yaml").read_bytes() == b"name: k\n"
+    for bad in ("../escape.cpp", "/etc/x", "a//b", "./a"):
+        with pytest.raises(ValueError, match="not a relative path"):
+            kernel.upload(str(src), {bad: files["kernel.yaml"]})
+    (tmp_path / "elsewhere").mkdir()
+    (src / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(kernel.change.UnsafePath):
+        kernel.upload(str(src), {"linked/x.cpp": files["csrc/k.cpp"]})
+    assert not any((tmp_path / "elsewhere").iterdir())

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import kernel_variant
+
 pytestmark = pytest.mark.lab
 
 BIN = Path(sys.executable).parent
@@ -207,3 +209,94 @@ def test_lock_lease_is_honoured_by_the_cli(ansible, server_lab):
     assert r.returncode == 0 and '"changed": true' in r.stdout, r.stdout[-2000:]
     _, _, hosts = server_lab.cli_json("recover", "lab-04", "--yes", rc=0)
     assert hosts["lab-04"]["status"] == "ok"
+
+
+KERNEL_PLAY = """
+- hosts: all
+  gather_facts: false
+  tasks:
+    - fleetctl.sglang.lock: {state: acquired, lease_s: 1200, holder: kernel-play}
+    - block:
+        - fleetctl.sglang.kernel:
+            name: verify_attention
+            kernels_dir: "{{ kernels }}"
+            max_jobs: 2
+            commit: true
+          register: kernel
+        - ansible.builtin.copy:
+            content: "{{ kernel | to_json }}"
+            dest: "{{ out }}/{{ inventory_hostname }}-{{ run }}.json"
+            mode: "0600"
+          delegate_to: localhost
+          check_mode: false
+      always:
+        - fleetctl.sglang.lock: {state: released}
+"""
+KDIR = "/var/lib/fleetctl/kernels/verify_attention"
+
+
+def active(lab, host: str) -> str | None:
+    r = lab.ssh(host, f"if [ -L {KDIR}/current ]; then readlink {KDIR}/current; fi")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip() or None
+
+
+def test_kernel_plugin_builds_tests_activates_and_the_cli_sees_it(ansible, server_lab, tmp_path):
+    """fleetctl.sglang.kernel on one host: --check builds and activates nothing; a run builds (real
+    torch extension build, CPU backend), passes the reference test and activates, and `fleetctl
+    status` shows the active build and the ledger entry; a second run reuses it (changed: false);
+    `fleetctl rollback` switches back."""
+    host = "lab-02"
+    kernels = kernel_variant(tmp_path, "ansible")  # a build key no other test builds
+    out = ansible.tmp / "kernel"
+    out.mkdir()
+    play = ansible.tmp / "kernel.yml"
+    play.write_text(KERNEL_PLAY)
+    before = active(server_lab, host)
+
+    def run(name: str, *args: str) -> dict:
+        r = ansible.run("ansible-playbook", str(play), "--limit", host, *args,
+                        "-e", f"kernels={kernels} out={out} run={name}", timeout=1200)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        return json.loads((out / f"{host}-{name}.json").read_text())
+
+    chk = run("check", "--check")
+    assert chk["changed"] is True and chk["reused"] is False and chk["previous"] == before
+    assert "build" not in chk and "change_id" not in chk
+    r = server_lab.ssh(host, f"test -e {KDIR}/{chk['build_key']} && echo built || echo none")
+    assert r.stdout.strip() == "none" and active(server_lab, host) == before
+
+    got = run("first")
+    assert got["changed"] is True and got["reused"] is False and got["build_key"] == chk["build_key"]
+    assert got["backend"] == "cpu" and got["build"]["ok"] is True and got["test"]["ok"] is True
+    assert got["test"]["failures"] == [] and len(got["test"]["cases"]) > 10
+    assert active(server_lab, host) == got["build_key"]
+    _, _, st = server_lab.cli_json("status", host, rc=0)
+    assert st[host]["kernels"]["verify_attention"] == got["build_key"]
+    [entry] = [c for c in st[host]["changes"] if c["change_id"] == got["change_id"]]
+    assert (entry["state"], entry["playbook"], entry["operator"]) == \
+        ("applied", "kernel verify_attention", f"ansible@{host}")
+
+    again = run("second")
+    assert again["changed"] is False and again["reused"] is True and "build" not in again
+    assert "change_id" not in again and active(server_lab, host) == got["build_key"]
+
+    server_lab.cli_json("rollback", got["change_id"], host, "--yes", rc=0)
+    assert active(server_lab, host) == before
+
+
+def test_modules_refuse_a_ledger_of_a_newer_schema(ansible, server_lab):
+    """A ledger with an entry of a newer schema than the collection's probes know is refused by
+    the modules (they would misread it), and left as it was."""
+    sd = "/var/tmp/fleetctl-newer-ledger"
+    line = json.dumps({"change_id": "c9", "state": "applied", "schema": 99, "files": []})
+    r = server_lab.ssh("lab-04", f"rm -rf {sd} && mkdir -m 700 {sd} && echo '{line}' > {sd}/ledger.jsonl")
+    assert r.returncode == 0, r.stderr
+    try:
+        r = ansible.run("ansible", "lab-04", "-m", "fleetctl.sglang.patch", "-a",
+                        f"state=rolled_back change_id=c9 state_dir={sd}")
+        assert r.returncode == 2, r.stdout[-2000:]
+        assert "schema 99, newer than this fleetctl's 1" in r.stdout and "upgrade fleetctl" in r.stdout, r.stdout[-2000:]
+        assert server_lab.ssh("lab-04", f"cat {sd}/ledger.jsonl").stdout.strip() == line
+    finally:
+        server_lab.ssh("lab-04", f"rm -rf {sd}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import become_inventory, host_outcomes
+from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
 from fleetctl.kernelpkg import load_package
 
@@ -75,19 +74,6 @@ def kill_build(lab, host, timeout: float = 20) -> dict[int, str]:
         time.sleep(0.2)
 
 
-def variant(tmp_path, name, edit=None) -> Path:
-    """A copy of kernels/ whose verify_attention differs (new build key), optionally broken."""
-    root = tmp_path / name
-    shutil.copytree(KERNELS, root, ignore=shutil.ignore_patterns("__pycache__"))
-    readme = root / "verify_attention" / "README.md"
-    readme.write_text(readme.read_text() + f"\n<!-- variant {name} -->\n")
-    if edit:
-        edit(root / "verify_attention")
-    return root
-
-
-
-
 @pytest.fixture(scope="module")
 def deployed(server_lab):
     """The package deployed once to every host (four real builds)."""
@@ -141,7 +127,7 @@ def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path)
 
     before = active(server_lab, "lab-01")
     assert before is not None  # deployed: a vacuous None == None must not pass
-    r, doc, hosts = deploy(server_lab, "lab-01", kernels=variant(tmp_path, "broken", break_reference))
+    r, doc, hosts = deploy(server_lab, "lab-01", kernels=kernel_variant(tmp_path, "broken", break_reference))
     assert r.returncode == 2
     h = hosts["lab-01"]
     assert h["status"] == "failed" and "reference test failed, not activated" in h["error"]
@@ -155,7 +141,7 @@ def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
     # tokens are shifted by hand (the kernel itself is checked on the host in the test above)
     server_lab.set_behavior("lab-02", {"token_shift": 3}, restart=False)
     try:
-        r, doc, hosts = deploy(server_lab, "lab-02", kernels=variant(tmp_path, "drift"))
+        r, doc, hosts = deploy(server_lab, "lab-02", kernels=kernel_variant(tmp_path, "drift"))
     finally:
         server_lab.set_behavior("lab-02", {}, restart=True)
     assert r.returncode == 2
@@ -166,7 +152,7 @@ def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
 
 
 def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, tmp_path):
-    kernels = variant(tmp_path, "killed")
+    kernels = kernel_variant(tmp_path, "killed")
     env = dict(server_lab.env, FLEETCTL_KERNELS_DIR=str(kernels))
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", "lab-03",
                           "--yes", "--max-jobs", "1"], env=env, stdout=subprocess.DEVNULL,

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,43 @@ def test_ssh_connection_exit_status_in_band_and_masters_closed(lab, tmp_path):
         assert (control.stat().st_mode & 0o777) == 0o700 and len(str(control / seen["sockets"][0])) < 108
     assert not control.exists()
     assert processes_naming(str(control)) == []
+
+
+def test_ssh_connection_runs_over_the_users_live_master_and_leaves_it(lab, tmp_path):
+    """An operator's own ControlMaster/ControlPath/ControlPersist: with a live master for the host,
+    the ssh connection's commands go over it (shown with sshd's listener frozen: no new connection
+    can be made) and it is left running; without one, the run opens and closes its own, never in
+    the user's ControlPath."""
+    cm = Path(tempfile.mkdtemp(prefix="cm-", dir="/tmp"))  # a socket path has 108 bytes: no pytest tmp_path
+    config = write_ssh_config(tmp_path / "ssh_config", lab.known_hosts,
+                              f"Host *\n  ControlMaster auto\n  ControlPath {cm}/%C\n  ControlPersist 120\n")
+    addr, env = lab.address("lab-02"), {"FLEETCTL_SSH_CONFIG": str(config)}
+    base = ["ssh", "-F", str(config), "-o", "User=root", "-o", f"IdentityFile={lab.state_dir / 'client_ed25519'}",
+            "-o", "BatchMode=yes"]
+
+    def master_alive() -> bool:
+        return subprocess.run([*base, "-O", "check", "--", addr], capture_output=True, timeout=30).returncode == 0
+
+    try:
+        r = subprocess.run([*base, "-M", "-N", "-f", "--", addr], timeout=60, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert r.returncode == 0, r.stderr
+        assert master_alive()
+        lab.fault("lab-02", "freeze")
+        try:
+            _, _, hosts = lab.cli_json("inspect", "lab-02", "-c", "ssh", "--connect-timeout", "5", env=env, rc=0)
+        finally:
+            lab.fault("lab-02", "thaw")
+        assert hosts["lab-02"]["facts"]["hostname"] == "lab-02"
+        assert master_alive()  # the user's master is theirs: left running
+        subprocess.run([*base, "-O", "exit", "--", addr], capture_output=True, timeout=30)
+        assert not master_alive()
+        _, _, hosts = lab.cli_json("inspect", "lab-02", "-c", "ssh", env=env, rc=0)
+        assert hosts["lab-02"]["facts"]["hostname"] == "lab-02"
+        assert not master_alive() and not any(cm.iterdir())  # the run's own master lived in its own dir
+    finally:
+        subprocess.run([*base, "-O", "exit", "--", addr], capture_output=True, timeout=30)
+        shutil.rmtree(cm, ignore_errors=True)
 
 
 def test_ssh_connection_host_keys_as_openssh_decides(lab, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import zipfile
@@ -41,8 +42,8 @@ def test_cached_and_uncached_answers_are_identical(tmp_path, version):
     warm = callsites.scan(str(tmp_path), cache=cache)
     assert plain["allocator_call_sites"] and answer(cold) == answer(plain) == answer(warm)
     total = plain["stats"]["files_total"]
-    assert cold["cache"] == {"hits": 0, "misses": total}
-    assert warm["cache"] == {"hits": total, "misses": 0}
+    assert cold["cache"] == {"hits": 0, "misses": total, "changed": True}
+    assert warm["cache"] == {"hits": total, "misses": 0, "changed": False}  # not written again
     assert set(warm["phases_s"]) == {"walk", "prefilter", "parse", "analysis"}
 
 
@@ -78,7 +79,7 @@ def test_a_base_class_change_alone_changes_its_subclass_call_sites(tmp_path):
         "passing": "positional", "expr": "True", "resolved": "sglang/base.py::BaseAlloc"}
     (loc / "sglang/base.py").write_text("class BaseAlloc:\n    def __init__(self, size, other=False):\n        pass\n")
     second = callsites.scan(str(loc), cache=cache)
-    assert second["cache"] == {"hits": 1, "misses": 1}  # sub.py came from the cache
+    assert second["cache"] == {"hits": 1, "misses": 1, "changed": True}  # sub.py came from the cache
     assert second["allocator_call_sites"][0]["need_sort"] == {
         "passing": "absent", "expr": None, "resolved": "sglang/base.py::BaseAlloc"}
     assert answer(second) == answer(callsites.scan(str(loc)))
@@ -98,7 +99,7 @@ def test_a_same_size_rewrite_with_its_mtime_put_back_is_rescanned(tmp_path):
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     r = callsites.scan(str(loc), cache=cache)
-    assert r["cache"] == {"hits": 1, "misses": 1}
+    assert r["cache"] == {"hits": 1, "misses": 1, "changed": True}
     assert r["allocator_call_sites"][0]["need_sort"]["expr"] == "0==0"
 
 
@@ -129,6 +130,56 @@ def test_store_round_trip_discards_what_it_cannot_trust(tmp_path):
     assert entries == {} and "discarded" in why
     s.save("host:/x/sglang", str(tmp_path), {})  # rebuilt: the link is replaced, not followed
     assert not path.is_symlink() and not (tmp_path / "elsewhere.json").exists()
+
+
+def test_the_interpreter_record_is_written_once_and_only_for_a_trusted_interpreter(tmp_path):
+    d = tmp_path / "c"
+    s = scancache.Store("k1", str(d))
+    rec = d / scancache.INTERPRETER
+    s.keep_interpreter(sys.executable, lambda p: None)
+    assert rec.read_text() == sys.executable + "\n"
+    before = rec.stat().st_ino
+    s.keep_interpreter(sys.executable, lambda p: pytest.fail("asked although the record is the same"))
+    assert rec.stat().st_ino == before  # the same record is not rewritten
+    s.keep_interpreter("/opt/other/bin/python3", lambda p: "owned by uid 1000")
+    assert not rec.exists()  # an interpreter root must not run is never recorded
+    s.keep_interpreter("python3", lambda p: None)
+    assert not rec.exists()  # not an absolute path
+
+
+def run_finder(tmp_path: Path, record: str | None, link: bool = False) -> str:
+    """probes.command(None) run as a user other than root (a user namespace maps this process to
+    nobody), with its cache in tmp_path/cache/fleetctl: the stdout of whatever it started."""
+    from fleetctl import probes
+    cdir = tmp_path / "cache" / "fleetctl"
+    cdir.mkdir(parents=True, exist_ok=True)
+    rec = cdir / scancache.INTERPRETER
+    if record is not None:
+        target = tmp_path / "record.txt" if link else rec
+        target.write_text(record + "\n")
+        if link:
+            rec.symlink_to(target)
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\necho \"RECORDED $1\"\n")
+    fake.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run(["unshare", "--user", *probes.command(None)], input=b"", capture_output=True, env=env,
+                       timeout=60)
+    return r.stdout.decode()
+
+
+def test_a_probe_starts_the_recorded_interpreter_directly(tmp_path):
+    from fleetctl import probes
+    fake = str(tmp_path / "fake-python")
+    assert run_finder(tmp_path, fake).strip() == "RECORDED -c"
+    # no record, a record through a symlink, a record of a missing file: python3 on PATH runs it
+    (tmp_path / "cache" / "fleetctl" / scancache.INTERPRETER).unlink()
+    for record, link in ((None, False), (fake, True), (str(tmp_path / "gone"), False)):
+        out = run_finder(tmp_path, record, link)
+        assert "RECORDED" not in out and probes.MARKER in out, (record, link, out)
+        (tmp_path / "cache" / "fleetctl" / scancache.INTERPRETER).unlink(missing_ok=True)
+    # as root, the shell looks where the probe keeps root's cache
+    assert f"c={scancache.STATE_DIR}/scan-cache;" in probes.command(None)[2]
 
 
 def test_store_refuses_a_directory_reached_through_a_symlink(tmp_path):

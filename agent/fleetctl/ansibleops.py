@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import base64
+import hashlib
+
 from . import __version__, collection
 from .apply import host_side, install_change_id, plan_installs, reinspect_install
 from .changes import new_change_id
+from .deploy import activation
 from .fleet import HostFailed
 from .inventory import Host
 from .invtemplate import needed
-from .paths import find_playbook
+from .kernelpkg import KernelPackage, load_package
+from .paths import find_playbook, project_dir
 from .playbook import Playbook, load_playbook
 from .plan import HostPlan
 from .validate import SmokeOptions, gate, smoke_targets
@@ -125,3 +130,24 @@ def gate_verdict(host: Host, baseline: dict, after: dict, opts: SmokeOptions) ->
     "failed" (bool) and "message"."""
     verdict = gate(host, baseline, after, opts)
     return {**verdict.to_dict(), "failed": verdict.failed, "message": verdict.message}
+
+
+def kernel_package(name: str, kernels_dir: str | None) -> KernelPackage:
+    """Kernel package `name` from `kernels_dir` (default fleetctl's own kernels/). Raises ParseError."""
+    return load_package(project_dir("kernels", kernels_dir), name)
+
+
+def transfer(pkg: KernelPackage) -> dict[str, dict]:
+    """The kernel module's upload argument: {relpath: {"b64": content, "sha256": hex}} of every
+    package file (KernelPackage.files)."""
+    return {rel: {"b64": base64.b64encode(data).decode(), "sha256": hashlib.sha256(data).hexdigest()}
+            for rel, data in pkg.files().items()}
+
+
+def kernel_change(pkg: KernelPackage, root: str, link: str, current: str | None, key: str, operator: str,
+                  shared_tree: bool) -> dict:
+    """The patch module's `plan` argument that activates build `key` (deploy.activation): a
+    fresh "kernel-NAME" change id, ledger label "kernel NAME" (what `fleetctl deploy kernel`
+    writes), every file inside `root` (the kernels dir)."""
+    return {"change_id": new_change_id(f"kernel-{pkg.name}"), "playbook": f"kernel {pkg.name}", "operator": operator,
+            "install": None, "root": root, "shared_tree": shared_tree, "files": activation(link, current, key)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
+from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
 from .config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
@@ -59,52 +60,70 @@ def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage, opts: Deploy
     return cid, fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
 
 
-def _build(ctx: HostContext, python: str, pkg: KernelPackage, backend: str, arch: str, bdir: str,
-           current: str | None, opts: DeployOptions, data: dict) -> None:
-    """Upload, build, test and mark PASSED one build dir. Sets data["build"], data["test"].
-    Raises HostFailed (build or test failed: nothing activated)."""
+def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], pkg: KernelPackage, backend: str,
+                   arch: str | None, bdir: str, current: str | None, max_jobs: int, build_timeout: float,
+                   data: dict) -> None:
+    """Upload, build, test and mark PASSED one build dir: `upload(src_dir)` puts the package
+    there, `kbuild(action, timeout, **params)` runs one probes/kbuild.py action on the host with
+    the SGLang interpreter (`timeout`: seconds, None for the default). Sets data["build"],
+    data["test"]. Raises HostFailed (build or test failed: nothing activated)."""
     src, build = f"{bdir}/src", f"{bdir}/build"
-    _upload(ctx, pkg, src)
-    b = _kbuild(ctx, python, timeout=opts.build_timeout + PROBE_SLACK_S, action="build", src_dir=src,
-                build_dir=build, arch=arch, deadline_s=opts.build_timeout, max_jobs=opts.max_jobs,
-                **pkg.build_params(backend))
+    upload(src)
+    b = kbuild("build", build_timeout + PROBE_SLACK_S, src_dir=src, build_dir=build, arch=arch,
+               deadline_s=build_timeout, max_jobs=max_jobs, **pkg.build_params(backend))
     data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "removed_stale_lock")}
     if not b["ok"]:
         raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
                          f"log {b['log_path']}:\n{b['log_tail']}")
-    t = _kbuild(ctx, python, timeout=TEST_DEADLINE_S + PROBE_SLACK_S, action="test", src_dir=src,
-                module_path=b["module_path"], deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
+    t = kbuild("test", TEST_DEADLINE_S + PROBE_SLACK_S, src_dir=src, module_path=b["module_path"],
+               deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
     data["test"] = t.get("result")
     if not t["ok"]:
         raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
                          f"{t.get('result') or t.get('stderr_tail')}")
-    _kbuild(ctx, python, action="mark", build_dir=bdir, module_path=b["module_path"])
+    kbuild("mark", None, build_dir=bdir, module_path=b["module_path"])
+
+
+def preflight_key(pkg: KernelPackage, pre: dict) -> str:
+    """The build key of `pkg` for a host from its kbuild preflight answer ({"backend", "arch",
+    "facts": {"torch", "nvcc"}}). Raises HostFailed "preflight refused: ..." when no backend fits."""
+    if pre["backend"] is None:
+        raise HostFailed("preflight refused: " + "; ".join(pre["refusals"]))
+    torch, nvcc = pre["facts"].get("torch") or {}, pre["facts"].get("nvcc") or {}
+    return build_key(pkg, pre["backend"], torch.get("version"), torch.get("cuda"), nvcc.get("version"), pre["arch"])
+
+
+def kernel_paths(state_dir: str, name: str, key: str) -> tuple[str, str, str]:
+    """(kernels dir: the root every activation lies in, the build's dir, the `current` link)
+    of package `name`'s build `key` under STATE_DIR/kernels/NAME."""
+    return f"{state_dir}/kernels", f"{state_dir}/kernels/{name}/{key}", f"{state_dir}/kernels/{name}/current"
+
+
+def activation(link: str, current: str | None, key: str) -> list[dict]:
+    """The change probe's files of an activation: `link` swapped from `current` (None: no link) to `key`."""
+    return [{"path": link, "kind": "link", "pre_target": current, "post_target": key}]
 
 
 def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
     facts = gather(ctx, scan=False)["facts"]
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
-    if pre["backend"] is None:
-        raise HostFailed("preflight refused: " + "; ".join(pre["refusals"]))
-    backend, f = pre["backend"], pre["facts"]
-    torch, nvcc = f.get("torch") or {}, f.get("nvcc") or {}
-    key = build_key(pkg, backend, torch.get("version"), torch.get("cuda"), nvcc.get("version"), pre["arch"])
-    kdir = f"{opts.state_dir}/kernels/{pkg.name}"
-    bdir = f"{kdir}/{key}"
-    link = f"{kdir}/current"
+    key = preflight_key(pkg, pre)
+    backend = pre["backend"]
+    root, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
     state = _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
     current = state["current"]
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
             "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
     result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
-        _build(ctx, python, pkg, backend, pre["arch"], bdir, current, opts, data)
+        build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),
+                       lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, current, opts.max_jobs,
+                       opts.build_timeout, data)
     if current == key:
         return result
-    change = Change(change_id, f"kernel {pkg.name}",
-                    [{"path": link, "kind": "link", "pre_target": current, "post_target": key}],
-                    facts, f"{opts.state_dir}/kernels", restart_handlers(ctx))
+    change = Change(change_id, f"kernel {pkg.name}", activation(link, current, key), facts, root,
+                    restart_handlers(ctx))
     execute(ctx, result, change, opts)
     if result.status == HostStatus.FAILED:
         result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")

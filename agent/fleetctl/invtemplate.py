@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
-
-import jinja2
-import jinja2.sandbox
-from jinja2.nativetypes import NativeCodeGenerator
 
 from .errors import InventoryError
 
@@ -80,27 +77,32 @@ def _regex_replace(value: Any, pattern: str = "", replacement: str = "",
     return re.sub(pattern, replacement, str(value), count=count, flags=flags)
 
 
-class _Undefined(jinja2.ChainableUndefined, jinja2.StrictUndefined):
-    """Undefined as in Ansible: `a.b | default(x)` works; using an undefined value is an error."""
-
-
-class _Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+@lru_cache(maxsize=None)
+def _environment() -> Any:
     """The sandbox, rendering as ansible-core 2.19 does: a template that is one `{{ expr }}` gives
     the expression's own value (a number, a list, a bool), anything else its text. (Jinja2's
-    native code generator folds an expression of constants alone to its text: `{{ 22 }}` is "22".)"""
+    native code generator folds an expression of constants alone to its text: `{{ 22 }}` is "22".)
+    Undefined as in Ansible: `a.b | default(x)` works; using an undefined value is an error.
+    Jinja2 is imported here, the first time an inventory holds a template (0.1 s of every
+    command's start otherwise)."""
+    import jinja2
+    import jinja2.sandbox
+    from jinja2.nativetypes import NativeCodeGenerator
 
-    code_generator_class = NativeCodeGenerator
+    class Undefined(jinja2.ChainableUndefined, jinja2.StrictUndefined):
+        pass
 
-    @staticmethod
-    def concat(parts: Iterable[Any]) -> Any:
-        parts = list(parts)
-        if len(parts) == 1:
-            return str(parts[0]) if isinstance(parts[0], jinja2.Undefined) else parts[0]  # str(): the error
-        return "".join(map(str, parts))
+    class Environment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        code_generator_class = NativeCodeGenerator
 
+        @staticmethod
+        def concat(parts: Iterable[Any]) -> Any:
+            parts = list(parts)
+            if len(parts) == 1:
+                return str(parts[0]) if isinstance(parts[0], jinja2.Undefined) else parts[0]  # str(): the error
+            return "".join(map(str, parts))
 
-def _environment() -> _Environment:
-    env = _Environment(undefined=_Undefined, autoescape=False)
+    env = Environment(undefined=Undefined, autoescape=False)
     env.filters.update(bool=as_bool, quote=shlex.quote, regex_replace=_regex_replace)
     env.globals.update(lookup=_lookup("lookup"), query=_lookup("query"), q=_lookup("q"))
     return env
@@ -126,7 +128,6 @@ class Templar:
         if not source.is_dir():
             self.source["inventory_file"] = str(source)
         self.groups = {g: list(hosts) for g, hosts in groups.items()}
-        self.env = _environment()
         self.done: dict[tuple[str, str], Any] = {}
         self.active: list[tuple[str, str]] = []
         self.groups.setdefault("ungrouped", [])  # Ansible always has it
@@ -160,8 +161,9 @@ class Templar:
             return [self._render(host, name, v, where) for v in value]
         if not is_template(value):
             return value
+        import jinja2  # loaded by _environment()
         try:
-            template = self.env.from_string(value)
+            template = _environment().from_string(value)
             context = template.new_context(_context(self, host), shared=True)
             text = template.environment.concat(template.root_render_func(context))
         except InventoryError:
@@ -226,4 +228,4 @@ def _context(templar: Templar, host: str) -> _Layers:
     """What a template of `host` sees: the magic variables (groups and hostvars among them), the
     host's vars (lazily), the environment's globals."""
     return _Layers({"groups": templar.groups, "hostvars": templar.hostvars}, templar.hostvars[host],
-                   templar.env.globals)
+                   _environment().globals)

@@ -7,7 +7,9 @@ every host and then `Include`s the user's config (`--ssh-config`, else ~/.ssh/co
 home and /etc/ssh/ssh_config), so ProxyJump's own ssh processes share bastion masters too.
 ControlPath is `<private 0700 dir under /tmp>/%C` (a unix socket path has 108 bytes at most).
 The master is opened first (`ssh -M -N -f`, then `-O check`), so a connect or host-key failure is
-`unreachable` before any command; a command's exit status travels in-band on stderr (ssh's own
+`unreachable` before any command; where the user's own configuration already has a live master
+for the host (their ControlMaster/ControlPath/ControlPersist: `ssh -O check` answers), commands go
+over it instead and it is left running (unless that configuration turns host key checking off); a command's exit status travels in-band on stderr (ssh's own
 255 cannot be told from the command's); close() runs `-O exit` for this host's master, and the
 run's last cleanup (`ControlFiles.close`) for every master left, bastions included.
 """
@@ -49,7 +51,7 @@ class ControlFiles:
 
     def __init__(self, user_config: Path | None, accept_new: bool):
         self.dir = Path(tempfile.mkdtemp(prefix="fc-", dir="/tmp"))
-        self._user_config, self._accept_new = user_config, accept_new
+        self.user_config, self._accept_new = user_config, accept_new
         self._configs: dict[Path | None, Path] = {}
         self._lock = threading.Lock()
         self._hop_locks: dict[tuple, threading.Lock] = {}
@@ -61,7 +63,7 @@ class ControlFiles:
         file per distinct configuration, all with the same control settings."""
         with self._lock:
             if host_config not in self._configs:
-                includes = [host_config or self._user_config] if host_config or self._user_config else [
+                includes = [host_config or self.user_config] if host_config or self.user_config else [
                     passwd_home() / ".ssh" / "config", Path("/etc/ssh/ssh_config")]
                 path = self.dir / f"ssh_config-{len(self._configs)}"
                 path.write_text(
@@ -117,6 +119,7 @@ class OpenSSHConnection(Connection):
         super().__init__(host, settings)
         self._address: str | None = None
         self._master = False
+        self._live = False
         self._strict: list[str] = []
 
     @property
@@ -138,10 +141,22 @@ class OpenSSHConnection(Connection):
         opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
         return ["ssh", *args, "-F", config, *(w for o in opts for w in o), *self._strict, *extra]
 
+    def _user_argv(self, *extra: str) -> list[str]:
+        """ssh as the user's own configuration has it, without the run's ssh_config: the host's
+        ssh args, its own `-F FILE` or the user's (`--ssh-config`; none: ssh's defaults), then
+        ansible_user / ansible_port / ansible_ssh_private_key_file, BatchMode."""
+        h = self.host
+        args, own = split_config_option([*h.ssh_common_args, *h.ssh_extra_args])
+        config = own or self.settings.control_files.user_config
+        opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
+        return ["ssh", *args, *(["-F", str(config)] if config else []), *(w for o in opts for w in o),
+                "-o", "BatchMode=yes", *extra]
+
     def open(self) -> None:
-        """Resolve the host (`ssh -G`), open the masters of its ProxyJump hops (one per hop for
-        the whole run, as ProxyJump's own `ssh -W` will use them) and its own (`ssh -M -N -f`),
-        and check it (`-O check`), all within settings.connect_timeout seconds. A config's
+        """Resolve the host (`ssh -G`); when the user's configuration has a live master for it
+        (`-O check` with that configuration) use that one; else open the masters of its ProxyJump
+        hops (one per hop for the whole run, as ProxyJump's own `ssh -W` will use them) and its
+        own (`ssh -M -N -f`), and check it (`-O check`), all within settings.connect_timeout seconds. A config's
         `StrictHostKeyChecking no` counts as accept-new, with a warning (the run's ssh_config
         says `yes` first). Raises SshConfigError (exit 4), HostKeyRefused (ssh's host key
         verification failed), Unreachable."""
@@ -153,6 +168,9 @@ class OpenSSHConnection(Connection):
             log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
                         "changed key is still refused)", h.name)
             self._strict = ["-o", "StrictHostKeyChecking=accept-new"]
+        if not resolved.host_key_checking_off and self._check(self._user_argv("--", h.address), deadline) is None:
+            self._live = True  # the user's own live master: it verified the host key when it was opened
+            return
         for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
             jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []
             opts = [*(["-l", hop.user] if hop.user else []), *(["-p", str(hop.port)] if hop.port else []), *jump]
@@ -201,8 +219,9 @@ class OpenSSHConnection(Connection):
             raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
 
     def _start(self, argv: list[str], timeout: float) -> Process:
-        return OpenSSHProcess(self._argv("-T", "-o", "ControlMaster=no", "--", self.host.address,
-                                         command.exit_status_line(argv)))
+        ssh = self._user_argv if self._live else self._argv
+        return OpenSSHProcess(ssh("-T", "-o", "ControlMaster=no", "--", self.host.address,
+                                  command.exit_status_line(argv)))
 
     def close(self) -> None:
         """`ssh -O exit` for the master this connection opened (idempotent)."""

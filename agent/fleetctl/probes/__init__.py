@@ -22,7 +22,7 @@ MARKER = "--fleetctl-probe-result--"
 FACTS_MODULES = ["redact", "callsites", "scancache", "procs", "containers", "gpus", "locate", "facts"]
 
 WRAPPER = r"""
-import json, sys, traceback, types, zlib
+import json, sys, types, zlib
 try:
     data = sys.stdin.buffer.read()
     raw = (data if data[:1] == b"{" else zlib.decompress(data)).decode("utf-8")
@@ -34,6 +34,7 @@ try:
         exec(compile(src, "<fleetctl probe %s>" % name, "exec"), m.__dict__)
     out = sys.modules[b["main"]].main(b["params"])
 except BaseException:
+    import traceback
     out = {"__probe_error__": traceback.format_exc()}
 sys.stdout.write("\n%s\n%s\n" % (MARKER, json.dumps(out)))
 """.replace("MARKER", repr(MARKER))
@@ -66,13 +67,20 @@ def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
     return zlib.compress(json.dumps(doc).encode(), 6)
 
 
-# Runs WRAPPER ($0) with the first python3 or python on PATH.
-_FINDER = ('for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
+# Runs WRAPPER ($0) with the interpreter the last facts probe ran under, recorded in this user's
+# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a regular file, not a link,
+# naming an executable), else the first python3 or python on PATH. The record spares a warm run
+# a version manager's shim (pyenv's python3 costs ~0.13 s of shell before Python starts).
+_FINDER = ('if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi; '
+           'if [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; '
+           'then exec "$p" -c "$0"; fi; '
+           'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
            'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
 
 
 def command(python: str | None) -> list[str]:
-    """The argv that runs WRAPPER with `python`, or with the first python3/python on PATH."""
+    """The argv that runs WRAPPER with `python`, or (None) with the recorded interpreter or the
+    first python3/python on PATH (see _FINDER)."""
     if python:
         return [python, "-c", WRAPPER]
     return ["sh", "-c", _FINDER, WRAPPER]

@@ -14,7 +14,6 @@ import ast
 import errno
 import hashlib
 import io
-import multiprocessing
 import os
 import re
 import stat
@@ -451,6 +450,7 @@ class _Workers(object):
         """[file_entry(*job) for job in jobs], in that order."""
         if self.size > 1 and len(jobs) >= POOL_MIN_JOBS and self.pool is None:
             try:
+                import multiprocessing  # only when there is work for a pool (a warm scan has none)
                 ctx = multiprocessing.get_context("fork")
                 self.pool = ctx.Pool(self.size, initializer=os.nice, initargs=(10,))
             except (ValueError, OSError):
@@ -486,7 +486,8 @@ def scan(location, cache=None, workers=None):
       files: {rel: {sha256, size (bytes)}} for files holding a call site or origin;
       stats: {files_total, files_parsed}; parse_errors: [{file, error}] (also each file that is
         not a regular one and each symlinked directory: skipped, never read or followed);
-      phases_s: {walk, prefilter, parse, analysis} (wall seconds); cache: {hits, misses} (files).
+      phases_s: {walk, prefilter, parse, analysis} (wall seconds); cache: {hits, misses} (files),
+        + changed (bool: whether `cache` now differs from what was passed) when a cache was passed.
     Only the cross-file resolution (base classes, `__init__` signatures) is redone for files
     found in `cache`; the answer is the same with or without it. `need_sort` parameter defaults
     in signatures and attribute stores (`self.need_sort = x`, which keep a value that came from
@@ -497,17 +498,18 @@ def scan(location, cache=None, workers=None):
     entries, parse_errors, phases = {}, [], {}
     t = time.time()
     paths = []
-    for dirpath, dirnames, filenames in os.walk(os.path.join(location, "sglang")):
+    top = os.path.join(location, "sglang")
+    for dirpath, dirnames, filenames in os.walk(top):
+        # the directory relative to location, once per directory (relpath per file cost a third of a warm scan)
+        reldir = "sglang" + dirpath[len(top):].replace(os.sep, "/") + "/"
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for d in dirnames:  # os.walk lists a symlinked directory but never enters it: say so
             if os.path.islink(os.path.join(dirpath, d)):
-                rel = os.path.relpath(os.path.join(dirpath, d), location).replace(os.sep, "/")
-                parse_errors.append({"file": rel, "error": "skipped: a symlinked directory, not followed "
-                                                           "(none of its files is scanned)"})
+                parse_errors.append({"file": reldir + d, "error": "skipped: a symlinked directory, not followed "
+                                                                  "(none of its files is scanned)"})
         for fn in sorted(filenames):
             if fn.endswith(".py"):
-                path = os.path.join(dirpath, fn)
-                paths.append((path, os.path.relpath(path, location).replace(os.sep, "/")))
+                paths.append((os.path.join(dirpath, fn), reldir + fn))
     misses = []
     for path, rel in paths:
         e = old.get(rel)
@@ -583,8 +585,10 @@ def scan(location, cache=None, workers=None):
     result["phases_s"] = dict((k, round(v, 4)) for k, v in phases.items())
     if cache is not None:
         settled = time.time_ns() - int(RACY_S * 1e9)
+        kept = dict((rel, e) for rel, e in entries.items() if e["id"][2] < settled)
+        result["cache"]["changed"] = len(kept) != len(old) or any(old.get(rel) is not e for rel, e in kept.items())
         cache.clear()
-        cache.update((rel, e) for rel, e in entries.items() if e["id"][2] < settled)
+        cache.update(kept)
     return result
 
 

@@ -8,8 +8,8 @@ State lives in `state_dir` (param, default /var/lib/fleetctl):
   ledger.jsonl                    one JSON object per line: change_id, playbook, time (UTC ISO
                                   8601 of that line), operator, files [{path, before_sha256,
                                   after_sha256, backup}], state (pending | applied | rolled-back |
-                                  failed), reason; a state change appends the whole entry again,
-                                  and the last line of a change_id wins.
+                                  failed), reason, schema (LEDGER_SCHEMA); a state change appends
+                                  the whole entry again, and the last line of a change_id wins.
   backups/<change_id>/<path>      the original bytes of every file the change writes.
 Every action returns {"ok": true, ...} or {"ok": false, "error": "..."} (a refusal changes nothing).
 """
@@ -30,6 +30,10 @@ STATE_DIR = "/var/lib/fleetctl"
 # Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).
 PENDING, APPLIED, ROLLED_BACK, FAILED = "pending", "applied", "rolled-back", "failed"
 STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED)
+# The ledger's line format. Every entry written says it ("schema"; lines without it are schema 1,
+# as fleetctl wrote before it was named); a ledger with an entry of a newer schema is refused
+# whole (read_ledger), since an older fleetctl or collection would misread its changes.
+LEDGER_SCHEMA = 1
 _CHANGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -396,7 +400,8 @@ def _state_fd(state_dir, create):
 
 
 def read_ledger(state_dir):
-    """The ledger's entries in file order; a torn last line (killed mid-write) is skipped."""
+    """The ledger's entries in file order; a torn last line (killed mid-write) is skipped.
+    Raises Refused when an entry has a newer schema than LEDGER_SCHEMA."""
     out = []
     dfd = _state_fd(state_dir, create=False)
     if dfd is None:
@@ -412,9 +417,16 @@ def read_ledger(state_dir):
     with os.fdopen(fd, encoding="utf-8") as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                entry = json.loads(line)
             except ValueError:
                 continue
+            schema = entry.get("schema", 1) if isinstance(entry, dict) else None
+            if not isinstance(schema, int) or schema > LEDGER_SCHEMA:
+                raise Refused("ledger %s/ledger.jsonl has an entry of schema %r, newer than this fleetctl's %d "
+                              "(change %s): upgrade fleetctl (and rebuild the collection) to read it"
+                              % (state_dir, schema, LEDGER_SCHEMA, entry.get("change_id") if isinstance(entry, dict)
+                                 else None))
+            out.append(entry)
     return out
 
 
@@ -428,7 +440,7 @@ def changes(state_dir):
 
 
 def _append(state_dir, entry, state, reason=None):
-    entry = dict(entry, state=state, time=_now(), reason=reason)
+    entry = dict(entry, state=state, time=_now(), reason=reason, schema=LEDGER_SCHEMA)
     dfd = _state_fd(state_dir, create=True)
     try:
         fd = os.open("ledger.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,

@@ -297,7 +297,7 @@ def scan_install(inst, with_sources, store=None):
     found = callsites.scan(location, cache=cached)
     found["cache"].update(path=store.file_path(inst["id"]) if store and store.fd is not None else None,
                           error=(store.error or why) if store else None)
-    if store:
+    if store and found["cache"].pop("changed"):  # an unchanged cache is not written again
         try:
             store.save(inst["id"], inst["sglang"]["package_dir"], cached)
         except OSError as e:
@@ -351,6 +351,10 @@ def main(params):
                 inst.pop("error", None)
         if store:
             store.prune([i["id"] for i in installs])
+            try:
+                store.keep_interpreter(sys.executable, untrusted)
+            except OSError:
+                pass  # the record is an optimisation: the next run finds python3 on PATH again
     finally:
         if store:
             store.close()

@@ -9,7 +9,8 @@ regular file of this euid, at most MAX_FILE_BYTES. Anything else is reported, ne
 A cache file is `scan-<sha256 of the install id>.json`: a header line {format, install, key,
 package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>.json` keeps an
 interpreter's locate answer with the identities it depends on (facts.located), so that a warm
-run starts no second interpreter. `key` is the sha256 of the
+run starts no second interpreter; `interpreter` names the interpreter the last probe ran under,
+so that the next one starts it directly (probes.command). `key` is the sha256 of the
 bundled probe sources (sent by fleetctl): a file written by other probe code is discarded, as is
 one that cannot be read or parsed. The directory is bounded (MAX_DIR_BYTES, oldest dropped
 first) and loses the files of installs whose package directory is gone.
@@ -25,6 +26,9 @@ STATE_DIR = "/var/lib/fleetctl"  # the ledger's state dir (probes/change.py)
 FORMAT = 1
 MAX_FILE_BYTES = 16 << 20
 MAX_DIR_BYTES = 64 << 20
+# The interpreter a probe ran under, one line (Store.keep_interpreter); probes.command's shell
+# reads this name in the same directory.
+INTERPRETER = "interpreter"
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
@@ -153,6 +157,28 @@ class Store(object):
         if len(data) > MAX_FILE_BYTES:
             self._unlink(name)
             return
+        self._write(name, data)
+
+    def keep_interpreter(self, python, why_not):
+        """Record `python` (the interpreter running this probe, an absolute path) in INTERPRETER,
+        which the next probe's start reads before any Python runs (probes.command): a warm run
+        starts it directly, not through a version manager's shim. Written only when it differs,
+        and then only when `why_not(python)` (facts.untrusted) has no objection. Raises OSError."""
+        if self.fd is None or not os.path.isabs(python):
+            return
+        data = (python + "\n").encode("utf-8", "surrogateescape")
+        try:
+            if _read(self.fd, INTERPRETER, 4096) == data:
+                return
+        except CacheRefused:
+            pass
+        if b"\n" in data[:-1] or why_not(python):
+            self._unlink(INTERPRETER)
+            return
+        self._write(INTERPRETER, data)
+
+    def _write(self, name, data):
+        """Write cache file `name` (O_EXCL temporary file, renamed over the old one)."""
         tmp = ".%s.%d.tmp" % (name, os.getpid())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
                      0o600, dir_fd=self.fd)

@@ -1,0 +1,84 @@
+# -*- coding: utf-8 -*-
+# Copyright: (c) 2026, fleetctl maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+"""fleetctl.sglang.kernel on the controller: load the package, find the SGLang interpreter (inspect
+module), preflight and build key, then transfer, build, test and mark on the host (the kernel
+module's steps, the same sequence as `fleetctl deploy kernel`: deploy.build_and_test), and
+activate with the patch module's host side (one ledger change)."""
+
+from __future__ import annotations
+
+from ansible.plugins.action import ActionBase
+from ansible_collections.fleetctl.sglang.plugins.module_utils import pins
+
+MODULE = "fleetctl.sglang.kernel"
+PATCH = "fleetctl.sglang.patch"
+INSPECT = "fleetctl.sglang.inspect"
+
+
+class ActionModule(ActionBase):
+    """See the module's documentation."""
+
+    TRANSFERS_FILES = False
+    _VALID_ARGS = frozenset(("name", "kernels_dir", "state", "change_id", "commit", "force", "max_jobs",
+                             "build_timeout", "state_dir"))
+
+    def _module(self, name, args, task_vars):
+        return self._execute_module(module_name=name, module_args=args, task_vars=task_vars)
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        args = self._task.args
+        state_dir = args.get("state_dir") or "/var/lib/fleetctl"
+        if args.get("state", "activated") == "rolled_back":
+            result.update(self._module(PATCH, {"state": "rolled_back", "change_id": args.get("change_id"),
+                                               "force": args.get("force", False), "state_dir": state_dir}, task_vars))
+            return result
+        try:
+            from fleetctl import ansibleops, deploy
+            from fleetctl.errors import ParseError
+            from fleetctl.fleet import HostFailed
+        except ImportError as e:
+            return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
+
+        def step(action, timeout=None, /, **params):  # one kernel module step; a failure ends the task
+            res = self._module(MODULE, {"step": action, "python": python, "params": params}, task_vars)
+            if res.get("failed"):
+                raise HostFailed(res.get("msg"))
+            return res["answer"]
+
+        try:
+            ansibleops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
+            host = ansibleops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
+            pkg = ansibleops.kernel_package(args.get("name"), args.get("kernels_dir"))
+            gathered = self._module(INSPECT, {"python": host.python, "scan": False}, task_vars)
+            if gathered.get("failed"):
+                raise HostFailed("inspect: %s" % gathered.get("msg"))
+            python = gathered["facts"]["python"]["path"]
+            pre = step("preflight", backends=sorted(pkg.backends))
+            key = deploy.preflight_key(pkg, pre)
+            root, bdir, link = deploy.kernel_paths(state_dir, pkg.name, key)
+            st = step("state", link=link, build_dir=bdir)
+            current = st["current"]
+            result.update(backend=pre["backend"], arch=pre["arch"], build_key=key, previous=current,
+                          reused=st["passed"], refusals=pre["refusals"], changed=current != key)
+            if self._task.check_mode or current == key and st["passed"]:
+                return result
+            if not st["passed"]:
+                deploy.build_and_test(
+                    step, lambda src: step("upload", src_dir=src, files=ansibleops.transfer(pkg)), pkg,
+                    pre["backend"], pre["arch"], bdir, current, int(args.get("max_jobs", 4)),
+                    float(args.get("build_timeout", 1800)), result)
+                result["changed"] = True
+            if current == key:
+                return result
+            plan = ansibleops.kernel_change(pkg, root, link, current, key,
+                                            "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
+            wrote = self._module(PATCH, {"plan": plan, "commit": bool(args.get("commit")), "state_dir": state_dir},
+                                 task_vars)
+            if wrote.get("failed"):
+                raise HostFailed("activation: %s" % wrote.get("msg"))
+        except (HostFailed, ParseError) as e:
+            return dict(result, failed=True, msg=str(e))
+        result["change_id"] = plan["change_id"]
+        return result
