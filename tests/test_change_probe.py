@@ -496,6 +496,31 @@ def test_status_drift_and_record(tmp_path):
     assert r["modified"] is None and "no sglang distribution" in r["record_error"]
 
 
+def test_status_hashes_record_files_by_identity(tmp_path, monkeypatch):
+    """A warm status reads no file whose identity the record cache holds; a same-size rewrite
+    with its mtime put back (only ctime and inode tell) is read again and reported."""
+    monkeypatch.setattr(change, "RECORD_RACY_S", 0)
+    site, state = tmp_path / "site", tmp_path / "state"
+    with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:
+        z.extractall(site)
+    st = {"action": "status", "state_dir": str(state), "location": str(site), "dist": "sglang"}
+    assert change.main(st)["modified"] == []
+    assert len(list((state / "scan-cache").glob("record-*.json"))) == 1
+    reads, real = [], change.sha256_file
+    monkeypatch.setattr(change, "sha256_file", lambda p: reads.append(p) or real(p))
+    assert change.main(st)["modified"] == [] and reads == []
+    hand = site / "sglang" / "version.py"
+    before, data = hand.stat(), hand.read_bytes()
+    assert b"0.5.2" in data
+    tmp = hand.with_name("version.new")
+    tmp.write_bytes(data.replace(b"0.5.2", b"9.9.9"))
+    os.replace(tmp, hand)
+    os.utime(hand, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert hand.stat().st_size == before.st_size
+    r = change.main(st)
+    assert reads == [str(hand)] and r["modified"] == [{"path": str(hand), "problem": "modified outside fleetctl"}]
+
+
 def test_two_phase_apply_commit_or_rollback(site):
     _, state, params, originals = site
     r = change.main(dict(params, commit=False))  # written, awaiting validation

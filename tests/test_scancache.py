@@ -147,6 +147,17 @@ def test_the_interpreter_record_is_written_once_and_only_for_a_trusted_interpret
     assert not rec.exists()  # not an absolute path
 
 
+def test_an_inventory_interpreter_is_never_recorded(tmp_path):
+    """The trust probe checks an inventory interpreter under the PATH search's one: were the
+    inventory's recorded, that check would start under the very interpreter it checks."""
+    from fleetctl.probes import facts
+    s = scancache.Store("k1", str(tmp_path / "c"))
+    facts.record_interpreter(s, {"python": "/opt/venv/bin/python"})
+    assert not (tmp_path / "c" / scancache.INTERPRETER).exists()
+    facts.record_interpreter(s, {"python": None})
+    assert (tmp_path / "c" / scancache.INTERPRETER).read_text() == sys.executable + "\n"
+
+
 def run_finder(tmp_path: Path, record: str | None, link: bool = False) -> str:
     """probes.command(None) run as a user other than root (a user namespace maps this process to
     nobody), with its cache in tmp_path/cache/fleetctl: the stdout of whatever it started."""

@@ -42,7 +42,7 @@ from .probes import ProbeError, redact
 from .validate import SmokeOptions, gate, smoke
 from .vocab import ChangeState, GateStatus, HostStatus
 
-CHANGE_MODULES = ["change"]
+CHANGE_MODULES = ["scancache", "change"]
 RESTART_HANDLER = "restart sglang"
 # What Ctrl-C and the run deadline say about a host stopped while a change job was in progress.
 STOPPED_NOTE = ("a change there stays pending in its ledger; the next apply, deploy or rollback on it "

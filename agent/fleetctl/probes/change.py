@@ -26,6 +26,11 @@ import secrets
 import stat
 import time
 
+try:  # the probe bundle loads this helper before this module
+    import scancache
+except ImportError:  # imported as a package module (fleetctl.probes.change; the collection's module_utils)
+    from . import scancache
+
 STATE_DIR = "/var/lib/fleetctl"
 # Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).
 PENDING, APPLIED, ROLLED_BACK, FAILED = "pending", "applied", "rolled-back", "failed"
@@ -52,6 +57,10 @@ NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "lustre", "gpfs", 
               "afs", "9p", "fuse", "fuseblk")
 # Files the probe reads (package sources, backups) are at most this many bytes.
 MAX_FILE_BYTES = 64 << 20
+# The RECORD hash cache (status): entries of files changed this recently are not kept (their
+# ctime cannot yet tell a later rewrite; as callsites.RACY_S); its cache key names the format.
+RECORD_RACY_S = 2.0
+RECORD_CACHE_KEY = "record-sha256-1"
 KEEP_BACKUPS = 10  # backups kept of the latest changes, whatever their state (prune())
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -744,9 +753,44 @@ def recover(params, state_dir):
     return {"ok": True, "recovered": done}
 
 
-def _record_problems(location, dist_name, explained):
+def record_hashes(paths, state_dir, ident, location):
+    """{path: sha256_file(path)} for real paths `paths`, each file read only when its identity
+    (size, mtime_ns, ctime_ns, inode; lstat) is not the one the record cache `ident` holds
+    (state_dir/scan-cache, a scancache.Store), which is then refreshed (files changed in the
+    last RECORD_RACY_S seconds left out). A cache that cannot be used costs only the reads."""
+    store = scancache.Store(RECORD_CACHE_KEY, os.path.join(state_dir, "scan-cache"))
+    try:
+        old, _ = store.load(ident, "record")
+        settled = time.time_ns() - int(RECORD_RACY_S * 1e9)
+        out, new = {}, {}
+        for path in paths:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            ident_now = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] if st and stat.S_ISREG(st.st_mode) else None
+            kept = old.get(path)
+            if ident_now is not None and isinstance(kept, list) and len(kept) == 5 and kept[:4] == ident_now \
+                    and isinstance(kept[4], str):
+                out[path] = kept[4]
+            else:
+                out[path] = sha256_file(path)
+            if ident_now is not None and st.st_ctime_ns < settled and out[path] and not out[path].startswith("<"):
+                new[path] = ident_now + [out[path]]
+        if new != old:
+            try:
+                store.save(ident, location, new, "record")
+            except OSError:
+                pass  # an optimisation: the answer stands
+        return out
+    finally:
+        store.close()
+
+
+def _record_problems(location, dist_name, explained, state_dir):
     """Files of distribution `dist_name` in `location` whose sha256 differs from its RECORD
-    (sha256=<urlsafe b64, no padding>), minus files whose hex sha256 is `explained[realpath]`."""
+    (sha256=<urlsafe b64, no padding>), minus files whose hex sha256 is `explained[realpath]`;
+    hashes come through record_hashes (cached by file identity in `state_dir`)."""
     from importlib import metadata
 
     want = re.sub(r"[-_.]+", "-", dist_name).lower()
@@ -755,11 +799,11 @@ def _record_problems(location, dist_name, explained):
     if dist is None:
         return None, "no %s distribution in %s" % (dist_name, location)
     out = []
-    for pp in dist.files or []:
-        if pp.hash is None or pp.hash.mode != "sha256":
-            continue
-        path = os.path.realpath(str(dist.locate_file(pp)))
-        cur = sha256_file(path)
+    hashed = [(pp, os.path.realpath(str(dist.locate_file(pp)))) for pp in dist.files or []
+              if pp.hash is not None and pp.hash.mode == "sha256"]
+    hashes = record_hashes([path for _, path in hashed], state_dir, "%s|%s" % (location, want), location)
+    for pp, path in hashed:
+        cur = hashes[path]
         if cur is None:
             out.append({"path": path, "problem": "missing"})
             continue
@@ -898,7 +942,7 @@ def status(params, state_dir):
                 drift.append({"change_id": cid, "path": f["path"], "problem": "drift: edited since the apply"})
     modified, err = (None, None)
     if params.get("location"):
-        modified, err = _record_problems(params["location"], params.get("dist", "sglang"), explained)
+        modified, err = _record_problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
     kernels = {os.path.basename(os.path.dirname(c)): os.readlink(c)
                for c in sorted(glob.glob(os.path.join(state_dir, "kernels", "*", "current")))}
     return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,

@@ -328,6 +328,19 @@ def primary(installs, servers):
     return None, SEVERAL if installs else NONE_FOUND
 
 
+def record_interpreter(store, params):
+    """Record this probe's interpreter in `store` (scancache.Store.keep_interpreter) for the next
+    probe's start, only when it was found by the PATH search (no params["python"]): an inventory
+    interpreter is never recorded, or the trust probe that checks it before it runs as root
+    (fleet.HostContext.probe) would itself start under it."""
+    if params.get("python"):
+        return
+    try:
+        store.keep_interpreter(sys.executable, untrusted)
+    except OSError:
+        pass  # the record is an optimisation: the next run finds python3 on PATH again
+
+
 def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
     cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache); or
@@ -351,10 +364,7 @@ def main(params):
                 inst.pop("error", None)
         if store:
             store.prune([i["id"] for i in installs])
-            try:
-                store.keep_interpreter(sys.executable, untrusted)
-            except OSError:
-                pass  # the record is an optimisation: the next run finds python3 on PATH again
+            record_interpreter(store, params)
     finally:
         if store:
             store.close()

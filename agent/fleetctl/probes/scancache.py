@@ -9,7 +9,9 @@ regular file of this euid, at most MAX_FILE_BYTES. Anything else is reported, ne
 A cache file is `scan-<sha256 of the install id>.json`: a header line {format, install, key,
 package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>.json` keeps an
 interpreter's locate answer with the identities it depends on (facts.located), so that a warm
-run starts no second interpreter; `interpreter` names the interpreter the last probe ran under,
+run starts no second interpreter; `record-<sha256>.json` keeps the sha256 of each file of an
+installed distribution's RECORD by file identity (change.record_hashes, for `status`);
+`interpreter` names the interpreter the last probe ran under,
 so that the next one starts it directly (probes.command). `key` is the sha256 of the
 bundled probe sources (sent by fleetctl): a file written by other probe code is discarded, as is
 one that cannot be read or parsed. The directory is bounded (MAX_DIR_BYTES, oldest dropped
@@ -127,7 +129,8 @@ class Store(object):
     def load(self, install_id, what="scan"):
         """The {…} cached for `install_id` ({} when missing, unreadable, from other probe
         sources, or the cache is off). Returns (entries, why discarded or None). `what`: "scan"
-        (callsites entries) or "locate" (an interpreter's locate answer, see facts.located)."""
+        (callsites entries), "locate" (an interpreter's locate answer, see facts.located) or
+        "record" (RECORD hashes, see change.record_hashes)."""
         if self.fd is None:
             return {}, None
         try:
@@ -207,7 +210,7 @@ class Store(object):
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
             except OSError:
                 continue
-            if not (name.startswith(("scan-", "locate-")) and name.endswith(".json")) or name in keep_names:
+            if not (name.startswith(("scan-", "locate-", "record-")) and name.endswith(".json")) or name in keep_names:
                 continue
             try:
                 head = _header(_read(self.fd, name, 4096) or b"")
