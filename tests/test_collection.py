@@ -92,3 +92,23 @@ def test_kernel_module_upload_checks_every_file_and_follows_no_link(tmp_path, mo
     with pytest.raises(kernel.change.UnsafePath):
         kernel.upload(str(src), {"linked/x.cpp": files["csrc/k.cpp"]})
     assert not any((tmp_path / "elsewhere").iterdir())
+
+
+def test_kernel_module_steps_run_under_a_deadline(tmp_path, monkeypatch):
+    """A kernel module step whose interpreter never answers is stopped at its deadline with a
+    clear error, not waited on forever; one that answers gives kbuild's answer."""
+    import importlib
+    import time
+
+    collection.build(tmp_path / "c")
+    monkeypatch.syspath_prepend(str(tmp_path / "c"))
+    kernel = importlib.import_module("ansible_collections.fleetctl.sglang.plugins.modules.kernel")
+    hung = tmp_path / "hung-python"
+    hung.write_text("#!/bin/sh\nexec sleep 60\n")
+    hung.chmod(0o755)
+    t0 = time.monotonic()
+    with pytest.raises(kernel.probe_bundle.ProbeError, match="state did not answer within 1 s"):
+        kernel.under(str(hung), "state", {"link": "/nonexistent/current", "build_dir": "/nonexistent/b"}, 1)
+    assert time.monotonic() - t0 < 30
+    got = kernel.under(sys.executable, "state", {"link": str(tmp_path / "current"), "build_dir": str(tmp_path)}, 60)
+    assert got == {"current": None, "passed": False}

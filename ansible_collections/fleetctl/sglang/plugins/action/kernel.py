@@ -41,8 +41,11 @@ class ActionModule(ActionBase):
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
 
-        def step(action, timeout=None, /, **params):  # one kernel module step; a failure ends the task
-            res = self._module(MODULE, {"step": action, "python": python, "params": params}, task_vars)
+        def step(action, timeout=None, /, **params):  # one kernel module step, under a deadline; a failure ends the task
+            args_ = {"step": action, "python": python, "params": params}
+            if timeout is not None:  # build and test: their own deadline plus slack (deploy.build_and_test)
+                args_["timeout"] = timeout
+            res = self._module(MODULE, args_, task_vars)
             if res.get("failed"):
                 raise HostFailed(res.get("msg"))
             return res["answer"]

@@ -67,6 +67,10 @@ options:
   params:
     description: The step's parameters, made by the action plugin. Not for direct use.
     type: dict
+  timeout:
+    description: Seconds the step may take on the host before it is killed, set by the action plugin. Not for direct use.
+    type: float
+    default: 120
 attributes:
   check_mode:
     support: full
@@ -135,13 +139,18 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.fleetctl.sglang.plugins.module_utils import change, kbuild, probe_bundle
 
 
-def under(python, action, params):
+def under(python, action, params, timeout):
     """Run kbuild's `action` with `params` as a probe bundle under `python` (the interpreter that
-    serves SGLang: builds and tests use its torch). Raises probe_bundle.ProbeError."""
+    serves SGLang: builds and tests use its torch), killed after `timeout` seconds (builds and
+    tests enforce their own deadline_s inside it). Raises probe_bundle.ProbeError (no result, or
+    the deadline passed)."""
     doc = {"modules": [["kbuild", pyinspect.getsource(kbuild)]], "main": "kbuild",
            "params": dict(params, action=action), "wrapper": probe_bundle.WRAPPER}
-    r = subprocess.run([python, "-c", probe_bundle.WRAPPER], input=json.dumps(doc).encode(), stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, cwd="/")
+    try:
+        r = subprocess.run([python, "-c", probe_bundle.WRAPPER], input=json.dumps(doc).encode(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise probe_bundle.ProbeError("%s did not answer within %g s" % (action, timeout))
     return probe_bundle.parse_output(r.stdout, r.stderr, r.returncode)
 
 
@@ -179,7 +188,7 @@ def main():
             max_jobs=dict(type="int", default=4), build_timeout=dict(type="float", default=1800),
             state_dir=dict(type="path", default="/var/lib/fleetctl"),
             step=dict(type="str", choices=["preflight", "state", "upload", "build", "test", "mark"]),
-            python=dict(type="str"), params=dict(type="dict"),
+            python=dict(type="str"), params=dict(type="dict"), timeout=dict(type="float", default=120),
         ),
         required_together=[("step", "python", "params")],
         supports_check_mode=True,
@@ -194,7 +203,7 @@ def main():
         if p["step"] == "upload":
             upload(p["params"]["src_dir"], p["params"]["files"])
             module.exit_json(changed=True, answer={"files": sorted(p["params"]["files"])})
-        answer = under(p["python"], p["step"], p["params"])
+        answer = under(p["python"], p["step"], p["params"], p["timeout"])
     except (ValueError, OSError, change.UnsafePath, probe_bundle.ProbeError) as e:
         module.fail_json(msg="%s: %s" % (p["step"], e))
     module.exit_json(changed=changing, answer=answer)
