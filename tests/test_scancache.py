@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import zipfile
 import zlib
@@ -158,37 +160,53 @@ def test_an_inventory_interpreter_is_never_recorded(tmp_path):
     assert (tmp_path / "c" / scancache.INTERPRETER).read_text() == sys.executable + "\n"
 
 
-def run_finder(tmp_path: Path, record: str | None, link: bool = False) -> str:
-    """probes.command(None) run as a user other than root (a user namespace maps this process to
-    nobody), with its cache in tmp_path/cache/fleetctl: the stdout of whatever it started."""
+NOBODY = 65534
+
+
+@pytest.fixture
+def nobody_home():
+    """A home directory owned by nobody under /tmp (pytest's tmp_path is root's 0700)."""
+    home = Path(tempfile.mkdtemp(prefix="fc-finder-", dir="/tmp"))
+    yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def run_finder(home: Path, record: str | None, link: bool = False, owner: int = NOBODY) -> str:
+    """probes.command(None) run as nobody (setpriv), with its cache in home/cache/fleetctl and
+    /usr/bin:/bin as PATH; `record` written there (through a symlink with `link`, owned by
+    `owner`): the stdout of whatever it started."""
     from fleetctl import probes
-    cdir = tmp_path / "cache" / "fleetctl"
+    cdir = home / "cache" / "fleetctl"
     cdir.mkdir(parents=True, exist_ok=True)
     rec = cdir / scancache.INTERPRETER
+    rec.unlink(missing_ok=True)
     if record is not None:
-        target = tmp_path / "record.txt" if link else rec
+        target = home / "record.txt" if link else rec
         target.write_text(record + "\n")
         if link:
             rec.symlink_to(target)
-    fake = tmp_path / "fake-python"
+    fake = home / "fake-python"
     fake.write_text("#!/bin/sh\necho \"RECORDED $1\"\n")
     fake.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    r = subprocess.run(["unshare", "--user", *probes.command(None)], input=b"", capture_output=True, env=env,
-                       timeout=60)
+    for p in [home, *home.rglob("*")]:
+        os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+    if record is not None and not link:
+        os.chown(rec, owner, owner)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / "cache")}
+    r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                        *probes.command(None)], input=b"", capture_output=True, env=env, timeout=60)
     return r.stdout.decode()
 
 
-def test_a_probe_starts_the_recorded_interpreter_directly(tmp_path):
+def test_a_probe_starts_the_recorded_interpreter_directly(nobody_home):
     from fleetctl import probes
-    fake = str(tmp_path / "fake-python")
-    assert run_finder(tmp_path, fake).strip() == "RECORDED -c"
-    # no record, a record through a symlink, a record of a missing file: python3 on PATH runs it
-    (tmp_path / "cache" / "fleetctl" / scancache.INTERPRETER).unlink()
-    for record, link in ((None, False), (fake, True), (str(tmp_path / "gone"), False)):
-        out = run_finder(tmp_path, record, link)
-        assert "RECORDED" not in out and probes.MARKER in out, (record, link, out)
-        (tmp_path / "cache" / "fleetctl" / scancache.INTERPRETER).unlink(missing_ok=True)
+    fake = str(nobody_home / "fake-python")
+    assert run_finder(nobody_home, fake).strip() == "RECORDED -c"
+    # no record, one through a symlink, one of another owner, one naming a missing file: python3 on PATH
+    for record, link, owner in ((None, False, NOBODY), (fake, True, NOBODY), (fake, False, 0),
+                                (str(nobody_home / "gone"), False, NOBODY)):
+        out = run_finder(nobody_home, record, link, owner)
+        assert "RECORDED" not in out and probes.MARKER in out, (record, link, owner, out)
     # as root, the shell looks where the probe keeps root's cache
     assert f"c={scancache.STATE_DIR}/scan-cache;" in probes.command(None)[2]
 

@@ -68,11 +68,12 @@ def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
 
 
 # Runs WRAPPER ($0) with the interpreter the last facts probe ran under, recorded in this user's
-# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a regular file, not a link,
-# naming an executable), else the first python3 or python on PATH. The record spares a warm run
+# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a regular file of this user,
+# not a link, naming an executable), else the first python3 or python on PATH. The record spares a warm run
 # a version manager's shim (pyenv's python3 costs ~0.13 s of shell before Python starts).
 _FINDER = ('if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi; '
-           'if [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; '
+           'if [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && [ -O "$c/interpreter" ] && '
+           'read -r p < "$c/interpreter" && [ -x "$p" ]; '
            'then exec "$p" -c "$0"; fi; '
            'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -c "$0"; done; '
            'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
