@@ -14,10 +14,13 @@ fault HOST delay D`: the lab's userspace delay proxy holds each chunk D ms each 
   fleetctl ssh           `inspect all --json -c ssh` (OpenSSH, per-run masters)
   fleetctl ssh, live     the same with an ssh_config whose ControlPath names the live masters
                          above (an operator's own ControlMaster setup): no connection is made
+  floor: Python -S       xargs -P N ssh HOST "<the interpreter fleetctl recorded> -S -c pass": what
+                         any Python probe costs before it does anything (fresh connections)
 
 plus, on one 0.5.23 host: `ssh HOST grep -rl -e TokenToKVPoolAllocator -e need_sort <package>`
-against a warm `fleetctl inspect HOST`, and the cold probe's scan phases against that grep's own
-time on the host. The control process's CPU seconds (user+sys) and peak RSS come from
+against a warm `fleetctl inspect HOST`, with two floors: fleetctl's start on this machine (its
+imports, no host) and `ssh HOST <interpreter> -S -c pass`; and the cold probe's scan phases
+against that grep's own time on the host. The control process's CPU seconds (user+sys) and peak RSS come from
 /usr/bin/time. Host keys are verified by every client (known_hosts written by the lab).
 
 Usage (root):  python bench/inspect_vs_ssh.py [--hosts 16 64] [--delay-ms 10] [--runs 3]
@@ -48,6 +51,10 @@ GREP = (f"grep -rnE 'TokenToKVPoolAllocator\\(|need_sort=' {SRT}/model_executor/
 # A 2-CPU machine hosting 64 lab hosts: connects and a cold scan of all at once take longer than the defaults.
 CT = ["--connect-timeout", "60", "--timeout", "600"]
 GREP_RL = f"grep -rl -e TokenToKVPoolAllocator -e need_sort {VENV_SP}/sglang"
+# Python started as fleetctl's probe starts it (the interpreter recorded on the host, no site), doing nothing
+PY_FLOOR = 'read -r p < /var/lib/fleetctl/scan-cache/interpreter && exec "$p" -S -c pass'
+# fleetctl's start on this machine without a host: the modules `inspect` imports
+START = "import fleetctl.cli, fleetctl.gather, fleetctl.connection.paramiko_ssh"
 FABRIC = """
 import sys
 from fabric import ThreadingGroup
@@ -124,6 +131,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
                                                       "-c", "ssh", *CT], None),
             "fleetctl warm (ssh, live masters)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json",
                                                    "-c", "ssh", *CT], None),
+            "floor: OpenSSH starting Python -S": ([*xargs, *ssh, "root@{}", PY_FLOOR], "\n".join(addrs) + "\n"),
         }
         # the operator's own ControlMaster setup, whose masters (opened above) are live
         masters_env = dict(env, FLEETCTL_SSH_CONFIG=str(masters_config))
@@ -141,13 +149,18 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
                     print(f"{name} failed (exit {r['rc']}): {r['out'][-1500:]} {r['err'][-1500:]}", file=sys.stderr)
                 raw[name].append({k: r[k] for k in ("wall_s", "cpu_s", "rss_kb", "rc")})
         # one host: grep -rl over the package, against a warm inspect of that host
-        single = {"ssh grep -rl (one 0.5.23 host)": [], "fleetctl warm (one 0.5.23 host)": []}
+        single = {"ssh grep -rl (one 0.5.23 host)": [], "fleetctl warm (one 0.5.23 host)": [],
+                  "floor: fleetctl's start, no host": [], "floor: ssh HOST python -S -c pass": []}
         remote_grep = []
         for _ in range(a.runs):
             r = check("grep -rl", timed([*ssh, f"root@{one['address']}", GREP_RL], env))
             single["ssh grep -rl (one 0.5.23 host)"].append(r["wall_s"])
             r = check("inspect one", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json", *CT], env))
             single["fleetctl warm (one 0.5.23 host)"].append(r["wall_s"])
+            r = check("fleetctl start", timed([sys.executable, "-c", START], env))
+            single["floor: fleetctl's start, no host"].append(r["wall_s"])
+            r = check("python floor", timed([*ssh, f"root@{one['address']}", PY_FLOOR], env))
+            single["floor: ssh HOST python -S -c pass"].append(r["wall_s"])
             r = check("remote grep time", timed(
                 [*ssh, f"root@{one['address']}", "bash -c " + shlex.quote(f"TIMEFORMAT=%R; time {GREP_RL} >/dev/null")],
                 env))
@@ -191,7 +204,9 @@ def report(res: dict, delay_ms: int, runs: int) -> str:
                          + (f"  ({failed} of {len(r['raw'][k])} runs failed)" if failed else ""))
         s = r["single_median_s"]
         g, f = s["ssh grep -rl (one 0.5.23 host)"], s["fleetctl warm (one 0.5.23 host)"]
-        lines.append(f"  one 0.5.23 host: ssh grep -rl {g:.2f} s, fleetctl warm {f:.2f} s: {f / g:.2f}x")
+        start, py = s["floor: fleetctl's start, no host"], s["floor: ssh HOST python -S -c pass"]
+        lines.append(f"  one 0.5.23 host: ssh grep -rl {g:.2f} s, fleetctl warm {f:.2f} s: {f / g:.2f}x; floors: "
+                     f"fleetctl's start (imports, no host) {start:.2f} s, ssh HOST python -S -c pass {py:.2f} s")
         c = r["cold_probe_0.5.23"]
         lines.append(f"  cold probe scan on 0.5.23: {c['scan']['elapsed_s']} s, phases {c['scan']['phases_s']}; "
                      f"grep -rl on the host: {r['remote_grep_rl_s']:.2f} s: "
@@ -202,7 +217,7 @@ def report(res: dict, delay_ms: int, runs: int) -> str:
                      f"timing {w['timing']}")
     if len(res["sizes"]) > 1:
         a, b = res["sizes"][0], res["sizes"][-1]
-        for k in ("raw OpenSSH grep", "fleetctl warm (paramiko)", "fleetctl cold (paramiko)"):
+        for k in ("raw OpenSSH grep", "fleetctl warm (paramiko)", "fleetctl cold (paramiko)", "floor: OpenSSH starting Python -S"):
             lines.append(f"{b['hosts']} vs {a['hosts']} hosts, {k}: "
                          f"{b['median_wall_s'][k] / a['median_wall_s'][k]:.2f}x")
     return "\n".join(lines)

@@ -380,7 +380,8 @@ def cache_clear(pattern: Pattern, inventory: InventoryOpt = None, vault_password
                 connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, accept_new: AcceptNew = False,
                 ssh_config: SshConfig = None, connection: ConnectionOpt = None,
                 run_timeout: RunTimeout = None) -> None:
-    """Empty each host's scan cache (the next inspect reads and parses every file again)."""
+    """Empty each host's scan cache: scans, interpreters' answers, RECORD hashes, compiled probes and
+    the interpreter record (the next inspect reads and parses every file again)."""
     from .gather import cache_clear_job
     from .report import render_cache_clear
 

@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import paramiko
-from paramiko.hostkeys import HostKeyEntry, InvalidHostKey
+from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
+from paramiko.hostkeys import HostKeyEntry, InvalidHostKey  # noqa: E402
 
 from .resolve import match_patterns
 

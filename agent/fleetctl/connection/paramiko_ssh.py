@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-import paramiko
-from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPrivateKey
+from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
+from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPrivateKey  # noqa: E402
 
 from ..errors import SshConfigError
 from . import command, knownhosts

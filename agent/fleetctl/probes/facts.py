@@ -15,7 +15,6 @@ only after untrusted() clears it (its `.pth` files run at start).
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -371,7 +370,7 @@ def main(params):
     main_inst, reason = primary(installs, servers)
     gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
     facts = {
-        "hostname": socket.gethostname(),
+        "hostname": os.uname().nodename,  # what gethostname(2) answers on Linux, without importing socket
         "python": main_inst["python"] if main_inst else
         {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
         "sglang": main_inst["sglang"] if main_inst else None,
