@@ -348,3 +348,27 @@ def test_paramiko_refuses_an_option_it_cannot_honour_naming_the_host(tmp_path, o
     assert r.parse_error is True and r.status == FAILED
     key = option.split()[0].lower()
     assert r.error.startswith(f"gpu-1: the paramiko connection cannot honour {key} ")
+
+
+def test_paramiko_is_imported_without_invoke_which_stays_importable(tmp_path):
+    """paramiko.config imports invoke when it is installed (Fabric brings it), only for `Match exec`,
+    which fleetctl never uses (ssh -G resolves ssh_config): fleetctl's import of paramiko skips it
+    (connection/_paramiko.py), and invoke can still be imported afterwards. A stand-in `invoke`
+    package on the path says when it was imported."""
+    (tmp_path / "invoke").mkdir()
+    (tmp_path / "invoke" / "__init__.py").write_text("IMPORTED = True\n")
+    code = ("import sys\n"
+            "import fleetctl.connection.paramiko_ssh, fleetctl.connection.knownhosts\n"
+            "import paramiko.config\n"
+            "assert 'invoke' not in sys.modules and paramiko.config.invoke is None, sys.modules.get('invoke')\n"
+            "import invoke\n"
+            "assert invoke.IMPORTED\n"
+            "print('ok')\n")
+    agent = Path(__file__).resolve().parents[1] / "agent"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=f"{agent}:{tmp_path}"))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    # without fleetctl's guard, paramiko imports the stand-in: the check above can fail
+    r = subprocess.run([sys.executable, "-c", "import sys, paramiko; print('invoke' in sys.modules)"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert r.stdout.strip() == "True", r.stderr
