@@ -268,10 +268,10 @@ def untimed(scan: dict) -> dict:
     return {k: v for k, v in scan.items() if k != "phases_s"}
 
 
-def run_probe_as_nobody(home: Path, doc: bytes) -> dict:
+def run_probe_as_nobody(home: Path, doc: bytes, **extra_env: str) -> dict:
     """The probe wrapper run by /usr/bin/python3 as nobody (setpriv), its cache in home/cache/fleetctl."""
     from fleetctl import probes
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / "cache")}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / "cache"), **extra_env}
     r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                         *probes.command("/usr/bin/python3", "callsites")], input=doc, capture_output=True, env=env,
                        timeout=60)
@@ -317,5 +317,8 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     assert kept.stat().st_uid == NOBODY and kept.read_bytes().split(b"\n", 1)[0] == head
     assert "scan" in marshal.loads(kept.read_bytes().split(b"\n", 1)[1])["callsites"].co_names  # not the planted main
     assert untimed(run_probe_as_nobody(nobody_home, doc)) == untimed(real)
+    # code compiled under -O (asserts and docstrings stripped) is kept apart from plain code
+    assert untimed(run_probe_as_nobody(nobody_home, doc, PYTHONOPTIMIZE="2")) == untimed(real)
+    assert len(list(cdir.glob("code-*.marshal"))) == 2 and kept.read_bytes().split(b"\n", 1)[0] == head
     cleared = run_probe_as_nobody(nobody_home, probes.bundle("scancache", {"action": "clear"}, ["scancache"]))
     assert cleared["removed"] >= 1 and not list(cdir.glob("code-*"))  # `fleetctl cache clear` takes it too

@@ -255,7 +255,8 @@ class Store(object):
 class CodeCache(object):
     """The compiled probe modules of the bundle whose sources have sha256 `key`, kept for this
     interpreter build (sys.version and the bytecode cache tag: code objects are only valid for
-    the build that made them) in `code-<sha256>.marshal`: a header line {format, key, build} and
+    the build that made them) and optimisation level (`-O`/PYTHONOPTIMIZE strip asserts and
+    docstrings at compile time, as .pyc files keep `opt-N` apart) in `code-<sha256>.marshal`: a header line {format, key, build} and
     a marshal'd {module name: code object}. Compiling the eight modules of the facts bundle was a
     quarter of a warm probe's CPU on a small install (0.023 of 0.085 s, bench/results/NOTES.md).
     The file follows the Store's rules (this euid's 0700 directory, O_NOFOLLOW, a regular file
@@ -265,7 +266,7 @@ class CodeCache(object):
 
     def __init__(self, key, directory=None):
         self.code, self.fresh = {}, False
-        build = "%s|%s" % (sys.version, sys.implementation.cache_tag)
+        build = "%s|%s|O%d" % (sys.version, sys.implementation.cache_tag, sys.flags.optimize)
         self.head = {"format": FORMAT, "key": key, "build": build}
         self.name = _name("code", key + "|" + build, "marshal")
         self.store = Store(key, directory)
