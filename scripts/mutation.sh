@@ -50,16 +50,16 @@ tail = re.sub(r'only_mutate = \[.*?\]', "only_mutate = [%s]" % ", ".join(
     '"%s"' % f.replace("agent/", "src/", 1) for f in files), tail, flags=re.S)
 tail = tail.replace('source_paths = ["agent"]', 'source_paths = ["src"]')
 if wanted == ["change"]:
-    # only tests/test_change_probe.py reaches the change probe (a full run's stats say so): a
+    # only tests/unit/test_change_probe.py reaches the change probe (a full run's stats say so): a
     # change-only run need not collect, time and clean-run the other modules' tests
     tail = re.sub(r'pytest_add_cli_args_test_selection = \[.*?\]',
-                  'pytest_add_cli_args_test_selection = ["tests/test_change_probe.py"]', tail, flags=re.S)
+                  'pytest_add_cli_args_test_selection = ["tests/unit/test_change_probe.py"]', tail, flags=re.S)
 if not wanted or "change" in wanted:
     # mutmut picks a mutant's tests by the functions each test reached in this process; these
     # tests reach the change probe only in a child process (they SIGKILL it), so they run for
     # every mutant instead
-    killers = ["tests/test_change_probe.py::test_recover_after_kill_mid_apply",
-               "tests/test_change_probe.py::test_recover_after_kill_inside_the_undo"]
+    killers = ["tests/unit/test_change_probe.py::test_recover_after_kill_mid_apply",
+               "tests/unit/test_change_probe.py::test_recover_after_kill_inside_the_undo"]
     tail = re.sub(r'(pytest_add_cli_args = \[)', lambda m: m.group(1) + "".join('"%s", ' % k for k in killers), tail)
 open(dst, "w").write(head + "[tool.mutmut]" + tail)
 EOF

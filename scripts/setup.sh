@@ -11,6 +11,9 @@ command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 command -v flock >/dev/null 2>&1 || need_apt+=(util-linux)
 command -v sudo >/dev/null 2>&1 || need_apt+=(sudo)  # become (ansible_become) and its lab users
 command -v g++ >/dev/null 2>&1 || need_apt+=(g++)
+# a compiler cache: torch.utils.cpp_extension puts ccache before the compiler when it is on PATH,
+# so the same kernel sources built again (other build keys, other lab hosts, later runs) compile once
+command -v ccache >/dev/null 2>&1 || need_apt+=(ccache)
 [ -x /usr/bin/ninja ] || need_apt+=(ninja-build)  # on the PATH of SSH sessions (lab hosts)
 # the lab's container host (lab.add_container_host): rootful Podman on runc (this machine's cgroups
 # are in hybrid mode, which crun refuses)
@@ -23,7 +26,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-# tests/test_inventory_ansible.py makes a venv for the ansible extra (Debian's python3 needs python3-venv)
+# tests/machine/test_inventory_ansible.py makes a venv for the ansible extra (Debian's python3 needs python3-venv)
 if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq

@@ -1,14 +1,30 @@
-"""Shared fixtures: `lab`, one lab of real SSH hosts (lab id 7, or $FLEETCTL_TEST_LAB_ID so
-that two test sessions can run side by side) for the whole test session."""
+"""The suite's layout, its markers, and the fixtures its rooms share.
+
+- tests/unit/: no root, no sshd, no network namespace, no compiler, no network (SGLang release
+  wheels are read from the wheel cache that scripts/setup.sh fills); `bash scripts/test.sh --fast`
+  runs them, as any user.
+- tests/fleet/: the real sshd lab: hosts in network namespaces, brought up by root.
+- tests/machine/: this machine for real, without the lab: compilers (the CPU kernel build), other
+  users (setpriv, sudo, chown), venvs and package installs, ansible-test.
+
+Every test is marked from where it lives (`unit`, `machine`) and from the fixtures it uses
+(pytest_collection_modifyitems): `lab` for every test whose fixtures bring a lab up (each such
+fixture requests `lab_machine`), `slow` for compiler and image builds (SLOW_FIXTURES). A test in
+tests/unit that uses either is a usage error, and so is a test in tests/fleet that uses no lab.
+The fixtures: `lab` and `server_lab` (one lab each for the whole run, made by `running_lab`, which
+the modules' own labs use too), and `cpu_kernel` (the run's one CPU build of verify_attention).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +36,9 @@ import fleetctl
 from fleetctl import lab as labmod
 from fleetctl.wheelcache import cache_dir
 
-KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
-
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+KERNELS_DIR = ROOT / "kernels"
 # The suite tests this checkout, never another installed copy: pytest's `pythonpath` puts agent/
 # first for this process (src/ in scripts/mutation.sh's copy), and PYTHONPATH carries that
 # directory to every subprocess (probes, `python -m fleetctl.cli`, build helpers).
@@ -31,6 +47,42 @@ if not Path(fleetctl.__file__).resolve().is_relative_to(ROOT):
                             "run pytest from the repository root")
 os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(fleetctl.__file__).resolve().parent.parent)] + [
     p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+pytest_plugins = ["sites"]  # fixtures the rooms share
+
+ROOMS = ("unit", "fleet", "machine")
+LAB_FIXTURE = "lab_machine"
+# fixtures that run a compiler or build an image (directly, or on lab hosts)
+SLOW_FIXTURES = frozenset({"cpu_kernel", "clab", "deployed"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test from its room and its fixtures (see the module docstring); raises
+    pytest.UsageError for a test outside the rooms, a unit test that needs the lab or a build,
+    and a fleet test that brings up no lab."""
+    for item in items:
+        try:
+            room = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            room = None
+        if room not in ROOMS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/fleet or tests/machine")
+        used = set(item.fixturenames)
+        lab, slow = LAB_FIXTURE in used, bool(used & SLOW_FIXTURES) or item.get_closest_marker("slow")
+        if room == "unit" and (lab or slow):
+            raise pytest.UsageError(f"{item.nodeid}: a unit test may not bring up a lab or build "
+                                    f"({sorted(used & (SLOW_FIXTURES | {LAB_FIXTURE}))}): move it to "
+                                    "tests/fleet or tests/machine")
+        if room == "fleet" and not lab:
+            raise pytest.UsageError(f"{item.nodeid}: a test in tests/fleet uses no lab (no fixture requests "
+                                    f"{LAB_FIXTURE}): move it to tests/unit or tests/machine")
+        if room != "fleet":
+            item.add_marker(room)
+        if lab:
+            item.add_marker("lab")
+        if slow:
+            item.add_marker("slow")
+
 
 TEST_LAB_ID = int(os.environ.get("FLEETCTL_TEST_LAB_ID", "7"))
 
@@ -64,6 +116,7 @@ class Lab:
     ssh_config: Path
     lab_id: int = TEST_LAB_ID
     status: list[dict] = field(default_factory=list)
+    behaved: set[str] = field(default_factory=set)  # hosts whose stand-in was given a behaviour
 
     def settings(self, **kw):
         """fleetctl.connection.Settings that read this lab's ssh_config (and so its known_hosts)."""
@@ -82,6 +135,14 @@ class Lab:
         """Processes on the host other than the lab's own machinery (fleetctl.lab.host_pids)."""
         return labmod.host_pids(host, lab_id=self.lab_id, state_dir=self.state_dir)
 
+    def add_host_vars(self, host: str, host_vars: dict) -> None:
+        """Add `host_vars` to `host` in the lab's inventory, and read the lab's status again (after
+        a fixture added to a host: an install layout, a container)."""
+        doc = yaml.safe_load(self.inventory.read_text())
+        doc["all"]["children"]["lab"]["hosts"][host].update(host_vars)
+        self.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+        self.status[:] = labmod.lab_status(self.lab_id, self.state_dir)
+
     def set_behavior(self, host: str, behavior: dict, restart: bool) -> None:
         """Write the stand-in server's behaviour file on `host` (read when the server starts, see
         fleetctl/standin/server.py); with `restart`, restart the server now."""
@@ -90,6 +151,17 @@ class Lab:
             cmd += " && /opt/fleetctl-standin/restart.sh"
         r = self.ssh(host, cmd)
         assert r.returncode == 0, r.stderr
+        (self.behaved.add if behavior else self.behaved.discard)(host)
+
+    def server_healthy(self, host: str, timeout: float = 1.0) -> bool:
+        """Whether the host's stand-in answers GET /health with 200 within `timeout` s (asked inside
+        the host's network namespace, fleetctl.lab._wait_server)."""
+        h = next(h for h in labmod._load(self.state_dir)["hosts"] if h["name"] == host)
+        try:
+            labmod._wait_server(h, timeout=timeout)
+        except labmod.LabError:
+            return False
+        return True
 
     def cli(self, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         """Run the fleetctl CLI as a user would: this lab's ssh_config and inventory, plus `env`."""
@@ -154,58 +226,91 @@ def write_ssh_config(path: Path, known_hosts: Path, extra: str = "") -> Path:
     return path
 
 
-def one_host_lab(inv: Path, sd: Path, home: Path, known_hosts: Path, lab_id: int, host_vars: dict) -> Lab:
-    """A module's own one-host lab (lab-01, up): `host_vars` added to its inventory, an
-    ssh_config under `home` whose known_hosts is `known_hosts`, and the env to run the CLI with."""
-    doc = yaml.safe_load(inv.read_text())
-    doc["all"]["children"]["lab"]["hosts"]["lab-01"].update(host_vars)
-    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
-    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
-    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
-               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-    return Lab(inv, ["lab-01"], sd, env, known_hosts, ssh_config, lab_id=lab_id, status=labmod.lab_status(lab_id, sd))
-
-
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory) -> Iterator[Lab]:
-    """Bring up the test lab (four hosts, releases 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23, no servers)
-    once per session; skipped when not root (failed with FLEETCTL_REQUIRE_LAB=1)."""
-    require_lab()
-    home = tmp_path_factory.mktemp("home")
-    known_hosts = home / ".ssh" / "known_hosts"
-    sd = labmod.state_dir_for(TEST_LAB_ID)
-    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, lab_id=TEST_LAB_ID, state_dir=sd,
-                        known_hosts=known_hosts)
-    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
-    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
-               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-    status = labmod.lab_status(TEST_LAB_ID, sd)
-    try:
-        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, ssh_config, status=status)
-    finally:
-        labmod.lab_down(TEST_LAB_ID, sd, known_hosts)
-
-
 SERVER_LAB_ID = int(os.environ.get("FLEETCTL_TEST_SERVER_LAB_ID", "8"))
 
 
 @pytest.fixture(scope="session")
-def server_lab(tmp_path_factory) -> Iterator[Lab]:
-    """Lab 8: the four releases, each host running the SGLang stand-in server on 127.0.0.1:30000
-    (inventory: fleetctl_sglang_port, fleetctl_restart_cmd); skipped when not root (failed with
-    FLEETCTL_REQUIRE_LAB=1)."""
+def lab_machine() -> None:
+    """This machine as the lab's host: root (network namespaces, bridge, sshd). Every fixture
+    that brings a lab up requests it, which is how its tests are marked `lab`; skipped when not
+    root (failed with FLEETCTL_REQUIRE_LAB=1)."""
     require_lab()
-    home = tmp_path_factory.mktemp("home-servers")
+
+
+@contextlib.contextmanager
+def running_lab(home: Path, lab_id: int, releases: list[str], hosts: int | None = None,
+                with_server: bool = False) -> Iterator[Lab]:
+    """A lab up for the `with` block and down after it (fleetctl.lab.lab_up/lab_down): `hosts`
+    hosts (default one per release) of `releases`, with the stand-in server on each when
+    `with_server`; its known_hosts and ssh_config under `home`, and the env to run the CLI with."""
     known_hosts = home / ".ssh" / "known_hosts"
-    sd = labmod.state_dir_for(SERVER_LAB_ID)
-    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, with_server=True, lab_id=SERVER_LAB_ID, state_dir=sd,
+    sd = labmod.state_dir_for(lab_id)
+    inv = labmod.lab_up(hosts, releases, with_server=with_server, lab_id=lab_id, state_dir=sd,
                         known_hosts=known_hosts)
-    ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
-    env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
-               FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-    status = labmod.lab_status(SERVER_LAB_ID, sd)
     try:
-        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, ssh_config, lab_id=SERVER_LAB_ID,
-                  status=status)
+        ssh_config = write_ssh_config(home / "ssh_config", known_hosts)
+        env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(ssh_config), FLEETCTL_INVENTORY=str(inv),
+                   FLEETCTL_WHEEL_CACHE=str(cache_dir()))
+        status = labmod.lab_status(lab_id, sd)
+        yield Lab(inv, [h["name"] for h in status], sd, env, known_hosts, ssh_config, lab_id=lab_id, status=status)
     finally:
-        labmod.lab_down(SERVER_LAB_ID, sd, known_hosts)
+        labmod.lab_down(lab_id, sd, known_hosts)
+
+
+@pytest.fixture(scope="session")
+def lab(lab_machine, tmp_path_factory) -> Iterator[Lab]:
+    """Lab 7 for the whole run: the four releases 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23, no servers."""
+    with running_lab(tmp_path_factory.mktemp("home"), TEST_LAB_ID, labmod.DEFAULT_RELEASES) as up:
+        yield up
+
+
+@pytest.fixture(scope="session")
+def server_lab(lab_machine, tmp_path_factory) -> Iterator[Lab]:
+    """Lab 8 for the whole run: the four releases, each host running the SGLang stand-in server on
+    127.0.0.1:30000 (inventory: fleetctl_sglang_port, fleetctl_restart_cmd)."""
+    with running_lab(tmp_path_factory.mktemp("home-servers"), SERVER_LAB_ID, labmod.DEFAULT_RELEASES,
+                     with_server=True) as up:
+        yield up
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Pids of live (non-zombie) processes in process group pgid (from /proc/PID/stat)."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel(tmp_path_factory):
+    """The run's one CPU build of kernels/verify_attention, made as a host makes it (the kbuild
+    probe's build action): first a build killed at its 6 s deadline (without the compiler
+    cache), then torch's stale lock, then the real build in the same directory (through ccache
+    where it is installed, as torch does). Returns (package, killed build's result, pids of
+    its process group still alive 10 s later, the real build's result); the module is
+    result["module_path"], and its directory serves bench/gpu_check.sh as --build-dir."""
+    from fleetctl.kernelpkg import load_package
+    from fleetctl.probes import kbuild
+
+    pkg = load_package(KERNELS_DIR, "verify_attention")
+    build_dir = tmp_path_factory.mktemp("kbuild") / "build"
+    params = dict(action="build", src_dir=str(pkg.root), build_dir=str(build_dir), arch=None, max_jobs=2,
+                  **pkg.build_params("cpu"))
+    # the killed build compiles for real whatever the compiler cache holds: torch puts ccache
+    # before the compiler when it is installed (cpp_extension._wrap_compiler), unless told not to
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_NO_COMPILER_WRAPPER", "1")
+        killed = kbuild.main(dict(params, deadline_s=6))
+    end = time.monotonic() + 10
+    while _group_alive(killed["pgid"]) and time.monotonic() < end:
+        time.sleep(0.2)
+    leftovers = _group_alive(killed["pgid"])
+    (build_dir / "lock").touch()  # what a build killed inside torch's FileBaton leaves (if it did not already)
+    ok = kbuild.main(dict(params, deadline_s=600))
+    return pkg, killed, leftovers, ok

@@ -1,7 +1,7 @@
 """One table of the numbers and names fleetctl runs by: port, paths, deadlines, inventory vars.
 
 Nothing else in the control side spells these. The host-side probes keep their own copies of
-the few they need (`probes/change.STATE_DIR`, `probes/facts.DEFAULT_PORT`); tests/test_engine.py
+the few they need (`probes/change.STATE_DIR`, `probes/facts.DEFAULT_PORT`); tests/unit/test_engine.py
 checks they agree. The lab and the SGLang stand-in (`lab.py`, `standin/`) use 30000 as the
 stand-in server's own default, as SGLang does.
 """

@@ -52,7 +52,7 @@ from pathlib import Path
 import yaml
 
 from .errors import FleetctlError, UsageError
-from .wheelcache import ensure_wheel
+from .wheelcache import cache_dir, ensure_wheel
 
 DEFAULT_RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
 SSHD = "/usr/sbin/sshd"
@@ -469,14 +469,38 @@ def _stage_wheels(sd: Path, releases: list[str]) -> dict[str, Path]:
     return out
 
 
-def _build_venv(h: dict, wheel: Path, venv: str = VENV) -> None:
+def _venv_template(wheel: Path, venv: str) -> Path:
+    """Where the venv `venv` holding `wheel` is kept once built: <wheel cache>/lab-venvs/<key>, the
+    key naming the wheel (name, size), the in-host path and this interpreter (path, version)."""
+    key = "\0".join([wheel.name, str(wheel.stat().st_size), venv, sys.executable, sys.version])
+    return cache_dir() / "lab-venvs" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _build_venv(h: dict, sd: Path, wheel: Path, venv: str = VENV) -> None:
     """Create `venv` (default /opt/sglang/venv) inside the host (so sys.prefix is that path there)
-    and pip-install `wheel` (--no-deps --no-index; --no-compile for speed)."""
+    and pip-install `wheel` (--no-deps --no-index; --no-compile for speed). The first venv of a
+    wheel, in-host path and interpreter is kept as a template (_venv_template) and each later one
+    is a copy of it: pip's own tree, made at the same in-host path, so every path inside holds."""
+    assert venv.startswith("/opt/sglang/"), venv
+    dst = _host_dir(sd, h["name"]) / PRIVATE_DIRS["/opt/sglang"] / venv[len("/opt/sglang/"):]
+    template = _venv_template(wheel, venv)
+    if template.is_dir():
+        shutil.copytree(template, dst, symlinks=True, dirs_exist_ok=True)
+        return
     enter = _enter(h["init_pid"])
     _run(enter + [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
     _run(enter + [sys.executable, "-m", "pip", "--python", f"{venv}/bin/python", "install",
                   "--quiet", "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check",
                   str(wheel)], timeout=600)
+    template.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=template.name + ".", dir=template.parent))
+    try:
+        shutil.copytree(dst, tmp / "venv", symlinks=True)
+        os.rename(tmp / "venv", template)
+    except OSError:  # another host's build of the same venv got there first: theirs is kept
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _start_server(h: dict, sd: Path) -> int:
@@ -576,7 +600,8 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
 
     Any existing lab with this id is torn down first. Host i gets releases[i % len(releases)]
     (default 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23) pip-installed from the wheel cache
-    (fleetctl.wheelcache) into /opt/sglang/venv; `jobs` venvs are built at once. Host keys go
+    (fleetctl.wheelcache) into /opt/sglang/venv, or copied from that venv's template once one
+    was built on this machine (_build_venv); `jobs` venvs are built at once. Host keys go
     to `known_hosts` (default ~/.ssh/known_hosts of $HOME), stale lines for the lab's addresses
     removed first; `<state dir>/ssh_config` gets a Host block per host (lab_ssh_config_path;
     `fleetctl lab up` Includes it from ~/.ssh/config). With `with_server`,
@@ -653,7 +678,7 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
     _save(sd, state)
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         wheels = _stage_wheels(sd, sorted({h["release"] for h in state["hosts"]}))
-        list(pool.map(lambda h: _build_venv(h, wheels[h["release"]]), state["hosts"]))
+        list(pool.map(lambda h: _build_venv(h, sd, wheels[h["release"]]), state["hosts"]))
     for h in state["hosts"]:
         _wait_banner(h["address"])
     if with_server:
@@ -1065,12 +1090,12 @@ def add_install_layouts(host: str, checkout_release: str, second_release: str, l
     _run(["git", "init", "-q", str(work)])
     _run(git + ["add", "python"])
     _run(git + ["commit", "-q", "-m", f"sglang {checkout_release} (from its release wheel)"])
-    _build_venv(h, tools, EDITABLE_VENV)  # the build backend, from the cache (no build isolation)
+    _build_venv(h, sd, tools, EDITABLE_VENV)  # the build backend, from the cache (no build isolation)
     _run(_enter(h["init_pid"]) + [sys.executable, "-m", "pip", "--python", f"{EDITABLE_VENV}/bin/python", "install",
                                   "--quiet", "--no-deps", "--no-index", "--no-build-isolation",
                                   "--disable-pip-version-check", "-e", f"{CHECKOUT}/python"], timeout=600)
     _run(["chown", "-R", f"{CHECKOUT_OWNER}:", str(work)])
-    _build_venv(h, wheels[second_release], SECOND_VENV)
+    _build_venv(h, sd, wheels[second_release], SECOND_VENV)
     second = hd / PRIVATE_DIRS["/opt/sglang"] / SECOND_STANDIN[len("/opt/sglang/"):]
     for dst in (hd / PRIVATE_DIRS["/opt/fleetctl-standin"], second):
         shutil.copytree(STANDIN_SRC, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))

@@ -2,7 +2,7 @@
 
 Each enum is a `str` enum, so a member *is* its word: `HostStatus.OK == "ok"`, and JSON, Rich
 text and f-strings show the word itself. The host-side probes (stdlib only) keep their own string
-constants; `tests/test_engine.py` checks that the words here equal theirs.
+constants; `tests/unit/test_engine.py` checks that the words here equal theirs.
 """
 
 from __future__ import annotations

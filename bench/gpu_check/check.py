@@ -21,7 +21,7 @@ from an earlier run's gpu_check.json carried in the tree):
 
 Stages 2-4 build the kernel themselves (in build/verify_attention/, started in the background before
 stage 1) and never use fleetctl's transport. --cpu: the CPU backend, the smallest shapes, and the
-carried Triton kernel under TRITON_INTERPRET=1 (for the CPU test, tests/test_gpu_check.py).
+carried Triton kernel under TRITON_INTERPRET=1 (for the CPU test, tests/machine/test_gpu_check.py).
 OUT is --out, else $OUT. Files written there: gpu_check.json, gpu_check.md, gpu_check.log,
 stage1_deploy.json (stage 1's fleetctl output), ncu.txt (stage 4).
 """

@@ -94,8 +94,8 @@ with open(a["result"], "w") as f:
 class Build:
     """The kernel's backend built with torch.utils.cpp_extension.load in a child process, started at
     once so that it can overlap stage 1. build_dir persists between runs (ninja rebuilds only what
-    changed; tests/test_verify_attention.py builds the cpu backend into the same default directory
-    with the same flags, so one build serves both); arch is TORCH_CUDA_ARCH_LIST (e.g. "9.0"), None
+    changed; the test suite passes its one CPU build's directory, made by the kbuild probe with the
+    same name and flags, as --build-dir, so one build serves both); arch is TORCH_CUDA_ARCH_LIST (e.g. "9.0"), None
     for the cpu backend. Under an flock on BUILD_DIR.lock, a torch `lock` file left by a killed
     build is removed first (torch would wait on it forever)."""
 

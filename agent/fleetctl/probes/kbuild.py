@@ -157,8 +157,9 @@ def build(params: dict) -> dict:
     (cap on MAX_JOBS, default 4), deadline_s (default 1800 s, waiting for the lock included),
     lock_path (default BUILD_DIR.lock).
     An flock on lock_path serialises builds; under it torch's own `lock` file in build_dir, which a
-    killed build leaves behind (torch then waits forever), is removed. At the deadline the child's
-    whole process group is killed. Returns {"ok", "module_path", "log_path", "log_tail" (failure
+    killed build leaves behind (torch then waits forever), is removed. The child's environment:
+    MAX_JOBS, PATH (_search_path), and CCACHE_BASEDIR (_cache_base) unless already set. At the
+    deadline the child's whole process group is killed. Returns {"ok", "module_path", "log_path", "log_tail" (failure
     only), "rc", "timed_out", "seconds", "removed_stale_lock", "pgid"}.
     """
     start = time.monotonic()
@@ -184,6 +185,9 @@ def build(params: dict) -> dict:
             os.unlink(result_path)
         jobs = max(1, min(int(params.get("max_jobs", 4)), os.cpu_count() or 1))
         env = dict(os.environ, MAX_JOBS=str(jobs), PATH=_search_path(python))
+        base = _cache_base(params["src_dir"], build_dir)
+        if base and "CCACHE_BASEDIR" not in env:
+            env["CCACHE_BASEDIR"] = base
         env.pop("TORCH_CUDA_ARCH_LIST", None)
         if params.get("arch"):
             env["TORCH_CUDA_ARCH_LIST"] = params["arch"]
@@ -303,6 +307,16 @@ def _root_only(d: str) -> bool:
         if d == "/":
             return True
         d, leaf = os.path.dirname(d), False
+
+
+def _cache_base(src_dir: str, build_dir: str) -> str | None:
+    """The directory above both the sources and the build (a build key's directory), or None when
+    only / is. torch.utils.cpp_extension puts ccache (or sccache) before the compiler when it is
+    on PATH (its _wrap_compiler); with CCACHE_BASEDIR there, ccache hashes the sources' paths
+    relative to the build directory (ccache(1), base_dir), so the same sources under another build
+    key compile once: without it every new key's absolute paths miss the cache."""
+    common = os.path.commonpath([os.path.abspath(src_dir), build_dir])
+    return None if common == os.sep else common
 
 
 def _search_path(python: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 import conftest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Imports a copy of fleetctl first (as an installed copy found before this checkout would be), then
 # runs pytest on this checkout: collecting one small test module is enough to reach the guard.
@@ -25,7 +25,7 @@ if other:
     import fleetctl
     assert fleetctl.__file__.startswith(other), fleetctl.__file__
 import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", "tests/test_report.py"]))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--collect-only", "tests/unit/test_report.py"]))
 """
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,8 @@ from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
 from fleetctl.kernelpkg import load_package
 
-pytestmark = pytest.mark.lab
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 KDIR = "/var/lib/fleetctl/kernels/verify_attention"
 
 
@@ -151,8 +151,16 @@ def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
     assert active(server_lab, "lab-02") == before
 
 
+def cold(d: Path) -> None:
+    """Make the variant's source one no compiler cache has seen (the lab hosts share one, see
+    fleetctl.lab._compiler_cache): a definition, not a comment, so the preprocessed text differs
+    too, and its build really compiles."""
+    cpp = d / "csrc" / "verify_attention_cpu.cpp"
+    cpp.write_text(cpp.read_text() + f'\n[[maybe_unused]] static const char fleetctl_cold_build[] = "{uuid.uuid4()}";\n')
+
+
 def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, tmp_path):
-    kernels = kernel_variant(tmp_path, "killed")
+    kernels = kernel_variant(tmp_path, "killed", cold)
     env = dict(server_lab.env, FLEETCTL_KERNELS_DIR=str(kernels))
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "deploy", "kernel", "verify_attention", "lab-03",
                           "--yes", "--max-jobs", "1"], env=env, stdout=subprocess.DEVNULL,

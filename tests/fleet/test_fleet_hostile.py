@@ -18,7 +18,6 @@ from fleetctl.changes import change_probe
 from fleetctl.fleet import Fleet, HostFailed
 from fleetctl.inventory import load
 
-pytestmark = pytest.mark.lab
 
 HOST = "lab-04"  # SGLang 0.5.23
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import TEST_LAB_ID, running_lab
 from fleetctl import lab as labmod
 
-pytestmark = pytest.mark.lab
 
 RELEASES = dict(zip(["lab-01", "lab-02", "lab-03", "lab-04"], labmod.DEFAULT_RELEASES))
 
@@ -268,12 +268,6 @@ def test_server_pids_are_recorded_as_this_machine_sees_them(server_lab):
             assert h["server_pid"] == pid
 
 
-def test_lab_refuses_without_root(monkeypatch, capsys):
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert labmod.main(["--lab-id", "9", "status"]) != 0
-    assert "needs root" in capsys.readouterr().err
-
-
 def _describe(pid: str) -> str:
     """A leftover process for the failure message: its state, parent and command line."""
     try:
@@ -285,16 +279,27 @@ def _describe(pid: str) -> str:
         return f"gone ({e.strerror})"
 
 
-def test_down_leaves_no_process_in_the_hosts_pid_namespaces(lab):
-    """`lab down` on the session lab, with processes that try to stay; then the lab is built
-    again for the tests that follow."""
+# lab_down's own test takes a lab of its own down, never the run's shared one
+DOWN_LAB_ID = (TEST_LAB_ID + 150) % 256
+
+
+@pytest.fixture
+def doomed(lab_machine, tmp_path_factory):
+    """A two-host lab (0.5.10, no servers) for lab_down to take down."""
+    with running_lab(tmp_path_factory.mktemp("home-down"), DOWN_LAB_ID, ["0.5.10"], hosts=2) as up:
+        yield up
+
+
+def test_down_leaves_no_process_in_the_hosts_pid_namespaces(doomed):
+    """`lab down`, with processes that try to stay."""
+    lab = doomed
     state = _state(lab)
     assert lab.ssh(lab.hosts[0], "setsid sh -c 'trap \"\" TERM HUP; sleep 300' >/dev/null 2>&1 </dev/null &"
                                  " setsid sh -c 'kill -STOP $$; sleep 300' >/dev/null 2>&1 </dev/null &"
                                  " (sleep 300 >/dev/null 2>&1 </dev/null &)").returncode == 0
     namespaces = {_pidns(h["init_pid"]) for h in state.values()}
     members = {p for h in state.values() for p in labmod._pidns_members(h["init_pid"])}
-    assert len(namespaces) == len(lab.hosts) and len(members) >= 2 * len(lab.hosts) + 3
+    assert len(namespaces) == len(lab.hosts) == 2 and len(members) >= 2 * len(lab.hosts) + 3
     labmod.lab_down(lab.lab_id, lab.state_dir, lab.known_hosts)
     left = []
     for d in filter(str.isdigit, os.listdir("/proc")):
@@ -307,7 +312,3 @@ def test_down_leaves_no_process_in_the_hosts_pid_namespaces(lab):
     assert not any(labmod._alive(h[k]) for h in state.values() for k in ("init_pid", "sshd_pid", "proxy_pid"))
     assert f"flab{lab.lab_id}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                       text=True).stdout
-    inv = labmod.lab_up(None, labmod.DEFAULT_RELEASES, lab_id=lab.lab_id, state_dir=lab.state_dir,
-                        known_hosts=lab.known_hosts)
-    assert inv == lab.inventory
-    lab.status[:] = labmod.lab_status(lab.lab_id, lab.state_dir)

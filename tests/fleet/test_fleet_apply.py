@@ -25,11 +25,8 @@ from fleetctl.plan import plan_host
 from fleetctl.playbook import load_playbook
 from fleetctl.connection import LockBusy
 from fleetctl.wheelcache import ensure_wheel
+from oracles import apply_diff
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_plan import apply_diff  # noqa: E402
-
-pytestmark = pytest.mark.lab
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
@@ -73,14 +70,15 @@ def origins_by_independent_reading(text):
     return out
 
 
-
-
 @pytest.fixture(autouse=True)
 def healthy_servers(server_lab):
-    """Every test starts and ends with well-behaved stand-ins and no applied change."""
+    """Every test starts and ends with well-behaved stand-ins and no applied change: a stand-in the
+    test gave a behaviour, or one that is not healthy, is reset and restarted (the others are
+    left running: a restart costs seconds of CPU)."""
     yield
     for h in server_lab.hosts:
-        server_lab.set_behavior(h, {}, restart=True)  # asserts its own rc
+        if h in server_lab.behaved or not server_lab.server_healthy(h):
+            server_lab.set_behavior(h, {}, restart=True)  # asserts its own rc
     server_lab.cli_json("rollback", "--last", "all", "--yes", rc=0)  # else later tests would see its state
 
 

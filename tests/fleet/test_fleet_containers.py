@@ -13,12 +13,11 @@ import shutil
 import pytest
 import yaml
 
-from conftest import ROOT, SERVER_LAB_ID, Lab, one_host_lab, require_lab
+from conftest import ROOT, SERVER_LAB_ID, Lab, running_lab
 from fleetctl import container
 from fleetctl import lab as labmod
 from test_fleet_installs import IMPORTED  # the file `import sglang` really runs, asked of the process
 
-pytestmark = pytest.mark.lab
 
 # this module's own lab, derived from the session's server lab id (never another session's)
 LAB_ID = (SERVER_LAB_ID + 100) % 256
@@ -28,23 +27,17 @@ PYTHON = f"{labmod.VENV}/bin/python"
 
 
 @pytest.fixture(scope="module")
-def clab(tmp_path_factory):
+def clab(lab_machine, tmp_path_factory):
     """One lab host (no server of its own) given lab.add_container_host: the stand-in server in
     a rootful Podman container of an image holding the lab's Python and an editable SGLang
     checkout; the image is built once per lab state dir."""
-    require_lab()
     if not shutil.which("podman"):
         pytest.fail("podman is not installed: run scripts/setup.sh")
-    home = tmp_path_factory.mktemp("home-containers")
-    known_hosts = home / ".ssh" / "known_hosts"
-    sd = labmod.state_dir_for(LAB_ID)
-    inv = labmod.lab_up(1, [RELEASE], lab_id=LAB_ID, state_dir=sd, known_hosts=known_hosts)
-    try:
-        labmod.add_container_host("lab-01", RELEASE, lab_id=LAB_ID, state_dir=sd)
+    with running_lab(tmp_path_factory.mktemp("home-containers"), LAB_ID, [RELEASE], hosts=1) as up:
+        labmod.add_container_host("lab-01", RELEASE, lab_id=LAB_ID, state_dir=up.state_dir)
         # not a latency test: one decode each (--repeat 1), so a generous slack
-        yield one_host_lab(inv, sd, home, known_hosts, LAB_ID, {"fleetctl_latency_slack": 2.0})
-    finally:
-        labmod.lab_down(LAB_ID, sd, known_hosts)
+        up.add_host_vars("lab-01", {"fleetctl_latency_slack": 2.0})
+        yield up
 
 
 def in_container(lab: Lab, code: str, *args: str) -> str:

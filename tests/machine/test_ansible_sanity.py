@@ -19,7 +19,7 @@ from pathlib import Path
 from fleetctl import collection
 from fleetctl.wheelcache import cache_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["validate-modules", "compile", "import", "pep8", "ansible-doc"]
 PIP_VERSION = "24.2"  # the pip ansible-test 2.18/2.19 bootstraps into its venvs
 

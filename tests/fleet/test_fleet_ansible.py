@@ -21,10 +21,9 @@ import pytest
 
 from conftest import kernel_variant
 
-pytestmark = pytest.mark.lab
 
 BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "playbooks" / "ansible" / "defrag-tier0.yml"
 
 
@@ -241,6 +240,7 @@ def active(lab, host: str) -> str | None:
     return r.stdout.strip() or None
 
 
+@pytest.mark.slow
 def test_kernel_plugin_builds_tests_activates_and_the_cli_sees_it(ansible, server_lab, tmp_path):
     """fleetctl.sglang.kernel on one host: --check builds and activates nothing; a run builds (real
     torch extension build, CPU backend), passes the reference test and activates, and `fleetctl

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TEST_LAB_ID, Lab, one_host_lab, require_lab
+from conftest import TEST_LAB_ID, Lab, running_lab
 from fleetctl import lab as labmod
 from fleetctl.wheelcache import ensure_wheel
-from test_callsites import independent
+from oracles import independent
 
-pytestmark = pytest.mark.lab
 
 # this module's own lab, derived from the session's lab id (never another session's)
 LAB_ID = (TEST_LAB_ID + 100) % 256
@@ -60,22 +59,16 @@ def test_exported_patches_apply_to_a_fresh_unpack_of_each_release(lab, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+def layouts(lab_machine, tmp_path_factory):
     """One lab host (0.5.10 in /opt/sglang/venv, no server there) given lab.add_install_layouts:
     an editable 0.5.10 checkout (git work tree) with a stand-in server, and a 0.5.2 venv with a
     stand-in server started through `timeout`; built once for this module."""
-    require_lab()
-    home = tmp_path_factory.mktemp("home-installs")
-    known_hosts = home / ".ssh" / "known_hosts"
-    sd = labmod.state_dir_for(LAB_ID)
-    inv = labmod.lab_up(1, [CHECKOUT_RELEASE], lab_id=LAB_ID, state_dir=sd, known_hosts=known_hosts)
-    try:
-        extra = labmod.add_install_layouts("lab-01", CHECKOUT_RELEASE, SECOND_RELEASE, lab_id=LAB_ID, state_dir=sd)
-        yield one_host_lab(inv, sd, home, known_hosts, LAB_ID,
-                           {"fleetctl_restart_cmd": extra["restart_cmd"],
-                            "fleetctl_latency_slack": labmod.LATENCY_SLACK_S})
-    finally:
-        labmod.lab_down(LAB_ID, sd, known_hosts)
+    with running_lab(tmp_path_factory.mktemp("home-installs"), LAB_ID, [CHECKOUT_RELEASE], hosts=1) as up:
+        extra = labmod.add_install_layouts("lab-01", CHECKOUT_RELEASE, SECOND_RELEASE, lab_id=LAB_ID,
+                                           state_dir=up.state_dir)
+        up.add_host_vars("lab-01", {"fleetctl_restart_cmd": extra["restart_cmd"],
+                                    "fleetctl_latency_slack": labmod.LATENCY_SLACK_S})
+        yield up
 
 
 def root_side(lab: Lab, path: str) -> Path:
@@ -182,7 +175,6 @@ def test_apply_validate_status_rollback_per_install(layouts):
     assert rb["lab-01"]["status"] == "changed", rb["lab-01"]["error"]
     for loc in locations + [idle]:
         assert tree_digest(layouts, loc) == before[loc]
-
 
 
 def test_a_failing_install_rolls_back_the_installs_changed_before_it(layouts):

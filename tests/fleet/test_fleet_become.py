@@ -16,7 +16,6 @@ import pytest
 from conftest import become_inventory
 from fleetctl import lab as labmod
 
-pytestmark = pytest.mark.lab
 
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 HOSTS = ("lab-03", "lab-04")  # lab-03: NOPASSWD sudo; lab-04: sudo with the password

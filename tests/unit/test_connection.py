@@ -23,7 +23,7 @@ from fleetctl.connection.local import LocalConnection
 from fleetctl.errors import InventoryError
 from fleetctl.fleet import FAILED, NOT_ATTEMPTED, OK, Fleet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The two keys of case 01 (generated for the case with ssh-keygen; not real hosts' keys).
 NODE01 = "AAAAC3NzaC1lZDI1NTE5AAAAIB/R2EBNwSNgM01ZxqKmqKH3/HY4aKPrWNIZZ8vUBvYh"
@@ -364,7 +364,7 @@ def test_paramiko_is_imported_without_invoke_which_stays_importable(tmp_path):
             "import invoke\n"
             "assert invoke.IMPORTED\n"
             "print('ok')\n")
-    agent = Path(__file__).resolve().parents[1] / "agent"
+    agent = Path(__file__).resolve().parents[2] / "agent"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONPATH=f"{agent}:{tmp_path}"))
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

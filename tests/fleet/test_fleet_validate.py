@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 import yaml
-
-pytestmark = pytest.mark.lab
 
 
 def fleetctl(lab, *args, env=None):
@@ -18,8 +15,6 @@ def fleetctl(lab, *args, env=None):
 def validate_json(lab, *args):
     r, _, hosts = lab.cli_json("validate", *args)
     return r, hosts
-
-
 
 
 def test_validate_healthy_hosts(server_lab):

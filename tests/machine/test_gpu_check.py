@@ -1,8 +1,8 @@
 """bench/gpu_check.sh end to end on this CPU machine (--cpu): the same script a GPU machine runs, with the
 CPU backend, the smallest shapes and SGLang 0.5.23's carried Triton kernel under TRITON_INTERPRET=1.
 
-One full run (module fixture, ~30 s once the cpu backend is built; the build is shared with
-tests/test_verify_attention.py), then a `--stages 2` rerun of a copy of its output. Needs triton
+One full run (module fixture, ~30 s; the build is the test run's one CPU build, conftest's
+`cpu_kernel`, passed as --build-dir), then a `--stages 2` rerun of a copy of its output. Needs triton
 3.6.0 (the `test` extra) for the interpreter.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 SGLANG_SHA256 = "be3baffc80ef9fe484d0b896842522b02bf671785088e05a66ca4dcdb2e8a9b3"
 SHAPE_FIELDS = ("ms_kernel", "ms_triton", "ms_sdpa", "speedup_vs_triton", "hbm_gbps", "correct")
@@ -48,10 +49,20 @@ def why(out: Path, r: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
+def build_dir(cpu_kernel, tmp_path_factory) -> str:
+    """A copy of the run's one CPU build (conftest's `cpu_kernel`; times kept, so ninja finds it up
+    to date): the script writes its own build log and result there, the original stays as the
+    kbuild tests read it."""
+    copy = tmp_path_factory.mktemp("gpu_check_build") / "build"
+    shutil.copytree(Path(cpu_kernel[3]["module_path"]).parent, copy, symlinks=True)
+    return str(copy)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, build_dir):
     """(OUT dir, its JSON document, the completed process) of one run of every stage."""
     out = tmp_path_factory.mktemp("gpu_check_out")
-    r = run_check(out)
+    r = run_check(out, "--build-dir", build_dir)
     assert r.returncode == 0, why(out, r)
     return out, json.loads((out / "gpu_check.json").read_text()), r
 
@@ -146,11 +157,11 @@ def test_markdown_table(full_run):
     assert md in r.stdout  # the table is printed last, for the device tool's output tail
 
 
-def test_stages_rerun_touches_only_those_stages(full_run, tmp_path):
+def test_stages_rerun_touches_only_those_stages(full_run, build_dir, tmp_path):
     """As on the device machine: a fresh, empty OUT, continuing the first run's JSON (--resume-from)."""
     out, before, _ = full_run
     again = tmp_path / "out"
-    r = run_check(again, "--stages", "2", "--resume-from", str(out / "gpu_check.json"))
+    r = run_check(again, "--build-dir", build_dir, "--stages", "2", "--resume-from", str(out / "gpu_check.json"))
     assert r.returncode == 0, why(again, r)
     after = json.loads((again / "gpu_check.json").read_text())
     assert len(after["runs"]) == 2 and after["runs"][1]["argv"][-4:-2] == ["--stages", "2"]

@@ -28,7 +28,7 @@ from fleetctl.probes import smoke as smoke_probe
 from fleetctl.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "agent" / "fleetctl"
 
 

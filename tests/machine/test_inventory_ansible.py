@@ -22,7 +22,7 @@ import pytest
 
 from fleetctl import wheelcache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = ROOT / "tests" / "inventories"
 SOURCES = ["yaml/hosts.yaml", "ini/hosts.ini", "mixed", "script/inventory.py", "bastion/hosts.yaml"]
 # the vars fleetctl reads (invtemplate.needed), spelled independently of it

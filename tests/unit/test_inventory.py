@@ -13,7 +13,7 @@ import yaml
 from fleetctl import ansiblesrc, inventory
 from fleetctl.errors import InventoryError, PatternError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FLEET = """\
 all:
@@ -627,7 +627,7 @@ INVENTORIES = ROOT / "tests" / "inventories"
 ])
 def test_other_sources_need_the_ansible_extra(monkeypatch, source, what):
     """Without ansible-core only the non-YAML sources are refused, saying what to install or how
-    to convert (tests/test_inventory_ansible.py reads them with it)."""
+    to convert (tests/machine/test_inventory_ansible.py reads them with it)."""
     monkeypatch.setattr(ansiblesrc, "available", lambda: False)
     with pytest.raises(InventoryError) as err:
         inventory.load(INVENTORIES / source)

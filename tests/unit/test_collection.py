@@ -13,7 +13,7 @@ import fleetctl
 from fleetctl import ansibleops, collection
 from fleetctl.fleet import HostFailed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_build_copies_every_probe_and_pins_them(tmp_path):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import missing
 from fleetctl.kernelpkg import load_package
 
-KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PKG = load_package(KERNELS, "verify_attention")
 sys.path.insert(0, str(PKG.root))
 import test_kernel  # noqa: E402
@@ -31,21 +31,11 @@ TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSI
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
 
 
-# The directory bench/gpu_check builds the cpu backend into with the same flags (ninja rebuilds only
-# what changed), so tests/test_gpu_check.py and this module share one build.
-CPU_BUILD_DIR = KERNELS.parent / "build" / "verify_attention" / f"cpu-torch{torch.__version__}"
-
-
 @pytest.fixture(scope="session")
-def cpu_module():
-    """The CPU backend built once per session with kernel.yaml's flags; returns (module, .so path)."""
-    from torch.utils.cpp_extension import load
-
-    params = PKG.build_params("cpu")
-    CPU_BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    mod = load(name=params["name"], sources=[str(PKG.root / s) for s in params["sources"]],
-               extra_cflags=params["cflags"], extra_ldflags=params["ldflags"], build_directory=str(CPU_BUILD_DIR))
-    return mod, mod.__file__
+def cpu_module(cpu_kernel):
+    """The run's one CPU build (conftest's `cpu_kernel`, kernel.yaml's flags) imported: (module, .so path)."""
+    path = cpu_kernel[3]["module_path"]
+    return test_kernel.load_module(path), path
 
 
 def _check(mod, x, dtype):
@@ -165,6 +155,7 @@ def test_bench_runs_on_cpu(cpu_module):
     assert all(float(row[-1]) < 1e-2 for row in rows)  # kernel vs SDPA baseline, bf16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sm", ["90", "120"])
 def test_cuda_kernel_compiles(tmp_path, sm):
     if not Path(NVCC).exists():
@@ -178,6 +169,7 @@ def test_cuda_kernel_compiles(tmp_path, sm):
     assert f"sm_{sm}".encode() in obj.read_bytes()  # the embedded cubin names its arch
 
 
+@pytest.mark.slow
 def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     """binding_cuda.cpp type-checks against torch's CUDA headers (syntax only, no linking).
 
@@ -201,6 +193,7 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_cuda_backend_matches_reference_on_gpu(tmp_path):
     """The CUDA backend built with kernel.yaml's flags, run by the package's own reference test on
     the device (split-K and its log-sum-exp merge included: num_splits 0 and 3), then bench.py."""

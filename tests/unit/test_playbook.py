@@ -12,7 +12,7 @@ from fleetctl.errors import EXIT_PARSE, ParseError
 from fleetctl.plan import plan_host
 from fleetctl.playbook import load_playbook
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 GOOD = textwrap.dedent("""\
     name: t

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import py_compile
 import signal
 import stat
 import subprocess
@@ -23,54 +22,13 @@ import pytest
 from fleetctl.plan import plan_host
 from fleetctl.playbook import load_playbook
 from fleetctl.probes import change
+from sites import ledger_consistent
 from fleetctl.wheelcache import ensure_wheel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_plan import PLAYBOOK, host_inputs, release_file  # noqa: E402
-
-RELS = {"0.5.23": "sglang/srt/mem_cache/kv_cache_configurator.py",
-        "0.5.10": "sglang/srt/model_executor/model_runner_kv_cache_mixin.py"}
-
+from oracles import PLAYBOOK, host_inputs
 
 def sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="session")
-def planned(tmp_path_factory):
-    """The real planner's change of two real files from two releases, planned once per session
-    (scanning and planning take seconds) for a site at a fixed location: ({rel: text},
-    [{path relative to the site, pre_sha256, post_sha256, new_text}])."""
-    files = {rel: release_file(v, rel) for v, rel in RELS.items()}
-    where = tmp_path_factory.mktemp("planned") / "site"
-    plan = plan_host(load_playbook(PLAYBOOK), "h", {}, *host_inputs(files, location=str(where)))
-    assert plan.status == "change" and len(plan.files) == 2
-    return files, [{"path": str(Path(fc.path).relative_to(where)), "pre_sha256": fc.pre_sha256,
-                    "post_sha256": fc.post_sha256, "new_text": fc.new_text} for fc in plan.files]
-
-
-@pytest.fixture
-def site(tmp_path, planned):
-    """A site-packages copy holding two real files from two releases, with bytecode, odd mode and owner.
-
-    Returns (site dir, state dir, apply params from the real planner, {path: original bytes}).
-    """
-    site, state = tmp_path / "site", tmp_path / "state"
-    files, changes = planned
-    originals = {}
-    for rel, text in files.items():
-        p = site / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(text.encode())
-        py_compile.compile(str(p), cfile=str(p.parent / "__pycache__" / (p.stem + ".cpython-311.pyc")))
-        (p.parent / "__pycache__" / "other.cpython-311.pyc").write_bytes(b"keep")
-        os.chmod(p, 0o640)
-        os.chown(p, 1234, 2345)
-        originals[str(p)] = p.read_bytes()
-    params = {"action": "apply", "state_dir": str(state), "change_id": "c1", "playbook": "defrag-tier0",
-              "operator": "tester", "root": str(site),
-              "files": [dict(fc, path=str(site / fc["path"])) for fc in changes]}
-    return site, state, params, originals
 
 
 def ledger_states(state: Path) -> list[tuple[str, str]]:
@@ -85,7 +43,7 @@ def test_apply_then_rollback_is_byte_identical(site):
         p = Path(f["path"])
         assert p.read_text() == f["new_text"] and sha(p) == f["post_sha256"]
         st = p.stat()
-        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o640, 1234, 2345)
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o640, os.geteuid(), os.getegid())
         assert not list((p.parent / "__pycache__").glob(p.stem + ".*.pyc"))
         assert (p.parent / "__pycache__" / "other.cpython-311.pyc").read_bytes() == b"keep"
         backup = state / "backups" / "c1" / f["path"].lstrip("/")
@@ -104,7 +62,7 @@ def test_apply_then_rollback_is_byte_identical(site):
     assert r["ok"] and r["change_id"] == "c1" and r["forced"] == []
     for path, data in originals.items():
         assert Path(path).read_bytes() == data
-        assert (os.stat(path).st_mode & 0o7777, os.stat(path).st_uid) == (0o640, 1234)
+        assert (os.stat(path).st_mode & 0o7777, os.stat(path).st_uid) == (0o640, os.geteuid())
     assert ledger_states(state)[-1] == ("c1", "rolled-back")
     assert not [p for p in site_dir.rglob("*.tmp")]
     r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
@@ -750,66 +708,6 @@ def test_builds_that_are_neither_current_nor_previous_are_pruned(tmp_path):
 
 # ---- disk full (issue 13, review L7) ------------------------------------------------------------
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(size_kib, where): a small tmpfs there (root only), unmounted at the end."""
-    mounted = []
-
-    def mount(size_kib: int, where: Path) -> Path:
-        where.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(where)], check=True)
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in reversed(mounted):
-        subprocess.run(["umount", str(where)], check=False)
-
-
-def _ledger_consistent(state: Path, cid: str, want: str) -> None:
-    entries = change.read_ledger(str(state))
-    assert [e["state"] for e in entries if e["change_id"] == cid][-1] == want
-    assert change.main({"action": "status", "state_dir": str(state)})["ok"]
-
-
-def test_disk_full_under_the_state_dir_keeps_the_original_bytes(site, tmpfs):
-    """The backups do not fit (a 8 KiB tmpfs over the state dir holds the ledger, not the
-    backups): nothing was written to the package, the apply says why, the ledger says failed."""
-    site_dir, state, params, originals = site
-    tmpfs(8, state)
-    res = change.main(dict(params, change_id="full1"))
-    assert not res["ok"] and res["error"] == "apply failed, files restored: [Errno 28] No space left on device", res
-    assert {p: Path(p).read_bytes() for p in originals} == originals
-    _ledger_consistent(state, "full1", "failed")
-
-
-def test_disk_full_in_the_package_tree_keeps_the_original_bytes(site, tmpfs, tmp_path):
-    """A copy of the package tree on a tmpfs with no room for the new file's temp copy: the target
-    is never half-written, the error says files restored, the ledger says failed."""
-    site_dir, state, params, originals = site
-    small = tmpfs(256, tmp_path / "full-site")
-    for p in originals:
-        dst = small / Path(p).relative_to(site_dir)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(originals[p])
-    copies = {str(small / Path(p).relative_to(site_dir)): b for p, b in originals.items()}
-    with open(small / "filler", "wb", buffering=0) as f:  # fill the rest
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
-    moved = dict(params, change_id="full2", root=str(small),
-                 files=[dict(f, path=str(small / Path(f["path"]).relative_to(site_dir))) for f in params["files"]])
-    res = change.main(moved)
-    assert not res["ok"] and res["error"].startswith("apply failed, files restored: "), res
-    assert "No space left on device" in res["error"]
-    assert {p: Path(p).read_bytes() for p in copies} == copies
-    assert not [n for n in os.listdir(small / Path(params["files"][0]["path"]).relative_to(site_dir).parent)
-                if ".fleetctl-" in n]  # no temp file left behind
-    _ledger_consistent(state, "full2", "failed")
-
-
 def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site, monkeypatch):
     """Review L7: ENOSPC (twice) when the validated change is committed: the answer says it is
     still pending and what the next run does, instead of a bare OSError."""
@@ -828,7 +726,7 @@ def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site
         "validated, but the change could not be committed; the ledger could not record this (OSError: [Errno 28] "
         "No space left on device): it still says pending, and the next run's recover undoes it")}
     monkeypatch.setattr(change, "_append", real)
-    _ledger_consistent(state, "c1", "pending")
+    ledger_consistent(state, "c1", "pending")
     assert change.main({"action": "recover", "state_dir": str(state)})["ok"]
     assert {p: Path(p).read_bytes() for p in originals} == originals
 
@@ -976,26 +874,3 @@ def test_atomic_write_takes_short_writes_and_keeps_its_temp_file_private(tmp_pat
     assert p.read_bytes() == data and modes == {0o600} and stat.S_IMODE(p.stat().st_mode) == 0o644
 
 
-def test_atomic_write_modes_owners_and_a_failed_write(tmp_path):
-    p = tmp_path / "new.py"
-    data = bytes(range(256)) * 4096  # 1 MiB
-    old = os.umask(0o077)
-    try:
-        change.atomic_write(str(p), data, "t")
-    finally:
-        os.umask(old)
-    st = p.stat()
-    assert p.read_bytes() == data
-    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, os.geteuid(), os.getegid())
-    fds = _fds()
-    with pytest.raises(TypeError):  # fails after its temp file was made: the temp file goes
-        change.atomic_write(str(p), "not bytes", "t")
-    assert p.read_bytes() == data and os.listdir(tmp_path) == ["new.py"] and _fds() == fds
-    # set-id bits survive the change of owner (fchown clears them), and so do owner and group
-    for uid, gid in ((1234, 2345), (os.geteuid(), 2345)):
-        os.chown(p, uid, gid)
-        os.chmod(p, 0o6750)
-        change.atomic_write(str(p), b"y", "t")
-        st = p.stat()
-        assert (p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (b"y", 0o6750, uid, gid)
-    assert os.listdir(tmp_path) == ["new.py"] and _fds() == fds

@@ -14,7 +14,6 @@ import os
 import sys
 import textwrap
 import time
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -22,11 +21,9 @@ import pytest
 
 from fleetctl.probes import callsites
 from fleetctl.wheelcache import ensure_wheel
+from oracles import independent
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
-SUFFIX = "TokenToKVPoolAllocator"
-
-
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory) -> dict[str, Path]:
     """{release: site-packages-like dir holding that wheel's sglang/*.py}."""
@@ -53,40 +50,6 @@ def _origins(r, file=None):
 
 
 # ---- independent reading --------------------------------------------------------------
-
-def independent(location: Path):
-    """Plain second reading: (direct call sites, aliased call sites, origins) as (file, line) sets."""
-    direct, aliased, origins = set(), set(), set()
-    for p in sorted((location / "sglang").rglob("*.py")):
-        rel = p.relative_to(location).as_posix()
-        if {"test", "tests"} & set(rel.split("/")[:-1]):
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # invalid escape sequences in sglang sources
-            tree = ast.parse(p.read_bytes())
-        alias_names, name_calls = set(), []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call):
-                name = getattr(node.func, "id", None) or getattr(node.func, "attr", "")
-                if name.endswith(SUFFIX):
-                    direct.add((rel, node.lineno))
-                elif isinstance(node.func, ast.Name):
-                    name_calls.append((name, node.lineno))
-                for k in node.keywords:
-                    if k.arg == "need_sort" and not isinstance(k.value, ast.Name):
-                        origins.add((rel, k.value.lineno))
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                parts = node.value.values if isinstance(node.value, ast.BoolOp) else (
-                    [node.value.body, node.value.orelse] if isinstance(node.value, ast.IfExp) else [node.value])
-                if any(getattr(x, "id", getattr(x, "attr", "")).endswith(SUFFIX) for x in parts):
-                    alias_names.add(node.targets[0].id)
-            targets = (node.targets if isinstance(node, ast.Assign) else
-                       [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value else [])
-            if any(isinstance(t, ast.Name) and t.id == "need_sort" for t in targets):
-                origins.add((rel, node.lineno))
-        aliased |= {(rel, line) for name, line in name_calls if name in alias_names}
-    return direct, aliased, origins
-
 
 @pytest.mark.releases
 @pytest.mark.parametrize("version", RELEASES)

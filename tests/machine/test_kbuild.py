@@ -1,0 +1,144 @@
+"""The kbuild probe's build and test actions run locally on the CPU backend (no SSH): a real
+compiler, a deadline-killed build, torch's stale lock, the package's reference test on the built
+module, and the PATH a root build runs with (needs root to give a directory away). The build is
+the test run's one CPU build of kernels/verify_attention (conftest's `cpu_kernel`)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetctl.probes import kbuild
+
+
+def test_build_deadline_kills_the_whole_process_group(cpu_kernel):
+    _, killed, leftovers, _ = cpu_kernel
+    assert killed["timed_out"] and not killed["ok"] and killed["module_path"] is None
+    assert killed["rc"] == -9
+    assert leftovers == []
+    assert killed["log_tail"] is not None
+
+
+def test_build_after_killed_build_and_stale_lock_succeeds(cpu_kernel):
+    _, _, _, ok = cpu_kernel
+    assert ok["ok"], ok["log_tail"]
+    assert ok["removed_stale_lock"] and not ok["timed_out"]
+    assert Path(ok["module_path"]).is_file()
+    assert not (Path(ok["module_path"]).parent / "lock").exists()
+    assert "verify_attention_cpu" in Path(ok["log_path"]).read_text()
+
+
+def test_build_waits_for_the_flock_until_its_deadline(cpu_kernel, tmp_path):
+    pkg = cpu_kernel[0]
+    lock_path = tmp_path / "held.lock"
+    with open(lock_path, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        r = kbuild.main(dict(action="build", src_dir=str(pkg.root), build_dir=str(tmp_path / "b"),
+                             lock_path=str(lock_path), deadline_s=1, **pkg.build_params("cpu")))
+    assert r["timed_out"] and not r["ok"] and r["pgid"] is None
+    assert 1 <= time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_build_failure_returns_log_tail(tmp_path):
+    (tmp_path / "broken.cpp").write_text("int f() { return undefined_name; }\n")
+    r = kbuild.main(dict(action="build", src_dir=str(tmp_path), build_dir=str(tmp_path / "b"), name="broken",
+                         sources=["broken.cpp"], deadline_s=300))
+    assert not r["ok"] and not r["timed_out"] and r["rc"] != 0
+    assert "undefined_name" in r["log_tail"]
+
+
+def _test_params(pkg, src_dir, module_path):
+    return dict(action="test", src_dir=str(src_dir), module_path=module_path, deadline_s=300, **pkg.test_params("cpu"))
+
+
+def test_reference_test_passes_on_the_built_module(cpu_kernel):
+    pkg, _, _, ok = cpu_kernel
+    r = kbuild.main(_test_params(pkg, pkg.root, ok["module_path"]))
+    assert r["ok"] and r["rc"] == 0, r
+    assert r["result"]["ok"] and len(r["result"]["cases"]) == 12 and r["result"]["failures"] == []
+
+
+def test_broken_reference_fails_the_test(cpu_kernel, tmp_path):
+    pkg, _, _, ok = cpu_kernel
+    src = tmp_path / "verify_attention"
+    shutil.copytree(pkg.root, src, ignore=shutil.ignore_patterns("__pycache__"))
+    ref = src / "reference.py"
+    ref.write_text(ref.read_text().replace("* sm_scale\n", "* sm_scale * 1.01\n"))
+    r = kbuild.main(_test_params(pkg, src, ok["module_path"]))
+    assert not r["ok"] and r["rc"] == 1
+    assert r["result"]["failures"] and not r["result"]["ok"]
+
+
+def test_crashing_test_module_fails_the_test(cpu_kernel, tmp_path):
+    pkg, _, _, ok = cpu_kernel
+    src = tmp_path / "verify_attention"
+    shutil.copytree(pkg.root, src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "test_kernel.py").write_text("raise SystemExit('test module broken')\n")
+    r = kbuild.main(_test_params(pkg, src, ok["module_path"]))
+    assert not r["ok"] and r["rc"] == 1 and r["result"] is None
+    assert "test module broken" in r["stderr_tail"]
+    json.dumps(r)  # the probe result crosses SSH as JSON
+
+
+def test_builds_run_with_a_path_no_other_user_can_write(tmp_path, monkeypatch):
+    """Review M6 / issue 13: root's build never looks up `c++`, `ninja` or `nvcc` in a directory a
+    non-root user can write: such PATH entries, relative ones and missing ones are dropped; the
+    interpreter's bin directory (trust-checked by the facts probe) comes first."""
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    safe, shared, group, theirs = (tmp_path / n for n in ("safe", "shared", "group", "theirs"))
+    for d in (safe, shared, group, theirs):
+        d.mkdir()
+    shared.chmod(0o1777)  # even sticky: anyone may add a `ninja` there
+    group.chmod(0o775)
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(shared), ".", "", str(group), str(theirs), str(safe),
+                                                str(tmp_path / "missing"), "/usr/bin"]))
+    assert kbuild._search_path(str(venv_bin / "python")).split(os.pathsep) == [str(venv_bin), str(safe), "/usr/bin"]
+
+
+TINY = """#include <Python.h>
+static struct PyModuleDef tiny = {PyModuleDef_HEAD_INIT, "tiny", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_tiny(void) { return PyModule_Create(&tiny); }
+"""
+
+
+def _ccache_stats(env: dict) -> dict[str, int]:
+    """ccache's counters for CCACHE_DIR in `env` (ccache --print-stats: NAME<TAB>VALUE lines)."""
+    out = subprocess.run(["ccache", "--print-stats"], capture_output=True, text=True, env=env, check=True).stdout
+    return {k: int(v) for k, v in (line.split("\t") for line in out.splitlines() if "\t" in line)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base_dir", [None, ""], ids=["kbuild's", "none"])
+def test_the_same_sources_under_another_build_key_compile_once(tmp_path, monkeypatch, base_dir):
+    """torch puts ccache before the compiler when it is installed; kbuild's CCACHE_BASEDIR (the
+    directory above a build key's src/ and build/) makes the same sources under a second key a
+    cache hit. The control: with the base dir unset (an empty CCACHE_BASEDIR is kept and means
+    none) the second key's absolute paths miss."""
+    if not shutil.which("ccache"):
+        pytest.fail("ccache is not installed: run scripts/setup.sh")
+    monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "ccache"))
+    if base_dir is not None:
+        monkeypatch.setenv("CCACHE_BASEDIR", base_dir)
+    monkeypatch.delenv("TORCH_NO_COMPILER_WRAPPER", raising=False)
+    for key in ("key1", "key2"):
+        src = tmp_path / "kernels" / "tiny" / key / "src"
+        src.mkdir(parents=True)
+        (src / "tiny.cpp").write_text(TINY)
+        r = kbuild.main(dict(action="build", src_dir=str(src), build_dir=str(src.parent / "build"), name="tiny",
+                             sources=["tiny.cpp"], deadline_s=300))
+        assert r["ok"], r["log_tail"]
+        assert "ccache c++" in Path(r["log_path"]).read_text()
+    stats = _ccache_stats(dict(os.environ))
+    hits = stats["direct_cache_hit"] + stats["preprocessed_cache_hit"]
+    assert (stats["cache_miss"], hits) == ((1, 1) if base_dir is None else (2, 0)), stats
