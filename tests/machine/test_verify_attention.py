@@ -6,6 +6,7 @@ Without nvcc, CUDA headers or a device those tests skip; FLEETCTL_REQUIRE_CUDA=1
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,9 @@ import test_kernel  # noqa: E402
 from reference import tree_mask_from_parents, verify_attention_ref  # noqa: E402
 
 NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+# the compile checks go through ccache where it is installed, as torch's own builds do: the same
+# source, headers, flags and compiler are compiled once per machine (a changed one compiles again)
+CCACHE = [shutil.which("ccache")] if shutil.which("ccache") else []
 # The -D flags torch.utils.cpp_extension passes to nvcc: the kernel must not rely on half operators.
 TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
@@ -161,7 +165,7 @@ def test_cuda_kernel_compiles(tmp_path, sm):
     if not Path(NVCC).exists():
         missing("nvcc not installed", "FLEETCTL_REQUIRE_CUDA")
     obj = tmp_path / f"verify_attention_sm{sm}.o"
-    r = subprocess.run([NVCC, "-c", "-std=c++17", "-O3", *TORCH_NVCC_DEFINES, "-gencode",
+    r = subprocess.run([*CCACHE, NVCC, "-c", "-std=c++17", "-O3", *TORCH_NVCC_DEFINES, "-gencode",
                         f"arch=compute_{sm},code=sm_{sm}", str(PKG.root / "csrc" / "verify_attention.cu"),
                         "-o", str(obj)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -185,10 +189,13 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     torch_inc = Path(torch.__file__).parent / "include"
-    r = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-Wall", "-DTORCH_EXTENSION_NAME=verify_attention_cuda",
+    r = subprocess.run([*CCACHE, "g++", "-std=c++20", "-fsyntax-only", "-Wall", "-DTORCH_EXTENSION_NAME=verify_attention_cuda",
                         f"-I{tmp_path}", "-isystem", str(torch_inc), "-isystem", str(torch_inc / "torch/csrc/api/include"),
                         "-isystem", sysconfig.get_paths()["include"], "-isystem", str(cuda_include),
-                        str(PKG.root / "csrc" / "binding_cuda.cpp")], capture_output=True, text=True, timeout=300)
+                        str(PKG.root / "csrc" / "binding_cuda.cpp")], capture_output=True, text=True, timeout=300,
+                       # the stand-in's directory is hashed relative to the working directory (ccache's
+                       # base_dir), so that a new tmp_path each run is the same command to the cache
+                       cwd=tmp_path, env=dict(os.environ, CCACHE_BASEDIR=str(tmp_path)))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
