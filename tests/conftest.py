@@ -12,7 +12,10 @@ Every test is marked from where it lives (`unit`, `machine`) and from the fixtur
 fixture requests `lab_machine`), `slow` for compiler and image builds (SLOW_FIXTURES). A test in
 tests/unit that uses either is a usage error, and so is a test in tests/fleet that uses no lab.
 The fixtures: `lab` and `server_lab` (one lab each for the whole run, made by `running_lab`, which
-the modules' own labs use too), and `cpu_kernel` (the run's one CPU build of verify_attention).
+the modules' own labs and test_lab's own use too), and `cpu_kernel` (the run's one CPU build of
+verify_attention). Beside this file: sites.py (a plugin: the change probe's test site, shared by
+tests/unit and tests/machine), oracles.py (the second readings the rooms share) and
+count_checks.py (the suite's counts of tests and checks, for tests/TIMINGS.md).
 """
 
 from __future__ import annotations
@@ -294,7 +297,7 @@ def cpu_kernel(tmp_path_factory):
     cache), then torch's stale lock, then the real build in the same directory (through ccache
     where it is installed, as torch does). Returns (package, killed build's result, pids of
     its process group still alive 10 s later, the real build's result); the module is
-    result["module_path"], and its directory serves bench/gpu_check.sh as --build-dir."""
+    result["module_path"], and a copy of its directory serves bench/gpu_check.sh as --build-dir."""
     from fleetctl.kernelpkg import load_package
     from fleetctl.probes import kbuild
 

@@ -30,6 +30,15 @@ NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 # the compile checks go through ccache where it is installed, as torch's own builds do: the same
 # source, headers, flags and compiler are compiled once per machine (a changed one compiles again)
 CCACHE = [shutil.which("ccache")] if shutil.which("ccache") else []
+
+
+def compile_here(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """Run the g++ command `argv` (paths in it relative to tmp_path, which holds a copy of the
+    package's csrc/) in tmp_path, through ccache with tmp_path as its base_dir: the command the
+    cache sees is the same whatever the run's tmp_path or the checkout's path."""
+    shutil.copytree(PKG.root / "csrc", tmp_path / "csrc", dirs_exist_ok=True)
+    return subprocess.run([*CCACHE, *argv], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, CCACHE_BASEDIR=str(tmp_path)))
 # The -D flags torch.utils.cpp_extension passes to nvcc: the kernel must not rely on half operators.
 TORCH_NVCC_DEFINES = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                       "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
@@ -165,6 +174,8 @@ def test_cuda_kernel_compiles(tmp_path, sm):
     if not Path(NVCC).exists():
         missing("nvcc not installed", "FLEETCTL_REQUIRE_CUDA")
     obj = tmp_path / f"verify_attention_sm{sm}.o"
+    # not run from a copy: through ccache, nvcc from a copy in another directory was seen to miss
+    # (base_dir or not), from this checkout's own path it hits
     r = subprocess.run([*CCACHE, NVCC, "-c", "-std=c++17", "-O3", *TORCH_NVCC_DEFINES, "-gencode",
                         f"arch=compute_{sm},code=sm_{sm}", str(PKG.root / "csrc" / "verify_attention.cu"),
                         "-o", str(obj)], capture_output=True, text=True, timeout=300)
@@ -189,13 +200,11 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
     stub.mkdir(parents=True)
     (stub / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     torch_inc = Path(torch.__file__).parent / "include"
-    r = subprocess.run([*CCACHE, "g++", "-std=c++20", "-fsyntax-only", "-Wall", "-DTORCH_EXTENSION_NAME=verify_attention_cuda",
-                        f"-I{tmp_path}", "-isystem", str(torch_inc), "-isystem", str(torch_inc / "torch/csrc/api/include"),
-                        "-isystem", sysconfig.get_paths()["include"], "-isystem", str(cuda_include),
-                        str(PKG.root / "csrc" / "binding_cuda.cpp")], capture_output=True, text=True, timeout=300,
-                       # the stand-in's directory is hashed relative to the working directory (ccache's
-                       # base_dir), so that a new tmp_path each run is the same command to the cache
-                       cwd=tmp_path, env=dict(os.environ, CCACHE_BASEDIR=str(tmp_path)))
+    r = compile_here(tmp_path, ["g++", "-std=c++20", "-fsyntax-only", "-Wall",
+                                "-DTORCH_EXTENSION_NAME=verify_attention_cuda", "-I.", "-isystem", str(torch_inc),
+                                "-isystem", str(torch_inc / "torch/csrc/api/include"),
+                                "-isystem", sysconfig.get_paths()["include"], "-isystem", str(cuda_include),
+                                "csrc/binding_cuda.cpp"])
     assert r.returncode == 0, r.stderr[-3000:]
 
 

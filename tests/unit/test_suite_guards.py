@@ -65,3 +65,39 @@ def test_missing_lab_skips_or_fails_as_required(monkeypatch):
         conftest.require_lab()
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     conftest.require_lab()  # root: nothing to say
+
+
+class _Item:
+    """What conftest.pytest_collection_modifyitems reads and writes of a pytest.Item."""
+
+    def __init__(self, room: str, fixtures: list[str], marks: tuple[str, ...] = ()):
+        self.path = conftest.TESTS / room / "test_x.py"
+        self.nodeid = f"tests/{room}/test_x.py::test_x"
+        self.fixturenames = fixtures
+        self.marks = set(marks)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.marks else None
+
+    def add_marker(self, name: str) -> None:
+        self.marks.add(name)
+
+
+def test_tests_are_marked_from_their_room_and_their_fixtures():
+    items = [_Item("unit", ["tmp_path"]), _Item("fleet", ["server_lab", "lab_machine"]),
+             _Item("machine", ["cpu_kernel", "tmp_path"]), _Item("machine", ["tmp_path"], ("slow",)),
+             _Item("machine", ["clab", "lab_machine"])]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.marks for i in items] == [{"unit"}, {"lab"}, {"machine", "slow"}, {"machine", "slow"},
+                                        {"machine", "lab", "slow"}]
+
+
+@pytest.mark.parametrize("room, fixtures, why", [
+    ("unit", ["lab_machine"], "a unit test may not bring up a lab or build"),
+    ("unit", ["cpu_kernel"], "a unit test may not bring up a lab or build"),
+    ("fleet", ["tmp_path"], "a test in tests/fleet uses no lab"),
+    ("elsewhere", ["tmp_path"], "a test lives in tests/unit, tests/fleet or tests/machine"),
+])
+def test_a_test_in_the_wrong_room_is_a_usage_error(room, fixtures, why):
+    with pytest.raises(pytest.UsageError, match=why):
+        conftest.pytest_collection_modifyitems(None, [_Item(room, fixtures)])
