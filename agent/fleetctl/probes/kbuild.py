@@ -159,8 +159,8 @@ def build(params: dict) -> dict:
     An flock on lock_path serialises builds; under it torch's own `lock` file in build_dir, which a
     killed build leaves behind (torch then waits forever), is removed. The child's environment:
     MAX_JOBS, PATH (_search_path), and CCACHE_BASEDIR (_cache_base) unless already set. At the
-    deadline the child's whole process group is killed. Returns {"ok", "module_path", "log_path", "log_tail" (failure
-    only), "rc", "timed_out", "seconds", "removed_stale_lock", "pgid"}.
+    deadline the child's whole process group is killed. Returns {"ok", "module_path", "log_path",
+    "log_tail" (failure only), "rc", "timed_out", "seconds", "removed_stale_lock", "pgid"}.
     """
     start = time.monotonic()
     deadline = start + float(params.get("deadline_s", 1800))
