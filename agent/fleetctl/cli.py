@@ -396,6 +396,9 @@ def cache_clear(pattern: Pattern, inventory: InventoryOpt = None, vault_password
 def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME (see --kernels-dir).")],
                   pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
     ask_vault_pass: AskVaultPass = False, ask_become_pass: AskBecomePass = False, json_out: JsonOut = False, yes: Yes = False,
+                  check: Annotated[bool, typer.Option("--check", help=(
+                      "Check mode: preflight and build key per host (would it build, would it activate); "
+                      "nothing is uploaded, built or activated."))] = False,
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
                   = config.BUILD_DEADLINE_S,
@@ -417,15 +420,17 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
     _positive(build_timeout=build_timeout, timeout=timeout)
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
-                                           latency_slack), max_jobs=max_jobs, build_timeout=build_timeout)
+                                           latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
+                         check=check)
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
-    _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
+    if not check:
+        _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     job_timeout = timeout or config.deploy_job_timeout(build_timeout, health_timeout)
     with _fleet(forks, job_timeout, connect_timeout, accept_new, json_out, ssh_config, run_timeout, connection,
                 ask_become_pass) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, opts)
 
-    _finish(results, json_out, render_deploy, change_id=cid, kernel=pkg.name)
+    _finish(results, json_out, render_deploy, change_id=cid, kernel=pkg.name, **({"check": True} if check else {}))
 
 
 def _finish(results, json_out: bool, render, **doc) -> None:

@@ -28,10 +28,12 @@ from .vocab import HostStatus
 
 @dataclass
 class DeployOptions(ChangeOptions):
-    """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds."""
+    """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds; check: check
+    mode (preflight and build key only: nothing uploaded, built, locked or activated)."""
 
     max_jobs: int = 4
     build_timeout: float = BUILD_DEADLINE_S
+    check: bool = False
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
@@ -53,9 +55,25 @@ def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
     return change_job(opts.state_dir, lambda ctx, rec: _deploy(ctx, rec, pkg, change_id, opts))
 
 
-def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage, opts: DeployOptions) -> tuple[str, list[HostResult]]:
-    """`fleetctl deploy kernel`: deploy `pkg` to `hosts` under one new change id.
-    Returns (change id, results in inventory order)."""
+def check_job(pkg: KernelPackage, opts: DeployOptions):
+    """The check-mode job for one host: what a deploy would do, changing nothing. Status changed
+    when the build would be activated (data["would_build"]: no PASSED build of its key yet), ok
+    when it is already the active one; failed when preflight refuses."""
+    def job(ctx: HostContext) -> HostResult:
+        _, pre, key, state = _preflight(ctx, pkg, opts)
+        current = state["current"]
+        return ctx.result(HostStatus.OK if current == key else HostStatus.CHANGED, data={
+            "check": True, "backend": pre["backend"], "arch": pre["arch"], "build_key": key, "previous": current,
+            "refusals": pre["refusals"], "reused": state["passed"], "would_build": not state["passed"]})
+    return job
+
+
+def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage,
+               opts: DeployOptions) -> tuple[str | None, list[HostResult]]:
+    """`fleetctl deploy kernel`: deploy `pkg` to `hosts` under one new change id (check mode:
+    no change id, check_job). Returns (change id or None, results in inventory order)."""
+    if opts.check:
+        return None, fleet.run(hosts, check_job(pkg, opts), f"deploy {pkg.name} (check)")
     cid = new_change_id(f"kernel-{pkg.name}")
     return cid, fleet.run(hosts, deploy_job(pkg, cid, opts), f"deploy {pkg.name}")
 
@@ -104,14 +122,21 @@ def activation(link: str, current: str | None, key: str) -> list[dict]:
     return [{"path": link, "kind": "link", "pre_target": current, "post_target": key}]
 
 
-def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
+def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tuple[dict, dict, str, dict]:
+    """(facts, kbuild preflight answer, build key, kbuild state answer) of `pkg` on the host."""
     facts = gather(ctx, scan=False)["facts"]
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
     key = preflight_key(pkg, pre)
+    _, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
+    return facts, pre, key, _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
+
+
+def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
+    facts, pre, key, state = _preflight(ctx, pkg, opts)
+    python = facts["python"]["path"]
     backend = pre["backend"]
     root, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
-    state = _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
     current = state["current"]
     data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
             "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
