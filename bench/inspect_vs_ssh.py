@@ -54,7 +54,7 @@ GREP_RL = f"grep -rl -e TokenToKVPoolAllocator -e need_sort {VENV_SP}/sglang"
 # Python started as fleetctl's probe starts it (the interpreter recorded on the host, no site), doing nothing
 PY_FLOOR = 'read -r p < /var/lib/fleetctl/scan-cache/interpreter && exec "$p" -S -c pass'
 # fleetctl's start on this machine without a host: the modules `inspect` imports
-START = "import fleetctl.cli, fleetctl.gather, fleetctl.connection.paramiko_ssh"
+START = "import fleetctl.cli, fleetctl.engine.gather, fleetctl.connection.paramiko_ssh"
 FABRIC = """
 import sys
 from fabric import ThreadingGroup

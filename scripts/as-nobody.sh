@@ -19,7 +19,7 @@ NOBODY=(setpriv --reuid=65534 --regid=65534 --clear-groups)
 # the interpreter's own tree, its venv's if it is one, the checkout, the wheel cache
 read -r prefix base exe < <("$PY" -c 'import os, sys; print(sys.prefix, sys.base_prefix, os.path.realpath(sys.executable))')
 checkout=$(pwd -P)
-wheels=$(PYTHONPATH=agent "$PY" -c 'from fleetctl.wheelcache import cache_dir; print(cache_dir())')
+wheels=$(PYTHONPATH=agent "$PY" -c 'from fleetctl.wheels import cache_dir; print(cache_dir())')
 view=$(mktemp -d /tmp/fleetctl-nobody.XXXXXX)
 # the mount points are only emptied directories out here (the mounts live in the namespace alone):
 # removed with rmdir, never recursively

@@ -76,9 +76,9 @@ EOF
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [inventory]='fleetctl.inventory.xǁInventoryǁ*'
-    [plan]='fleetctl.plan.x__edit_file__* fleetctl.plan.xǁ_Sourceǁline_end_after__*
-            fleetctl.plan.x__checked_source__* fleetctl.plan.x_one_line__*'
-    [gate]='fleetctl.gate.*'
+    [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.plan.xǁ_Sourceǁline_end_after__*
+            fleetctl.engine.plan.x__checked_source__* fleetctl.engine.plan.x_one_line__*'
+    [gate]='fleetctl.engine.gate.*'
     [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
               fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_atomic_write__*
               fleetctl.probes.change.x_open_dir__* fleetctl.probes.change.x_confine__*

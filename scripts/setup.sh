@@ -38,7 +38,7 @@ fi
 
 # The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache.
 "$PY" - <<'PYEOF'
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 for v in ("0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"):
     print("wheel cache:", ensure_wheel(v).name)
 PYEOF

@@ -13,7 +13,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 
 SUFFIX = "TokenToKVPoolAllocator"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.plan import plan_host
-from fleetctl.playbook import load_playbook
+from fleetctl.engine.plan import plan_host
+from fleetctl.engine.playbook import load_playbook
 from fleetctl.probes import change
 from oracles import PLAYBOOK, host_inputs, release_file
 

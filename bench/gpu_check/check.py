@@ -317,7 +317,7 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
     data["deploy"]["test"] = {k: test.get(k) for k in ("ok", "device", "seed", "failures")}
     checks = {"status_ok": d.get("status") in ("ok", "changed")}
     sys.path.insert(0, str(ROOT / "agent"))
-    from fleetctl.kernelpkg import build_key, load_package
+    from fleetctl.engine.kernelpkg import build_key, load_package
     from fleetctl.probes import kbuild
     from fleetctl.probes.change import STATE_DIR
 

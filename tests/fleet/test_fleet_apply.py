@@ -15,16 +15,16 @@ import zipfile
 
 import pytest
 
-from fleetctl.apply import _findings
-from fleetctl.changes import change_probe
-from fleetctl.fleet import Fleet, HostFailed
-from fleetctl.gather import gather
+from fleetctl.engine.apply import _findings
+from fleetctl.engine.changes import change_probe
+from fleetctl.engine.fleet import Fleet, HostFailed
+from fleetctl.engine.gather import gather
 from fleetctl.inventory import load
 from fleetctl.paths import find_playbook
-from fleetctl.plan import plan_host
-from fleetctl.playbook import load_playbook
+from fleetctl.engine.plan import plan_host
+from fleetctl.engine.playbook import load_playbook
 from fleetctl.connection import LockBusy
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 from oracles import apply_diff
 
 

@@ -18,9 +18,9 @@ import pytest
 from conftest import write_ssh_config
 from fleetctl import lab as labmod
 from fleetctl.connection import RemoteTimeout, Settings, Unreachable
-from fleetctl.fleet import Fleet
+from fleetctl.engine.fleet import Fleet
 from fleetctl.inventory import load
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 CA_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA (not a real one)
 KEEPALIVE = "Host *\n  ServerAliveInterval 1\n  ServerAliveCountMax 2\n"

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, SERVER_LAB_ID, Lab, running_lab
-from fleetctl import container
+from fleetctl.engine import containers as container
 from fleetctl import lab as labmod
 from test_fleet_installs import IMPORTED  # the file `import sglang` really runs, asked of the process
 

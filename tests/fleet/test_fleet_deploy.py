@@ -16,7 +16,7 @@ import pytest
 
 from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
-from fleetctl.kernelpkg import load_package
+from fleetctl.engine.kernelpkg import load_package
 
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"

@@ -14,8 +14,8 @@ import time
 import pytest
 import yaml
 
-from fleetctl.changes import change_probe
-from fleetctl.fleet import Fleet, HostFailed
+from fleetctl.engine.changes import change_probe
+from fleetctl.engine.fleet import Fleet, HostFailed
 from fleetctl.inventory import load
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_ssh_config
 from fleetctl.probes import callsites
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}

@@ -18,7 +18,7 @@ import yaml
 
 from conftest import TEST_LAB_ID, Lab, running_lab
 from fleetctl import lab as labmod
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 from oracles import independent
 
 

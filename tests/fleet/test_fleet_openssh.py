@@ -17,7 +17,7 @@ import yaml
 
 from conftest import write_ssh_config
 from fleetctl.connection import Settings
-from fleetctl.fleet import OK, UNREACHABLE, Fleet
+from fleetctl.engine.fleet import OK, UNREACHABLE, Fleet
 from fleetctl.inventory import load
 
 

@@ -16,8 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fleetctl import collection
-from fleetctl.wheelcache import cache_dir
+from fleetctl.collection import build as collection
+from fleetctl.wheels import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["validate-modules", "compile", "import", "pep8", "ansible-doc"]

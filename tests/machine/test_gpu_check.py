@@ -237,7 +237,7 @@ GPU 00000000:00:05.0
 def test_carried_file_is_the_wheels_file_but_for_its_imports():
     """Restoring the four marked import lines gives the 0.5.23 wheel's file byte for byte; the stub
     provides exactly the names those lines import."""
-    from fleetctl.wheelcache import find_wheel
+    from fleetctl.wheels import find_wheel
 
     import common
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl import probes
-from fleetctl.gather import PROBE_MODULES
+from fleetctl.engine.gather import PROBE_MODULES
 from fleetctl.probes import gpus
 
 PROBES = ["procs", "containers", "gpus", "locate", "facts", "gittree", "scancache"]
@@ -302,7 +302,7 @@ def test_case12_missing_package_directory_is_an_error_not_an_empty_scan(installs
     assert inst["sglang"]["package_dir"] is None and inst["sglang"]["location"] == sp
     assert inst["scan"]["error"].startswith(f"sglang package directory not found under {sp}")
     assert out["scan"]["error"] == inst["scan"]["error"]
-    from fleetctl.gather import install_errors
+    from fleetctl.engine.gather import install_errors
     assert install_errors(out) == [f"{inst['id']}: {inst['scan']['error']}"]
 
 
@@ -555,7 +555,7 @@ def local(tmp_path, installs):
     fleet for it and a state dir of the test's own (never this machine's /var/lib/fleetctl)."""
     from fleetctl import inventory
     from fleetctl.connection import Settings
-    from fleetctl.fleet import Fleet
+    from fleetctl.engine.fleet import Fleet
     inv = tmp_path / "hosts.yaml"
     inv.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n"
                    f"      fleetctl_python: {installs['editable']}\n")
@@ -565,9 +565,9 @@ def local(tmp_path, installs):
 
 
 def apply_to(local, install: str, **opts):
-    from fleetctl.apply import ApplyOptions, check_then_apply
+    from fleetctl.engine.apply import ApplyOptions, check_then_apply
     from fleetctl.paths import find_playbook
-    from fleetctl.playbook import load_playbook
+    from fleetctl.engine.playbook import load_playbook
     fleet, hosts, state = local
     pb = load_playbook(find_playbook("defrag-tier0", None))
     out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=install, state_dir=state, **opts), lambda *a: None)
@@ -584,7 +584,7 @@ def test_apply_status_rollback_on_a_git_checkout(installs, local):
     """The change lands in the checkout (not site-packages); status judges drift there against
     the ledger and git (run as the tree's owner, the repository's fsmonitor never run);
     rollback --last --install gives the original bytes back."""
-    from fleetctl.changes import rollback_job, status_job
+    from fleetctl.engine.changes import rollback_job, status_job
     fleet, hosts, state = local
     checkout = installs["checkout"]
     runner, alloc = checkout / RUNNER, checkout / "sglang/srt/mem_cache/allocator.py"
@@ -632,7 +632,7 @@ def test_apply_says_the_package_directory_was_not_found_not_no_need_sort(install
 
 
 def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
-    from fleetctl.changes import rollback_job
+    from fleetctl.engine.changes import rollback_job
     fleet, hosts, state = local
     sp = Path(site_packages(installs["env"]))
     runner = sp / RUNNER
@@ -648,7 +648,7 @@ def test_export_patch_for_a_checkout_names_what_it_was_checked_against(installs,
     """Pre-images equal to the release wheel (--pristine-dir): `<playbook>-sglang-<version>.patch`
     checked against that wheel; after a local commit changes a pre-image: a `-<hash8>` name,
     checked against what fleetctl read. Either applies with patch -p1 where it says."""
-    from fleetctl.export import write_patches
+    from fleetctl.engine.patches import write_patches
     checkout = installs["checkout"]
     iid = f"host:{checkout / 'sglang'}"
     runner = checkout / RUNNER

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import wheelcache
+from fleetctl import wheels as wheelcache
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = ROOT / "tests" / "inventories"

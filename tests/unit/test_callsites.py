@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.probes import callsites
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 from oracles import independent
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]

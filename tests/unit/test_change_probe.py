@@ -1,6 +1,6 @@
 """The host-side change probe on temp copies of real SGLang files: apply, rollback, recover, status.
 
-Plans come from the real planner (fleetctl.plan) on real release sources; state_dir points
+Plans come from the real planner (fleetctl.engine.plan) on real release sources; state_dir points
 into tmp_path so nothing touches /var/lib/fleetctl.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.plan import plan_host
-from fleetctl.playbook import load_playbook
+from fleetctl.engine.plan import plan_host
+from fleetctl.engine.playbook import load_playbook
 from fleetctl.probes import change
 from sites import ledger_consistent
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 from oracles import PLAYBOOK, host_inputs
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 import fleetctl
-from fleetctl import ansibleops, collection
-from fleetctl.fleet import HostFailed
+from fleetctl.collection import ops as ansibleops, build as collection
+from fleetctl.engine.fleet import HostFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from fleetctl.connection import LockBusy, RemoteTimeout, Settings, connect, know
 from fleetctl.connection.command import remote_argv, shell_line
 from fleetctl.connection.local import LocalConnection
 from fleetctl.errors import InventoryError
-from fleetctl.fleet import FAILED, NOT_ATTEMPTED, OK, Fleet
+from fleetctl.engine.fleet import FAILED, NOT_ATTEMPTED, OK, Fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 

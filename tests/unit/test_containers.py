@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleetctl import container
+from fleetctl.engine import containers as container
 from fleetctl.connection import command
-from fleetctl.fleet import HostFailed
+from fleetctl.engine.fleet import HostFailed
 from fleetctl.probes import containers as probe
 
 CID = "4f" * 32

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetctl import gate
+from fleetctl.engine import gate
 from fleetctl.vocab import GateStatus
 
 

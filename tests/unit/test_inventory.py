@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetctl import ansiblesrc, inventory
+from fleetctl.inventory import sources as ansiblesrc
+from fleetctl import inventory
 from fleetctl.errors import InventoryError, PatternError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 
 from fleetctl import probes
 from fleetctl.errors import ParseError
-from fleetctl.kernelpkg import build_key, load_package
+from fleetctl.engine.kernelpkg import build_key, load_package
 from fleetctl.probes import kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"

@@ -13,9 +13,9 @@ import zipfile
 
 import pytest
 
-from fleetctl.plan import one_line, plan_host, reinspect_problems
-from fleetctl.playbook import load_playbook
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.engine.plan import one_line, plan_host, reinspect_problems
+from fleetctl.engine.playbook import load_playbook
+from fleetctl.wheels import ensure_wheel
 from oracles import PLAYBOOK, apply_diff, host_inputs
 
 MARK = "# fleetctl defrag-tier0: was "

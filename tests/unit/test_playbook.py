@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fleetctl.errors import EXIT_PARSE, ParseError
-from fleetctl.plan import plan_host
-from fleetctl.playbook import load_playbook
+from fleetctl.engine.plan import plan_host
+from fleetctl.engine.playbook import load_playbook
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from fleetctl.fleet import HostResult
-from fleetctl.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
+from fleetctl.engine.fleet import HostResult
+from fleetctl.cli.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
 
 
 def test_coalesce_groups_equal_values_in_first_seen_order():
@@ -121,7 +121,7 @@ def test_status_shows_the_space_the_state_dir_uses_and_the_unscanned_files():
     assert "backups 3.0 MiB, kernel builds 80.0 MiB (state dir 83.0 MiB)" in text
     [h2] = [line for line in text.splitlines() if "h2" in line]
     assert "?" in h2 and "MiB" not in h2  # a host that did not say is not shown as 0
-    from fleetctl.report import _install_line
+    from fleetctl.cli.report import _install_line
     line = _install_line({"sglang": {"version": "0.5.2", "install": "wheel", "package_dir": "/v/sglang"},
                           "scan": {"error": None, "parse_errors": [{"file": "sglang/srt/layers", "error": "x"}]}})
     assert line == "0.5.2 wheel /v/sglang (1 not scanned: see --json scan.parse_errors)"

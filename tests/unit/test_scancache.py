@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.probes import callsites, scancache
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
 RUN_FACTS = ("cache", "phases_s")  # how this run went, not what the tree says

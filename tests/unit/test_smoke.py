@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from fleetctl import gate, standin
+from fleetctl.engine import gate
+from fleetctl.lab import standin
 from fleetctl.probes import smoke
 
 BEHAVIORS = {"normal": {}, "shift": {"token_shift": 3}, "slow": {"slowdown": 4.0},

@@ -18,9 +18,9 @@ import zipfile
 
 import pytest
 
-from fleetctl import standin
+from fleetctl.lab import standin
 from fleetctl.probes.smoke import wait_healthy
-from fleetctl.wheelcache import ensure_wheel
+from fleetctl.wheels import ensure_wheel
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY16 = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}

@@ -16,8 +16,8 @@ import pytest
 
 from fleetctl import inventory
 from fleetctl.connection import Settings
-from fleetctl.fleet import Fleet
-from fleetctl.gather import gather
+from fleetctl.engine.fleet import Fleet
+from fleetctl.engine.gather import gather
 
 
 def venv(tmp_path: Path) -> Path:

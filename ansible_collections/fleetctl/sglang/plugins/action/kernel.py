@@ -35,9 +35,10 @@ class ActionModule(ActionBase):
                                                "force": args.get("force", False), "state_dir": state_dir}, task_vars))
             return result
         try:
-            from fleetctl import ansibleops, deploy
+            from fleetctl.collection import ops as ansibleops
+            from fleetctl.engine import deploy
             from fleetctl.errors import ParseError
-            from fleetctl.fleet import HostFailed
+            from fleetctl.engine.fleet import HostFailed
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
 

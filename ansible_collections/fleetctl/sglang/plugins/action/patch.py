@@ -30,9 +30,9 @@ class ActionModule(ActionBase):
             result.update(self._module(MODULE, dict(args), task_vars))
             return result
         try:
-            from fleetctl import ansibleops
+            from fleetctl.collection import ops as ansibleops
             from fleetctl.errors import ParseError
-            from fleetctl.fleet import HostFailed
+            from fleetctl.engine.fleet import HostFailed
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
         try:

@@ -19,10 +19,10 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
-        from fleetctl import ansibleops
+        from fleetctl.collection import ops as ansibleops
         from fleetctl.config import REQUEST_TIMEOUT_S
-        from fleetctl.fleet import HostFailed
-        from fleetctl.validate import SmokeOptions
+        from fleetctl.engine.fleet import HostFailed
+        from fleetctl.engine.validate import SmokeOptions
 
         args = self._task.args
         try:

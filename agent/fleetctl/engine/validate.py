@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
-from .connection import RemoteTimeout
+from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
+from ..connection import RemoteTimeout
 from .fleet import HostContext, HostResult
 from .gate import compare
 from .gather import find_install, gather, install_context, install_facts
-from .inventory import Host
-from .vocab import HostStatus
+from ..inventory import Host
+from ..vocab import HostStatus
 
 # The smoke probe and the redaction it applies to what it returns.
 SMOKE_MODULES = ["redact", "smoke"]

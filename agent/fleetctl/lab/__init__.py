@@ -51,8 +51,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import FleetctlError, UsageError
-from .wheelcache import cache_dir, ensure_wheel
+from ..errors import FleetctlError, UsageError
+from ..wheels import cache_dir, ensure_wheel
 
 DEFAULT_RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
 SSHD = "/usr/sbin/sshd"
@@ -163,7 +163,7 @@ def _group(release: str) -> str:
 
 def default_known_hosts() -> Path:
     """~/.ssh/known_hosts of the passwd home, where fleetctl and OpenSSH look (not $HOME)."""
-    from .connection.base import passwd_home
+    from ..connection.base import passwd_home
     return passwd_home() / ".ssh" / "known_hosts"
 
 
@@ -600,7 +600,7 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
 
     Any existing lab with this id is torn down first. Host i gets releases[i % len(releases)]
     (default 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23) pip-installed from the wheel cache
-    (fleetctl.wheelcache) into /opt/sglang/venv, or copied from that venv's template once one
+    (fleetctl.wheels) into /opt/sglang/venv, or copied from that venv's template once one
     was built on this machine (_build_venv); `jobs` venvs are built at once. Host keys go
     to `known_hosts` (default ~/.ssh/known_hosts of $HOME), stale lines for the lab's addresses
     removed first; `<state dir>/ssh_config` gets a Host block per host (lab_ssh_config_path;
@@ -704,7 +704,7 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
 
 def user_ssh_config() -> Path:
     """~/.ssh/config of the passwd home, which `lab up` / `lab down` add / remove the Include in."""
-    from .connection.base import passwd_home
+    from ..connection.base import passwd_home
     return passwd_home() / ".ssh" / "config"
 
 

@@ -29,10 +29,11 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from . import ansiblesrc, config
-from .probes import redact
-from .errors import InventoryError, PatternError
-from .invtemplate import Templar, Unsafe, Vaulted, as_bool, is_template, needed
+from . import sources as ansiblesrc
+from .. import config
+from ..probes import redact
+from ..errors import InventoryError, PatternError
+from .templates import Templar, Unsafe, Vaulted, as_bool, is_template, needed
 
 ENV_VAR = "FLEETCTL_INVENTORY"
 DEFAULT_PATH = "hosts.yaml"

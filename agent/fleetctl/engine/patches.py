@@ -24,9 +24,9 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FleetctlError
+from ..errors import FleetctlError
 from .fleet import HostResult
-from .wheelcache import ensure_wheel
+from ..wheels import ensure_wheel
 
 PATCH_TIMEOUT_S = 60
 

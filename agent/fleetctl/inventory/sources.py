@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import config
-from .errors import InventoryError
-from .invtemplate import Unsafe, Vaulted
+from .. import config
+from ..errors import InventoryError
+from .templates import Unsafe, Vaulted
 
 EXTRA = "pip install 'fleetctl[ansible]'"
 _STDERR_MAX = 2000  # characters of ansible-inventory's stderr quoted in an error

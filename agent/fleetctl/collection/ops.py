@@ -15,19 +15,20 @@ from typing import Any, Callable
 import base64
 import hashlib
 
-from . import __version__, collection
-from .apply import host_side, install_change_id, plan_installs, reinspect_install
-from .changes import new_change_id
-from .deploy import activation
-from .fleet import HostFailed
-from .inventory import Host
-from .invtemplate import needed
-from .kernelpkg import KernelPackage, load_package
-from .paths import find_playbook, project_dir
-from .playbook import Playbook, load_playbook
-from .plan import HostPlan
-from .validate import SmokeOptions, gate, smoke_targets
-from .vocab import PlanStatus
+from .. import __version__
+from . import build as collection
+from ..engine.apply import host_side, install_change_id, plan_installs, reinspect_install
+from ..engine.changes import new_change_id
+from ..engine.deploy import activation
+from ..engine.fleet import HostFailed
+from ..inventory import Host
+from ..inventory.templates import needed
+from ..engine.kernelpkg import KernelPackage, load_package
+from ..paths import find_playbook, project_dir
+from ..engine.playbook import Playbook, load_playbook
+from ..engine.plan import HostPlan
+from ..engine.validate import SmokeOptions, gate, smoke_targets
+from ..vocab import PlanStatus
 
 
 def check_pins(version: str, probe_sha256: str) -> None:

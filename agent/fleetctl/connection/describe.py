@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from .connection import Settings, kind_for
-from .errors import FleetctlError
-from .inventory import Host
+from . import Settings, kind_for
+from ..errors import FleetctlError
+from ..inventory import Host
 
 
 def describe(host: Host, settings: Settings) -> dict:
@@ -28,8 +28,8 @@ def describe(host: Host, settings: Settings) -> dict:
     if kind == "local":
         doc["address"] = "localhost"
         return doc
-    from .connection import knownhosts
-    from .connection.resolve import hop_chain
+    from . import knownhosts
+    from .resolve import hop_chain
     try:
         r = settings.resolver.resolve_host(host, time.monotonic() + settings.connect_timeout)
     except (FleetctlError, OSError) as e:

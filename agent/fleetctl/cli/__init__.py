@@ -19,11 +19,11 @@ from typer.exceptions import TyperException
 from rich.console import Console
 from rich.text import Text
 
-from . import config
-from . import inventory as inv
-from .errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError, UsageError
-from .connection import Settings
-from .fleet import Fleet
+from .. import config
+from .. import inventory as inv
+from ..errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError, UsageError
+from ..connection import Settings
+from ..engine.fleet import Fleet
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Inspect, patch, deploy kernels to and validate SGLang inference hosts over SSH.")
@@ -102,7 +102,7 @@ def _select(inventory: str | None, pattern: str, vault_password_file: str | None
             ask_vault_pass: bool = False) -> list[inv.Host]:
     vault = None
     if vault_password_file or ask_vault_pass:
-        from .ansiblesrc import Vault
+        from ..inventory.sources import Vault
         vault = Vault(vault_password_file, ask_vault_pass)
     return inv.load(inv.resolve_path(inventory), vault).select(pattern)
 
@@ -119,8 +119,8 @@ def inspect(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
     from functools import partial
 
-    from .fleet import exit_code
-    from .gather import inspect_job
+    from ..engine.fleet import exit_code
+    from ..engine.gather import inspect_job
     from .report import inspect_document, render_inspect
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -141,8 +141,8 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file:
           connection: ConnectionOpt = None) -> None:
     """Show how each host would be reached, without connecting: connection kind, address, port,
     user, identity files, jump chain, known_hosts files and the lines that apply (from ssh -G)."""
-    from .errors import EXIT_PARSE
-    from .reach import describe
+    from ..errors import EXIT_PARSE
+    from ..connection.describe import describe
     from .report import render_hosts
 
     selected = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -180,7 +180,7 @@ KernelsDir = Annotated[Optional[str], typer.Option("--kernels-dir", envvar="FLEE
 
 
 def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
-    from .validate import SmokeOptions
+    from ..engine.validate import SmokeOptions
 
     for bad, msg in ((repeat < 1, f"--repeat must be at least 1, not {repeat}"),
                      (health_timeout <= 0, f"--health-timeout must be positive, not {health_timeout:g}"),
@@ -222,7 +222,7 @@ def validate(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fi
              run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
     from .report import render_validate
-    from .validate import validate_job
+    from ..engine.validate import validate_job
 
     opts = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=timeout)
@@ -261,9 +261,9 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
     --serial batches (so a canary batch is made of hosts that really change)."""
-    from .apply import ApplyOptions, check_then_apply
-    from .paths import find_playbook
-    from .playbook import load_playbook
+    from ..engine.apply import ApplyOptions, check_then_apply
+    from ..paths import find_playbook
+    from ..engine.playbook import load_playbook
     from .report import render_apply, render_handlers, text
 
     if not 0 <= max_fail_percentage <= 100:
@@ -293,7 +293,7 @@ def apply(playbook: Annotated[str, typer.Argument(help="Playbook name (see --pla
     cid = outcome.change_id
     patches = []
     if export_patch is not None:
-        from .export import write_patches
+        from ..engine.patches import write_patches
         patches = [str(p) for p in write_patches(outcome.results, pb.name, export_patch, pristine_dir)]
         for r in outcome.results:
             r.data.pop("texts", None)
@@ -318,7 +318,7 @@ def rollback(args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or
              accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
-    from .changes import rollback_job
+    from ..engine.changes import rollback_job
     from .report import render_rollback
 
     if len(args) != (1 if last else 2):
@@ -344,7 +344,7 @@ def recover(pattern: Pattern, inventory: InventoryOpt = None, vault_password_fil
             accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
             run_timeout: RunTimeout = None) -> None:
     """Undo the changes a killed run left pending (and restart SGLang where there were any); apply nothing."""
-    from .changes import recover_job
+    from ..engine.changes import recover_job
     from .report import render_recover
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -363,7 +363,7 @@ def status(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file
            accept_new: AcceptNew = False, ssh_config: SshConfig = None, connection: ConnectionOpt = None,
              run_timeout: RunTimeout = None, install: InstallOpt = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
-    from .changes import status_job
+    from ..engine.changes import status_job
     from .report import render_status
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -382,7 +382,7 @@ def cache_clear(pattern: Pattern, inventory: InventoryOpt = None, vault_password
                 run_timeout: RunTimeout = None) -> None:
     """Empty each host's scan cache: scans, interpreters' answers, RECORD hashes, compiled probes and
     the interpreter record (the next inspect reads and parses every file again)."""
-    from .gather import cache_clear_job
+    from ..engine.gather import cache_clear_job
     from .report import render_cache_clear
 
     hosts = _select(inventory, pattern, vault_password_file, ask_vault_pass)
@@ -410,9 +410,9 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
                   kernels_dir: KernelsDir = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     activate it atomically, validate, and switch back on failure."""
-    from .deploy import DeployOptions, run_deploy
-    from .kernelpkg import load_package
-    from .paths import project_dir
+    from ..engine.deploy import DeployOptions, run_deploy
+    from ..engine.kernelpkg import load_package
+    from ..paths import project_dir
     from .report import render_deploy
 
     if max_jobs < 1:
@@ -435,7 +435,7 @@ def deploy_kernel(name: Annotated[str, typer.Argument(help="Kernel package NAME 
 
 def _finish(results, json_out: bool, render, **doc) -> None:
     """Print the results (one JSON document, or `_render`) and exit with Ansible's code for them."""
-    from .fleet import exit_code
+    from ..engine.fleet import exit_code
 
     if json_out:
         _print_json({**doc, "hosts": [r.to_json() for r in results]})
@@ -475,12 +475,12 @@ def inventory_export(inventory: InventoryOpt = None, vault_password_file: VaultP
     """Print the inventory (lab hosts included) as Ansible YAML, with the connection details
     ansible-playbook needs (ansible_ssh_private_key_file, ansible_ssh_common_args: -o
     UserKnownHostsFile=...) resolved from the ssh_config fleetctl reads."""
-    from .ansibleinv import export
-    from .errors import ParseError
+    from ..collection.inventory import export
+    from ..errors import ParseError
 
     vault = None
     if vault_password_file or ask_vault_pass:
-        from .ansiblesrc import Vault
+        from ..inventory.sources import Vault
         vault = Vault(vault_password_file, ask_vault_pass)
     loaded = inv.load(inv.resolve_path(inventory), vault)
     try:
@@ -495,7 +495,7 @@ def collection_build(out: Annotated[Optional[str], typer.Option(
         = None) -> None:
     """Generate the collection's plugins/module_utils from fleetctl's probes (never committed);
     prints the collection's root."""
-    from . import collection
+    from ..collection import build as collection
 
     typer.echo(str(collection.build(Path(out) if out else None)))
 
@@ -509,7 +509,7 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
            lab_id: LabId = 0) -> None:
     """Start the lab: one real sshd per network namespace, each with a real SGLang release; its
     Host blocks go to <state dir>/ssh_config, Included (one marked line) by ~/.ssh/config."""
-    from . import lab
+    from .. import lab
 
     path = lab.lab_up(hosts, [r.strip() for r in releases.split(",") if r.strip()],
                       with_server=with_server, lab_id=lab_id)
@@ -521,7 +521,7 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
 def lab_down(lab_id: LabId = 0) -> None:
     """Stop the lab and remove every namespace, link and process it made, and its Include line
     in ~/.ssh/config."""
-    from . import lab
+    from .. import lab
 
     lab.lab_down(lab_id=lab_id)
     lab.remove_ssh_config_include(lab.user_ssh_config(), lab_id)
@@ -530,7 +530,7 @@ def lab_down(lab_id: LabId = 0) -> None:
 @lab_app.command("status")
 def lab_status(lab_id: LabId = 0) -> None:
     """Show the lab's hosts, addresses, releases, sshd state and faults."""
-    from . import lab
+    from .. import lab
     from .report import table
 
     rows = lab.lab_status(lab_id=lab_id)
@@ -544,7 +544,7 @@ def lab_status(lab_id: LabId = 0) -> None:
 @lab_app.command("inventory")
 def lab_inventory(lab_id: LabId = 0) -> None:
     """Print the lab inventory's path (last line)."""
-    from . import lab
+    from .. import lab
 
     typer.echo(str(lab.inventory_path(lab_id=lab_id)))
 
@@ -555,7 +555,7 @@ def lab_fault(host: str, kind: Annotated[str, typer.Argument(
               arg: Annotated[Optional[str], typer.Argument(help="MS for delay")] = None,
               lab_id: LabId = 0) -> None:
     """Inject or clear a fault on one lab host."""
-    from . import lab
+    from .. import lab
 
     lab.lab_fault(host, kind, arg, lab_id=lab_id)
 
@@ -591,6 +591,3 @@ def main() -> None:
     code = code if isinstance(code, int) else 0
     sys.exit(EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code)
 
-
-if __name__ == "__main__":
-    main()

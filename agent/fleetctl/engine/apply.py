@@ -15,16 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, \
-    new_change_id, on_install, pending_ids, restart_handlers, undo_changes
-from .config import CHECK_TIMEOUT_S, RESTART_CMD
+from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
+from ..config import CHECK_TIMEOUT_S, RESTART_CMD
 from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
-from .inventory import Host
+from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
-from .probes import redact
-from .vocab import HostStatus, PlanStatus
+from ..probes import redact
+from ..vocab import HostStatus, PlanStatus
 
 
 @dataclass

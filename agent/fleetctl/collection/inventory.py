@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from .connection import Settings
-from .inventory import Inventory
-from .reach import describe
+from ..connection import Settings
+from ..inventory import Inventory
+from ..connection.describe import describe
 
 
 def _plain(value: Any) -> Any:

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .fleet import HostResult
-from .probes import redact
-from .vocab import PROBLEM_STATUSES, ChangeState, HostStatus
+from ..engine.fleet import HostResult
+from ..probes import redact
+from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 
 # C0 controls but tab and newline, DEL, C1 controls, and the Unicode bidi and zero-width format
 # characters that reorder or hide text on a terminal.

@@ -25,12 +25,11 @@ from typing import Any, Callable
 from rich.markup import escape
 from rich.console import Console
 
-from . import probes
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
-from .connection import (BecomeFailed, Connection, LockBusy, OutputTooLarge, RemoteTimeout, Result, Settings,
-                         Unreachable, connect)
-from .inventory import Host
-from .vocab import HostStatus
+from .. import probes
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, UsageError
+from ..connection import BecomeFailed, Connection, LockBusy, OutputTooLarge, RemoteTimeout, Result, Settings, Unreachable, connect
+from ..inventory import Host
+from ..vocab import HostStatus
 
 # The host statuses under their short names (for callers that import them from here).
 OK, CHANGED, SKIPPED, FAILED, UNREACHABLE, NOT_ATTEMPTED = (

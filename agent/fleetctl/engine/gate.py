@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .vocab import GateStatus
+from ..vocab import GateStatus
 
 
 @dataclass

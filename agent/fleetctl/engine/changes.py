@@ -32,15 +32,15 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
-from .config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
-from .connection import OutputTooLarge, RemoteTimeout, Unreachable
-from .connection.command import operator_argv
+from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
+from ..connection import OutputTooLarge, RemoteTimeout, Unreachable
+from ..connection.command import operator_argv
 from .fleet import HostContext, HostFailed, HostResult
-from . import container
+from . import containers as container
 from .gather import find_install, gather, install_context
-from .probes import ProbeError, redact
+from ..probes import ProbeError, redact
 from .validate import SmokeOptions, gate, smoke
-from .vocab import ChangeState, GateStatus, HostStatus
+from ..vocab import ChangeState, GateStatus, HostStatus
 
 CHANGE_MODULES = ["scancache", "change"]
 RESTART_HANDLER = "restart sglang"

@@ -27,7 +27,7 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 
 from .playbook import EditTask, Playbook
-from .vocab import PlanStatus
+from ..vocab import PlanStatus
 
 
 @dataclass

@@ -8,9 +8,10 @@ origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsite
 
 from __future__ import annotations
 
-from . import container, probes
+from . import containers as container
+from .. import probes
 from .fleet import HostContext, HostFailed, HostResult
-from .vocab import HostStatus
+from ..vocab import HostStatus
 
 PROBE_MODULES = probes.FACTS_MODULES
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from .errors import InventoryError
+from ..errors import InventoryError
 
 # Names of the vars fleetctl reads; everything else is left as the inventory wrote it.
 _NEEDED = ("ansible_host", "ansible_port", "ansible_user", "ansible_connection",

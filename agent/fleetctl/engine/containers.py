@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from .connection.command import CONTAINER_EXECS, container_entry
+from ..connection.command import CONTAINER_EXECS, container_entry
 from .fleet import HostContext, HostFailed
 
 LASTS = "lasts until the container is recreated (the change is in the container's writable layer, not its image)"

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
-from .config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
+from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
 from .fleet import Fleet, HostContext, HostFailed, HostResult
 from .gather import gather
-from .inventory import Host
+from ..inventory import Host
 from .kernelpkg import KernelPackage, build_key
-from .vocab import HostStatus
+from ..vocab import HostStatus
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Playbooks: YAML files plus Jinja2 templates that say how to change a host, checked on load.
 
-A playbook is data; `fleetctl.plan` turns it and one host's facts and findings into a plan.
+A playbook is data; `fleetctl.engine.plan` turns it and one host's facts and findings into a plan.
 Schema (every key is checked; an error names the file and line, ParseError, exit 4):
 
     name: defrag-tier0                      # required
@@ -48,7 +48,7 @@ import jinja2
 import jinja2.sandbox
 import yaml
 
-from .errors import ParseError
+from ..errors import ParseError
 
 VALIDATE_STEPS = ("compile", "reinspect", "smoke")
 ON_FAILURE = ("rollback", "keep")
