@@ -37,6 +37,7 @@ import yaml
 
 import fleetctl
 from fleetctl import lab as labmod
+from fleetctl.lab import base as labbase, host as labhost
 from fleetctl.wheels import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +149,7 @@ class Lab:
 
     def set_behavior(self, host: str, behavior: dict, restart: bool) -> None:
         """Write the stand-in server's behaviour file on `host` (read when the server starts, see
-        fleetctl/standin/server.py); with `restart`, restart the server now."""
+        fleetctl/lab/standin/server.py); with `restart`, restart the server now."""
         cmd = f"echo {shlex.quote(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
         if restart:
             cmd += " && /opt/fleetctl-standin/restart.sh"
@@ -158,10 +159,10 @@ class Lab:
 
     def server_healthy(self, host: str, timeout: float = 1.0) -> bool:
         """Whether the host's stand-in answers GET /health with 200 within `timeout` s (asked inside
-        the host's network namespace, fleetctl.lab._wait_server)."""
-        h = next(h for h in labmod._load(self.state_dir)["hosts"] if h["name"] == host)
+        the host's network namespace, fleetctl.lab.host.wait_server)."""
+        h = next(h for h in labbase.load(self.state_dir)["hosts"] if h["name"] == host)
         try:
-            labmod._wait_server(h, timeout=timeout)
+            labhost.wait_server(h, timeout=timeout)
         except labmod.LabError:
             return False
         return True

@@ -12,7 +12,7 @@ import pytest
 
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change
+from fleetctl.probes import change, ledger
 from oracles import PLAYBOOK, host_inputs, release_file
 
 
@@ -59,6 +59,6 @@ def site(tmp_path, planned):
 
 def ledger_consistent(state: Path, cid: str, want: str) -> None:
     """The ledger's last state of change `cid` is `want`, and the probe's status reads the ledger."""
-    entries = change.read_ledger(str(state))
+    entries = ledger.read(str(state))
     assert [e["state"] for e in entries if e["change_id"] == cid][-1] == want
     assert change.main({"action": "status", "state_dir": str(state)})["ok"]

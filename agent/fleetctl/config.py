@@ -1,8 +1,8 @@
 """One table of the numbers and names fleetctl runs by: port, paths, deadlines, inventory vars.
 
 Nothing else in the control side spells these. The host-side probes keep their own copies of
-the few they need (`probes/change.STATE_DIR`, `probes/facts.DEFAULT_PORT`); tests/unit/test_engine.py
-checks they agree. The lab and the SGLang stand-in (`lab.py`, `standin/`) use 30000 as the
+the few they need (`probes/ledger.STATE_DIR`, `probes/procs.DEFAULT_PORT`); tests/unit/test_engine.py
+checks they agree. The lab and the SGLang stand-in (`lab/`, `lab/standin/`) use 30000 as the
 stand-in server's own default, as SGLang does.
 """
 
@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 # SGLang's ServerArgs.port default (sglang/srt/server_args.py): used for a discovered server
 # started without --port, and as the default of --port.
+# ansible_connection values fleetctl reaches hosts with, each -> the connection kind that serves
+# it (connection.session.Session.connect); `ssh` and `smart` are Ansible's names for its OpenSSH
+# connection, `paramiko_ssh` for its paramiko one.
+CONNECTIONS = {"paramiko": "paramiko", "paramiko_ssh": "paramiko", "ssh": "ssh", "smart": "ssh", "local": "local"}
 DEFAULT_SGLANG_PORT = 30000
 # Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/, the lock.
 STATE_DIR = "/var/lib/fleetctl"

@@ -19,6 +19,27 @@ class FleetctlError(Exception):
     exit_code = EXIT_FAILED
 
 
+class HostError(FleetctlError):
+    """The root of every failure of one host's job (a failed probe, a busy lock, sudo refusing,
+    output too large, a remote deadline, the job's own refusal), which the fan-out reports as
+    that host's `failed` and goes on with the others; `Unreachable` (connection.errors) is its
+    own branch under it, reported `unreachable`. Raised out of a command (not a host's job),
+    it ends the command with `exit_code`."""
+
+    def describe(self, job_timeout: float) -> str:
+        """The host's error text in reports, for a job that had `job_timeout` seconds."""
+        return str(self)
+
+
+class HostFailed(HostError):
+    """Raised by a job to mark its host failed with a message (no traceback shown)."""
+
+
+class ProbeFailed(HostError):
+    """A probe crashed on the host or printed no result (probes.ProbeError, raised where the
+    engine runs probes); the message carries its traceback."""
+
+
 class InventoryError(FleetctlError):
     """Malformed inventory file: the message names the file and line."""
 

@@ -17,7 +17,8 @@ import pytest
 
 from fleetctl.engine.apply import _findings
 from fleetctl.engine.changes import change_probe
-from fleetctl.engine.fleet import Fleet, HostFailed
+from fleetctl.engine.fleet import Fleet
+from fleetctl.errors import HostFailed
 from fleetctl.engine.gather import gather
 from fleetctl.inventory import load
 from fleetctl.paths import find_playbook
@@ -25,6 +26,7 @@ from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
 from fleetctl.connection import LockBusy
 from fleetctl.wheels import ensure_wheel
+from fleetctl.vocab import HostStatus
 from oracles import apply_diff
 
 
@@ -159,7 +161,7 @@ def test_file_edited_after_inspect_is_refused(server_lab, monkeypatch):
             after = ctx.run(["sha256sum", f.path]).stdout.decode().split()[0]
             assert ctx.run(["sed", "-i", "$ d", f.path]).ok
             edited = hashlib.sha256(g["sources"][f.rel].encode() + b"# operator was here\n").hexdigest()
-            return {"after": after, "edited": edited, "rel": f.rel}
+            return ctx.result(HostStatus.OK, data={"after": after, "edited": edited, "rel": f.rel})
 
         res = fleet.run([host], job)[0]
     assert res.status == "ok", res.error

@@ -21,6 +21,7 @@ from fleetctl.connection import RemoteTimeout, Settings, Unreachable
 from fleetctl.engine.fleet import Fleet
 from fleetctl.inventory import load
 from fleetctl.wheels import ensure_wheel
+from fleetctl.vocab import HostStatus
 
 CA_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA (not a real one)
 KEEPALIVE = "Host *\n  ServerAliveInterval 1\n  ServerAliveCountMax 2\n"
@@ -88,8 +89,8 @@ def test_keepalives_notice_a_dead_peer_within_interval_times_count(lab, tmp_path
         try:
             ctx.run(["sleep", "60"], timeout=60)
         except Unreachable as e:
-            return {"error": str(e), "noticed": time.monotonic()}
-        return {"error": None}
+            return ctx.result(HostStatus.OK, data={"error": str(e), "noticed": time.monotonic()})
+        return ctx.result(HostStatus.OK, data={"error": None})
 
     try:
         with Fleet(Settings(ssh_config=cfg), timeout=90) as fleet:
@@ -111,7 +112,7 @@ def test_upload_to_a_host_that_stops_answering_times_out(lab, tmp_path):
         t0 = time.monotonic()
         with pytest.raises(RemoteTimeout):
             ctx.conn.put_bytes(b"x" * 100_000, "/tmp/fleetctl-upload-test", timeout=3)
-        return {"took": time.monotonic() - t0}
+        return ctx.result(HostStatus.OK, data={"took": time.monotonic() - t0})
 
     try:
         with Fleet(lab.settings(), timeout=90) as fleet:

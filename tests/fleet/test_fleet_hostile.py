@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from fleetctl.engine.changes import change_probe
-from fleetctl.engine.fleet import Fleet, HostFailed
+from fleetctl.engine.fleet import Fleet
+from fleetctl.errors import HostFailed
 from fleetctl.inventory import load
+from fleetctl.vocab import HostStatus
 
 
 HOST = "lab-04"  # SGLang 0.5.23
@@ -131,7 +133,7 @@ def test_planted_links_never_redirect_a_write(lab, guarded):
                 seen["modes"] = sh(lab, f"stat -c '%a %U' {PROBE_STATE} {PROBE_STATE}/ledger.jsonl").split("\n")[:2]
             finally:
                 sh(lab, f"rm -f {' '.join(tmps)}")
-            return {"seen": seen}
+            return ctx.result(HostStatus.OK, data={"seen": seen})
 
         res = fleet.run([inv_host], job)[0]
     assert res.status == "ok", res.error

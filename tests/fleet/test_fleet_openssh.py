@@ -17,7 +17,8 @@ import yaml
 
 from conftest import write_ssh_config
 from fleetctl.connection import Settings
-from fleetctl.engine.fleet import OK, UNREACHABLE, Fleet
+from fleetctl.engine.fleet import Fleet
+from fleetctl.vocab import HostStatus
 from fleetctl.inventory import load
 
 
@@ -47,7 +48,7 @@ def test_inspect_through_both_connections(lab, tmp_path, kind):
     r, _, hosts = lab.cli_json("inspect", "lab-01:lab-02", "-c", kind)  # the lab's inventory sets no kind
     assert r.returncode == 0, (hosts, r.stderr[-2000:])
     for name in ("lab-01", "lab-02"):
-        assert hosts[name]["status"] == OK and hosts[name]["address"] == lab.address(name)
+        assert hosts[name]["status"] == HostStatus.OK and hosts[name]["address"] == lab.address(name)
         assert hosts[name]["facts"]["hostname"] == name
 
 
@@ -58,13 +59,13 @@ def test_ssh_connection_exit_status_in_band_and_masters_closed(lab, tmp_path):
 
     def job(ctx):
         r = ctx.run(["sh", "-c", "printf out; printf err >&2; exit 255"])
-        seen["sockets"] = [p.name for p in settings.control_files.dir.iterdir() if p.is_socket()]
-        return {"code": r.exit_code, "out": r.stdout.decode(), "err": r.stderr.decode()}
+        seen["sockets"] = [p.name for p in ctx.conn.session.control_files.dir.iterdir() if p.is_socket()]
+        return ctx.result(HostStatus.OK, data={"code": r.exit_code, "out": r.stdout.decode(), "err": r.stderr.decode()})
 
     with Fleet(settings) as fleet:
         result = fleet.run([host], job)[0]
-        control = settings.control_files.dir
-        assert result.status == OK, result.error
+        control = fleet.session.control_files.dir
+        assert result.status == HostStatus.OK, result.error
         assert result.data == {"code": 255, "out": "out", "err": "err"}
         assert [bool(re.fullmatch(r"[0-9a-f]{40}", s)) for s in seen["sockets"]] == [True]  # %C
         assert (control.stat().st_mode & 0o777) == 0o700 and len(str(control / seen["sockets"][0])) < 108
@@ -114,7 +115,7 @@ def test_ssh_connection_host_keys_as_openssh_decides(lab, tmp_path):
     cfg = write_ssh_config(tmp_path / "config", known)
     inv = inventory_with(lab, tmp_path, "ssh")
     r, _, hosts = lab.cli_json("inspect", "lab-04", "-i", str(inv), "--ssh-config", str(cfg))
-    assert r.returncode == 3 and hosts["lab-04"]["status"] == UNREACHABLE
+    assert r.returncode == 3 and hosts["lab-04"]["status"] == HostStatus.UNREACHABLE
     assert "Host key verification failed" in hosts["lab-04"]["error"] and not known.exists()
     r, _, hosts = lab.cli_json("inspect", "lab-04", "-i", str(inv), "--ssh-config", str(cfg), "--accept-new")
     assert r.returncode == 0, hosts["lab-04"]["error"]
@@ -152,5 +153,5 @@ def test_strict_host_key_checking_no_is_accept_new_never_weaker(lab, tmp_path, k
     fake = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA: not lab-02's key
     known.write_text(f"{lab.address('lab-02')} ssh-ed25519 {fake}\n")
     r, _, hosts = lab.cli_json("inspect", "lab-02", "-c", kind, "--ssh-config", str(cfg))
-    assert r.returncode == 3 and hosts["lab-02"]["status"] == UNREACHABLE
+    assert r.returncode == 3 and hosts["lab-02"]["status"] == HostStatus.UNREACHABLE
     assert known.read_text() == f"{lab.address('lab-02')} ssh-ed25519 {fake}\n"

@@ -16,6 +16,8 @@ import yaml
 
 from conftest import TEST_LAB_ID, running_lab
 from fleetctl import lab as labmod
+from fleetctl.lab import pidns
+from fleetctl.lab.base import alive
 
 
 RELEASES = dict(zip(["lab-01", "lab-02", "lab-03", "lab-04"], labmod.DEFAULT_RELEASES))
@@ -217,9 +219,9 @@ def test_each_host_has_its_own_pid_namespace(lab):
     assert not any(f"hosts/{h}/" in seen for h in lab.hosts if h != a)  # no other host's sshd
     assert "delayproxy" not in seen  # the lab's network, not the host's process
     # lab.json has root-view pids: sshd is pid >1 inside A, the init is A's PID 1
-    assert labmod._nspid(state[a]["init_pid"])[-1] == 1
+    assert pidns.nspids(state[a]["init_pid"])[-1] == 1
     # (a member, not the lowest pid: once this machine's pids wrap, a later process can have a lower one)
-    assert state[a]["init_pid"] in labmod._pidns_members(state[a]["init_pid"])
+    assert state[a]["init_pid"] in pidns.pidns_members(state[a]["init_pid"])
     assert _pidns(state[a]["sshd_pid"]) == _pidns(state[a]["init_pid"])
     assert _pidns(state[a]["proxy_pid"]) == _pidns(os.getpid())
 
@@ -240,14 +242,14 @@ def test_host_pids_match_ps_on_the_host(lab):
                 if line.strip() == "END":
                     break
                 rows.append(line.split())
-            inside = {ns[-1]: p for p in lab.pids(h) if (ns := labmod._nspid(p))}  # {pid on the host: root view}
+            inside = {ns[-1]: p for p in lab.pids(h) if (ns := pidns.nspids(p))}  # {pid on the host: root view}
         finally:
             ssh.stdin.write("\n")
             ssh.stdin.close()
             ssh.wait(timeout=10)
     try:
         seen = {int(row[0]) for row in rows if row[1:] != ["ps"]}  # ps has exited by now
-        assert seen == set(inside) | {1, labmod._nspid(sshd)[-1]}
+        assert seen == set(inside) | {1, pidns.nspids(sshd)[-1]}
         assert sleeper in inside and b"sleep" in open(f"/proc/{inside[sleeper]}/cmdline", "rb").read()
     finally:
         lab.ssh(h, f"kill {sleeper}")
@@ -257,7 +259,7 @@ def test_orphans_are_reaped(lab):
     h = lab.hosts[2]
     # a double fork: the subshell exits at once, its sleep is orphaned to the host's init
     orphan = int(lab.ssh(h, "(sleep 3 >/dev/null 2>&1 </dev/null & echo $!)").stdout)
-    (pid,) = [p for p in lab.pids(h) if (labmod._nspid(p) or [None])[-1] == orphan]  # None: exited meanwhile
+    (pid,) = [p for p in lab.pids(h) if (pidns.nspids(p) or [None])[-1] == orphan]  # None: exited meanwhile
     status = open(f"/proc/{pid}/status").read()
     assert int(status.split("\nPPid:")[1].split()[0]) == _state(lab)[h]["init_pid"]  # root view
     deadline = time.monotonic() + 10
@@ -269,11 +271,11 @@ def test_orphans_are_reaped(lab):
 def test_server_pids_are_recorded_as_this_machine_sees_them(server_lab):
     for name, h in _state(server_lab).items():
         nspid = int(server_lab.ssh(name, "cat /opt/fleetctl-standin/server.pid").stdout)
-        pid = labmod._root_pid(h["init_pid"], nspid)
+        pid = pidns.root_pid(h["init_pid"], nspid)
         assert pid in labmod.host_pids(name, server_lab.lab_id, server_lab.state_dir)
         assert b"server.py" in open(f"/proc/{pid}/cmdline", "rb").read()
         assert isinstance(h["server_pid"], int)
-        if labmod._alive(h["server_pid"]):  # not restarted by a test since `lab up`
+        if alive(h["server_pid"]):  # not restarted by a test since `lab up`
             assert h["server_pid"] == pid
 
 
@@ -307,7 +309,7 @@ def test_down_leaves_no_process_in_the_hosts_pid_namespaces(doomed):
                                  " setsid sh -c 'kill -STOP $$; sleep 300' >/dev/null 2>&1 </dev/null &"
                                  " (sleep 300 >/dev/null 2>&1 </dev/null &)").returncode == 0
     namespaces = {_pidns(h["init_pid"]) for h in state.values()}
-    members = {p for h in state.values() for p in labmod._pidns_members(h["init_pid"])}
+    members = {p for h in state.values() for p in pidns.pidns_members(h["init_pid"])}
     assert len(namespaces) == len(lab.hosts) == 2 and len(members) >= 2 * len(lab.hosts) + 3
     labmod.lab_down(lab.lab_id, lab.state_dir, lab.known_hosts)
     left = []
@@ -317,7 +319,7 @@ def test_down_leaves_no_process_in_the_hosts_pid_namespaces(doomed):
                 left.append(d)
         except OSError:
             pass
-    assert left == [] and not any(labmod._alive(p) for p in members), [(p, _describe(p)) for p in left]
-    assert not any(labmod._alive(h[k]) for h in state.values() for k in ("init_pid", "sshd_pid", "proxy_pid"))
+    assert left == [] and not any(alive(p) for p in members), [(p, _describe(p)) for p in left]
+    assert not any(alive(h[k]) for h in state.values() for k in ("init_pid", "sshd_pid", "proxy_pid"))
     assert f"flab{lab.lab_id}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                                       text=True).stdout

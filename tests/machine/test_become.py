@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 import pytest
 
-from fleetctl.connection import BecomeFailed, Settings, command, connect
+from fleetctl.connection import BecomeFailed, Session, Settings, command
 from fleetctl.errors import InventoryError
 from fleetctl.inventory import Host, load
 
@@ -57,9 +57,9 @@ def test_no_prompt_means_the_password_never_reaches_the_command():
     host = Host("here", MappingProxyType({"ansible_connection": "local", "ansible_become": True,
                                          "ansible_become_user": "nobody",
                                          "ansible_become_password": "pw-must-not-leak"}), ("all",))
-    conn = connect(host, Settings())
+    conn = Session(Settings()).connect(host)
     r = conn.run(["sh", "-c", "id -un; echo on-stderr >&2; cat"], 10, stdin=b"payload")
     assert (r.exit_code, r.stdout, r.stderr) == (0, b"nobody\npayload", b"on-stderr\n")
     bad = Host("here", MappingProxyType({**host.vars, "ansible_become_user": "no-such-user-fleetctl"}), ("all",))
     with pytest.raises(BecomeFailed, match="unknown user"):
-        connect(bad, Settings()).run(["true"], 10)
+        Session(Settings()).connect(bad).run(["true"], 10)

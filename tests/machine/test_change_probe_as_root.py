@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import change
+from fleetctl.probes import change, safefs
 from sites import ledger_consistent
 
 
@@ -51,7 +51,7 @@ def test_atomic_write_modes_owners_and_a_failed_write(tmp_path):
     data = bytes(range(256)) * 4096  # 1 MiB
     old = os.umask(0o077)
     try:
-        change.atomic_write(str(p), data, "t")
+        safefs.atomic_write(str(p), data, "t")
     finally:
         os.umask(old)
     st = p.stat()
@@ -59,13 +59,13 @@ def test_atomic_write_modes_owners_and_a_failed_write(tmp_path):
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o644, os.geteuid(), os.getegid())
     fds = _fds()
     with pytest.raises(TypeError):  # fails after its temp file was made: the temp file goes
-        change.atomic_write(str(p), "not bytes", "t")
+        safefs.atomic_write(str(p), "not bytes", "t")
     assert p.read_bytes() == data and os.listdir(tmp_path) == ["new.py"] and _fds() == fds
     # set-id bits survive the change of owner (fchown clears them), and so do owner and group
     for uid, gid in ((1234, 2345), (os.geteuid(), 2345)):
         os.chown(p, uid, gid)
         os.chmod(p, 0o6750)
-        change.atomic_write(str(p), b"y", "t")
+        safefs.atomic_write(str(p), b"y", "t")
         st = p.stat()
         assert (p.read_bytes(), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (b"y", 0o6750, uid, gid)
     assert os.listdir(tmp_path) == ["new.py"] and _fds() == fds

@@ -25,10 +25,9 @@ from pathlib import Path
 import pytest
 
 from fleetctl import probes
-from fleetctl.engine.gather import PROBE_MODULES
 from fleetctl.probes import gpus
 
-PROBES = ["procs", "containers", "gpus", "locate", "facts", "gittree", "scancache"]
+PROBES = sorted({*probes.modules_for("facts"), "gittree"})
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 
@@ -249,7 +248,7 @@ def _build_installs(root: Path) -> dict:
 def probe(**params) -> dict:
     """Run the facts probe as fleetctl does (the bundle on stdin of a python -c WRAPPER)."""
     params = {"python": None, "scan": True, "with_sources": False, **params}
-    r = subprocess.run([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts", params, PROBE_MODULES),
+    r = subprocess.run([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts", params),
                        capture_output=True, timeout=300)
     return probes.parse_output(r.stdout, r.stderr, r.returncode)
 
@@ -542,8 +541,8 @@ def test_probe_modules_are_stdlib_py38(name):
     src = probes.source(name)
     tree = ast.parse(src, feature_version=(3, 8))
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert mods <= sys.stdlib_module_names | {"callsites", "redact", *PROBES}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+    assert mods <= sys.stdlib_module_names
     assert "print(" not in src
 
 
@@ -584,7 +583,7 @@ def test_apply_status_rollback_on_a_git_checkout(installs, local):
     """The change lands in the checkout (not site-packages); status judges drift there against
     the ledger and git (run as the tree's owner, the repository's fsmonitor never run);
     rollback --last --install gives the original bytes back."""
-    from fleetctl.engine.changes import rollback_job, status_job
+    from fleetctl.engine.ledger import rollback_job, status_job
     fleet, hosts, state = local
     checkout = installs["checkout"]
     runner, alloc = checkout / RUNNER, checkout / "sglang/srt/mem_cache/allocator.py"
@@ -632,7 +631,7 @@ def test_apply_says_the_package_directory_was_not_found_not_no_need_sort(install
 
 
 def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
-    from fleetctl.engine.changes import rollback_job
+    from fleetctl.engine.ledger import rollback_job
     fleet, hosts, state = local
     sp = Path(site_packages(installs["env"]))
     runner = sp / RUNNER

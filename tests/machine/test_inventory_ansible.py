@@ -25,15 +25,16 @@ from fleetctl import wheels as wheelcache
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = ROOT / "tests" / "inventories"
 SOURCES = ["yaml/hosts.yaml", "ini/hosts.ini", "mixed", "script/inventory.py", "bastion/hosts.yaml"]
-# the vars fleetctl reads (invtemplate.needed), spelled independently of it
+# the vars fleetctl reads (templates.needed), spelled independently of it
 NEEDED = r"ansible_(host|port|user|connection|python_interpreter|private_key_file|ssh_.*|become.*)|fleetctl_.*"
 
 FLEETCTL_VIEW = """
 import json, sys
 from fleetctl import inventory
+from fleetctl.inventory.templates import needed
 inv = inventory.load(sys.argv[1])
 print(json.dumps({"groups": {g: list(h) for g, h in inv.groups.items()}, "hosts": {
-    h.name: {"vars": {k: v for k, v in h.vars.items() if inventory.needed(k)}, "groups": list(h.groups),
+    h.name: {"vars": {k: v for k, v in h.vars.items() if needed(k)}, "groups": list(h.groups),
              "address": h.address, "port": h.port, "user": h.user, "connection": h.connection,
              "ssh_common_args": list(h.ssh_common_args), "ssh_extra_args": list(h.ssh_extra_args)}
     for h in inv.hosts.values()}}))
@@ -106,10 +107,11 @@ all:
 
 DECRYPT = """
 import sys
-from fleetctl import ansiblesrc, inventory
+from fleetctl import inventory
+from fleetctl.inventory import sources
 from fleetctl.errors import InventoryError
 try:
-    inv = inventory.load(sys.argv[1], ansiblesrc.Vault(sys.argv[2]))
+    inv = inventory.load(sys.argv[1], sources.Vault(sys.argv[2]))
 except InventoryError as e:
     print("ERROR", e)
 else:
@@ -170,9 +172,10 @@ def test_a_source_ansible_cannot_parse_is_exit_4(ansible_python, tmp_path):
 
 SOURCE_WITH_VAULT = """
 import sys
-from fleetctl import ansiblesrc, inventory
-ansiblesrc.getpass.getpass = lambda prompt: "correct horse"   # --ask-vault-pass, answered
-vault = ansiblesrc.Vault(ask=True) if sys.argv[2] == "ask" else ansiblesrc.Vault(sys.argv[2])
+from fleetctl import inventory
+from fleetctl.inventory import sources
+sources.getpass.getpass = lambda prompt: "correct horse"   # --ask-vault-pass, answered
+vault = sources.Vault(ask=True) if sys.argv[2] == "ask" else sources.Vault(sys.argv[2])
 host = inventory.load(sys.argv[1], vault).hosts["gpu-01"]
 print(host.user, host.vars["ansible_become_password"])
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import scancache
+from fleetctl.probes import result, scancache
 
 
 NOBODY = 65534
@@ -64,7 +64,7 @@ def test_a_probe_starts_the_recorded_interpreter_directly(nobody_home):
     for record, link, owner in ((None, False, NOBODY), (fake, True, NOBODY), (fake, False, 0),
                                 (str(nobody_home / "gone"), False, NOBODY)):
         out = run_finder(nobody_home, record, link, owner)
-        assert "RECORDED" not in out and probes.MARKER in out, (record, link, owner, out)
+        assert "RECORDED" not in out and result.MARKER in out, (record, link, owner, out)
     # as root, the shell looks where the probe keeps root's cache
     assert f"c={scancache.STATE_DIR}/scan-cache;" in probes.command(None, "facts")[2]
 
@@ -98,14 +98,18 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     os.chown(nobody_home, NOBODY, NOBODY)
     for p in nobody_home.rglob("*"):
         os.chown(p, NOBODY, NOBODY)
-    doc = probes.bundle("callsites", {"location": str(pkg)}, ["scancache", "callsites"])
+    # the callsites probe after the code cache: a bundle made here, as probes.bundle makes one
+    mods = [*probes.modules_for("scancache"), "callsites"]
+    doc = json.dumps({"modules": [[m, probes.source(m)] for m in mods], "main": "callsites",
+                      "params": {"location": str(pkg)}, "wrapper": probes.WRAPPER,
+                      "code_key": probes.sources_sha256(mods)}).encode()
     real = run_probe_as_nobody(nobody_home, doc)
     assert [s["file"] for s in real["allocator_call_sites"]] == ["sglang/m.py"]
     cdir = nobody_home / "cache" / "fleetctl"
     [kept] = list(cdir.glob("code-*.marshal"))
     head, body = kept.read_bytes().split(b"\n", 1)
-    assert json.loads(head)["key"] == probes.sources_sha256(["scancache", "callsites"])
-    assert sorted(marshal.loads(body)) == ["callsites"]  # scancache itself is compiled every run
+    assert json.loads(head)["key"] == probes.sources_sha256(mods)
+    assert sorted(marshal.loads(body)) == ["callsites"]  # scancache (and safefs) are compiled every run
 
     def plant(head_bytes: bytes, code=None, owner=NOBODY):
         code = code or {"callsites": compile("def main(params):\n    return {'from': 'kept code'}\n",
@@ -128,5 +132,5 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     # code compiled under -O (asserts and docstrings stripped) is kept apart from plain code
     assert untimed(run_probe_as_nobody(nobody_home, doc, PYTHONOPTIMIZE="2")) == untimed(real)
     assert len(list(cdir.glob("code-*.marshal"))) == 2 and kept.read_bytes().split(b"\n", 1)[0] == head
-    cleared = run_probe_as_nobody(nobody_home, probes.bundle("scancache", {"action": "clear"}, ["scancache"]))
+    cleared = run_probe_as_nobody(nobody_home, probes.bundle("scancache", {"action": "clear"}))
     assert cleared["removed"] >= 1 and not list(cdir.glob("code-*"))  # `fleetctl cache clear` takes it too

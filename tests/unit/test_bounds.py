@@ -35,12 +35,12 @@ def test_output_buffer_raises_past_its_cap_or_keeps_both_ends():
 
 PEAK = """
 import json, resource, sys, time
-from fleetctl.connection import OutputTooLarge, Settings
+from fleetctl.connection import OutputTooLarge, Session, Settings
 from fleetctl.connection.local import LocalConnection
 from fleetctl.inventory import Host
 t0 = time.monotonic()
 try:
-    LocalConnection(Host("here", {}, ("all",)), Settings()).run(["head", "-c", str(1 << 30), "/dev/zero"], timeout=120)
+    LocalConnection(Host("here", {}, ("all",)), Session(Settings())).run(["head", "-c", str(1 << 30), "/dev/zero"], timeout=120)
     err = None
 except OutputTooLarge as e:
     err = str(e)

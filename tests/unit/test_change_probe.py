@@ -21,7 +21,7 @@ import pytest
 
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change
+from fleetctl.probes import change, ledger, record, safefs
 from sites import ledger_consistent
 from fleetctl.wheels import ensure_wheel
 
@@ -32,13 +32,13 @@ def sha(p: Path) -> str:
 
 
 def ledger_states(state: Path) -> list[tuple[str, str]]:
-    return [(e["change_id"], e["state"]) for e in change.read_ledger(str(state))]
+    return [(e["change_id"], e["state"]) for e in ledger.read(str(state))]
 
 
 def test_apply_then_rollback_is_byte_identical(site):
     site_dir, state, params, originals = site
     r = change.main(dict(params, install="/opt/venv/bin/python"))
-    assert r == {"ok": True, "change_id": "c1", "files": change.read_ledger(str(state))[-1]["files"], "pruned": []}, r
+    assert r == {"ok": True, "change_id": "c1", "files": ledger.read(str(state))[-1]["files"], "pruned": []}, r
     for f in params["files"]:
         p = Path(f["path"])
         assert p.read_text() == f["new_text"] and sha(p) == f["post_sha256"]
@@ -49,7 +49,7 @@ def test_apply_then_rollback_is_byte_identical(site):
         backup = state / "backups" / "c1" / f["path"].lstrip("/")
         assert backup.read_bytes() == originals[f["path"]]
     assert ledger_states(state) == [("c1", "pending"), ("c1", "applied")]
-    entry = change.read_ledger(str(state))[-1]
+    entry = ledger.read(str(state))[-1]
     assert (entry["operator"], entry["playbook"], entry["install"]) == ("tester", "defrag-tier0", "/opt/venv/bin/python")
     assert entry["root"] == params["root"]
     assert [(f["before_sha256"], f["after_sha256"]) for f in entry["files"]] == \
@@ -158,7 +158,7 @@ def _fail_second_file(point, params, monkeypatch):
     """Make apply fail on the second file at `point` (review H2): (a) before its write, (b) after
     its rename, (c) dropping its bytecode (observation O1), (d) a post-write state mismatch."""
     second = params["files"][1]["path"]
-    real_write, real_drop = change.atomic_write, change.drop_pycache
+    real_write, real_drop = safefs.atomic_write, safefs.drop_pycache
 
     def write(path, data, tag, expect=None):
         if path == second and data != Path(path).read_bytes() and point == "before-write":
@@ -176,8 +176,8 @@ def _fail_second_file(point, params, monkeypatch):
             raise PermissionError(13, "Permission denied", path)
         real_drop(path)
 
-    monkeypatch.setattr(change, "atomic_write", write)
-    monkeypatch.setattr(change, "drop_pycache", drop)
+    monkeypatch.setattr(safefs, "atomic_write", write)
+    monkeypatch.setattr(safefs, "drop_pycache", drop)
 
 
 @pytest.mark.parametrize("point, error", [
@@ -198,7 +198,7 @@ def test_error_midway_restores_and_records_failed(site, monkeypatch, point, erro
     for p, data in originals.items():
         assert Path(p).read_bytes() == data, (point, p)
     assert ledger_states(state) == [("c1", "pending"), ("c1", "failed")]
-    assert change.read_ledger(str(state))[-1]["reason"] == error
+    assert ledger.read(str(state))[-1]["reason"] == error
     assert not list(site_dir.rglob("*.tmp"))
     monkeypatch.undo()
     assert change.main(dict(params, change_id="c2"))["ok"]  # nothing pending blocks the next apply
@@ -210,7 +210,7 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch,
     file that is not back (the second only, or both), and puts back the others."""
     site_dir, state, params, originals = site
     second = params["files"][1]["path"]
-    real = change.atomic_write
+    real = safefs.atomic_write
     pres = {params["files"][i]["pre_sha256"] for i in failing}
 
     def write(path, data, tag, expect=None):
@@ -220,7 +220,7 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch,
         if path == second:
             raise OSError("lost the directory fsync")
 
-    monkeypatch.setattr(change, "atomic_write", write)
+    monkeypatch.setattr(safefs, "atomic_write", write)
     r = change.main(params)
     left = "; ".join(f"{params['files'][i]['path']} (OSError: read-only file system)" for i in failing)
     assert r == {"ok": False, "change_id": "c1",
@@ -229,7 +229,7 @@ def test_error_midway_with_a_failed_restore_says_not_restored(site, monkeypatch,
     if failing == (1,):
         assert Path(first).read_bytes() == originals[first]  # the first file was put back
     assert all(sha(Path(params["files"][i]["path"])) == params["files"][i]["post_sha256"] for i in failing)
-    last = change.read_ledger(str(state))[-1]
+    last = ledger.read(str(state))[-1]
     assert (last["state"], last["reason"]) == ("failed", f"OSError: lost the directory fsync; NOT restored: {left}")
 
 
@@ -395,8 +395,8 @@ def test_a_restore_is_checked_against_before_sha256(site, monkeypatch):
         f"rollback failed after restoring 0 of 2 files (none): backup {backup} does not hash to before_sha256")
     assert sha(Path(first)) == params["files"][0]["post_sha256"]
     backup.write_bytes(good)
-    real = change.atomic_write
-    monkeypatch.setattr(change, "atomic_write",
+    real = safefs.atomic_write
+    monkeypatch.setattr(safefs, "atomic_write",
                         lambda path, data, tag, expect=None: real(path, data + b"# torn\n", tag, expect))
     r = change.main(rollback)
     assert not r["ok"] and r["error"] == (
@@ -415,7 +415,7 @@ def test_a_link_restore_that_does_not_take_is_reported(tmp_path, monkeypatch):
                      "state_dir": str(state), "root": str(tmp_path),
                      "files": [{"path": link, "kind": "link", "pre_target": "k0", "post_target": "k1"}]})
     assert r["ok"] and os.readlink(link) == "k1"
-    monkeypatch.setattr(change, "set_link", lambda path, target, tag: None)  # someone else's link wins
+    monkeypatch.setattr(safefs, "set_link", lambda path, target, tag: None)  # someone else's link wins
     r = change.main({"action": "rollback", "change_id": "c1", "state_dir": str(state)})
     assert not r["ok"] and r["error"] == (
         "rollback failed after restoring 0 of 1 files (none): %s: link after restore is not link:k0" % link)
@@ -457,15 +457,15 @@ def test_status_drift_and_record(tmp_path):
 def test_status_hashes_record_files_by_identity(tmp_path, monkeypatch):
     """A warm status reads no file whose identity the record cache holds; a same-size rewrite
     with its mtime put back (only ctime and inode tell) is read again and reported."""
-    monkeypatch.setattr(change, "RECORD_RACY_S", 0)
+    monkeypatch.setattr(record, "RACY_S", 0)
     site, state = tmp_path / "site", tmp_path / "state"
     with zipfile.ZipFile(ensure_wheel("0.5.2")) as z:
         z.extractall(site)
     st = {"action": "status", "state_dir": str(state), "location": str(site), "dist": "sglang"}
     assert change.main(st)["modified"] == []
     assert len(list((state / "scan-cache").glob("record-*.json"))) == 1
-    reads, real = [], change.sha256_file
-    monkeypatch.setattr(change, "sha256_file", lambda p: reads.append(p) or real(p))
+    reads, real = [], safefs.sha256_file
+    monkeypatch.setattr(safefs, "sha256_file", lambda p: reads.append(p) or real(p))
     assert change.main(st)["modified"] == [] and reads == []
     hand = site / "sglang" / "version.py"
     before, data = hand.stat(), hand.read_bytes()
@@ -486,7 +486,7 @@ def test_two_phase_apply_commit_or_rollback(site):
     assert all(sha(Path(f["path"])) == f["post_sha256"] for f in params["files"])
     r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1", "reason": "smoke failed"})
     assert r["ok"] and all(Path(p).read_bytes() == d for p, d in originals.items())
-    last = change.read_ledger(str(state))[-1]
+    last = ledger.read(str(state))[-1]
     assert (last["state"], last["reason"]) == ("rolled-back", "smoke failed")
     bad = change.main({"action": "commit", "state_dir": str(state), "change_id": "c1"})
     assert not bad["ok"] and "rolled-back, not pending" in bad["error"]
@@ -553,12 +553,12 @@ def test_network_file_system_is_refused_unless_shared_tree(site, tmp_path, monke
     mountinfo.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
                          "40 22 0:50 / /mnt/shared\\040tree rw - nfs4 srv:/x rw\n"
                          "41 22 0:51 / /mnt/fuse rw - fuse.sshfs u@h: rw\n")
-    assert change.fs_type("/mnt/shared tree/lib", str(mountinfo)) == "nfs4"
-    assert change.fs_type("/mnt/shared", str(mountinfo)) == "ext4"
-    assert change.fs_type("/mnt/fuse", str(mountinfo)) == "fuse.sshfs"
-    assert change.is_network_fs("fuse.sshfs") and not change.is_network_fs("ext4")
+    assert safefs.fs_type("/mnt/shared tree/lib", str(mountinfo)) == "nfs4"
+    assert safefs.fs_type("/mnt/shared", str(mountinfo)) == "ext4"
+    assert safefs.fs_type("/mnt/fuse", str(mountinfo)) == "fuse.sshfs"
+    assert safefs.is_network_fs("fuse.sshfs") and not safefs.is_network_fs("ext4")
     _, state, params, originals = site
-    monkeypatch.setattr(change, "fs_type", lambda path: "nfs4" if path == params["root"] else "ext4")
+    monkeypatch.setattr(safefs, "fs_type", lambda path: "nfs4" if path == params["root"] else "ext4")
     r = change.main(params)
     assert not r["ok"] and r["refused"] and r["error"] == (
         f"{params['root']} is on nfs4, a network file system: one host's apply would change every host that "
@@ -586,7 +586,7 @@ def test_forged_ledger_entry_is_refused(site, tmp_path):
     assert change.main(dict(params, commit=False))["ok"]
     decoy = tmp_path / "decoy"
     decoy.write_text("x")
-    entry = change.read_ledger(str(state))[-1]
+    entry = ledger.read(str(state))[-1]
     entry["files"][0]["backup"] = str(decoy)  # a backup outside backups/<change_id>/
     with open(state / "ledger.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -607,22 +607,22 @@ def test_a_ledger_of_a_newer_schema_is_refused_and_nothing_changes(site):
     every action (an older fleetctl or collection would misread it), and nothing is written."""
     _, state, params, originals = site
     assert change.main(dict(params, commit=False))["ok"]
-    assert {e["schema"] for e in change.read_ledger(str(state))} == {change.LEDGER_SCHEMA}
-    entry = dict(change.read_ledger(str(state))[-1], change_id="c9", schema=change.LEDGER_SCHEMA + 1)
+    assert {e["schema"] for e in ledger.read(str(state))} == {ledger.SCHEMA}
+    entry = dict(ledger.read(str(state))[-1], change_id="c9", schema=ledger.SCHEMA + 1)
     with open(state / "ledger.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
-    ledger = (state / "ledger.jsonl").read_bytes()
+    written = (state / "ledger.jsonl").read_bytes()
     on_disk = {p: Path(p).read_bytes() for p in originals}
     for action in ({"action": "status"}, {"action": "recover"}, {"action": "commit", "change_id": "c1"},
                    {"action": "rollback", "change_id": "c1"}, dict(params, change_id="c2")):
         r = change.main(dict(action, state_dir=str(state)))
         assert not r["ok"] and r["refused"], (action, r)
-        assert f"schema {change.LEDGER_SCHEMA + 1}, newer than this fleetctl's {change.LEDGER_SCHEMA}" in r["error"]
+        assert f"schema {ledger.SCHEMA + 1}, newer than this fleetctl's {ledger.SCHEMA}" in r["error"]
         assert "(change c9)" in r["error"] and "upgrade fleetctl" in r["error"]
-    assert (state / "ledger.jsonl").read_bytes() == ledger
+    assert (state / "ledger.jsonl").read_bytes() == written
     assert {p: Path(p).read_bytes() for p in originals} == on_disk
     # a line of fleetctl before the schema was named (no "schema") is schema 1 and still read
-    lines = ledger.decode().splitlines()[:-1]
+    lines = written.decode().splitlines()[:-1]
     (state / "ledger.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(x).items()
                                                             if k != "schema"}) + "\n" for x in lines))
     assert change.main({"action": "status", "state_dir": str(state)})["ok"]
@@ -650,7 +650,7 @@ def test_status_skips_a_record_naming_a_fifo_or_a_device(tmp_path):
 
 def test_old_backups_no_rollback_needs_are_pruned_and_status_shows_the_space(site, monkeypatch):
     site_dir, state, params, originals = site
-    monkeypatch.setattr(change, "KEEP_BACKUPS", 1)
+    monkeypatch.setattr(ledger, "KEEP_BACKUPS", 1)
     sd = {"state_dir": str(state)}
     pruned = []
     for cid in ("c1", "c2"):  # applied then rolled back: no rollback can need their backups
@@ -713,19 +713,19 @@ def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site
     still pending and what the next run does, instead of a bare OSError."""
     site_dir, state, params, originals = site
     assert change.main(dict(params, change_id="c1", commit=False))["ok"]
-    real = change._append
+    real = ledger.append
 
     def full(state_dir, entry, state_, reason=None):
-        if state_ == change.APPLIED:
+        if state_ == ledger.APPLIED:
             raise OSError(28, "No space left on device")
         return real(state_dir, entry, state_, reason)
 
-    monkeypatch.setattr(change, "_append", full)
+    monkeypatch.setattr(ledger, "append", full)
     res = change.main({"action": "commit", "change_id": "c1", "state_dir": str(state)})
     assert res == {"ok": False, "change_id": "c1", "error": (
         "validated, but the change could not be committed; the ledger could not record this (OSError: [Errno 28] "
         "No space left on device): it still says pending, and the next run's recover undoes it")}
-    monkeypatch.setattr(change, "_append", real)
+    monkeypatch.setattr(ledger, "append", real)
     ledger_consistent(state, "c1", "pending")
     assert change.main({"action": "recover", "state_dir": str(state)})["ok"]
     assert {p: Path(p).read_bytes() for p in originals} == originals
@@ -737,20 +737,20 @@ def test_a_file_rewritten_while_being_applied_is_left_as_the_writer_left_it(site
     are restored and the ledger says failed."""
     site_dir, state, params, originals = site
     first, second = [f["path"] for f in params["files"]]
-    real = change._copy_xattrs
+    real = safefs._copy_xattrs
 
     def pip_meanwhile(src, dst):
         if os.fstat(src).st_ino == os.stat(second).st_ino:
             Path(second).write_bytes(b"# pip's new bytes\n")  # in place, as an editor or pip might
         return real(src, dst)
 
-    monkeypatch.setattr(change, "_copy_xattrs", pip_meanwhile)
+    monkeypatch.setattr(safefs, "_copy_xattrs", pip_meanwhile)
     res = change.main(dict(params, change_id="race"))
     assert not res["ok"] and res["error"].startswith("apply failed, files restored: [Errno 11] changed on the host "
                                                      "while being applied (a pip install?), left as it is"), res
     assert Path(second).read_bytes() == b"# pip's new bytes\n"
     assert Path(first).read_bytes() == originals[first]
-    assert [e["state"] for e in change.read_ledger(str(state)) if e["change_id"] == "race"][-1] == "failed"
+    assert [e["state"] for e in ledger.read(str(state)) if e["change_id"] == "race"][-1] == "failed"
 
 
 # ---- the write path: no link, FIFO or device is ever followed or replaced ------------------
@@ -766,7 +766,7 @@ def test_open_dir_goes_through_no_link_and_no_file(tmp_path):
     plain.write_text("x")
     fds = _fds()
     for path in (real / "sub", Path("/")):
-        fd = change.open_dir(str(path))
+        fd = safefs.open_dir(str(path))
         try:
             assert os.path.samestat(os.fstat(fd), os.stat(path))
         finally:
@@ -774,16 +774,16 @@ def test_open_dir_goes_through_no_link_and_no_file(tmp_path):
     for path, why in [(alias / "sub", f"{alias} is a symlink: fleetctl does not go through it"),
                       (plain / "sub", f"{plain} is a regular file: fleetctl does not go through it")]:
         for create in (None, 0o700):  # nor does creating the missing part go through them
-            with pytest.raises(change.UnsafePath) as e:
-                change.open_dir(str(path), create)
+            with pytest.raises(safefs.UnsafePath) as e:
+                safefs.open_dir(str(path), create)
             assert str(e.value) == why
     with pytest.raises(FileNotFoundError):
-        change.open_dir(str(tmp_path / "missing" / "sub"))
+        safefs.open_dir(str(tmp_path / "missing" / "sub"))
     assert not (tmp_path / "missing").exists() and sorted(os.listdir(real)) == ["sub"]
     # relative, "..", a trailing "/" and the leading "//" that normpath keeps
     for bad in ("relative/dir", f"{real}/../real", f"{real}/", f"/{real}", ""):
-        with pytest.raises(change.UnsafePath) as e:
-            change.open_dir(bad)
+        with pytest.raises(safefs.UnsafePath) as e:
+            safefs.open_dir(bad)
         assert str(e.value) == f"{bad}: not an absolute, normalised path"
     assert _fds() == fds  # no descriptor is left open, on success or on error
 
@@ -792,7 +792,7 @@ def test_open_dir_creates_the_missing_part_with_its_mode_whatever_the_umask(tmp_
     top = tmp_path.stat().st_mode
     old = os.umask(0o077)
     try:
-        fd = change.open_dir(str(tmp_path / "new" / "deeper"), create=0o751)
+        fd = safefs.open_dir(str(tmp_path / "new" / "deeper"), create=0o751)
     finally:
         os.umask(old)
     try:
@@ -810,19 +810,19 @@ def test_confine_resolves_the_directory_and_keeps_to_the_root(tmp_path):
     os.symlink(f"{root}/pkg", f"{root}/alias")
     os.symlink(f"{root}2", f"{root}/out")
     os.symlink("elsewhere", f"{root}/pkg/link.py")
-    assert change.confine(f"{root}/alias/m.py", root) == f"{root}/pkg/m.py"
-    assert change.confine(f"{root}/pkg/m.py", root + "/") == f"{root}/pkg/m.py"
-    assert change.confine(f"{root}/pkg/link.py", root) == f"{root}/pkg/link.py"  # the file itself is not followed
-    assert change.confine("/m.py", "/") == "/m.py"
-    with pytest.raises(change.Refused):  # only "/" is stripped from the root's end
-        change.confine(f"{root}/pkg/m.py", root + "X")
+    assert safefs.confine(f"{root}/alias/m.py", root) == f"{root}/pkg/m.py"
+    assert safefs.confine(f"{root}/pkg/m.py", root + "/") == f"{root}/pkg/m.py"
+    assert safefs.confine(f"{root}/pkg/link.py", root) == f"{root}/pkg/link.py"  # the file itself is not followed
+    assert safefs.confine("/m.py", "/") == "/m.py"
+    with pytest.raises(safefs.Refused):  # only "/" is stripped from the root's end
+        safefs.confine(f"{root}/pkg/m.py", root + "X")
     for path in (f"{root}2/m.py", f"{root}/out/m.py"):  # a sibling that shares the root's prefix; a link out
-        with pytest.raises(change.Refused) as e:
-            change.confine(path, root)
+        with pytest.raises(safefs.Refused) as e:
+            safefs.confine(path, root)
         assert str(e.value) == f"{root}2/m.py is outside {root} (links resolved): fleetctl only writes there"
     for bad in (None, 7, "pkg/m.py", f"{root}/pkg/../pkg/m.py", f"{root}/pkg/"):
-        with pytest.raises(change.Refused) as e:
-            change.confine(bad, root)
+        with pytest.raises(safefs.Refused) as e:
+            safefs.confine(bad, root)
         assert str(e.value) == "%r: not an absolute, normalised path" % (bad,)
 
 
@@ -835,8 +835,8 @@ def test_atomic_write_never_replaces_a_link_or_a_special_file(tmp_path):
     folder.mkdir()
     listing, fds = sorted(os.listdir(tmp_path)), _fds()
     for path, kind in ((link, "symlink"), (fifo, "FIFO"), (folder, "directory")):
-        with pytest.raises(change.UnsafePath) as e:
-            change.atomic_write(str(path), b"new", "t")
+        with pytest.raises(safefs.UnsafePath) as e:
+            safefs.atomic_write(str(path), b"new", "t")
         assert str(e.value) == f"{path} is a {kind}: fleetctl does not replace it"
     assert outside.read_bytes() == b"keep" and os.readlink(link) == str(outside) and not os.listdir(folder)
     assert sorted(os.listdir(tmp_path)) == listing and _fds() == fds
@@ -848,11 +848,11 @@ def test_atomic_write_never_opens_a_planted_temp_name(tmp_path, monkeypatch):
     target, outside = tmp_path / "m.py", tmp_path / "outside"
     target.write_bytes(b"old")
     outside.write_bytes(b"keep")
-    monkeypatch.setattr(change.secrets, "token_hex", lambda n: "0" * 2 * n)
+    monkeypatch.setattr(safefs.secrets, "token_hex", lambda n: "0" * 2 * n)
     planted = tmp_path / ".m.py.fleetctl-t.0000000000000000.tmp"
     planted.symlink_to(outside)
     with pytest.raises(FileExistsError):
-        change.atomic_write(str(target), b"new", "t")
+        safefs.atomic_write(str(target), b"new", "t")
     assert (target.read_bytes(), outside.read_bytes(), os.readlink(planted)) == (b"old", b"keep", str(outside))
 
 
@@ -869,7 +869,7 @@ def test_atomic_write_takes_short_writes_and_keeps_its_temp_file_private(tmp_pat
         return real(fd, view[:1000])
 
     monkeypatch.setattr(os, "write", short)
-    change.atomic_write(str(p), data, "t")
+    safefs.atomic_write(str(p), data, "t")
     monkeypatch.undo()
     assert p.read_bytes() == data and modes == {0o600} and stat.S_IMODE(p.stat().st_mode) == 0o644
 

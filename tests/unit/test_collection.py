@@ -11,7 +11,7 @@ import yaml
 
 import fleetctl
 from fleetctl.collection import ops as ansibleops, build as collection
-from fleetctl.engine.fleet import HostFailed
+from fleetctl.errors import HostFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def test_inventory_export_adds_key_and_known_hosts(tmp_path):
 
 def test_kernel_module_upload_checks_every_file_and_follows_no_link(tmp_path, monkeypatch):
     """The kernel module's transfer: each file is written only when its sha256 is the
-    controller's, never outside the source dir, never through a symlink (change.open_dir)."""
+    controller's, never outside the source dir, never through a symlink (safefs.open_dir)."""
     import base64
     import hashlib
     import importlib
@@ -89,7 +89,7 @@ def test_kernel_module_upload_checks_every_file_and_follows_no_link(tmp_path, mo
             kernel.upload(str(src), {bad: files["kernel.yaml"]})
     (tmp_path / "elsewhere").mkdir()
     (src / "linked").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(kernel.change.UnsafePath):
+    with pytest.raises(kernel.safefs.UnsafePath):
         kernel.upload(str(src), {"linked/x.cpp": files["csrc/k.cpp"]})
     assert not any((tmp_path / "elsewhere").iterdir())
 

@@ -17,11 +17,12 @@ import paramiko
 import pytest
 
 from fleetctl import inventory
-from fleetctl.connection import LockBusy, RemoteTimeout, Settings, connect, knownhosts
+from fleetctl.connection import LockBusy, RemoteTimeout, Session, Settings, knownhosts
 from fleetctl.connection.command import remote_argv, shell_line
 from fleetctl.connection.local import LocalConnection
 from fleetctl.errors import InventoryError
-from fleetctl.engine.fleet import FAILED, NOT_ATTEMPTED, OK, Fleet
+from fleetctl.engine.fleet import Fleet
+from fleetctl.vocab import HostStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +66,13 @@ def test_remote_argv_wraps_with_the_deadline_and_refuses_shell_strings():
 # ------------------------------------------------------------------ the local connection
 
 def test_factory_picks_the_kind_from_ansible_connection(tmp_path):
-    assert isinstance(connect(local_host(tmp_path), Settings()), LocalConnection)
+    assert isinstance(Session(Settings()).connect(local_host(tmp_path)), LocalConnection)
     path = tmp_path / "ssh.yaml"
     path.write_text("all:\n  hosts:\n    a:\n      ansible_connection: paramiko_ssh\n    b:\n")
     hosts = {h.name: h for h in inventory.load(path).select("all")}
     assert hosts["a"].connection == "paramiko_ssh" and hosts["b"].connection == "paramiko"
     from fleetctl.connection.paramiko_ssh import ParamikoConnection
-    assert isinstance(connect(hosts["b"], Settings(ssh_config=write_empty(tmp_path))), ParamikoConnection)
+    assert isinstance(Session(Settings(ssh_config=write_empty(tmp_path))).connect(hosts["b"]), ParamikoConnection)
 
 
 def test_dash_c_is_the_kind_of_hosts_whose_inventory_sets_none(tmp_path):
@@ -82,7 +83,7 @@ def test_dash_c_is_the_kind_of_hosts_whose_inventory_sets_none(tmp_path):
     assert [kind_for(hosts[n], Settings(connection="ssh")) for n in "ab"] == ["paramiko", "ssh"]
     assert kind_for(hosts["b"], Settings()) == "paramiko"
     from fleetctl.connection.openssh import OpenSSHConnection
-    assert isinstance(connect(hosts["b"], Settings(connection="smart")), OpenSSHConnection)
+    assert isinstance(Session(Settings(connection="smart")).connect(hosts["b"]), OpenSSHConnection)
 
 
 def write_empty(tmp_path: Path) -> Path:
@@ -101,7 +102,7 @@ def test_unknown_ansible_connection_is_an_inventory_error_with_file_and_line(tmp
 
 
 def test_local_run_passes_argv_and_stdin_and_returns_status(tmp_path):
-    conn = connect(local_host(tmp_path), Settings())
+    conn = Session(Settings()).connect(local_host(tmp_path))
     conn.open()
     r = conn.run([sys.executable, "-c", "import sys; d = sys.stdin.read(); print(d[::-1]); sys.exit(3)"],
                  timeout=10, stdin=b"abc")
@@ -110,7 +111,7 @@ def test_local_run_passes_argv_and_stdin_and_returns_status(tmp_path):
 
 
 def test_local_run_past_its_deadline_kills_the_whole_process_group(tmp_path):
-    conn = connect(local_host(tmp_path), Settings())
+    conn = Session(Settings()).connect(local_host(tmp_path))
     pidfile = tmp_path / "grandchild.pid"
     t0 = time.monotonic()
     with pytest.raises(RemoteTimeout):
@@ -124,7 +125,7 @@ def test_local_run_past_its_deadline_kills_the_whole_process_group(tmp_path):
 
 
 def test_put_bytes_is_atomic_with_mode_and_creates_parents(tmp_path):
-    conn = connect(local_host(tmp_path), Settings())
+    conn = Session(Settings()).connect(local_host(tmp_path))
     dest = tmp_path / "a" / "b" / "file.bin"
     data = os.urandom(300_000)
     conn.put_bytes(data, str(dest), timeout=10, mode=0o640)
@@ -138,7 +139,7 @@ def test_put_bytes_is_atomic_with_mode_and_creates_parents(tmp_path):
 
 def test_lock_is_exclusive_names_its_holder_and_is_freed_on_release(tmp_path):
     host = local_host(tmp_path)
-    a, b = connect(host, Settings()), connect(host, Settings())
+    a, b = Session(Settings()).connect(host), Session(Settings()).connect(host)
     state = str(tmp_path / "state")
     lock = a.hold_lock(state, timeout=5, hold_s=60)
     try:
@@ -152,9 +153,9 @@ def test_lock_is_exclusive_names_its_holder_and_is_freed_on_release(tmp_path):
 def test_lock_ends_by_itself_after_its_hold_time(tmp_path):
     host = local_host(tmp_path)
     state = str(tmp_path / "state")
-    connect(host, Settings()).hold_lock(state, timeout=5, hold_s=1)  # never released by this side
+    Session(Settings()).connect(host).hold_lock(state, timeout=5, hold_s=1)  # never released by this side
     time.sleep(1.5)
-    connect(host, Settings()).hold_lock(state, timeout=5, hold_s=5).release()
+    Session(Settings()).connect(host).hold_lock(state, timeout=5, hold_s=5).release()
 
 
 def test_run_deadline_fails_hosts_in_progress_and_does_not_start_the_rest(tmp_path):
@@ -162,7 +163,7 @@ def test_run_deadline_fails_hosts_in_progress_and_does_not_start_the_rest(tmp_pa
 
     def job(ctx):
         ctx.run(["sleep", "30"])
-        return {}
+        return ctx.result(HostStatus.OK, data={})
 
     t0 = time.monotonic()
     with Fleet(Settings(), forks=1, timeout=60, run_timeout=1.5) as fleet:
@@ -170,9 +171,9 @@ def test_run_deadline_fails_hosts_in_progress_and_does_not_start_the_rest(tmp_pa
         took = time.monotonic() - t0
         later = fleet.run(hosts[:1], job)
     assert took < 5
-    assert [r.status for r in results] == [FAILED, NOT_ATTEMPTED, NOT_ATTEMPTED]
+    assert [r.status for r in results] == [HostStatus.FAILED, HostStatus.NOT_ATTEMPTED, HostStatus.NOT_ATTEMPTED]
     assert "--run-timeout 1.5 s" in results[0].error and "in progress" in results[0].error
-    assert later[0].status == NOT_ATTEMPTED
+    assert later[0].status == HostStatus.NOT_ATTEMPTED
 
 
 def test_close_during_a_connect_never_keeps_nor_races_the_new_connection(tmp_path):
@@ -192,14 +193,14 @@ def test_close_during_a_connect_never_keeps_nor_races_the_new_connection(tmp_pat
             made.append("closed")
             super().close()
 
-    def slow(host, settings):
+    def slow(host):
         made.append("made")
-        return SlowOpen(host, settings)
+        return SlowOpen(host, fleet.session)
 
     fleet = Fleet(Settings(), forks=1, timeout=60, connect=slow)
     box = {}
     worker = threading.Thread(target=lambda: box.update(r=fleet.run([local_host(tmp_path)],
-                                                                    lambda ctx: {"ran": True})[0]))
+                                                                    lambda ctx: ctx.result(HostStatus.OK, data={"ran": True}))[0]))
     worker.start()
     assert opening.wait(30)
     fleet.close()  # the second Ctrl-C's cleanup, while the worker is inside connect
@@ -212,8 +213,8 @@ def test_close_during_a_connect_never_keeps_nor_races_the_new_connection(tmp_pat
 
 def test_run_without_deadline_finishes_normally(tmp_path):
     with Fleet(Settings(), run_timeout=30) as fleet:
-        r = fleet.run([local_host(tmp_path)], lambda ctx: {"out": ctx.run(["echo", "hi"]).stdout.decode()})[0]
-    assert r.status == OK and r.data == {"out": "hi\n"}
+        r = fleet.run([local_host(tmp_path)], lambda ctx: ctx.result(HostStatus.OK, data={"out": ctx.run(["echo", "hi"]).stdout.decode()}))[0]
+    assert r.status == HostStatus.OK and r.data == {"out": "hi\n"}
 
 
 def test_a_local_run_needs_neither_paramiko_nor_fabric(tmp_path):
@@ -344,8 +345,8 @@ def test_paramiko_refuses_an_option_it_cannot_honour_naming_the_host(tmp_path, o
     path.write_text("all:\n  hosts:\n    gpu-1:\n")
     host = inventory.load(path).select("all")[0]
     with Fleet(Settings(ssh_config=config, connect_timeout=20)) as fleet:
-        r = fleet.run([host], lambda ctx: {})[0]
-    assert r.parse_error is True and r.status == FAILED
+        r = fleet.run([host], lambda ctx: ctx.result(HostStatus.OK))[0]
+    assert r.parse_error is True and r.status == HostStatus.FAILED
     key = option.split()[0].lower()
     assert r.error.startswith(f"gpu-1: the paramiko connection cannot honour {key} ")
 

@@ -12,7 +12,7 @@ import pytest
 
 from fleetctl.engine import containers as container
 from fleetctl.connection import command
-from fleetctl.engine.fleet import HostFailed
+from fleetctl.errors import HostFailed
 from fleetctl.probes import containers as probe
 
 CID = "4f" * 32

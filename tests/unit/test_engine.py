@@ -8,22 +8,21 @@ import json
 import re
 import shutil
 import socket
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from fleetctl import config, inventory
 from fleetctl.lab import standin
-from fleetctl.engine.changes import Change, ChangeOptions, change_job, change_probe, execute, recover_job, rollback_job
+from fleetctl.engine.changes import Change, ChangeOptions, change_job, change_probe, execute
+from fleetctl.engine.ledger import recover_job, rollback_job
 from fleetctl.connection import Settings
 from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
-from fleetctl.engine.fleet import Fleet, HostResult, exit_code
+from fleetctl.engine.context import HostResult
+from fleetctl.engine.fleet import Fleet, exit_code
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change as change_probe_module
+from fleetctl.probes import ledger as ledger_probe
 from fleetctl.probes import procs as procs_probe
 from fleetctl.probes import smoke as smoke_probe
 from fleetctl.engine.validate import SmokeOptions
@@ -45,8 +44,8 @@ def test_the_words_are_the_ones_json_always_had():
 
 def test_control_side_words_and_numbers_equal_the_probes_own():
     """The probes are stdlib-only and run on the host, so they keep their own constants."""
-    assert tuple(s.value for s in ChangeState) == change_probe_module.STATES
-    assert config.STATE_DIR == change_probe_module.STATE_DIR
+    assert tuple(s.value for s in ChangeState) == ledger_probe.STATES
+    assert config.STATE_DIR == ledger_probe.STATE_DIR
     assert config.DEFAULT_SGLANG_PORT == procs_probe.DEFAULT_PORT
 
 
@@ -158,7 +157,7 @@ def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_pa
     def killed(ctx):
         change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="test", operator="t",
                      files=change.files, root=change.root, commit=False)
-        return {}
+        return ctx.result(HostStatus.OK)
 
     run_one(host, killed)
     assert target.read_text() == "X = 2\n" and ledger_state(state, "c-killed") == ChangeState.PENDING
@@ -258,8 +257,9 @@ def test_recover_command_undoes_a_pending_change_and_applies_nothing(tmp_path):
     target.write_text("X = 1\n")
     host = local_host(tmp_path, fleetctl_restart_cmd=f"echo ran >> {marker}")
     change = write_change(target, "X = 2\n", "c-pending", {})
-    run_one(host, lambda ctx: change_probe(ctx, "apply", str(state), change_id=change.change_id, playbook="t",
-                                           operator="t", files=change.files, root=change.root, commit=False))
+    run_one(host, lambda ctx: ctx.result(HostStatus.OK, data=change_probe(
+        ctx, "apply", str(state), change_id=change.change_id, playbook="t", operator="t", files=change.files,
+        root=change.root, commit=False)))
     r = run_one(host, recover_job(str(state)))
     assert (r.status, [c["change_id"] for c in r.data["recovered"]]) == (HostStatus.CHANGED, ["c-pending"])
     assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetctl.inventory import sources as ansiblesrc
 from fleetctl import inventory
+from fleetctl.inventory import sources
+from fleetctl.inventory.templates import Unsafe, Vaulted
 from fleetctl.errors import InventoryError, PatternError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def test_ansible_tolerated_forms(tmp_path):
     assert inv.hosts["web1"].vars["role"] == "base"
     assert inv.groups["edge"] == ("web1",) and inv.groups["empty"] == ()
     assert inv.hosts["web1"].vars["token"] == "{{ not templated }}"
-    assert isinstance(inv.hosts["web1"].vars["secret"], inventory.Vaulted)
+    assert isinstance(inv.hosts["web1"].vars["secret"], Vaulted)
 
 
 @pytest.mark.parametrize("pattern, expected", [
@@ -437,7 +438,7 @@ def test_malformed_or_partly_unmatched_patterns_are_refused(tmp_path, pattern):
         inventory.load(inv).select(pattern)
 
 
-# ---- templated vars (invtemplate) ----------------------------------------------------------
+# ---- templated vars (templates) ----------------------------------------------------------------
 
 TEMPLATED = """\
 all:
@@ -482,7 +483,7 @@ def test_templated_vars_fleetctl_reads(tmp_path):
     assert one.vars["unread"] == "{{ facts_only_ansible_has | ipaddr }}"
     # !unsafe: never rendered, stays marked
     assert three.address == "{{ not.rendered }}"
-    assert isinstance(three.vars["ansible_host"], inventory.Unsafe)
+    assert isinstance(three.vars["ansible_host"], Unsafe)
 
 
 def test_lookup_in_group_vars_only_fails_where_fleetctl_reads_it(tmp_path):
@@ -537,7 +538,7 @@ def test_vault_value_in_a_var_fleetctl_reads_needs_a_secret(tmp_path):
     inv = inventory.load(path, decrypt=lambda value, name, where: seen.append((value, name, where)) or "pw")
     assert inv.hosts["a"].vars["ansible_become_password"] == "pw"
     assert seen == [("$ANSIBLE_VAULT;1.1;AES256\n6364\n", "ansible_become_password", f"{path}:7")]
-    assert isinstance(inv.hosts["a"].vars["other"], inventory.Vaulted)   # never read: never decrypted
+    assert isinstance(inv.hosts["a"].vars["other"], Vaulted)   # never read: never decrypted
 
 
 # ---- host names and addresses in Ansible's forms ---------------------------------------------
@@ -629,7 +630,7 @@ INVENTORIES = ROOT / "tests" / "inventories"
 def test_other_sources_need_the_ansible_extra(monkeypatch, source, what):
     """Without ansible-core only the non-YAML sources are refused, saying what to install or how
     to convert (tests/machine/test_inventory_ansible.py reads them with it)."""
-    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    monkeypatch.setattr(sources, "available", lambda: False)
     with pytest.raises(InventoryError) as err:
         inventory.load(INVENTORIES / source)
     assert str(err.value).startswith(f"{INVENTORIES / source}: {what}")
@@ -639,13 +640,13 @@ def test_other_sources_need_the_ansible_extra(monkeypatch, source, what):
 
 
 def test_plugin_configuration_and_non_yaml_text_go_to_ansible(monkeypatch, tmp_path):
-    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    monkeypatch.setattr(sources, "available", lambda: False)
     for name, text in [("aws_ec2.yml", "plugin: amazon.aws.aws_ec2\nregions: [us-east-1]\n"),
                        ("hosts", "[gpu]\ngpu-01 ansible_user=ops\n"), ("list", "gpu-01\ngpu-02\n")]:
         with pytest.raises(InventoryError, match="needs ansible-core"):
             inventory.load(write(tmp_path, text, name))
     assert list(inventory.load(write(tmp_path, "gpu:\n  hosts: {gpu-01: }\n", "hosts")).hosts) == ["gpu-01"]
-    # a YAML error, in the words of the parser in use (libyaml's where PyYAML has it, as inventory._Loader)
+    # a YAML error, in the words of the parser in use (libyaml's where PyYAML has it, as yamlfile.Loader)
     problem = "did not find expected node content" if yaml.__with_libyaml__ else "expected the node content"
     with pytest.raises(InventoryError, match=r"hosts.yml:3:1: " + problem):
         inventory.load(write(tmp_path, "all:\n  - [\n", "hosts.yml"))
@@ -653,10 +654,10 @@ def test_plugin_configuration_and_non_yaml_text_go_to_ansible(monkeypatch, tmp_p
 
 def test_vault_options_need_a_secret_and_the_extra(monkeypatch):
     with pytest.raises(InventoryError, match="--vault-password-file FILE or --ask-vault-pass"):
-        ansiblesrc.Vault()
-    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+        sources.Vault()
+    monkeypatch.setattr(sources, "available", lambda: False)
     with pytest.raises(InventoryError, match=r"needs ansible-core: pip install 'fleetctl\[ansible\]'"):
-        ansiblesrc.Vault("/nonexistent/vault-pass")
+        sources.Vault("/nonexistent/vault-pass")
 
 
 def test_a_vault_encrypted_vars_file(tmp_path):
@@ -683,7 +684,7 @@ def test_cli_inventory_options_and_errors(monkeypatch, capsys, argv, message):
     markup would eat `[ansible]` or a host range)."""
     from fleetctl import cli
 
-    monkeypatch.setattr(ansiblesrc, "available", lambda: False)
+    monkeypatch.setattr(sources, "available", lambda: False)
     monkeypatch.setattr("sys.argv", ["fleetctl", "status", "all", *argv])
     with pytest.raises(SystemExit) as done:
         cli.main()

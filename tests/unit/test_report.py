@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from fleetctl.engine.fleet import HostResult
+from fleetctl.engine.context import HostResult
 from fleetctl.cli.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.connection import resolve
-from fleetctl.connection.base import passwd_home
+from fleetctl.connection.resolve import passwd_home
 from fleetctl.connection.resolve import Hop, Resolver, hop_chain
 from fleetctl.errors import SshConfigError
 

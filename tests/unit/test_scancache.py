@@ -192,7 +192,7 @@ def test_a_warm_locate_starts_no_interpreter_until_what_it_depends_on_changes(tm
     from fleetctl import probes
     from fleetctl.probes import facts
 
-    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts", {}, probes.FACTS_MODULES)).decode(),
+    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts", {})).decode(),
                         raising=False)
     monkeypatch.setattr(facts, "FLEETCTL_WRAPPER", probes.WRAPPER, raising=False)
     work = tmp_path / "work"

@@ -18,6 +18,7 @@ from fleetctl import inventory
 from fleetctl.connection import Settings
 from fleetctl.engine.fleet import Fleet
 from fleetctl.engine.gather import gather
+from fleetctl.vocab import HostStatus
 
 
 def venv(tmp_path: Path) -> Path:
@@ -35,7 +36,7 @@ def inspect_with(tmp_path: Path, python: Path):
     path.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n      fleetctl_python: {python}\n")
     host = inventory.load(path).select("here")[0]
     with Fleet(Settings(), forks=1, timeout=60) as fleet:
-        return fleet.run([host], lambda ctx: gather(ctx, scan=False))[0]
+        return fleet.run([host], lambda ctx: ctx.result(HostStatus.OK, data=gather(ctx, scan=False)))[0]
 
 
 @pytest.mark.parametrize("plant", ["pth", "sitecustomize", "site-dir", "bin"])

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..engine.fleet import HostResult
+from ..engine.context import HostResult
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 

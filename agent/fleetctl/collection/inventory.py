@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from ..connection import Settings
+from ..connection import Session, Settings
 from ..inventory import Inventory
 from ..connection.describe import describe
 
@@ -32,10 +32,10 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def host_vars(host, settings: Settings) -> dict:
+def host_vars(host, session: Session) -> dict:
     """One host's vars for Ansible: its inventory vars plus the connection details resolved by
-    `ssh -G` (reach.describe). Raises ValueError naming the host when its ssh_config is refused."""
-    doc = describe(host, settings)
+    `ssh -G` (connection.describe). Raises ValueError naming the host when its ssh_config is refused."""
+    doc = describe(host, session)
     if doc["error"]:
         raise ValueError(f"{host.name}: {doc['error']}")
     out = {k: _plain(v) for k, v in host.vars.items() if type(v).__name__ != "Vaulted"}
@@ -61,7 +61,8 @@ def host_vars(host, settings: Settings) -> dict:
 def export(inv: Inventory, settings: Settings) -> str:
     """The inventory as Ansible YAML: every host under `all.hosts` with host_vars(), and every
     group's hosts under `all.children` (membership only: vars are already merged per host)."""
-    hosts = {h.name: host_vars(h, settings) for h in inv.hosts.values()}
+    with Session(settings) as session:
+        hosts = {h.name: host_vars(h, session) for h in inv.hosts.values()}
     children = {g: {"hosts": {h: None for h in members}} for g, members in inv.groups.items()
                 if g not in ("all", "ungrouped") and members}
     doc = {"all": {"hosts": hosts, **({"children": children} if children else {})}}

@@ -20,7 +20,7 @@ from . import build as collection
 from ..engine.apply import host_side, install_change_id, plan_installs, reinspect_install
 from ..engine.changes import new_change_id
 from ..engine.deploy import activation
-from ..engine.fleet import HostFailed
+from ..errors import HostFailed
 from ..inventory import Host
 from ..inventory.templates import needed
 from ..engine.kernelpkg import KernelPackage, load_package
@@ -43,7 +43,7 @@ def check_pins(version: str, probe_sha256: str) -> None:
 
 def host_from_vars(name: str, task_vars: dict, template: Callable[[Any], Any]) -> Host:
     """A fleetctl Host named `name` from Ansible's task vars: the vars fleetctl reads
-    (invtemplate.needed), each rendered by `template` (the action plugin's templar)."""
+    (inventory.templates.needed), each rendered by `template` (the action plugin's templar)."""
     return Host(name, {k: template(v) for k, v in task_vars.items() if needed(k)}, ())
 
 

@@ -17,14 +17,13 @@ import os
 import pwd
 import secrets
 import socket
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import command
-from .errors import BecomeFailed, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
+from .errors import BecomeFailed, LockBusy, OutputTooLarge, RemoteTimeout
 
 # Bytes of the lock handshake read at most (a hostile host cannot make the controller hold more).
 LOCK_HANDSHAKE_MAX = 4096
@@ -35,22 +34,16 @@ OUTPUT_MAX = 64 << 20
 TAIL_MAX = 1 << 20
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
-_RUN_STATE_LOCK = threading.Lock()
 # Bytes of sudo's stderr read at most before the command starts (its prompt, lecture, refusal).
 BECOME_HANDSHAKE_MAX = 8192
 # Characters of sudo's message kept in an error.
 _SUDO_SAID_MAX = 300
 
 
-def passwd_home() -> Path:
-    """The current user's home from the passwd database, as OpenSSH finds `~` (ssh(1): it never
-    reads $HOME)."""
-    return Path(pwd.getpwuid(os.getuid()).pw_dir)
-
-
 @dataclass(frozen=True)
 class Settings:
-    """How to reach hosts, for every connection kind.
+    """How to reach hosts, for every connection kind: plain data (the run's state built from
+    it is a session.Session's).
 
     connect_timeout: seconds for `ssh -G`, TCP connect, banner, key exchange and auth together
       (every ProxyJump hop included).
@@ -72,38 +65,6 @@ class Settings:
     server_alive_count_max: int = 3
     connection: str | None = None
     become_password: str | None = field(default=None, repr=False)
-
-    def _run_state(self, name: str, make):
-        """The run's one `name` object (made by `make()` on first use, from any thread)."""
-        with _RUN_STATE_LOCK:
-            if name not in self.__dict__:
-                self.__dict__[name] = make()  # a frozen dataclass's __dict__ still holds run state
-            return self.__dict__[name]
-
-    @property
-    def resolver(self):
-        """The run's resolve.Resolver (one per Settings: each host and hop resolved once)."""
-        from .resolve import Resolver
-        return self._run_state("resolver", lambda: Resolver(self.ssh_config))
-
-    @property
-    def jump_pool(self):
-        """The run's paramiko_ssh.JumpPool (one shared connection per bastion)."""
-        from .paramiko_ssh import JumpPool
-        return self._run_state("jump_pool", JumpPool)
-
-    def close(self) -> None:
-        """End the run's shared state: the OpenSSH masters still open (bastions included) and
-        their control directory (idempotent)."""
-        files = self.__dict__.get("control_files")
-        if files is not None:
-            files.close()
-
-    @property
-    def control_files(self):
-        """The run's openssh.ControlFiles (ControlPath directory and per-run ssh_config)."""
-        from .openssh import ControlFiles
-        return self._run_state("control_files", lambda: ControlFiles(self.ssh_config, self.accept_new))
 
 
 @dataclass
@@ -189,12 +150,26 @@ class Connection(ABC):
     _start; run, put_bytes and hold_lock are the same for every kind."""
 
     kind = "?"
+    # words every command starts with over there (a container connection's entry; none on a host)
+    prefix: tuple[str, ...] = ()
+    # whether an interpreter named for a probe is first checked by the trust probe (root runs
+    # it, and its `.pth` files run at start: context.HostContext.probe)
+    checks_interpreters = True
 
-    def __init__(self, host, settings: Settings):
+    def __init__(self, host, session):
+        """`host`: the inventory host; `session`: the run's session.Session (its settings and
+        the state every connection of the run shares)."""
         self.host = host
-        self.settings = settings
-        # interpreters the trust probe found root may run on this host (fleet.HostContext.probe)
+        self.session = session
+        self.settings: Settings = session.settings
+        # interpreters the trust probe found root may run on this host (context.HostContext.probe)
         self.trusted_interpreters: set[str] = set()
+
+    @property
+    def python(self) -> str | None:
+        """The interpreter probes run under when the job names none: the inventory's
+        (ansible_python_interpreter / fleetctl_python), None for python3 on PATH."""
+        return self.host.python
 
     @property
     @abstractmethod
@@ -220,7 +195,7 @@ class Connection(ABC):
         ansible_become, under sudo, its password handshake done), within `start_s` seconds
         (default: the whole deadline): (the process, stderr it already wrote, the whole seconds
         it may run). Raises BecomeFailed, RemoteTimeout, Unreachable."""
-        wrapped, limit = command.remote_argv(argv, timeout)
+        wrapped, limit = command.remote_argv([*self.prefix, *argv], timeout)
         start_s = limit if start_s is None else start_s
         if not self.host.become:
             return self._start(wrapped, start_s), b"", limit
@@ -302,36 +277,36 @@ class Connection(ABC):
             raise OSError(f"upload to {remote_path} failed (exit {r.exit_code}): "
                           f"{r.stderr.decode('utf-8', 'replace').strip()[-300:]}")
 
-    def hold_lock(self, state_dir: str, timeout: float, hold_s: float, inside: list[str] | None = None,
-                  python: str | None = None) -> "HostLock":
+    def hold_lock(self, state_dir: str, timeout: float, hold_s: float) -> "HostLock":
         """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as it is held,
         and at most `hold_s` seconds.
 
         The lock is held by a remote `flock` whose child waits for EOF on its stdin: releasing,
         losing the connection or this process dying frees it; so does `hold_s` passing (a network
-        partition that sshd does not notice cannot keep a stale lock for hours). `inside` (a
-        command.container_entry prefix) with `python` (the interpreter there) takes the lock
-        inside a container, by command.python_lock_argv (no shell there). Raises LockBusy
+        partition that sshd does not notice cannot keep a stale lock for hours). Raises LockBusy
         at once when another run holds it (quoting who and since when), or when it cannot be
         taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
-        argv = (command.python_lock_argv(python, state_dir, who, hold) if python
-                else command.lock_argv(state_dir, who, hold))
-        proc, _, _ = self._begin([*(inside or []), *argv], hold + timeout, timeout)
+        proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold), hold + timeout, timeout)
         line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
         if line.strip() == b"LOCKED":
             return HostLock(proc)
         code = proc.wait(timeout)
         proc.close()
         if code == _LOCK_BUSY_EXIT:
-            if python:
-                who = line[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
-            else:
-                holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
-                who = holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+            who = self._lock_holder(state_dir, line, timeout)
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})")
+
+    def _lock_argv(self, state_dir: str, who: str, hold_s: int) -> list[str]:
+        """The lock command (command.lock_argv: flock, with a shell and coreutils)."""
+        return command.lock_argv(state_dir, who, hold_s)
+
+    def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
+        """Who holds the lock, from STATE_DIR/lock.owner (`line`: the lock command's first line)."""
+        holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
+        return holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
 
 
 def _sudo_said(seen: bytes, prompt: bytes) -> str:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import time
 
-from . import Settings, kind_for
+from .session import Session, kind_for
 from ..errors import FleetctlError
 from ..inventory import Host
 
 
-def describe(host: Host, settings: Settings) -> dict:
+def describe(host: Host, session: Session) -> dict:
     """One host's entry: {host, connection, address, port, user, identity_files, jump,
     proxy_command, host_key_name, known_hosts, known_hosts_lines, error}; `error` is the
     resolution's refusal (SshConfigError: OpenSSH refuses the config, exit 4) or None. Runs
-    `ssh -G` (and `ssh-keygen -F`) within settings.connect_timeout seconds; dials nothing."""
+    `ssh -G` (and `ssh-keygen -F`, by the session's resolver) within the settings'
+    connect_timeout seconds; dials nothing."""
+    settings = session.settings
     kind = kind_for(host, settings)
     doc = {"host": host.name, "connection": kind, "address": host.address, "port": None,
            "user": host.user, "identity_files": [], "jump": [], "proxy_command": None, "host_key_name": None,
@@ -31,7 +33,7 @@ def describe(host: Host, settings: Settings) -> dict:
     from . import knownhosts
     from .resolve import hop_chain
     try:
-        r = settings.resolver.resolve_host(host, time.monotonic() + settings.connect_timeout)
+        r = session.resolver.resolve_host(host, time.monotonic() + settings.connect_timeout)
     except (FleetctlError, OSError) as e:
         doc["error"] = str(e)
         return doc

@@ -1,9 +1,14 @@
-"""What can go wrong reaching a host, typed once for every connection kind."""
+"""What can go wrong reaching a host, typed once for every connection kind: each a per-host
+failure (errors.HostError), and Unreachable its own branch (Ansible's "unreachable")."""
+
+from ..errors import EXIT_UNREACHABLE, HostError
 
 
-class Unreachable(Exception):
+class Unreachable(HostError):
     """The host could not be reached, authenticated with, or the connection was lost
     (Ansible's "unreachable")."""
+
+    exit_code = EXIT_UNREACHABLE
 
 
 class HostKeyRefused(Unreachable):
@@ -11,19 +16,23 @@ class HostKeyRefused(Unreachable):
     differs from known_hosts; nothing was run."""
 
 
-class RemoteTimeout(Exception):
+class RemoteTimeout(HostError):
     """A remote command ran past its deadline; it was killed on the host."""
 
+    def describe(self, job_timeout: float) -> str:
+        """"deadline (N s) passed: <what>", N the job's seconds."""
+        return f"deadline ({job_timeout:g} s) passed: {self}"
 
-class LockBusy(Exception):
+
+class LockBusy(HostError):
     """Another fleetctl run holds the host's lock."""
 
 
-class BecomeFailed(Exception):
+class BecomeFailed(HostError):
     """sudo did not start the command (a wrong or missing password, no sudo rights, a sudo that
     requires a tty); nothing ran as the become user. The message is sudo's own, bounded."""
 
 
-class OutputTooLarge(Exception):
+class OutputTooLarge(HostError):
     """A remote command printed more than the controller holds (connection.base.OUTPUT_MAX);
     it was stopped."""

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from . import command
-from .base import Connection, OutputBuffer, Process, passwd_home
+from .base import Connection, OutputBuffer, Process
 from .errors import HostKeyRefused, Unreachable
 from .local import LocalProcess
-from .resolve import split_config_option
+from .resolve import passwd_home, split_config_option
 
 log = logging.getLogger("fleetctl")
 
@@ -115,8 +115,8 @@ class OpenSSHConnection(Connection):
 
     kind = "ssh"
 
-    def __init__(self, host, settings):
-        super().__init__(host, settings)
+    def __init__(self, host, session):
+        super().__init__(host, session)
         self._address: str | None = None
         self._master = False
         self._live = False
@@ -130,7 +130,7 @@ class OpenSSHConnection(Connection):
         """The run's ssh_config for this host and the host's ssh args without their `-F FILE`
         (which that ssh_config Includes instead: ssh keeps only the last `-F`)."""
         args, own = split_config_option([*self.host.ssh_common_args, *self.host.ssh_extra_args])
-        return str(self.settings.control_files.config_for(own)), args
+        return str(self.session.control_files.config_for(own)), args
 
     def _argv(self, *extra: str) -> list[str]:
         """ssh with the host's ansible_ssh_common_args and ansible_ssh_extra_args first, the run's
@@ -147,7 +147,7 @@ class OpenSSHConnection(Connection):
         ansible_user / ansible_port / ansible_ssh_private_key_file, BatchMode."""
         h = self.host
         args, own = split_config_option([*h.ssh_common_args, *h.ssh_extra_args])
-        config = own or self.settings.control_files.user_config
+        config = own or self.session.control_files.user_config
         opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
         return ["ssh", *args, *(["-F", str(config)] if config else []), *(w for o in opts for w in o),
                 "-o", "BatchMode=yes", *extra]
@@ -162,7 +162,7 @@ class OpenSSHConnection(Connection):
         verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
-        resolved = self.settings.resolver.resolve_host(h, deadline)
+        resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
         if resolved.host_key_checking_off:
             log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
@@ -174,7 +174,7 @@ class OpenSSHConnection(Connection):
         for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
             jump = ["-J", ",".join(map(str, resolved.proxy_jump[:i]))] if i else []
             opts = [*(["-l", hop.user] if hop.user else []), *(["-p", str(hop.port)] if hop.port else []), *jump]
-            lock = self.settings.control_files.hop_lock((*jump, *opts, hop.host))
+            lock = self.session.control_files.hop_lock((*jump, *opts, hop.host))
             if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise Unreachable(f"ProxyJump hop {hop}: no SSH session within the connect timeout")
             try:

@@ -331,8 +331,8 @@ class ParamikoConnection(Connection):
 
     kind = "paramiko"
 
-    def __init__(self, host, settings: Settings):
-        super().__init__(host, settings)
+    def __init__(self, host, session):
+        super().__init__(host, session)
         self.resolved: Resolved | None = None
         self._client: paramiko.SSHClient | None = None
         self._lease: list = []
@@ -345,7 +345,7 @@ class ParamikoConnection(Connection):
 
     def _resolve(self, deadline: float) -> Resolved:
         h = self.host
-        r = self.settings.resolver.resolve_host(h, deadline)
+        r = self.session.resolver.resolve_host(h, deadline)
         bad = [o for x in hop_chain(r) for o in x.unsupported_by_paramiko()]
         if bad:
             raise SshConfigError(f"{h.name}: the paramiko connection cannot honour {', '.join(bad)} from ssh_config: "
@@ -356,7 +356,7 @@ class ParamikoConnection(Connection):
         r = self.resolved = self._resolve(deadline)
         sock = None
         if r.hops:
-            transport, self._lease = self.settings.jump_pool.lease(hop_chain(r)[:-1], self.settings, deadline)
+            transport, self._lease = self.session.jump_pool.lease(hop_chain(r)[:-1], self.settings, deadline)
             sock = transport.open_channel("direct-tcpip", (r.hostname, r.port), ("", 0),
                                           timeout=max(0.1, deadline - time.monotonic()))
         elif r.proxy_command:
@@ -367,7 +367,7 @@ class ParamikoConnection(Connection):
     def _close_transports(self) -> None:
         if self._client is not None:
             self._client.close()
-        self.settings.jump_pool.release(self._lease)
+        self.session.jump_pool.release(self._lease)
 
     def open(self) -> None:
         """Resolve the host (`ssh -G`), connect, verify the host key and authenticate, all within

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import SshConfigError
-from .base import passwd_home
 from .errors import Unreachable
 
 # Bytes of `ssh -G` output read at most (its whole configuration is a few KiB).
@@ -149,6 +148,12 @@ class Resolved:
             values = self.certificate_files if key == "certificatefile" else self.options.get(key, [])
             out += [f"{key} {v}" for v in values if off is None or str(v).lower() != off]
         return out
+
+
+def passwd_home() -> Path:
+    """The current user's home from the passwd database, as OpenSSH finds `~` (ssh(1): it never
+    reads $HOME)."""
+    return Path(pwd.getpwuid(os.getuid()).pw_dir)
 
 
 def split_config_option(args: tuple[str, ...] | list[str]) -> tuple[list[str], Path | None]:

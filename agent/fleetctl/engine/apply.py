@@ -17,7 +17,9 @@ from typing import Callable
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
 from ..config import CHECK_TIMEOUT_S, RESTART_CMD
-from .fleet import Fleet, HostContext, HostFailed, HostResult, parse_serial
+from ..errors import HostFailed
+from .context import HostContext, HostResult
+from .fleet import Fleet, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
 from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
@@ -140,15 +142,19 @@ def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
                             "skipped_reason": reason if status == HostStatus.SKIPPED else None})
 
 
-def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False):
+def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False,
+              planned: dict[str, list[HostPlan]] | None = None):
     """Check mode: plan each selected install (select_installs) on the host and report what
     would change; touches nothing. A change left pending by a killed run is reported
     ("pending": [ids]): apply undoes it first, so the host counts as changed. data["install_sglang"]:
     {install id: its sglang facts}; with `texts` (for --export-patch), data["texts"]: {path:
-    {"pre_text", "post_text"}} of every planned file."""
+    {"pre_text", "post_text"}} of every planned file. `planned`, when given, gets each host's
+    plans ({host name: [HostPlan]}): what an apply pass is bound to."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plans = _plans(ctx, playbook, install)
+        if planned is not None:
+            planned[ctx.host.name] = [p for _, p in plans]
         result = _planned_result(ctx, [p for _, p in plans])
         result.data["install_sglang"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
         if texts:
@@ -246,14 +252,16 @@ def install_change_id(change_id: str, n: int, count: int) -> str:
 
 
 def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: ApplyOptions,
-                 change_id: str | None = None, timeout: float | None = None) -> tuple[str, list[HostResult]]:
+                 change_id: str | None = None, timeout: float | None = None,
+                 planned: dict[str, list[HostPlan]] | None = None) -> tuple[str, list[HostResult]]:
     """Check or apply `playbook` in rolling batches (opts.serial). A batch whose failed +
     unreachable share exceeds max_fail_percentage stops the rollout; later hosts are reported
-    "not attempted". `timeout`: per-host seconds for this pass (default: the fleet's).
+    "not attempted". `timeout`: per-host seconds for this pass (default: the fleet's);
+    `planned`: filled by a check pass (check_job).
     Returns (change id, results in inventory order). Raises UsageError for a bad serial spec."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
-        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install, opts.export), "check",
+        return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install, opts.export, planned), "check",
                               timeout=timeout)
     results: list[HostResult] = []
     start = 0
@@ -299,16 +307,17 @@ def check_then_apply(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: 
     that really change), each bound to the plan it was shown. Raises UsageError (bad serial),
     whatever `confirm` raises."""
     parse_serial(opts.serial, len(hosts))
+    planned: dict[str, list[HostPlan]] = {}
     _, results = run_playbook(fleet, hosts, playbook, replace(opts, check=True),
-                              timeout=check_timeout or CHECK_TIMEOUT_S)
+                              timeout=check_timeout or CHECK_TIMEOUT_S, planned=planned)
     if opts.check:
         return ApplyOutcome(None, results)
     to_change = [h for h, r in zip(hosts, results) if r.status == HostStatus.CHANGED]
     if not to_change:
         return ApplyOutcome(None, results, nothing_to_change=True)
     confirm(results, to_change)
-    # what is written must be what was shown: each host's planned post-images
-    confirmed = {r.host: {f["path"]: f["post_sha256"] for f in r.data["plan"]["files"]}
+    # what is written must be what was shown: each host's planned post-images, from its plans
+    confirmed = {r.host: {f.path: f.post_sha256 for p in planned[r.host] for f in p.files}
                  for r in results if r.status == HostStatus.CHANGED and not r.data.get("pending")}
     cid, applied = run_playbook(fleet, to_change, playbook, replace(opts, check=False, confirmed=confirmed))
     by_name = {r.host: r for r in results} | {r.host: r for r in applied}

@@ -14,7 +14,6 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
     put_back                         one reconnect, then finish by the ledger's state (roll back)
     validate_change                  handlers -> checks -> smoke gate against the baseline
     settle                           ledger "applied", or rollback (byte-identical) + handlers again
-    rollback_job, status_job         the `rollback` and `status` commands
 
 Everything that runs on the host is an action of the `change` probe (probes/change.py) sent
 through the connection, or an operator's own handler command (inventory `fleetctl_restart_cmd`,
@@ -35,14 +34,14 @@ from typing import Callable, NamedTuple
 from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
 from ..connection import OutputTooLarge, RemoteTimeout, Unreachable
 from ..connection.command import operator_argv
-from .fleet import HostContext, HostFailed, HostResult
+from .context import HostContext, HostResult
 from . import containers as container
-from .gather import find_install, gather, install_context
-from ..probes import ProbeError, redact
+from .gather import install_context
+from ..errors import HostFailed, ProbeFailed
+from ..probes import redact
 from .validate import SmokeOptions, gate, smoke
 from ..vocab import ChangeState, GateStatus, HostStatus
 
-CHANGE_MODULES = ["scancache", "change"]
 RESTART_HANDLER = "restart sglang"
 # What Ctrl-C and the run deadline say about a host stopped while a change job was in progress.
 STOPPED_NOTE = ("a change there stays pending in its ledger; the next apply, deploy or rollback on it "
@@ -75,9 +74,8 @@ def change_probe(ctx: HostContext, action: str, state_dir: str = STATE_DIR, pyth
     """Run one action of probes/change.py (apply, commit, rollback, recover, status, compile) on
     the host, with `python` (default: the inventory's or the first on PATH). Returns the
     action's answer; a refusal ({"ok": false}) raises HostFailed "ACTION: error".
-    Raises ProbeError, RemoteTimeout, Unreachable."""
-    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, modules=CHANGE_MODULES,
-                    python=python)
+    Raises ProbeFailed, RemoteTimeout, Unreachable."""
+    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, python=python)
     if not res.get("ok", False):
         raise HostFailed(f"{action}: {res.get('error')}")
     return res
@@ -90,7 +88,7 @@ def pending_ids(changes: list[dict]) -> list[str]:
 
 def compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[str]:
     """Syntax errors in `paths` as `python` (the interpreter that serves SGLang) reads them:
-    ["path:line: msg"]. Raises HostFailed, ProbeError, RemoteTimeout, Unreachable."""
+    ["path:line: msg"]. Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable."""
     return change_probe(ctx, "compile", python=python, paths=paths)["problems"]
 
 
@@ -326,7 +324,7 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     health wait and one smoke decode (`smoke_opts`, when change.smoke): result.data
     ["after_rollback"], and the reason says when the server did not come back (review L13).
     Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
-    deadline is still put back. Raises HostFailed, ProbeError, RemoteTimeout, Unreachable (from
+    deadline is still put back. Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable (from
     the probe)."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     if problems and change.rollback:
@@ -351,7 +349,7 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
 def undo_changes(ctx: HostContext, done: list[Change], state_dir: str, reason: str) -> list[str]:
     """Roll back changes that were applied earlier in this run (latest first), with their
     handlers, so that a host whose later change failed is left untouched. Returns their ids.
-    Raises HostFailed, ProbeError, RemoteTimeout, Unreachable."""
+    Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     for change in reversed(done):
         change_probe(ctx, "rollback", state_dir, change_id=change.change_id, reason=reason)
@@ -365,127 +363,10 @@ def _health_after_rollback(ctx: HostContext, result: HostResult, change: Change,
     add to the failure reason."""
     try:
         after = smoke(ctx, change.facts, replace(opts, repeat=1), reserve=5.0)
-    except (RemoteTimeout, ProbeError, HostFailed, OutputTooLarge) as e:
+    except (RemoteTimeout, ProbeFailed, HostFailed, OutputTooLarge) as e:
         result.data["after_rollback"] = {"error": str(e)}
         return f"; after the rollback, the health check failed: {e}"
     result.data["after_rollback"] = [{k: s.get(k) for k in ("host", "port", "ok", "error", "health_wait_s")}
                                      for s in after["servers"]]
     bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in after["servers"] if not s["ok"]]
     return f"; after the rollback the server is not healthy: {'; '.join(bad)}" if bad else ""
-
-
-# ---- the rollback and status commands ------------------------------------------------------
-
-def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, install: str | None = None):
-    """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change,
-    of install `install` when given; `force`: restore files changed since) and run the restart
-    handler. A run that changed several installs recorded "<change_id>.<n>" per install: the
-    run's id rolls back all of them (latest first). A change a killed run left pending is undone
-    first; when no id was given, that was the rollback asked for. Result data: the probe's answer
-    (change_id, files, forced, or nothing) + recovered, handlers."""
-
-    def work(ctx: HostContext, rec: Recovery) -> HostResult:
-        if rec.changes and not change_id:
-            return ctx.result(HostStatus.CHANGED,
-                              data={"change_id": rec.changes[-1]["change_id"], "recovered": rec.changes,
-                                    "files": [f["path"] for r in rec.changes for f in r["files"]],
-                                    "handlers": rec.handlers})
-        ids = _rollback_ids(change_probe(ctx, "status", state_dir)["changes"], change_id, install)
-        if not ids:
-            return ctx.result(HostStatus.OK, data={"nothing": f"no applied change of install {install}",
-                                                   "recovered": rec.changes})
-        res: dict = {"change_id": change_id or ids[0], "files": [], "forced": []}
-        for cid in reversed(ids):
-            params = {"change_id": cid} if cid else {"last": True}
-            one = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
-            if one.get("nothing"):
-                return ctx.result(HostStatus.OK, data={**one, "recovered": rec.changes})
-            res["change_id"] = change_id or one.get("change_id")
-            res["files"] += one.get("files", [])
-            res["forced"] += one.get("forced") or []
-        handlers = run_handlers(ctx, restart_handlers(ctx))
-        return ctx.result(HostStatus.CHANGED,
-                          data={**res, "recovered": rec.changes, "handlers": handlers})
-
-    return on_install(install, state_dir, change_job(state_dir, work), changing=True)
-
-
-def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None) -> list[str | None]:
-    """Ledger ids to roll back, oldest first: `change_id` itself, or the "<change_id>.<n>" entries
-    of a run over several installs; without an id, the last applied change of `install` ([None]:
-    the probe's own "last" when no install is named; [] when that install has none)."""
-    if change_id:
-        parts = [c["change_id"] for c in ledger if c["change_id"].startswith(change_id + ".")
-                 and c["change_id"][len(change_id) + 1:].isdigit()]
-        return parts if parts and change_id not in {c["change_id"] for c in ledger} else [change_id]
-    if install is None:
-        return [None]
-    mine = [c["change_id"] for c in ledger if c["state"] == ChangeState.APPLIED and c.get("install") == install]
-    return mine[-1:]
-
-
-def recover_job(state_dir: str = STATE_DIR):
-    """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
-    SGLang when there were any) and apply nothing. Changed when it undid something, ok when
-    nothing was pending, failed when a file had unknown content and was left alone (ledger
-    "failed"). Result data: recovered (probes/change.py recover entries), handlers."""
-
-    def work(ctx: HostContext, rec: Recovery) -> HostResult:
-        failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
-        status = HostStatus.FAILED if failed else HostStatus.CHANGED if rec.changes else HostStatus.OK
-        error = "; ".join(f"change {c['change_id']}: {c['reason']}" for c in failed) or None
-        return ctx.result(status, error, data={"recovered": rec.changes, "handlers": rec.handlers})
-
-    return change_job(state_dir, work)
-
-
-def status_job(state_dir: str = STATE_DIR, install: str | None = None):
-    """The `fleetctl status` job: ledger summary and drift for one host, per install (`install`:
-    only that one, and only its changes): applied changes whose files no longer carry them;
-    files modified outside fleetctl with no ledger entry to explain them, judged against the
-    distribution's RECORD for a wheel, and against git (probes/gittree.py: run as the tree's
-    owner) for an editable install or checkout in a git work tree (a tree without `.git` is
-    judged by the ledger alone). On the host, container installs are left to `--install ID`
-    (their ledgers are inside them), and a host copy of a container change record whose
-    container was recreated is reported lost (container.CHANGE_LOST). Failed when anything is
-    pending, drifted or lost."""
-
-    def job(ctx: HostContext) -> HostResult:
-        g = gather(ctx, scan=False, records=state_dir if ctx.container is None else None)
-        installs = [find_install(g, install)] if install else \
-            [i for i in g.get("installs", []) if (i.get("root") is None) == (ctx.container is None)]
-        res = change_probe(ctx, "status", state_dir)
-        if install:
-            res["changes"] = [c for c in res["changes"] if c.get("install") == install]
-            ids = {c["change_id"] for c in res["changes"]}
-            res["drift"] = [d for d in res["drift"] if d["change_id"] in ids]
-        explained = {p for c in res["changes"] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)
-                     for p in c["files"]} - {d["path"] for d in res["drift"]}
-        trees = [i["sglang"]["location"] for i in installs if i["sglang"]["install"] != "wheel"]
-        git = ctx.probe("gittree", {"locations": trees}, modules=["gittree"])["trees"] if trees else {}
-        res["installs"], res["modified"] = [], []
-        for i in installs:
-            sg = i["sglang"]
-            one = {"id": i["id"], "sglang": sg["version"], "install": sg["install"]}
-            if sg["install"] == "wheel":
-                r = change_probe(ctx, "status", state_dir, location=sg["location"], dist="sglang")
-                one.update(modified=r["modified"] or [], record_error=r["record_error"])
-            else:
-                t = git[sg["location"]]
-                one.update(git=t["git"], git_error=t["error"],
-                           modified=[{"path": p, "problem": "modified outside fleetctl (git)"}
-                                     for p in t["modified"] if p not in explained])
-            res["installs"].append(one)
-            res["modified"] += one["modified"]
-        res["lost"] = container.lost_changes(g.get("container_records", []), g)
-        res["sglang"] = ", ".join(f"{i['sglang']} ({i['install']})" for i in res["installs"]) or None
-        problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
-                     "rollback undoes it" for c in pending_ids(res["changes"])] +
-                    [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
-                    [f"{m['path']}: {m['problem']}" for m in res["modified"]] +
-                    [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")] +
-                    [f"{x['install']}: {x['problem']} ({', '.join(x['changes'])})" for x in res["lost"]])
-        status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
-        return ctx.result(status, error, data=res)
-
-    return on_install(install, state_dir, job)

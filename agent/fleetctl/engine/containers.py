@@ -21,7 +21,9 @@ import json
 import shlex
 
 from ..connection.command import CONTAINER_EXECS, container_entry
-from .fleet import HostContext, HostFailed
+from ..connection.container import ContainerConnection
+from ..errors import HostFailed
+from .context import HostContext
 
 LASTS = "lasts until the container is recreated (the change is in the container's writable layer, not its image)"
 REFUSED = "changes here do not survive a restart: use --export-patch"
@@ -63,12 +65,12 @@ def enter(ctx: HostContext, found: dict, how: str) -> HostContext:
         entry = container_entry(how, root.get("container_id") or "", root["pid"])
     except ValueError as e:
         raise HostFailed(f"container of pid {root['pid']}: {e}") from None
-    return ctx.inside({"entry": entry, "how": how, "root": root, "python": found.get("python"),
-                       "found": found})
+    return ctx.inside(ContainerConnection(ctx.conn, entry, found.get("python")),
+                      {"how": how, "root": root, "found": found})
 
 
 def adopt(inner: dict, ctx: HostContext) -> dict:
-    """The facts `inner` gathered inside container ctx.container as its container installs:
+    """The facts `inner` gathered inside the container ctx is in as its container installs:
     ids `<runtime>:<name>:<package_dir>`, each with `root` and `container` ({how, note,
     read_only_rootfs, kubelet, lasts}); the servers inside get the host's pids (`pid`, in the
     installs' `servers` too; None for a server the host did not list) and keep their own

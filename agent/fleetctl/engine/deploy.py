@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypedDict
 
 from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
 from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
-from .fleet import Fleet, HostContext, HostFailed, HostResult
+from ..errors import HostFailed
+from .context import HostContext, HostResult
+from .fleet import Fleet
 from .gather import gather
 from ..inventory import Host
 from .kernelpkg import KernelPackage, build_key
@@ -34,6 +36,27 @@ class DeployOptions(ChangeOptions):
     max_jobs: int = 4
     build_timeout: float = BUILD_DEADLINE_S
     check: bool = False
+
+
+class DeployData(TypedDict, total=False):
+    """A deploy's result data: backend ("cuda" | "cpu"), arch (sm_XY or None), build_key (sha256
+    hex), previous (the build key active before, or None), recovered (changes a killed run left
+    pending), refusals (preflight's, for backends it refused), reused (a PASSED build of the key
+    was already there), build ({ok, seconds, log_path, timed_out, removed_stale_lock}), test
+    (the reference test's result); the change engine adds change_id, handlers, validation. In
+    check mode: check (True) and would_build instead of recovered, build and test."""
+
+    backend: str | None
+    arch: str | None
+    build_key: str
+    previous: str | None
+    recovered: list
+    refusals: list
+    reused: bool
+    build: dict
+    test: dict | None
+    check: bool
+    would_build: bool
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
@@ -62,9 +85,10 @@ def check_job(pkg: KernelPackage, opts: DeployOptions):
     def job(ctx: HostContext) -> HostResult:
         _, pre, key, state = _preflight(ctx, pkg, opts)
         current = state["current"]
-        return ctx.result(HostStatus.OK if current == key else HostStatus.CHANGED, data={
-            "check": True, "backend": pre["backend"], "arch": pre["arch"], "build_key": key, "previous": current,
-            "refusals": pre["refusals"], "reused": state["passed"], "would_build": not state["passed"]})
+        data: DeployData = {"check": True, "backend": pre["backend"], "arch": pre["arch"], "build_key": key,
+                            "previous": current, "refusals": pre["refusals"], "reused": state["passed"],
+                            "would_build": not state["passed"]}
+        return ctx.result(HostStatus.OK if current == key else HostStatus.CHANGED, data=data)
     return job
 
 
@@ -80,7 +104,7 @@ def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage,
 
 def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], pkg: KernelPackage, backend: str,
                    arch: str | None, bdir: str, current: str | None, max_jobs: int, build_timeout: float,
-                   data: dict) -> None:
+                   data: DeployData) -> None:
     """Upload, build, test and mark PASSED one build dir: `upload(src_dir)` puts the package
     there, `kbuild(action, timeout, **params)` runs one probes/kbuild.py action on the host with
     the SGLang interpreter (`timeout`: seconds, None for the default). Sets data["build"],
@@ -138,8 +162,8 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     backend = pre["backend"]
     root, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
     current = state["current"]
-    data = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
-            "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
+    data: DeployData = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
+                        "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
     result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
         build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),

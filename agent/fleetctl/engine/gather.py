@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from . import containers as container
 from .. import probes
-from .fleet import HostContext, HostFailed, HostResult
+from ..errors import HostFailed, ProbeFailed
+from .context import HostContext, HostResult
 from ..vocab import HostStatus
 
-PROBE_MODULES = probes.FACTS_MODULES
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, records: str | None = None,
@@ -27,18 +27,18 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     and servers added (container.adopt); one that cannot be entered keeps the reason in its
     facts.containers entry ("error"). On a context inside a container, only that container's
     installs (its own scan cache inside it). `records`: the state dir whose host-side container
-    change records to read too ("container_records"). Raises ProbeError, RemoteTimeout,
+    change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
     Unreachable, HostFailed (a bad fleetctl_container_exec)."""
-    key = probes.sources_sha256(PROBE_MODULES) if cache else None
+    key = probes.sources_sha256(probes.modules_for("facts")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
-                                    "cache_key": key}, modules=PROBE_MODULES)
+                                    "cache_key": key})
         mine = container.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources, "cache_key": key}
     if records:
         params["records"] = f"{records}/{container.RECORDS}"
-    g = ctx.probe("facts", params, modules=PROBE_MODULES)
+    g = ctx.probe("facts", params)
     for found in g["facts"].get("containers", []):
         how, note = container.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})
         found.update(entered_with=how, note=note, error=None)
@@ -46,7 +46,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
             continue
         try:
             inner = gather(container.enter(ctx, found, how), with_sources=with_sources, scan=scan, cache=cache)
-        except (probes.ProbeError, HostFailed) as e:
+        except (ProbeFailed, HostFailed) as e:
             found["error"] = f"entering {container.prefix(found['root'])} with {how}: {e}"
             continue
         g["installs"] = g.get("installs", []) + inner["installs"]
@@ -93,7 +93,7 @@ def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext,
     """(the context a job on install `install` runs in, the install when it is a container's):
     `ctx` itself for a host install or none named; for a container install (an id that does
     not start with "host:"), `ctx` entered into its container, found by a gather without a
-    scan. Raises HostFailed (no such install), ProbeError, RemoteTimeout, Unreachable."""
+    scan. Raises HostFailed (no such install), ProbeFailed, RemoteTimeout, Unreachable."""
     if not install or install.startswith("host:"):
         return ctx, None
     g = gather(ctx, scan=False)
@@ -105,7 +105,7 @@ def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext,
 def cache_clear_job(ctx: HostContext) -> HostResult:
     """The `cache clear` job: empty the host's scan cache directory (probes/scancache.py main).
     data: {cache: {path, removed (files), error}}."""
-    res = ctx.probe("scancache", {"action": "clear"}, modules=["scancache"])
+    res = ctx.probe("scancache", {"action": "clear"})
     status = HostStatus.FAILED if res.get("error") else HostStatus.CHANGED if res["removed"] else HostStatus.OK
     return ctx.result(status, res.get("error"), data={"cache": res})
 

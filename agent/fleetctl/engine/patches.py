@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FleetctlError
-from .fleet import HostResult
+from .context import HostResult
 from ..wheels import ensure_wheel
 
 PATCH_TIMEOUT_S = 60

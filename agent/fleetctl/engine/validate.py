@@ -12,14 +12,13 @@ from dataclasses import dataclass
 
 from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from ..connection import RemoteTimeout
-from .fleet import HostContext, HostResult
+from .context import HostContext, HostResult
 from .gate import compare
 from .gather import find_install, gather, install_context, install_facts
 from ..inventory import Host
 from ..vocab import HostStatus
 
 # The smoke probe and the redaction it applies to what it returns.
-SMOKE_MODULES = ["redact", "smoke"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     """Run the smoke probe on the host: {"servers": [...], "offline": ... | None} (see probes/smoke.py).
     `reserve`: seconds of the host's deadline to leave unused (for a rollback); the health wait
     is cut to fit. `servers`: False runs only the offline command.
-    Raises ProbeError, RemoteTimeout, Unreachable."""
+    Raises ProbeFailed, RemoteTimeout, Unreachable."""
     params = {"servers": smoke_targets(ctx.host, facts, opts) if servers else [],
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
               "offline_cmd": offline_cmd or ctx.host.smoke_cmd, "api_key": ctx.host.sglang_api_key}
@@ -67,7 +66,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
     params["offline_timeout"] = budget - 5
     python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("smoke", params, modules=SMOKE_MODULES, python=python, timeout=budget)
+    return ctx.probe("smoke", params, python=python, timeout=budget)
 
 
 def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):

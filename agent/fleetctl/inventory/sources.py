@@ -5,7 +5,7 @@ Ansible reads INI files, inventory directories, executable scripts and plugin co
 fleetctl (`pip install 'fleetctl[ansible]'`), it runs `ansible-inventory -i SRC --list` as a
 program with this same interpreter and takes its groups and hostvars (Ansible's own precedence,
 group_vars/ and host_vars/ of the source included), unrendered: the vars fleetctl reads are then
-templated as the YAML reader's are (inventory._inventory). In that JSON a vault value is
+templated as the YAML reader's are (model.build). In that JSON a vault value is
 `{"__ansible_vault": CIPHERTEXT}` and an `!unsafe` one `{"__ansible_unsafe": TEXT}`
 (ansible/parsing/ajson.py, AnsibleJSONEncoder); they become Vaulted and Unsafe. Vault values are
 decrypted with ansible-core's vault library (ansible/parsing/vault).

@@ -1,8 +1,8 @@
 """Templated inventory vars: the vars fleetctl reads, rendered as Ansible renders them, safely.
 
 Only the vars fleetctl reads (`needed`) are rendered, and the vars they reference are rendered
-only when referenced (`_Vars` is a lazy mapping): real group_vars hold lookups and facts that
-fleetctl never reads, and they must not stop a load. Templates render in Jinja2's
+only when referenced (`_RenderedVars` is a lazy mapping): real group_vars hold lookups and
+facts that fleetctl never reads, and they must not stop a load. Templates render in Jinja2's
 ImmutableSandboxedEnvironment with Jinja2's own filters plus the Ansible ones inventories use for
 connection values (`bool`, `quote`, `regex_replace`; ansible/plugins/filter/core.py), and with
 Ansible's magic variables `inventory_hostname`, `inventory_hostname_short`, `groups`,
@@ -134,7 +134,7 @@ class Templar:
         self.hostvars = {h: _hostvars(self, h) for h in raw}
 
     def value(self, host: str, name: str) -> Any:
-        """The rendered value of `name` for `host`: a template its value (see _Environment;
+        """The rendered value of `name` for `host`: a template its value (see _environment;
         checked and converted by the caller), a vault value its plain text, anything else as it is.
         Raises KeyError when the host has no such var, InventoryError when it cannot be rendered."""
         key = (host, name)
@@ -194,7 +194,7 @@ class _Layers(Mapping[str, Any]):
         return len(set().union(*self.layers))
 
 
-class _Vars(Mapping[str, Any]):
+class _RenderedVars(Mapping[str, Any]):
     """One host's inventory vars, each rendered when first read."""
 
     def __init__(self, templar: Templar, host: str):
@@ -221,7 +221,7 @@ def _host_magic(templar: Templar, host: str) -> dict[str, Any]:
 
 def _hostvars(templar: Templar, host: str) -> _Layers:
     """hostvars[host]: the host's magic variables over its vars, as in Ansible."""
-    return _Layers(_host_magic(templar, host), _Vars(templar, host))
+    return _Layers(_host_magic(templar, host), _RenderedVars(templar, host))
 
 
 def _context(templar: Templar, host: str) -> _Layers:

@@ -1,27 +1,36 @@
 """Remote probes: stdlib-only Python modules sent over SSH stdin to the host's own interpreter.
 
-A probe module defines `main(params: dict) -> dict`. `bundle()` packs the probe modules it needs
-with their parameters into one JSON document (zlib-compressed); `WRAPPER` (run as `python -c WRAPPER`) reads it from
-stdin, loads each module into `sys.modules` in order, calls the main module's `main(params)` and
-prints the JSON result after a marker line. Nothing is written to the host to do this.
+A probe module defines `main(params: dict) -> dict` and imports the probes it uses as
+`from . import x` (the one style: it works in the bundle on the host, in this package, and in
+the Ansible collection's module_utils, whose bundler follows it). `modules_for()` reads those
+imports and gives a probe's bundle in load order; `bundle()` packs those modules with the
+parameters into one JSON document (zlib-compressed); `WRAPPER` (run as `python -c WRAPPER`)
+reads it from stdin, loads each module in order as PACKAGE.<name> into `sys.modules` (so
+`from . import x` finds the ones loaded before it), calls the main module's `main(params)` and
+prints the JSON result after a marker line (result.py). Nothing is written to the host to do this.
 A probe can re-run itself under another interpreter (see facts.py) with `FLEETCTL_BUNDLE`,
 the bundle's JSON text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each module's globals.
-A bundle that starts with `scancache` carries `code_key`, the sha256 of its sources: the modules
-after it are compiled once per interpreter build and kept on the host (scancache.CodeCache).
+A bundle that holds `scancache` carries `code_key`, the sha256 of its sources: the modules after
+it are compiled once per interpreter build and kept on the host (scancache.CodeCache), so
+modules_for loads scancache (after the modules it imports) before the rest.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import os
 import zlib
 from functools import lru_cache
-from importlib import resources
 
-MARKER = "--fleetctl-probe-result--"
-# The facts probe and the helpers it imports, in load order (gather's inspect; the trust probe
-# runs facts.untrusted with the same bundle).
-FACTS_MODULES = ["scancache", "redact", "callsites", "procs", "containers", "gpus", "locate", "facts"]
+from . import result
+
+# The package a bundle's modules are loaded into on the host (WRAPPER): facts is
+# sys.modules["fleetctl_probes.facts"] there.
+PACKAGE = "fleetctl_probes"
+# The probe whose CodeCache keeps the compiled modules loaded after it (see WRAPPER).
+CODE_CACHE = "scancache"
 
 WRAPPER = r"""
 import json, sys, types, zlib
@@ -29,27 +38,31 @@ try:
     data = sys.stdin.buffer.read()
     raw = (data if data[:1] == b"{" else zlib.decompress(data)).decode("utf-8")
     b = json.loads(raw)
+    pkg = types.ModuleType(PACKAGE)
+    pkg.__path__ = []
+    sys.modules[PACKAGE] = pkg
     kept = None
     for name, src in b["modules"]:
-        m = types.ModuleType(name)
-        m.__dict__.update(FLEETCTL_BUNDLE=raw, FLEETCTL_WRAPPER=b["wrapper"])
-        sys.modules[name] = m
+        m = types.ModuleType(PACKAGE + "." + name)
+        m.__dict__.update(__package__=PACKAGE, FLEETCTL_BUNDLE=raw, FLEETCTL_WRAPPER=b["wrapper"])
+        sys.modules[m.__name__] = m
+        setattr(pkg, name, m)
         code = kept and kept.get(name)
         if code is None:
             code = compile(src, "<fleetctl probe %s>" % name, "exec")
             if kept:
                 kept.add(name, code)
         exec(code, m.__dict__)
-        if name == "scancache" and b.get("code_key"):
+        if name == CODE_CACHE and b.get("code_key"):
             kept = m.CodeCache(b["code_key"])
     if kept:
         kept.save()
-    out = sys.modules[b["main"]].main(b["params"])
+    out = getattr(pkg, b["main"]).main(b["params"])
 except BaseException:
     import traceback
     out = {"__probe_error__": traceback.format_exc()}
 sys.stdout.write("\n%s\n%s\n" % (MARKER, json.dumps(out)))
-""".replace("MARKER", repr(MARKER))
+""".replace("MARKER", repr(result.MARKER)).replace("PACKAGE", repr(PACKAGE)).replace("CODE_CACHE", repr(CODE_CACHE))
 
 
 class ProbeError(Exception):
@@ -58,8 +71,53 @@ class ProbeError(Exception):
 
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
-    """The source text of probe module `name` (e.g. "facts")."""
-    return resources.files(__package__).joinpath(f"{name}.py").read_text()
+    """The source text of probe module `name` (e.g. "facts"), the file beside this one read
+    through this module's loader (a directory, or the zip Ansible runs the collection's
+    module_utils from). Raises OSError (FileNotFoundError) when there is no such probe."""
+    return __loader__.get_data(os.path.join(os.path.dirname(__file__), f"{name}.py")).decode("utf-8")
+
+
+@lru_cache(maxsize=None)
+def imports(name: str) -> tuple[str, ...]:
+    """The probes that probe `name` imports (`from . import x`, at any depth of its source), in
+    source order. Raises ValueError for a relative import of another form (`from .x import y`,
+    `from .. import x`): probes import each other one way only."""
+    found = []
+    nodes = [n for n in ast.walk(ast.parse(source(name))) if isinstance(n, ast.ImportFrom) and n.level]
+    for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+        if node.level != 1 or node.module:
+            raise ValueError(f"probe {name} line {node.lineno}: probes import each other as `from . import x`")
+        found += [a.name for a in node.names if a.name not in found]
+    return tuple(found)
+
+
+def modules_for(main: str) -> list[str]:
+    """The modules of probe `main`'s bundle in load order: `main` and every probe it imports,
+    transitively (imports()), each after the ones it imports, `main` last. When CODE_CACHE is
+    among them it comes first, after only what it imports itself: the modules loaded after it
+    are the ones the host keeps compiled (WRAPPER). Raises ValueError when imports go in a
+    circle, FileNotFoundError for an import of no probe."""
+    return list(_load_order(main))
+
+
+@lru_cache(maxsize=None)
+def _load_order(main: str) -> tuple[str, ...]:
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise ValueError("probe imports go in a circle: " + " -> ".join(path[path.index(name):] + (name,)))
+        if name not in order:
+            for dep in imports(name):
+                visit(dep, path + (name,))
+            order.append(name)
+
+    visit(main, ())
+    if CODE_CACHE in order:
+        order.clear()
+        visit(CODE_CACHE, ())
+        visit(main, ())
+    return tuple(order)
 
 
 def sources_sha256(modules: list[str]) -> str:
@@ -71,20 +129,28 @@ def sources_sha256(modules: list[str]) -> str:
     return h.hexdigest()
 
 
-def bundle(main: str, params: dict, modules: list[str] | None = None) -> bytes:
-    """The stdin document that runs probe `main` with `params` (modules loaded in list order):
-    the JSON text, zlib-compressed (about a quarter of the bytes; WRAPPER also takes it plain).
-    + code_key (sources_sha256) when the first module is scancache: the host keeps the others
-    compiled (see WRAPPER). The same bundle for many hosts is built once (4 ms each)."""
-    return _bundle(main, json.dumps(params, sort_keys=True), tuple(modules or [main]))
+def bundle(main: str, params: dict) -> bytes:
+    """The stdin document that runs probe `main` with `params`, its modules (modules_for(main))
+    loaded in order: the JSON text, zlib-compressed (about a quarter of the bytes; WRAPPER also
+    takes it plain). + code_key (sources_sha256) when CODE_CACHE is among the modules: the host
+    keeps the ones after it compiled (see WRAPPER). The same bundle for many hosts is built
+    once (4 ms each)."""
+    return _bundle(main, json.dumps(params, sort_keys=True))
+
+
+def document(main: str, params: dict) -> dict:
+    """The bundle of probe `main` with `params` as the WRAPPER reads it, before JSON and
+    compression: {"modules": [[name, source]] (modules_for order), "main", "params", "wrapper"};
+    no code_key (the collection's modules send it so, to an install's interpreter)."""
+    return {"modules": [[m, source(m)] for m in _load_order(main)], "main": main, "params": params,
+            "wrapper": WRAPPER}
 
 
 @lru_cache(maxsize=16)
-def _bundle(main: str, params_json: str, mods: tuple[str, ...]) -> bytes:
-    doc = {"modules": [[m, source(m)] for m in mods], "main": main, "params": json.loads(params_json),
-           "wrapper": WRAPPER}
-    if mods[0] == "scancache":
-        doc["code_key"] = sources_sha256(list(mods))
+def _bundle(main: str, params_json: str) -> bytes:
+    doc = document(main, json.loads(params_json))
+    if CODE_CACHE in _load_order(main):
+        doc["code_key"] = sources_sha256(modules_for(main))
     return zlib.compress(json.dumps(doc).encode(), 6)
 
 
@@ -124,12 +190,12 @@ def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     Raises ProbeError when the probe crashed (its traceback included) or printed no result.
     """
     text = stdout.decode("utf-8", "replace")
-    idx = text.rfind(MARKER + "\n")
-    if idx < 0:
+    found = result.after_marker(text)
+    if found is None:
         tail = (stderr.decode("utf-8", "replace") or text).strip()[-2000:]
         raise ProbeError(f"probe printed no result (exit {exit_code}): {tail or 'no output'}")
     try:
-        out = json.loads(text[idx + len(MARKER) + 1:])
+        out = json.loads(found)
     except ValueError as e:
         raise ProbeError(f"probe result is not JSON (output cut short?): {e}") from None
     if isinstance(out, dict) and "__probe_error__" in out:

@@ -17,10 +17,7 @@ import re
 import shutil
 import subprocess
 
-try:  # the probe bundle loads procs before this module
-    import procs
-except ImportError:  # imported as fleetctl.probes.containers
-    from . import procs
+from . import procs
 
 # cgroup path pattern -> runtime (the first that matches wins)
 _SCOPES = [
@@ -56,7 +53,7 @@ def from_cgroup(text):
 def read_only_root(pid):
     """True when the mount at `/` of process `pid` is read-only (/proc/PID/mountinfo, proc(5):
     field 5 is the mount point, field 6 its options); None when unreadable."""
-    text = procs._read("/proc/%d/mountinfo" % pid)
+    text = procs.read("/proc/%d/mountinfo" % pid)
     if text is None:
         return None
     for line in text.splitlines():
@@ -69,7 +66,7 @@ def read_only_root(pid):
 def pid_in_container(pid):
     """The pid of host process `pid` in its own (innermost) PID namespace: the last field of
     the NSpid line of /proc/PID/status (proc(5)); `pid` itself when there is none."""
-    for line in (procs._read("/proc/%d/status" % pid) or "").splitlines():
+    for line in (procs.read("/proc/%d/status" % pid) or "").splitlines():
         if line.startswith("NSpid:"):
             f = line.split()[1:]
             if f and f[-1].isdigit():
@@ -118,7 +115,7 @@ def containers(pids):
     name, image and image_id are None without the runtime's CLI."""
     out = {}
     for pid in pids:
-        runtime, cid, kube = from_cgroup(procs._read("/proc/%d/cgroup" % pid) or "")
+        runtime, cid, kube = from_cgroup(procs.read("/proc/%d/cgroup" % pid) or "")
         key = cid or "pid-%d" % pid
         if key in out:
             out[key]["servers"].append(pid)
@@ -126,7 +123,7 @@ def containers(pids):
             continue
         seen = inspect(RUNTIME_CLI.get(runtime, ""), cid)
         argv = [a.decode("utf-8", "replace")[:procs.MAX_ARG]
-                for a in (procs._read("/proc/%d/cmdline" % pid, "rb") or b"").split(b"\0")]
+                for a in (procs.read("/proc/%d/cmdline" % pid, "rb") or b"").split(b"\0")]
         try:
             exe = os.readlink("/proc/%d/exe" % pid)
         except OSError:

@@ -1,7 +1,8 @@
 """Inspect probe: facts about one host, its SGLang installs and their allocator call sites.
 
 Runs on the host, stdlib only (Python 3.8+), sent by fleetctl over SSH stdin with its helpers
-(procs: servers; locate: where `import sglang` resolves; gpus: nvidia-smi; callsites: the scan).
+(procs: servers; locate: where `import sglang` resolves; gpus: nvidia-smi; callsites: the scan;
+torchver: torch's version).
 Data flows one way: servers (procs.find_servers) -> interpreters to ask -> installs (each asked of
 its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a scan per install
 (callsites.scan) -> the primary install, whose facts stay at the top level.
@@ -19,16 +20,7 @@ import subprocess
 import sys
 import time
 
-try:  # the probe bundle loads these helpers before this module
-    import callsites
-    import containers
-    import gpus
-    import locate
-    import procs
-    import redact
-    import scancache
-except ImportError:  # imported as fleetctl.probes.facts (tests of the pure functions)
-    from . import callsites, containers, gpus, locate, procs, redact, scancache
+from . import callsites, containers, gpus, locate, procs, result, scancache, torchver
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -39,14 +31,6 @@ COMMON_PYTHONS = [
 LOCATE_TIMEOUT_S = 60  # one interpreter's start + find_spec (site runs every .pth file)
 SEVERAL = "several installs, no server: see installs"
 NONE_FOUND = "no interpreter with an sglang distribution found"
-
-
-def _read(path, mode="r"):
-    try:
-        with open(path, mode) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def untrusted(python):
@@ -81,26 +65,6 @@ def untrusted(python):
     return None
 
 
-def torch_facts():
-    """torch version and CUDA version from distribution metadata and torch/version.py (no import)."""
-    from importlib import metadata
-    try:
-        dist = metadata.distribution("torch")
-    except metadata.PackageNotFoundError:
-        return None
-    cuda = None
-    text = _read(str(dist.locate_file("torch/version.py"))) or ""
-    import ast
-    try:
-        for node in ast.parse(text).body:
-            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-            if isinstance(target, ast.Name) and target.id == "cuda" and isinstance(node.value, ast.Constant):
-                cuda = node.value.value
-    except SyntaxError:
-        pass
-    return {"version": dist.version, "cuda": cuda}
-
-
 _DIST_MARKS = ("sglang-*.dist-info", "sglang-*.egg-info", "sglang.egg-link", "__editable__.sglang-*")
 
 
@@ -110,7 +74,7 @@ def site_dirs(python):
     prefix = os.path.dirname(os.path.dirname(python))
     pats = ["lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/dist-packages"]
     dirs = [d for p in pats for d in sorted(glob.glob(os.path.join(prefix, p)))]
-    cfg = _read(os.path.join(prefix, "pyvenv.cfg")) or ""
+    cfg = procs.read(os.path.join(prefix, "pyvenv.cfg")) or ""
     conf = dict((k.strip(), v.strip()) for k, sep, v in (line.partition("=") for line in cfg.splitlines()) if sep)
     if conf.get("include-system-site-packages", "false").lower() == "true" and conf.get("home"):
         base = os.path.dirname(conf["home"])
@@ -181,12 +145,11 @@ def ask(python, first, timeout=LOCATE_TIMEOUT_S):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError("did not answer within %d s" % timeout)
-    text = r.stdout.decode("utf-8", "replace")
-    marker = "--fleetctl-probe-result--\n"
-    if marker not in text:
+    found = result.after_marker(r.stdout.decode("utf-8", "replace"))
+    if found is None:
         raise RuntimeError("printed no result (exit %d): %s"
                            % (r.returncode, r.stderr.decode("utf-8", "replace")[-1500:]))
-    res = json.loads(text[text.rfind(marker) + len(marker):])
+    res = json.loads(found)
     if "__probe_error__" in res:
         raise RuntimeError(res["__probe_error__"][-1500:])
     return res
@@ -308,7 +271,7 @@ def scan_install(inst, with_sources, store=None):
     if with_sources:
         inst["sources"] = {}
         for f in sorted({o["file"] for o in inst["need_sort_origins"]}):
-            raw = _read(os.path.join(location, f), "rb")  # exact bytes: the sha256 must match
+            raw = procs.read(os.path.join(location, f), "rb")  # exact bytes: the sha256 must match
             try:
                 inst["sources"][f] = raw.decode("utf-8") if raw is not None else None
             except UnicodeDecodeError:
@@ -348,7 +311,7 @@ def main(params):
     ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
     if "locate" in params:
         res = locate.locate(params["locate"])
-        res["torch"] = torch_facts()
+        res["torch"] = torchver.installed()
         return res
     servers, others = procs.find_servers()
     found = containers.containers(others) if params.get("containers", True) else []

@@ -1,8 +1,8 @@
 """Remote probe helper: the host's GPUs from nvidia-smi, healthy rows and lost devices apart.
 
-Stdlib only (Python 3.8+), loaded by the facts probe bundle. nvidia-smi(1) writes the error of a
-lost or inaccessible GPU ("Unable to determine the device handle for gpu 0000:18:00.0: Unknown
-Error", "GPU is lost") on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero
+Stdlib only (Python 3.8+), loaded by the facts and kbuild probe bundles. nvidia-smi(1) writes
+the error of a lost or inaccessible GPU ("Unable to determine the device handle for gpu
+0000:18:00.0: Unknown Error", "GPU is lost") on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero
 (RETURN VALUE: 15 a GPU is lost, 18 NVML library mismatch...) depending on driver and query; an
 NVML that cannot start prints its reason on stdout too. Values it cannot give are "[N/A]" or
 "[Not Supported]".
@@ -13,6 +13,7 @@ import subprocess
 
 FIELDS = ["index", "pci.bus_id", "name", "memory.total", "driver_version", "compute_cap"]
 QUERY = ",".join(FIELDS)
+ARGS = ["--query-gpu=" + QUERY, "--format=csv,noheader,nounits"]  # nvidia-smi's, for parse()
 _BUS_ID = re.compile(r"\b[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\b")
 _NULL = {"[N/A]", "[Not Supported]", "N/A", ""}
 MAX_TEXT = 300  # characters kept of one nvidia-smi message
@@ -27,7 +28,7 @@ def _int(text):
 
 
 def parse(stdout, stderr, exit_code):
-    """nvidia-smi `--query-gpu=QUERY --format=csv,noheader,nounits` output -> (gpus, gpu_errors,
+    """nvidia-smi ARGS (`--query-gpu=QUERY --format=csv,noheader,nounits`) output -> (gpus, gpu_errors,
     gpus_reason).
 
     gpus: [{index, pci_bus_id, name, memory_total_mib (MiB), driver, compute_cap}] for the rows
@@ -68,8 +69,7 @@ def parse(stdout, stderr, exit_code):
 def gpu_facts(timeout=20):
     """Run nvidia-smi (see parse) within `timeout` seconds: (gpus, gpu_errors, gpus_reason)."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=" + QUERY, "--format=csv,noheader,nounits"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        r = subprocess.run(["nvidia-smi"] + ARGS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
     except FileNotFoundError:
         return [], [], "nvidia-smi not found"
     except subprocess.TimeoutExpired:

@@ -13,9 +13,7 @@ torch is never imported here: builds and tests run in child processes of the hos
 
 from __future__ import annotations
 
-import ast
 import fcntl
-import importlib.util
 import json
 import os
 import re
@@ -25,6 +23,8 @@ import stat
 import subprocess
 import sys
 import time
+
+from . import gpus, torchver
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
 MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),
@@ -84,25 +84,22 @@ def preflight(params: dict) -> dict:
 def gather_facts() -> dict:
     """Build-relevant facts of this host and interpreter, read without importing torch.
 
-    gpus: [{"name", "compute_cap"}] from `nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader`
-    ([] without nvidia-smi; "gpu_error" when it fails); nvcc: {"path", "version"} or None, found as
-    torch finds it (CUDA_HOME/CUDA_PATH, PATH, /usr/local/cuda); torch: {"version", "cuda", "path"}
-    from torch/version.py or None; ninja: its path (PATH plus the interpreter's bin dir) or None.
+    gpus: [{"name", "compute_cap"}] of the GPUs that answer nvidia-smi (gpus.ARGS, read by
+    gpus.parse; [] without nvidia-smi); gpu_errors: gpus.parse's [{index, pci_bus_id, error}]
+    of lost GPUs; gpu_error: gpus.parse's reason (lost GPUs, nvidia-smi failed) or None; nvcc:
+    {"path", "version"} or None, found as torch finds it (CUDA_HOME/CUDA_PATH, PATH,
+    /usr/local/cuda); torch: {"version", "cuda", "path"} from torch/version.py
+    (torchver.importable) or None; ninja: its path (PATH plus the interpreter's bin dir) or None.
     """
     python = sys.executable
-    facts = {"python": python, "gpus": [], "gpu_error": None, "cpu_count": os.cpu_count()}
+    facts = {"python": python, "gpus": [], "gpu_errors": [], "gpu_error": None, "cpu_count": os.cpu_count()}
     smi = shutil.which("nvidia-smi")
     if smi:
-        r = _run([smi, "--query-gpu=name,compute_cap", "--format=csv,noheader"])
-        if r.returncode == 0:
-            for line in r.stdout.splitlines():
-                if line.strip():
-                    name, _, cap = line.rpartition(",")
-                    facts["gpus"].append({"name": name.strip(), "compute_cap": cap.strip()})
-        else:
-            facts["gpu_error"] = "nvidia-smi exit %d: %s" % (r.returncode, (r.stderr or r.stdout).strip()[-500:])
+        r = _run([smi] + gpus.ARGS)
+        rows, facts["gpu_errors"], facts["gpu_error"] = gpus.parse(r.stdout, r.stderr, r.returncode)
+        facts["gpus"] = [{"name": g["name"], "compute_cap": g["compute_cap"]} for g in rows]
     facts["nvcc"] = _nvcc()
-    facts["torch"] = _torch_version()
+    facts["torch"] = torchver.importable()
     facts["ninja"] = shutil.which("ninja", path=_search_path(python))
     return facts
 
@@ -115,18 +112,18 @@ def decide(facts: dict, backends: list) -> dict:
     (MIN_CUDA_FOR_ARCH, e.g. sm_120 needs CUDA >= 12.8). No GPU: the cpu backend if the package has one.
     """
     refusals = []
-    torch, nvcc, gpus = facts.get("torch"), facts.get("nvcc"), facts.get("gpus") or []
+    torch, nvcc, cards = facts.get("torch"), facts.get("nvcc"), facts.get("gpus") or []
     if not torch:
         refusals.append("torch is not installed for %s" % facts.get("python"))
     if not facts.get("ninja"):
         refusals.append("ninja is not on PATH (torch.utils.cpp_extension needs it)")
     if facts.get("gpu_error"):
         refusals.append("cannot read the GPUs: %s" % facts["gpu_error"])
-    if not gpus:
+    if not cards:
         if "cpu" not in backends:
             refusals.append("no GPU and the package has no cpu backend")
         return {"backend": None if refusals else "cpu", "arch": None, "refusals": refusals}
-    archs = sorted({g["compute_cap"] for g in gpus}, key=_version)
+    archs = sorted({g["compute_cap"] or "unknown" for g in cards}, key=_version)
     tcuda = torch and torch.get("cuda")
     if "cuda" not in backends:
         refusals.append("GPU host (sm_%s) but the package has no cuda backend" % archs[0].replace(".", ""))
@@ -342,21 +339,6 @@ def _nvcc():
             m = re.search(r"release (\d+\.\d+)", _run([path, "--version"]).stdout)
             return {"path": path, "version": m.group(1) if m else None}
     return None
-
-
-def _torch_version():
-    """torch.__version__ and torch.version.cuda parsed from torch/version.py (torch not imported)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
-    fields = {}
-    with open(path) as f:
-        for line in f:
-            m = re.match(r"(__version__|cuda)\s*(?::[^=]*)?=\s*(.+)$", line.strip())
-            if m:
-                fields[m.group(1)] = ast.literal_eval(m.group(2))
-    return {"version": fields.get("__version__"), "cuda": fields.get("cuda"), "path": path}
 
 
 def _version(text: str) -> tuple:

@@ -16,10 +16,7 @@ its working directory and PYTHONPATH (what its `sys.path` started with), and the
 
 import os
 
-try:  # the probe bundle loads redact before this module
-    import redact
-except ImportError:  # imported as fleetctl.probes.procs
-    from . import redact
+from . import redact
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
@@ -28,7 +25,8 @@ _PY_LONG_VALUE_OPTS = {"--check-hash-based-pycs"}
 MAX_ARG = 4096  # characters kept of one argv item (a string from the host is bounded)
 
 
-def _read(path, mode="r"):
+def read(path, mode="r"):
+    """The text (bytes for mode "rb") of file `path`, None when it cannot be read or decoded."""
     try:
         with open(path, mode) as f:
             return f.read()
@@ -118,7 +116,7 @@ def _is_python(pid):
 def environ(pid, names):
     """{name: value} of the variables `names` in /proc/PID/environ (the environment the process
     started with); only these are read, so no secret of the process leaves the host."""
-    raw = _read("/proc/%d/environ" % pid, "rb") or b""
+    raw = read("/proc/%d/environ" % pid, "rb") or b""
     out = {}
     for item in raw.split(b"\0"):
         k, sep, v = item.partition(b"=")
@@ -136,8 +134,8 @@ def _proc_table():
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        raw = _read("/proc/%s/cmdline" % d, "rb")
-        stat = _read("/proc/%s/stat" % d)
+        raw = read("/proc/%s/cmdline" % d, "rb")
+        stat = read("/proc/%s/stat" % d)
         if not raw or not stat:
             continue
         try:
@@ -208,7 +206,7 @@ def _listening_ports(pids):
     """{pid: sorted TCP ports it listens on} from /proc/net/tcp{,6} and /proc/PID/fd sockets."""
     inodes = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in (_read(name) or "").splitlines()[1:]:
+        for line in (read(name) or "").splitlines()[1:]:
             f = line.split()
             if len(f) > 9 and f[3] == "0A":  # TCP_LISTEN
                 inodes[f[9]] = int(f[1].rsplit(":", 1)[1], 16)

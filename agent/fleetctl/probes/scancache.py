@@ -2,15 +2,15 @@
 
 Stdlib only (Python 3.8+). Where: STATE_DIR/scan-cache when the probe runs as root, else the
 login user's `$XDG_CACHE_HOME/fleetctl` (default ~/.cache/fleetctl). The directory is reached
-from / one component at a time with O_NOFOLLOW (a symlink on the way disables the cache), made
-0700, and must belong to this euid; each cache file is opened with O_NOFOLLOW and must be a
+from / one component at a time with O_NOFOLLOW (safefs.open_dir: a symlink on the way disables
+the cache), made 0700, and must belong to this euid; each cache file is opened with O_NOFOLLOW and must be a
 regular file of this euid, at most MAX_FILE_BYTES. Anything else is reported, never followed.
 
 A cache file is `scan-<sha256 of the install id>.json`: a header line {format, install, key,
 package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>.json` keeps an
 interpreter's locate answer with the identities it depends on (facts.located), so that a warm
 run starts no second interpreter; `record-<sha256>.json` keeps the sha256 of each file of an
-installed distribution's RECORD by file identity (change.record_hashes, for `status`);
+installed distribution's RECORD by file identity (record.hashes, for `status`);
 `interpreter` names the interpreter the last probe ran under,
 so that the next one starts it directly (probes.command); `code-<sha256>.marshal` keeps the
 compiled probe modules of one bundle for one interpreter build (CodeCache, read by the probe
@@ -20,7 +20,6 @@ one that cannot be read or parsed. The directory is bounded (MAX_DIR_BYTES, olde
 first) and loses the files of installs whose package directory is gone.
 """
 
-import errno
 import hashlib
 import json
 import marshal
@@ -29,7 +28,9 @@ import stat
 import sys
 import types
 
-STATE_DIR = "/var/lib/fleetctl"  # the ledger's state dir (probes/change.py)
+from . import safefs
+
+STATE_DIR = "/var/lib/fleetctl"  # the ledger's state dir (ledger.STATE_DIR)
 FORMAT = 1
 MAX_FILE_BYTES = 16 << 20
 MAX_DIR_BYTES = 64 << 20
@@ -38,8 +39,6 @@ MAX_DIR_BYTES = 64 << 20
 INTERPRETER = "interpreter"
 # The cache's own files (Store.clear; temporary ones start with a dot).
 _KINDS = ("scan-", "locate-", "record-", "code-")
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 class CacheRefused(Exception):
@@ -55,28 +54,18 @@ def cache_dir():
 
 
 def _open_dir(path, create):
-    """A descriptor of directory `path`, walked from / with O_NOFOLLOW; missing components made
-    0700 when `create` (else None is returned). Raises CacheRefused."""
-    if not os.path.isabs(path):
-        raise CacheRefused("%s is not an absolute path" % path)
-    fd, done = os.open("/", _DIR), ""
+    """A descriptor of directory `path` (absolute, normalised), walked from / without following
+    a link (safefs.open_dir); missing components made 0700 when `create` (else None is
+    returned). It must belong to this euid and is made 0700. Raises CacheRefused."""
     try:
-        for part in [p for p in path.split("/") if p]:
-            done += "/" + part
-            try:
-                nfd = os.open(part, _DIR, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    os.close(fd)
-                    return None
-                os.mkdir(part, 0o700, dir_fd=fd)
-                nfd = os.open(part, _DIR, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise CacheRefused("%s is a symlink or not a directory: the cache does not go through it" % done)
-                raise CacheRefused("%s: %s" % (done, e.strerror))
-            os.close(fd)
-            fd = nfd
+        fd = safefs.open_dir(path, 0o700 if create else None)
+    except FileNotFoundError:
+        return None
+    except safefs.UnsafePath as e:
+        raise CacheRefused(str(e))
+    except OSError as e:
+        raise CacheRefused("%s: %s" % (path, e.strerror))
+    try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
             raise CacheRefused("%s belongs to uid %d, not %d" % (path, st.st_uid, os.geteuid()))
@@ -95,7 +84,7 @@ def _name(what, ident, ext="json"):
 def _read(dfd, name, limit=MAX_FILE_BYTES):
     """The bytes (at most `limit`) of cache file `name` in `dfd`, None when missing. Raises CacheRefused."""
     try:
-        fd = os.open(name, _READ, dir_fd=dfd)
+        fd = os.open(name, safefs.OPEN_READ, dir_fd=dfd)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -137,7 +126,7 @@ class Store(object):
         """The {…} cached for `install_id` ({} when missing, unreadable, from other probe
         sources, or the cache is off). Returns (entries, why discarded or None). `what`: "scan"
         (callsites entries), "locate" (an interpreter's locate answer, see facts.located) or
-        "record" (RECORD hashes, see change.record_hashes)."""
+        "record" (RECORD hashes, see record.hashes)."""
         if self.fd is None:
             return {}, None
         try:

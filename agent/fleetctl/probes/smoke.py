@@ -24,10 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
-if __package__:  # imported from the fleetctl package
-    from . import redact
-else:
-    import redact  # loaded before this module by the probe bundle
+from . import redact
 
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]

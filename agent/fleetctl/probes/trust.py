@@ -1,14 +1,11 @@
 """Whether root may run an interpreter, asked before fleetctl runs anything with it (review M6).
 
 Runs under the host's python3 on PATH (root's own), never under the interpreter it judges,
-whose `.pth` files would already have run. Stdlib only; the check itself is facts.untrusted,
-loaded before this module by the probe bundle.
+whose `.pth` files would already have run. Stdlib only; the check itself is facts.untrusted
+(the bundle is facts' with this module last, probes.modules_for).
 """
 
-if __package__:  # imported from the fleetctl package
-    from . import facts
-else:
-    import facts  # loaded before this module by the probe bundle
+from . import facts
 
 
 def main(params):

@@ -38,7 +38,7 @@ class ActionModule(ActionBase):
             from fleetctl.collection import ops as ansibleops
             from fleetctl.engine import deploy
             from fleetctl.errors import ParseError
-            from fleetctl.engine.fleet import HostFailed
+            from fleetctl.errors import HostFailed
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
 

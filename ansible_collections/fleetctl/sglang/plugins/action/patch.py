@@ -32,7 +32,7 @@ class ActionModule(ActionBase):
         try:
             from fleetctl.collection import ops as ansibleops
             from fleetctl.errors import ParseError
-            from fleetctl.engine.fleet import HostFailed
+            from fleetctl.errors import HostFailed
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
         try:

@@ -21,7 +21,7 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         from fleetctl.collection import ops as ansibleops
         from fleetctl.config import REQUEST_TIMEOUT_S
-        from fleetctl.engine.fleet import HostFailed
+        from fleetctl.errors import HostFailed
         from fleetctl.engine.validate import SmokeOptions
 
         args = self._task.args

@@ -78,21 +78,18 @@ scan:
   type: dict
 """
 
-import inspect as pyinspect
 import json
-import sys
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.fleetctl.sglang.plugins.module_utils import facts, probe_bundle
 
-PKG = "ansible_collections.fleetctl.sglang.plugins.module_utils."
-
 
 def own_payload(params):
     """This module's probes as a fleetctl probe bundle (the JSON text the facts probe re-runs
-    under an install's interpreter): the sources of the module_utils this process imported."""
-    mods = [[name, pyinspect.getsource(sys.modules[PKG + name])] for name in probe_bundle.FACTS_MODULES]
-    return json.dumps({"modules": mods, "main": "facts", "params": params, "wrapper": probe_bundle.WRAPPER})
+    under an install's interpreter): the facts probe's module_utils, which Ansible packed into
+    this module's payload because facts imports them (`from . import x`), in load order
+    (probe_bundle.document)."""
+    return json.dumps(probe_bundle.document("facts", params))
 
 
 def main():

@@ -130,13 +130,14 @@ test:
 
 import base64
 import hashlib
-import inspect as pyinspect
 import json
 import os
 import subprocess
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import change, kbuild, probe_bundle
+# kbuild is imported so that Ansible's module bundler packs it, and the probes it imports, into
+# this module's payload: under() sends their sources (probe_bundle.document)
+from ansible_collections.fleetctl.sglang.plugins.module_utils import kbuild, probe_bundle, safefs  # noqa: F401
 
 
 def under(python, action, params, timeout):
@@ -144,8 +145,7 @@ def under(python, action, params, timeout):
     serves SGLang: builds and tests use its torch), killed after `timeout` seconds (builds and
     tests enforce their own deadline_s inside it). Raises probe_bundle.ProbeError (no result, or
     the deadline passed)."""
-    doc = {"modules": [["kbuild", pyinspect.getsource(kbuild)]], "main": "kbuild",
-           "params": dict(params, action=action), "wrapper": probe_bundle.WRAPPER}
+    doc = probe_bundle.document("kbuild", dict(params, action=action))
     try:
         r = subprocess.run([python, "-c", probe_bundle.WRAPPER], input=json.dumps(doc).encode(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)
@@ -156,8 +156,8 @@ def under(python, action, params, timeout):
 
 def upload(src_dir, files):
     """Write each {relpath: {"b64", "sha256"}} under src_dir (created 0700, no link followed on the
-    way: change.open_dir), each through a private temp file renamed into place once its sha256 is
-    the controller's. Raises ValueError (a bad path or a damaged transfer), change.UnsafePath."""
+    way: safefs.open_dir), each through a private temp file renamed into place once its sha256 is
+    the controller's. Raises ValueError (a bad path or a damaged transfer), safefs.UnsafePath."""
     for rel, f in sorted(files.items()):
         parts = rel.split("/")
         if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
@@ -165,7 +165,7 @@ def upload(src_dir, files):
         data = base64.b64decode(f["b64"])
         if hashlib.sha256(data).hexdigest() != f["sha256"]:
             raise ValueError("%s: the transfer was damaged (sha256 differs)" % rel)
-        dfd = change.open_dir(os.path.join(src_dir, *parts[:-1]), 0o700)
+        dfd = safefs.open_dir(os.path.join(src_dir, *parts[:-1]), 0o700)
         tmp = ".%s.%d.tmp" % (parts[-1], os.getpid())
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
@@ -204,7 +204,7 @@ def main():
             upload(p["params"]["src_dir"], p["params"]["files"])
             module.exit_json(changed=True, answer={"files": sorted(p["params"]["files"])})
         answer = under(p["python"], p["step"], p["params"], p["timeout"])
-    except (ValueError, OSError, change.UnsafePath, probe_bundle.ProbeError) as e:
+    except (ValueError, OSError, safefs.UnsafePath, probe_bundle.ProbeError) as e:
         module.fail_json(msg="%s: %s" % (p["step"], e))
     module.exit_json(changed=changing, answer=answer)
 

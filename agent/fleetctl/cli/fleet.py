@@ -1,0 +1,324 @@
+"""The commands that work on hosts: inspect, hosts, validate, apply, rollback, recover, status,
+`cache clear` and `deploy kernel`. Each parses its options, calls one engine function per host
+through a Fleet (hosts: connection.describe, without connecting), renders, and exits with
+Ansible's code for the results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .. import config
+from ..errors import UsageError
+from .console import err, out
+from .options import (
+    AllowDrift, AskVaultPass, ConnectionOpt, ConnectTimeout, FleetOptions, HealthTimeout, InstallOpt, InventoryOpt,
+    JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
+    VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
+)
+
+app = typer.Typer()
+deploy_app = typer.Typer(no_args_is_help=True, help="Deploy things to hosts.")
+cache_app = typer.Typer(no_args_is_help=True, help="The hosts' scan caches (kept by inspect, one per install).")
+
+
+@app.command()
+@fleet_command(timeout=config.INSPECT_TIMEOUT_S, before="no_cache")
+def inspect(opts: FleetOptions, pattern: Pattern,
+            no_cache: Annotated[bool, typer.Option("--no-cache", help=(
+                "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False) -> None:
+    """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
+    from functools import partial
+
+    from ..engine.fleet import exit_code
+    from ..engine.gather import inspect_job
+    from .report import inspect_document, render_inspect
+
+    hosts = opts.select(pattern)
+    with opts.fleet() as fleet:
+        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache), "inspect")
+    if opts.json_out:
+        sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
+    else:
+        _render(results, render_inspect)
+    raise typer.Exit(exit_code(results))
+
+
+@app.command()
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+          ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
+          connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
+          connection: ConnectionOpt = None) -> None:
+    """Show how each host would be reached, without connecting: connection kind, address, port,
+    user, identity files, jump chain, known_hosts files and the lines that apply (from ssh -G)."""
+    from ..errors import EXIT_PARSE
+    from ..connection import Session
+    from ..connection.describe import describe
+    from .report import render_hosts
+
+    selected = load_inventory(inventory, vault_password_file, ask_vault_pass).select(pattern)
+    with Session(settings(connect_timeout, False, ssh_config, connection)) as session:
+        docs = [describe(h, session) for h in selected]
+    if json_out:
+        _print_json({"hosts": docs})
+    else:
+        render_hosts(docs, out)
+    raise typer.Exit(EXIT_PARSE if any(d["error"] for d in docs) else 0)
+
+
+def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
+    """The SmokeOptions the smoke options give. Raises UsageError (exit 5) for one out of range."""
+    from ..engine.validate import SmokeOptions
+
+    for bad, msg in ((repeat < 1, f"--repeat must be at least 1, not {repeat}"),
+                     (health_timeout <= 0, f"--health-timeout must be positive, not {health_timeout:g}"),
+                     (latency_tolerance < 1.0, f"--latency-tolerance must be at least 1, not {latency_tolerance:g}"),
+                     (latency_slack is not None and latency_slack < 0,
+                      f"--latency-slack must not be negative, not {latency_slack}")):
+        if bad:
+            raise UsageError(msg)
+    return SmokeOptions(port=port, health_timeout=health_timeout, repeat=repeat,
+                        latency_tolerance=latency_tolerance, allow_token_drift=allow_token_drift,
+                        latency_slack_s=latency_slack)
+
+
+def _positive(**values) -> None:
+    """Refuse options that must be positive when given (`--timeout 0` means nothing)."""
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, not {v:g}")
+
+
+def _confirm(what: str, yes: bool) -> None:
+    """Ask before changing hosts: --yes skips; without a terminal nothing changes (exit 5)."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        raise UsageError(f"nothing changed: there is no terminal to ask 'OK to {what}?'; pass --yes to go ahead")
+    if not typer.confirm(f"{what}?", default=False, err=True):
+        err.print("nothing changed")
+        raise typer.Exit(0)
+
+
+@app.command()
+@fleet_command(timeout=None, before="install")
+def validate(opts: FleetOptions, pattern: Pattern,
+             port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
+             repeat: Repeat = 3, install: InstallOpt = None) -> None:
+    """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
+    from .report import render_validate
+    from ..engine.validate import validate_job
+
+    smoke = _smoke_opts(port, health_timeout, repeat)
+    _positive(timeout=opts.timeout)
+    hosts = opts.select(pattern)
+    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout)) as fleet:
+        results = fleet.run(hosts, validate_job(smoke, install), "validate")
+    _finish(results, opts.json_out, render_validate)
+
+
+@app.command()
+@fleet_command(timeout=None, before="playbooks_dir")
+def apply(opts: FleetOptions,
+          playbook: Annotated[str, typer.Argument(help="Playbook name (see --playbooks-dir) or a path to a .yaml file.")],
+          pattern: Pattern,
+          check: Annotated[bool, typer.Option("--check", help="Check mode: report, change nothing.")] = False,
+          diff: Annotated[bool, typer.Option("--diff", help="Print unified diffs, identical ones coalesced.")] = False,
+          serial: Annotated[Optional[str], typer.Option("--serial", help="Rolling batches: N, P% or a list 1,25%,100%.")] = None,
+          max_fail_percentage: Annotated[float, typer.Option("--max-fail-percentage",
+                                         help="Stop the rollout when a batch fails more than this.")] = 0.0,
+          yes: Yes = False, port: Port = config.DEFAULT_SGLANG_PORT,
+          health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S, repeat: Repeat = 3,
+          latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
+          allow_token_drift: AllowDrift = False, playbooks_dir: PlaybooksDir = None,
+          install: InstallOpt = None,
+          export_patch: Annotated[Optional[Path], typer.Option("--export-patch", help=(
+              "Write the plan as checked patch files into DIR (one per SGLang version and pre-image set) "
+              "for image builds; implies --check."))] = None,
+          pristine_dir: Annotated[Optional[Path], typer.Option("--pristine-dir", help=(
+              "Release wheels (sglang-VERSION-*.whl) to check exported patches against, instead of the "
+              "wheel cache."))] = None) -> None:
+    """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
+
+    A check pass always comes first; only the hosts it finds to change are then applied, in
+    --serial batches (so a canary batch is made of hosts that really change)."""
+    from ..engine.apply import ApplyOptions, check_then_apply
+    from ..paths import find_playbook
+    from ..engine.playbook import load_playbook
+    from .report import render_apply, render_handlers, text
+
+    if not 0 <= max_fail_percentage <= 100:
+        raise UsageError("--max-fail-percentage must be between 0 and 100")
+    _positive(timeout=opts.timeout)
+    pb = load_playbook(find_playbook(playbook, playbooks_dir))
+    if pristine_dir is not None and export_patch is None:
+        raise UsageError("--pristine-dir goes with --export-patch")
+    check = check or export_patch is not None
+    apply_opts = ApplyOptions(check=check, export=export_patch is not None, install=install, serial=serial,
+                              max_fail_percentage=max_fail_percentage,
+                              smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
+                                                allow_token_drift, latency_slack))
+    hosts = opts.select(pattern)
+
+    def confirm(plan_results, to_change) -> None:
+        if not opts.json_out:
+            render_apply(plan_results, out, diff=True, check=True, title="plan (nothing is changed yet)")
+            render_handlers(plan_results, out)
+        _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
+
+    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout)) as fleet:
+        outcome = check_then_apply(fleet, hosts, pb, apply_opts, confirm, check_timeout=opts.timeout)
+    if outcome.nothing_to_change:
+        err.print("nothing to change")
+    cid = outcome.change_id
+    patches = []
+    if export_patch is not None:
+        from ..engine.patches import write_patches
+        patches = [str(p) for p in write_patches(outcome.results, pb.name, export_patch, pristine_dir)]
+        for r in outcome.results:
+            r.data.pop("texts", None)
+
+    def render(rs, console):
+        render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
+        for p in patches:
+            console.print(text(f"patch written: {p}"))
+
+    extra = {"patches": patches} if export_patch is not None else {}
+    _finish(outcome.results, opts.json_out, render, change_id=cid, check=check, **extra)
+
+
+@app.command()
+@fleet_command(timeout=config.ROLLBACK_TIMEOUT_S, after="force", before="install")
+def rollback(opts: FleetOptions,
+             args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or HOSTS with --last.")],
+             last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
+             force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
+             yes: Yes = False, install: InstallOpt = None) -> None:
+    """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
+    from ..engine.ledger import rollback_job
+    from .report import render_rollback
+
+    if len(args) != (1 if last else 2):
+        raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
+    if install and not last and install.startswith("host:"):
+        raise UsageError("--install goes with --last, or names a container install (a CHANGE-ID already names "
+                         "its host install; a container's ledger is inside it)")
+    change_id, pattern = (None, args[0]) if last else (args[0], args[1])
+    hosts = opts.select(pattern)
+    _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
+    with opts.fleet() as fleet:
+        results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
+    _finish(results, opts.json_out, render_rollback)
+
+
+@app.command()
+@fleet_command(timeout=config.ROLLBACK_TIMEOUT_S)
+def recover(opts: FleetOptions, pattern: Pattern, yes: Yes = False) -> None:
+    """Undo the changes a killed run left pending (and restart SGLang where there were any); apply nothing."""
+    from ..engine.ledger import recover_job
+    from .report import render_recover
+
+    hosts = opts.select(pattern)
+    _confirm(f"undo pending changes on {len(hosts)} host(s)", yes)
+    with opts.fleet() as fleet:
+        results = fleet.run(hosts, recover_job(), "recover")
+    _finish(results, opts.json_out, render_recover)
+
+
+@app.command()
+@fleet_command(timeout=config.STATUS_TIMEOUT_S, before="install")
+def status(opts: FleetOptions, pattern: Pattern, install: InstallOpt = None) -> None:
+    """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
+    from ..engine.ledger import status_job
+    from .report import render_status
+
+    hosts = opts.select(pattern)
+    with opts.fleet() as fleet:
+        results = fleet.run(hosts, status_job(install=install), "status")
+    _finish(results, opts.json_out, render_status)
+
+
+@cache_app.command("clear")
+@fleet_command(timeout=config.STATUS_TIMEOUT_S)
+def cache_clear(opts: FleetOptions, pattern: Pattern) -> None:
+    """Empty each host's scan cache: scans, interpreters' answers, RECORD hashes, compiled probes and
+    the interpreter record (the next inspect reads and parses every file again)."""
+    from ..engine.gather import cache_clear_job
+    from .report import render_cache_clear
+
+    hosts = opts.select(pattern)
+    with opts.fleet() as fleet:
+        results = fleet.run(hosts, cache_clear_job, "cache clear")
+    _finish(results, opts.json_out, render_cache_clear)
+
+
+@deploy_app.command("kernel")
+@fleet_command(timeout=None, before="kernels_dir")
+def deploy_kernel(opts: FleetOptions,
+                  name: Annotated[str, typer.Argument(help="Kernel package NAME (see --kernels-dir).")],
+                  pattern: Pattern, yes: Yes = False,
+                  check: Annotated[bool, typer.Option("--check", help=(
+                      "Check mode: preflight and build key per host (would it build, would it activate); "
+                      "nothing is uploaded, built or activated."))] = False,
+                  max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
+                  build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
+                  = config.BUILD_DEADLINE_S,
+                  port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
+                  repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
+                  allow_token_drift: AllowDrift = False, kernels_dir: KernelsDir = None) -> None:
+    """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
+    activate it atomically, validate, and switch back on failure."""
+    from ..engine.deploy import DeployOptions, run_deploy
+    from ..engine.kernelpkg import load_package
+    from ..paths import project_dir
+    from .report import render_deploy
+
+    if max_jobs < 1:
+        raise UsageError(f"--max-jobs must be at least 1, not {max_jobs}")
+    _positive(build_timeout=build_timeout, timeout=opts.timeout)
+    pkg = load_package(project_dir("kernels", kernels_dir), name)
+    deploy_opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
+                                                  latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
+                                check=check)
+    hosts = opts.select(pattern)
+    if not check:
+        _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
+    with opts.fleet(opts.timeout or config.deploy_job_timeout(build_timeout, health_timeout)) as fleet:
+        cid, results = run_deploy(fleet, hosts, pkg, deploy_opts)
+
+    _finish(results, opts.json_out, render_deploy, change_id=cid, kernel=pkg.name, **({"check": True} if check else {}))
+
+
+def _finish(results, json_out: bool, render, **doc) -> None:
+    """Print the results (one JSON document, or `_render`) and exit with Ansible's code for them."""
+    from ..engine.fleet import exit_code
+
+    if json_out:
+        _print_json({**doc, "hosts": [r.to_json() for r in results]})
+    else:
+        _render(results, render, doc.get("change_id"))
+    raise typer.Exit(exit_code(results))
+
+
+def _render(results, render, change_id: str | None = None) -> None:
+    """`render(results, out)`, the change id when there is one, and the recap line. A report that
+    cannot be rendered is said so in one line; the change id and the recap follow it anyway."""
+    from .report import render_lasts, render_status_line, text
+
+    try:
+        render(results, out)
+        render_lasts(results, out)
+    except Exception as e:  # noqa: BLE001 - the change id and the exit code must still be given
+        out.print(text(f"the report could not be rendered: {type(e).__name__}: {e}", style="red"))
+    if change_id:
+        out.print(text(f"change id: {change_id}"))
+    render_status_line(results, out)
+
+
+def _print_json(doc: dict) -> None:
+    sys.stdout.write(json.dumps(doc, indent=1, default=str) + "\n")

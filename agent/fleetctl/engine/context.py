@@ -1,0 +1,147 @@
+"""A job's host: the per-host context every job runs with, and the result it returns.
+
+The context holds the host's connection (`conn`: handlers run there) and the `target` (probes,
+the lock and the ledger: the host itself, or a container connection that prefixes the host's
+commands with the container's entry), the host's deadline, and the probe runner (bundle, trust
+check, timing). The fan-out (fleet.py) makes one per host and job; nothing here knows how a
+container is entered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from .. import probes
+from ..connection import Connection, RemoteTimeout, Result, Unreachable
+from ..connection.container import ContainerConnection
+from ..errors import HostFailed, ProbeFailed
+from ..inventory import Host
+from ..vocab import HostStatus
+
+@dataclass
+class HostResult:
+    """What happened on one host. status: a HostStatus; elapsed_s in seconds; data: the job's own
+    JSON-able payload. Control signals that decide the exit code: `interrupted` (Ctrl-C stopped
+    this host: True, or False for a host a stopped rollout left alone for another reason) and
+    `parse_error` (a playbook or template error stopped it); None: not applicable."""
+
+    host: str
+    address: str
+    status: HostStatus
+    error: str | None = None
+    elapsed_s: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool | None = None
+    parse_error: bool | None = None
+
+    def to_json(self) -> dict:
+        """The host's entry in a command's `--json` document: host, address, status, error,
+        elapsed_s, the job's data, then `interrupted` / `parse_error` when set."""
+        doc = {"host": self.host, "address": self.address, "status": self.status, "error": self.error,
+               "elapsed_s": self.elapsed_s, **self.data}
+        for k in ("interrupted", "parse_error"):
+            if getattr(self, k) is not None:
+                doc[k] = getattr(self, k)
+        return doc
+
+
+@dataclass
+class HostContext:
+    """A job's view of its host: `conn`, the open connection to the host itself (handlers,
+    uploads, the host's own records); `target`, where probes, the lock and the ledger run (`conn`,
+    or a connection.container.ContainerConnection around it: see `inside`); the deadline
+    (monotonic seconds) and a way to replace a lost connection (`reconnected`). `container`:
+    None on the host; inside a container, what engine/containers found of it ({"how": how it
+    was entered, "root": the install's root dict, "found": the facts probe's entry})."""
+
+    host: Host
+    conn: Connection
+    deadline: float
+    reconnect: Callable[[], Connection] | None = None
+    # Where this job's time went (seconds): connect_s (opening the connection, 0 when reused),
+    # and for the probes run: probes (count), upload_bytes (bundles sent), remote_s (sending the
+    # bundle, the run there and reading its output), parse_s (reading the result here).
+    timing: dict = field(default_factory=dict)
+    target: Connection | None = None
+    container: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = self.conn
+
+    def inside(self, target: ContainerConnection, container: dict) -> "HostContext":
+        """This context with probes, the lock and the ledger on `target` (a container connection
+        around `conn`), `container` saying what it is (shape: see above)."""
+        return replace(self, target=target, container=container)
+
+    def hold_lock(self, state_dir: str, timeout: float, hold_s: float):
+        """fleetctl's lock where this job works: on the host, or in its container (Connection.hold_lock)."""
+        return self.target.hold_lock(state_dir, timeout=timeout, hold_s=hold_s)
+
+    def reconnected(self) -> "HostContext":
+        """This context on a new connection to the host (the old one is closed; a container
+        target is entered again over the new one). Raises Unreachable when the host cannot be
+        reached again."""
+        if self.reconnect is None:
+            raise Unreachable("connection lost, and this job cannot reconnect")
+        conn = self.reconnect()
+        target = conn if self.target is self.conn else self.target.around(conn)
+        return replace(self, conn=conn, target=target)
+
+    def result(self, status: HostStatus, error: str | None = None, data: dict | None = None) -> HostResult:
+        """A HostResult for this host (its name, the address connected to) with `status`."""
+        return HostResult(self.host.name, self.conn.address, status, error, data=data if data is not None else {})
+
+    def remaining(self) -> float:
+        """Seconds left before this host's deadline; raises RemoteTimeout when none are left."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteTimeout("host deadline reached")
+        return left
+
+    def run(self, argv: list[str], stdin: bytes = b"", timeout: float | None = None, what: str | None = None,
+            keep_ends: bool = False) -> Result:
+        """Run `argv` (a list of words) on the host itself, bounded by `timeout` seconds and by
+        the host deadline; output bounded as Connection.run says (`what`, `keep_ends`).
+        Raises RemoteTimeout, Unreachable, OutputTooLarge."""
+        return self._run(self.conn, argv, stdin, timeout, what, keep_ends)
+
+    def _run(self, conn: Connection, argv: list[str], stdin: bytes, timeout: float | None, what: str | None,
+             keep_ends: bool = False) -> Result:
+        limit = self.remaining() if timeout is None else min(timeout, self.remaining())
+        return conn.run(argv, timeout=limit, stdin=stdin, what=what, keep_ends=keep_ends)
+
+    def probe(self, main: str, params: dict, python: str | None = None, timeout: float | None = None) -> dict:
+        """Run probe `main` with `params` (its bundle: probes.modules_for) on the target (the host, or its container) under
+        `python`, else the target's interpreter (the inventory's on the host, the install's in a
+        container), else python3 on PATH. On a target that checks interpreters (the host), a
+        named one is first checked by the trust probe under python3 on PATH (once per
+        connection): one that root must not run (probes/facts.py `untrusted`) raises HostFailed
+        naming the file. In a container there is no trust probe (the image's files are the
+        container's; the runtime confines it, or, entered with nsenter, the report says it is
+        trusted as host root). Raises ProbeFailed, RemoteTimeout, Unreachable, OutputTooLarge."""
+        t = self.target
+        py = python or t.python
+        if t.checks_interpreters and py and py not in t.trusted_interpreters:
+            why = self._run_probe("trust", {"python": py}, None, timeout)["untrusted"]
+            if why:
+                raise HostFailed(f"interpreter {py} refused: {why} (fleetctl runs it as root)")
+            t.trusted_interpreters.add(py)
+        return self._run_probe(main, params, py, timeout)
+
+    def _run_probe(self, main: str, params: dict, python: str | None, timeout: float | None) -> dict:
+        stdin = probes.bundle(main, params)
+        t0 = time.monotonic()
+        r = self._run(self.target, probes.command(python, main), stdin, timeout, f"the {main} probe")
+        t1 = time.monotonic()
+        try:
+            out = probes.parse_output(r.stdout, r.stderr, r.exit_code)
+        except probes.ProbeError as e:
+            raise ProbeFailed(str(e)) from None
+        t = self.timing
+        t.update(probes=t.get("probes", 0) + 1, upload_bytes=t.get("upload_bytes", 0) + len(stdin),
+                 remote_s=round(t.get("remote_s", 0) + t1 - t0, 3),
+                 parse_s=round(t.get("parse_s", 0) + time.monotonic() - t1, 3))
+        return out

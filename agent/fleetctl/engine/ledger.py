@@ -1,0 +1,169 @@
+"""The ledger commands: `fleetctl rollback`, `recover` and `status`, each a host job over the
+host's ledger (probes/ledger.py, read and written by the probes/change.py actions through
+changes.change_probe) and the change engine's lock and
+recovery (changes.change_job). Each job's result data is a TypedDict beside it.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+from ..config import STATE_DIR
+from ..vocab import ChangeState, HostStatus
+from . import containers
+from .changes import Recovery, change_job, change_probe, on_install, pending_ids, restart_handlers, run_handlers
+from .context import HostContext, HostResult
+from .gather import find_install, gather
+
+
+class RollbackData(TypedDict, total=False):
+    """`rollback` data: the change rolled back, its files (paths) and those restored by force;
+    or `nothing` (why there was nothing to roll back); recovered (changes a killed run left
+    pending, undone first), handlers (the restart handler's outcome)."""
+
+    change_id: str
+    files: list
+    forced: list
+    nothing: str
+    recovered: list
+    handlers: list
+
+
+class RecoverData(TypedDict):
+    """`recover` data: recovered (probes/change.py recover entries), handlers."""
+
+    recovered: list
+    handlers: list
+
+
+class StatusData(TypedDict, total=False):
+    """`status` data: the change probe's status answer (ok, changes, drift, modified,
+    record_error, kernels, space), per install (installs: [{id, sglang, install, modified,
+    record_error | git, git_error}]), lost container changes, and the sglang summary line."""
+
+    ok: bool
+    changes: list
+    drift: list
+    modified: list
+    record_error: str | None
+    kernels: dict
+    space: dict
+    installs: list
+    lost: list
+    sglang: str | None
+
+
+def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, install: str | None = None):
+    """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change,
+    of install `install` when given; `force`: restore files changed since) and run the restart
+    handler. A run that changed several installs recorded "<change_id>.<n>" per install: the
+    run's id rolls back all of them (latest first). A change a killed run left pending is undone
+    first; when no id was given, that was the rollback asked for. Result data: the probe's answer
+    (change_id, files, forced, or nothing) + recovered, handlers."""
+
+    def work(ctx: HostContext, rec: Recovery) -> HostResult:
+        if rec.changes and not change_id:
+            return ctx.result(HostStatus.CHANGED,
+                              data={"change_id": rec.changes[-1]["change_id"], "recovered": rec.changes,
+                                    "files": [f["path"] for r in rec.changes for f in r["files"]],
+                                    "handlers": rec.handlers})
+        ids = _rollback_ids(change_probe(ctx, "status", state_dir)["changes"], change_id, install)
+        if not ids:
+            return ctx.result(HostStatus.OK, data={"nothing": f"no applied change of install {install}",
+                                                   "recovered": rec.changes})
+        res: RollbackData = {"change_id": change_id or ids[0], "files": [], "forced": []}
+        for cid in reversed(ids):
+            params = {"change_id": cid} if cid else {"last": True}
+            one = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+            if one.get("nothing"):
+                return ctx.result(HostStatus.OK, data={**one, "recovered": rec.changes})
+            res["change_id"] = change_id or one.get("change_id")
+            res["files"] += one.get("files", [])
+            res["forced"] += one.get("forced") or []
+        handlers = run_handlers(ctx, restart_handlers(ctx))
+        return ctx.result(HostStatus.CHANGED,
+                          data={**res, "recovered": rec.changes, "handlers": handlers})
+
+    return on_install(install, state_dir, change_job(state_dir, work), changing=True)
+
+
+def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None) -> list[str | None]:
+    """Ledger ids to roll back, oldest first: `change_id` itself, or the "<change_id>.<n>" entries
+    of a run over several installs; without an id, the last applied change of `install` ([None]:
+    the probe's own "last" when no install is named; [] when that install has none)."""
+    if change_id:
+        parts = [c["change_id"] for c in ledger if c["change_id"].startswith(change_id + ".")
+                 and c["change_id"][len(change_id) + 1:].isdigit()]
+        return parts if parts and change_id not in {c["change_id"] for c in ledger} else [change_id]
+    if install is None:
+        return [None]
+    mine = [c["change_id"] for c in ledger if c["state"] == ChangeState.APPLIED and c.get("install") == install]
+    return mine[-1:]
+
+
+def recover_job(state_dir: str = STATE_DIR):
+    """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
+    SGLang when there were any) and apply nothing. Changed when it undid something, ok when
+    nothing was pending, failed when a file had unknown content and was left alone (ledger
+    "failed"). Result data: recovered (probes/change.py recover entries), handlers."""
+
+    def work(ctx: HostContext, rec: Recovery) -> HostResult:
+        failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
+        status = HostStatus.FAILED if failed else HostStatus.CHANGED if rec.changes else HostStatus.OK
+        error = "; ".join(f"change {c['change_id']}: {c['reason']}" for c in failed) or None
+        data: RecoverData = {"recovered": rec.changes, "handlers": rec.handlers}
+        return ctx.result(status, error, data=data)
+
+    return change_job(state_dir, work)
+
+
+def status_job(state_dir: str = STATE_DIR, install: str | None = None):
+    """The `fleetctl status` job: ledger summary and drift for one host, per install (`install`:
+    only that one, and only its changes): applied changes whose files no longer carry them;
+    files modified outside fleetctl with no ledger entry to explain them, judged against the
+    distribution's RECORD for a wheel, and against git (probes/gittree.py: run as the tree's
+    owner) for an editable install or checkout in a git work tree (a tree without `.git` is
+    judged by the ledger alone). On the host, container installs are left to `--install ID`
+    (their ledgers are inside them), and a host copy of a container change record whose
+    container was recreated is reported lost (containers.CHANGE_LOST). Failed when anything is
+    pending, drifted or lost."""
+
+    def job(ctx: HostContext) -> HostResult:
+        g = gather(ctx, scan=False, records=state_dir if ctx.container is None else None)
+        installs = [find_install(g, install)] if install else \
+            [i for i in g.get("installs", []) if (i.get("root") is None) == (ctx.container is None)]
+        res: StatusData = change_probe(ctx, "status", state_dir)
+        if install:
+            res["changes"] = [c for c in res["changes"] if c.get("install") == install]
+            ids = {c["change_id"] for c in res["changes"]}
+            res["drift"] = [d for d in res["drift"] if d["change_id"] in ids]
+        explained = {p for c in res["changes"] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)
+                     for p in c["files"]} - {d["path"] for d in res["drift"]}
+        trees = [i["sglang"]["location"] for i in installs if i["sglang"]["install"] != "wheel"]
+        git = ctx.probe("gittree", {"locations": trees})["trees"] if trees else {}
+        res["installs"], res["modified"] = [], []
+        for i in installs:
+            sg = i["sglang"]
+            one = {"id": i["id"], "sglang": sg["version"], "install": sg["install"]}
+            if sg["install"] == "wheel":
+                r = change_probe(ctx, "status", state_dir, location=sg["location"], dist="sglang")
+                one.update(modified=r["modified"] or [], record_error=r["record_error"])
+            else:
+                t = git[sg["location"]]
+                one.update(git=t["git"], git_error=t["error"],
+                           modified=[{"path": p, "problem": "modified outside fleetctl (git)"}
+                                     for p in t["modified"] if p not in explained])
+            res["installs"].append(one)
+            res["modified"] += one["modified"]
+        res["lost"] = containers.lost_changes(g.get("container_records", []), g)
+        res["sglang"] = ", ".join(f"{i['sglang']} ({i['install']})" for i in res["installs"]) or None
+        problems = ([f"change {c} is pending (interrupted, or a run in progress): the next apply or "
+                     "rollback undoes it" for c in pending_ids(res["changes"])] +
+                    [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
+                    [f"{m['path']}: {m['problem']}" for m in res["modified"]] +
+                    [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")] +
+                    [f"{x['install']}: {x['problem']} ({', '.join(x['changes'])})" for x in res["lost"]])
+        status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
+        return ctx.result(status, error, data=res)
+
+    return on_install(install, state_dir, job)

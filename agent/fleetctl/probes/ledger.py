@@ -1,0 +1,232 @@
+"""The change ledger on the host: its store in the state dir, read, appended to, pruned.
+
+Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `state_dir`
+(default STATE_DIR):
+  ledger.jsonl                    one JSON object per line: change_id, playbook, time (UTC ISO
+                                  8601 of that line), operator, files [{path, before_sha256,
+                                  after_sha256, backup}], state (pending | applied | rolled-back |
+                                  failed), reason, schema (SCHEMA); a state change appends the
+                                  whole entry again, and the last line of a change_id wins.
+  backups/<change_id>/<path>      the original bytes of every file the change writes.
+  kernels/<name>/<key>            kernel builds, `kernels/<name>/current` the active one's link.
+The state dir is reached without following links (safefs.open_dir) and must be root's (this
+euid's) alone; a ledger that is not is refused (safefs.Refused), never read or written.
+"""
+
+import glob
+import json
+import os
+import re
+import stat
+import time
+
+from . import safefs
+
+STATE_DIR = "/var/lib/fleetctl"
+# Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).
+PENDING, APPLIED, ROLLED_BACK, FAILED = "pending", "applied", "rolled-back", "failed"
+STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED)
+# The ledger's line format. Every entry written says it ("schema"; lines without it are schema 1,
+# as fleetctl wrote before it was named); a ledger with an entry of a newer schema is refused
+# whole (read), since an older fleetctl or collection would misread its changes.
+SCHEMA = 1
+CHANGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+KEEP_BACKUPS = 10  # backups kept of the latest changes, whatever their state (prune())
+
+
+def check_entry(entry, state_dir):
+    """Refuse a ledger entry whose paths fall outside what it may touch: every file under its
+    "root" (when recorded) and every backup exactly backups/<change_id>/<path>."""
+    root = entry.get("root")
+    for f in entry.get("files") or []:
+        p = f.get("path")
+        if not isinstance(p, str) or not os.path.isabs(p) or os.path.normpath(p) != p or \
+                (root and not p.startswith(root.rstrip("/") + "/")):
+            raise safefs.Refused("ledger entry %s names %r outside %s: not trusting it"
+                                 % (entry.get("change_id"), p, root))
+        want = os.path.join(state_dir, "backups", entry["change_id"], p.lstrip("/"))
+        if f.get("kind") != "link" and f.get("backup") != want:
+            raise safefs.Refused("ledger entry %s has backup %r, not %s: not trusting it"
+                                 % (entry.get("change_id"), f.get("backup"), want))
+
+
+def _now():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _state_fd(state_dir, create):
+    """A descriptor of the state dir, which must be a directory root (this euid) owns, no
+    symlink on the way, writable by nobody else; it is made 0700 whatever the umask. None when
+    it is missing and not `create`. Raises safefs.Refused otherwise: its ledger cannot be trusted."""
+    try:
+        fd = safefs.open_dir(state_dir, 0o700 if create else None)
+    except FileNotFoundError:
+        return None
+    except safefs.UnsafePath as e:
+        raise safefs.Refused("state dir: %s" % e)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise safefs.Refused("state dir %s is owned by uid %d with mode %o: only its owner (uid %d) may "
+                             "write it, or its ledger cannot be trusted"
+                             % (state_dir, st.st_uid, stat.S_IMODE(st.st_mode), os.geteuid()))
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def read(state_dir):
+    """The ledger's entries in file order; a torn last line (killed mid-write) is skipped.
+    Raises safefs.Refused when an entry has a newer schema than SCHEMA."""
+    out = []
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return out
+    try:
+        fd = safefs.open_regular(dfd, "ledger.jsonl", os.path.join(state_dir, "ledger.jsonl"))
+    except FileNotFoundError:
+        return out
+    except safefs.UnsafePath as e:
+        raise safefs.Refused("ledger: %s" % e)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, encoding="utf-8") as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            schema = entry.get("schema", 1) if isinstance(entry, dict) else None
+            if not isinstance(schema, int) or schema > SCHEMA:
+                raise safefs.Refused("ledger %s/ledger.jsonl has an entry of schema %r, newer than this "
+                                     "fleetctl's %d (change %s): upgrade fleetctl (and rebuild the collection) "
+                                     "to read it" % (state_dir, schema, SCHEMA, entry.get("change_id")
+                                                     if isinstance(entry, dict) else None))
+            out.append(entry)
+    return out
+
+
+def changes(state_dir):
+    """{change_id: last ledger entry}, ordered by each change's latest line."""
+    out = {}
+    for e in read(state_dir):
+        out.pop(e.get("change_id"), None)
+        out[e.get("change_id")] = e
+    return out
+
+
+def append(state_dir, entry, state, reason=None):
+    """Append `entry` with `state`, `reason`, this time and SCHEMA as one line (fsynced, file and
+    directory); a line a kill left torn is ended first. Returns the line's entry. Raises OSError,
+    safefs.Refused (the state dir or ledger file is not safe)."""
+    entry = dict(entry, state=state, time=_now(), reason=reason, schema=SCHEMA)
+    dfd = _state_fd(state_dir, create=True)
+    try:
+        fd = os.open("ledger.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+        with os.fdopen(fd, "a+b") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise safefs.Refused("ledger %s/ledger.jsonl is not a regular file" % state_dir)
+            os.fchmod(fd, 0o600)
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # a line torn by a kill: do not glue this entry onto it
+                    f.write(b"\n")
+            f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return entry
+
+
+def try_append(state_dir, entry, state, reason=None):
+    """append, tried twice (a disk that was full a moment ago may have room again, review L7).
+    Returns None, or the OSError's text when the ledger could not record the state."""
+    for attempt in (0, 1):
+        try:
+            append(state_dir, entry, state, reason)
+            return None
+        except OSError as e:
+            if attempt:
+                return "%s: %s" % (type(e).__name__, e)
+            time.sleep(0.2)
+
+
+def _remove_under(state_dir, rel):
+    """Remove state_dir/rel (rel: "backups/<cid>" or "kernels/<name>/<key>") if it is there,
+    walking from the state dir without following links. Returns the path removed, or None."""
+    parts = rel.split("/")
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, safefs.OPEN_DIR, dir_fd=dfd)
+            os.close(dfd)
+            dfd = nxt
+        safefs.rmtree(dfd, parts[-1])
+        return os.path.join(state_dir, rel)
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(dfd)
+
+
+def prune(state_dir, keep=None):
+    """Remove what no rollback can need any more (review "Backups, ledger, lock"): the backups
+    of changes older than the latest `keep` (ledger order) that were rolled back, or applied
+    and superseded (every file changed again by a later applied change); and the kernel
+    builds (kernels/<name>/<key>) that are neither the one `current` points at nor the one the
+    latest applied change of that link switched from (the previous build). Pending and failed
+    changes keep their backups. `keep`: default KEEP_BACKUPS. Returns [paths removed]."""
+    keep = KEEP_BACKUPS if keep is None else keep
+    entries = list(changes(state_dir).values())
+    removed = []
+    for i, e in enumerate(entries[:max(0, len(entries) - keep)]):
+        later = {f["path"] for x in entries[i + 1:] if x["state"] == APPLIED for f in x["files"]}
+        files = [f for f in e["files"] if f.get("kind") != "link"]
+        superseded = e["state"] == APPLIED and all(f["path"] in later for f in files)
+        if files and (e["state"] == ROLLED_BACK or superseded) and CHANGE_ID.match(e["change_id"]):
+            gone = _remove_under(state_dir, "backups/" + e["change_id"])
+            if gone:
+                removed.append(gone)
+
+    def where(p):
+        return os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
+    for link in sorted(glob.glob(os.path.join(glob.escape(state_dir), "kernels", "*", "current"))):
+        kdir = os.path.dirname(link)
+        keep_keys = {os.readlink(link)} if os.path.islink(link) else set()
+        for e in reversed(entries):
+            f = next((f for f in e["files"] if f.get("kind") == "link" and where(f["path"]) == where(link)), None)
+            if f is not None and e["state"] == APPLIED:
+                if f.get("before_sha256"):
+                    keep_keys.add(f["before_sha256"][len("link:"):])
+                break
+        for key in sorted(os.listdir(kdir)):
+            path = os.path.join(kdir, key)
+            if key in keep_keys or key == "current" or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            gone = _remove_under(state_dir, os.path.relpath(path, state_dir))
+            if gone:
+                removed.append(gone)
+    return removed
+
+
+def space_used(state_dir):
+    """Bytes the state dir holds: {"backups": n, "kernels": n, "total": n} (sizes of the files
+    below it, links not followed)."""
+    out = {"backups": 0, "kernels": 0, "total": 0}
+    for dirpath, _, filenames in os.walk(state_dir):
+        rel = os.path.relpath(dirpath, state_dir).split(os.sep)[0]
+        for fn in filenames:
+            try:
+                size = os.lstat(os.path.join(dirpath, fn)).st_size
+            except OSError:
+                continue
+            out["total"] += size
+            if rel in ("backups", "kernels"):
+                out[rel] += size
+    return out

@@ -1,0 +1,83 @@
+"""Probe bundles derived from the probes' own imports (probes.modules_for), run as the host runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetctl import probes
+
+PROBE_DIR = Path(probes.__file__).parent
+ALL = sorted(p.stem for p in PROBE_DIR.glob("*.py") if p.name != "__init__.py")
+
+
+def run(doc: dict, **env) -> dict:
+    """`doc` (a bundle's JSON document) on stdin of `python -S -c WRAPPER`: its parsed result."""
+    r = subprocess.run([sys.executable, "-S", "-c", probes.WRAPPER], input=json.dumps(doc).encode(),
+                       capture_output=True, timeout=120, env=env or None)
+    return probes.parse_output(r.stdout, r.stderr, r.returncode)
+
+
+def test_the_bundles_are_the_probes_imports_in_load_order():
+    assert probes.modules_for("change") == ["safefs", "scancache", "ledger", "record", "change"]
+    assert probes.modules_for("smoke") == ["redact", "smoke"]
+    assert probes.modules_for("kbuild") == ["gpus", "torchver", "kbuild"]
+    assert probes.modules_for("gittree") == ["gittree"]
+    assert probes.modules_for("trust") == [*probes.modules_for("facts"), "trust"]
+    for main in ALL:
+        mods = probes.modules_for(main)
+        assert mods[-1] == main and len(set(mods)) == len(mods)
+        for i, m in enumerate(mods):  # each after what it imports, and nothing it does not need
+            assert set(probes.imports(m)) <= set(mods[:i]), (main, m)
+        # the code cache comes as early as it can: the modules after it are kept compiled
+        if probes.CODE_CACHE in mods:
+            assert mods[:mods.index(probes.CODE_CACHE) + 1] == probes.modules_for(probes.CODE_CACHE), main
+
+
+def test_only_code_cache_bundles_carry_a_code_key():
+    import zlib
+    for main, keyed in (("facts", True), ("change", True), ("scancache", True), ("smoke", False), ("kbuild", False)):
+        doc = json.loads(zlib.decompress(probes.bundle(main, {})))
+        assert [m for m, _ in doc["modules"]] == probes.modules_for(main)
+        assert doc.get("code_key") == (probes.sources_sha256(probes.modules_for(main)) if keyed else None), main
+
+
+@pytest.mark.parametrize("main,params,check", [
+    ("change", {"action": "status", "state_dir": "STATE"}, lambda r: r["ok"] and r["changes"] == []),
+    ("kbuild", {"action": "state", "link": "STATE/current", "build_dir": "STATE"},
+     lambda r: r == {"current": None, "passed": False}),
+    ("trust", {"python": sys.executable}, lambda r: r["python"] == sys.executable),
+    ("smoke", {"servers": []}, lambda r: isinstance(r, dict)),
+])
+def test_a_derived_bundle_runs_and_one_missing_any_import_does_not(tmp_path, main, params, check):
+    """The derived bundle runs under the wrapper (each module's `from . import x` finds the
+    modules loaded before it); leaving out any module it names fails with that module's name."""
+    params = {k: v.replace("STATE", str(tmp_path / "state")) if isinstance(v, str) else v for k, v in params.items()}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    doc = probes.document(main, params)
+    assert check(run(doc, **env))
+    for left_out in probes.modules_for(main)[:-1]:
+        short = dict(doc, modules=[[m, s] for m, s in doc["modules"] if m != left_out])
+        with pytest.raises(probes.ProbeError, match=f"ImportError: cannot import name '{left_out}'"):
+            run(short, **env)
+
+
+def test_a_probe_imports_other_probes_one_way_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(probes, "source", {"a": "from .b import c\n"}.__getitem__)
+    probes.imports.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="probe a line 1: probes import each other as `from . import x`"):
+            probes.imports("a")
+        circle = {"a": "from . import b\n", "b": "def f():\n    from . import a\n"}
+        monkeypatch.setattr(probes, "source", circle.__getitem__)
+        probes.imports.cache_clear()
+        probes._load_order.cache_clear()
+        with pytest.raises(ValueError, match="probe imports go in a circle: a -> b -> a"):
+            probes.modules_for("a")
+    finally:
+        probes.imports.cache_clear()
+        probes._load_order.cache_clear()
