@@ -49,8 +49,9 @@ KERNELS_DIR = ROOT / "kernels"
 if not Path(fleetctl.__file__).resolve().is_relative_to(ROOT):
     raise pytest.UsageError(f"tests import fleetctl from {fleetctl.__file__}, not from this checkout {ROOT}: "
                             "run pytest from the repository root")
-os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(fleetctl.__file__).resolve().parent.parent)] + [
-    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+AGENT = Path(fleetctl.__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join([str(AGENT)] + [  # once, however the caller named it
+    p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != AGENT])
 
 pytest_plugins = ["sites"]  # fixtures the rooms share
 

@@ -21,8 +21,10 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 ROOT = GOLDEN.parent.parent
 RECORD = os.environ.get("FLEETCTL_GOLDEN") == "record"
 
-# keys whose values differ from run to run (seconds, pids, bytes of caches that grow)
-VOLATILE_KEYS = frozenset({"pid", "total", "tokens_per_s", "build_key", "phases_s", "timings",
+# keys whose values differ from run to run (seconds, pids, bytes of caches that grow), or that
+# measure the probes' own source (upload_bytes: the bundles' size, which any edit of a probe
+# changes; the run's number of probes, `probes`, is kept)
+VOLATILE_KEYS = frozenset({"pid", "total", "upload_bytes", "tokens_per_s", "build_key", "phases_s", "timings",
                            "change_id", "cache_bytes"})
 _KEY = re.compile(r"AAAA[0-9A-Za-z+/]{20,}={0,2}")
 _CHANGE_ID = re.compile(r"\d{8}T\d{6}Z-[\w.-]+?-[0-9a-f]{6}")

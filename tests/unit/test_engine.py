@@ -8,6 +8,8 @@ import json
 import re
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,9 @@ from fleetctl.lab import standin
 from fleetctl.engine.changes import Change, ChangeOptions, change_job, change_probe, execute
 from fleetctl.engine.ledger import recover_job, rollback_job
 from fleetctl.connection import Settings
-from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, ParseError
+from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_OPTIONS, EXIT_PARSE, ParseError
 from fleetctl.engine.context import HostResult
-from fleetctl.engine.fleet import Fleet, exit_code
+from fleetctl.engine.fleet import Fleet, exit_code, parse_serial
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.engine.playbook import load_playbook
 from fleetctl.probes import ledger as ledger_probe
@@ -267,3 +269,20 @@ def test_recover_command_undoes_a_pending_change_and_applies_nothing(tmp_path):
     again = run_one(host, recover_job(str(state)))
     assert (again.status, again.data["recovered"]) == (HostStatus.OK, [])
     assert marker.read_text() == "ran\n"  # nothing pending: no restart
+
+
+def test_the_engine_names_no_cli_flag_and_the_cli_names_its_own(tmp_path):
+    """Bad numbers are the engine's ValueError; the CLI says which flag (exit 5)."""
+    with pytest.raises(ValueError, match="'0%' is not a positive number"):
+        parse_serial("1,0%", 10)
+    with pytest.raises(ValueError, match="forks 0"):
+        Fleet(Settings(), forks=0)
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n    here:\n      ansible_connection: local\n")
+    for argv, said in ((["apply", "defrag-tier0", "all", "--check", "--serial", "0%"],
+                        "--serial: '0%' is not a positive number or a percentage in (0, 100]"),
+                       (["inspect", "all", "--forks", "0"], "--forks must be at least 1"),
+                       (["status", "all", "--run-timeout", "0"], "--run-timeout must be positive")):
+        r = subprocess.run([sys.executable, "-m", "fleetctl.cli", *argv, "-i", str(inv)], capture_output=True,
+                           text=True, timeout=60)
+        assert (r.returncode, said in " ".join(r.stderr.split())) == (EXIT_OPTIONS, True), (argv, r.stderr)

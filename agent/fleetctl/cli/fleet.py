@@ -148,6 +148,7 @@ def apply(opts: FleetOptions,
     A check pass always comes first; only the hosts it finds to change are then applied, in
     --serial batches (so a canary batch is made of hosts that really change)."""
     from ..engine.apply import ApplyOptions, check_then_apply
+    from ..engine.fleet import parse_serial
     from ..paths import find_playbook
     from ..engine.playbook import load_playbook
     from .report import render_apply, render_handlers, text
@@ -172,6 +173,10 @@ def apply(opts: FleetOptions,
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
     with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout)) as fleet:
+        try:
+            parse_serial(serial, len(hosts))
+        except ValueError as e:
+            raise UsageError(f"--serial: {e}") from None
         outcome = check_then_apply(fleet, hosts, pb, apply_opts, confirm, check_timeout=opts.timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")

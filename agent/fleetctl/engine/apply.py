@@ -258,7 +258,7 @@ def run_playbook(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: Appl
     unreachable share exceeds max_fail_percentage stops the rollout; later hosts are reported
     "not attempted". `timeout`: per-host seconds for this pass (default: the fleet's);
     `planned`: filled by a check pass (check_job).
-    Returns (change id, results in inventory order). Raises UsageError for a bad serial spec."""
+    Returns (change id, results in inventory order). Raises ValueError for a bad serial spec (parse_serial)."""
     cid = change_id or new_change_id(playbook.name)
     if opts.check:
         return cid, fleet.run(hosts, check_job(playbook, opts.state_dir, opts.install, opts.export, planned), "check",
@@ -304,8 +304,8 @@ def check_then_apply(fleet: Fleet, hosts: list[Host], playbook: Playbook, opts: 
     `check_timeout`, default CHECK_TIMEOUT_S); unless opts.check, `confirm(check results, hosts
     to change)` is asked (it raises to stop: nothing is changed), and only the hosts the check
     found to change are applied, in opts.serial batches (so a canary batch is made of hosts
-    that really change), each bound to the plan it was shown. Raises UsageError (bad serial),
-    whatever `confirm` raises."""
+    that really change), each bound to the plan it was shown. Raises ValueError (bad serial:
+    parse_serial), whatever `confirm` raises."""
     parse_serial(opts.serial, len(hosts))
     planned: dict[str, list[HostPlan]] = {}
     _, results = run_playbook(fleet, hosts, playbook, replace(opts, check=True),

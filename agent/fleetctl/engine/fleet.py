@@ -26,14 +26,14 @@ from rich.markup import escape
 from rich.console import Console
 
 from ..connection import Connection, Session, Settings, Unreachable
-from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, HostError, UsageError
+from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, HostError
 from ..inventory import Host
 from ..vocab import HostStatus
 from .context import HostContext, HostResult
 
 def parse_serial(spec: str | None, total: int) -> list[int]:
     """Batch sizes for `--serial` (Ansible's serial): "2", "25%", or a list "1,25%,100%"
-    (the last size repeats). None: one batch of all. Raises UsageError on a bad spec."""
+    (the last size repeats). None: one batch of all. Raises ValueError naming the bad part."""
     if not spec:
         return [total]
     sizes = []
@@ -51,7 +51,7 @@ def parse_serial(spec: str | None, total: int) -> list[int]:
                     raise ValueError
                 sizes.append(n)
         except ValueError:
-            raise UsageError(f"--serial: {part!r} is not a positive number or a percentage in (0, 100]") from None
+            raise ValueError(f"{part!r} is not a positive number or a percentage in (0, 100]") from None
     batches, left, i = [], total, 0
     while left > 0:
         n = min(sizes[min(i, len(sizes) - 1)], left)
@@ -85,12 +85,9 @@ class Fleet:
     def __init__(self, settings: Settings, forks: int = 64, timeout: float = 60.0,
                  progress: bool = False, console: Console | None = None, run_timeout: float | None = None,
                  connect: Callable[[Host], Connection] | None = None):
-        if forks < 1:
-            raise UsageError("--forks must be at least 1")
-        if timeout <= 0:
-            raise UsageError("--timeout must be positive")
-        if run_timeout is not None and run_timeout <= 0:
-            raise UsageError("--run-timeout must be positive")
+        if forks < 1 or timeout <= 0 or (run_timeout is not None and run_timeout <= 0):
+            raise ValueError(f"forks {forks} (at least 1), timeout {timeout} and run_timeout {run_timeout} "
+                             "(positive) out of range")
         self.session = Session(settings)
         self.connect = connect or self.session.connect
         self.run_timeout = run_timeout

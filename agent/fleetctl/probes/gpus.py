@@ -1,8 +1,8 @@
 """Remote probe helper: the host's GPUs from nvidia-smi, healthy rows and lost devices apart.
 
 Stdlib only (Python 3.8+), loaded by the facts and kbuild probe bundles. nvidia-smi(1) writes
-the error of a lost or inaccessible GPU ("Unable to determine the device handle for gpu
-0000:18:00.0: Unknown Error", "GPU is lost") on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero
+the error of a lost or inaccessible GPU ("Unable to determine the device handle for GPU
+0000:18:00.0: Unknown Error", from newer drivers "...for GPU0000:18:00.0: ...", "GPU is lost") on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero
 (RETURN VALUE: 15 a GPU is lost, 18 NVML library mismatch...) depending on driver and query; an
 NVML that cannot start prints its reason on stdout too. Values it cannot give are "[N/A]" or
 "[Not Supported]".
@@ -14,7 +14,8 @@ import subprocess
 FIELDS = ["index", "pci.bus_id", "name", "memory.total", "driver_version", "compute_cap"]
 QUERY = ",".join(FIELDS)
 ARGS = ["--query-gpu=" + QUERY, "--format=csv,noheader,nounits"]  # nvidia-smi's, for parse()
-_BUS_ID = re.compile(r"\b[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\b")
+# a PCI bus id; drivers print "for GPU 0000:18:00.0" and (newer ones) "for GPU0000:18:00.0"
+_BUS_ID = re.compile(r"(?<![0-9A-Fa-f:])[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]\b")
 _NULL = {"[N/A]", "[Not Supported]", "N/A", ""}
 MAX_TEXT = 300  # characters kept of one nvidia-smi message
 
