@@ -5,7 +5,7 @@
 # pyproject.toml [tool.mutmut]; never the lab tests, never the tests that scan whole releases).
 # Not part of CI: it takes minutes to tens of minutes.
 #
-# Usage: scripts/mutation.sh [MODULE ...]   MODULE: inventory plan gate change callsites (default: all)
+# Usage: scripts/mutation.sh [MODULE ...]   MODULE: patterns plan gate change callsites (default: all)
 # Env:   MUTATION_JOBS   mutants tested in parallel (default 2)
 #        MUTATION_ONLY   space-separated mutant names or name patterns (fnmatch): test only these
 #                        (a rerun of survivors, or one part of a module, each in its own stage dir)
@@ -21,7 +21,7 @@ set -f  # the mutant name patterns below are globs for mutmut, not for the shell
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 modules=("$@")
-[ ${#modules[@]} -gt 0 ] || modules=(inventory plan gate change callsites)
+[ ${#modules[@]} -gt 0 ] || modules=(patterns plan gate change callsites)
 # one copy per module set, and per MUTATION_ONLY selection (runs of different subsets coexist)
 STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-only-$(md5sum <<< "$MUTATION_ONLY" | cut -c1-8)}
 JOBS=${MUTATION_JOBS:-2}
@@ -67,22 +67,22 @@ EOF
 # What is mutated in each module: the functions that carry its promises. (These five files hold
 # ~3400 mutants; on a shared two-core machine a mutant takes seconds, so a whole-file run takes
 # hours.) Space-separated mutmut name patterns (fnmatch):
-#   inventory  host patterns: Inventory.select/_split/_match (not the YAML parser)
+#   patterns   host patterns: inventory/patterns.py (select/_split/_match; not the YAML parser)
 #   plan       the edit and the diff the operator approves: _edit_file, the comment position
 #              (_Source.line_end_after), the pre-image check (_checked_source), one_line
 #   gate       all of it
 #   change     apply and what it undoes on failure (_undo_written, _restore), the writes that
-#              cannot be redirected (atomic_write, open_dir, confine) and recover
+#              cannot be redirected (probes/safefs.py: atomic_write, open_dir, confine) and recover
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
-    [inventory]='fleetctl.inventory.xǁInventoryǁ*'
+    [patterns]='fleetctl.inventory.patterns.*'
     [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.plan.xǁ_Sourceǁline_end_after__*
             fleetctl.engine.plan.x__checked_source__* fleetctl.engine.plan.x_one_line__*'
     [gate]='fleetctl.engine.gate.*'
     [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
-              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_atomic_write__*
-              fleetctl.probes.change.x_open_dir__* fleetctl.probes.change.x_confine__*
-              fleetctl.probes.change.x_recover__*'
+              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_recover__*
+              fleetctl.probes.safefs.x_atomic_write__* fleetctl.probes.safefs.x_open_dir__*
+              fleetctl.probes.safefs.x_confine__*'
     [callsites]='fleetctl.probes.callsites.x__walk__* fleetctl.probes.callsites.x__scan_source__*
                  fleetctl.probes.callsites.x__call_site__* fleetctl.probes.callsites.x__origin__*'
 )

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, SERVER_LAB_ID, Lab, running_lab
-from fleetctl.engine import containers as container
+from fleetctl.engine import containers
 from fleetctl import lab as labmod
 from test_fleet_installs import IMPORTED  # the file `import sglang` really runs, asked of the process
 
@@ -100,7 +100,7 @@ def test_inspect_in_the_container_is_exact_and_nsenter_gives_the_same(clab, tmp_
     assert (inst["sglang"]["version"], inst["sglang"]["install"]) == (RELEASE, "editable")
     assert inst["python"]["path"] == PYTHON
     assert inst["container"]["how"] == "podman" and inst["container"]["note"] is None
-    assert container.LASTS == inst["container"]["lasts"]
+    assert containers.LASTS == inst["container"]["lasts"]
     server = next(s for s in h["facts"]["servers"] if s.get("install") == INSTALL)
     assert (server["pid"], server["port"], server["pid_in_container"]) == (inst["root"]["pid"], 30000, 1)
     assert inst["servers"] == [inst["root"]["pid"]]  # host pids, as podman inspect reports them
@@ -129,7 +129,7 @@ def test_apply_validate_status_rollback_inside_the_container(clab):
                                   timeout=600, rc=0)
     h = hosts["lab-01"]
     assert (h["status"], h["error"]) == ("changed", None)
-    assert h["lasts"] == container.LASTS and h["root"]["name"] == labmod.CONTAINER_NAME
+    assert h["lasts"] == containers.LASTS and h["root"]["name"] == labmod.CONTAINER_NAME
     assert h["validation"]["status"] == "passed"
     assert [x["command"] for x in h["plan"]["handlers"]] == [f"podman restart {h['root']['container_id']}"]
     cid = doc["change_id"]
@@ -139,7 +139,7 @@ def test_apply_validate_status_rollback_inside_the_container(clab):
     ledger = [json.loads(x) for x in in_container(clab, READ, "/var/lib/fleetctl/ledger.jsonl").splitlines()]
     assert any(e.get("change_id") == cid for e in ledger)
     assert clab.ssh("lab-01", "test -e /var/lib/fleetctl/ledger.jsonl").returncode == 1  # none on the host
-    record = clab.ssh("lab-01", "cat " + shlex.quote(container.record_path("/var/lib/fleetctl", h["root"])))
+    record = clab.ssh("lab-01", "cat " + shlex.quote(containers.record_path("/var/lib/fleetctl", h["root"])))
     assert record.returncode == 0, record.stderr
     rec = json.loads(record.stdout)
     assert (rec["install"], rec["root"]["image_id"]) == (INSTALL, h["root"]["image_id"])
@@ -149,10 +149,10 @@ def test_apply_validate_status_rollback_inside_the_container(clab):
     assert v["lab-01"]["status"] == "ok" and len(v["lab-01"]["servers"]) == 1
     _, _, st = clab.cli_json("status", "lab-01", "--install", INSTALL, rc=0)
     assert [(c["change_id"], c["state"]) for c in st["lab-01"]["changes"]] == [(cid, "applied")]
-    assert st["lab-01"]["lasts"] == container.LASTS
+    assert st["lab-01"]["lasts"] == containers.LASTS
 
     _, _, rb = clab.cli_json("rollback", cid, "lab-01", "--install", INSTALL, "--yes", timeout=300, rc=0)
-    assert rb["lab-01"]["status"] == "changed" and rb["lab-01"]["lasts"] == container.LASTS
+    assert rb["lab-01"]["status"] == "changed" and rb["lab-01"]["lasts"] == containers.LASTS
     assert digest(clab) == before
 
 
@@ -170,8 +170,8 @@ def test_a_recreated_container_is_reported_as_change_lost(clab, tmp_path):
     _, _, st = clab.cli_json("status", "lab-01", rc=2)
     lost = st["lab-01"]["lost"]
     assert [(x["install"], x["changes"], x["problem"]) for x in lost] == [(INSTALL, [doc["change_id"]],
-                                                                          container.CHANGE_LOST)]
-    assert container.CHANGE_LOST in st["lab-01"]["error"]
+                                                                          containers.CHANGE_LOST)]
+    assert containers.CHANGE_LOST in st["lab-01"]["error"]
 
 
 def test_a_read_only_root_file_system_is_refused(clab):
@@ -182,5 +182,5 @@ def test_a_read_only_root_file_system_is_refused(clab):
     _, _, hosts = clab.cli_json("apply", "defrag-tier0", "lab-01", "--install", INSTALL, "--yes",
                                 timeout=600, rc=2)
     h = hosts["lab-01"]
-    assert h["status"] == "failed" and container.REFUSED in h["error"] and "read-only" in h["error"]
+    assert h["status"] == "failed" and containers.REFUSED in h["error"] and "read-only" in h["error"]
     assert digest(clab) == before

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fleetctl.collection import build as collection
+from fleetctl.collection import build
 from fleetctl.wheels import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def pip_settings() -> dict[str, str]:
 
 
 def test_sanity_passes_and_nothing_is_skipped(tmp_path):
-    root = collection.build(tmp_path)
+    root = build.build(tmp_path)
     home = cache_dir() / "ansible-test-home"
     cache = home / ".ansible" / "test" / "cache"
     cache.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import wheels as wheelcache
+from fleetctl import wheels
 
 ROOT = Path(__file__).resolve().parents[2]
 INVENTORIES = ROOT / "tests" / "inventories"
@@ -46,7 +46,7 @@ def ansible_python() -> Path:
     """The python of a venv holding the `ansible` extra, made once (under a lock) and reused."""
     spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["ansible"]
     key = hashlib.sha256(json.dumps([spec, sys.version]).encode()).hexdigest()[:12]
-    home = wheelcache.cache_dir() / "venvs" / f"ansible-{key}"
+    home = wheels.cache_dir() / "venvs" / f"ansible-{key}"
     home.parent.mkdir(parents=True, exist_ok=True)
     python, ready = home / "bin" / "python", home / ".fleetctl-ready"
     with open(home.parent / f"ansible-{key}.lock", "w") as lock:

@@ -10,14 +10,14 @@ import pytest
 import yaml
 
 import fleetctl
-from fleetctl.collection import ops as ansibleops, build as collection
+from fleetctl.collection import build, ops
 from fleetctl.errors import HostFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_build_copies_every_probe_and_pins_them(tmp_path):
-    root = collection.build(tmp_path)
+    root = build.build(tmp_path)
     assert root == tmp_path / "ansible_collections" / "fleetctl" / "sglang"
     mu = root / "plugins" / "module_utils"
     probes = ROOT / "agent" / "fleetctl" / "probes"
@@ -29,7 +29,7 @@ def test_build_copies_every_probe_and_pins_them(tmp_path):
     pins = {}
     exec((mu / "pins.py").read_text(), pins)
     assert pins["FLEETCTL_VERSION"] == fleetctl.__version__
-    assert pins["PROBE_SHA256"] == collection.probe_hash()
+    assert pins["PROBE_SHA256"] == build.probe_hash()
     assert yaml.safe_load((root / "galaxy.yml").read_text())["version"] == fleetctl.__version__
     # the committed tree is not touched, and module_utils is never committed
     tracked = subprocess.run(["git", "ls-files", "ansible_collections"], cwd=ROOT, capture_output=True, text=True)
@@ -37,11 +37,11 @@ def test_build_copies_every_probe_and_pins_them(tmp_path):
 
 
 def test_pins_refuse_another_fleetctl():
-    ansibleops.check_pins(fleetctl.__version__, collection.probe_hash())
+    ops.check_pins(fleetctl.__version__, build.probe_hash())
     with pytest.raises(HostFailed, match="rebuild it"):
-        ansibleops.check_pins(fleetctl.__version__, "0" * 64)
+        ops.check_pins(fleetctl.__version__, "0" * 64)
     with pytest.raises(HostFailed, match="built for fleetctl 0.0.1"):
-        ansibleops.check_pins("0.0.1", collection.probe_hash())
+        ops.check_pins("0.0.1", build.probe_hash())
 
 
 def test_inventory_export_adds_key_and_known_hosts(tmp_path):
@@ -72,7 +72,7 @@ def test_kernel_module_upload_checks_every_file_and_follows_no_link(tmp_path, mo
     import hashlib
     import importlib
 
-    collection.build(tmp_path / "c")
+    build.build(tmp_path / "c")
     monkeypatch.syspath_prepend(str(tmp_path / "c"))
     kernel = importlib.import_module("ansible_collections.fleetctl.sglang.plugins.modules.kernel")
     files = {rel: {"b64": base64.b64encode(data).decode(), "sha256": hashlib.sha256(data).hexdigest()}
@@ -100,7 +100,7 @@ def test_kernel_module_steps_run_under_a_deadline(tmp_path, monkeypatch):
     import importlib
     import time
 
-    collection.build(tmp_path / "c")
+    build.build(tmp_path / "c")
     monkeypatch.syspath_prepend(str(tmp_path / "c"))
     kernel = importlib.import_module("ansible_collections.fleetctl.sglang.plugins.modules.kernel")
     hung = tmp_path / "hung-python"

@@ -373,3 +373,38 @@ def test_paramiko_is_imported_without_invoke_which_stays_importable(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import sys, paramiko; print('invoke' in sys.modules)"],
                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert r.stdout.strip() == "True", r.stderr
+
+
+@pytest.mark.parametrize("python", [sys.executable, None], ids=["python-lock", "shell-lock"])
+def test_a_container_connection_is_a_prefix_on_the_host_connection(tmp_path, python):
+    """The container connection runs every command after its entry (here `env IN=yes`, where a
+    real one is `podman exec ID` or `nsenter -t PID -a`), under the host connection's deadline
+    wrapper; its lock (python_lock_argv with the container's interpreter, else the shell's
+    flock) is the same lock as the host's; a reconnected context enters again over the new
+    host connection; a container checks no interpreter with the trust probe."""
+    from fleetctl.connection.container import ContainerConnection
+    from fleetctl.engine.context import HostContext
+
+    host = local_host(tmp_path)
+    session = Session(Settings())
+    outer = session.connect(host)
+    outer.open()
+    inner = ContainerConnection(outer, ["env", "IN=yes"], python)
+    assert inner.run(["sh", "-c", "echo ${IN:-no}"], 10).stdout == b"yes\n"
+    assert outer.run(["sh", "-c", "echo ${IN:-no}"], 10).stdout == b"no\n"
+    with pytest.raises(RemoteTimeout):
+        inner.run(["sleep", "30"], 1)
+    state = str(tmp_path / "state")
+    lock = inner.hold_lock(state, timeout=5, hold_s=30)
+    try:
+        with pytest.raises(LockBusy, match="another fleetctl run"):
+            outer.hold_lock(state, timeout=5, hold_s=30)
+    finally:
+        lock.release()
+    outer.hold_lock(state, timeout=5, hold_s=5).release()
+    assert (inner.python, inner.checks_interpreters, outer.checks_interpreters) == (python, False, True)
+    fresh = session.connect(host)
+    ctx = HostContext(host, outer, time.monotonic() + 60, lambda: fresh).inside(inner, {"how": "env"})
+    again = ctx.reconnected()
+    assert again.conn is fresh and again.target.outer is fresh and again.target.prefix == ("env", "IN=yes")
+    assert ctx.target is inner and HostContext(host, outer, 0).target is outer

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleetctl.engine import containers as container
+from fleetctl.engine import containers
 from fleetctl.connection import command
 from fleetctl.errors import HostFailed
 from fleetctl.probes import containers as probe
@@ -53,19 +53,19 @@ def _host(exec_=None):
 
 def test_how_to_enter():
     found = {"root": {"runtime": "podman"}}
-    assert container.how_to_enter(_host(), found, {"podman": True}) == ("podman", None)
-    how, note = container.how_to_enter(_host(), found, {"podman": False})
+    assert containers.how_to_enter(_host(), found, {"podman": True}) == ("podman", None)
+    how, note = containers.how_to_enter(_host(), found, {"podman": False})
     assert how == "nsenter" and "host root" in note
-    assert container.how_to_enter(_host("none"), found, {"podman": True})[0] is None
-    assert container.how_to_enter(_host("nsenter"), found, {"podman": True})[0] == "nsenter"
+    assert containers.how_to_enter(_host("none"), found, {"podman": True})[0] is None
+    assert containers.how_to_enter(_host("nsenter"), found, {"podman": True})[0] == "nsenter"
     with pytest.raises(HostFailed, match="fleetctl_container_exec"):
-        container.how_to_enter(_host("ssh"), found, {})
+        containers.how_to_enter(_host("ssh"), found, {})
 
 
 def test_record_path_keeps_hex_only():
     root = {"container_id": CID, "image_id": "sha256:" + IMG}
-    assert container.record_path("/var/lib/fleetctl", root) == f"/var/lib/fleetctl/containers/{CID}.{IMG}.json"
-    assert "/" not in container.record_path("/s", {"container_id": "../../x", "image_id": None})[len("/s/containers/"):]
+    assert containers.record_path("/var/lib/fleetctl", root) == f"/var/lib/fleetctl/containers/{CID}.{IMG}.json"
+    assert "/" not in containers.record_path("/s", {"container_id": "../../x", "image_id": None})[len("/s/containers/"):]
 
 
 def test_lost_changes():
@@ -74,19 +74,19 @@ def test_lost_changes():
     same = {"installs": [{"root": {"container_id": CID, "image_id": IMG}}]}
     other = {"installs": [{"root": {"container_id": "1" * 64, "image_id": IMG}}]}
     gone = {"installs": []}
-    assert container.lost_changes([rec], same) == []
-    assert container.lost_changes([rec], gone) == []  # no container of that image runs: nothing to say
-    assert container.lost_changes([rec], other)[0]["problem"] == container.CHANGE_LOST
+    assert containers.lost_changes([rec], same) == []
+    assert containers.lost_changes([rec], gone) == []  # no container of that image runs: nothing to say
+    assert containers.lost_changes([rec], other)[0]["problem"] == containers.CHANGE_LOST
     rolled = dict(rec, changes=[{"change_id": "c1", "state": "rolled_back"}])
-    assert container.lost_changes([rolled], other) == []
+    assert containers.lost_changes([rolled], other) == []
 
 
 def test_refusal():
     inst = {"id": "podman:s:/p", "container": {"kubelet": False, "read_only_rootfs": True}}
-    assert container.REFUSED in container.refusal(inst) and "read-only" in container.refusal(inst)
+    assert containers.REFUSED in containers.refusal(inst) and "read-only" in containers.refusal(inst)
     inst["container"] = {"kubelet": True, "read_only_rootfs": False}
-    assert "kubepods" in container.refusal(inst)
-    assert container.refusal({"id": "host:/p"}) is None
+    assert "kubepods" in containers.refusal(inst)
+    assert containers.refusal({"id": "host:/p"}) is None
 
 
 def test_python_lock(tmp_path):

@@ -19,7 +19,8 @@ from fleetctl.lab import standin
 from fleetctl.engine.changes import Change, ChangeOptions, change_job, change_probe, execute
 from fleetctl.engine.ledger import recover_job, rollback_job
 from fleetctl.connection import Settings
-from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_OPTIONS, EXIT_PARSE, ParseError
+from fleetctl.connection import BecomeFailed, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
+from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_OPTIONS, EXIT_PARSE, HostError, HostFailed, ParseError, ProbeFailed
 from fleetctl.engine.context import HostResult
 from fleetctl.engine.fleet import Fleet, exit_code, parse_serial
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
@@ -286,3 +287,30 @@ def test_the_engine_names_no_cli_flag_and_the_cli_names_its_own(tmp_path):
         r = subprocess.run([sys.executable, "-m", "fleetctl.cli", *argv, "-i", str(inv)], capture_output=True,
                            text=True, timeout=60)
         assert (r.returncode, said in " ".join(r.stderr.split())) == (EXIT_OPTIONS, True), (argv, r.stderr)
+
+
+@pytest.mark.parametrize("error,status,said", [
+    (HostFailed("refused"), HostStatus.FAILED, "refused"),
+    (ProbeFailed("probe failed on the host: X"), HostStatus.FAILED, "probe failed on the host: X"),
+    (LockBusy("another fleetctl run"), HostStatus.FAILED, "another fleetctl run"),
+    (BecomeFailed("sudo refused"), HostStatus.FAILED, "sudo refused"),
+    (OutputTooLarge("output over 64 MiB"), HostStatus.FAILED, "output over 64 MiB"),
+    (RemoteTimeout("host deadline reached"), HostStatus.FAILED, "deadline (60 s) passed: host deadline reached"),
+    (Unreachable("connection lost"), HostStatus.UNREACHABLE, "connection lost"),
+    (ParseError("playbook.yaml:3: bad"), HostStatus.FAILED, "playbook.yaml:3: bad"),
+], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else None)
+def test_every_per_host_error_is_a_host_error_and_fails_only_its_host(tmp_path, error, status, said):
+    """errors.HostError roots every per-host failure (Unreachable its own branch): the fan-out
+    reports it on its host, with the error's own text, and goes on with the other host."""
+    def job(ctx):
+        if ctx.host.name == "bad":
+            raise error
+        return ctx.result(HostStatus.OK)
+
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  hosts:\n    bad:\n      ansible_connection: local\n    good:\n      ansible_connection: local\n")
+    with Fleet(Settings(), forks=2, timeout=60) as fleet:
+        bad, good = fleet.run(inventory.load(path).select("all"), job)
+    assert (bad.status, bad.error, good.status) == (status, said, HostStatus.OK)
+    assert bad.parse_error is (True if isinstance(error, ParseError) else None)
+    assert isinstance(error, HostError) != isinstance(error, ParseError)

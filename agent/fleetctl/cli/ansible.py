@@ -39,6 +39,6 @@ def collection_build(out: Annotated[Optional[str], typer.Option(
         = None) -> None:
     """Generate the collection's plugins/module_utils from fleetctl's probes (never committed);
     prints the collection's root."""
-    from ..collection import build as collection
+    from ..collection import build
 
-    typer.echo(str(collection.build(Path(out) if out else None)))
+    typer.echo(str(build.build(Path(out) if out else None)))

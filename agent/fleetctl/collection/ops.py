@@ -16,7 +16,7 @@ import base64
 import hashlib
 
 from .. import __version__
-from . import build as collection
+from . import build
 from ..engine.apply import host_side, install_change_id, plan_installs, reinspect_install
 from ..engine.changes import new_change_id
 from ..engine.deploy import activation
@@ -34,7 +34,7 @@ from ..vocab import PlanStatus
 def check_pins(version: str, probe_sha256: str) -> None:
     """Refuse (HostFailed) a collection built from another fleetctl than this controller's: its
     modules' probes and this planner must be the same release (module_utils/pins.py)."""
-    here = collection.probe_hash()
+    here = build.probe_hash()
     if version != __version__ or probe_sha256 != here:
         raise HostFailed(f"collection fleetctl.sglang was built for fleetctl {version} (probes {probe_sha256[:12]}), "
                          f"this controller runs fleetctl {__version__} (probes {here[:12]}): rebuild it with "

@@ -35,7 +35,7 @@ from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_
 from ..connection import OutputTooLarge, RemoteTimeout, Unreachable
 from ..connection.command import operator_argv
 from .context import HostContext, HostResult
-from . import containers as container
+from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
 from ..probes import redact
@@ -97,9 +97,9 @@ def compile_problems(ctx: HostContext, python: str, paths: list[str]) -> list[st
 def restart_handlers(ctx: HostContext) -> list[dict]:
     """The restart handler from the host's `fleetctl_restart_cmd` ([] when unset): the one place
     that turns the inventory var into a handler; inside a container, its container's restart
-    (container.restart_handlers). Shape: [{"name", "command"}]."""
+    (containers.restart_handlers). Shape: [{"name", "command"}]."""
     if ctx.container is not None:
-        return container.restart_handlers(ctx)
+        return containers.restart_handlers(ctx)
     cmd = ctx.host.restart_cmd
     return [{"name": RESTART_HANDLER, "command": cmd}] if cmd else []
 
@@ -122,22 +122,22 @@ def on_install(install: str | None, state_dir: str, job: Callable[[HostContext],
                changing: bool = False) -> Callable[[HostContext], HostResult]:
     """`job` run where install `install` lives: on the host, or inside its container
     (gather.install_context). For a container install the result says what lasts
-    (data["lasts"]: container.LASTS, data["root"]); a `changing` job is refused on a container
-    where a change would not survive a restart (container.refusal), and after it the host keeps
-    its copy of the install's ledger records (container.keep_record)."""
+    (data["lasts"]: containers.LASTS, data["root"]); a `changing` job is refused on a container
+    where a change would not survive a restart (containers.refusal), and after it the host keeps
+    its copy of the install's ledger records (containers.keep_record)."""
 
     def wrapped(ctx: HostContext) -> HostResult:
         ictx, inst = install_context(ctx, install)
         if inst is None:
             return job(ctx)
-        why = container.refusal(inst) if changing else None
+        why = containers.refusal(inst) if changing else None
         if why:
             return ctx.result(HostStatus.FAILED, why, data={"root": inst["root"]})
         result = job(ictx)
-        result.data.update(root=inst["root"], lasts=container.LASTS, entered_with=ictx.container["how"])
+        result.data.update(root=inst["root"], lasts=containers.LASTS, entered_with=ictx.container["how"])
         if changing:
             ledger = [c for c in change_probe(ictx, "status", state_dir)["changes"] if c.get("install") == install]
-            container.keep_record(ictx, state_dir, install, ledger)
+            containers.keep_record(ictx, state_dir, install, ledger)
         return result
 
     wrapped.stopped_note = getattr(job, "stopped_note", None)

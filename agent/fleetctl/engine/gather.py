@@ -8,7 +8,9 @@ origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsite
 
 from __future__ import annotations
 
-from . import containers as container
+from typing import TypedDict
+
+from . import containers
 from .. import probes
 from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
@@ -23,8 +25,8 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     location: text} of files with need_sort origins, per install and for the primary, when
     `with_sources`; no call sites or origins when not `scan`). `cache`: use and refresh the
     host's scan cache (probes/scancache.py; False: rescan every file). Containers whose servers
-    the host shows (facts.containers) are entered (container.how_to_enter) and their installs
-    and servers added (container.adopt); one that cannot be entered keeps the reason in its
+    the host shows (facts.containers) are entered (containers.how_to_enter) and their installs
+    and servers added (containers.adopt); one that cannot be entered keeps the reason in its
     facts.containers entry ("error"). On a context inside a container, only that container's
     installs (its own scan cache inside it). `records`: the state dir whose host-side container
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
@@ -33,21 +35,21 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     if ctx.container is not None:
         inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
                                     "cache_key": key})
-        mine = container.adopt(inner, ctx)
+        mine = containers.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources, "cache_key": key}
     if records:
-        params["records"] = f"{records}/{container.RECORDS}"
+        params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts", params)
     for found in g["facts"].get("containers", []):
-        how, note = container.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})
+        how, note = containers.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})
         found.update(entered_with=how, note=note, error=None)
         if how is None:
             continue
         try:
-            inner = gather(container.enter(ctx, found, how), with_sources=with_sources, scan=scan, cache=cache)
+            inner = gather(containers.enter(ctx, found, how), with_sources=with_sources, scan=scan, cache=cache)
         except (ProbeFailed, HostFailed) as e:
-            found["error"] = f"entering {container.prefix(found['root'])} with {how}: {e}"
+            found["error"] = f"entering {containers.prefix(found['root'])} with {how}: {e}"
             continue
         g["installs"] = g.get("installs", []) + inner["installs"]
         g["facts"]["servers"] = g["facts"]["servers"] + inner["facts"]["servers"]
@@ -78,10 +80,24 @@ def find_install(g: dict, install: str) -> dict:
                      f"{', '.join(i['id'] for i in g.get('installs', [])) or 'none'})")
 
 
+class InspectData(TypedDict, total=False):
+    """`inspect` data: gather()'s document (facts: the primary install's and the host's;
+    installs: one entry per install found, each with its scan; allocator_call_sites and
+    need_sort_origins, scan: the primary install's) and timing (HostContext.timing: seconds,
+    counts, bytes)."""
+
+    facts: dict
+    installs: list
+    allocator_call_sites: list
+    need_sort_origins: list
+    scan: dict
+    timing: dict
+
+
 def inspect_job(ctx: HostContext, cache: bool = True) -> HostResult:
     """The `inspect` job: gather() (`cache`: see there) + timing (HostContext.timing); a host
     with an install whose scan failed is failed, with that reason, and keeps its facts."""
-    g = gather(ctx, cache=cache)
+    g: InspectData = gather(ctx, cache=cache)
     g["timing"] = ctx.timing
     errors = install_errors(g)
     if errors:
@@ -99,7 +115,7 @@ def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext,
     g = gather(ctx, scan=False)
     inst = find_install(g, install)
     found = next(c for c in g["facts"]["containers"] if c["root"] == inst["root"])
-    return container.enter(ctx, found, found["entered_with"]), inst
+    return containers.enter(ctx, found, found["entered_with"]), inst
 
 
 def cache_clear_job(ctx: HostContext) -> HostResult:

@@ -9,6 +9,7 @@ come from the inventory (`fleetctl_smoke_cmd`) or a playbook.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from ..connection import RemoteTimeout
@@ -79,6 +80,16 @@ def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
                    allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
 
 
+class ValidateData(TypedDict):
+    """`validate` data: the smoke probe's answer (probes/smoke.py): servers, one entry per server
+    decoded ({host, port, model_path, version, stand_in, health_wait_s, ok, error, output_ids,
+    ids_consistent, latency_s, e2e_latency_s, tokens_per_s, runs}; seconds), and offline (the
+    offline check's {cmd, ok, returncode, timed_out, tail} or None)."""
+
+    servers: list
+    offline: dict | None
+
+
 def validate_job(opts: SmokeOptions, install: str | None = None):
     """The `fleetctl validate` job: ok when every server (of install `install` when given)
     decodes its 16 greedy tokens (and the offline check, if any, passes); failed otherwise;
@@ -90,7 +101,7 @@ def validate_job(opts: SmokeOptions, install: str | None = None):
         if ctx.host.sglang_port is None or install:
             g = gather(ctx, scan=False)
             facts = install_facts(g, find_install(g, install)) if install else g["facts"]
-        res = smoke(ctx, facts, opts)
+        res: ValidateData = smoke(ctx, facts, opts)
         r = ctx.result(HostStatus.OK, data=res)
         bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
         off = res.get("offline")

@@ -2,10 +2,10 @@
 
 Stdlib only (Python 3.8+), loaded by the facts and kbuild probe bundles. nvidia-smi(1) writes
 the error of a lost or inaccessible GPU ("Unable to determine the device handle for GPU
-0000:18:00.0: Unknown Error", from newer drivers "...for GPU0000:18:00.0: ...", "GPU is lost") on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero
-(RETURN VALUE: 15 a GPU is lost, 18 NVML library mismatch...) depending on driver and query; an
-NVML that cannot start prints its reason on stdout too. Values it cannot give are "[N/A]" or
-"[Not Supported]".
+0000:18:00.0: Unknown Error", from newer drivers "...for GPU0000:18:00.0: ...", "GPU is lost")
+on stdout among the CSV rows of the healthy ones, and exits 0 or non-zero (RETURN VALUE: 15 a
+GPU is lost, 18 NVML library mismatch...) depending on driver and query; an NVML that cannot
+start prints its reason on stdout too. Values it cannot give are "[N/A]" or "[Not Supported]".
 """
 
 import re

@@ -35,7 +35,7 @@ class ActionModule(ActionBase):
                                                "force": args.get("force", False), "state_dir": state_dir}, task_vars))
             return result
         try:
-            from fleetctl.collection import ops as ansibleops
+            from fleetctl.collection import ops
             from fleetctl.engine import deploy
             from fleetctl.errors import ParseError
             from fleetctl.errors import HostFailed
@@ -52,9 +52,9 @@ class ActionModule(ActionBase):
             return res["answer"]
 
         try:
-            ansibleops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
-            host = ansibleops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
-            pkg = ansibleops.kernel_package(args.get("name"), args.get("kernels_dir"))
+            ops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
+            host = ops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
+            pkg = ops.kernel_package(args.get("name"), args.get("kernels_dir"))
             gathered = self._module(INSPECT, {"python": host.python, "scan": False}, task_vars)
             if gathered.get("failed"):
                 raise HostFailed("inspect: %s" % gathered.get("msg"))
@@ -70,14 +70,14 @@ class ActionModule(ActionBase):
                 return result
             if not st["passed"]:
                 deploy.build_and_test(
-                    step, lambda src: step("upload", src_dir=src, files=ansibleops.transfer(pkg)), pkg,
+                    step, lambda src: step("upload", src_dir=src, files=ops.transfer(pkg)), pkg,
                     pre["backend"], pre["arch"], bdir, current, int(args.get("max_jobs", 4)),
                     float(args.get("build_timeout", 1800)), result)
                 result["changed"] = True
             if current == key:
                 return result
-            plan = ansibleops.kernel_change(pkg, root, link, current, key,
-                                            "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
+            plan = ops.kernel_change(pkg, root, link, current, key,
+                                     "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
             wrote = self._module(PATCH, {"plan": plan, "commit": bool(args.get("commit")), "state_dir": state_dir},
                                  task_vars)
             if wrote.get("failed"):

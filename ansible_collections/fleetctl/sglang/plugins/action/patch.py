@@ -30,24 +30,24 @@ class ActionModule(ActionBase):
             result.update(self._module(MODULE, dict(args), task_vars))
             return result
         try:
-            from fleetctl.collection import ops as ansibleops
+            from fleetctl.collection import ops
             from fleetctl.errors import ParseError
             from fleetctl.errors import HostFailed
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
         try:
-            ansibleops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
-            host = ansibleops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
-            playbook = ansibleops.load(args.get("playbook", "defrag-tier0"), args.get("playbooks_dir"))
+            ops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
+            host = ops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
+            playbook = ops.load(args.get("playbook", "defrag-tier0"), args.get("playbooks_dir"))
             gathered = self._module(INSPECT, {"python": host.python, "with_sources": True}, task_vars)
             if gathered.get("failed"):
                 return dict(result, failed=True, msg="inspect: %s" % gathered.get("msg"))
-            plans = ansibleops.plan(playbook, host, gathered, args.get("install"))
+            plans = ops.plan(playbook, host, gathered, args.get("install"))
         except (HostFailed, ParseError) as e:
             return dict(result, failed=True, msg=str(e))
-        result["plans"] = ansibleops.summary(plans)
-        result["diff"] = ansibleops.diffs(plans)
-        todo = ansibleops.changes(playbook, plans, "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
+        result["plans"] = ops.summary(plans)
+        result["diff"] = ops.diffs(plans)
+        todo = ops.changes(playbook, plans, "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
         result["changed"] = bool(todo)
         if not todo or self._task.check_mode:
             return result
@@ -60,10 +60,10 @@ class ActionModule(ActionBase):
             result["changes"].append({"install": plan.install, "change_id": change["change_id"],
                                       "files": [f["path"] for f in change["files"]]})
             problems = []
-            if "reinspect" in ansibleops.checks(playbook, plan):
+            if "reinspect" in ops.checks(playbook, plan):
                 again = self._module(INSPECT, {"python": host.python, "with_sources": True}, task_vars)
                 problems = ["reinspect: %s" % again.get("msg")] if again.get("failed") else \
-                    ansibleops.reinspect(playbook, plan, host, inst, again)
+                    ops.reinspect(playbook, plan, host, inst, again)
             if problems:
                 undone = [self._module(MODULE, dict(base, state="rolled_back", change_id=c["change_id"]), task_vars)
                           for c in reversed(result["changes"])]

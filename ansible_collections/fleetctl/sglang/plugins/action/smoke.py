@@ -19,17 +19,17 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
-        from fleetctl.collection import ops as ansibleops
+        from fleetctl.collection import ops
         from fleetctl.config import REQUEST_TIMEOUT_S
         from fleetctl.errors import HostFailed
         from fleetctl.engine.validate import SmokeOptions
 
         args = self._task.args
         try:
-            ansibleops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
+            ops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
         except HostFailed as e:
             return dict(result, failed=True, msg=str(e))
-        host = ansibleops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
+        host = ops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
         opts = SmokeOptions(health_timeout=float(args.get("health_timeout", 600)), repeat=int(args.get("repeat", 3)),
                             latency_tolerance=float(args.get("latency_tolerance", 1.25)),
                             allow_token_drift=bool(args.get("allow_token_drift", False)))
@@ -38,8 +38,8 @@ class ActionModule(ActionBase):
             g = self._execute_module(module_name="fleetctl.sglang.inspect", module_args={"scan": False},
                                      task_vars=task_vars)
             facts = g.get("facts")
-        params = ansibleops.smoke_params(host, facts, opts, args.get("offline_cmd"),
-                                         float(args.get("request_timeout", REQUEST_TIMEOUT_S)))
+        params = ops.smoke_params(host, facts, opts, args.get("offline_cmd"),
+                                  float(args.get("request_timeout", REQUEST_TIMEOUT_S)))
         ran = self._execute_module(module_name="fleetctl.sglang.smoke", module_args=params, task_vars=task_vars)
         if ran.get("failed"):
             return dict(result, **ran)
@@ -47,11 +47,11 @@ class ActionModule(ActionBase):
         result.update(changed=False, smoke=res)
         baseline = args.get("baseline")
         if not baseline:
-            bad = ansibleops.smoke_problems(res)
+            bad = ops.smoke_problems(res)
             if bad:
                 result.update(failed=True, msg="smoke failed: " + "; ".join(bad))
             return result
-        verdict = ansibleops.gate_verdict(host, baseline, res, opts)
+        verdict = ops.gate_verdict(host, baseline, res, opts)
         result["validation"] = verdict
         if verdict["failed"]:
             return dict(result, failed=True, msg="validation failed: %s" % verdict["message"])
