@@ -1,4 +1,4 @@
-"""Ansible's own view of an inventory source, for tests/test_inventory_ansible.py (run by the
+"""Ansible's own view of an inventory source, for tests/machine/test_inventory_ansible.py (run by the
 venv's python that has ansible-core): every host's groups and its connection vars, each templated
 by Ansible's Templar with hostvars in context, as a play would see them.
 

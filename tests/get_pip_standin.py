@@ -5,7 +5,7 @@ list` as the test saw it, {option: value} in get_pip_settings.json beside this f
 venv's own pip.conf, which every later pip
 run in that venv reads; then pip is bootstrapped from the interpreter's bundled wheel (ensurepip)
 and what ansible-test asked for (its arguments, less get-pip's own --no-setuptools/--no-wheel) is
-installed from the package index. tests/test_ansible_sanity.py puts both files where ansible-test
+installed from the package index. tests/machine/test_ansible_sanity.py puts both files where ansible-test
 looks for its cached copy."""
 
 import ensurepip

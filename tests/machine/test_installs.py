@@ -631,7 +631,6 @@ def test_apply_says_the_package_directory_was_not_found_not_no_need_sort(install
 
 
 def test_apply_and_rollback_on_a_wheel_install_by_id(installs, local):
-    from fleetctl.engine.ledger import rollback_job
     fleet, hosts, state = local
     sp = Path(site_packages(installs["env"]))
     runner = sp / RUNNER

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -81,3 +82,28 @@ def test_a_probe_imports_other_probes_one_way_only(tmp_path, monkeypatch):
     finally:
         probes.imports.cache_clear()
         probes._load_order.cache_clear()
+
+
+def whole_source_imports(name: str) -> tuple[str, ...]:
+    """A second reading: every relative ImportFrom in the probe's whole ast, in source order."""
+    nodes = [n for n in ast.walk(ast.parse(probes.source(name))) if isinstance(n, ast.ImportFrom) and n.level]
+    found: list[str] = []
+    for n in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+        found += [a.name for a in n.names if a.name not in found]
+    return tuple(found)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_import_reading_equals_the_whole_source_ast(name):
+    assert probes.imports(name) == whole_source_imports(name)
+
+
+def test_parenthesised_and_indented_imports_are_read(monkeypatch):
+    texts = {"a": "import os\n\ndef f():\n    from . import (b,\n                   c)  # two\n"
+                  "x = 'from . import d'\n", "b": "", "c": "", "d": ""}
+    monkeypatch.setattr(probes, "source", texts.__getitem__)
+    probes.imports.cache_clear()
+    try:
+        assert probes.imports("a") == ("b", "c") == whole_source_imports("a")
+    finally:
+        probes.imports.cache_clear()

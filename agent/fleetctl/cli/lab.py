@@ -66,7 +66,7 @@ def lab_inventory(lab_id: LabId = 0) -> None:
 
 @app.command("fault")
 def lab_fault(host: str, kind: Annotated[str, typer.Argument(
-        help="delay MS | down | up | freeze | thaw | rekey | hang | unhang")],
+        help="delay MS | down | up | freeze | thaw | rekey | unrekey | hang | unhang")],
               arg: Annotated[Optional[str], typer.Argument(help="MS for delay")] = None,
               lab_id: LabId = 0) -> None:
     """Inject or clear a fault on one lab host."""

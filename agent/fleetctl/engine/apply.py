@@ -13,7 +13,7 @@ then the installs changed before it in this run are rolled back too).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, TypedDict
 
 from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
 from ..config import CHECK_TIMEOUT_S, RESTART_CMD
@@ -122,6 +122,21 @@ def _plan_data(plan: HostPlan) -> dict:
     return d
 
 
+class CheckData(TypedDict, total=False):
+    """A check pass's data (`apply --check`, and the plan an apply shows first): plan (every
+    install's plan as one: HostPlan.to_dict without new texts, secrets redacted; files, edits,
+    already_applied and left_alone each name their install), plans (one per install),
+    skipped_reason, install_sglang ({install id: its sglang facts}), pending (change ids a
+    killed run left pending), texts ({path: {pre_text, post_text}}, for --export-patch only)."""
+
+    plan: dict
+    plans: list
+    skipped_reason: str | None
+    install_sglang: dict
+    pending: list
+    texts: dict
+
+
 def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
     """One host's check result over its installs' plans: failed when one is, else changed when
     one changes, ok when one is ok, else skipped. data["plans"]: each plan; data["plan"]: all of
@@ -137,9 +152,9 @@ def _planned_result(ctx: HostContext, plans: list[HostPlan]) -> HostResult:
     for key in ("files", "edits", "already_applied", "left_alone"):
         merged[key] = [dict(x, install=d["install"]) for d in datas for x in d[key]]
     reason = "; ".join(why) or None
-    return ctx.result(status, reason if status == HostStatus.FAILED else None,
-                      data={"plan": merged, "plans": datas,
-                            "skipped_reason": reason if status == HostStatus.SKIPPED else None})
+    data: CheckData = {"plan": merged, "plans": datas,
+                       "skipped_reason": reason if status == HostStatus.SKIPPED else None}
+    return ctx.result(status, reason if status == HostStatus.FAILED else None, data=data)
 
 
 def check_job(playbook: Playbook, state_dir: str, install: str | None = None, texts: bool = False,

@@ -19,11 +19,14 @@ HANG_SCRIPT = "#!/bin/sh\n# fleetctl lab fault: an interpreter that hangs foreve
 def _delay(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
     """`delay MS`: each direction, by the host's delayproxy (SIGHUP rereads <host dir>/delay_ms);
     0 clears. Raises UsageError unless MS is a whole number >= 0."""
+    if arg is None:
+        raise UsageError("delay needs MS: a whole number of milliseconds >= 0 (0 clears)")
     try:
         ms = int(arg)
-        assert ms >= 0
-    except (TypeError, ValueError, AssertionError):
-        raise UsageError(f"delay needs a whole number of milliseconds >= 0, not {arg!r}") from None
+    except ValueError:
+        ms = -1
+    if ms < 0:
+        raise UsageError(f"delay needs a whole number of milliseconds >= 0, not {arg!r}")
     (host_dir(sd, h["name"]) / "delay_ms").write_text(f"{ms}\n")
     os.kill(h["proxy_pid"], signal.SIGHUP)
     h["faults"]["delay_ms"] = ms
