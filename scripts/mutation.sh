@@ -5,7 +5,7 @@
 # pyproject.toml [tool.mutmut]; never the lab tests, never the tests that scan whole releases).
 # Not part of CI: it takes minutes to tens of minutes.
 #
-# Usage: scripts/mutation.sh [MODULE ...]   MODULE: patterns plan gate change callsites (default: all)
+# Usage: scripts/mutation.sh [MODULE ...]   MODULE: patterns plan gate change safefs callsites (default: these)
 # Env:   MUTATION_JOBS   mutants tested in parallel (default 2)
 #        MUTATION_ONLY   space-separated mutant names or name patterns (fnmatch): test only these
 #                        (a rerun of survivors, or one part of a module, each in its own stage dir)
@@ -21,7 +21,7 @@ set -f  # the mutant name patterns below are globs for mutmut, not for the shell
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 modules=("$@")
-[ ${#modules[@]} -gt 0 ] || modules=(patterns plan gate change callsites)
+[ ${#modules[@]} -gt 0 ] || modules=(patterns plan gate change safefs callsites)
 # one copy per module set, and per MUTATION_ONLY selection (runs of different subsets coexist)
 STAGE=$ROOT/.mutation/$(IFS=-; echo "${modules[*]}")${MUTATION_ONLY:+-only-$(md5sum <<< "$MUTATION_ONLY" | cut -c1-8)}
 JOBS=${MUTATION_JOBS:-2}
@@ -49,12 +49,12 @@ head = head.replace('pythonpath = ["agent"]', 'pythonpath = ["src"]')
 tail = re.sub(r'only_mutate = \[.*?\]', "only_mutate = [%s]" % ", ".join(
     '"%s"' % f.replace("agent/", "src/", 1) for f in files), tail, flags=re.S)
 tail = tail.replace('source_paths = ["agent"]', 'source_paths = ["src"]')
-if wanted == ["change"]:
+if wanted and set(wanted) <= {"change", "safefs"}:
     # only tests/unit/test_change_probe.py reaches the change probe (a full run's stats say so): a
     # change-only run need not collect, time and clean-run the other modules' tests
     tail = re.sub(r'pytest_add_cli_args_test_selection = \[.*?\]',
                   'pytest_add_cli_args_test_selection = ["tests/unit/test_change_probe.py"]', tail, flags=re.S)
-if not wanted or "change" in wanted:
+if not wanted or {"change", "safefs"} & set(wanted):
     # mutmut picks a mutant's tests by the functions each test reached in this process; these
     # tests reach the change probe only in a child process (they SIGKILL it), so they run for
     # every mutant instead
@@ -71,8 +71,8 @@ EOF
 #   plan       the edit and the diff the operator approves: _edit_file, the comment position
 #              (_Source.line_end_after), the pre-image check (_checked_source), one_line
 #   gate       all of it
-#   change     apply and what it undoes on failure (_undo_written, _restore), the writes that
-#              cannot be redirected (probes/safefs.py: atomic_write, open_dir, confine) and recover
+#   change     apply and what it undoes on failure (_undo_written, _restore), and recover
+#   safefs     the writes that cannot be redirected: atomic_write, open_dir, confine
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [patterns]='fleetctl.inventory.patterns.*'
@@ -80,8 +80,8 @@ declare -A SCOPE=(
             fleetctl.engine.plan.x__checked_source__* fleetctl.engine.plan.x_one_line__*'
     [gate]='fleetctl.engine.gate.*'
     [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
-              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_recover__*
-              fleetctl.probes.safefs.x_atomic_write__* fleetctl.probes.safefs.x_open_dir__*
+              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_recover__*'
+    [safefs]='fleetctl.probes.safefs.x_atomic_write__* fleetctl.probes.safefs.x_open_dir__*
               fleetctl.probes.safefs.x_confine__*'
     [callsites]='fleetctl.probes.callsites.x__walk__* fleetctl.probes.callsites.x__scan_source__*
                  fleetctl.probes.callsites.x__call_site__* fleetctl.probes.callsites.x__origin__*'
