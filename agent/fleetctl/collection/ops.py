@@ -117,15 +117,6 @@ def smoke_params(host: Host, facts: dict | None, opts: SmokeOptions, offline_cmd
             "offline_cmd": offline_cmd or host.smoke_cmd, "api_key": host.sglang_api_key}
 
 
-def smoke_problems(res: dict) -> list[str]:
-    """What failed in a smoke result ({"servers", "offline"}): ["host:port: error", "offline ..."]."""
-    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
-    off = res.get("offline")
-    if off is not None and not off["ok"]:
-        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}): {' | '.join(off['tail'][-3:])}")
-    return bad
-
-
 def gate_verdict(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> dict:
     """The validation gate of `after` against `baseline` (validate.gate): its to_dict(), with
     "failed" (bool) and "message"."""

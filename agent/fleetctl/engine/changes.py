@@ -39,7 +39,7 @@ from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
 from ..probes import redact
-from .validate import SmokeOptions, gate, smoke
+from .validate import SmokeOptions, gate, smoke, smoke_problems
 from ..vocab import ChangeState, GateStatus, HostStatus
 
 RESTART_HANDLER = "restart sglang"
@@ -241,10 +241,7 @@ def refuse_failing_baseline(baseline: dict | None) -> None:
     server that is down): a change could only fail its gate and cost two restarts."""
     if baseline is None:
         return
-    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in baseline["servers"] if not s["ok"]]
-    off = baseline.get("offline")
-    if off is not None and not off["ok"]:
-        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}): {' | '.join(off['tail'][-3:])}")
+    bad = smoke_problems(baseline)
     if bad:
         raise HostFailed("baseline smoke failed: not changing this host: " + "; ".join(bad))
 

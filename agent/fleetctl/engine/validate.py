@@ -90,6 +90,17 @@ class ValidateData(TypedDict):
     offline: dict | None
 
 
+def smoke_problems(res: dict) -> list[str]:
+    """What failed in a smoke result ({"servers", "offline"}: probes/smoke.py):
+    ["HOST:PORT: error", "offline check 'CMD' failed (exit N[, timed out]): last lines"]."""
+    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
+    off = res.get("offline")
+    if off is not None and not off["ok"]:
+        bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
+                   f"{', timed out' if off.get('timed_out') else ''}): {' | '.join(off['tail'][-3:])}")
+    return bad
+
+
 def validate_job(opts: SmokeOptions, install: str | None = None):
     """The `fleetctl validate` job: ok when every server (of install `install` when given)
     decodes its 16 greedy tokens (and the offline check, if any, passes); failed otherwise;
@@ -103,14 +114,10 @@ def validate_job(opts: SmokeOptions, install: str | None = None):
             facts = install_facts(g, find_install(g, install)) if install else g["facts"]
         res: ValidateData = smoke(ctx, facts, opts)
         r = ctx.result(HostStatus.OK, data=res)
-        bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
-        off = res.get("offline")
-        if off is not None and not off["ok"]:
-            bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
-                       f"{', timed out' if off['timed_out'] else ''}): {' | '.join(off['tail'][-3:])}")
+        bad = smoke_problems(res)
         if bad:
             r.status, r.error = HostStatus.FAILED, "; ".join(bad)
-        elif not res["servers"] and off is None:
+        elif not res["servers"] and res.get("offline") is None:
             r.status, r.error = HostStatus.SKIPPED, "validation: skipped (no server)"
         return r
 

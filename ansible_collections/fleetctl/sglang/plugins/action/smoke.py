@@ -22,7 +22,7 @@ class ActionModule(ActionBase):
         from fleetctl.collection import ops
         from fleetctl.config import REQUEST_TIMEOUT_S
         from fleetctl.errors import HostFailed
-        from fleetctl.engine.validate import SmokeOptions
+        from fleetctl.engine.validate import SmokeOptions, smoke_problems
 
         args = self._task.args
         try:
@@ -47,7 +47,7 @@ class ActionModule(ActionBase):
         result.update(changed=False, smoke=res)
         baseline = args.get("baseline")
         if not baseline:
-            bad = ops.smoke_problems(res)
+            bad = smoke_problems(res)
             if bad:
                 result.update(failed=True, msg="smoke failed: " + "; ".join(bad))
             return result
