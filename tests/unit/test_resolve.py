@@ -262,7 +262,7 @@ def test_proxycommand_tokens_hostkeyalias_and_known_hosts_files(tmp_path):
 def test_paramiko_offers_agent_keys_then_files_and_identities_only_filters_the_agent(tmp_path):
     """IdentityAgent and IdentitiesOnly (ssh_config(5)) with a real ssh-agent; nothing dialled."""
     import paramiko
-    from fleetctl.connection.paramiko_ssh import _OpenSSHAuth
+    from fleetctl.connection.paramiko_dial import _OpenSSHAuth
 
     keys = {}
     for name in ("in_file", "agent_only"):

@@ -47,8 +47,8 @@ class Session:
 
     @property
     def jump_pool(self):
-        """The run's paramiko_ssh.JumpPool (one shared connection per bastion)."""
-        from .paramiko_ssh import JumpPool
+        """The run's paramiko_dial.JumpPool (one shared connection per bastion)."""
+        from .paramiko_dial import JumpPool
         return self._shared("jump_pool", JumpPool)
 
     @property
