@@ -131,13 +131,12 @@ class FleetOptions:
         """A Fleet with these options; `timeout` (seconds per host's job) replaces --timeout. Its
         progress goes to stderr, on a terminal and without --json. Raises UsageError (exit 5)."""
         timeout = self.timeout if timeout is None else timeout
+        given = settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection, self.ask_become_pass)
         for bad, msg in ((self.forks < 1, "--forks must be at least 1"), (timeout <= 0, "--timeout must be positive"),
                          (self.run_timeout is not None and self.run_timeout <= 0, "--run-timeout must be positive")):
             if bad:
                 raise UsageError(msg)
-        return Fleet(settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection,
-                              self.ask_become_pass),
-                     forks=self.forks, timeout=timeout,
+        return Fleet(given, forks=self.forks, timeout=timeout,
                      progress=err.is_terminal and not self.json_out, console=err, run_timeout=self.run_timeout)
 
 
