@@ -579,6 +579,34 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_the_apply_pass_writes_only_the_plan_it_was_shown(installs, local):
+    """The apply pass is bound to the check pass's plans (HostPlan post-images): a file that
+    changes between the plan shown and the write fails the host, and nothing is written."""
+    from fleetctl.engine.apply import ApplyOptions, check_then_apply
+    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.paths import find_playbook
+    fleet, hosts, state = local
+    checkout = installs["checkout"]
+    runner = checkout / RUNNER
+    original = runner.read_bytes()
+    meanwhile = original + b"# edited between the plan and the write\n"
+
+    def confirm(results, to_change):
+        assert [r.status for r in results] == ["changed"]
+        runner.write_bytes(meanwhile)
+
+    pb = load_playbook(find_playbook("defrag-tier0", None))
+    try:
+        out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=f"host:{checkout / 'sglang'}",
+                                                                state_dir=state), confirm)
+        [r] = out.results
+        assert r.status == "failed"
+        assert r.error.startswith("the plan for this host changed after it was shown and confirmed"), r.error
+        assert runner.read_bytes() == meanwhile
+    finally:
+        runner.write_bytes(original)
+
+
 def test_apply_status_rollback_on_a_git_checkout(installs, local):
     """The change lands in the checkout (not site-packages); status judges drift there against
     the ledger and git (run as the tree's owner, the repository's fsmonitor never run);
