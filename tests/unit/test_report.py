@@ -7,7 +7,8 @@ import io
 from rich.console import Console
 
 from fleetctl.engine.context import HostResult
-from fleetctl.cli.report import coalesce, host_list, render_handlers, render_inspect, render_status, render_validate
+from fleetctl.cli.report import (coalesce, host_list, render_deploy, render_handlers, render_inspect, render_status,
+                                 render_validate)
 
 
 def test_coalesce_groups_equal_values_in_first_seen_order():
@@ -138,3 +139,17 @@ def test_handlers_are_shown_with_the_plan_coalesced_and_redacted():
     assert out.getvalue().splitlines() == [
         "handlers run after the change — h1, h2:", "  restart sglang: systemctl restart sglang",
         "handlers run after the change — h3:", "  restart sglang: HF_TOKEN=<redacted> /opt/restart.sh [/x]"]
+
+
+def test_deploy_check_mode_says_what_would_happen_and_what_is_active_now():
+    """Check mode activates nothing: a host that would change shows its active build (the
+    previous key), one already on the key shows it; the build column says would build/reuse."""
+    new, old = "a" * 64, "b" * 64
+    base = {"check": True, "backend": "cpu", "arch": None, "build_key": new, "refusals": []}
+    out = io.StringIO()
+    render_deploy([HostResult("h1", "a1", "changed", data={**base, "previous": old, "reused": False}),
+                   HostResult("h2", "a2", "ok", data={**base, "previous": new, "reused": True})],
+                  Console(file=out, width=200))
+    rows = {line.split("│")[1].strip(): line for line in out.getvalue().splitlines() if line.count("│") > 3}
+    assert "would build" in rows["h1"] and old[:12] in rows["h1"] and new[:12] not in rows["h1"]
+    assert "would reuse" in rows["h2"] and new[:12] in rows["h2"]

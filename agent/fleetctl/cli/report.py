@@ -385,8 +385,8 @@ def render_status(results: list[HostResult], console: Console) -> None:
 
 
 def render_deploy(results: list[HostResult], console: Console) -> None:
-    """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused (check mode:
-    would build or reuse), validation."""
+    """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused, the active
+    build (check mode: would build or reuse, and the build active now), validation."""
     t = Table(title="deploy kernel", title_justify="left")
     for c in ("hosts", "status", "backend", "build", "active", "validation", "detail"):
         t.add_column(c, overflow="fold")
@@ -396,7 +396,9 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         key = (d.get("build_key") or "")[:12]
         built = ("would reuse" if d.get("reused") else "would build") if d.get("check") else (
             "reused" if d.get("reused") else (f"built in {d['build']['seconds']:.0f}s" if d.get("build") else ""))
-        active = key if r.status in (HostStatus.OK, HostStatus.CHANGED) else (d.get("previous") or "")[:12]
+        # changed in check mode: would activate `key`, and `previous` is still active
+        activated = r.status == HostStatus.OK or (r.status == HostStatus.CHANGED and not d.get("check"))
+        active = key if activated else (d.get("previous") or "")[:12]
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
                               (d.get("validation") or {}).get("status", ""), r.error or "")))
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
