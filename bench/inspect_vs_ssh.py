@@ -14,6 +14,12 @@ fault HOST delay D`: the lab's userspace delay proxy holds each chunk D ms each 
   fleetctl ssh           `inspect all --json -c ssh` (OpenSSH, per-run masters)
   fleetctl ssh, live     the same with an ssh_config whose ControlPath names the live masters
                          above (an operator's own ControlMaster setup): no connection is made
+  fleetctl warm, named   `inspect all --json` (paramiko) with `ansible_python_interpreter` set for
+                         every host (the usual Ansible inventory; issue 28: the trust check now
+                         rides on the probe's own start instead of a probe of its own)
+  baseline ...           with --baseline-agent DIR: the same named-interpreter line run by the
+                         fleetctl package in DIR (an older checkout's agent/), paired; run once
+                         untimed first (its probe sources key a cache of their own)
   floor: Python -S       xargs -P N ssh HOST "<the interpreter fleetctl recorded> -S -c pass": what
                          any Python probe costs before it does anything (fresh connections)
 
@@ -24,7 +30,7 @@ against that grep's own time on the host. The control process's CPU seconds (use
 /usr/bin/time. Host keys are verified by every client (known_hosts written by the lab).
 
 Usage (root):  python bench/inspect_vs_ssh.py [--hosts 16 64] [--delay-ms 10] [--runs 3]
-               [--lab-id 33] [--out bench/results/NAME.json]
+               [--lab-id 33] [--out bench/results/NAME.json] [--baseline-agent DIR]
 Lab ids lab_id, lab_id+1, ... are used per fleet size and taken down afterwards (unless --keep).
 Fabric and ansible-core: bench/requirements.txt.
 """
@@ -42,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from fleetctl import lab
 
 VENV_SP = "/opt/sglang/venv/lib/python3.11/site-packages"
@@ -51,6 +59,8 @@ GREP = (f"grep -rnE 'TokenToKVPoolAllocator\\(|need_sort=' {SRT}/model_executor/
 # A 2-CPU machine hosting 64 lab hosts: connects and a cold scan of all at once take longer than the defaults.
 CT = ["--connect-timeout", "60", "--timeout", "600"]
 GREP_RL = f"grep -rl -e TokenToKVPoolAllocator -e need_sort {VENV_SP}/sglang"
+# the interpreter an Ansible inventory names on every lab host (each has the release's venv)
+NAMED_PYTHON = "/opt/sglang/venv/bin/python"
 # Python started as fleetctl's probe starts it (the interpreter recorded on the host, no site), doing nothing
 PY_FLOOR = 'read -r p < /var/lib/fleetctl/scan-cache/interpreter && exec "$p" -S -c pass'
 # fleetctl's start on this machine without a host: the modules `inspect` imports
@@ -101,6 +111,10 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
                ANSIBLE_HOST_KEY_CHECKING="True",
                ANSIBLE_PRIVATE_KEY_FILE=key, ANSIBLE_FORKS=str(n), ANSIBLE_TIMEOUT="60",
                ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3")  # pyenv shims on the lab hosts mislead discovery
+    named_inv = home / "hosts-named-python.yaml"
+    doc = yaml.safe_load(Path(inv).read_text())
+    doc.setdefault("all", {}).setdefault("vars", {})["ansible_python_interpreter"] = NAMED_PYTHON
+    named_inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     cp = home / "cp"
     cp.mkdir(mode=0o700)
     masters_config = home / "ssh_config_masters"
@@ -131,8 +145,13 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
                                                       "-c", "ssh", *CT], None),
             "fleetctl warm (ssh, live masters)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--json",
                                                    "-c", "ssh", *CT], None),
+            "fleetctl warm, named interpreter (paramiko)": ([sys.executable, "-m", "fleetctl.cli", "inspect", "all",
+                                                             "--json", "-i", str(named_inv), *CT], None),
             "floor: OpenSSH starting Python -S": ([*xargs, *ssh, "root@{}", PY_FLOOR], "\n".join(addrs) + "\n"),
         }
+        if a.baseline_agent:
+            cmds["baseline warm, named interpreter (paramiko)"] = cmds["fleetctl warm, named interpreter (paramiko)"]
+        baseline_env = dict(env, PYTHONPATH=str(a.baseline_agent)) if a.baseline_agent else env
         # the operator's own ControlMaster setup, whose masters (opened above) are live
         masters_env = dict(env, FLEETCTL_SSH_CONFIG=str(masters_config))
         clear = [sys.executable, "-m", "fleetctl.cli", "cache", "clear", "all", "--json", *CT]
@@ -142,14 +161,18 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
             for name, (cmd, stdin) in cmds.items():
                 if name.startswith("fleetctl cold"):
                     check("cache clear", timed(clear, env))
-                r = timed(cmd, masters_env if "live masters" in name else env, stdin)
-                if name.startswith("fleetctl"):
+                if name.startswith("baseline"):  # its probe sources differ, and so its cache key: warm it first
+                    check(name, timed(cmd, baseline_env, stdin))
+                r = timed(cmd, masters_env if "live masters" in name else baseline_env if name.startswith("baseline")
+                          else env, stdin)
+                if name.startswith(("fleetctl", "baseline")):
                     docs[name] = json.loads(check(name, r)["out"])
                 elif r["rc"] != 0:  # a peer's failed run is kept (and said), not the end of the benchmark
                     print(f"{name} failed (exit {r['rc']}): {r['out'][-1500:]} {r['err'][-1500:]}", file=sys.stderr)
                 raw[name].append({k: r[k] for k in ("wall_s", "cpu_s", "rss_kb", "rc")})
         # one host: grep -rl over the package, against a warm inspect of that host
         single = {"ssh grep -rl (one 0.5.23 host)": [], "fleetctl warm (one 0.5.23 host)": [],
+                  "fleetctl warm, named interpreter (one 0.5.23 host)": [],
                   "floor: fleetctl's start, no host": [], "floor: ssh HOST python -S -c pass": []}
         remote_grep = []
         for _ in range(a.runs):
@@ -157,6 +180,9 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
             single["ssh grep -rl (one 0.5.23 host)"].append(r["wall_s"])
             r = check("inspect one", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json", *CT], env))
             single["fleetctl warm (one 0.5.23 host)"].append(r["wall_s"])
+            r = check("inspect one, named", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json",
+                                                   "-i", str(named_inv), *CT], env))
+            single["fleetctl warm, named interpreter (one 0.5.23 host)"].append(r["wall_s"])
             r = check("fleetctl start", timed([sys.executable, "-c", START], env))
             single["floor: fleetctl's start, no host"].append(r["wall_s"])
             r = check("python floor", timed([*ssh, f"root@{one['address']}", PY_FLOOR], env))
@@ -168,6 +194,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
         cold_doc = docs["fleetctl cold (paramiko)"]
         cold_one = next(h for h in cold_doc["hosts"] if h["host"] == one["name"])
         warm_one = next(h for h in docs["fleetctl warm (paramiko)"]["hosts"] if h["host"] == one["name"])
+        named_one = next(h for h in docs["fleetctl warm, named interpreter (paramiko)"]["hosts"] if h["host"] == one["name"])
         for addr in addrs:
             subprocess.run([*master, "-O", "exit", f"root@{addr}"], capture_output=True, timeout=30)
         return {
@@ -181,6 +208,7 @@ def fleet_run(n: int, a, lab_id: int, base_env: dict) -> dict:
                                   "timing": cold_one.get("timing")},
             "warm_probe_0.5.23": {"scan": {k: warm_one["scan"][k] for k in ("elapsed_s", "phases_s", "cache")},
                                   "timing": warm_one.get("timing")},
+            "warm_named_probe_0.5.23": {"timing": named_one.get("timing")},
         }
     finally:
         if not a.keep:
@@ -205,7 +233,10 @@ def report(res: dict, delay_ms: int, runs: int) -> str:
         s = r["single_median_s"]
         g, f = s["ssh grep -rl (one 0.5.23 host)"], s["fleetctl warm (one 0.5.23 host)"]
         start, py = s["floor: fleetctl's start, no host"], s["floor: ssh HOST python -S -c pass"]
-        lines.append(f"  one 0.5.23 host: ssh grep -rl {g:.2f} s, fleetctl warm {f:.2f} s: {f / g:.2f}x; floors: "
+        named = s["fleetctl warm, named interpreter (one 0.5.23 host)"]
+        lines.append(f"  one 0.5.23 host: ssh grep -rl {g:.2f} s, fleetctl warm {f:.2f} s: {f / g:.2f}x "
+                     f"(named interpreter {named:.2f} s: {named / g:.2f}x; timing "
+                     f"{r['warm_named_probe_0.5.23']['timing']}); floors: "
                      f"fleetctl's start (imports, no host) {start:.2f} s, ssh HOST python -S -c pass {py:.2f} s")
         c = r["cold_probe_0.5.23"]
         lines.append(f"  cold probe scan on 0.5.23: {c['scan']['elapsed_s']} s, phases {c['scan']['phases_s']}; "
@@ -231,6 +262,8 @@ def main() -> int:
     ap.add_argument("--lab-id", type=int, default=33)
     ap.add_argument("--out", type=Path, help="write the raw results (JSON) and the report (.txt) here")
     ap.add_argument("--keep", action="store_true", help="leave the labs up afterwards")
+    ap.add_argument("--baseline-agent", type=Path, help="an older checkout's agent/ directory: its fleetctl runs "
+                                                        "the named-interpreter line too (paired)")
     a = ap.parse_args()
     env = dict(os.environ)
     res = {"delay_ms": a.delay_ms, "runs": a.runs, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

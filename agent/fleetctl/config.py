@@ -72,7 +72,8 @@ SHARED_TREE = HostVar("fleetctl_shared_tree", bool, "the SGLang install is on a 
 SGLANG_API_KEY = HostVar("fleetctl_sglang_api_key", str, "the server's --api-key, sent by the smoke decode as "
                          "Authorization: Bearer (never printed)")
 CONTAINER_EXEC = HostVar("fleetctl_container_exec", str, "how to enter containers: docker, podman, crictl, "
-                         "nsenter or none (never); default: the runtime's CLI when on the host, else nsenter")
+                         "nsenter (fleetctl's entry, with the container process's uid, gid and no more "
+                         "capabilities) or none (never); default: the runtime's CLI when on the host, else none")
 
 HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY,
              CONTAINER_EXEC)

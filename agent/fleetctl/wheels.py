@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import FleetctlError
+from .hostpaths import release
 
 
 def cache_dir() -> Path:
@@ -22,8 +23,10 @@ def cache_dir() -> Path:
 
 
 def find_wheel(version: str, package: str = "sglang") -> Path | None:
-    """The cached wheel of `package==version`, or None if it is not cached."""
-    for w in sorted(cache_dir().glob(f"{package}-{version}-*.whl")):
+    """The cached wheel of `package==version`, or None if it is not cached. Raises
+    hostpaths.Refused when `version` (a host's, often) is not a canonical PEP 440 public version:
+    it is a glob here and a requirement for pip in ensure_wheel."""
+    for w in sorted(cache_dir().glob(f"{package}-{release(version)}-*.whl")):
         return w
     return None
 
@@ -32,9 +35,10 @@ def ensure_wheel(version: str, package: str = "sglang", timeout: float = 600.0) 
     """Return the wheel of `package==version`, downloading it into the cache if missing.
 
     Args: version like "0.5.10"; timeout in seconds for the download.
-    Raises FleetctlError when pip cannot download it (no such release, no network).
+    Raises FleetctlError when pip cannot download it (no such release, no network), and
+    hostpaths.Refused (one) before pip runs when `version` is not a canonical PEP 440 public version.
     """
-    w = find_wheel(version, package)
+    w = find_wheel(version, package)  # checks `version` (hostpaths.release)
     if w is not None:
         return w
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",

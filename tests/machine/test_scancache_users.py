@@ -27,8 +27,8 @@ def nobody_home():
     shutil.rmtree(home, ignore_errors=True)
 
 
-def run_finder(home: Path, record: str | None, link: bool = False, owner: int = NOBODY, main: str = "facts") -> str:
-    """probes.command(None, main) run as nobody (setpriv), with its cache in home/cache/fleetctl and
+def run_finder(home: Path, record: str | None, link: bool = False, owner: int = NOBODY) -> str:
+    """probes.command(None) run as nobody (setpriv), with its cache in home/cache/fleetctl and
     /usr/bin:/bin as PATH; `record` written there (through a symlink with `link`, owned by
     `owner`): the stdout of whatever it started (the fake interpreter prints its first argument)."""
     from fleetctl import probes
@@ -50,23 +50,29 @@ def run_finder(home: Path, record: str | None, link: bool = False, owner: int = 
         os.chown(rec, owner, owner)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / "cache")}
     r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                        *probes.command(None, main)], input=b"", capture_output=True, env=env, timeout=60)
+                        *probes.command(None)], input=b"", capture_output=True, env=env, timeout=60)
     return r.stdout.decode()
 
 
 def test_a_probe_starts_the_recorded_interpreter_directly(nobody_home):
     from fleetctl import probes
     fake = str(nobody_home / "fake-python")
-    # a stdlib probe starts without the site module; kbuild (torch) with it
+    # every probe starts without the site module (kbuild runs site.main() itself, after its check)
     assert run_finder(nobody_home, fake).strip() == "RECORDED -S"
-    assert run_finder(nobody_home, fake, main="kbuild").strip() == "RECORDED -c"
+    # review N10: checked on every start: once the directory it lies in is writable by others,
+    # it is not run, and its record is removed
+    nobody_home.chmod(0o777)
+    out = run_finder(nobody_home, fake)
+    assert "RECORDED" not in out and result.MARKER in out, out
+    assert not (nobody_home / "cache" / "fleetctl" / scancache.INTERPRETER).exists()
+    nobody_home.chmod(0o755)
     # no record, one through a symlink, one of another owner, one naming a missing file: python3 on PATH
     for record, link, owner in ((None, False, NOBODY), (fake, True, NOBODY), (fake, False, 0),
                                 (str(nobody_home / "gone"), False, NOBODY)):
         out = run_finder(nobody_home, record, link, owner)
         assert "RECORDED" not in out and result.MARKER in out, (record, link, owner, out)
     # as root, the shell looks where the probe keeps root's cache
-    assert f"c={scancache.STATE_DIR}/scan-cache;" in probes.command(None, "facts")[2]
+    assert f"c={scancache.STATE_DIR}/scan-cache;" in probes.command(None)[2]
 
 
 def untimed(scan: dict) -> dict:
@@ -79,7 +85,7 @@ def run_probe_as_nobody(home: Path, doc: bytes, **extra_env: str) -> dict:
     from fleetctl import probes
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_CACHE_HOME": str(home / "cache"), **extra_env}
     r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                        *probes.command("/usr/bin/python3", "callsites")], input=doc, capture_output=True, env=env,
+                        *probes.command("/usr/bin/python3")], input=doc, capture_output=True, env=env,
                        timeout=60)
     return probes.parse_output(r.stdout, r.stderr, r.returncode)
 

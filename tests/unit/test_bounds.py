@@ -100,7 +100,7 @@ def test_smoke_reads_16_mib_at_most_and_never_through_a_proxy(huge_server, monke
         monkeypatch.setenv(var, f"http://127.0.0.1:{dead}")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    r = smoke.main({"servers": [{"host": "127.0.0.1", "port": huge_server}], "repeat": 1, "warmup": 0,
+    r = smoke.main({"servers": [{"pid": os.getpid(), "port": huge_server}], "repeat": 1, "warmup": 0,
                     "health_timeout": 10, "request_timeout": 30})
     [s] = r["servers"]
     assert s["health_wait_s"] is not None and s["health_wait_s"] < 5  # /health answered: no proxy used

@@ -13,7 +13,7 @@ import pytest
 from fleetctl.engine import containers
 from fleetctl.connection import command
 from fleetctl.errors import HostFailed
-from fleetctl.probes import containers as probe
+from fleetctl.probes import containers as probe, enter
 
 CID = "4f" * 32
 IMG = "9a" * 32
@@ -28,6 +28,7 @@ IMG = "9a" * 32
      "containerd", True),
     (f"0::/kubepods.slice/kubepods-pod1.slice/crio-{CID}.scope\n", "cri-o", True),
     (f"3:cpu:/kubepods/besteffort/pod1/{CID}\n", "unknown", True),
+    (f"0::/kubepods.slice/kubepods-pod1.slice/{CID}.scope\n", "unknown", True),
 ])
 def test_runtime_and_id_from_cgroup(text, runtime, kube):
     assert probe.from_cgroup(text) == (runtime, CID, kube)
@@ -35,16 +36,23 @@ def test_runtime_and_id_from_cgroup(text, runtime, kube):
 
 def test_no_container_in_cgroup():
     assert probe.from_cgroup("0::/user.slice/session-3.scope\n") == ("unknown", None, False)
+    # a 64-hex leaf outside kubepods names no runtime (it used to count as an "unknown" container)
+    assert probe.from_cgroup(f"0::/lxc.payload.c1/{CID}\n") == ("unknown", None, False)
 
 
 def test_entry_prefixes():
-    assert command.container_entry("podman", CID, 42) == ["podman", "exec", "-i", CID]
-    assert command.container_entry("crictl", CID, 42) == ["crictl", "exec", "-i", CID]
-    assert command.container_entry("nsenter", "", 42) == ["nsenter", "-t", "42", "-a", "--"]
+    proc = {"uid": 1000, "gid": 1001, "start_time": "98765"}
+    assert command.container_entry("podman", CID, 42, proc) == ["podman", "exec", "-i", CID]
+    assert command.container_entry("crictl", CID, 42, proc) == ["crictl", "exec", "-i", CID]
+    entry = command.container_entry("nsenter", "", 42, proc)
+    assert entry[:4] == ["python3", "-I", "-S", "-c"] and entry[5:] == ["42", "98765", "1000", "1001", "--"]
+    assert "setns" in entry[4] and "PR_SET_NO_NEW_PRIVS" in entry[4]  # probes/enter.py's source
+    with pytest.raises(ValueError, match="unknown: not entered"):
+        command.container_entry("nsenter", "", 42, {"uid": None, "gid": 0, "start_time": "1"})
     with pytest.raises(ValueError):
-        command.container_entry("docker", "name; rm -rf /", 42)
+        command.container_entry("docker", "name; rm -rf /", 42, proc)
     with pytest.raises(ValueError):
-        command.container_entry("lxc", CID, 42)
+        command.container_entry("lxc", CID, 42, proc)
 
 
 def _host(exec_=None):
@@ -52,14 +60,78 @@ def _host(exec_=None):
 
 
 def test_how_to_enter():
-    found = {"root": {"runtime": "podman"}}
+    """A container by its runtime's CLI when it is on the host; nsenter only when asked (review
+    N1); a rootless one only by nsenter; a foreign process never, whatever the inventory asks."""
+    found = {"kind": "container", "root": {"runtime": "podman", "pid": 7}}
     assert containers.how_to_enter(_host(), found, {"podman": True}) == ("podman", None)
     how, note = containers.how_to_enter(_host(), found, {"podman": False})
-    assert how == "nsenter" and "host root" in note
+    assert how is None and note == ("not entered: no podman on the host's PATH; fleetctl_container_exec: nsenter "
+                                    "enters it with its process's uid and gid and no more capabilities than it has")
     assert containers.how_to_enter(_host("none"), found, {"podman": True})[0] is None
-    assert containers.how_to_enter(_host("nsenter"), found, {"podman": True})[0] == "nsenter"
+    assert containers.how_to_enter(_host("nsenter"), found, {"podman": True}) == ("nsenter", containers.NSENTER_NOTE)
+    rootless = {"kind": "rootless", "reason": "a rootless container of uid 1000", "root": {"runtime": "podman", "pid": 7}}
+    assert containers.how_to_enter(_host(), rootless, {"podman": True}) == (
+        None, "not entered: a rootless container of uid 1000; fleetctl_container_exec: nsenter enters it as that user")
+    assert containers.how_to_enter(_host("nsenter"), rootless, {})[0] == "nsenter"
+    foreign = {"kind": "foreign", "reason": "its cgroup (/user.slice) names no container runtime",
+               "root": {"runtime": "unknown", "pid": 9}}
+    for asked in (None, "nsenter", "podman"):
+        assert containers.how_to_enter(_host(asked), foreign, {"podman": True}) == (
+            None, "not entered: pid 9 is no container's: its cgroup (/user.slice) names no container runtime")
     with pytest.raises(HostFailed, match="fleetctl_container_exec"):
         containers.how_to_enter(_host("ssh"), found, {})
+
+
+# /proc/self/mountinfo of a cgroup v1 + v2 hybrid host (this machine's layout) and of a v2 host
+HYBRID = ("30 25 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755\n"
+          "33 30 0:29 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+          "34 30 0:30 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+          "35 30 0:31 / /sys/fs/cgroup/systemd rw,nosuid - cgroup cgroup rw,xattr,name=systemd\n"
+          "36 30 0:32 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n")
+V2 = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def test_cgroup_targets_map_each_line_to_its_hierarchy():
+    text = f"4:memory:/libpod_parent/libpod-{CID}\n2:cpu,cpuacct:/x\n1:name=systemd:/s\n0::/\n"
+    assert enter.cgroup_targets(text, HYBRID) == [
+        f"/sys/fs/cgroup/memory/libpod_parent/libpod-{CID}/cgroup.procs", "/sys/fs/cgroup/cpu,cpuacct/x/cgroup.procs",
+        "/sys/fs/cgroup/systemd/s/cgroup.procs", "/sys/fs/cgroup/unified/cgroup.procs"]
+    assert enter.cgroup_targets("0::/system.slice/a.service\n", V2) == ["/sys/fs/cgroup/system.slice/a.service/cgroup.procs"]
+    with pytest.raises(ValueError, match="not mounted"):
+        enter.cgroup_targets("5:pids:/x\n", HYBRID)
+
+
+@pytest.mark.parametrize("cgroup, owner, kind, reason", [
+    (f"0::/machine.slice/libpod-{CID}.scope", 0, "container", None),
+    (f"0::/system.slice/docker-{CID}.scope", 1000, "foreign",
+     f"its cgroup directory /sys/fs/cgroup/system.slice/docker-{CID}.scope belongs to uid 1000, not root"),
+    (f"0::/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{CID}.scope", 1000, "rootless",
+     f"a rootless container of uid 1000 (its cgroup /user.slice/user-1000.slice/user@1000.service/user.slice/"
+     f"libpod-{CID}.scope is delegated to that user)"),
+    (f"0::/user.slice/user-65534.slice/user@65534.service/docker-{CID}.scope", 0, "foreign",
+     f"its cgroup /user.slice/user-65534.slice/user@65534.service/docker-{CID}.scope is under user@65534.service "
+     "but belongs to uid 0"),
+    ("0::/system.slice/sglang.service", 0, "service", None),
+    ("0::/system.slice/sglang.service", 1000, "foreign", "its cgroup (/system.slice/sglang.service) names no "
+                                                         "container runtime"),
+    ("0::/user.slice/user-1000.slice/session-3.scope", 0, "foreign",
+     "its cgroup (/user.slice/user-1000.slice/session-3.scope) names no container runtime"),
+    (f"0::/lxc.payload.c1/{CID}", 0, "foreign", f"its cgroup (/lxc.payload.c1/{CID}) names no container runtime"),
+])
+def test_classify_by_cgroup_and_its_owner(tmp_path, monkeypatch, cgroup, owner, kind, reason):
+    """Only a known runtime's root-owned, undelegated cgroup makes a container; a root-owned
+    system service is a host server; everything else is foreign, with the reason (review N1)."""
+    real_lstat = probe.os.lstat
+    d = tmp_path / "cg"
+    d.mkdir()
+
+    def lstat(path):
+        assert path == "/sys/fs/cgroup" + cgroup[3:], path
+        st = real_lstat(d)
+        return type("st", (), {"st_uid": owner, "st_mode": st.st_mode})()
+    monkeypatch.setattr(probe.os, "lstat", lstat)
+    got = probe.classify(cgroup + "\n", V2)
+    assert (got["kind"], got["reason"]) == (kind, reason)
 
 
 def test_record_path_keeps_hex_only():

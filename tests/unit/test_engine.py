@@ -235,7 +235,8 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
 
         def work(ctx, rec):
             res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
-            change = write_change(target, "X = 2\n", "c-l13", {}, handlers=[handler],
+            change = write_change(target, "X = 2\n", "c-l13", {"servers": [{"pid": server.pid, "port": port}]},
+                                  handlers=[handler],
                                   checks=lambda: ["a check failed"])
             change.smoke = True
             return execute(ctx, res, change, opts)

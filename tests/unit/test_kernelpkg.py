@@ -176,7 +176,7 @@ def test_results_do_not_enter_the_build_key(kroot):
 
 def test_preflight_through_the_probe_wrapper():
     """The probe as the host runs it: bundle on stdin to `python -c WRAPPER`."""
-    r = subprocess.run(probes.command(sys.executable, "kbuild"),
+    r = subprocess.run(probes.command(sys.executable),
                        input=probes.bundle("kbuild", {"action": "preflight", "backends": ["cpu", "cuda"]}),
                        capture_output=True, timeout=120)
     out = probes.parse_output(r.stdout, r.stderr, r.returncode)

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "agent" / "fleetctl"
 # rooms or lower ones. probes/ are sent to hosts (stdlib only) and import nothing of fleetctl's
 # outside probes/; lab/ is a demo wing that only the CLI's lab commands (cli/lab.py) import.
 LAYERS = {
-    "errors": 0, "vocab": 0, "probes": 0,
+    "errors": 0, "vocab": 0, "hostpaths": 0, "probes": 0,
     "config": 1, "paths": 1, "wheels": 1,
     "inventory": 2,
     "connection": 3,

@@ -280,3 +280,48 @@ def test_a_comment_that_would_break_its_line_is_refused(pb, src):
     plan = plan_host(pb, "h", {}, *host_inputs({"sglang/a.py": src}))
     assert (plan.status, plan.files) == ("failed", [])
     assert plan.reason.endswith("comment.j2 must render one '#' line holding 'fleetctl defrag-tier0:'"), plan.reason
+
+
+def renamed(inputs: tuple, old: str, new: str) -> tuple:
+    """(facts, findings, sources) with file `old` named `new` everywhere the host names it (each
+    finding's file, the keys of findings["files"] and of sources), as a hostile host's answer."""
+    facts, findings, sources = inputs
+    ren = lambda d: {(new if k == old else k): v for k, v in d.items()}  # noqa: E731
+    lists = {k: [dict(f, file=new) if f["file"] == old else f for f in v]
+             for k, v in findings.items() if k != "files"}
+    return facts, {**lists, "files": ren(findings["files"])}, ren(sources)
+
+
+HOSTILE = [("../x", "not relative to the install"), ("/x", "not relative to the install"),
+           ("sglang/a\x00b", "holds the character U+0000"), ("sglang/a\nb", "holds the character U+000A"),
+           ("sglang/../../x", "not relative to the install"), ("x.py", "not under sglang/")]
+
+
+@pytest.mark.parametrize("rel, why", HOSTILE)
+def test_a_finding_outside_the_install_is_refused(pb, rel, why):
+    """A host names a finding's file (and the same key in files and sources) outside the install:
+    the plan fails naming the path, with no file in it (review N2: plan.py joined it blindly)."""
+    inputs = renamed(host_inputs({"sglang/a.py": "need_sort = a or b\n"}), "sglang/a.py", rel)
+    assert inputs[1]["need_sort_origins"][0]["file"] == rel and set(inputs[2]) == {rel}
+    plan = plan_host(pb, "lab-04", {}, *inputs)
+    assert (plan.status, plan.reason) == ("failed", f"refused a path from the host: {rel!r} ({why})")
+    assert (plan.files, plan.edits) == ([], [])
+
+
+@pytest.mark.parametrize("where", ["files", "sources"])
+def test_a_stray_key_outside_the_install_is_refused(pb, where):
+    """A key no finding names, in findings["files"] or in sources, is refused all the same."""
+    facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a or b\n"})
+    (findings["files"] if where == "files" else sources)["../../etc/cron.d/x"] = \
+        {"sha256": "0" * 64, "size": 0} if where == "files" else "x = 1\n"
+    plan = plan_host(pb, "lab-04", {}, facts, findings, sources)
+    assert (plan.status, plan.reason, plan.files) == (
+        "failed", "refused a path from the host: '../../etc/cron.d/x' (not relative to the install)", [])
+
+
+def test_a_source_that_is_not_utf8_is_refused(pb):
+    """The probe sends None for a file that is not UTF-8 (probes/facts.py): refused, not a crash."""
+    facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a or b\n"})
+    sources["sglang/a.py"] = None
+    plan = plan_host(pb, "h", {}, facts, findings, sources)
+    assert (plan.status, plan.reason, plan.files) == ("failed", "sglang/a.py is not UTF-8 text", [])

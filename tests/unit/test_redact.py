@@ -49,7 +49,7 @@ def test_the_smoke_probe_redacts_its_offline_command_and_output_on_the_host():
     """Through the real bundle (redact loaded before smoke), as on a host."""
     params = {"offline_cmd": "HF_TOKEN=hf_secret sh -c 'echo api_key=sk-out; echo fine'"}
     doc = probes.bundle("smoke", params)
-    p = subprocess.run(probes.command(sys.executable, "smoke"), input=doc, capture_output=True, timeout=60)
+    p = subprocess.run(probes.command(sys.executable), input=doc, capture_output=True, timeout=60)
     out = probes.parse_output(p.stdout, p.stderr, p.returncode)["offline"]
     assert out["cmd"] == "HF_TOKEN=<redacted> sh -c 'echo api_key=<redacted>; echo fine'"
     assert out["tail"] == ["api_key=<redacted>", "fine"]

@@ -111,6 +111,19 @@ def test_status_and_validate_tables_tolerate_odd_data():
     assert "malformed data from the host: ValueError: Unknown format code 'f'" in text
 
 
+def test_validate_table_names_each_refused_target():
+    """A process that claimed a server's port it does not hold is a row of its own, with the
+    reason (review N6): the table does not hide what --json says."""
+    out = io.StringIO()
+    console = Console(file=out, width=300, color_system=None)
+    refused = {"pid": 4242, "host": "127.0.0.1", "port": 30000,
+               "reason": "port 30000 is held by pid 17, not by this server or its descendants"}
+    render_validate([HostResult("h1", "a", "ok", data={"servers": [], "refused": [refused, {"pid": HOSTILE}]})], console)
+    text = out.getvalue()
+    assert "refused: pid 4242 127.0.0.1:30000" in text and refused["reason"] in text
+    assert "\\x1b[1A" in text and "\x1b" not in text
+
+
 def test_status_shows_the_space_the_state_dir_uses_and_the_unscanned_files():
     out = io.StringIO()
     console = Console(file=out, width=300, color_system=None)

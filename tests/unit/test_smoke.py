@@ -1,15 +1,22 @@
-"""The smoke probe against live stand-in servers on loopback, its offline check, and the gate
-fed with real probe results."""
+"""The smoke probe against live stand-in servers on loopback, its offline check, the gate fed
+with real probe results, and where the API key goes (review N6: only to an identified server's
+own listening socket)."""
 
 import copy
+import http.server
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
 from fleetctl.engine import gate
 from fleetctl.lab import standin
-from fleetctl.probes import smoke
+from fleetctl.probes import procs, smoke
 
 BEHAVIORS = {"normal": {}, "shift": {"token_shift": 3}, "slow": {"slowdown": 4.0},
              "never": {"never_healthy": True}, "short": {"truncate_tokens": 8}}
@@ -21,22 +28,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+PID_OF = {}  # port -> pid of the stand-in listening there (the `ports` fixture's)
+
+
 @pytest.fixture(scope="module")
 def ports(tmp_path_factory):
-    procs, ports = [], {}
+    started, ports = [], {}
     for name, behavior in BEHAVIORS.items():
         ports[name] = free_port()
-        procs.append(standin.start_local(ports[name], behavior, tmp_path_factory.mktemp(name)))
+        started.append(standin.start_local(ports[name], behavior, tmp_path_factory.mktemp(name)))
+        PID_OF[ports[name]] = started[-1].pid
     for name in ("normal", "shift", "slow", "short"):
         assert smoke.wait_healthy("http://127.0.0.1:%d" % ports[name], 60)[0], name
     yield ports
-    for p in procs:
+    for p in started:
         p.terminate()
         p.wait(10)
 
 
-def probe(port, **params):
-    return smoke.main(dict(params, servers=[{"host": "127.0.0.1", "port": port}]))
+def probe(port, pid=None, **params):
+    """The smoke probe on the server `pid` (default: the stand-in on `port`) that claims `port`,
+    as the control side names an identified server."""
+    return smoke.main(dict(params, servers=[{"pid": pid or PID_OF[port], "port": port, "host": "127.0.0.1"}]))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +81,7 @@ def test_probe_waits_through_startup(tmp_path):
     t0 = time.monotonic()
     proc = standin.start_local(port, {"unhealthy_for_s": 2}, tmp_path)
     try:
-        s = probe(port, repeat=1, health_timeout=60)["servers"][0]
+        s = probe(port, proc.pid, repeat=1, health_timeout=60)["servers"][0]
     finally:
         proc.terminate()
         proc.wait(10)
@@ -85,8 +98,12 @@ def test_health_deadline_exceeded(ports):
 
 
 def test_nothing_listening(ports):
-    s = probe(free_port(), health_timeout=0.5)["servers"][0]
-    assert not s["ok"] and "no answer" in s["error"]
+    port = free_port()
+    t0 = time.monotonic()
+    s = probe(port, os.getpid(), health_timeout=0.5)["servers"][0]
+    assert 0.5 <= time.monotonic() - t0 < 5 and not s["ok"] and s["runs"] == []
+    assert s["error"] == ("health deadline exceeded after 0 s: no listener on port %d of pid %d or its descendants"
+                          % (port, os.getpid()))
 
 
 def test_wrong_token_count_detected(ports):
@@ -174,3 +191,137 @@ def test_gate_offline_only():
     bad = smoke.main({"offline_cmd": "echo numerics off; exit 1"})
     res = gate.compare(ok, bad)
     assert res.failed and "exit 1" in res.message and "numerics off" in res.message
+
+
+class Recorder(http.server.ThreadingHTTPServer):
+    """A loopback HTTP listener of this test's own process (no identified server's) that keeps
+    the headers of every request it gets and answers 200 {}."""
+
+    def __init__(self):
+        self.got = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                recorder.got.append(dict(self.headers))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *a):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def recorder():
+    r = Recorder()
+    yield r
+    r.shutdown()
+    r.server_close()
+
+
+@pytest.fixture
+def claimers():
+    """Two processes that listen on nothing: what a local user starts with a server's argv."""
+    started = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(2)]
+    yield [p.pid for p in started]
+    for p in started:
+        p.kill()
+        p.wait(10)
+
+
+KEY = "sk-test-n6-secret"
+
+
+def test_the_key_goes_only_to_the_servers_own_socket(ports, recorder, claimers):
+    """Review N6: of three identified "servers" (the control side's names), the stand-in that
+    holds its port is decoded with the key; one that claims the stand-in's port and one that claims
+    a port this test's own listener holds are refused, named with pid, port and why; the
+    listener got no request at all."""
+    normal, (one, two) = ports["normal"], claimers
+    r = smoke.main({"api_key": KEY, "repeat": 1, "health_timeout": 10, "servers": [
+        {"pid": PID_OF[normal], "port": normal, "host": "127.0.0.1"},
+        {"pid": one, "port": normal, "host": "127.0.0.1"},
+        {"pid": two, "port": recorder.port, "host": "127.0.0.1"}]})
+    assert recorder.got == []
+    [s] = r["servers"]
+    assert (s["pid"], s["host"], s["port"], s["ok"]) == (PID_OF[normal], "127.0.0.1", normal, True), s
+    assert r["refused"] == [
+        {"pid": one, "host": "127.0.0.1", "port": normal,
+         "reason": "port %d is server pid %d's listener, not this process's or its descendants'"
+                   % (normal, PID_OF[normal])},
+        {"pid": two, "host": "127.0.0.1", "port": recorder.port,
+         "reason": "port %d is the listener of a process that is no identified server, not this process's or its "
+                   "descendants'" % recorder.port}]
+    assert KEY not in repr(r)
+
+
+def test_an_inventory_port_is_used_only_where_an_identified_server_listens(ports, recorder, claimers):
+    """fleetctl_sglang_port selects among the identified servers' sockets: the stand-in's port is
+    decoded; a port only this test's listener holds is refused with the reason (and the server
+    that claims it is named), nothing sent."""
+    normal, claimer = ports["normal"], claimers[0]
+    named = [{"pid": PID_OF[normal], "port": normal, "host": "127.0.0.1"},
+             {"pid": claimer, "port": recorder.port, "host": "127.0.0.1"}]
+    ok = smoke.main({"api_key": KEY, "repeat": 1, "servers": named, "port": normal, "host": "127.0.0.1"})
+    assert [(s["pid"], s["port"], s["ok"]) for s in ok["servers"]] == [(PID_OF[normal], normal, True)]
+    assert ok["refused"] == []
+    refused = smoke.main({"api_key": KEY, "repeat": 1, "servers": named, "port": recorder.port, "host": "127.0.0.1"})
+    assert refused["servers"] == [] and recorder.got == []
+    assert refused["refused"] == [
+        {"pid": None, "host": "127.0.0.1", "port": recorder.port,
+         "reason": "fleetctl_sglang_port %d: 127.0.0.1:%d is the listener of a process that is no identified server"
+                   % (recorder.port, recorder.port)},
+        {"pid": claimer, "host": "127.0.0.1", "port": recorder.port,
+         "reason": "port %d is the listener of a process that is no identified server, not this process's or its "
+                   "descendants'" % recorder.port}]
+
+
+def test_a_restarted_server_is_followed_to_its_successor(tmp_path):
+    """The baseline named the server as the facts probe identified it (procs.find_servers: pid,
+    interpreter, import path, port); after a restart (new pid, the same interpreter and port, but
+    started from another environment: a handler's, whose PYTHONPATH differs) the probe decodes
+    the new process, and only because it holds the port."""
+    home = tmp_path / "fleetctl-standin"
+    home.mkdir()
+    shutil.copy(standin.SERVER, home / "server.py")
+    port = free_port()
+
+    def start(**env):
+        return subprocess.Popen([sys.executable, str(home / "server.py"), "--port", str(port),
+                                 "--behavior", str(tmp_path / "none.json")], cwd=tmp_path, env=dict(os.environ, **env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    first = start()
+    try:
+        assert smoke.wait_healthy("http://127.0.0.1:%d" % port, 60)[0]
+        servers = {s["pid"]: s for s in procs.find_servers()[0]}
+        assert first.pid in servers, servers
+        identified = servers[first.pid]
+        named = {k: identified[k] for k in ("pid", "python", "port", "host")}  # as validate.smoke_targets names it
+        assert named["port"] == port and identified["import_path"][0] == str(home)
+        first.terminate()
+        first.wait(10)
+        second = start(PYTHONPATH=str(tmp_path))
+        try:
+            r = smoke.main({"servers": [named], "repeat": 1, "health_timeout": 60})
+            again = {s["pid"]: s for s in procs.find_servers()[0]}.get(second.pid, {})
+        finally:
+            second.terminate()
+            second.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(10)
+    assert again.get("import_path") not in (None, identified["import_path"])  # another environment's
+    assert len(r["servers"]) == 1, r
+    [s] = r["servers"]
+    assert (s["pid"], s["port"], s["ok"]) == (second.pid, port, True), s
+    assert r["refused"] == []

@@ -281,7 +281,9 @@ def render_recover(results: list[HostResult], console: Console) -> None:
 
 
 def render_validate(results: list[HostResult], console: Console) -> None:
-    """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s."""
+    """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s; a row per
+    refused target (data["refused"]: a process that claimed a server's port it does not hold,
+    which was sent nothing)."""
     t = Table(title="fleetctl validate", title_justify="left")
     for c in ("host", "status", "server", "health wait", "tokens", "median latency", "tokens/s", "detail"):
         t.add_column(c, overflow="fold")
@@ -302,6 +304,10 @@ def render_validate(results: list[HostResult], console: Console) -> None:
                         f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "", s.get("error") or ""]
 
             t.add_row(text(r.host), status, *map(text, _tolerant(cells, 6)))
+        for f in (r.data or {}).get("refused") or []:  # not smoke-tested, nothing sent (review N6)
+            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
+                      *map(text, _tolerant(lambda f=f: [f"refused: pid {f.get('pid')} {f.get('host')}:{f.get('port')}",
+                                                        "", "", "", "", f.get("reason") or ""], 6)))
         off = (r.data or {}).get("offline")
         if off:
             t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),

@@ -3,9 +3,15 @@
 fleetctl reaches a host with what OpenSSH's `ssh -G` resolves from the ssh_config it is given
 (--ssh-config / $FLEETCTL_SSH_CONFIG, see connection.resolve); ansible-playbook reads no such file
 unless told. So each host gets `ansible_ssh_private_key_file` (the first identity file resolved)
-and `ansible_ssh_common_args: -o UserKnownHostsFile=...` (the known_hosts files resolved, host
-keys still checked: StrictHostKeyChecking=yes), on top of the inventory's own vars as fleetctl
-read them (templated vars rendered, vault values left out: Ansible decrypts its own).
+and `ansible_ssh_common_args: -o UserKnownHostsFile=... -o StrictHostKeyChecking=yes` (the
+known_hosts files resolved, host keys still checked) before the inventory's own args (OpenSSH
+keeps the first value, so a `StrictHostKeyChecking=no` there does not weaken it), on top of the
+inventory's own vars as fleetctl read them (templated vars rendered, vault values left out:
+Ansible decrypts its own).
+
+The export is for ansible-playbook, not for fleetctl: fleetctl takes known_hosts files only from
+ssh_config, and refuses an inventory whose args set UserKnownHostsFile (exit 4, saying to give it
+the inventory the export was made from; connection/hostkey_policy.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ def _plain(value: Any) -> Any:
 
 def host_vars(host, session: Session) -> dict:
     """One host's vars for Ansible: its inventory vars plus the connection details resolved by
-    `ssh -G` (connection.describe). Raises ValueError naming the host when its ssh_config is refused."""
+    `ssh -G` (connection.describe). Raises ValueError naming the host when its ssh_config, or the
+    host-key options of its ssh args (connection.hostkey_policy), are refused."""
     doc = describe(host, session)
     if doc["error"]:
         raise ValueError(f"{host.name}: {doc['error']}")
@@ -50,9 +57,9 @@ def host_vars(host, session: Session) -> dict:
     if keys and not (out.get("ansible_ssh_private_key_file") or out.get("ansible_private_key_file")):
         out["ansible_ssh_private_key_file"] = keys[0]
     known = [f for f in doc["known_hosts"] if Path(f).exists()]
-    common = shlex.split(out.get("ansible_ssh_common_args") or "")
-    if known and not any("UserKnownHostsFile" in a for a in common):
-        common += ["-o", "UserKnownHostsFile=" + " ".join(known), "-o", "StrictHostKeyChecking=yes"]
+    common = shlex.split(out.get("ansible_ssh_common_args") or "")  # names no known_hosts file (describe)
+    if known:
+        common = ["-o", "UserKnownHostsFile=" + " ".join(known), "-o", "StrictHostKeyChecking=yes", *common]
     if common:
         out["ansible_ssh_common_args"] = shlex.join(common)
     return out

@@ -152,8 +152,8 @@ class Connection(ABC):
     kind = "?"
     # words every command starts with over there (a container connection's entry; none on a host)
     prefix: tuple[str, ...] = ()
-    # whether an interpreter named for a probe is first checked by the trust probe (root runs
-    # it, and its `.pth` files run at start: context.HostContext.probe)
+    # whether a probe's interpreter is checked by the command that starts it (root runs it:
+    # probes/trust.py GUARD, engine/context.HostContext.probe)
     checks_interpreters = True
 
     def __init__(self, host, session):
@@ -162,8 +162,6 @@ class Connection(ABC):
         self.host = host
         self.session = session
         self.settings: Settings = session.settings
-        # interpreters the trust probe found root may run on this host (context.HostContext.probe)
-        self.trusted_interpreters: set[str] = set()
 
     @property
     def python(self) -> str | None:

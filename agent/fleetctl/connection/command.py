@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import shlex
 
+from .. import probes
+
 # Seconds between the remote `timeout`'s SIGTERM and its SIGKILL.
 KILL_AFTER_S = 2
 # Exit status of coreutils `timeout` when the command ran past its deadline (124), or needed the
@@ -68,18 +70,24 @@ def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str,
 CONTAINER_EXECS = ("docker", "podman", "crictl", "nsenter", "none")
 
 
-def container_entry(how: str, container_id: str, pid: int) -> list[str]:
+def container_entry(how: str, container_id: str, pid: int, process: dict) -> list[str]:
     """The prefix that runs a command inside a container: `podman exec -i ID`, `docker exec -i
-    ID`, `crictl exec -i ID` (the runtime applies the container's cgroup, seccomp and LSM
-    profile), or `nsenter -t PID -a --` (every namespace of the container's process `pid` as
-    the host sees it: the command runs as host root with the image's files; no runtime
-    confinement). Raises ValueError for another `how` or a container id that is not hex."""
+    ID`, `crictl exec -i ID` (the runtime applies the container's user, capabilities, cgroup,
+    seccomp and LSM profile), or for "nsenter" fleetctl's entry program under the host's python3
+    (probes/enter.py: the namespaces and cgroups of the container's process `pid` as the host
+    sees it, with that process's uid and gid, no capabilities beyond its bounding set and
+    no_new_privs; `process`: {uid, gid, start_time} as probes/containers.process read them).
+    Raises ValueError for another `how`, a container id that is not hex, or a process whose
+    uid, gid or start time is unknown."""
     if how in ("podman", "docker", "crictl"):
         if not container_id or not all(c in "0123456789abcdef" for c in container_id):
             raise ValueError(f"container id {container_id!r} is not a hex id")
         return [how, "exec", "-i", container_id]
     if how == "nsenter":
-        return ["nsenter", "-t", str(int(pid)), "-a", "--"]
+        uid, gid, start = process.get("uid"), process.get("gid"), process.get("start_time")
+        if not (isinstance(uid, int) and isinstance(gid, int) and isinstance(start, str) and start.isdigit()):
+            raise ValueError(f"the uid, gid and start time of pid {pid} are unknown: not entered")
+        return ["python3", "-I", "-S", "-c", probes.source("enter"), str(int(pid)), start, str(uid), str(gid), "--"]
     raise ValueError(f"no way to enter a container with {how!r} (one of {', '.join(CONTAINER_EXECS[:-1])})")
 
 

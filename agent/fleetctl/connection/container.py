@@ -4,7 +4,7 @@ entry, as mitogen's docker transport prefixes another transport's boot command
 `super().get_boot_command()`).
 
 The deadline wrapper and sudo (base.Connection._begin) stay on the host, around the entry
-(`podman exec ID`, `nsenter -t PID -a`: command.container_entry); the command itself runs in the
+(`podman exec ID`, probes/enter.py: command.container_entry); the command itself runs in the
 container, where there may be no shell or coreutils (a distroless image), so the lock is taken by
 command.python_lock_argv under the container's interpreter. Opening and closing are the host
 connection's, which the fan-out owns.
@@ -21,7 +21,9 @@ class ContainerConnection(Connection):
     prefix), with `python` the container's interpreter (None: python3 on its PATH)."""
 
     kind = "container"
-    # an interpreter in the container is the image's, confined by the runtime: no trust probe
+    # the interpreter in the container is the container's own (/proc/PID/exe's name, resolved
+    # inside), run with no more power than the container's process has (the runtime's exec, or
+    # probes/enter.py): started directly, checked inside by the facts probe (no shell there)
     checks_interpreters = False
 
     def __init__(self, outer: Connection, entry: list[str], python: str | None):

@@ -2,9 +2,13 @@
 connection uses it. It verifies everything OpenSSH verifies (host certificates, FIDO keys,
 GSSAPI, KnownHostsCommand...) because it is OpenSSH.
 
-A per-run ssh_config (`ControlFiles.config_for`) sets ControlMaster/ControlPath/ControlPersist for
-every host and then `Include`s the user's config (`--ssh-config`, else ~/.ssh/config of the passwd
-home and /etc/ssh/ssh_config), so ProxyJump's own ssh processes share bastion masters too.
+A per-run ssh_config (`ControlFiles.config_for`) sets ControlMaster/ControlPath/ControlPersist and
+the run's StrictHostKeyChecking for every host and then `Include`s the user's config
+(`--ssh-config`, else ~/.ssh/config of the passwd home and /etc/ssh/ssh_config), so ProxyJump's own
+ssh processes share bastion masters too, and get the run's host-key policy (ProxyJump hands its
+hop's ssh only -l, -p and -F). Every ssh fleetctl runs itself starts with fleetctl's host-key
+option (hostkey_policy.ssh_options), before the host's ansible_ssh_common_args /
+ansible_ssh_extra_args: OpenSSH keeps the first value, so the inventory cannot weaken it.
 ControlPath is `<private 0700 dir under /tmp>/%C` (a unix socket path has 108 bytes at most).
 The master is opened first (`ssh -M -N -f`, then `-O check`), so a connect or host-key failure is
 `unreachable` before any command; where the user's own configuration already has a live master
@@ -17,7 +21,6 @@ run's last cleanup (`ControlFiles.close`) for every master left, bastions includ
 from __future__ import annotations
 
 import atexit
-import logging
 import math
 import re
 import shutil
@@ -30,10 +33,9 @@ from pathlib import Path
 from . import command
 from .base import Connection, OutputBuffer, Process
 from .errors import HostKeyRefused, Unreachable
+from .hostkey_policy import ssh_options, strictness
 from .local import LocalProcess
 from .resolve import passwd_home, split_config_option
-
-log = logging.getLogger("fleetctl")
 
 # Seconds a master outlives its last client if fleetctl dies without closing it.
 CONTROL_PERSIST_S = 60
@@ -41,6 +43,9 @@ CONTROL_PERSIST_S = 60
 _EXIT_RE = re.compile(re.escape(command.EXIT_LINE_PREFIX) + rb"(\d+)\n?$")
 # Bytes of the master's stderr kept for an error message.
 _ERR_MAX = 2000
+# What OpenSSH prints when it refuses a host key, or (StrictHostKeyChecking no) connects anyway
+# past a changed one (sshconnect.c).
+_HOST_KEY_TROUBLE = ("Host key verification failed", "IDENTIFICATION HAS CHANGED", "REVOKED HOST KEY")
 
 
 class ControlFiles:
@@ -72,7 +77,7 @@ class ControlFiles:
                     f"  ControlPath {self.dir}/%C\n"
                     f"  ControlPersist {CONTROL_PERSIST_S}\n"
                     "  BatchMode yes\n"
-                    f"  StrictHostKeyChecking {'accept-new' if self._accept_new else 'yes'}\n"
+                    f"  StrictHostKeyChecking {strictness(self._accept_new)}\n"
                     + "".join(f'  Include "{p}"\n' for p in includes))
                 self._configs[host_config] = path
             return self._configs[host_config]
@@ -94,6 +99,34 @@ class ControlFiles:
                     subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleetctl-master"],
                                    stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def open_master(argv: list[str], destination: str, deadline: float, what: str, connect_timeout: float) -> None:
+    """Start a master (`ssh -M -N -f`) for `destination` with the options of `argv` (an ssh
+    command line without its destination), by `deadline` (time.monotonic(); `connect_timeout`:
+    the seconds the whole connect was given, for the message). OpenSSH's stderr is read whatever
+    its exit status: with StrictHostKeyChecking no, ssh connects past a changed host key and
+    exits 0 after its "REMOTE HOST IDENTIFICATION HAS CHANGED" warning (OpenSSH sshconnect.c,
+    check_host_key); that master is stopped (`-O exit`) and refused too (security review turn 3,
+    N3). Raises HostKeyRefused (a refused or changed host key), Unreachable, naming `what`."""
+    left = deadline - time.monotonic()
+    with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
+        try:
+            r = subprocess.run([*argv, "-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
+                                "--", destination],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                               timeout=max(0.1, left), start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise Unreachable(f"{what}: no SSH session within the connect timeout ({connect_timeout:g} s)") from None
+        err.seek(0)
+        msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
+    if any(t in msg for t in _HOST_KEY_TROUBLE):
+        if r.returncode == 0:
+            subprocess.run([*argv, "-O", "exit", "--", destination], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=10)
+        raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
+    if r.returncode != 0:
+        raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
 
 
 class OpenSSHProcess(LocalProcess):
@@ -120,7 +153,8 @@ class OpenSSHConnection(Connection):
         self._address: str | None = None
         self._master = False
         self._live = False
-        self._strict: list[str] = []
+        # fleetctl's host-key option, first on every ssh command line (open() decides it per host)
+        self._first = ["-o", f"StrictHostKeyChecking={strictness(self.settings.accept_new)}"]
 
     @property
     def address(self) -> str:
@@ -133,41 +167,42 @@ class OpenSSHConnection(Connection):
         return str(self.session.control_files.config_for(own)), args
 
     def _argv(self, *extra: str) -> list[str]:
-        """ssh with the host's ansible_ssh_common_args and ansible_ssh_extra_args first, the run's
-        ssh_config, then ansible_user / ansible_port / ansible_ssh_private_key_file (the order of
-        resolve.ssh_g_argv, so this ssh dials what `ssh -G` resolved)."""
+        """ssh with fleetctl's host-key option first, then the host's ansible_ssh_common_args and
+        ansible_ssh_extra_args, the run's ssh_config, then ansible_user / ansible_port /
+        ansible_ssh_private_key_file (the order of resolve.ssh_g_argv after fleetctl's option,
+        which sets nothing but StrictHostKeyChecking, so this ssh dials what `ssh -G` resolved)."""
         h = self.host
         config, args = self._config()
         opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
-        return ["ssh", *args, "-F", config, *(w for o in opts for w in o), *self._strict, *extra]
+        return ["ssh", *self._first, *args, "-F", config, *(w for o in opts for w in o), *extra]
 
     def _user_argv(self, *extra: str) -> list[str]:
-        """ssh as the user's own configuration has it, without the run's ssh_config: the host's
-        ssh args, its own `-F FILE` or the user's (`--ssh-config`; none: ssh's defaults), then
+        """ssh as the user's own configuration has it, without the run's ssh_config: fleetctl's
+        host-key option first (a command whose master is gone connects by itself), the host's ssh
+        args, its own `-F FILE` or the user's (`--ssh-config`; none: ssh's defaults), then
         ansible_user / ansible_port / ansible_ssh_private_key_file, BatchMode."""
         h = self.host
         args, own = split_config_option([*h.ssh_common_args, *h.ssh_extra_args])
         config = own or self.session.control_files.user_config
         opts = [["-o", f"{k}={v}"] for k, v in (("User", h.user), ("Port", h.port), ("IdentityFile", h.key_file)) if v]
-        return ["ssh", *args, *(["-F", str(config)] if config else []), *(w for o in opts for w in o),
+        return ["ssh", *self._first, *args, *(["-F", str(config)] if config else []), *(w for o in opts for w in o),
                 "-o", "BatchMode=yes", *extra]
 
     def open(self) -> None:
         """Resolve the host (`ssh -G`); when the user's configuration has a live master for it
         (`-O check` with that configuration) use that one; else open the masters of its ProxyJump
         hops (one per hop for the whole run, as ProxyJump's own `ssh -W` will use them) and its
-        own (`ssh -M -N -f`), and check it (`-O check`), all within settings.connect_timeout seconds. A config's
-        `StrictHostKeyChecking no` counts as accept-new, with a warning (the run's ssh_config
-        says `yes` first). Raises SshConfigError (exit 4), HostKeyRefused (ssh's host key
+        own (`ssh -M -N -f`), and check it (`-O check`), all within settings.connect_timeout seconds.
+        Each of these ssh starts with fleetctl's host-key option for the host it dials
+        (hostkey_policy.ssh_options: StrictHostKeyChecking no/off in its config or the inventory's
+        args counts as accept-new, with a warning). Raises SshConfigError (exit 4: also an
+        inventory that names where host keys are looked up), HostKeyRefused (ssh's host key
         verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
         resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
-        if resolved.host_key_checking_off:
-            log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
-                        "changed key is still refused)", h.name)
-            self._strict = ["-o", "StrictHostKeyChecking=accept-new"]
+        self._first = ssh_options(resolved, self.settings.accept_new, h.name)
         if not resolved.host_key_checking_off and self._check(self._user_argv("--", h.address), deadline) is None:
             self._live = True  # the user's own live master: it verified the host key when it was opened
             return
@@ -178,12 +213,13 @@ class OpenSSHConnection(Connection):
             if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise Unreachable(f"ProxyJump hop {hop}: no SSH session within the connect timeout")
             try:
-                if self._check(["ssh", "-F", self._config()[0], *opts, "--", hop.host], deadline) is not None:
-                    self._open_master(["ssh", "-F", self._config()[0], *opts], hop.host, deadline,
-                                      f"ProxyJump hop {hop}")
+                ssh = ["ssh", *ssh_options(resolved.hops[i], self.settings.accept_new, f"ProxyJump hop {hop}"),
+                       "-F", self._config()[0], *opts]
+                if self._check([*ssh, "--", hop.host], deadline) is not None:
+                    open_master(ssh, hop.host, deadline, f"ProxyJump hop {hop}", self.settings.connect_timeout)
             finally:
                 lock.release()
-        self._open_master(self._argv(), h.address, deadline, self.address)
+        open_master(self._argv(), h.address, deadline, self.address, self.settings.connect_timeout)
         self._master = True
         problem = self._check(self._argv("--", h.address), deadline)
         if problem is not None:
@@ -196,27 +232,6 @@ class OpenSSHConnection(Connection):
         r = subprocess.run([*argv[:-2], "-O", "check", *argv[-2:]], stdin=subprocess.DEVNULL, capture_output=True,
                            timeout=max(1.0, deadline - time.monotonic()))
         return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
-
-    def _open_master(self, argv: list[str], destination: str, deadline: float, what: str) -> None:
-        """Start a master (`ssh -M -N -f`) for `destination` with `argv`'s options, by `deadline`.
-        Raises HostKeyRefused, Unreachable naming `what`."""
-        left = deadline - time.monotonic()
-        with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
-            try:
-                r = subprocess.run([*argv, "-M", "-N", "-f", "-o", f"ConnectTimeout={max(1, math.ceil(left))}",
-                                    "--", destination],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                   timeout=max(0.1, left), start_new_session=True)
-            except subprocess.TimeoutExpired:
-                raise Unreachable(f"{what}: no SSH session within the connect timeout "
-                                  f"({self.settings.connect_timeout:g} s)") from None
-            err.seek(0)
-            msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
-        if r.returncode != 0:
-            if "Host key verification failed" in msg or "IDENTIFICATION HAS CHANGED" in msg \
-                    or "REVOKED HOST KEY" in msg:
-                raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
-            raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
 
     def _start(self, argv: list[str], timeout: float) -> Process:
         ssh = self._user_argv if self._live else self._argv

@@ -3,10 +3,11 @@ ProxyCommand socket, and the run's shared connections to ProxyJump hosts (JumpPo
 paramiko connection kind (paramiko_ssh.py) and its bastions alike.
 
 Host keys are always verified (known_hosts read by knownhosts.py, markers included): an unknown
-key is refused unless `accept_new` (then stored, as OpenSSH's StrictHostKeyChecking=accept-new;
-`StrictHostKeyChecking no` in a config counts as accept-new, with a warning), a changed key is
-always refused with both fingerprints, a revoked key is refused, and a host covered only by a
-`@cert-authority` line is refused with the reason. Auth uses only what `ssh -G` resolved: its
+key is refused unless hostkey_policy.accept_new says to store it (`--accept-new`, or
+StrictHostKeyChecking no/off in the config or the inventory's args, with a warning; as OpenSSH's
+StrictHostKeyChecking=accept-new), a changed key is always refused with both fingerprints, a
+revoked key is refused, and a host covered only by a `@cert-authority` line is refused with the
+reason. Auth uses only what `ssh -G` resolved: its
 identity files (`look_for_keys` off) and the agent at IdentityAgent.
 """
 
@@ -26,6 +27,7 @@ from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPriva
 from . import command, knownhosts
 from .base import Settings
 from .errors import HostKeyRefused, Unreachable
+from .hostkey_policy import accept_new
 from .resolve import Resolved
 
 log = logging.getLogger("fleetctl")
@@ -63,9 +65,11 @@ class _Policy(paramiko.MissingHostKeyPolicy):
             knownhosts.append(self.accept_into, self.name, key, self.hashed)
 
 
-def verifying_client(r: Resolved, settings: Settings) -> paramiko.SSHClient:
+def verifying_client(r: Resolved, settings: Settings, what: str | None = None) -> paramiko.SSHClient:
     """A paramiko client that verifies `r`'s host key against `r`'s known_hosts files (user
-    files, then the global ones as read-only pins) under its key name."""
+    files, then the global ones as read-only pins) under its key name; an unknown key is stored
+    in the first user file where hostkey_policy.accept_new says so (`what` names the host in its
+    warnings, default r.name)."""
     client = paramiko.SSHClient()
     name = r.host_key_name
     known = knownhosts.lookup(name, [*r.known_hosts, *r.global_known_hosts])
@@ -73,12 +77,8 @@ def verifying_client(r: Resolved, settings: Settings) -> paramiko.SSHClient:
     dialled = r.hostname if r.port == 22 else f"[{r.hostname}]:{r.port}"
     for ktype, key in (known.keys.lookup(name) or {}).items():  # lookup() filed them under `name`
         client.get_host_keys().add(dialled, ktype, key)
-    accept = settings.accept_new
-    if r.host_key_checking_off:
-        log.warning("fleetctl: %s: StrictHostKeyChecking no/off in ssh_config is treated as accept-new (a "
-                    "changed key is still refused)", r.name)
-        accept = True
-    client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept and r.known_hosts else None,
+    accept = accept_new(r, settings.accept_new, what)
+    client.set_missing_host_key_policy(_Policy(known, name, r.known_hosts[0] if accept else None,
                                                r.hash_known_hosts))
     return client
 
@@ -180,7 +180,7 @@ class JumpPool:
                                                           timeout=max(0.1, deadline - time.monotonic()))
                         else:
                             sock = proxy_command(hop) if hop.proxy_command else None
-                        client = verifying_client(hop, settings)
+                        client = verifying_client(hop, settings, f"ProxyJump hop {hop.name}")
                         dial(client, hop, sock, deadline)
                         jump.client = client
                     jump.users += 1

@@ -3,7 +3,8 @@
 Where to connect comes from `ssh -G` (resolve.py): HostName, Port, User, only the identity files
 it lists (`look_for_keys` off) and the agent at IdentityAgent (with IdentitiesOnly, only agent
 keys that match an identity file), ProxyJump hops in the order written, ProxyCommand,
-HostKeyAlias, UserKnownHostsFile and GlobalKnownHostsFile, ConnectTimeout, ServerAlive*. An
+HostKeyAlias, UserKnownHostsFile and GlobalKnownHostsFile (from ssh_config only: inventory args
+that set them are refused, hostkey_policy.py), ConnectTimeout, ServerAlive*. An
 option that changes the connection and paramiko cannot honour (resolve.UNSUPPORTED_BY_PARAMIKO)
 is exit 4 naming the host. One transport to each bastion is shared by every host of the run
 behind it (paramiko_dial.JumpPool), under the same host-key policy (paramiko_dial.py: host keys
@@ -178,7 +179,7 @@ class ParamikoConnection(Connection):
                                           timeout=max(0.1, deadline - time.monotonic()))
         elif r.proxy_command:
             sock = proxy_command(r)
-        self._client = verifying_client(r, self.settings)
+        self._client = verifying_client(r, self.settings, self.host.name)
         dial(self._client, r, sock, deadline)
 
     def _close_transports(self) -> None:

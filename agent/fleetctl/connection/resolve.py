@@ -5,7 +5,10 @@ the whole ssh_config (Include, Match, Host, tokens, CanonicalizeHostname) and ex
 connecting. fleetctl runs the command line Ansible's ssh connection builds
 (`ssh -G [common args] [-F file] [-o User=] [-o Port=] [-o IdentityFile=] ADDRESS`; OpenSSH keeps
 the first value it obtains, so the inventory's values win) once per host and hop per run, in the
-worker thread, under the connect deadline (`Match exec` runs commands).
+worker thread, under the connect deadline (`Match exec` runs commands). It tells where and how a
+host is reached, and what its config asks of host keys; the connections then apply fleetctl's
+own host-key policy (hostkey_policy.py), and an inventory whose args name where host keys are
+looked up is refused before `ssh -G` runs.
 
 `ssh -G` prints IdentityFile, CertificateFile, IdentityAgent and ProxyCommand unexpanded; they are
 expanded here with ssh_config(5)'s TOKENS (`%C` is OpenSSH's own: the command line asks for
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from ..errors import SshConfigError
 from .errors import Unreachable
+from .hostkey_policy import refuse_sources
 
 # Bytes of `ssh -G` output read at most (its whole configuration is a few KiB).
 SSH_G_MAX = 1 << 20
@@ -137,8 +141,8 @@ class Resolved:
 
     @property
     def host_key_checking_off(self) -> bool:
-        """Whether the config says StrictHostKeyChecking no/off (`ssh -G` prints `false`), which
-        fleetctl treats as accept-new: never weaker."""
+        """Whether the config or the inventory's args say StrictHostKeyChecking no/off (`ssh -G`
+        prints `false`), which fleetctl treats as accept-new: never weaker (hostkey_policy)."""
         return self.strict_host_key_checking in ("no", "off", "false")
 
     def unsupported_by_paramiko(self) -> list[str]:
@@ -406,7 +410,10 @@ class Resolver:
     def resolve_host(self, host, deadline: float) -> Resolved:
         """How OpenSSH reaches inventory `host`: `ssh -G` for ansible_host (else its name) with
         ansible_ssh_common_args and ansible_ssh_extra_args first, then ansible_user / ansible_port /
-        ansible_ssh_private_key_file as `-o` options (see resolve)."""
+        ansible_ssh_private_key_file as `-o` options (see resolve). Raises SshConfigError (exit 4)
+        first, before any `ssh -G`, when those args name where host keys are looked up
+        (hostkey_policy.refuse_sources: fleetctl takes that only from ssh_config)."""
+        refuse_sources(host)
         return self.resolve(host.address, deadline, host.name, host.user, host.port, host.key_file,
                             host.ssh_common_args + host.ssh_extra_args)
 

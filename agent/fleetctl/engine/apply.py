@@ -21,6 +21,7 @@ from ..errors import HostFailed
 from .context import HostContext, HostResult
 from .fleet import Fleet, parse_serial
 from .gather import find_install, gather, install_errors, install_facts
+from .patches import exportable
 from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
@@ -163,8 +164,10 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
     would change; touches nothing. A change left pending by a killed run is reported
     ("pending": [ids]): apply undoes it first, so the host counts as changed. data["install_sglang"]:
     {install id: its sglang facts}; with `texts` (for --export-patch), data["texts"]: {path:
-    {"pre_text", "post_text"}} of every planned file. `planned`, when given, gets each host's
-    plans ({host name: [HostPlan]}): what an apply pass is bound to."""
+    {"pre_text", "post_text"}} of every planned file, and a host whose changing install has an id
+    or SGLang version an export cannot use fails (patches.exportable: hostpaths.Refused).
+    `planned`, when given, gets each host's plans ({host name: [HostPlan]}): what an apply pass
+    is bound to."""
 
     def job(ctx: HostContext) -> HostResult:
         _, plans = _plans(ctx, playbook, install)
@@ -172,7 +175,10 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
             planned[ctx.host.name] = [p for _, p in plans]
         result = _planned_result(ctx, [p for _, p in plans])
         result.data["install_sglang"] = {inst["id"]: inst["sglang"] for inst, _ in plans if inst}
-        if texts:
+        if texts:  # what names files in the export must be confined (review N2): else the host fails
+            for inst, p in plans:
+                if inst and p.files:
+                    exportable(inst["id"], [f.rel for f in p.files], inst["sglang"].get("version"))
             result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
                                     for inst, p in plans if inst for f in p.files}
         # a read-only container holds no ledger (and apply refuses it): nothing can be pending there

@@ -39,7 +39,7 @@ from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
 from ..probes import redact
-from .validate import SmokeOptions, gate, smoke, smoke_problems
+from .validate import SmokeOptions, gate, server_problems, smoke, smoke_problems
 from ..vocab import ChangeState, GateStatus, HostStatus
 
 RESTART_HANDLER = "restart sglang"
@@ -365,5 +365,5 @@ def _health_after_rollback(ctx: HostContext, result: HostResult, change: Change,
         return f"; after the rollback, the health check failed: {e}"
     result.data["after_rollback"] = [{k: s.get(k) for k in ("host", "port", "ok", "error", "health_wait_s")}
                                      for s in after["servers"]]
-    bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in after["servers"] if not s["ok"]]
+    bad = server_problems(after)  # a server refused (nothing sent) is no healthy one
     return f"; after the rollback the server is not healthy: {'; '.join(bad)}" if bad else ""

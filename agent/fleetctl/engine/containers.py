@@ -1,12 +1,14 @@
 """Installs in containers: how fleetctl enters a container, names its install, and says what lasts.
 
 The facts probe on the host lists the containers SGLang servers run in (probes/containers.py:
-runtime, container id, name, image, image id, the host's pid). Each is entered (`enter`) by the
-runtime's own exec when its CLI is on the host (it applies the container's cgroup, seccomp and
-LSM profile), else by `nsenter -t PID -a` (said in the report: the probe then runs as host root
-on the image's files), or as the inventory's `fleetctl_container_exec` says; the same probes as
-on a host then run inside, under the container's own interpreter, and what they find is the
-container install `<runtime>:<name>:<package_dir>` with its `root`.
+which processes in other mount namespaces are containers', by their cgroups; runtime, container
+id, name, image, image id, the host's pid). Each container is entered (`enter`) by the runtime's
+own exec when its CLI is on the host (it applies the container's user, cgroup, seccomp and LSM
+profile), else only when the inventory's `fleetctl_container_exec` asks (nsenter: probes/enter.py,
+with the container process's uid, gid and capabilities at most, said in the report); the same
+probes as on a host then run inside, under the container's own interpreter, and what they find
+(hostile input, as any host's answer) is the container install `<runtime>:<name>:<package_dir>`
+with its `root`.
 
 A change inside a container lives in its writable layer: it lasts until the container is
 recreated (LASTS), and is refused where even a restart loses it (REFUSED: a kubelet-managed
@@ -23,32 +25,48 @@ import shlex
 from ..connection.command import CONTAINER_EXECS, container_entry
 from ..connection.container import ContainerConnection
 from ..errors import HostFailed
+from ..probes.containers import RUNTIME_CLI
 from .context import HostContext
 
 LASTS = "lasts until the container is recreated (the change is in the container's writable layer, not its image)"
 REFUSED = "changes here do not survive a restart: use --export-patch"
 CHANGE_LOST = "container recreated since the change: change lost"
-NSENTER_NOTE = ("entered with nsenter (no runtime CLI on the host): the probe ran as host root on the "
-                "image's files, without the container's seccomp and LSM profile")
-# CLI that enters each runtime's containers (crictl for CRI runtimes)
-RUNTIME_CLI = {"podman": "podman", "docker": "docker", "containerd": "crictl", "cri-o": "crictl"}
 # where the host keeps its copy of container change records, under the state dir
 RECORDS = "containers"
+NSENTER_NOTE = ("entered with fleetctl_container_exec: nsenter: the probe ran in the container's namespaces and "
+                "cgroups with its process's uid and gid, no capabilities beyond its bounding set and "
+                "no_new_privs, without its seccomp and LSM profile")
 
 
 def how_to_enter(host, found: dict, clis: dict) -> tuple[str | None, str | None]:
-    """(how the container `found` is entered: "podman", "docker", "crictl", "nsenter" or None
-    for never, a note for the report or None). The inventory's fleetctl_container_exec wins;
-    else the runtime's CLI when `clis` (probes/containers.clis) says it is on the host, else
-    nsenter. Raises HostFailed for a fleetctl_container_exec that is no way in."""
+    """(how the container `found` (probes/containers.containers entry) is entered: "podman",
+    "docker", "crictl", "nsenter" or None for not at all, a note for the report or None).
+    Only a container is entered (`kind` "container"; a rootless one only by nsenter, as its
+    user); a foreign process never (its `reason` is the note). The inventory's
+    fleetctl_container_exec wins; else the runtime's CLI when `clis` (probes/containers.clis)
+    says it is on the host; nsenter only when asked (review N1: no CLI, not entered). Raises
+    HostFailed for a fleetctl_container_exec that is no way in."""
     asked = host.container_exec
     if asked is not None and asked not in CONTAINER_EXECS:
         raise HostFailed(f"fleetctl_container_exec: {asked!r} is not one of {', '.join(CONTAINER_EXECS)} "
                          f"(fix the inventory var of host {host.name})")
+    kind = found.get("kind")
+    if kind not in ("container", "rootless"):
+        return None, f"not entered: pid {found['root']['pid']} is no container's: {found.get('reason')}"
     if asked == "none":
         return None, "not entered: fleetctl_container_exec is none"
-    how = asked or (RUNTIME_CLI.get(found["root"]["runtime"]) if clis.get(RUNTIME_CLI.get(found["root"]["runtime"], "")) else "nsenter")
-    return how, NSENTER_NOTE if how == "nsenter" else None
+    if kind == "rootless":
+        if asked == "nsenter":
+            return "nsenter", NSENTER_NOTE
+        return None, (f"not entered: {found.get('reason')}; fleetctl_container_exec: nsenter enters it as "
+                      "that user")
+    if asked:
+        return asked, NSENTER_NOTE if asked == "nsenter" else None
+    cli = RUNTIME_CLI.get(found["root"]["runtime"])
+    if cli and clis.get(cli):
+        return cli, None
+    return None, (f"not entered: no {cli or 'runtime CLI'} on the host's PATH; fleetctl_container_exec: nsenter "
+                  "enters it with its process's uid and gid and no more capabilities than it has")
 
 
 def prefix(root: dict) -> str:
@@ -62,7 +80,7 @@ def enter(ctx: HostContext, found: dict, how: str) -> HostContext:
     Raises HostFailed when the container gives no way in (no id for a runtime exec)."""
     root = found["root"]
     try:
-        entry = container_entry(how, root.get("container_id") or "", root["pid"])
+        entry = container_entry(how, root.get("container_id") or "", root["pid"], found.get("process") or {})
     except ValueError as e:
         raise HostFailed(f"container of pid {root['pid']}: {e}") from None
     return ctx.inside(ContainerConnection(ctx.conn, entry, found.get("python")),

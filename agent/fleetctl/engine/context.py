@@ -116,28 +116,22 @@ class HostContext:
     def probe(self, main: str, params: dict, python: str | None = None, timeout: float | None = None) -> dict:
         """Run probe `main` with `params` (its bundle: probes.modules_for) on the target (the host, or its container) under
         `python`, else the target's interpreter (the inventory's on the host, the install's in a
-        container), else python3 on PATH. On a target that checks interpreters (the host), a
-        named one is first checked by the trust probe under python3 on PATH (once per
-        connection): one that root must not run (probes/facts.py `untrusted`) raises HostFailed
-        naming the file. In a container there is no trust probe (the image's files are the
-        container's; the runtime confines it, or, entered with nsenter, the report says it is
-        trusted as host root). Raises ProbeFailed, RemoteTimeout, Unreachable, OutputTooLarge."""
+        container), else the recorded one or python3 on PATH. On a target that checks
+        interpreters (the host), the same command checks the interpreter and every directory
+        above it before it execs it (probes/trust.py GUARD; no second round trip, nothing
+        cached): one that root must not run raises HostFailed naming the file. In a container
+        the interpreter is the container's own, run with no more power than its process has
+        (connection/container.py). Raises ProbeFailed, RemoteTimeout, Unreachable, OutputTooLarge."""
         t = self.target
         py = python or t.python
-        if t.checks_interpreters and py and py not in t.trusted_interpreters:
-            why = self._run_probe("trust", {"python": py}, None, timeout)["untrusted"]
-            if why:
-                raise HostFailed(f"interpreter {py} refused: {why} (fleetctl runs it as root)")
-            t.trusted_interpreters.add(py)
-        return self._run_probe(main, params, py, timeout)
-
-    def _run_probe(self, main: str, params: dict, python: str | None, timeout: float | None) -> dict:
         stdin = probes.bundle(main, params)
         t0 = time.monotonic()
-        r = self._run(self.target, probes.command(python, main), stdin, timeout, f"the {main} probe")
+        r = self._run(t, probes.command(py, guard=t.checks_interpreters), stdin, timeout, f"the {main} probe")
         t1 = time.monotonic()
         try:
             out = probes.parse_output(r.stdout, r.stderr, r.exit_code)
+        except probes.Untrusted as e:
+            raise HostFailed(f"interpreter {py} refused: {e} (fleetctl runs it as root)") from None
         except probes.ProbeError as e:
             raise ProbeFailed(str(e)) from None
         t = self.timing

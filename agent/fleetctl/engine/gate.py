@@ -1,7 +1,8 @@
 """The validation gate: compare a host's smoke decode after a change with its baseline.
 
 Pure logic on the control side. Inputs are results of the smoke probe
-(`fleetctl.probes.smoke.main`): {"servers": [per-server result], "offline": result or None}.
+(`fleetctl.probes.smoke.main`): {"servers": [per-server result], "refused": [servers nothing was
+sent to], "offline": result or None}.
 The gate passes when, for every server, the greedy `output_ids` are identical and the median
 latency is within `latency_tolerance` x baseline, and the offline check (if any) exits 0.
 A host with no server and no offline check is "skipped (no server)": not passed, not failed.
@@ -56,11 +57,20 @@ def _latency(b: dict, a: dict) -> tuple[str, float, float]:
     return "client latency", b["latency_s"], a["latency_s"]
 
 
+def refusal(r: dict) -> str:
+    """One refused server of a smoke result ({pid, host, port, reason}: probes/targets.py) as
+    text: "pid N (claims HOST:PORT): reason", or the reason alone for the inventory's choice."""
+    if r.get("pid") is None:
+        return r["reason"]
+    return "pid %s (claims %s:%s): %s" % (r["pid"], r["host"], r["port"], r["reason"])
+
+
 def _server_checks(target: str, b: dict | None, a: dict | None, tolerance: float,
-                   slack_s: float, allow_drift: bool) -> list[Check]:
+                   slack_s: float, allow_drift: bool, refused: list[dict]) -> list[Check]:
     if b is None or a is None:
-        return [Check("server", target, False,
-                      "not in the baseline" if b is None else "missing after the change")]
+        why = "; ".join(refusal(r) for r in refused if r["port"] == (b or a)["port"])
+        return [Check("server", target, False, ("not in the baseline" if b is None else "missing after the change")
+                      + (" (refused: %s)" % why if why else ""))]
     if not b.get("ok"):
         return [Check("baseline", target, False, "baseline decode failed: %s" % b.get("error"))]
     if not a.get("ok"):
@@ -89,8 +99,9 @@ def compare(baseline: dict, after: dict, latency_tolerance: float = 1.25,
     latency_slack_s: extra absolute seconds allowed on top (0 by default; useful where a
     decode takes milliseconds and scheduling noise is of the same size, as in the lab);
     allow_token_drift: differing output_ids pass, noted as "token drift allowed".
-    Servers are paired by (host, port). Returns a GateResult whose message names each failed
-    check with both token lists or both latencies. Raises KeyError on malformed results.
+    Servers are paired by (host, port); a server missing on one side is named with the other
+    side's refusals of its port. Returns a GateResult whose message names each failed check with
+    both token lists or both latencies. Raises KeyError on malformed results.
     """
     bs = {(s["host"], s["port"]): s for s in baseline.get("servers") or []}
     as_ = {(s["host"], s["port"]): s for s in after.get("servers") or []}
@@ -99,8 +110,8 @@ def compare(baseline: dict, after: dict, latency_tolerance: float = 1.25,
         return GateResult(GateStatus.SKIPPED, message="validation: skipped (no server and no offline check)")
     checks = []
     for key in list(bs) + [k for k in as_ if k not in bs]:
-        checks += _server_checks("%s:%s" % key, bs.get(key), as_.get(key),
-                                 latency_tolerance, latency_slack_s, allow_token_drift)
+        checks += _server_checks("%s:%s" % key, bs.get(key), as_.get(key), latency_tolerance, latency_slack_s,
+                                 allow_token_drift, (after if key in bs else baseline).get("refused") or [])
     if offline is not None:
         checks.append(Check("offline", "offline", bool(offline.get("ok")), "%s: %s; last lines: %s" % (
             offline.get("cmd"), "timed out after %.0f s" % offline["duration_s"] if offline.get("timed_out")

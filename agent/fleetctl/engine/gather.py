@@ -30,17 +30,24 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     facts.containers entry ("error"). On a context inside a container, only that container's
     installs (its own scan cache inside it). `records`: the state dir whose host-side container
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
-    Unreachable, HostFailed (a bad fleetctl_container_exec)."""
+    Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, whose
+    site files the facts probe refused to start it with: probes/trust.py untrusted)."""
     key = probes.sources_sha256(probes.modules_for("facts")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
-                                    "cache_key": key})
+                                    "cache_key": key, "inside": True})
+        if inner.get("refused"):
+            raise HostFailed(inner["refused"])
         mine = containers.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
     params = {"python": ctx.host.python, "scan": scan, "with_sources": with_sources, "cache_key": key}
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts", params)
+    refused = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
+               if c.get("reason") == "inventory" and c.get("skipped")]
+    if refused:
+        raise HostFailed(f"interpreter {refused[0]['python']} refused: {refused[0]['skipped']} (fleetctl runs it as root)")
     for found in g["facts"].get("containers", []):
         how, note = containers.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})
         found.update(entered_with=how, note=note, error=None)

@@ -13,11 +13,19 @@ pristine copy comes from the release wheel (`--pristine-dir DIR` of wheels, else
 `pip download` when absent; its sha256 goes in the patch's header); an install whose pre-images
 differ from the wheel (a checkout with local commits, say) is checked against the pre-images
 fleetctl read on the host instead, and the header says so.
+
+What the hosts reported is confined before it names anything here (security review N2): each
+file (hostpaths.package_file), the SGLang version (hostpaths.release: it names the patch and
+the wheel) and the install id (hostpaths.printable: it goes into the header `patch` reads); a
+host that gives another is refused by name and nothing is written. The pristine copy is made
+of fresh files in a new temporary directory, and a patch file replaces whatever is at its name
+in DIR (a link there is removed, never followed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import tempfile
 import zipfile
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import FleetctlError
+from ..hostpaths import Refused, package_file, printable, release
 from .context import HostResult
 from ..wheels import ensure_wheel
 
@@ -51,9 +60,22 @@ class PatchGroup:
         return hashlib.sha256(blob.encode()).hexdigest()[:8]
 
 
+def exportable(install: str, rels: list[str], version: str | None) -> None:
+    """Check what an install's plan puts into an export: its id (hostpaths.printable: it goes into
+    the patch's header), its files (hostpaths.package_file) and its SGLang version (None:
+    unknown; else hostpaths.release: it names the patch and the wheel). Raises hostpaths.Refused."""
+    printable(install, "an install id")
+    for rel in rels:
+        package_file(rel)
+    if version is not None:
+        release(version)
+
+
 def groups(results: list[HostResult]) -> list[PatchGroup]:
     """The distinct (version, pre-image set) of the changing installs in check results (data
-    "plans", "install_sglang" and "texts", as check_job gives them with export on), first-seen order."""
+    "plans", "install_sglang" and "texts", as check_job gives them with export on), first-seen order.
+    Raises ExportError "host NAME: refused ..." when a host's file, version or install id is not
+    one fleetctl uses (see the module docstring)."""
     out: dict[tuple, PatchGroup] = {}
     for r in results:
         d = r.data or {}
@@ -61,6 +83,10 @@ def groups(results: list[HostResult]) -> list[PatchGroup]:
             if not plan["files"]:
                 continue
             version = (d.get("install_sglang", {}).get(plan["install"]) or {}).get("version")
+            try:
+                exportable(plan["install"], [f["rel"] for f in plan["files"]], version)
+            except Refused as e:
+                raise ExportError(f"host {r.host}: {e}") from None
             files = sorted(({"rel": f["rel"], "pre_sha256": f["pre_sha256"], "post_sha256": f["post_sha256"],
                              "diff": f["diff"], **d["texts"][f["path"]]} for f in plan["files"]),
                            key=lambda f: f["rel"])
@@ -94,33 +120,59 @@ def _pristine(wheel: Path | None, rels: list[str]) -> dict[str, bytes] | None:
 
 
 def check_patch(text: str, pre: dict[str, bytes], post_sha256: dict[str, str]) -> None:
-    """Apply `text` with `patch -p1` to a temporary copy holding `pre` ({rel: bytes}): a dry run
-    first, then for real; every file must then hash to `post_sha256[rel]`. Raises ExportError
-    with patch's own output."""
+    """Apply `text` with `patch -p1` to a temporary copy holding `pre` ({rel: bytes}; each rel a
+    file of an install, hostpaths.package_file, made as a fresh file in a new directory): a dry
+    run first, then for real; the copy must then hold no file but those of `pre`, and each must
+    hash to `post_sha256[rel]`. Raises ExportError with patch's own output or naming the file,
+    hostpaths.Refused for a rel outside the install (nothing is written for it)."""
+    for rel in pre:
+        package_file(rel)
     with tempfile.TemporaryDirectory(prefix="fleetctl-patch-") as tmp:
         for rel, data in pre.items():
             p = Path(tmp, rel)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(data)
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except OSError as e:
+                raise ExportError(f"{rel}: cannot be made in the pristine copy: {e.strerror}") from None
+            with open(fd, "wb") as f:
+                f.write(data)
         for extra in (["--dry-run"], []):
             r = subprocess.run(["patch", "-p1", "--batch", "--forward", "--no-backup-if-mismatch", *extra, "-d", tmp],
                                input=text.encode(), capture_output=True, timeout=PATCH_TIMEOUT_S)
             if r.returncode != 0:
                 raise ExportError(f"patch {' '.join(extra)} -p1 failed: {(r.stdout + r.stderr).decode(errors='replace')}")
+        made = _made(tmp)
+        for what, names in (("makes", made - set(pre)), ("removes", set(pre) - made)):
+            if names:
+                raise ExportError(f"the patch {what} {', '.join(sorted(names))}, which fleetctl did not plan")
         for rel, want in post_sha256.items():
             got = hashlib.sha256(Path(tmp, rel).read_bytes()).hexdigest()
             if got != want:
                 raise ExportError(f"{rel}: patched bytes hash to {got[:12]}, apply writes {want[:12]}")
 
 
+def _made(root: str) -> set[str]:
+    """Every entry under `root` that is not a directory, as a POSIX path relative to it (a link
+    to a directory included: os.walk lists it with the directories and never enters it)."""
+    out = set()
+    for d, dirs, files in os.walk(root):
+        links = [n for n in dirs if os.path.islink(os.path.join(d, n))]
+        out |= {Path(d, n).relative_to(root).as_posix() for n in files + links}
+    return out
+
+
 def write_patches(results: list[HostResult], playbook: str, out_dir: Path,
                   pristine_dir: Path | None = None) -> list[Path]:
-    """Write one checked patch per distinct (version, pre-image set) into `out_dir` (created).
-    Returns the paths written. Raises ExportError when a patch does not apply to what it is
-    checked against (nothing is written for it)."""
+    """Write one checked patch per distinct (version, pre-image set) into `out_dir` (created),
+    each a file made new there (whatever was at its name, a link included, is removed first).
+    Returns the paths written. Raises ExportError when a host's file, version or install id is
+    refused (groups: nothing is written at all) or a patch does not apply to what it is checked
+    against (nothing is written for it)."""
+    found = groups(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for g in groups(results):
+    for g in found:
         rels = [f["rel"] for f in g.files]
         wheel = _wheel(g.version, pristine_dir)
         pristine = _pristine(wheel, rels)
@@ -142,6 +194,19 @@ def write_patches(results: list[HostResult], playbook: str, out_dir: Path,
         check_patch(header + body, pristine if same else read, {f["rel"]: f["post_sha256"] for f in g.files})
         name = f"{playbook}-sglang-{g.version or 'unknown'}" + ("" if same else f"-{g.key}") + ".patch"
         path = out_dir / name
-        path.write_text(header + body, encoding="utf-8")
+        _write_new(path, header + body)
         written.append(path)
     return written
+
+
+def _write_new(path: Path, text: str) -> None:
+    """`text` (UTF-8) as a file made new at `path`: what is there is removed first (a link is
+    unlinked, never followed), and the file is created O_EXCL|O_NOFOLLOW (mode 0666 less the
+    umask). Raises ExportError naming the path."""
+    try:
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        raise ExportError(f"cannot write {path}: {e.strerror}") from None
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(text)

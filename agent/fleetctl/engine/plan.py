@@ -11,6 +11,10 @@ A site whose comment line already carries the task's marker, whose value is what
 writes, and that the task's `when` no longer selects is "already applied"; a marked site that
 `when` still selects was changed by hand after the apply, and the host is refused rather than
 edited twice.
+
+Every file the host names (each call site's and finding's `file`, every key of findings["files"]
+and of the sources) must be a file of the install (hostpaths.package_file: relative, under sglang/,
+no `..`) before it is joined to anything: a host that names another is refused (review N2).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import threading
 import tokenize
 from dataclasses import asdict, dataclass, field
 
+from ..hostpaths import Refused, package_file
 from .playbook import EditTask, Playbook
 from ..vocab import PlanStatus
 
@@ -166,8 +171,10 @@ def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, 
     site-packages dir the finding files are relative to); findings: inspect findings incl.
     "files" {rel: {"sha256"}}; sources: {rel: text} of every file a selected finding is in,
     exactly as read from the host (its UTF-8 sha256 must equal findings["files"][rel]["sha256"]).
-    Returns a HostPlan; refusals (source changed since inspect, findings that do not match the
-    source, a new text that does not parse) are status "failed" with the reason.
+    Returns a HostPlan; refusals (a file named outside the install: "refused a path from the
+    host: '../x' (not relative to the install)", see hostpaths.package_file; source changed since
+    inspect or not UTF-8, findings that do not match the source, a new text that does not parse)
+    are status "failed" with the reason, and no files.
     Raises ParseError for template and expression errors (undefined variables included).
     """
     ctx = {**host_vars, "host": host_name, "facts": facts, "findings": findings}
@@ -178,7 +185,7 @@ def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, 
             return plan
     try:
         edits = _plan_edits(playbook, plan, ctx, facts, findings, sources)
-    except _Refused as e:
+    except (_Refused, Refused) as e:
         plan.status, plan.reason = PlanStatus.FAILED, str(e)
         return plan
     if edits:
@@ -194,6 +201,9 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
     location = ((facts or {}).get("sglang") or {}).get("location")
     if not location:
         raise _Refused("no sglang location in facts")
+    sites = [f["file"] for key in ("allocator_call_sites", "need_sort_origins") for f in findings.get(key) or []]
+    for rel in [*sites, *(findings.get("files") or {}), *sources]:
+        package_file(rel)
     per_file: dict[str, list] = {}  # rel -> [(start, end, replacement)]
     comments: dict[str, dict[int, list[str]]] = {}  # rel -> {offset: [comment, ...]}
     srcs: dict[str, _Source] = {}
@@ -201,8 +211,8 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
     for task in playbook.tasks:
         changed = False
         for f in findings.get(task.findings) or []:
+            rel = package_file(f["file"])  # a playbook's task may name any findings list
             fctx = {**ctx, "finding": {**f, "expr_one_line": one_line(f["expr"])}}
-            rel = f["file"]
             src = srcs.get(rel) or srcs.setdefault(rel, _checked_source(rel, findings, sources))
             start = src.offset(f["value_line"], f["value_col"])
             end = src.offset(f["value_end_line"], f["value_end_col"])
@@ -242,6 +252,8 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
 def _checked_source(rel: str, findings: dict, sources: dict[str, str]) -> _Source:
     if rel not in sources:
         raise _Refused(f"no source text for {rel}")
+    if sources[rel] is None:
+        raise _Refused(f"{rel} is not UTF-8 text")
     want = ((findings.get("files") or {}).get(rel) or {}).get("sha256")
     if sha256_text(sources[rel]) != want:
         raise _Refused(f"changed since inspect: {rel}")

@@ -65,12 +65,15 @@ class Host:
     winning), then host_vars/<name>. The vars fleetctl reads (`templates.needed`) are
     templated, vault values among them decrypted; every other var is kept as the inventory wrote
     it (templates unrendered, `!unsafe` as Unsafe, `!vault` as Vaulted). `groups` holds every
-    group the host is in, transitively, `all` first, in the order of Inventory.groups.
+    group the host is in, transitively, `all` first, in the order of Inventory.groups. `where`
+    maps each var to the "file:line" the value in `vars` was set at (empty for a Host not read
+    from an inventory file: the collection's, from Ansible's task vars), for errors that name it.
     """
 
     name: str
     vars: Mapping[str, Any] = field(compare=False, repr=False)  # may hold a decrypted become password
     groups: tuple[str, ...]
+    where: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False, repr=False)
 
     @property
     def address(self) -> str:
@@ -251,7 +254,8 @@ def build(path: Path, merged: dict[str, LocatedVars], groups: dict[str, tuple[st
                     raise InventoryError(f"{raw.where[name]}: {name}: the decrypted vault value is not "
                                          "what fleetctl needs here (a port number, or a string)") from None
                 raise InventoryError(f"{raw.where[name]}: {e} (rendered from {raw[name]!r})") from None
-        hosts[host] = Host(host, MappingProxyType(final), tuple(g for g in groups if host in groups[g]))
+        hosts[host] = Host(host, MappingProxyType(final), tuple(g for g in groups if host in groups[g]),
+                           MappingProxyType(dict(raw.where)))
     return Inventory(path, hosts, groups)
 
 

@@ -25,7 +25,7 @@ import re
 import zlib
 from functools import lru_cache
 
-from . import result
+from . import result, trust
 
 # The package a bundle's modules are loaded into on the host (WRAPPER): facts is
 # sys.modules["fleetctl_probes.facts"] there.
@@ -168,44 +168,65 @@ def _bundle(main: str, params_json: str) -> bytes:
     return zlib.compress(json.dumps(doc).encode(), 6)
 
 
-# The probes that import the install's own packages (kbuild: torch) and so need the site module.
-# Every other probe is stdlib only and starts with `python -S`: site's work (sys.path from
-# site-packages, every `.pth` file, sitecustomize) was a sixth of a warm facts probe's CPU
-# (0.05 of 0.30 s on a 0.5.23 host, bench/results/NOTES.md), and a host's `.pth` files are code
-# a stdlib probe has no reason to run. facts.ask starts an install's interpreter with its site.
-SITE_PROBES = frozenset({"kbuild"})
+# Every probe starts with `python -S`: no site module, so no site-packages on sys.path and no
+# `.pth` file or sitecustomize run (site was a sixth of a warm facts probe's CPU, 0.05 of 0.30 s
+# on a 0.5.23 host, bench/results/NOTES.md; a host's `.pth` files are code a stdlib probe has no
+# reason to run). A probe that needs the install's packages (kbuild: torch) checks the site
+# module's files (trust.untrusted) and then runs site.main() itself.
+#
+# A named interpreter starts through trust.GUARD: checked and exec'd by the same command, or
+# refused with REFUSED on stderr and exit 126 (parse_output raises Untrusted).
+REFUSED = "fleetctl-untrusted: "
+_GUARDED = (trust.GUARD + '\nif why=$(fleetctl_trust "$1"); then exec "$1" -S -c "$0"; fi\n'
+            'printf \'\\n%s%s\\n\' "' + REFUSED + '" "$why" >&2; exit 126')
 
 # Runs WRAPPER ($0) with the interpreter the last facts probe ran under, recorded in this user's
-# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a regular file of this user,
-# not a link, naming an executable), else the first python3 or python on PATH, with the flags
-# "$@" (command's). The record spares a warm run
-# a version manager's shim (pyenv's python3 costs ~0.13 s of shell before Python starts).
-_FINDER = ('if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi; '
-           'if [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && [ -O "$c/interpreter" ] && '
-           'read -r p < "$c/interpreter" && [ -x "$p" ]; '
-           'then exec "$p" "$@" -c "$0"; fi; '
-           'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" "$@" -c "$0"; done; '
+# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a directory and a regular
+# file of this user, not links, naming an executable that trust.GUARD clears on this start; one
+# it refuses is removed, review N10), else the first python3 or python on PATH (root's own
+# choice). The record spares a warm run a version manager's shim (pyenv's python3 costs ~0.13 s
+# of shell before Python starts).
+_FINDER = (trust.GUARD + '\n'
+           'if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi\n'
+           'if [ -d "$c" ] && [ ! -L "$c" ] && [ -O "$c" ] && [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && '
+           '[ -O "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; then\n'
+           '  if fleetctl_trust "$p" >/dev/null; then exec "$p" -S -c "$0"; fi\n'
+           '  rm -f "$c/interpreter"\n'
+           'fi\n'
+           'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -S -c "$0"; done\n'
            'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
 
 
-def command(python: str | None, main: str) -> list[str]:
-    """The argv that runs WRAPPER for probe `main` with `python`, or (None) with the recorded
-    interpreter or the first python3/python on PATH (see _FINDER). A probe not in SITE_PROBES
-    starts with `-S`: no site module, so no site-packages on sys.path and no `.pth` file run."""
-    flags = [] if main in SITE_PROBES else ["-S"]
+def command(python: str | None, guard: bool = True) -> list[str]:
+    """The argv that runs WRAPPER (every probe starts with `python -S`) under
+    `python`: through trust.GUARD when `guard` (a host, where the probe runs as root or the
+    probing user: the interpreter and every directory above it checked by the same command that
+    execs it), directly when not (a container's own interpreter, entered with no more power than
+    the container's process has: connection/container.py). None: the recorded interpreter
+    (cleared by GUARD on this start) or the first python3/python on PATH (see _FINDER)."""
+    if python and not guard:
+        return [python, "-S", "-c", WRAPPER]
     if python:
-        return [python, *flags, "-c", WRAPPER]
-    return ["sh", "-c", _FINDER, WRAPPER, *flags]
+        return ["sh", "-c", _GUARDED, WRAPPER, python]
+    return ["sh", "-c", _FINDER, WRAPPER]
+
+
+class Untrusted(ProbeError):
+    """trust.GUARD refused the interpreter a probe was to start under; the message is why."""
 
 
 def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     """Extract the probe's JSON result from its output.
 
-    Raises ProbeError when the probe crashed (its traceback included) or printed no result.
+    Raises Untrusted when trust.GUARD refused its interpreter, ProbeError when the probe
+    crashed (its traceback included) or printed no result.
     """
     text = stdout.decode("utf-8", "replace")
     found = result.after_marker(text)
     if found is None:
+        refused = stderr.decode("utf-8", "replace").rpartition("\n" + REFUSED)[2]
+        if exit_code == 126 and refused:
+            raise Untrusted(refused.strip()[:2000])
         tail = (stderr.decode("utf-8", "replace") or text).strip()[-2000:]
         raise ProbeError(f"probe printed no result (exit {exit_code}): {tail or 'no output'}")
     try:

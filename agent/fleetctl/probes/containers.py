@@ -1,23 +1,36 @@
-"""Remote probe helper: the containers SGLang servers in other mount namespaces run in.
+"""Remote probe helper: which servers in other mount namespaces are containers', and those containers.
 
-Stdlib only (Python 3.8+), loaded by the facts probe bundle on the host. A server whose process
-lives in another mount namespace is a container's: its runtime and container id come from
-/proc/PID/cgroup (the path names the runtime's scope: `libpod-ID` Podman, `docker-ID` or
-`/docker/ID` Docker, `cri-containerd-ID` containerd, `crio-ID` CRI-O; `kubepods` in it means the
-kubelet manages the container), its name, image and image id from the runtime's own CLI
-(`podman inspect`, `docker inspect`, `crictl inspect`) when that is on the host's PATH, and
-whether its root file system is read-only from /proc/PID/mountinfo (the `/` mount's options).
-Nothing of the container's files is read from here: every file of it is read by a probe run
-inside (connection/command.py container_entry), never through /proc/PID/root.
+Stdlib only (Python 3.8+), loaded by the facts probe bundle on the host. A process in another
+mount namespace than the probe's (procs.py) is classified by its cgroup (/proc/PID/cgroup, with
+the directory each line names in the host's cgroup file system: review N1), never by anything
+the process itself chose (its argv, its files):
+- a **container** when a line names a known runtime's scope (`libpod-ID` Podman, `docker-ID` or
+  `/docker/ID` Docker, `cri-containerd-ID` containerd, `crio-ID` CRI-O; a 64-hex leaf under
+  `kubepods`: a CRI container of the kubelet), and that cgroup directory is root's and outside
+  any delegated subtree;
+- **rootless** when such a scope is under `user@UID.service` (systemd's delegated subtree of
+  UID) and belongs to UID: a rootless container of that user, entered (if at all) as that user;
+- a **service** when its cgroup is a system service's (`/system.slice/NAME.service`, root's): a
+  host server whose mount namespace is its own (PrivateTmp=, ProtectSystem=...), read through the
+  host's own trusted interpreter like any host server (procs.find_servers, host_view);
+- **foreign** otherwise (a process that unshared its mount namespace, LXC, nspawn, a forged or
+  delegated cgroup...): listed with the reason, never entered.
+A container's name, image and image id come from the runtime's own CLI (`podman inspect`,
+`docker inspect`, `crictl inspect`) when that is on the host's PATH, and whether its root file
+system is read-only from /proc/PID/mountinfo (the `/` mount's options). Nothing of the
+container's files is read or run from here: every file of it is read by a probe run inside
+(connection/command.py container_entry), under the interpreter /proc/PID/exe names (the
+kernel's name for what the process executed, resolved inside), never its argv[0].
 """
 
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 
-from . import procs
+from . import enter, procs
 
 # cgroup path pattern -> runtime (the first that matches wins)
 _SCOPES = [
@@ -25,10 +38,15 @@ _SCOPES = [
     (re.compile(r"cri-containerd-([0-9a-f]{64})"), "containerd"),
     (re.compile(r"crio-(?:conmon-)?([0-9a-f]{64})"), "cri-o"),
     (re.compile(r"docker[-/]([0-9a-f]{64})"), "docker"),
-    (re.compile(r"/([0-9a-f]{64})(?:\.scope)?$"), "unknown"),
+    (re.compile(r"/kubepods\b.*/([0-9a-f]{64})(?:\.scope)?$"), "unknown"),
 ]
-# the runtime CLI that enters a runtime's containers (crictl speaks for every CRI runtime)
-RUNTIME_CLI = {"podman": "podman", "docker": "docker", "containerd": "crictl", "cri-o": "crictl"}
+# systemd's delegated subtree of a user (systemd.resource-control(5) Delegate=): user@UID.service
+_DELEGATED = re.compile(r"/user@(\d+)\.service(?:/|$)")
+# a system service's own cgroup (systemd.special(7): system.slice)
+_SERVICE = re.compile(r"^/system\.slice/(?:[^/]+\.slice/)*[^/]+\.service$")
+# the runtime CLI that enters a runtime's containers (crictl speaks for every CRI runtime, and
+# for a kubelet's container whose runtime the cgroup does not name: "unknown")
+RUNTIME_CLI = {"podman": "podman", "docker": "docker", "containerd": "crictl", "cri-o": "crictl", "unknown": "crictl"}
 INSPECT_TIMEOUT_S = 15
 MAX_FIELD = 512  # characters kept of a name or image reference (strings from the host are bounded)
 
@@ -39,15 +57,88 @@ def _field(v):
 
 def from_cgroup(text):
     """(runtime, container id, kubelet-managed) from the text of /proc/PID/cgroup; runtime
-    "unknown" and id None when no line names a container."""
+    "unknown" and id None when no line names a container ("unknown" with an id: a kubelet's
+    container whose runtime the path does not name)."""
+    runtime, cid, kube, _ = _scope(text)
+    return runtime, cid, kube
+
+
+def _scope(text):
+    """from_cgroup's answer + the line that named the container (None when none did)."""
     kube = "kubepods" in text
     for line in text.splitlines():
         path = line.split(":", 2)[-1]
         for pat, runtime in _SCOPES:
             m = pat.search(path)
             if m:
-                return runtime, m.group(1), kube
-    return "unknown", None, kube
+                return runtime, m.group(1), kube, line
+    return "unknown", None, kube, None
+
+
+def _owner(line, mountinfo):
+    """(the host directory of cgroup `line`, its owner uid or None when it is no directory)."""
+    try:
+        d = os.path.dirname(enter.cgroup_targets(line, mountinfo)[0])
+        st = os.lstat(d)
+    except (OSError, ValueError):
+        return None, None
+    return d, st.st_uid if stat.S_ISDIR(st.st_mode) else None
+
+
+def classify(cgroup_text, mountinfo):
+    """What a process in another mount namespace is, from its /proc/PID/cgroup text and the
+    probe's /proc/self/mountinfo text (see the module docstring): {"kind": "container",
+    "rootless", "service" or "foreign", "runtime", "container_id", "kubelet", "cgroup": the
+    deciding line's path, "uid": the delegated user (rootless), "reason": why it is not a
+    container (None for one)}."""
+    runtime, cid, kube, line = _scope(cgroup_text)
+    out = {"kind": "foreign", "runtime": runtime, "container_id": cid, "kubelet": kube, "cgroup": None,
+           "uid": None, "reason": None}
+    if line is None:
+        # systemd's own lines: the unified hierarchy's, then (v1 and hybrid hosts) name=systemd
+        lines = cgroup_text.splitlines()
+        tracked = [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]
+        path = tracked[0].split(":", 2)[2] if tracked else ""
+        out["cgroup"] = path
+        if any(_SERVICE.match(ln.split(":", 2)[2]) and _owner(ln, mountinfo)[1] == 0 for ln in tracked):
+            out["kind"] = "service"
+        else:
+            out["reason"] = "its cgroup (%s) names no container runtime" % (path or "none")
+        return out
+    path = line.split(":", 2)[2]
+    out["cgroup"] = path
+    d, uid = _owner(line, mountinfo)
+    deleg = _DELEGATED.search(path)
+    if uid is None:
+        out["reason"] = "its cgroup directory for %s is not on this host" % path
+    elif deleg:
+        out["uid"] = int(deleg.group(1))
+        if uid == out["uid"]:
+            out["kind"] = "rootless"
+            out["reason"] = "a rootless container of uid %d (its cgroup %s is delegated to that user)" % (uid, path)
+        else:
+            out["reason"] = "its cgroup %s is under user@%s.service but belongs to uid %d" % (path, deleg.group(1), uid)
+    elif uid != 0:
+        out["reason"] = "its cgroup directory %s belongs to uid %d, not root" % (d, uid)
+    else:
+        out["kind"] = "container"
+    return out
+
+
+_MOUNTINFO = []
+
+
+def mountinfo():
+    """This probe's /proc/self/mountinfo text, read once."""
+    if not _MOUNTINFO:
+        _MOUNTINFO.append(procs.read("/proc/self/mountinfo") or "")
+    return _MOUNTINFO[0]
+
+
+def host_view(pid):
+    """Whether process `pid` (in another mount namespace than the probe's) is a system service,
+    read as a host server (procs.find_servers)."""
+    return classify(procs.read("/proc/%d/cgroup" % pid) or "", mountinfo())["kind"] == "service"
 
 
 def read_only_root(pid):
@@ -106,33 +197,49 @@ def clis():
     return dict((c, bool(shutil.which(c))) for c in ("podman", "docker", "crictl"))
 
 
+def process(pid):
+    """{uid, gid, start_time} of host process `pid`: its real uid and gid (/proc/PID/status Uid,
+    Gid: first fields) and field 22 of /proc/PID/stat (its start time, connection/command.py
+    container_entry checks it); None values where unreadable."""
+    st = enter.status_fields(procs.read("/proc/%d/status" % pid) or "")
+    try:
+        start = enter.start_time(pid)
+    except (OSError, IndexError):
+        start = None
+    ids = [(st.get(k) or "").split()[:1] for k in ("Uid", "Gid")]
+    return {"uid": int(ids[0][0]) if ids[0] else None, "gid": int(ids[1][0]) if ids[1] else None,
+            "start_time": start}
+
+
 def containers(pids):
-    """The containers of the server processes `pids` (pids as the host sees them), one entry per
-    container: [{"root": {runtime, container_id, name, image, image_id, pid}, "servers": [pid],
-    "pids_in_container": {str(host pid): its pid in the container}, "python": the first
-    server's interpreter as the container sees it (its absolute argv[0], else /proc/PID/exe),
-    "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is the first server's pid;
-    name, image and image_id are None without the runtime's CLI."""
+    """The containers of the server processes `pids` (pids as the host sees them, in other
+    mount namespaces and not services: procs.find_servers), one entry per container or foreign
+    process: [{"kind", "reason", "cgroup" (classify), "root": {runtime, container_id, name,
+    image, image_id, pid}, "servers": [pid], "pids_in_container": {str(host pid): its pid in the
+    container}, "python": the interpreter /proc/PID/exe names (a path inside the container),
+    "process": process(), "kubelet": bool, "read_only_rootfs": bool or None}]. `root.pid` is
+    the first server's pid; name, image and image_id are None without the runtime's CLI (and
+    for what is no container)."""
     out = {}
     for pid in pids:
-        runtime, cid, kube = from_cgroup(procs.read("/proc/%d/cgroup" % pid) or "")
+        kind = classify(procs.read("/proc/%d/cgroup" % pid) or "", mountinfo())
+        cid = kind["container_id"] if kind["kind"] in ("container", "rootless") else None
         key = cid or "pid-%d" % pid
         if key in out:
             out[key]["servers"].append(pid)
             out[key]["pids_in_container"][str(pid)] = pid_in_container(pid)
             continue
-        seen = inspect(RUNTIME_CLI.get(runtime, ""), cid)
-        argv = [a.decode("utf-8", "replace")[:procs.MAX_ARG]
-                for a in (procs.read("/proc/%d/cmdline" % pid, "rb") or b"").split(b"\0")]
+        seen = inspect(RUNTIME_CLI.get(kind["runtime"], ""), cid) if kind["kind"] == "container" else {}
         try:
             exe = os.readlink("/proc/%d/exe" % pid)
         except OSError:
             exe = None
-        out[key] = {"python": argv[0] if argv and argv[0].startswith("/") else exe,
-                    "root": {"runtime": runtime, "container_id": cid, "name": seen.get("name"),
+        out[key] = {"kind": kind["kind"], "reason": kind["reason"], "cgroup": kind["cgroup"],
+                    "python": exe if exe and exe.startswith("/") and not exe.endswith(" (deleted)") else None,
+                    "root": {"runtime": kind["runtime"], "container_id": cid, "name": seen.get("name"),
                              "image": seen.get("image"), "image_id": seen.get("image_id"), "pid": pid},
                     "servers": [pid], "pids_in_container": {str(pid): pid_in_container(pid)},
-                    "kubelet": kube, "read_only_rootfs": read_only_root(pid)}
+                    "process": process(pid), "kubelet": kind["kubelet"], "read_only_rootfs": read_only_root(pid)}
     return list(out.values())
 
 

@@ -10,7 +10,8 @@ its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a s
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
 inventory's ansible_python_interpreter / fleetctl_python (params["python"]); python3 on PATH and
 common venv locations whose site directories hold an sglang distribution. An interpreter is run
-only after untrusted() clears it (its `.pth` files run at start).
+only after trust.untrusted() clears it (its `.pth` files run at start), by this probe, just
+before it starts it.
 """
 
 import glob
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, locate, procs, result, scancache, torchver
+from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -33,55 +34,7 @@ SEVERAL = "several installs, no server: see installs"
 NONE_FOUND = "no interpreter with an sglang distribution found"
 
 
-def untrusted(python):
-    """Why `python` must not be run as root by fleetctl, or None (review M6).
-
-    Everything that runs when it starts must belong to root (or this user) and be writable by
-    nobody else: the real interpreter, its bin/ directory, its prefix, each site directory (and
-    its parents up to the prefix), and each `.pth`, sitecustomize and usercustomize file there
-    (site.py executes `.pth` import lines at startup). Otherwise another local user could plant
-    code that root runs."""
-    prefix = os.path.dirname(os.path.dirname(python))
-    paths = [os.path.realpath(python), os.path.dirname(python), prefix]
-    for d in site_dirs(python):
-        up = d
-        while up.startswith(prefix + "/") and up not in paths:
-            paths.append(up)
-            up = os.path.dirname(up)
-        if not d.startswith(prefix + "/"):
-            paths.append(d)
-        paths += sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
-        paths += [p for p in (os.path.join(d, n) for n in ("sitecustomize.py", "usercustomize.py"))
-                  if os.path.lexists(p)]
-    for path in paths:
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            return "cannot stat %s: %s" % (path, e.strerror)
-        if st.st_uid not in (0, os.geteuid()):
-            return "%s belongs to uid %d" % (path, st.st_uid)
-        if st.st_mode & 0o022:
-            return "%s is writable by group or others" % path
-    return None
-
-
 _DIST_MARKS = ("sglang-*.dist-info", "sglang-*.egg-info", "sglang.egg-link", "__editable__.sglang-*")
-
-
-def site_dirs(python):
-    """Site directories of interpreter path `python`, from its layout and pyvenv.cfg (a venv that
-    includes system site packages adds its base's)."""
-    prefix = os.path.dirname(os.path.dirname(python))
-    pats = ["lib/python3*/site-packages", "lib/python3*/dist-packages", "local/lib/python3*/dist-packages"]
-    dirs = [d for p in pats for d in sorted(glob.glob(os.path.join(prefix, p)))]
-    cfg = procs.read(os.path.join(prefix, "pyvenv.cfg")) or ""
-    conf = dict((k.strip(), v.strip()) for k, sep, v in (line.partition("=") for line in cfg.splitlines()) if sep)
-    if conf.get("include-system-site-packages", "false").lower() == "true" and conf.get("home"):
-        base = os.path.dirname(conf["home"])
-        dirs += [d for p in pats for d in sorted(glob.glob(os.path.join(base, p)))]
-    if prefix == "/usr" or os.path.dirname(conf.get("home", "")) == "/usr":
-        dirs.append("/usr/lib/python3/dist-packages")
-    return dirs
 
 
 MAX_PTH_BYTES = 1 << 20  # a .pth file read for its path lines (site.py's own have a few lines)
@@ -112,7 +65,7 @@ def may_have_sglang(python):
     checkout added by hand or by `conda develop`, with no distribution). Without one, its
     `import sglang` could only come from a working directory or PYTHONPATH, which an idle
     interpreter has not got."""
-    dirs = site_dirs(python)
+    dirs = trust.site_dirs(python)
     return (any(glob.glob(os.path.join(glob.escape(d), m)) for d in dirs for m in _DIST_MARKS)
             or any(os.path.isfile(os.path.join(p, "sglang", "__init__.py")) for d in dirs for p in _pth_paths(d)))
 
@@ -162,7 +115,7 @@ def _stamp(python, first, package_dir):
     directory with its __init__.py and version.py (a pip install or removal changes a site
     directory; a checkout's version lives in version.py)."""
     paths = [os.path.realpath(python)] + list(first)
-    for d in site_dirs(python):
+    for d in trust.site_dirs(python):
         paths += [d] + sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
     if package_dir:
         paths += [package_dir, os.path.dirname(package_dir)]
@@ -219,7 +172,7 @@ def discover(params, servers, store=None):
             if not os.access(python, os.X_OK):
                 entry["skipped"] = "not executable"
                 continue
-            why_not = untrusted(python)
+            why_not = trust.untrusted(python)
             if why_not:
                 entry["skipped"] = why_not
                 continue
@@ -292,20 +245,22 @@ def primary(installs, servers):
 
 def record_interpreter(store, params):
     """Record this probe's interpreter in `store` (scancache.Store.keep_interpreter) for the next
-    probe's start, only when it was found by the PATH search (no params["python"]): an inventory
-    interpreter is never recorded, or the trust probe that checks it before it runs as root
-    (fleet.HostContext.probe) would itself start under it."""
+    probe's start, only when it was found by the PATH search (no params["python"]): the record
+    stands in for that search (probes._FINDER), which a host naming its interpreter never makes.
+    Each start checks the record again (trust.GUARD)."""
     if params.get("python"):
         return
     try:
-        store.keep_interpreter(sys.executable, untrusted)
+        store.keep_interpreter(sys.executable, trust.untrusted)
     except OSError:
         pass  # the record is an optimisation: the next run finds python3 on PATH again
 
 
 def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
-    cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache); or
+    cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache), inside
+    (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
+    there, site files aside: the probe runs with -S); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
     Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins", "scan",
     ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
@@ -313,7 +268,11 @@ def main(params):
         res = locate.locate(params["locate"])
         res["torch"] = torchver.installed()
         return res
-    servers, others = procs.find_servers()
+    if params.get("inside"):
+        why = trust.untrusted(sys.executable, site=False)
+        if why:  # checked inside, as the container's user: its own files, planted by nobody else
+            return {"refused": "interpreter %s in the container refused: %s" % (sys.executable, why)}
+    servers, others = procs.find_servers(containers.host_view)
     found = containers.containers(others) if params.get("containers", True) else []
     store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
     try:

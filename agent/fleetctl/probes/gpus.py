@@ -73,6 +73,8 @@ def gpu_facts(timeout=20):
         r = subprocess.run(["nvidia-smi"] + ARGS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
     except FileNotFoundError:
         return [], [], "nvidia-smi not found"
+    except OSError as e:  # on PATH but not runnable by this user (a container entered as its user)
+        return [], [], "nvidia-smi could not run: %s" % (e.strerror or e)
     except subprocess.TimeoutExpired:
         return [], [], "nvidia-smi did not answer within %d s" % timeout
     return parse(r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace"), r.returncode)

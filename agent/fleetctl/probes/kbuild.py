@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from . import gpus, torchver
+from . import gpus, torchver, trust
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
 MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),
@@ -44,7 +44,15 @@ with open(a["result"], "w") as f:
 
 def main(params: dict) -> dict:
     """Run params["action"] ("preflight", "build", "test", "state" or "mark") with the other
-    params; see each function."""
+    params; see each function. The probe starts with `python -S` (probes.command); torch is
+    the install's, so the site module's files are checked (trust.untrusted: the builds run
+    this interpreter with its site, as root) before site.main() puts site-packages on sys.path.
+    Raises RuntimeError naming the file when they must not be run."""
+    why = trust.untrusted(sys.executable)
+    if why:
+        raise RuntimeError("interpreter %s refused: %s (fleetctl runs it as root)" % (sys.executable, why))
+    import site
+    site.main()
     actions = {"preflight": preflight, "build": build, "test": test, "state": state, "mark": mark}
     return actions[params["action"]](params)
 

@@ -16,7 +16,7 @@ its working directory and PYTHONPATH (what its `sys.path` started with), and the
 
 import os
 
-from . import redact
+from . import listeners, redact
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
@@ -126,9 +126,10 @@ def environ(pid, names):
     return out
 
 
-def _proc_table():
-    """{pid: (argv, ppid)} for processes in this mount namespace; [pid] of the servers (tops of
-    their trees there: a server whose parent is a server is its worker) in other mount namespaces."""
+def _proc_table(host_view):
+    """{pid: (argv, ppid)} for processes in this mount namespace, and those in others that
+    `host_view(pid)` reads as the host's (system services); [pid] of the servers (tops of their
+    trees there: a server whose parent is a server is its worker) in other mount namespaces."""
     own_mnt = os.readlink("/proc/self/ns/mnt") if os.path.exists("/proc/self/ns/mnt") else None
     table, others, parents = {}, [], {}
     for d in os.listdir("/proc"):
@@ -144,7 +145,7 @@ def _proc_table():
             mnt = own_mnt
         argv = [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if own_mnt is not None and mnt != own_mnt:
+        if own_mnt is not None and mnt != own_mnt and not host_view(int(d)):
             if server_kind(argv) and _is_python(int(d)):
                 others.append(int(d))
                 parents[int(d)] = ppid
@@ -203,29 +204,9 @@ def import_path(pid, argv):
 
 
 def _listening_ports(pids):
-    """{pid: sorted TCP ports it listens on} from /proc/net/tcp{,6} and /proc/PID/fd sockets."""
-    inodes = {}
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in (read(name) or "").splitlines()[1:]:
-            f = line.split()
-            if len(f) > 9 and f[3] == "0A":  # TCP_LISTEN
-                inodes[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
-    out = {}
-    for pid in pids:
-        ports = set()
-        try:
-            fds = os.listdir("/proc/%d/fd" % pid)
-        except OSError:
-            fds = []
-        for fd in fds:
-            try:
-                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                ports.add(inodes[link[8:-1]])
-        out[pid] = sorted(ports)
-    return out
+    """{pid: sorted TCP ports it listens on itself}, each socket looked up in the process's own
+    network namespace (listeners.held)."""
+    return {pid: sorted({port for _, _, port, _ in held}) for pid, held in listeners.held(pids).items()}
 
 
 def _gpus_used(pid, argv, tp, dp):
@@ -247,8 +228,9 @@ def _ancestors(pid, table):
     return seen
 
 
-def find_servers():
-    """Running SGLang servers in this mount namespace, one per process tree.
+def find_servers(host_view=lambda pid: False):
+    """Running SGLang servers in this mount namespace (and in the others that `host_view(pid)`
+    reads as the host's: containers.host_view, system services), one per process tree.
 
     Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, python, cwd,
     import_path, cuda_visible_devices, gpus, workers: [{pid, ports}], processes}], [pid] of the
@@ -259,7 +241,7 @@ def find_servers():
     Flags per sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size, --dp-size).
     Secrets in argv (--api-key, tokens, URL passwords) are redacted here, before they leave the
     host (redact.py)."""
-    table, others = _proc_table()
+    table, others = _proc_table(host_view)
     cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and _is_python(pid)}
     tops = {pid for pid in cands if not any(a in cands for a in _ancestors(pid, table))}
     below = {}

@@ -1,10 +1,13 @@
 """Smoke decode probe (remote side, stdlib only, Python 3.8+): does the host still decode?
 
 Runs on the host itself, because the inference port is usually not reachable from the
-operator's machine. For each server the control side names, it waits for `GET /health` to
-answer 200 (503 means "still starting", connection refused means "not up yet"), then decodes
-a fixed prompt given as `input_ids` greedily `repeat` times through `POST /generate` and checks
-the answer. Optionally it runs an offline smoke command instead / as well.
+operator's machine. The control side names servers as the facts probe identified them; which
+socket of theirs is decoded, if any, is decided here by targets.py (only a server's own
+listening socket, on loopback or an address of this host: review N6), again while one is not
+listening yet. For each target it waits for `GET /health` to answer 200 (503 means "still
+starting", connection refused means "not up yet"), then decodes a fixed prompt given as
+`input_ids` greedily `repeat` times through `POST /generate` and checks the answer. Optionally
+it runs an offline smoke command instead / as well.
 
 Request and response shapes are SGLang's own: `GenerateReqInput` (sglang/srt/managers/
 io_struct.py), `SamplingParams` (sglang/srt/sampling/sampling_params.py), the out dict and
@@ -24,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 
-from . import redact
+from . import redact, targets
 
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]
@@ -115,6 +118,29 @@ def _server_facts(base, timeout):
     return facts
 
 
+def choose(selectors, port, host, deadline_s):
+    """targets.pick(selectors, port, host), asked again (0.1 s doubling to 2 s) while a server is
+    pending (not listening yet), for at most deadline_s seconds. Returns (its last answer,
+    seconds spent)."""
+    t0 = time.monotonic()
+    delay = 0.1
+    while True:
+        picked = targets.pick(selectors, port, host)
+        left = deadline_s - (time.monotonic() - t0)
+        if not picked["pending"] or left <= 0:
+            return picked, time.monotonic() - t0
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 2.0)
+
+
+def _result(host, port):
+    """A smoke_server result before anything is known (see there)."""
+    return {"host": host, "port": int(port), "model_path": None, "version": None, "stand_in": False,
+            "health_wait_s": None, "ok": False, "error": None, "output_ids": None,
+            "ids_consistent": None, "latency_s": None, "e2e_latency_s": None, "tokens_per_s": None,
+            "runs": []}
+
+
 def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
                  input_ids=None, request_timeout=60.0, warmup=1):
     """Health wait + `repeat` greedy decodes against one SGLang server at host:port.
@@ -125,10 +151,7 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     latency_s, e2e_latency_s, problems}]}. `warmup` untimed decodes go first. Never raises for server faults; they land in error.
     """
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
-    res = {"host": host, "port": int(port), "model_path": None, "version": None, "stand_in": False,
-           "health_wait_s": None, "ok": False, "error": None, "output_ids": None,
-           "ids_consistent": None, "latency_s": None, "e2e_latency_s": None, "tokens_per_s": None,
-           "runs": []}
+    res = _result(host, port)
     healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
     res["health_wait_s"] = round(waited, 3)
     if not healthy:
@@ -199,26 +222,38 @@ def offline_check(cmd, timeout=600.0):
 
 def main(params):
     """Probe entry point. params (all optional):
-    servers: [{host, port}] decided by the control side; health_timeout (600 s); repeat (3);
-    max_new_tokens (16); input_ids (fixed prompt); request_timeout (60 s, per HTTP request);
-    offline_cmd: a shell command string (from the playbook or inventory); offline_timeout (600 s);
-    api_key: the servers' API key (sent as a bearer token, never returned).
-    Returns {"servers": [smoke_server result, ...], "offline": offline_check result or None};
-    server errors have their secrets redacted (redact.py).
+    servers: the servers to decode, as the control side names them (targets.live: [{pid, python,
+    port, host}] as the facts probe identified them, or [{"pid": None}] for every
+    server identified here); port, host: the inventory's fleetctl_sglang_port and _host, which
+    select among their sockets (targets.select); health_timeout (600 s, the wait for a server to
+    listen and answer /health); repeat (3); max_new_tokens (16); input_ids (fixed prompt);
+    request_timeout (60 s, per HTTP request); offline_cmd: a shell command string (from the
+    playbook or inventory); offline_timeout (600 s); api_key: the servers' API key (sent as a
+    bearer token to the targets only, never returned).
+    Returns {"servers": [smoke_server result + pid, ...; a server that never listened: ok false,
+    the reason in error], "refused": [{pid, host, port, reason}] (targets.select: nothing was
+    sent to them), "offline": offline_check result or None}; server errors have their secrets
+    redacted (redact.py).
     """
     global API_KEY
     API_KEY = params.get("api_key")
-    servers = [smoke_server(s["host"], s["port"],
-                            health_timeout=float(params.get("health_timeout", 600)),
-                            repeat=int(params.get("repeat", 3)),
-                            max_new_tokens=int(params.get("max_new_tokens", 16)),
-                            input_ids=params.get("input_ids"),
-                            request_timeout=float(params.get("request_timeout", 60)),
-                            warmup=int(params.get("warmup", 1)))
-               for s in params.get("servers") or []]
+    health_timeout = float(params.get("health_timeout", 600))
+    picked, waited = choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout)
+    servers = []
+    for t in picked["targets"]:
+        servers.append(smoke_server(t["host"], t["port"], health_timeout=max(0.0, health_timeout - waited),
+                                    repeat=int(params.get("repeat", 3)),
+                                    max_new_tokens=int(params.get("max_new_tokens", 16)),
+                                    input_ids=params.get("input_ids"),
+                                    request_timeout=float(params.get("request_timeout", 60)),
+                                    warmup=int(params.get("warmup", 1))))
+        servers[-1]["pid"] = t["pid"]
+    for p in picked["pending"]:
+        servers.append(dict(_result(p["host"], p["port"]), pid=p["pid"], health_wait_s=round(waited, 3),
+                            error="health deadline exceeded after %.0f s: %s" % (health_timeout, p["reason"])))
     for s in servers:
         s["error"] = redact.text(s["error"])
     offline = None
     if params.get("offline_cmd"):
         offline = offline_check(params["offline_cmd"], float(params.get("offline_timeout", 600)))
-    return {"servers": servers, "offline": offline}
+    return {"servers": servers, "refused": picked["refused"], "offline": offline}

@@ -1,0 +1,238 @@
+"""Remote probe helper: which servers fleetctl's HTTP probes talk to, and on which socket (review N6).
+
+The one rule for every probe that sends a request, and the inventory's API key with it, to an
+SGLang server on this host (the smoke decode today: probes/smoke.py). A target is a listening
+socket of a server the facts probe identified: its inode is in /proc/PID/fd of the server or of
+one of its descendants (a router's DP workers, SGLang's scheduler processes), looked up in the
+server's own network namespace (listeners.py), and it is reached on loopback or on an address of
+this host. A process's argv (`--host`, `--port`: sglang/srt/server_args.py) is anyone's to write:
+it only says which of the server's own sockets to use, never where to connect.
+
+- A socket on 0.0.0.0 is reached on 127.0.0.1, one on :: on ::1 (127.0.0.1 when the namespace has
+  no ::1), one on an IPv4-mapped address on its IPv4 address, one on a specific address of this
+  host on that address; one on any other address is refused.
+- A connection that could land on another process's socket (the same port on the wildcard of
+  the other family, say) is refused: the kernel, not fleetctl, would pick the listener.
+- The inventory's fleetctl_sglang_port / fleetctl_sglang_host select among the identified
+  servers' sockets: a port no identified server listens on is refused, never used.
+- A server that listens on nothing yet (still loading, just restarted) is pending: the caller
+  asks again until its deadline. A server whose pid is gone is followed to its successor: a
+  server identified now as the facts probe identifies them (procs.find_servers, with system
+  services in their own mount namespaces: containers.host_view) with the same interpreter that
+  claims the same port, which is how a gate finds the server a restart replaced (a restart
+  keeps those; it may change the environment and working directory the server starts from, so
+  its import path).
+
+Each refusal names the process (pid), what it claimed (host, port) and why; nothing is sent to it.
+"""
+
+import ipaddress
+
+from . import containers, listeners, procs
+
+NOT_IDENTIFIED = "the listener of a process that is no identified server"
+GONE = "pid %d exited and no server of the same interpreter on its port has taken its place"
+
+
+def _ip(address):
+    """ipaddress object of `address` (an IPv4-mapped IPv6 address as its IPv4), None when it is none."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    return getattr(ip, "ipv4_mapped", None) or ip
+
+
+def _hostport(address, port):
+    return ("[%s]:%d" if ":" in address else "%s:%d") % (address, port)
+
+
+def _local(address, local):
+    """`address` normalised when it is loopback or one of `local` (this namespace's), else None."""
+    ip = _ip(address)
+    if ip is None or not (ip.is_loopback or str(ip) in local):
+        return None
+    return str(ip)
+
+
+def connect_address(bound, local):
+    """Where to connect to reach a socket bound to address `bound`, given the namespace's own
+    addresses `local`: (address, None), or (None, why) for an address that is not this host's."""
+    ip = _ip(bound)
+    if ip is not None and ip.is_unspecified:
+        return ("::1" if ip.version == 6 and "::1" in local else "127.0.0.1"), None
+    address = _local(bound, local)
+    if address is None:
+        return None, "is bound to %s, not an address of this host" % bound
+    return address, None
+
+
+def lands(address, bound):
+    """Whether a connection to `address` (normalised) may be accepted by a socket bound to
+    `bound` (as listeners reads it): the same address, its family's wildcard, or for IPv4 the
+    IPv6 wildcard (a dual-stack socket) and the IPv4-mapped form."""
+    if ":" in address:
+        return bound in (address, "::")
+    return bound in (address, "0.0.0.0", "::", "::ffff:" + address)
+
+
+def _listener(inode, owner):
+    return "server pid %d's listener" % owner[inode] if inode in owner else NOT_IDENTIFIED
+
+
+def _whose(inode, owner):
+    return "server pid %d" % owner[inode] if inode in owner else "a process that is no identified server"
+
+
+def select(servers, listening, local, port=None, host=None):
+    """The rule (see the module docstring), pure. `servers`: [{pid, port, host (what its argv
+    claims), here: [(inode, address, port)] its tree's listening sockets in this namespace,
+    elsewhere: [(address, port)] those in other namespaces, gone: why it is gone, or None}];
+    `listening`: [(inode, address, port)] every listening socket of this namespace; `local`: its
+    addresses; `port`, `host`: the inventory's fleetctl_sglang_port and _host (None: each server's
+    own claimed port selects its socket). Returns {"targets": [{pid, host, port}], "refused":
+    [{pid, host, port, reason}], "pending": [{pid, host, port, reason}]}; refused and pending
+    entries carry what was claimed (pid None: the inventory's choice)."""
+    owner = {inode: s["pid"] for s in servers for inode, _, _ in s["here"]}
+    out = {"targets": [], "refused": [], "pending": []}
+    if port is None:
+        for s in servers:
+            _claimed(s, listening, local, owner, out)
+    else:
+        _named(servers, listening, local, owner, int(port), host, out)
+    return out
+
+
+def _claimed(s, listening, local, owner, out):
+    """Server `s` on its own claimed port: its socket there, reached as connect_address says."""
+    pid, port = s["pid"], s["port"]
+    label = {"pid": pid, "host": s["host"], "port": port}
+    # a server that never listened is named where its decode would have been (0.0.0.0 and :: as
+    # 127.0.0.1), so that a gate pairs it with the baseline's
+    waiting = dict(label, host="127.0.0.1" if s["host"] in ("0.0.0.0", "::") else s["host"])
+    if s.get("gone"):
+        out["pending"].append(dict(waiting, reason=s["gone"]))
+        return
+    mine = [(inode, bound) for inode, bound, p in s["here"] if p == port]
+    if not mine:
+        other = next((inode for inode, _, p in listening if p == port), None)
+        if any(p == port for _, p in s["elsewhere"]):
+            why = ("its listener on port %d is in another network namespace: not reachable from here (a container's "
+                   "server is tested inside it: validate --install)" % port)
+        elif other is not None:
+            why = "port %d is %s, not this process's or its descendants'" % (port, _listener(other, owner))
+        else:
+            why = "no listener on port %d of pid %d or its descendants" % (port, pid)
+            out["pending"].append(dict(waiting, reason=why))
+            return
+        out["refused"].append(dict(label, reason=why))
+        return
+    reasons = []
+    for _, bound in mine:
+        address, why = connect_address(bound, local)
+        if address is None:
+            reasons.append("its listener on port %d %s" % (port, why))
+            continue
+        foreign = [i for i, b, p in listening if p == port and lands(address, b) and owner.get(i) != pid]
+        if foreign:
+            reasons.append("a connection to %s could land on %s"
+                           % (_hostport(address, port), _listener(foreign[0], owner)))
+            continue
+        out["targets"].append({"pid": pid, "host": address, "port": port})
+        return
+    out["refused"].append(dict(label, reason=reasons[0]))
+
+
+def _named(servers, listening, local, owner, port, host, out):
+    """The inventory's host:port: used when exactly one identified server's tree holds every
+    socket a connection there may land on; servers that claim that port and hold no socket on it
+    are named."""
+    label = {"pid": None, "host": host, "port": port}
+    address = _local(host, local)
+    if address is None:
+        out["refused"].append(dict(label, reason="fleetctl_sglang_host %s is not an address of this host" % host))
+        return
+    if not servers:
+        out["refused"].append(dict(label, reason="fleetctl_sglang_port %d: no SGLang server identified on this host"
+                                                  % port))
+        return
+    at = _hostport(address, port)
+    reach = [inode for inode, bound, p in listening if p == port and lands(address, bound)]
+    first = next((owner[i] for i in reach if i in owner), None)
+    other = next((i for i in reach if owner.get(i) != first), None)
+    if reach and first is not None and other is None:
+        out["targets"].append({"pid": first, "host": address, "port": port})
+    elif reach:
+        out["refused"].append(dict(label, reason="fleetctl_sglang_port %d: %s" % (port, (
+            "%s is %s" % (at, NOT_IDENTIFIED) if first is None else
+            "a connection to %s could land on %s" % (at, _listener(other, owner))))))
+    else:
+        bound = next(((i, b) for i, b, p in listening if p == port), None)
+        if bound is None:
+            names = ", ".join("pid %d%s" % (s["pid"], " (exited)" if s.get("gone") else "") for s in servers)
+            out["pending"].append(dict(label, reason="nothing listens on %s yet (servers: %s)" % (at, names)))
+            return
+        out["refused"].append(dict(label, reason="fleetctl_sglang_port %d: nothing listens on %s (port %d is bound to "
+                                                  "%s, by %s)" % (port, at, port, bound[1], _whose(bound[0], owner))))
+    holder = next((i for i, _, p in listening if p == port), None)
+    for s in servers:
+        if s["port"] == port and not s.get("gone") and not any(p == port for _, _, p in s["here"]):
+            why = "port %d is %s, not this process's or its descendants'" % (port, _listener(holder, owner))
+            out["refused"].append({"pid": s["pid"], "host": s["host"], "port": port, "reason": why})
+
+
+def _alive(pid):
+    """Whether process `pid` runs (exists and is no zombie: /proc/PID/stat's state after the name)."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def live(selectors):
+    """The servers `selectors` name, now: [{pid, port, host, gone}] (port, host: what each claims).
+    A selector {pid, python, port, host} is a server as the facts probe identified it (pid as
+    this probe sees it, python its interpreter, port and host from its argv): that process while
+    it runs, else its successors (module docstring), else an entry gone with the reason.
+    {"pid": None}: every server identified here as the facts probe identifies them (module
+    docstring)."""
+    given = {s["pid"] for s in selectors if s.get("pid") is not None}
+    found, out = None, []
+    for sel in selectors:
+        pid = sel.get("pid")
+        port = int(sel.get("port") or procs.DEFAULT_PORT)
+        if pid is not None and _alive(pid):
+            now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1"}]
+        else:
+            if found is None:
+                found = procs.find_servers(containers.host_view)[0]
+            now = [{"pid": s["pid"], "port": s["port"], "host": s["host"]} for s in found
+                   if pid is None or (sel.get("python") is not None and s["pid"] not in given
+                                      and (s["python"], s["port"]) == (sel["python"], port))]
+            if pid is not None and not now:
+                now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "gone": GONE % pid}]
+        out += [s for s in now if s["pid"] not in {o["pid"] for o in out}]
+    return out
+
+
+def pick(selectors, port=None, host=None):
+    """The targets of `selectors` (live()) as select() decides them on this host's /proc now.
+    `port`, `host`: the inventory's choice; a {"pid": None} selector may carry it instead (for
+    callers that pass only selectors: the collection's smoke module). Returns select()'s answer."""
+    for sel in selectors:
+        if sel.get("pid") is None and port is None:
+            port, host = sel.get("port"), sel.get("host")
+    servers = live(selectors)
+    kids, tables, ours = listeners.children(), {}, listeners.netns("self")
+    for s in servers:
+        s["here"], s["elsewhere"] = [], []
+        if s.get("gone"):
+            continue
+        for held in listeners.held(listeners.tree(s["pid"], kids), tables).values():
+            for inode, address, p, ns in held:
+                if ns == ours:
+                    s["here"].append((inode, address, p))
+                else:
+                    s["elsewhere"].append((address, p))
+    return select(servers, listeners.listening(), listeners.local_addresses(), port, host)
