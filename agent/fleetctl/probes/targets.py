@@ -153,8 +153,8 @@ def _named(servers, listening, local, owner, port, host, out):
         out["refused"].append(dict(label, reason="fleetctl_sglang_host %s is not an address of this host" % host))
         return
     if not servers:
-        out["refused"].append(dict(label, reason="fleetctl_sglang_port %d: no SGLang server identified on this host"
-                                                  % port))
+        why = "fleetctl_sglang_port %d: no SGLang server identified on this host" % port
+        out["refused"].append(dict(label, reason=why))
         return
     at = _hostport(address, port)
     reach = [inode for inode, bound, p in listening if p == port and lands(address, bound)]
@@ -172,8 +172,9 @@ def _named(servers, listening, local, owner, port, host, out):
             names = ", ".join("pid %d%s" % (s["pid"], " (exited)" if s.get("gone") else "") for s in servers)
             out["pending"].append(dict(label, reason="nothing listens on %s yet (servers: %s)" % (at, names)))
             return
-        out["refused"].append(dict(label, reason="fleetctl_sglang_port %d: nothing listens on %s (port %d is bound to "
-                                                  "%s, by %s)" % (port, at, port, bound[1], _whose(bound[0], owner))))
+        why = "fleetctl_sglang_port %d: nothing listens on %s (port %d is bound to %s, by %s)" % (
+            port, at, port, bound[1], _whose(bound[0], owner))
+        out["refused"].append(dict(label, reason=why))
     holder = next((i for i, _, p in listening if p == port), None)
     for s in servers:
         if s["port"] == port and not s.get("gone") and not any(p == port for _, _, p in s["here"]):
