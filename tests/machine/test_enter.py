@@ -115,3 +115,17 @@ def test_a_reused_pid_is_refused_before_anything_runs(target, tmp_path):
     assert (r.returncode, r.stderr.strip()) == (
         enter.FAILED, f"fleetctl-enter: pid {pid} is no longer the process the facts probe saw")
     assert not mark.exists()
+
+
+def test_a_target_at_its_pids_limit_is_refused_with_no_traceback(target):
+    """Review round 3's red team: a container at its pids.max makes the fork inside its cgroup
+    fail. That failure is a one-line exit 125, never a traceback (which opens files and imports
+    modules from the container's root while still host root), and nothing ran."""
+    pid = target(["unshare", "--mount", "--propagation", "private", "--", "sleep", "300"], cgroup=True)
+    group = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":pids:" in line)
+    limit = Path("/sys/fs/cgroup/pids") / group.split(":", 2)[2].lstrip("/") / "pids.max"
+    limit.write_text("1\n")
+    r = entered(pid, 0, 0, "echo ran")
+    assert (r.returncode, r.stdout) == (enter.FAILED, "")
+    assert r.stderr.startswith("fleetctl-enter: BlockingIOError: ") and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -58,7 +58,7 @@ def test_a_probe_starts_the_recorded_interpreter_directly(nobody_home):
     from fleetctl import probes
     fake = str(nobody_home / "fake-python")
     # every probe starts without the site module (kbuild runs site.main() itself, after its check)
-    assert run_finder(nobody_home, fake).strip() == "RECORDED -S"
+    assert run_finder(nobody_home, fake).strip() == "RECORDED -I"
     # review N10: checked on every start: once the directory it lies in is writable by others,
     # it is not run, and its record is removed
     nobody_home.chmod(0o777)
@@ -135,8 +135,9 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     assert kept.stat().st_uid == NOBODY and kept.read_bytes().split(b"\n", 1)[0] == head
     assert "scan" in marshal.loads(kept.read_bytes().split(b"\n", 1)[1])["callsites"].co_names  # not the planted main
     assert untimed(run_probe_as_nobody(nobody_home, doc)) == untimed(real)
-    # code compiled under -O (asserts and docstrings stripped) is kept apart from plain code
+    # the probe starts with -I: an environment's PYTHONOPTIMIZE (or any PYTHON* variable) changes
+    # nothing, so no second build's code is kept
     assert untimed(run_probe_as_nobody(nobody_home, doc, PYTHONOPTIMIZE="2")) == untimed(real)
-    assert len(list(cdir.glob("code-*.marshal"))) == 2 and kept.read_bytes().split(b"\n", 1)[0] == head
+    assert len(list(cdir.glob("code-*.marshal"))) == 1 and kept.read_bytes().split(b"\n", 1)[0] == head
     cleared = run_probe_as_nobody(nobody_home, probes.bundle("scancache", {"action": "clear"}))
     assert cleared["removed"] >= 1 and not list(cdir.glob("code-*"))  # `fleetctl cache clear` takes it too

@@ -60,7 +60,7 @@ def test_a_root_tree_is_cleared_and_runs(tree):
     top, py = tree
     assert both(py) is None
     r = start(py)
-    assert r.returncode == 0 and r.stdout.startswith("RAN -S -c"), (r.stdout, r.stderr)
+    assert r.returncode == 0 and r.stdout.startswith("RAN -I -S -c"), (r.stdout, r.stderr)
 
 
 def test_a_directory_above_the_venv_owned_by_another_user_is_refused_and_never_runs(tree):
@@ -122,3 +122,63 @@ def test_a_swap_between_two_starts_is_seen_by_the_second(tree):
     r = start(py)
     assert r.returncode == 126 and "RAN" not in r.stdout
     assert r.stderr.strip().endswith(f"{py} belongs to uid {NOBODY}")
+
+
+def test_a_standard_library_directory_of_another_user_is_refused(tree):
+    """Review round 3's red team: what `python -S` loads at start (lib/python3.*, encodings)
+    counts, not only the binary: a prefix whose lib/ another user owns is refused."""
+    top, py = tree
+    lib = top / "root" / "venv" / "lib"
+    (lib / "python3.11" / "encodings").mkdir(parents=True)
+    os.chown(lib, NOBODY, NOBODY)
+    assert both(py) == f"{lib} belongs to uid {NOBODY}"
+    os.chown(lib, 0, 0)
+    os.chown(lib / "python3.11" / "encodings", NOBODY, NOBODY)
+    assert both(py) == f"{lib}/python3.11/encodings belongs to uid {NOBODY}"
+
+
+def test_a_pyvenv_home_of_another_user_is_refused(tree):
+    """A root-owned pyvenv.cfg whose `home` names an install another user owns: that install's
+    standard library would run, so it is refused."""
+    top, py = tree
+    theirs = top / "theirs" / "bin"
+    theirs.mkdir(parents=True)
+    os.chown(theirs, NOBODY, NOBODY)
+    (top / "root" / "venv" / "pyvenv.cfg").write_text(f"home = {theirs}\ninclude-system-site-packages = false\n")
+    assert both(py) == f"{theirs} belongs to uid {NOBODY}"
+
+
+def test_an_interpreter_directly_in_a_sticky_directory_is_refused(tree):
+    """/tmp-like (root's, sticky, 1777) is fine above a prefix, not as the interpreter's own
+    directory or prefix, where getpath looks for names (pyvenv.cfg, lib/) anyone could create."""
+    top, py = tree
+    (top / "root" / "venv").chmod(0o1777)
+    assert both(py) == f"{top}/root/venv is writable by group or others"
+
+
+def test_a_link_through_another_users_directory_is_refused(tree):
+    """A link chain whose middle hop lies in a directory another user owns (who can flip it
+    between the check and the exec): every directory consulted while resolving counts."""
+    top, py = tree
+    alice = top / "alice"
+    alice.mkdir()
+    (alice / "cur").symlink_to(py)
+    os.chown(alice, NOBODY, NOBODY)
+    named = top / "root" / "python"
+    named.symlink_to(alice / "cur")
+    assert both(named) == f"{alice} belongs to uid {NOBODY}"
+
+
+def test_the_working_directory_is_never_on_the_probes_path(tree):
+    """A probe started from a directory another user owns never imports a module planted there
+    (every start is `python -I -S`)."""
+    top, py = tree
+    cwd = top / "cwd"
+    cwd.mkdir()
+    mark = cwd / "imported"
+    (cwd / "json.py").write_text(f"open({str(mark)!r}, 'w').close()\n")
+    os.chown(cwd, NOBODY, NOBODY)
+    for python in ("/usr/bin/python3", None):
+        r = subprocess.run(probes.command(python), input=b"", capture_output=True, timeout=30, cwd=cwd)
+        assert probes.result.MARKER.encode() in r.stdout, r
+        assert not mark.exists(), python

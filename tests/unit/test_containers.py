@@ -45,8 +45,9 @@ def test_entry_prefixes():
     assert command.container_entry("podman", CID, 42, proc) == ["podman", "exec", "-i", CID]
     assert command.container_entry("crictl", CID, 42, proc) == ["crictl", "exec", "-i", CID]
     entry = command.container_entry("nsenter", "", 42, proc)
-    assert entry[:4] == ["python3", "-I", "-S", "-c"] and entry[5:] == ["42", "98765", "1000", "1001", "--"]
-    assert "setns" in entry[4] and "PR_SET_NO_NEW_PRIVS" in entry[4]  # probes/enter.py's source
+    # python3 on PATH, cleared by trust.GUARD, runs probes/enter.py's source with the process's ids
+    assert entry[:2] == ["sh", "-c"] and "fleetctl_trust" in entry[2] and 'exec "$q" -I -S "$@"' in entry[2]
+    assert entry[4] == "-c" and "setns" in entry[5] and entry[6:] == ["42", "98765", "1000", "1001", "--"]
     with pytest.raises(ValueError, match="unknown: not entered"):
         command.container_entry("nsenter", "", 42, {"uid": None, "gid": 0, "start_time": "1"})
     with pytest.raises(ValueError):

@@ -105,3 +105,33 @@ def test_parenthesised_and_indented_imports_are_read(monkeypatch):
         assert probes.imports("a") == ("b", "c") == whole_source_imports("a")
     finally:
         probes.imports.cache_clear()
+
+
+def test_locate_never_imports_a_module_from_the_servers_directory(tmp_path):
+    """The facts probe asks an interpreter where `import sglang` resolves with a server's working
+    directory first (any user's files): a module planted there under a name the standard
+    library imports lazily (email, which importlib.metadata reads a version with) is never
+    imported, and sys.path is the interpreter's own again afterwards (review round 3)."""
+    proj = tmp_path / "proj"
+    (proj / "sglang").mkdir(parents=True)
+    (proj / "sglang" / "__init__.py").write_text("")
+    dist = proj / "sglang-0.4.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.4.0\n")
+    (dist / "RECORD").write_text("sglang/__init__.py,,\n")  # a wheel's: its version is read from METADATA
+    mark = tmp_path / "imported"
+    for name in ("email", "string", "csv"):
+        (proj / name).mkdir()
+        (proj / name / "__init__.py").write_text(f"open({str(mark)!r}, 'a').write({name!r})\n")
+    doc = probes.document("facts", {"locate": [str(proj)]})
+    r = subprocess.run([sys.executable, "-I", "-c", probes.WRAPPER], input=json.dumps(doc).encode(),
+                       capture_output=True, timeout=120, cwd="/")
+    res = probes.parse_output(r.stdout, r.stderr, r.returncode)
+    assert res["sglang"]["package_dir"] == str(proj / "sglang") and res["sglang"]["version"] == "0.4.0", res
+    assert not mark.exists(), mark.read_text()
+    # in this process: the entries are on sys.path only for find_spec (whatever this Python
+    # imports lazily afterwards comes from its own path)
+    from fleetctl.probes import locate
+    before = list(sys.path)
+    assert locate.locate([str(proj)])["sglang"]["version"] == "0.4.0"
+    assert sys.path == before

@@ -74,7 +74,7 @@ def container_entry(how: str, container_id: str, pid: int, process: dict) -> lis
     """The prefix that runs a command inside a container: `podman exec -i ID`, `docker exec -i
     ID`, `crictl exec -i ID` (the runtime applies the container's user, capabilities, cgroup,
     seccomp and LSM profile), or for "nsenter" fleetctl's entry program under the host's python3
-    (probes/enter.py: the namespaces and cgroups of the container's process `pid` as the host
+    on PATH, cleared by trust.GUARD (probes.path_python; probes/enter.py: the namespaces and cgroups of the container's process `pid` as the host
     sees it, with that process's uid and gid, no capabilities beyond its bounding set and
     no_new_privs; `process`: {uid, gid, start_time} as probes/containers.process read them).
     Raises ValueError for another `how`, a container id that is not hex, or a process whose
@@ -87,7 +87,7 @@ def container_entry(how: str, container_id: str, pid: int, process: dict) -> lis
         uid, gid, start = process.get("uid"), process.get("gid"), process.get("start_time")
         if not (isinstance(uid, int) and isinstance(gid, int) and isinstance(start, str) and start.isdigit()):
             raise ValueError(f"the uid, gid and start time of pid {pid} are unknown: not entered")
-        return ["python3", "-I", "-S", "-c", probes.source("enter"), str(int(pid)), start, str(uid), str(gid), "--"]
+        return probes.path_python(["-c", probes.source("enter"), str(int(pid)), start, str(uid), str(gid), "--"])
     raise ValueError(f"no way to enter a container with {how!r} (one of {', '.join(CONTAINER_EXECS[:-1])})")
 
 

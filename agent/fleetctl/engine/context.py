@@ -131,7 +131,7 @@ class HostContext:
         try:
             out = probes.parse_output(r.stdout, r.stderr, r.exit_code)
         except probes.Untrusted as e:
-            raise HostFailed(f"interpreter {py} refused: {e} (fleetctl runs it as root)") from None
+            raise HostFailed(f"interpreter {py or 'python3 on PATH'} refused: {e} (fleetctl runs it as root)") from None
         except probes.ProbeError as e:
             raise ProbeFailed(str(e)) from None
         t = self.timing

@@ -168,7 +168,7 @@ def _bundle(main: str, params_json: str) -> bytes:
     return zlib.compress(json.dumps(doc).encode(), 6)
 
 
-# Every probe starts with `python -S`: no site module, so no site-packages on sys.path and no
+# Every probe starts with `python -I -S`: no site module, so no site-packages on sys.path and no
 # `.pth` file or sitecustomize run (site was a sixth of a warm facts probe's CPU, 0.05 of 0.30 s
 # on a 0.5.23 host, bench/results/NOTES.md; a host's `.pth` files are code a stdlib probe has no
 # reason to run). A probe that needs the install's packages (kbuild: torch) checks the site
@@ -177,38 +177,49 @@ def _bundle(main: str, params_json: str) -> bytes:
 # A named interpreter starts through trust.GUARD: checked and exec'd by the same command, or
 # refused with REFUSED on stderr and exit 126 (parse_output raises Untrusted).
 REFUSED = "fleetctl-untrusted: "
-_GUARDED = (trust.GUARD + '\nif why=$(fleetctl_trust "$1"); then exec "$1" -S -c "$0"; fi\n'
-            'printf \'\\n%s%s\\n\' "' + REFUSED + '" "$why" >&2; exit 126')
+_REFUSE = 'printf \'\\n%s%s\\n\' "' + REFUSED + '" "$why" >&2; exit 126'
+_GUARDED = trust.GUARD + '\nif why=$(fleetctl_trust "$1"); then exec "$1" -I -S -c "$0"; fi\n' + _REFUSE
+# python3 (else python) on PATH, checked by GUARD too, exec'd with -I -S and "$@"
+_PATH_PYTHON = ('for p in python3 python; do q=$(command -v "$p") || continue\n'
+                '  if why=$(fleetctl_trust "$q"); then exec "$q" -I -S "$@"; fi\n  ' + _REFUSE + '\ndone\n'
+                'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
 
 # Runs WRAPPER ($0) with the interpreter the last facts probe ran under, recorded in this user's
 # scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a directory and a regular
 # file of this user, not links, naming an executable that trust.GUARD clears on this start; one
-# it refuses is removed, review N10), else the first python3 or python on PATH (root's own
-# choice). The record spares a warm run a version manager's shim (pyenv's python3 costs ~0.13 s
-# of shell before Python starts).
+# it refuses is removed, review N10), else the first python3 or python on PATH (checked the
+# same way). The record spares a warm run a version manager's shim (pyenv's python3 costs
+# ~0.13 s of shell before Python starts).
 _FINDER = (trust.GUARD + '\n'
            'if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi\n'
            'if [ -d "$c" ] && [ ! -L "$c" ] && [ -O "$c" ] && [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && '
            '[ -O "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; then\n'
-           '  if fleetctl_trust "$p" >/dev/null; then exec "$p" -S -c "$0"; fi\n'
+           '  if fleetctl_trust "$p" >/dev/null; then exec "$p" -I -S -c "$0"; fi\n'
            '  rm -f "$c/interpreter"\n'
            'fi\n'
-           'for p in python3 python; do command -v "$p" >/dev/null 2>&1 && exec "$p" -S -c "$0"; done\n'
-           'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
+           'set -- -c "$0"\n' + _PATH_PYTHON)
 
 
 def command(python: str | None, guard: bool = True) -> list[str]:
-    """The argv that runs WRAPPER (every probe starts with `python -S`) under
-    `python`: through trust.GUARD when `guard` (a host, where the probe runs as root or the
-    probing user: the interpreter and every directory above it checked by the same command that
-    execs it), directly when not (a container's own interpreter, entered with no more power than
-    the container's process has: connection/container.py). None: the recorded interpreter
-    (cleared by GUARD on this start) or the first python3/python on PATH (see _FINDER)."""
+    """The argv that runs WRAPPER (every probe starts with `python -I -S`: no site, no
+    PYTHON* variables, no working directory on sys.path) under `python`: through trust.GUARD
+    when `guard` (a host, where the probe runs as root or the probing user: the interpreter and
+    every directory its path resolves through checked by the same command that execs it),
+    directly when not (a container's own interpreter, entered with no more power than the
+    container's process has: connection/container.py). None: the recorded interpreter or the
+    first python3/python on PATH, each cleared by GUARD on this start (see _FINDER)."""
     if python and not guard:
-        return [python, "-S", "-c", WRAPPER]
+        return [python, "-I", "-S", "-c", WRAPPER]
     if python:
         return ["sh", "-c", _GUARDED, WRAPPER, python]
     return ["sh", "-c", _FINDER, WRAPPER]
+
+
+def path_python(args: list[str]) -> list[str]:
+    """The argv that runs python3 (else python) on PATH, cleared by trust.GUARD, as `python -I -S
+    ARGS...` (connection/command.py container_entry's entry program); exit 126 with REFUSED on
+    stderr when refused."""
+    return ["sh", "-c", trust.GUARD + "\n" + _PATH_PYTHON, "fleetctl", *args]
 
 
 class Untrusted(ProbeError):

@@ -85,16 +85,22 @@ def locate(first):
     and `package_dir` null)."""
     import importlib.util
     from importlib import metadata
-    for entry in reversed(first):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    importlib.invalidate_caches()
-    spec = importlib.util.find_spec("sglang")
+    # `first` (a server's working directory and PYTHONPATH: any user's files) is on sys.path only
+    # while find_spec looks for sglang, which imports nothing; what metadata imports lazily later
+    # (email, string...) comes from the interpreter's own path: a module another user planted
+    # there (string.py, json.py) is never imported by this root process (review round 3)
+    added = [e for e in first if e not in sys.path]
+    sys.path[:0] = added
+    try:
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("sglang")
+    finally:
+        del sys.path[:len(added)]
     origin = getattr(spec, "origin", None) if spec else None
     package_dir = None
     if origin and os.path.basename(origin) == "__init__.py" and os.path.isfile(origin):
         package_dir = os.path.dirname(origin)
-    dist = next(iter(metadata.distributions(name="sglang", path=sys.path)), None)
+    dist = next(iter(metadata.distributions(name="sglang", path=added + sys.path)), None)
     out = {"python": {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
            "sglang": None, "error": None}
     if package_dir is None:
