@@ -41,7 +41,10 @@ def run_finder(home: Path, record: str | None, link: bool = False, owner: int = 
         target.write_text(record + "\n")
         if link:
             rec.symlink_to(target)
-    fake = home / "fake-python"
+    # in a bin/ of its own: an interpreter directly in /tmp's child would have /tmp (sticky, anyone
+    # may create pyvenv.cfg or lib/ there) as its prefix, which the trust rule refuses
+    fake = home / "bin" / "fake-python"
+    fake.parent.mkdir(exist_ok=True)
     fake.write_text("#!/bin/sh\necho \"RECORDED $1\"\n")
     fake.chmod(0o755)
     for p in [home, *home.rglob("*")]:
@@ -56,7 +59,7 @@ def run_finder(home: Path, record: str | None, link: bool = False, owner: int = 
 
 def test_a_probe_starts_the_recorded_interpreter_directly(nobody_home):
     from fleetctl import probes
-    fake = str(nobody_home / "fake-python")
+    fake = str(nobody_home / "bin" / "fake-python")
     # every probe starts without the site module (kbuild runs site.main() itself, after its check)
     assert run_finder(nobody_home, fake).strip() == "RECORDED -I"
     # review N10: checked on every start: once the directory it lies in is writable by others,
