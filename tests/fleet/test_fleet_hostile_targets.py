@@ -12,7 +12,13 @@ import yaml
 HOST = "lab-01"
 FAKES = "/tmp/fleetctl-n6"  # the lab host's private /tmp
 RECORDER_PORT = 39997  # a loopback listener of nobody's that is no server: it keeps what it gets
-OFFHOST = ("203.0.113.5", 39996)  # TEST-NET-3: no address of the lab host
+OFFHOST_PORT = 39996
+
+
+def offhost(lab) -> tuple[str, int]:
+    """An address of the lab's own subnet that no lab host has (.250): not the host's, and in a
+    network the project made itself, so nothing would leave it even if fleetctl connected."""
+    return lab.address(HOST).rsplit(".", 1)[0] + ".250", OFFHOST_PORT
 
 # `python3 -m sglang.launch_server` from FAKES: a process that looks like an SGLang server. With
 # --freebind it listens on its --host:--port even where that is no address of this host
@@ -52,11 +58,12 @@ AS_NOBODY = "setsid setpriv --reuid=65534 --regid=65534 --clear-groups /usr/bin/
 
 def plant(server_lab) -> dict[str, int]:
     """Start, as nobody in FAKES, the recorder and three fake servers; {name: pid}."""
+    off = offhost(server_lab)
     starts = {
         "recorder": f"{FAKES}/recorder.py {RECORDER_PORT}",
         "claims-standin-port": "-m sglang.launch_server --host 127.0.0.1 --port 30000",
         "claims-recorder-port": f"-m sglang.launch_server --host 127.0.0.1 --port {RECORDER_PORT}",
-        "off-host": f"-m sglang.launch_server --host {OFFHOST[0]} --port {OFFHOST[1]} --freebind",
+        "off-host": f"-m sglang.launch_server --host {off[0]} --port {off[1]} --freebind",
     }
     cmd = (f"rm -rf {FAKES} && mkdir -p {FAKES}/sglang && cd {FAKES} && : > sglang/__init__.py && "
            f"cat > sglang/launch_server.py <<'EOF'\n{FAKE_SERVER}EOF\n"
@@ -126,7 +133,8 @@ def test_the_key_goes_only_to_the_identified_servers_own_socket(server_lab, tmp_
         held = "port 30000 is server pid %d's listener, not this process's or its descendants'" % standin
         nobodys = ("port %d is the listener of a process that is no identified server, not this process's or its "
                    "descendants'" % RECORDER_PORT)
-        offhost = ("its listener on port %d is bound to %s, not an address of this host" % (OFFHOST[1], OFFHOST[0]))
+        off = offhost(server_lab)
+        offhost_reason = "its listener on port %d is bound to %s, not an address of this host" % (off[1], off[0])
 
         h = validate(found, 0)
         assert (h["status"], h["error"]) == ("ok", None)
@@ -135,7 +143,7 @@ def test_the_key_goes_only_to_the_identified_servers_own_socket(server_lab, tmp_
         assert sorted(h["refused"], key=lambda x: x["pid"]) == sorted([
             {"pid": pids["claims-standin-port"], "host": "127.0.0.1", "port": 30000, "reason": held},
             {"pid": pids["claims-recorder-port"], "host": "127.0.0.1", "port": RECORDER_PORT, "reason": nobodys},
-            {"pid": pids["off-host"], "host": OFFHOST[0], "port": OFFHOST[1], "reason": offhost}],
+            {"pid": pids["off-host"], "host": off[0], "port": off[1], "reason": offhost_reason}],
             key=lambda x: x["pid"])
 
         h = validate(named, 0)

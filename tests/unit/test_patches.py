@@ -30,7 +30,7 @@ def check_result(rel: str = "sglang/a.py", version: str = "0.5.23", install: str
     fc = plan.files[0]
     path = posixpath.join(LOCATION, rel)
     diff = fc.diff.replace(" a/sglang/a.py", f" a/{rel}").replace(" b/sglang/a.py", f" b/{rel}")
-    return HostResult("lab-04", "10.0.0.4", HostStatus.CHANGED, data={
+    return HostResult("lab-04", "10.213.7.14", HostStatus.CHANGED, data={
         "plans": [{"install": install, "files": [{"rel": rel, "path": path, "pre_sha256": fc.pre_sha256,
                                                   "post_sha256": fc.post_sha256, "diff": diff}]}],
         "install_sglang": {install: {"version": version}},

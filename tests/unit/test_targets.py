@@ -11,15 +11,15 @@ from fleetctl.inventory import Host
 from fleetctl.probes import listeners, procs, targets
 
 # /proc/net/tcp and tcp6 of one process that listened on 0.0.0.0:30000, 127.0.0.1:30001,
-# 192.0.2.2:30002 (an address of the host), 203.0.113.5:30003 (not one: IP_FREEBIND), [::]:30004,
+# 10.213.7.2:30002 (an address of the host), 10.213.7.250:30003 (not one: IP_FREEBIND), [::]:30004,
 # [::1]:30005, [::ffff:127.0.0.1]:30006 and [fd00::2]:30007, with one connection each to 30001 and
 # [::1]:30005 (state 01, ESTABLISHED), recorded as the kernel printed them (trailing blanks cut).
 TCP = """\
   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:7531 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500038 1 000000003da37c39 100 0 0 10 0
-   2: 057100CB:7533 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500040 1 00000000a7761cdb 100 0 0 10 0
+   2: FA07D50A:7533 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500040 1 00000000a7761cdb 100 0 0 10 0
    3: 00000000:7530 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500037 1 00000000e49b9445 100 0 0 10 0
-   4: 020200C0:7532 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500039 1 00000000f9267549 100 0 0 10 0
+   4: 0207D50A:7532 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500039 1 00000000f9267549 100 0 0 10 0
   83: 0100007F:7531 0100007F:912E 01 00000000:00000000 00:00000000 00000000     0        0 3500046 1 0000000055c52741 20 0 0 10 -1
  156: 0100007F:912E 0100007F:7531 01 00000000:00000000 00:00000000 00000000     0        0 3500045 2 000000002af91a96 20 0 0 10 -1
 """
@@ -46,13 +46,13 @@ Main:
               /32 host LOCAL
         |-- 127.255.255.255
            /32 link BROADCAST
-     +-- 192.0.2.0/24 2 0 2
-        +-- 192.0.2.0/30 2 0 2
-           |-- 192.0.2.0
+     +-- 10.213.7.0/24 2 0 2
+        +-- 10.213.7.0/30 2 0 2
+           |-- 10.213.7.0
               /24 link UNICAST
-           |-- 192.0.2.2
+           |-- 10.213.7.2
               /32 host LOCAL
-        |-- 192.0.2.255
+        |-- 10.213.7.255
            /32 link BROADCAST
 """
 IF_INET6 = """\
@@ -60,10 +60,10 @@ IF_INET6 = """\
 fd000000000000000000000000000002 04 40 00 82     eth0
 fe8000000000000000fc00fffe000001 04 40 20 80     eth0
 """
-LISTENING = {3500037: ("0.0.0.0", 30000), 3500038: ("127.0.0.1", 30001), 3500039: ("192.0.2.2", 30002),
-             3500040: ("203.0.113.5", 30003), 3500041: ("::", 30004), 3500042: ("::1", 30005),
+LISTENING = {3500037: ("0.0.0.0", 30000), 3500038: ("127.0.0.1", 30001), 3500039: ("10.213.7.2", 30002),
+             3500040: ("10.213.7.250", 30003), 3500041: ("::", 30004), 3500042: ("::1", 30005),
              3500043: ("::ffff:127.0.0.1", 30006), 3500044: ("fd00::2", 30007)}
-LOCAL = {"127.0.0.1", "192.0.2.2", "::1", "fd00::2", "fe80::fc:ff:fe00:1"}
+LOCAL = {"127.0.0.1", "10.213.7.2", "::1", "fd00::2", "fe80::fc:ff:fe00:1"}
 
 
 def test_tcp_and_tcp6_lines_are_read_as_the_kernel_wrote_them():
@@ -84,7 +84,7 @@ def test_short_or_garbled_lines_are_skipped_not_raised():
 
 
 def test_local_addresses_come_from_fib_trie_and_if_inet6():
-    assert listeners.parse_fib_trie(FIB_TRIE) == {"127.0.0.1", "192.0.2.2"}
+    assert listeners.parse_fib_trie(FIB_TRIE) == {"127.0.0.1", "10.213.7.2"}
     assert listeners.parse_if_inet6(IF_INET6) == {"::1", "fd00::2", "fe80::fc:ff:fe00:1"}
 
 
@@ -120,7 +120,7 @@ def select(servers, listening=ALL, **kw):
 @pytest.mark.parametrize("inode,reached", [
     (3500037, "127.0.0.1"),   # 0.0.0.0: on loopback
     (3500038, "127.0.0.1"),   # loopback: itself
-    (3500039, "192.0.2.2"),   # a specific local address: on that address
+    (3500039, "10.213.7.2"),   # a specific local address: on that address
     (3500041, "::1"),         # [::]: on IPv6 loopback
     (3500042, "::1"),
     (3500043, "127.0.0.1"),   # an IPv4-mapped address: its IPv4 address
@@ -133,10 +133,10 @@ def test_a_server_is_reached_where_its_own_socket_listens(inode, reached):
 
 
 def test_a_listener_on_an_address_that_is_not_the_hosts_is_refused():
-    got = select([server(7, 30003, [3500040], host="203.0.113.5")])
+    got = select([server(7, 30003, [3500040], host="10.213.7.250")])
     assert got["targets"] == [] and got["pending"] == []
-    assert got["refused"] == [{"pid": 7, "host": "203.0.113.5", "port": 30003, "reason":
-                               "its listener on port 30003 is bound to 203.0.113.5, not an address of this host"}]
+    assert got["refused"] == [{"pid": 7, "host": "10.213.7.250", "port": 30003, "reason":
+                               "its listener on port 30003 is bound to 10.213.7.250, not an address of this host"}]
 
 
 def test_a_port_another_process_holds_is_refused_naming_the_holder():
@@ -190,15 +190,15 @@ def test_the_inventory_port_selects_among_the_identified_servers_sockets():
         {"pid": 9, "host": "127.0.0.1", "port": 30001,
          "reason": "port 30001 is server pid 8's listener, not this process's or its descendants'"}]
     # the inventory's host must reach the socket: 0.0.0.0 is reached on a local address too
-    assert select([a], port=30000, host="192.0.2.2")["targets"] == [{"pid": 7, "host": "192.0.2.2", "port": 30000}]
+    assert select([a], port=30000, host="10.213.7.2")["targets"] == [{"pid": 7, "host": "10.213.7.2", "port": 30000}]
 
 
 @pytest.mark.parametrize("port,host,reason", [
     (30002, "127.0.0.1", "fleetctl_sglang_port 30002: nothing listens on 127.0.0.1:30002 (port 30002 is bound to "
-                         "192.0.2.2, by server pid 7)"),
+                         "10.213.7.2, by server pid 7)"),
     (30006, "127.0.0.1", "fleetctl_sglang_port 30006: 127.0.0.1:30006 is the listener of a process that is no "
                          "identified server"),
-    (30000, "203.0.113.5", "fleetctl_sglang_host 203.0.113.5 is not an address of this host"),
+    (30000, "10.213.7.250", "fleetctl_sglang_host 10.213.7.250 is not an address of this host"),
 ])
 def test_an_inventory_port_no_identified_server_holds_is_refused(port, host, reason):
     got = select([server(7, 30002, [3500039])], port=port, host=host)
@@ -218,7 +218,7 @@ def test_an_inventory_port_without_any_server_is_refused_and_one_not_up_yet_is_p
 def test_smoke_targets_are_the_identified_servers_not_their_argv():
     facts = {"servers": [
         {"pid": 11, "python": "/opt/venv/bin/python", "import_path": ["/srv"], "port": 30000, "host": "0.0.0.0",
-         "argv": ["python", "-m", "sglang.launch_server", "--host", "203.0.113.5"]},
+         "argv": ["python", "-m", "sglang.launch_server", "--host", "10.213.7.250"]},
         {"pid": 99, "pid_in_container": 1, "python": "/venv/bin/python", "import_path": ["/"], "port": 30001,
          "host": "127.0.0.1", "root": {"runtime": "podman"}},
         {"pid": None, "pid_in_container": 5, "python": "/venv/bin/python", "import_path": ["/"], "port": 30002,
