@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
+import re
 import shlex
 import subprocess
 import sys
@@ -201,3 +203,78 @@ def test_ansible_source_with_an_encrypted_vars_file(ansible_python, tmp_path, ho
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "ops-from-vault pw-in-vault\n"
+
+
+EXPORT_SOURCE = """\
+all:
+  hosts:
+    localhost:
+      ansible_connection: local
+      ansible_become_password: !vault |
+{direct}
+      cmdb_note: !unsafe "{{{{ lookup('pipe', 'touch {marker}') }}}}"
+      cmdb_tags: [rack-7, !unsafe "{{{{ lookup('pipe', 'touch {marker}-nested') }}}}"]
+    gpu-02:
+      ansible_connection: local
+      ansible_become_password: "{{{{ vault_sudo }}}}"
+      vault_sudo: !vault |
+{templated}
+"""
+
+
+def test_export_round_trip_keeps_secrets_vaulted_and_unsafe_inert(ansible_python, tmp_path):
+    """Security review turn 3, N4 and N5, against Ansible itself: `fleetctl inventory export`
+    prints neither vault secret (a `!vault` become password, one templated from a vaulted var),
+    yet Ansible reading the export decrypts both; and `!unsafe` lookups, inert in the source, stay
+    inert in the export (nothing is touched when Ansible templates them)."""
+    secret = tmp_path / "vault-pass"
+    secret.write_text("correct horse\n")
+
+    def encrypt_string(text: str) -> str:
+        done = subprocess.run([str(ansible_python), "-m", "ansible.cli.vault", "encrypt_string",
+                               "--vault-password-file", str(secret), text],
+                              capture_output=True, text=True, timeout=120, check=True)
+        return "\n".join("        " + line.strip() for line in done.stdout.splitlines()[1:] if line.strip())
+
+    marker = tmp_path / "lookup-ran"
+    source = tmp_path / "hosts.yaml"
+    source.write_text(EXPORT_SOURCE.format(direct=encrypt_string("S3cr3t-sudo-pw"),
+                                           templated=encrypt_string("S3cr3t-two"), marker=marker))
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCALHOST_WARNING": "False",
+           "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible-tmp")}
+
+    def debug(inventory: Path, pattern: str, msg: str) -> dict:
+        """host -> the message `ansible PATTERN -m debug -a '{"msg": MSG}'` printed, Ansible templating it
+        (its minimal output: `HOST | SUCCESS => {JSON}` per host)."""
+        done = subprocess.run([str(ansible_python), "-m", "ansible.cli.adhoc", "-i", str(inventory), pattern,
+                               "-m", "debug", "-a", json.dumps({"msg": msg}), "--vault-password-file", str(secret)],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {m[1]: json.JSONDecoder().raw_decode(done.stdout, m.end())[0]["msg"]
+                for m in re.finditer(r"^(\S+) \| SUCCESS => ", done.stdout, re.M)}
+
+    unsafe = "{{ cmdb_note }} {{ cmdb_tags[1] }}"
+    assert debug(source, "localhost", unsafe)["localhost"].startswith("{{ lookup('pipe', 'touch ")
+    assert not marker.exists()  # inert in the source: the check below can tell
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host *\n  UserKnownHostsFile {tmp_path}/known_hosts\n")
+    done = subprocess.run([sys.executable, "-m", "fleetctl.cli", "inventory", "export", "-i", str(source),
+                           "--vault-password-file", str(secret), "--ssh-config", str(cfg)],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for plain in (b"S3cr3t-sudo-pw", b"S3cr3t-two"):
+        assert plain not in done.stdout and plain not in done.stderr
+    exported = tmp_path / "exported.yaml"
+    exported.write_bytes(done.stdout)
+    assert done.stdout.count(b"!unsafe ") == 2 and done.stdout.count(b"!vault |") == 2
+    listed = subprocess.run([str(ansible_python), "-m", "ansible.cli.inventory", "-i", str(exported), "--list"],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=True)
+    hostvars = json.loads(listed.stdout)["_meta"]["hostvars"]
+    assert set(hostvars["localhost"]["cmdb_note"]) == {"__ansible_unsafe"}
+    assert set(hostvars["localhost"]["cmdb_tags"][1]) == {"__ansible_unsafe"}
+    assert set(hostvars["localhost"]["ansible_become_password"]) == {"__ansible_vault"}
+    assert set(hostvars["gpu-02"]["vault_sudo"]) == {"__ansible_vault"}
+    assert debug(exported, "localhost", unsafe)["localhost"].startswith("{{ lookup('pipe', 'touch ")
+    assert not marker.exists() and not Path(f"{marker}-nested").exists()
+    assert debug(exported, "all", "{{ ansible_become_password }}") == {"localhost": "S3cr3t-sudo-pw",
+                                                                      "gpu-02": "S3cr3t-two"}

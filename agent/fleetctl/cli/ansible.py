@@ -22,15 +22,23 @@ def inventory_export(inventory: InventoryOpt = None, vault_password_file: VaultP
                      connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S) -> None:
     """Print the inventory (lab hosts included) as Ansible YAML, with the connection details
     ansible-playbook needs (ansible_ssh_private_key_file, ansible_ssh_common_args: -o
-    UserKnownHostsFile=...) resolved from the ssh_config fleetctl reads."""
+    UserKnownHostsFile=...) resolved from the ssh_config fleetctl reads. No decrypted value is
+    printed: `!vault` values stay vaulted, vars rendered from them are written unrendered, vars
+    of files vault-encrypted whole are left out, `!unsafe` stays `!unsafe`; stderr names them."""
     from ..collection.inventory import export
     from ..errors import ParseError
+    from ..inventory.templates import templars
 
-    loaded = load_inventory(inventory, vault_password_file, ask_vault_pass)
+    with templars() as made:
+        loaded = load_inventory(inventory, vault_password_file, ask_vault_pass)
+    (templar,) = made
     try:
-        sys.stdout.write(export(loaded, settings(connect_timeout, False, ssh_config)))
+        text, notes = export(loaded, templar, settings(connect_timeout, False, ssh_config))
     except ValueError as e:
         raise ParseError(str(e)) from None
+    for note in notes:
+        typer.echo(f"fleetctl inventory export: {note}", err=True)
+    sys.stdout.write(text)
 
 
 @collection_app.command("build")

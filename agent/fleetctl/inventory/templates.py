@@ -11,10 +11,17 @@ Ansible's magic variables `inventory_hostname`, `inventory_hostname_short`, `gro
 (`Unsafe`) are never rendered, as in Ansible. A lookup, an unknown filter, an undefined variable
 or a sandbox violation in a needed var is an InventoryError (exit 4) naming the file and line the
 value came from.
+
+The Templar also knows which rendered values came from vault values (Templar.from_vault): a
+`!vault` value, a value set in a file vault-encrypted whole (InEncryptedFile), or a var whose
+rendering read one of those. `inventory export` asks it (through `templars()`), so that it writes
+no decrypted value.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import shlex
 from functools import lru_cache
@@ -40,6 +47,28 @@ class Unsafe(str):
 
 class Vaulted(str):
     """The ciphertext of an Ansible Vault value (`!vault |`); decrypted only with a vault secret."""
+
+
+class InEncryptedFile(str):
+    """A "file:line" in a file vault-encrypted whole (`ansible-vault encrypt`): the value set there
+    is decrypted text, as secret as a `!vault` one, though nothing marks the value itself."""
+
+
+# The Templars of the loads made inside `templars()`.
+_TEMPLARS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fleetctl_templars", default=None)
+
+
+@contextlib.contextmanager
+def templars() -> Iterator[list[Templar]]:
+    """A list that gets the Templar of every inventory loaded inside the block (model.build makes
+    one per load), in load order: what `inventory export` asks which vars came from vault values
+    (Templar.from_vault) and what the inventory wrote (Templar.raw, Templar.where)."""
+    made: list[Templar] = []
+    token = _TEMPLARS.set(made)
+    try:
+        yield made
+    finally:
+        _TEMPLARS.reset(token)
 
 
 def needed(name: str) -> bool:
@@ -115,6 +144,7 @@ class Templar:
     the value came from; `groups`: group -> hosts (transitively), `all` first; `decrypt`: turns a
     Vaulted into its plain text (raises InventoryError when no vault secret was given); `source`:
     the inventory file or directory (for `inventory_dir` and `inventory_file`).
+    `vaulted` holds the (host, var) rendered from a vault value (see from_vault).
     """
 
     def __init__(self, raw: Mapping[str, Mapping[str, Any]], where: Mapping[str, Mapping[str, str]],
@@ -130,8 +160,18 @@ class Templar:
         self.groups = {g: list(hosts) for g, hosts in groups.items()}
         self.done: dict[tuple[str, str], Any] = {}
         self.active: list[tuple[str, str]] = []
+        self.vaulted: set[tuple[str, str]] = set()
         self.groups.setdefault("ungrouped", [])  # Ansible always has it
         self.hostvars = {h: _hostvars(self, h) for h in raw}
+        if _TEMPLARS.get() is not None:
+            _TEMPLARS.get().append(self)
+
+    def from_vault(self, host: str, name: str) -> bool:
+        """Whether the value of `name` for `host` is, or was rendered from, a vault secret: the var
+        is set in a file vault-encrypted whole (InEncryptedFile), or its rendering (value) decrypted
+        a `!vault` value or read a var that is from_vault, through any chain of templates.
+        Raises KeyError when the host has no such var."""
+        return (host, name) in self.vaulted or isinstance(self.where[host][name], InEncryptedFile)
 
     def value(self, host: str, name: str) -> Any:
         """The rendered value of `name` for `host`: a template its value (see _environment;
@@ -139,6 +179,8 @@ class Templar:
         Raises KeyError when the host has no such var, InventoryError when it cannot be rendered."""
         key = (host, name)
         if key in self.done:
+            if key in self.vaulted:
+                self.vaulted.update(self.active)  # every var being rendered read it
             return self.done[key]
         raw = self.raw[host][name]
         where = self.where[host][name]
@@ -146,6 +188,8 @@ class Templar:
             loop = " -> ".join(n for _, n in self.active[self.active.index(key):] + [key])
             raise InventoryError(f"{where}: {name} refers to itself: {loop}")
         self.active.append(key)
+        if isinstance(where, InEncryptedFile):
+            self.vaulted.update(self.active)
         try:
             self.done[key] = self._render(host, name, raw, where)
         finally:
@@ -154,6 +198,7 @@ class Templar:
 
     def _render(self, host: str, name: str, value: Any, where: str) -> Any:
         if isinstance(value, Vaulted):
+            self.vaulted.update(self.active)
             return self.decrypt(value, name, where)
         if isinstance(value, dict):
             return {k: self._render(host, name, v, where) for k, v in value.items()}

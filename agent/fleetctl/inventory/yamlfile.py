@@ -8,7 +8,9 @@ alphabetic), as in ansible/parsing/utils/addresses.py and ansible/inventory/help
 Vars files in group_vars/ and host_vars/ beside the inventory are read as Ansible's
 host_group_vars plugin reads them. Where Ansible only warns (a key other than
 hosts/children/vars, a group that is not a mapping, a duplicate key), fleetctl refuses the
-file, naming the file and line. The merged vars become Hosts in model.build.
+file, naming the file and line. A file vault-encrypted whole is decrypted first, and each var set
+in it is located by an InEncryptedFile (its value is a secret though nothing marks the value).
+The merged vars become Hosts in model.build.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import InventoryError
 from .model import NO_SECRET, Decrypt, Inventory, LocatedVars, build, prechecked
-from .templates import Unsafe, Vaulted
+from .templates import InEncryptedFile, Unsafe, Vaulted
 
 _NULL_TAG = "tag:yaml.org,2002:null"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -81,13 +83,14 @@ def _parsed(path: Path, use: Callable[[_Parser], Any], decrypt: Decrypt = None) 
         raise InventoryError(f"{path}:{line}: not UTF-8 text") from None
     except OSError as e:
         raise InventoryError(f"{path}: cannot read: {e.strerror}") from None
-    if text.startswith(_VAULT_HEADER):  # a whole file encrypted with ansible-vault
+    encrypted = text.startswith(_VAULT_HEADER)  # a whole file encrypted with ansible-vault
+    if encrypted:
         if decrypt is None:
             raise InventoryError(f"{path}:1: the file is vault-encrypted and {NO_SECRET}")
         text = decrypt(Vaulted(text), "the file", f"{path}:1")
     parser = None
     try:
-        parser = _Parser(path, text, decrypt)
+        parser = _Parser(path, text, decrypt, encrypted)
         return use(parser)
     except yaml.reader.ReaderError as e:
         line = text[:e.position].count("\n") + 1
@@ -193,9 +196,10 @@ def _expand_range(name: str) -> list[str]:
 class _Parser:
     """Walks the composed YAML node tree (for line numbers) and builds the Inventory."""
 
-    def __init__(self, path: Path, text: str, decrypt: Decrypt = None):
+    def __init__(self, path: Path, text: str, decrypt: Decrypt = None, encrypted: bool = False):
         self.path = path
         self.decrypt = decrypt
+        self.encrypted = encrypted  # `text` is the decrypted text of a file vault-encrypted whole
         self.yaml = Loader(text)
         self.host_vars: dict[str, LocatedVars] = {}  # host -> own vars, file order
         self.group_vars: dict[str, LocatedVars] = {"all": LocatedVars()}  # group -> vars, file order
@@ -205,6 +209,12 @@ class _Parser:
 
     def fail(self, node: Node, what: str):
         raise InventoryError(f"{self.path}:{node.start_mark.line + 1}: {what}")
+
+    def at(self, node: Node) -> str:
+        """Where a var set at `node` comes from: "file:line", an InEncryptedFile when the file
+        is vault-encrypted whole (its values are secrets; templates.Templar.from_vault)."""
+        where = f"{self.path}:{node.start_mark.line + 1}"
+        return InEncryptedFile(where) if self.encrypted else where
 
     def parse(self) -> Inventory:
         root = self.yaml.get_single_node()
@@ -311,7 +321,7 @@ class _Parser:
             if name not in self.members[group]:
                 self.members[group].append(name)
             if port is not None:
-                merged.set("ansible_port", port, f"{self.path}:{key.start_mark.line + 1}")
+                merged.set("ansible_port", port, self.at(key))
             merged.merge(own)
 
     def vars(self, node: Node | None, what: str) -> LocatedVars:
@@ -324,13 +334,14 @@ class _Parser:
             self.fail(node, f"{what} must be a mapping, not {_kind(node)}")
         for name, _, value in self.items(node):
             data = self.yaml.construct_object(value, deep=True)
-            if name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
-                self.fail(value, f"{name} must be an integer, not {data!r}")
             try:
+                if name == "ansible_group_priority" and (not isinstance(data, int) or isinstance(data, bool)):
+                    raise ValueError(f"{name} must be an integer, not {data!r}")
                 data = prechecked(name, data)
-            except ValueError as e:
-                self.fail(value, str(e))
-            out.set(name, data, f"{self.path}:{value.start_mark.line + 1}")
+            except ValueError as e:  # a decrypted value is never printed
+                self.fail(value, f"{name}: the value in this vault-encrypted file is not what fleetctl needs "
+                                 "here (a port number, an integer, or a string)" if self.encrypted else str(e))
+            out.set(name, data, self.at(value))
         return out
 
     def resolve(self) -> Inventory:
