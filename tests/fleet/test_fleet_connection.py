@@ -245,6 +245,8 @@ def test_cut_shorter_than_the_reserve_is_rolled_back_in_the_same_run(server_lab,
     # the cut lands during a command or while the health wait opens its next channel: either way lost
     assert host["error"].startswith("rolled back: the connection was lost (connection lost "), host["error"]
     assert "keepalives" in host["error"]
+    # the rollback ran under the host lock, taken again on the new connection (review H2, open 3)
+    assert "reconnected and took the host lock again to roll back" in host["error"]
     assert ledger(server_lab, "lab-04")[host["change_id"]] == "rolled-back"
     assert installed_sha(server_lab, "lab-04") == original
     # noticed by keepalives (2 x 1 s), not by the end of the health wait: the reconnect, the rollback and

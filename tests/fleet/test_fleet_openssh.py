@@ -11,9 +11,11 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +120,45 @@ def test_ssh_connection_runs_over_the_users_live_master_and_leaves_it(lab, tmp_p
         assert not master_alive() and not any(cm.iterdir())  # the run's own master lived in its own dir
     finally:
         subprocess.run([*base, "-O", "exit", "--", addr], capture_output=True, timeout=30)
+        shutil.rmtree(cm, ignore_errors=True)
+
+
+def test_a_control_path_socket_another_user_could_have_planted_is_never_spoken_to(lab, tmp_path):
+    """Security review turn 3, N9: the user's ControlPath holds a socket that is not this user's,
+    or lies in a directory others can write. fleetctl says so and opens its own master; the
+    socket (a listener that counts who connects) is never connected to (OpenSSH's client would:
+    it checks no owner)."""
+    cm = Path(tempfile.mkdtemp(prefix="cm-", dir="/tmp"))
+    config = write_ssh_config(tmp_path / "ssh_config", lab.known_hosts, f"Host *\n  ControlPath {cm}/%C\n")
+    addr = lab.address("lab-02")
+    g = subprocess.run(["ssh", "-F", str(config), "-o", "User=root", "-G", "--", addr], capture_output=True, text=True,
+                       timeout=30, check=True).stdout
+    path = next(line.split(None, 1)[1] for line in g.splitlines() if line.startswith("controlpath "))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(8)
+    listener.settimeout(0.2)
+    accepted, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                continue
+    threading.Thread(target=count, daemon=True).start()
+    try:
+        for owner, mode, said in ((65534, 0o700, "is not a socket of uid 0 (owner uid 65534): not used"),
+                                  (0, 0o777, "others could replace the socket")):
+            os.chown(path, owner, owner)
+            cm.chmod(mode)
+            r, _, hosts = lab.cli_json("inspect", "lab-02", "-c", "ssh", env={"FLEETCTL_SSH_CONFIG": str(config)}, rc=0)
+            assert hosts["lab-02"]["facts"]["hostname"] == "lab-02"
+            assert said in r.stderr and path in r.stderr, r.stderr[-2000:]
+            assert accepted == [], f"fleetctl's ssh spoke to the planted socket ({oct(mode)}, uid {owner})"
+    finally:
+        stop.set()
+        listener.close()
         shutil.rmtree(cm, ignore_errors=True)
 
 

@@ -663,7 +663,7 @@ def test_old_backups_no_rollback_needs_are_pruned_and_status_shows_the_space(sit
     space = change.main({"action": "status", **sd})["space"]
     backup_bytes = sum(p.stat().st_size for p in (state / "backups").rglob("*") if p.is_file())
     assert space["backups"] == backup_bytes == sum(map(len, originals.values())) and space["kernels"] == 0
-    assert space["total"] == backup_bytes + (state / "ledger.jsonl").stat().st_size
+    assert space["total"] == backup_bytes + (state / "ledger.jsonl").stat().st_size + ledger.RESERVE_BYTES
     # c3 is applied and nothing changed its files since: older than KEEP_BACKUPS, it keeps its backup
     kdir = state / "kernels" / "k"
     kdir.mkdir(parents=True)
@@ -708,9 +708,10 @@ def test_builds_that_are_neither_current_nor_previous_are_pruned(tmp_path):
 
 # ---- disk full (issue 13, review L7) ------------------------------------------------------------
 
-def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site, monkeypatch):
-    """Review L7: ENOSPC (twice) when the validated change is committed: the answer says it is
-    still pending and what the next run does, instead of a bare OSError."""
+def test_a_commit_the_ledger_cannot_append_is_marked_applied_in_its_pending_line(site, monkeypatch):
+    """Review L7: ENOSPC on every append of the validated commit (a stand-in for a full disk:
+    tests/machine/test_change_probe_as_root.py fills a real one), reserve freed or not: the
+    pending line is marked applied in place, the answer says so, and recover keeps the change."""
     site_dir, state, params, originals = site
     assert change.main(dict(params, change_id="c1", commit=False))["ok"]
     real = ledger.append
@@ -721,10 +722,47 @@ def test_a_commit_the_ledger_cannot_record_says_the_change_is_still_pending(site
         return real(state_dir, entry, state_, reason)
 
     monkeypatch.setattr(ledger, "append", full)
+    res = change.main({"action": "commit", "change_id": "c1", "state_dir": str(state), "reason": "kept"})
+    assert res["ok"] and res["change_id"] == "c1", res
+    assert res["note"] == (
+        "the file system of %s is full (No space left on device), even after freeing the ledger's reserve (65536 "
+        "bytes): committed by marking the change's pending ledger line applied in place (the commit's time and "
+        "reason are not recorded); free space there before the next change" % state)
+    monkeypatch.setattr(ledger, "append", real)
+    assert ledger_states(state) == [("c1", "applied")] and ledger.read(str(state))[0]["reason"] is None
+    assert change.main({"action": "recover", "state_dir": str(state)})["recovered"] == []
+    assert all(sha(Path(f["path"])) == f["post_sha256"] for f in params["files"])
+    # only a pending last line is rewritten: an applied one is left as it is, an unknown change refused
+    before = (state / "ledger.jsonl").read_bytes()
+    ledger.mark_applied(str(state), "c1")
+    with pytest.raises(ValueError, match="change c0 has no pending line"):
+        ledger.mark_applied(str(state), "c0")
+    assert (state / "ledger.jsonl").read_bytes() == before
+
+
+def test_a_commit_no_way_can_record_says_the_change_is_still_pending(site, monkeypatch):
+    """Review L7: every way to record the commit fails (appends, and the in-place mark): the
+    answer says it is still pending and what the next run does, instead of a bare OSError."""
+    site_dir, state, params, originals = site
+    assert change.main(dict(params, change_id="c1", commit=False))["ok"]
+    real = ledger.append
+
+    def full(state_dir, entry, state_, reason=None):
+        if state_ == ledger.APPLIED:
+            raise OSError(28, "No space left on device")
+        return real(state_dir, entry, state_, reason)
+
+    def no_mark(state_dir, change_id):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ledger, "append", full)
+    monkeypatch.setattr(ledger, "mark_applied", no_mark)
     res = change.main({"action": "commit", "change_id": "c1", "state_dir": str(state)})
     assert res == {"ok": False, "change_id": "c1", "error": (
         "validated, but the change could not be committed; the ledger could not record this (OSError: [Errno 28] "
-        "No space left on device): it still says pending, and the next run's recover undoes it")}
+        "No space left on device; after freeing the reserve (65536 bytes): [Errno 28] No space left on device; "
+        "marking its pending line applied in place: [Errno 5] Input/output error): it still says pending, and the "
+        "next run's recover undoes it")}
     monkeypatch.setattr(ledger, "append", real)
     ledger_consistent(state, "c1", "pending")
     assert change.main({"action": "recover", "state_dir": str(state)})["ok"]

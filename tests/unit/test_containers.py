@@ -165,15 +165,15 @@ def test_refusal():
 def test_python_lock(tmp_path):
     """The lock without a shell: LOCKED once held; a second taker exits 75 naming the holder;
     EOF on stdin releases it."""
-    first = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "me@here", 30),
+    first = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "me@here", 30, 30),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert first.stdout.readline() == b"LOCKED\n"
-    second = subprocess.run(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30),
+    second = subprocess.run(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30, 30),
                             stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
     assert second.returncode == 75 and second.stdout.startswith(b"me@here since ")
     first.stdin.close()
     assert first.wait(10) == 0
-    third = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30),
+    third = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30, 30),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert third.stdout.readline() == b"LOCKED\n"
     third.stdin.close()

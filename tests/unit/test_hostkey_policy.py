@@ -11,6 +11,7 @@ against a closed port on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import socket
 import os
 import shutil
 import subprocess
@@ -198,8 +199,11 @@ def test_the_ssh_connection_puts_its_host_key_option_before_the_hosts_args(tmp_p
     env, log = spy_path(tmp_path)
     monkeypatch.setenv("PATH", env["PATH"])
     cfg = tmp_path / "ssh_config"
+    # b's own ControlPath holds a socket of this user (not a live master): its `-O check` is asked
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "cm-b"))
     cfg.write_text("Host bastion\n  HostName 127.0.0.1\n  Port 1\n  ProxyJump none\n  StrictHostKeyChecking no\n"
-                   "Host b\n  ProxyJump bastion\n"
+                   f"Host b\n  ProxyJump bastion\n  ControlPath {tmp_path}/cm-b\n"
                    f"Host *\n  UserKnownHostsFile {tmp_path}/known_hosts\n  HostName 127.0.0.1\n  Port 1\n")
     inv = tmp_path / "hosts.yaml"
     inv.write_text(yaml.safe_dump({"all": {"vars": {"ansible_connection": "ssh"}, "hosts": {

@@ -17,6 +17,7 @@ import os
 import pwd
 import secrets
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ _LOCK_BUSY_EXIT = 75
 BECOME_HANDSHAKE_MAX = 8192
 # Characters of sudo's message kept in an error.
 _SUDO_SAID_MAX = 300
+# Seconds the lock's holder waits past keepalive interval x count for a heartbeat before it counts
+# the controller as gone (a busy control node's late heartbeat must not end a live run's lock).
+LOCK_BEAT_SLACK_S = 5
 
 
 @dataclass(frozen=True)
@@ -162,12 +166,19 @@ class Connection(ABC):
         self.host = host
         self.session = session
         self.settings: Settings = session.settings
+        # the lock.groups file of the lock held over this connection: commands register there
+        self._tied: str | None = None
 
     @property
     def python(self) -> str | None:
         """The interpreter probes run under when the job names none: the inventory's
         (ansible_python_interpreter / fleetctl_python), None for python3 on PATH."""
         return self.host.python
+
+    def keepalive(self) -> tuple[float, int]:
+        """(seconds between keepalives, unanswered ones that end the connection): the host's
+        ssh_config ServerAliveInterval / ServerAliveCountMax where set, else the settings'."""
+        return self.settings.server_alive_interval, self.settings.server_alive_count_max
 
     @property
     @abstractmethod
@@ -193,7 +204,7 @@ class Connection(ABC):
         ansible_become, under sudo, its password handshake done), within `start_s` seconds
         (default: the whole deadline): (the process, stderr it already wrote, the whole seconds
         it may run). Raises BecomeFailed, RemoteTimeout, Unreachable."""
-        wrapped, limit = command.remote_argv([*self.prefix, *argv], timeout)
+        wrapped, limit = command.remote_argv([*self.prefix, *argv], timeout, self._tied)
         start_s = limit if start_s is None else start_s
         if not self.host.become:
             return self._start(wrapped, start_s), b"", limit
@@ -279,17 +290,23 @@ class Connection(ABC):
         """Take fleetctl's per-host lock (flock on STATE_DIR/lock) for as long as it is held,
         and at most `hold_s` seconds.
 
-        The lock is held by a remote `flock` whose child waits for EOF on its stdin: releasing,
-        losing the connection or this process dying frees it; so does `hold_s` passing (a network
-        partition that sshd does not notice cannot keep a stale lock for hours). Raises LockBusy
-        at once when another run holds it (quoting who and since when), or when it cannot be
-        taken within `timeout` seconds; Unreachable, RemoteTimeout."""
+        The lock is held by a remote `flock` whose child reads heartbeat bytes on its stdin
+        (HostLock sends one every keepalive interval): releasing, losing the connection, this
+        process dying, no heartbeat for keepalive interval x count + LOCK_BEAT_SLACK_S seconds
+        (a cut link or a dead control node that sshd does not notice), or `hold_s` passing
+        frees it. On a host (not in a container), every command this connection runs while the
+        lock is held is registered with it, and whatever of them still runs when the lock ends
+        is stopped by its process group: nothing of a dead controller's run outlives its lock.
+        Raises LockBusy at once when another run holds it (quoting who and since when), or when
+        it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
-        proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold), hold + timeout, timeout)
+        proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s()), hold + timeout, timeout)
         line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
         if line.strip() == b"LOCKED":
-            return HostLock(proc)
+            if not self.prefix:
+                self._tied = command.lock_groups(state_dir)
+            return HostLock(proc, self, self.keepalive()[0])
         code = proc.wait(timeout)
         proc.close()
         if code == _LOCK_BUSY_EXIT:
@@ -297,9 +314,15 @@ class Connection(ABC):
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})")
 
-    def _lock_argv(self, state_dir: str, who: str, hold_s: int) -> list[str]:
+    def lock_beat_s(self) -> int:
+        """Seconds without a heartbeat after which the lock's holder counts this controller as
+        gone: keepalive interval x count (rounded up) + LOCK_BEAT_SLACK_S."""
+        interval, count = self.keepalive()
+        return math.ceil(interval * count) + LOCK_BEAT_SLACK_S
+
+    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
         """The lock command (command.lock_argv: flock, with a shell and coreutils)."""
-        return command.lock_argv(state_dir, who, hold_s)
+        return command.lock_argv(state_dir, who, hold_s, beat_s)
 
     def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
         """Who holds the lock, from STATE_DIR/lock.owner (`line`: the lock command's first line)."""
@@ -317,11 +340,25 @@ def _sudo_said(seen: bytes, prompt: bytes) -> str:
 
 class HostLock:
     """fleetctl's lock on one host, held while the remote flock's process runs (see
-    Connection.hold_lock)."""
+    Connection.hold_lock), kept alive by a heartbeat byte every `interval` seconds."""
 
-    def __init__(self, proc: Process):
-        self._proc = proc
+    def __init__(self, proc: Process, conn: Connection, interval: float):
+        self._proc, self._conn = proc, conn
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, args=(interval,), daemon=True,
+                                      name=f"fleetctl-lock-{conn.host.name}")
+        self._beat.start()
+
+    def _heartbeat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._proc.write(b".")
+            except Exception:  # noqa: BLE001 - a lost connection: the holder ends by itself
+                return
 
     def release(self) -> None:
-        """Release the lock: closing the process's stdin ends the remote flock (idempotent)."""
+        """Release the lock: closing the process's stdin ends the remote flock, and the
+        connection's commands are no longer registered with it (idempotent)."""
+        self._stop.set()
+        self._conn._tied = None
         self._proc.close()

@@ -35,22 +35,54 @@ _UPLOAD = (
     'chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT'
 )
 
-# $1 state dir, $2 who holds it, $3 seconds to hold it at most. flock -n fails at once (exit 75)
-# when another run holds the lock; its child says LOCKED, then waits for EOF on stdin.
-_LOCK = (
-    'umask 077 && mkdir -p -m 700 -- "$1" && exec flock -n -E 75 "$1/lock" sh -c '
-    '\'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner"; echo LOCKED; '
-    'exec timeout "$2" cat >/dev/null\' "$1" "$2" "$3"'
+# $1 state dir, $2 who holds it, $3 seconds to hold it at most, $4 seconds without a heartbeat
+# byte after which the controller counts as gone, $5 the holder (_HOLD). flock -n fails at once
+# (exit 75) when another run holds the lock.
+_LOCK = 'umask 077 && mkdir -p -m 700 -- "$1" && exec flock -n -E 75 "$1/lock" sh -c "$5" "$1" "$2" "$3" "$4"'
+
+# The lock's holder ($0 state dir, $1 who, $2 hold seconds, $3 heartbeat window seconds): says
+# LOCKED, then reads one heartbeat byte at a time from stdin; EOF (released, or the controller's
+# connection closed), no byte within the window (a silent controller: a cut link, a dead control
+# node), or the hold time (CLOCK_BOOTTIME's /proc/uptime, never the wall clock) ends the hold.
+# Then registration is closed (lock.groups renamed under lock.groups.lock, so a command that
+# starts later refuses to), and the run's commands that still run (pid and start time, so a
+# reused pid is never hit) get SIGTERM on their process group, SIGKILL when any of it is left
+# KILL_AFTER_S later.
+_HOLD = (
+    'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner"; : > "$0/lock.groups"; echo LOCKED; '
+    'end=$(( $(cut -d. -f1 /proc/uptime) + $2 )); '
+    'while now=$(cut -d. -f1 /proc/uptime); [ "$now" -lt "$end" ]; do w=$((end - now)); [ "$w" -lt "$3" ] || w=$3; '
+    'b=$(timeout "$w" head -c 1) && [ -n "$b" ] || break; done; '
+    'flock "$0/lock.groups.lock" mv -f -- "$0/lock.groups" "$0/lock.groups.end"; '
+    'k=; while read -r p s; do '
+    '[ -n "$s" ] && [ "$(cut -d" " -f22 "/proc/$p/stat" 2>/dev/null)" = "$s" ] && '
+    '{ kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; k="$k $p"; }; '
+    'done < "$0/lock.groups.end"; '
+    f'[ -z "$k" ] || {{ i=0; while [ "$i" -lt {KILL_AFTER_S * 10} ]; do a=; '
+    'for p in $k; do kill -0 -- "-$p" 2>/dev/null && a=1; done; [ -n "$a" ] || break; sleep 0.1; i=$((i + 1)); done; '
+    'for p in $k; do kill -KILL -- "-$p" 2>/dev/null; done; }; '
+    'rm -f -- "$0/lock.groups.end"'
 )
 
+# $1 the lock holder's lock.groups, then the command (under the deadline wrapper, which makes its
+# own process group, with this shell's pid: exec). This shell's pid and start time (/proc/PID/stat
+# field 22) are appended to $1 under lock.groups.lock before the command starts, and only while
+# the holder still takes them (else exit 125, nothing started).
+_TIED = ('flock "$1.lock" sh -c \'[ -f "$0" ] && printf "%s %s\\n" "$1" "$2" >> "$0"\' '
+         '"$1" "$$" "$(cut -d" " -f22 "/proc/$$/stat")" '
+         '|| { echo "fleetctl: this run no longer holds the host lock: not started" >&2; exit 125; }; shift; exec "$@"')
 
-def remote_argv(argv: list[str], timeout: float) -> tuple[list[str], int]:
+
+def remote_argv(argv: list[str], timeout: float, tied: str | None = None) -> tuple[list[str], int]:
     """(the argv to start over there, the whole seconds it may run): `argv` under the deadline
-    wrapper `timeout -k KILL_AFTER_S T`, T = ceil(timeout), at least 1."""
+    wrapper `timeout -k KILL_AFTER_S T`, T = ceil(timeout), at least 1. `tied`: the lock.groups
+    file of the lock this connection holds (lock_argv): the command is registered there, so the
+    lock's holder stops it when the run's controller is gone (security review turn 3, L3)."""
     if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
         raise TypeError(f"a remote command is a non-empty list of strings, not {argv!r}")
     limit = max(1, math.ceil(timeout))
-    return ["timeout", "-k", str(KILL_AFTER_S), str(limit), *argv], limit
+    wrapped = ["timeout", "-k", str(KILL_AFTER_S), str(limit), *argv]
+    return (["sh", "-c", _TIED, "fleetctl-tied", tied, *wrapped] if tied else wrapped), limit
 
 
 def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str, ready: str) -> list[str]:
@@ -91,16 +123,18 @@ def container_entry(how: str, container_id: str, pid: int, process: dict) -> lis
     raise ValueError(f"no way to enter a container with {how!r} (one of {', '.join(CONTAINER_EXECS[:-1])})")
 
 
-def python_lock_argv(python: str, state_dir: str, who: str, hold_s: int) -> list[str]:
+def python_lock_argv(python: str, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
     """lock_argv for a place with Python and nothing else (a distroless container): the same
     protocol (STATE_DIR/lock held with flock; LOCKED once held; exit 75, the holder on stdout,
-    when another run holds it; released at EOF on stdin or after `hold_s` seconds)."""
-    return [python, "-I", "-c", _PY_LOCK, state_dir, who, str(hold_s)]
+    when another run holds it; released at EOF on stdin, after `beat_s` seconds without a
+    heartbeat byte, or after `hold_s` seconds). Commands in the container are not registered
+    with it (they are started by the runtime's exec, whose client the host's deadline wrapper kills)."""
+    return [python, "-I", "-c", _PY_LOCK, state_dir, who, str(hold_s), str(beat_s)]
 
 
 _PY_LOCK = r"""
 import fcntl, os, select, sys, time
-d, who, hold = sys.argv[1], sys.argv[2], int(sys.argv[3])
+d, who, hold, beat = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 os.umask(0o077)
 os.makedirs(d, mode=0o700, exist_ok=True)
 fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -119,8 +153,8 @@ os.close(o)
 print("LOCKED", flush=True)
 end = time.monotonic() + hold
 while time.monotonic() < end:
-    r, _, _ = select.select([0], [], [], max(0.0, end - time.monotonic()))
-    if r and not os.read(0, 65536):
+    r, _, _ = select.select([0], [], [], max(0.0, min(beat, end - time.monotonic())))
+    if not r or not os.read(0, 65536):
         break
 """
 
@@ -154,7 +188,14 @@ def upload_argv(path: str, mode: int, sha256: str) -> list[str]:
     return ["sh", "-c", _UPLOAD, "fleetctl-upload", path, format(mode, "o"), sha256]
 
 
-def lock_argv(state_dir: str, who: str, hold_s: int) -> list[str]:
-    """The command that holds STATE_DIR/lock for `hold_s` seconds at most, or until its stdin
-    closes; it prints LOCKED once held, and exits 75 when another run holds it."""
-    return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s)]
+def lock_argv(state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
+    """The command that holds STATE_DIR/lock for `hold_s` seconds at most, until its stdin
+    closes, or until `beat_s` seconds pass without a heartbeat byte on it; it prints LOCKED once
+    held, and exits 75 when another run holds it. Commands started with remote_argv(tied=
+    STATE_DIR/lock.groups) while it holds are stopped (their process groups) when it ends."""
+    return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s), str(beat_s), _HOLD]
+
+
+def lock_groups(state_dir: str) -> str:
+    """The file the lock's holder reads the run's commands from (remote_argv's `tied`)."""
+    return f"{state_dir}/lock.groups"

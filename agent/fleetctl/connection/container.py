@@ -45,6 +45,10 @@ class ContainerConnection(Connection):
         """The same entry on another connection to the host (after a reconnect)."""
         return ContainerConnection(outer, list(self.prefix), self._python)
 
+    def keepalive(self) -> tuple[float, int]:
+        """The host connection's keepalive (its commands ride on it)."""
+        return self.outer.keepalive()
+
     def open(self) -> None:
         """Nothing to open: the host's connection is open."""
 
@@ -54,12 +58,12 @@ class ContainerConnection(Connection):
     def _start(self, argv: list[str], timeout: float) -> Process:
         return self.outer._start(argv, timeout)
 
-    def _lock_argv(self, state_dir: str, who: str, hold_s: int) -> list[str]:
+    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
         """The lock without a shell: command.python_lock_argv under the container's interpreter
         (with none known, the host's way: a shell and flock in the container)."""
         if self._python is None:
-            return super()._lock_argv(state_dir, who, hold_s)
-        return command.python_lock_argv(self._python, state_dir, who, hold_s)
+            return super()._lock_argv(state_dir, who, hold_s, beat_s)
+        return command.python_lock_argv(self._python, state_dir, who, hold_s, beat_s)
 
     def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
         """The holder, as python_lock_argv prints it on its first line."""

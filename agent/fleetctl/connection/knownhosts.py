@@ -9,7 +9,9 @@ found by OpenSSH's own matcher (`ssh-keygen -F NAME -f FILE`) and each is read o
 that cannot be read is a warning with file:line and the others still load; a key under an
 @revoked line that applies to the host is refused whatever other line lists it; CA lines are
 remembered so that a host they cover is refused with the reason (paramiko cannot verify host
-certificates).
+certificates); and so are the host's keys of a type paramiko cannot read (sk-ssh-ed25519,
+sk-ecdsa-sha2-nistp256, ssh-dss since paramiko 4): a pin that cannot be checked, never one to drop
+(security review turn 3, M2), so that `--accept-new` cannot store another key over it.
 """
 
 from __future__ import annotations
@@ -56,13 +58,23 @@ class Marker:
 
 
 @dataclass
+class Unverifiable:
+    """A plain line that pins the host to a key of a type paramiko cannot read: the type, the place."""
+
+    keytype: str
+    where: str  # "file:line"
+
+
+@dataclass
 class KnownHosts:
     """What a set of known_hosts files says: plain keys (paramiko's HostKeys, revoked keys left
-    out), revoked key blobs and CA lines, and a warning per line that could not be read."""
+    out), revoked key blobs and CA lines, the pins of types paramiko cannot read (unverifiable),
+    and a warning per line that could not be read."""
 
     keys: paramiko.HostKeys = field(default_factory=paramiko.HostKeys)
     revoked: list[Marker] = field(default_factory=list)
     authorities: list[Marker] = field(default_factory=list)
+    unverifiable: list[Unverifiable] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def revocation(self, key: paramiko.PKey) -> Marker | None:
@@ -97,9 +109,11 @@ def _take(line: str, where: str, out: KnownHosts, entries: list[HostKeyEntry]) -
     except (InvalidHostKey, paramiko.SSHException, binascii.Error, ValueError) as e:
         out.warnings.append(f"{where}: unreadable line ({type(e).__name__}), ignored")
         return
-    if entry is None:
-        out.warnings.append(f"{where}: key type {line.split()[1] if len(line.split()) > 1 else '?'} "
-                            "not supported by paramiko, line ignored")
+    if entry is None:  # a key type paramiko does not know (HostKeyEntry.from_line's None)
+        keytype = line.split()[1] if len(line.split()) > 1 else "?"
+        out.unverifiable.append(Unverifiable(keytype, where))
+        out.warnings.append(f"{where}: key type {keytype}: paramiko cannot verify this key type, so the host is "
+                            "refused unless another line's key matches (use ansible_connection: ssh)")
         return
     entries.append(entry)
 
@@ -153,10 +167,10 @@ def found_lines(name: str, path: Path) -> list[tuple[str, str]]:
 
 def lookup(name: str, files: list[Path]) -> KnownHosts:
     """What `files` (in order; missing ones skipped) say about the host key name `name` (`host`,
-    `[host]:port` or a HostKeyAlias): its plain keys under `name` (revoked keys left out), and
-    the @revoked and @cert-authority lines that apply to it (found_lines). Cached per
-    process by `name` and each file's identity (path, size, mtime_ns), so each warning is
-    logged once."""
+    `[host]:port` or a HostKeyAlias): its plain keys under `name` (revoked keys left out), its
+    pins of a type paramiko cannot read, and the @revoked and @cert-authority lines that apply
+    to it (found_lines). Cached per process by `name` and each file's identity (path, size,
+    mtime_ns), so each warning is logged once."""
     ident = []
     for p in files:
         try:

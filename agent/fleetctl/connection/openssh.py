@@ -21,9 +21,12 @@ run's last cleanup (`ControlFiles.close`) for every master left, bastions includ
 from __future__ import annotations
 
 import atexit
+import logging
 import math
+import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -36,6 +39,8 @@ from .errors import HostKeyRefused, Unreachable
 from .hostkey_policy import ssh_options, strictness
 from .local import LocalProcess
 from .resolve import passwd_home, split_config_option
+
+log = logging.getLogger("fleetctl")
 
 # Seconds a master outlives its last client if fleetctl dies without closing it.
 CONTROL_PERSIST_S = 60
@@ -129,17 +134,48 @@ def open_master(argv: list[str], destination: str, deadline: float, what: str, c
         raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
 
 
+def users_master(path: str) -> str | None:
+    """None when the user's own master at ControlPath `path` (as `ssh -G` expands it with the
+    user's configuration) may be used: a socket owned by this euid, in a directory owned by this
+    euid (or root) that neither group nor others can write; "" when there is none (`none`, nothing
+    there); else why the one there is not used. OpenSSH's client does not check the master's owner
+    (security review turn 3, N9: a socket another user planted would get the command and the
+    client's stdin, stdout and stderr), so fleetctl does, with lstat (a link is never followed)."""
+    if path == "none":
+        return ""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"ControlPath {path}: {e.strerror}"
+    me = os.geteuid()
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me:
+        return f"ControlPath {path} is not a socket of uid {me} (owner uid {st.st_uid}): not used"
+    parent = os.lstat(os.path.dirname(path) or ".")
+    if not stat.S_ISDIR(parent.st_mode) or parent.st_uid not in (me, 0) or parent.st_mode & 0o022:
+        return (f"ControlPath {path} lies in a directory of uid {parent.st_uid}, mode "
+                f"{stat.S_IMODE(parent.st_mode):o} (others could replace the socket): not used")
+    return None
+
+
 class OpenSSHProcess(LocalProcess):
     """A command run over the host's master by a local `ssh` (see Process); the remote exit
-    status comes from the in-band line, so a lost connection (ssh's 255, no line) is Unreachable."""
+    status comes from the in-band line, so a lost connection (ssh's 255, no line) is Unreachable,
+    `lost_note` saying how a dead link is noticed."""
+
+    def __init__(self, argv: list[str], lost_note: str):
+        super().__init__(argv)
+        self._lost_note = lost_note
 
     def communicate(self, stdin: bytes, deadline: float, out: OutputBuffer,
                     err: OutputBuffer) -> tuple[bytes, bytes, int]:
         out, err, code = super().communicate(stdin, deadline, out, err)
         m = _EXIT_RE.search(err)
         if m is None:
-            raise Unreachable(f"connection lost during a command (ssh exit {code}): "
-                              f"{err[-_ERR_MAX:].decode('utf-8', 'replace').strip()}")
+            said = err[-_ERR_MAX:].decode("utf-8", "replace").strip()
+            raise Unreachable(f"connection lost during a command (ssh exit {code}; {self._lost_note})"
+                              + (f": {said}" if said else ""))
         return out, err[:m.start()], int(m[1])
 
 
@@ -151,6 +187,7 @@ class OpenSSHConnection(Connection):
     def __init__(self, host, session):
         super().__init__(host, session)
         self._address: str | None = None
+        self._resolved = None
         self._master = False
         self._live = False
         # fleetctl's host-key option, first on every ssh command line (open() decides it per host)
@@ -159,6 +196,22 @@ class OpenSSHConnection(Connection):
     @property
     def address(self) -> str:
         return self._address or self.host.address
+
+    def keepalive(self) -> tuple[float, int]:
+        r = self._resolved
+        if r is None or not r.server_alive_interval:
+            return super().keepalive()
+        return r.server_alive_interval, r.server_alive_count_max
+
+    def _keepalive_options(self) -> list[str]:
+        """ServerAliveInterval / ServerAliveCountMax for the master this connection opens, where
+        the host's ssh_config sets no ServerAliveInterval (`ssh -G` prints 0): the settings'
+        (ssh_config(5): the master sends them, and ends, taking every command with it, after
+        that many go unanswered)."""
+        if self._resolved is not None and self._resolved.server_alive_interval:
+            return []
+        interval, count = self.keepalive()
+        return ["-o", f"ServerAliveInterval={max(1, math.ceil(interval))}", "-o", f"ServerAliveCountMax={count}"]
 
     def _config(self) -> tuple[str, list[str]]:
         """The run's ssh_config for this host and the host's ssh args without their `-F FILE`
@@ -200,10 +253,14 @@ class OpenSSHConnection(Connection):
         verification failed), Unreachable."""
         deadline = time.monotonic() + self.settings.connect_timeout
         h = self.host
-        resolved = self.session.resolver.resolve_host(h, deadline)
+        resolved = self._resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
         self._first = ssh_options(resolved, self.settings.accept_new, h.name)
-        if not resolved.host_key_checking_off and self._check(self._user_argv("--", h.address), deadline) is None:
+        refused = users_master(self._users_control_path(deadline))
+        if refused:
+            log.warning("fleetctl: %s: the master of your ssh configuration: %s", h.name, refused)
+        if (not resolved.host_key_checking_off and refused is None
+                and self._check(self._user_argv("--", h.address), deadline) is None):
             self._live = True  # the user's own live master: it verified the host key when it was opened
             return
         for i, hop in enumerate(resolved.proxy_jump):  # bastion masters first, one at a time each
@@ -219,11 +276,20 @@ class OpenSSHConnection(Connection):
                     open_master(ssh, hop.host, deadline, f"ProxyJump hop {hop}", self.settings.connect_timeout)
             finally:
                 lock.release()
-        open_master(self._argv(), h.address, deadline, self.address, self.settings.connect_timeout)
+        open_master([*self._argv(), *self._keepalive_options()], h.address, deadline, self.address,
+                    self.settings.connect_timeout)
         self._master = True
         problem = self._check(self._argv("--", h.address), deadline)
         if problem is not None:
             raise Unreachable(f"the SSH master to {self.address} is not running: {problem}")
+
+    def _users_control_path(self, deadline: float) -> str:
+        """The ControlPath of the user's own configuration for this host, expanded (`ssh -G`
+        with _user_argv's options; "none" when it sets none)."""
+        r = subprocess.run([*self._user_argv("-G", "--", self.host.address)], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+        found = [line.split(None, 1)[1] for line in r.stdout.splitlines() if line.startswith("controlpath ")]
+        return found[0].strip() if r.returncode == 0 and found else "none"
 
     @staticmethod
     def _check(argv: list[str], deadline: float) -> str | None:
@@ -235,8 +301,10 @@ class OpenSSHConnection(Connection):
 
     def _start(self, argv: list[str], timeout: float) -> Process:
         ssh = self._user_argv if self._live else self._argv
+        interval, count = self.keepalive()
         return OpenSSHProcess(ssh("-T", "-o", "ControlMaster=no", "--", self.host.address,
-                                  command.exit_status_line(argv)))
+                                  command.exit_status_line(argv)),
+                              f"the master's keepalives: {count} unanswered, {interval:g} s apart, end it")
 
     def close(self) -> None:
         """`ssh -O exit` for the master this connection opened (idempotent)."""

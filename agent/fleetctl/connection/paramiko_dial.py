@@ -6,8 +6,9 @@ Host keys are always verified (known_hosts read by knownhosts.py, markers includ
 key is refused unless hostkey_policy.accept_new says to store it (`--accept-new`, or
 StrictHostKeyChecking no/off in the config or the inventory's args, with a warning; as OpenSSH's
 StrictHostKeyChecking=accept-new), a changed key is always refused with both fingerprints, a
-revoked key is refused, and a host covered only by a `@cert-authority` line is refused with the
-reason. Auth uses only what `ssh -G` resolved: its
+revoked key is refused, and a host covered only by a `@cert-authority` line, or pinned to a key
+of a type paramiko cannot read (sk-*, ssh-dss), is refused with the reason, `--accept-new` or
+not. Auth uses only what `ssh -G` resolved: its
 identity files (`look_for_keys` off) and the agent at IdentityAgent.
 """
 
@@ -57,6 +58,11 @@ class _Policy(paramiko.MissingHostKeyPolicy):
         if ca:
             raise HostKeyRefused(f"a CA vouches for this host (@cert-authority at {ca.where}); paramiko cannot "
                                  "verify host certificates: use ansible_connection: ssh")
+        if self.known.unverifiable:  # a pin paramiko cannot check is no unknown host (review turn 3, M2)
+            pins = " and ".join(f"a {p.keytype} key at {p.where}" for p in self.known.unverifiable)
+            raise HostKeyRefused(f"host key of {self.name} not verified: known_hosts pins it to {pins}, and paramiko "
+                                 "cannot verify this key type: use ansible_connection: ssh (the host offered "
+                                 f"{fingerprint(key)}, not stored); nothing was run")
         if self.accept_into is None:
             raise HostKeyRefused(f"unknown host key for {self.name} ({fingerprint(key)}); verify it and add it to "
                                  "known_hosts, or pass --accept-new to store it on first use")

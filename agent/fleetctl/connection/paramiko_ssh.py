@@ -161,6 +161,12 @@ class ParamikoConnection(Connection):
     def address(self) -> str:
         return self.resolved.hostname if self.resolved else self.host.address
 
+    def keepalive(self) -> tuple[float, int]:
+        r = self.resolved
+        if r is None:
+            return super().keepalive()
+        return r.server_alive_interval or self.settings.server_alive_interval, r.server_alive_count_max
+
     def _resolve(self, deadline: float) -> Resolved:
         h = self.host
         r = self.session.resolver.resolve_host(h, deadline)
@@ -195,8 +201,8 @@ class ParamikoConnection(Connection):
         hop's TCP connect, sshd that accepts TCP but never sends a banner, an agent that never
         answers): the connect runs in a worker that is abandoned, and its transports closed, at
         the deadline. Raises SshConfigError (exit 4: OpenSSH refuses the config, or an option
-        paramiko cannot honour), HostKeyRefused (unknown, changed, revoked or CA-only key) or
-        Unreachable (anything else)."""
+        paramiko cannot honour), HostKeyRefused (unknown, changed, revoked or CA-only key, or a
+        host pinned only to keys of a type paramiko cannot read) or Unreachable (anything else)."""
         done, abandoned = threading.Event(), threading.Event()
         box: dict = {}
         deadline = time.monotonic() + self.settings.connect_timeout
@@ -219,10 +225,7 @@ class ParamikoConnection(Connection):
                               "no ssh -G result, DNS answer, TCP connect, banner, key exchange or auth answer")
         e = box.get("error")
         if e is None:
-            r = self.resolved
-            interval = r.server_alive_interval or self.settings.server_alive_interval
-            self._keepalive = _Keepalive(self._client.get_transport(), interval, r.server_alive_count_max,
-                                         self._on_dead)
+            self._keepalive = _Keepalive(self._client.get_transport(), *self.keepalive(), self._on_dead)
             self._keepalive.start()
             return
         if isinstance(e, (HostKeyRefused, SshConfigError)):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
 from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
-from ..connection import OutputTooLarge, RemoteTimeout, Unreachable
+from ..connection import LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 from ..connection.command import operator_argv
 from .context import HostContext, HostResult
 from . import containers
@@ -253,18 +253,29 @@ def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeO
     ledger says: a pending change is rolled back (and its handlers run), an applied one stands,
     one never written changed nothing. When the host cannot be reached again, raises Unreachable
     saying the change stays pending (the next apply, rollback or deploy undoes it: `recover`).
-    The host lock stays with the lost session until sshd notices it or its hold time ends."""
+    The rollback runs under the host lock, taken again on the new connection (relock)."""
     try:
         ctx = ctx.reconnected()
         ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
+        lock = relock(ctx, opts.state_dir)
+    except Unreachable as e:
+        raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
+                          f"({lost}; reconnecting: {e})") from None
+    except LockBusy as e:
+        raise HostFailed(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
+                         f"({lost}; reconnected, but the host lock could not be taken again: {e})") from None
+    try:
         ledger = {c["change_id"]: c["state"] for c in change_probe(ctx, "status", opts.state_dir)["changes"]}
         state = ledger.get(change.change_id)
         if state == ChangeState.PENDING:
             return settle(ctx, result, replace(change, rollback=True), opts.state_dir,
-                          [f"the connection was lost ({lost}); reconnected to roll back"], opts.smoke)
+                          [f"the connection was lost ({lost}); reconnected and took the host lock again "
+                           "to roll back"], opts.smoke)
     except Unreachable as e:
         raise Unreachable(f"change {change.change_id} pending: the next apply, rollback or deploy undoes it "
                           f"({lost}; reconnecting: {e})") from None
+    finally:
+        lock.release()
     if state == ChangeState.APPLIED:
         result.status = HostStatus.CHANGED
         return result
@@ -272,6 +283,22 @@ def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeO
     result.error = (f"the connection was lost ({lost}) before the change was written; nothing changed"
                     if state is None else f"the connection was lost ({lost}); the change is {state}")
     return result
+
+
+def relock(ctx: HostContext, state_dir: str):
+    """The host's lock taken again on `ctx`'s new connection after a reconnect. The lost
+    session's holder ends by itself once its heartbeats stop (Connection.hold_lock: within the
+    keepalive window; at once when sshd saw the session close), so while the lock is busy it is
+    asked for again until that window has passed. Returns the base.HostLock. Raises LockBusy
+    past the window (another run holds it), Unreachable, RemoteTimeout."""
+    until = time.monotonic() + ctx.target.lock_beat_s() + LOCK_START_S
+    while True:
+        try:
+            return ctx.hold_lock(state_dir, timeout=LOCK_START_S, hold_s=ctx.remaining() + LOCK_HOLD_EXTRA_S)
+        except LockBusy:
+            if time.monotonic() > until:
+                raise
+            time.sleep(1.0)
 
 
 def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
@@ -321,8 +348,10 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     health wait and one smoke decode (`smoke_opts`, when change.smoke): result.data
     ["after_rollback"], and the reason says when the server did not come back (review L13).
     Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
-    deadline is still put back. Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable (from
-    the probe)."""
+    deadline is still put back. A commit the host's full state dir made take another way (the
+    ledger's reserve, or its pending line marked applied in place) says how in result.data
+    ["commit_note"]. Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable (from the
+    probe)."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     if problems and change.rollback:
         reason = "; ".join(problems)
@@ -336,7 +365,9 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
         result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True
         return result
-    change_probe(ctx, "commit", state_dir, change_id=change.change_id, reason="; ".join(problems) or None)
+    committed = change_probe(ctx, "commit", state_dir, change_id=change.change_id, reason="; ".join(problems) or None)
+    if committed.get("note"):  # the host's state dir is full: how the commit still got recorded (review L7)
+        result.data["commit_note"] = committed["note"]
     result.status = HostStatus.CHANGED
     if problems:
         result.status, result.error = HostStatus.FAILED, "; ".join(problems) + " (on_failure: keep)"

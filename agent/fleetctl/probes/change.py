@@ -12,6 +12,7 @@ Every action returns {"ok": true, ...} or {"ok": false, "error": "..."} (a refus
 
 import glob
 import hashlib
+import json
 import os
 
 from . import ledger, record, safefs
@@ -33,12 +34,14 @@ def apply(params, state_dir):
     the ledger records link states as "link:<target>" in before/after_sha256 and needs no backup.
     Refuses, changing nothing, when a file's sha256 is not pre_sha256 ("changed since inspect"),
     new_text does not hash to post_sha256, the change id is used, or a change is still pending.
-    Then: ledger "pending", originals to backups/<change_id>/ (fsynced), atomic writes with
-    stale bytecode dropped, ledger "applied". With commit false the change stays "pending"
-    (written, awaiting validation: `commit` makes it "applied", `rollback` undoes it, and a
-    killed run's next `recover` undoes it). An error midway restores the written files from
-    the originals read before the write and records "failed"; the error says "files restored"
-    only when every touched file is back to pre_sha256, and names each file that is not.
+    Then: the ledger's reserve (ledger.make_reserve), ledger "pending", originals to
+    backups/<change_id>/ (fsynced), atomic writes with stale bytecode dropped, ledger "applied"
+    (ledger.append_applied; on a full disk the answer's "note" says how it was recorded). With
+    commit false the change stays "pending" (written, awaiting validation: `commit` makes it
+    "applied", `rollback` undoes it, and a killed run's next `recover` undoes it). An error
+    midway restores the written files from the originals read before the write and records
+    "failed"; the error says "files restored" only when every touched file is back to
+    pre_sha256, and names each file that is not.
     """
     cid = params["change_id"]
     known = ledger.changes(state_dir)
@@ -78,6 +81,8 @@ def apply(params, state_dir):
                       "backup": os.path.join(backup_dir, path.lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
              "install": params.get("install"), "root": root, "files": items}
+    line = len(json.dumps(entry))
+    ledger.make_reserve(state_dir, line, 3 * line + sum(map(len, originals.values())))
     entry = ledger.append(state_dir, entry, ledger.PENDING)
     written = []
     try:
@@ -110,14 +115,22 @@ def apply(params, state_dir):
         unrecorded = ledger.try_append(state_dir, entry, ledger.FAILED, why)
         return {"ok": False, "change_id": cid, "error": "apply failed, files restored: %s" % e
                 + (_STILL_PENDING % unrecorded if unrecorded else "")}
-    pruned = []
+    out = {"ok": True, "change_id": cid, "files": entry["files"], "pruned": []}
     if params.get("commit", True):
-        unrecorded = ledger.try_append(state_dir, entry, ledger.APPLIED)
-        if unrecorded:
+        try:
+            out.update(_commit(state_dir, entry))
+        except OSError as e:
             return {"ok": False, "change_id": cid, "error": "the files are changed but the change could not be "
-                    "committed" + _STILL_PENDING % unrecorded}
-        pruned = ledger.prune(state_dir)
-    return {"ok": True, "change_id": cid, "files": entry["files"], "pruned": pruned}
+                    "committed" + _STILL_PENDING % ("%s: %s" % (type(e).__name__, e))}
+    return out
+
+
+def _commit(state_dir, entry, reason=None):
+    """Record pending `entry` applied (ledger.append_applied, which gets it on disk even when the
+    disk is full), then prune. Returns {"pruned": [path], "note"?: what a full disk made it do}.
+    Raises OSError when the ledger still says pending."""
+    note = ledger.append_applied(state_dir, entry, reason)
+    return dict({"pruned": ledger.prune(state_dir)}, **({"note": note} if note else {}))
 
 
 def _root(params):
@@ -153,7 +166,10 @@ def _undo_written(written, tag, originals):
 
 
 def commit(params, state_dir):
-    """{change_id, reason?}: a pending change whose files all have after_sha256 becomes "applied"."""
+    """{change_id, reason?}: a pending change whose files all have after_sha256 becomes "applied"
+    (on a full disk too: ledger.append_applied). Returns {"ok": true, change_id, pruned, note?
+    (what a full disk made the commit do)}, or {"ok": false, error} when the ledger still says
+    pending."""
     cid = params["change_id"]
     entry = ledger.changes(state_dir).get(cid)
     if entry is None or entry["state"] != ledger.PENDING:
@@ -161,11 +177,11 @@ def commit(params, state_dir):
     moved = [f["path"] for f in entry["files"] if _state(f) != f["after_sha256"]]
     if moved:
         raise safefs.Refused("changed since the apply: %s" % ", ".join(moved))
-    unrecorded = ledger.try_append(state_dir, entry, ledger.APPLIED, params.get("reason"))
-    if unrecorded:
+    try:
+        return dict({"ok": True, "change_id": cid}, **_commit(state_dir, entry, params.get("reason")))
+    except OSError as e:
         return {"ok": False, "change_id": cid, "error": "validated, but the change could not be committed"
-                + _STILL_PENDING % unrecorded}
-    return {"ok": True, "change_id": cid, "pruned": ledger.prune(state_dir)}
+                + _STILL_PENDING % ("%s: %s" % (type(e).__name__, e))}
 
 
 def _restore(f, tag, data=None):

@@ -7,12 +7,20 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
                                   after_sha256, backup}], state (pending | applied | rolled-back |
                                   failed), reason, schema (SCHEMA); a state change appends the
                                   whole entry again, and the last line of a change_id wins.
+                                  Lines are only ever appended, whole or not at all (append),
+                                  with one exception: a commit that finds the disk full even
+                                  after freeing the reserve rewrites its pending line's
+                                  "pending" as "applied" in place (append_applied).
+  ledger.reserve                  RESERVE_BYTES of random bytes, made before each apply's
+                                  pending line (make_reserve) and freed when a commit finds the
+                                  disk full, so that a validated change can still be recorded.
   backups/<change_id>/<path>      the original bytes of every file the change writes.
   kernels/<name>/<key>            kernel builds, `kernels/<name>/current` the active one's link.
 The state dir is reached without following links (safefs.open_dir) and must be root's (this
 euid's) alone; a ledger that is not is refused (safefs.Refused), never read or written.
 """
 
+import errno
 import glob
 import json
 import os
@@ -32,6 +40,9 @@ STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED)
 SCHEMA = 1
 CHANGE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KEEP_BACKUPS = 10  # backups kept of the latest changes, whatever their state (prune())
+RESERVE = "ledger.reserve"
+RESERVE_BYTES = 64 << 10  # the reserve's least size; 4 x the change's ledger line when that is more
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors of a full file system
 
 
 def check_entry(entry, state_dir):
@@ -115,27 +126,49 @@ def changes(state_dir):
     return out
 
 
+def _open_rw(dfd, name, state_dir, flags=0):
+    """A read-write descriptor of regular file `name` in the state dir `dfd` (O_NOFOLLOW, plus
+    `flags`: O_CREAT makes it 0600), made 0600. Raises OSError, safefs.Refused (not a regular file)."""
+    fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600, dir_fd=dfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise safefs.Refused("%s/%s is not a regular file" % (state_dir, name))
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def append(state_dir, entry, state, reason=None):
     """Append `entry` with `state`, `reason`, this time and SCHEMA as one line (fsynced, file and
-    directory); a line a kill left torn is ended first. Returns the line's entry. Raises OSError,
-    safefs.Refused (the state dir or ledger file is not safe)."""
+    directory); a line a kill left torn is ended first. Whole or not at all: when a write or the
+    fsync fails (ENOSPC after part of the line), the ledger is cut back to its length before, so
+    a line reported unrecorded is not on disk (review L7). Returns the line's entry. Raises
+    OSError, safefs.Refused (the state dir or ledger file is not safe)."""
     entry = dict(entry, state=state, time=_now(), reason=reason, schema=SCHEMA)
+    line = (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8")
     dfd = _state_fd(state_dir, create=True)
     try:
-        fd = os.open("ledger.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dfd)
-        with os.fdopen(fd, "a+b") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise safefs.Refused("ledger %s/ledger.jsonl is not a regular file" % state_dir)
-            os.fchmod(fd, 0o600)
-            f.seek(0, os.SEEK_END)
-            if f.tell():
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":  # a line torn by a kill: do not glue this entry onto it
-                    f.write(b"\n")
-            f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        fd = _open_rw(dfd, "ledger.jsonl", state_dir, os.O_APPEND | os.O_CREAT)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":  # a line torn by a kill: do not glue onto it
+                line = b"\n" + line
+            try:
+                _write_all(fd, line)
+                os.fsync(fd)
+            except OSError:
+                try:
+                    os.ftruncate(fd, size)
+                    os.fsync(fd)
+                except OSError:
+                    pass  # the first error is the one to report; a torn line is skipped by read
+                raise
+        finally:
+            os.close(fd)
         os.fsync(dfd)
     finally:
         os.close(dfd)
@@ -153,6 +186,137 @@ def try_append(state_dir, entry, state, reason=None):
             if attempt:
                 return "%s: %s" % (type(e).__name__, e)
             time.sleep(0.2)
+
+
+def make_reserve(state_dir, line_bytes=0, need_bytes=0):
+    """Grow the state dir's ledger.reserve to RESERVE_BYTES or 4 x `line_bytes` (the change's
+    ledger line), whichever is more, with random bytes (which no compressing file system stores
+    as nothing), fsynced: room that append_applied frees when a commit finds the disk full. Only
+    when there is room: what it adds and `need_bytes` (what the apply will write there: backups,
+    ledger lines) must fit in the file system's free space (statvfs), and on a disk full
+    meanwhile (FULL) it keeps what it wrote. Returns the reserve's size in bytes. Raises OSError,
+    safefs.Refused (the state dir, or a reserve that is not a regular file)."""
+    want = max(RESERVE_BYTES, 4 * line_bytes)
+    dfd = _state_fd(state_dir, create=True)
+    try:
+        fd = _open_rw(dfd, RESERVE, state_dir, os.O_CREAT)
+        try:
+            size = os.fstat(fd).st_size
+            if size >= want:
+                return size
+            vfs = os.fstatvfs(fd)
+            free = (vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail) * vfs.f_frsize
+            try:
+                while size < want and want - size + need_bytes <= free:
+                    size += os.pwrite(fd, os.urandom(min(want - size, 1 << 20)), size)
+            except OSError as e:
+                if e.errno not in FULL:
+                    raise
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return size
+
+
+def release_reserve(state_dir):
+    """Free ledger.reserve (cut to 0 bytes, fsynced, so that the file system counts the space
+    free). Returns the bytes freed (0 when there is none). Raises OSError, safefs.Refused."""
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        return 0
+    try:
+        fd = _open_rw(dfd, RESERVE, state_dir)
+    except FileNotFoundError:
+        return 0
+    finally:
+        os.close(dfd)
+    try:
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return size
+
+
+_PENDING_STATE = b'"state": "pending"'
+
+
+def mark_applied(state_dir, change_id):
+    """Rewrite the state of `change_id`'s last ledger line from "pending" to "applied" in place:
+    the same 7 bytes, in blocks the ledger already has, so that it needs no free space (on a file
+    system that overwrites in place: not btrfs or ZFS), fsynced. The line keeps its time and no
+    reason. Raises ValueError when that line is not a pending one this rewrite turns into the
+    same entry applied; OSError, safefs.Refused."""
+    dfd = _state_fd(state_dir, create=False)
+    if dfd is None:
+        raise ValueError("no state dir %s" % state_dir)
+    try:
+        fd = _open_rw(dfd, "ledger.jsonl", state_dir)
+    finally:
+        os.close(dfd)
+    try:
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+        found, offset = None, 0
+        for line in data.splitlines(True):
+            try:
+                e = json.loads(line)
+            except ValueError:
+                e = None
+            if isinstance(e, dict) and e.get("change_id") == change_id:
+                found = (offset, line, e)
+            offset += len(line)
+        if found is not None and found[2].get("state") == APPLIED:
+            return  # the failed append landed after all (its cut back failed too)
+        if found is None or found[2].get("state") != PENDING:
+            raise ValueError("change %s has no pending line in %s/ledger.jsonl" % (change_id, state_dir))
+        offset, line, e = found
+        at = line.find(_PENDING_STATE)
+        new = line[:at] + b'"state": "applied"' + line[at + len(_PENDING_STATE):]
+        if line.count(_PENDING_STATE) != 1 or json.loads(new) != dict(e, state=APPLIED):
+            raise ValueError("change %s: its pending line in %s/ledger.jsonl does not rewrite cleanly"
+                             % (change_id, state_dir))
+        start = offset + at + len(b'"state": "')
+        if os.pwrite(fd, APPLIED.encode(), start) != len(APPLIED):
+            raise OSError(errno.EIO, "short write marking change %s applied" % change_id)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def append_applied(state_dir, entry, reason=None):
+    """Record `entry` as APPLIED (a validated commit) on a disk that may be full, so that it is
+    never left pending to be undone (review L7): append; when that fails, free the reserve
+    (release_reserve) and append again; when that fails too, mark_applied. Returns None when the
+    first append took, else the note for the operator of what was done. Raises OSError (every
+    attempt's error) when the ledger still says pending; safefs.Refused."""
+    try:
+        append(state_dir, entry, APPLIED, reason)
+        return None
+    except OSError as e:
+        first = e
+    full = ("the file system of %s is full (%s)" if first.errno in FULL else "appending to the ledger in %s failed (%s)") \
+        % (state_dir, first.strerror or first)
+    freed = 0
+    try:
+        freed = release_reserve(state_dir)
+        append(state_dir, entry, APPLIED, reason)
+        return ("%s: committed after freeing the ledger's reserve (%s, %d bytes); free space there before "
+                "the next change" % (full, RESERVE, freed))
+    except OSError as e:
+        second = e
+    try:
+        mark_applied(state_dir, entry["change_id"])
+    except (OSError, ValueError) as e:
+        raise OSError(first.errno, "%s; after freeing the reserve (%d bytes): %s; marking its pending line "
+                      "applied in place: %s" % (first.strerror or first, freed, second, e))
+    return ("%s, even after freeing the ledger's reserve (%d bytes): committed by marking the change's "
+            "pending ledger line applied in place (the commit's time and reason are not recorded); free "
+            "space there before the next change" % (full, freed))
 
 
 def _remove_under(state_dir, rel):
