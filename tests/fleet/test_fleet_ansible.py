@@ -1,67 +1,102 @@
 """The collection fleetctl.sglang run by ansible-core itself against the lab's real sshd hosts: the
 same facts, diffs, ledger and rollbacks as the fleetctl CLI.
 
-ansible-core comes from the `test` extra (scripts/setup.sh). The collection is built with
+ansible-core runs from a venv per series fleetctl allows (2.18, 2.19: the newest patch of each,
+pinned and built by scripts/setup.sh in <wheel cache>/venvs/ansible-core-SERIES); the shipped
+example playbook runs on both, the other tests on the newest. The collection is built with
 `fleetctl collection build --out` into a temporary ANSIBLE_COLLECTIONS_PATH; the inventory is
 `fleetctl inventory export`'s, whose ansible_ssh_common_args name the lab's known_hosts
-explicitly (HOME is never changed). Modules run with /usr/bin/python3 on the hosts.
+explicitly (HOME is never changed). Modules run with /usr/bin/python3 on the hosts unless the
+inventory names another ansible_python_interpreter.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import kernel_variant
+from fleetctl.wheels import cache_dir
 
 
-BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "playbooks" / "ansible" / "defrag-tier0.yml"
+SERIES = ("2.18", "2.19")  # the ansible-core series fleetctl allows (pyproject's `ansible` extra)
+NEWEST = SERIES[-1]
 
 
-def tool(name: str) -> str:
-    """The ansible-core program `name` next to this interpreter (else on PATH)."""
-    path = BIN / name
-    found = str(path) if path.exists() else shutil.which(name)
-    assert found, f"{name} not found: install the test extra (scripts/setup.sh)"
-    return found
+def venv_bin(series: str) -> Path:
+    """The bin/ of scripts/setup.sh's venv holding ansible-core `series` (its newest patch)."""
+    d = cache_dir() / "venvs" / f"ansible-core-{series}" / "bin"
+    assert (d / "ansible-playbook").exists(), f"no ansible-core {series} venv at {d.parent}: run scripts/setup.sh"
+    return d
 
 
 class Ansible:
-    """ansible / ansible-playbook against one lab, with the collection built for this checkout."""
+    """ansible / ansible-playbook of one ansible-core series against one lab (its inventory, or
+    `inventory`: another fleetctl inventory of its hosts), with the collection at `path`."""
 
-    def __init__(self, lab, tmp: Path):
-        self.lab, self.tmp = lab, tmp
-        r = lab.cli("collection", "build", "--out", str(tmp / "collections"))
-        assert r.returncode == 0, r.stderr
-        r = lab.cli("inventory", "export")
+    def __init__(self, lab, tmp: Path, series: str, path: Path, inventory: Path | None = None):
+        self.lab, self.tmp, self.bin = lab, tmp, venv_bin(series)
+        r = lab.cli("inventory", "export", *(["-i", str(inventory)] if inventory else []))
         assert r.returncode == 0, r.stderr
         assert f"UserKnownHostsFile={lab.known_hosts}" in r.stdout
-        self.inventory = tmp / "inventory.yml"
+        self.inventory = tmp / f"inventory-{series}.yml"
         self.inventory.write_text(r.stdout)
-        self.env = dict(lab.env, ANSIBLE_COLLECTIONS_PATH=str(tmp / "collections"),
+        self.env = dict(lab.env, ANSIBLE_COLLECTIONS_PATH=str(path),
                         ANSIBLE_PYTHON_INTERPRETER="/usr/bin/python3", ANSIBLE_LOCAL_TEMP=str(tmp / "atmp"),
                         ANSIBLE_SSH_CONTROL_PATH_DIR=str(tmp / "cp"), ANSIBLE_FORKS="8", ANSIBLE_NOCOLOR="1",
                         ANSIBLE_RETRY_FILES_ENABLED="0")
+        r = subprocess.run([str(self.bin / "ansible"), "--version"], capture_output=True, text=True, env=self.env)
+        assert r.returncode == 0, r.stderr
+        self.version = r.stdout.split("[core ", 1)[1].split("]", 1)[0]  # "ansible [core 2.19.14]"
+        assert self.version.startswith(series + "."), r.stdout
 
     def run(self, prog: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return subprocess.run([tool(prog), "-i", str(self.inventory), *args], capture_output=True, text=True,
-                              env=self.env, timeout=timeout, cwd=self.tmp)
+        return subprocess.run([str(self.bin / prog), "-i", str(self.inventory), *args], capture_output=True,
+                              text=True, env=self.env, timeout=timeout, cwd=self.tmp)
 
 
 @pytest.fixture(scope="module")
-def ansible(server_lab, tmp_path_factory) -> Ansible:
+def collections(server_lab, tmp_path_factory) -> Path:
+    """The collection built for this checkout (`fleetctl collection build --out`), as an
+    ANSIBLE_COLLECTIONS_PATH."""
+    out = tmp_path_factory.mktemp("collections")
+    r = server_lab.cli("collection", "build", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def ansibles(server_lab, collections, tmp_path_factory) -> dict[str, Ansible]:
+    """{series: Ansible} against the server lab, its stand-ins well-behaved: one an earlier test
+    gave a behaviour, or one that is not healthy, is reset and restarted (a restart costs seconds
+    of CPU: the others are left running)."""
     for h in server_lab.hosts:
-        server_lab.set_behavior(h, {}, restart=True)
-    return Ansible(server_lab, tmp_path_factory.mktemp("ansible"))
+        if h in server_lab.behaved or not server_lab.server_healthy(h):
+            server_lab.set_behavior(h, {}, restart=True)
+    tmp = tmp_path_factory.mktemp("ansible")
+    return {s: Ansible(server_lab, tmp, s, collections) for s in SERIES}
+
+
+@pytest.fixture(scope="module")
+def ansible(ansibles) -> Ansible:
+    """The newest series' Ansible, for the tests that run on one."""
+    return ansibles[NEWEST]
+
+
+def recap(stdout: str) -> dict[str, dict[str, int]]:
+    """ansible-playbook's PLAY RECAP: {host: {"ok": n, "changed": n, "failed": n, ...}}."""
+    out = {}
+    for line in stdout.split("PLAY RECAP", 1)[1].splitlines():
+        host, sep, counts = line.partition(" : ")
+        if sep:
+            out[host.strip()] = {k: int(v) for k, v in (c.split("=") for c in counts.split())}
+    return out
 
 
 def sha(lab, host: str, path: str) -> str:
@@ -106,46 +141,48 @@ def test_inspect_module_equals_cli(ansible, server_lab):
     assert releases == {"0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"}
 
 
-CHECK_PLAY = """
-- hosts: all
-  gather_facts: false
-  tasks:
-    - fleetctl.sglang.patch:
-        playbook: defrag-tier0
-      register: patch
-    - ansible.builtin.copy:
-        content: "{{ patch | to_json }}"
-        dest: "{{ out }}/{{ inventory_hostname }}.json"
-        mode: "0600"
-      delegate_to: localhost
-      check_mode: false
-"""
+MOVED = "/opt/sglang/env-moved"  # none of the facts probe's common venv locations (probes/facts.py)
 
 
-def test_check_diff_changes_nothing_and_shows_fleetctl_diffs(ansible, server_lab, cli_check):
-    """ansible-playbook --check --diff: the same unified diffs as `fleetctl apply --check --diff`,
-    nothing written, nothing in any ledger."""
-    cli = cli_check
-    out = ansible.tmp / "check"
-    out.mkdir()
-    play = ansible.tmp / "check.yml"
-    play.write_text(CHECK_PLAY)
-    before = {h: ledger(server_lab, h) for h in server_lab.hosts}
-    r = ansible.run("ansible-playbook", str(play), "--check", "--diff", "-e", f"out={out}")
+@pytest.fixture(scope="module")
+def moved_venv(lab, tmp_path_factory):
+    """The lab without servers, its lab-03's SGLang venv moved to MOVED, which only the
+    inventory's ansible_python_interpreter names: (host, its release, that fleetctl inventory,
+    `fleetctl inspect`'s entry for the host). Moved back after."""
+    host = "lab-03"
+    release = next(h["release"] for h in lab.status if h["name"] == host)
+    doc = yaml.safe_load(lab.inventory.read_text())
+    doc["all"]["children"]["lab"]["hosts"][host]["ansible_python_interpreter"] = f"{MOVED}/bin/python"
+    inventory = tmp_path_factory.mktemp("moved") / "inventory.yml"
+    inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    r = lab.ssh(host, f"mv /opt/sglang/venv {MOVED}")
+    assert r.returncode == 0, r.stderr
+    try:
+        _, _, cli = lab.cli_json("inspect", host, "-i", str(inventory), rc=0)
+        yield host, release, inventory, cli[host]
+    finally:
+        r = lab.ssh(host, f"mv {MOVED} /opt/sglang/venv")
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("series", SERIES)
+def test_inspect_module_asks_ansible_python_interpreter(series, moved_venv, lab, collections, tmp_path):
+    """On a host where no server runs and SGLang's venv is where only ansible_python_interpreter
+    names it, the inspect module (run by Ansible under that interpreter) finds that install, as
+    `fleetctl inspect` on the same inventory does."""
+    host, release, inventory, cli = moved_venv
+    assert cli["facts"]["sglang"]["version"] == release  # the CLI asks the inventory's interpreter
+    assert cli["facts"]["interpreter_discovery"]["python"] == f"{MOVED}/bin/python"
+    ansible = Ansible(lab, tmp_path, series, collections, inventory)
+    r = ansible.run("ansible", host, "-m", "fleetctl.sglang.inspect", "--tree", str(tmp_path / "tree"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    changed = 0
-    for host in server_lab.hosts:
-        got = json.loads((out / f"{host}.json").read_text())
-        want = [f["diff"] for f in cli[host]["plan"]["files"]]
-        assert [d["prepared"] for d in got.get("diff", [])] == want
-        assert got["changed"] == bool(want) == (cli[host]["status"] == "changed")
-        changed += bool(want)
-        for d in want:
-            assert d in r.stdout  # what --diff prints is fleetctl's diff text
-        for f in cli[host]["plan"]["files"]:
-            assert sha(server_lab, host, f["path"]) == f["pre_sha256"]
-    assert changed == 3  # 0.4.6.post5 has no need_sort
-    assert {h: ledger(server_lab, h) for h in server_lab.hosts} == before
+    mod = json.loads((tmp_path / "tree" / host).read_text())
+    assert (mod["facts"]["sglang"] or {}).get("version") == release, mod["facts"]["sglang_reason"]
+    assert mod["facts"]["sglang_reason"] is None
+    assert mod["facts"]["interpreter_discovery"]["python"] == f"{MOVED}/bin/python"
+    assert [(i["id"], i["python"]["path"]) for i in mod["installs"]] == \
+        [(i["id"], i["python"]["path"]) for i in cli["installs"]]
+    assert mod["need_sort_origins"] == cli["need_sort_origins"]
 
 
 # The gate's latency check against a machine shared with other test runs: the failing host here
@@ -153,15 +190,61 @@ def test_check_diff_changes_nothing_and_shows_fleetctl_diffs(ansible, server_lab
 LOADED = ("-e", "fleetctl_latency_tolerance=20")
 
 
-def test_example_playbook_gate_rollback_and_cli_ledger(ansible, server_lab, cli_check):
-    """playbooks/ansible/defrag-tier0.yml: lab-01 (batch 1, 0.4.6.post5: nothing to change) is ok;
-    lab-02 (batch 2)
-    fails its gate (the restarted server decodes other tokens), is rolled back byte-identical,
-    and max_fail_percentage stops the rollout before lab-03 and lab-04. A second run on lab-01 is
-    changed=0; its ledger entry, written through Ansible, is read by `fleetctl status` and
-    undone by `fleetctl rollback`."""
+@pytest.mark.parametrize("series", SERIES)
+def test_example_playbook_check_apply_again_and_cli_rollback(series, ansibles, server_lab, cli_check):
+    """playbooks/ansible/defrag-tier0.yml, as a new Ansible user runs it, on ansible-core 2.18
+    and 2.19: `--check --diff` on every host prints the same unified diffs as `fleetctl apply
+    --check --diff`, and only those, and writes nothing (no file, no ledger entry); applied on
+    lab-03, its change is committed by the gate; a second run is changed=0; its ledger entry,
+    written through Ansible, is read by `fleetctl status` and undone byte-identical by
+    `fleetctl rollback`."""
+    ansible = ansibles[series]
     files = {h: [f["path"] for f in cli_check[h]["plan"]["files"]] for h in server_lab.hosts}
     before = {h: {p: sha(server_lab, h, p) for p in files[h]} for h in server_lab.hosts}
+    ledgers = {h: ledger(server_lab, h) for h in server_lab.hosts}
+
+    r = ansible.run("ansible-playbook", str(EXAMPLE), "--check", "--diff", *LOADED)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    counts = recap(r.stdout)
+    assert set(counts) == set(server_lab.hosts), r.stdout[-3000:]
+    for host in server_lab.hosts:
+        want = [f["diff"] for f in cli_check[host]["plan"]["files"]]
+        for d in want:
+            assert d in r.stdout  # what --diff prints is fleetctl's diff text
+        # changed: the patch task alone (the lock's tasks are changed_when false; the baseline,
+        # the restart handler and the gate do not run in check mode)
+        assert (counts[host]["changed"], counts[host]["failed"], counts[host]["rescued"]) == (int(bool(want)), 0, 0)
+        assert (cli_check[host]["status"] == "changed") == bool(want)
+    assert sum(bool(f) for f in files.values()) == 3  # 0.4.6.post5 has no need_sort
+    # no other diff: as many files' headers as the CLI planned
+    assert sum(line.startswith("--- a/") for line in r.stdout.splitlines()) == sum(map(len, files.values()))
+    # nothing written: every file as the CLI's check found it, no ledger entry
+    assert before == {h: {f["path"]: f["pre_sha256"] for f in cli_check[h]["plan"]["files"]} for h in server_lab.hosts}
+    assert {h: {p: sha(server_lab, h, p) for p in files[h]} for h in server_lab.hosts} == before
+    assert {h: ledger(server_lab, h) for h in server_lab.hosts} == ledgers
+
+    host = "lab-03"
+    r = ansible.run("ansible-playbook", str(EXAMPLE), "--limit", host, *LOADED)
+    assert r.returncode == 0 and recap(r.stdout)[host]["failed"] == 0, r.stdout[-4000:]
+    assert {sha(server_lab, host, p) for p in files[host]}.isdisjoint(before[host].values())
+    [new] = set(ledger(server_lab, host)) - set(ledgers[host])
+    r = ansible.run("ansible-playbook", str(EXAMPLE), "--limit", host, *LOADED)
+    assert r.returncode == 0 and recap(r.stdout)[host]["changed"] == 0, r.stdout[-4000:]
+    assert set(ledger(server_lab, host)) - set(ledgers[host]) == {new}  # the second run wrote nothing
+    _, _, st = server_lab.cli_json("status", host, rc=0)
+    [entry] = [c for c in st[host]["changes"] if c["change_id"] == new]
+    assert entry["state"] == "applied" and entry["operator"] == f"ansible@{host}"
+    server_lab.cli_json("rollback", new, host, "--yes", rc=0)
+    assert {p: sha(server_lab, host, p) for p in files[host]} == before[host]
+
+
+def test_example_playbook_gate_failure_rolls_back_and_stops_the_rollout(ansible, server_lab, cli_check):
+    """playbooks/ansible/defrag-tier0.yml: lab-01 (batch 1, 0.4.6.post5: nothing to change) is ok;
+    lab-02 (batch 2) fails its gate (the restarted server decodes other tokens), is rolled back
+    byte-identical, and max_fail_percentage stops the rollout before lab-03 and lab-04."""
+    files = {h: [f["path"] for f in cli_check[h]["plan"]["files"]] for h in server_lab.hosts}
+    before = {h: {p: sha(server_lab, h, p) for p in files[h]} for h in server_lab.hosts}
+    ledgers = {h: ledger(server_lab, h) for h in server_lab.hosts}
     server_lab.set_behavior("lab-02", {"token_shift": 1}, restart=False)  # the handler's restart reads it
     try:
         r = ansible.run("ansible-playbook", str(EXAMPLE), *LOADED)
@@ -171,28 +254,16 @@ def test_example_playbook_gate_rollback_and_cli_ledger(ansible, server_lab, cli_
     assert r.returncode == 2, log
     assert "lab-02" in r.stdout and "rolled back: validation failed" in r.stdout, log
     assert "lab-03" not in r.stdout.split("PLAY RECAP")[0] and "lab-04" not in r.stdout.split("PLAY RECAP")[0], log
-    recap = r.stdout.split("PLAY RECAP")[1]
-    assert "lab-02" in recap and "rescued=1" in recap.split("lab-02")[1].splitlines()[0], log
-    # lab-02: byte-identical, ledger says rolled back; lab-03/04 untouched and no ledger entry
+    assert recap(r.stdout)["lab-02"]["rescued"] == 1, log
+    # lab-02: byte-identical, its new ledger entry rolled back; lab-03/04 untouched, no new entry
     for p, digest in before["lab-02"].items():
         assert sha(server_lab, "lab-02", p) == digest
+    [new] = set(ledger(server_lab, "lab-02")) - set(ledgers["lab-02"])
     _, _, st = server_lab.cli_json("status", "lab-02")
-    assert [c["state"] for c in st["lab-02"]["changes"]] == ["rolled-back"]
-    assert ledger(server_lab, "lab-03") == {} and ledger(server_lab, "lab-04") == {}
+    assert [c["state"] for c in st["lab-02"]["changes"] if c["change_id"] == new] == ["rolled-back"]
     for h in ("lab-03", "lab-04"):
+        assert ledger(server_lab, h) == ledgers[h]
         assert {p: sha(server_lab, h, p) for p in files[h]} == before[h]
-    # lab-03 applied on its own, then the second run: changed=0
-    r2 = ansible.run("ansible-playbook", str(EXAMPLE), "--limit", "lab-03", *LOADED)
-    assert r2.returncode == 0, r2.stdout[-4000:]
-    r3 = ansible.run("ansible-playbook", str(EXAMPLE), "--limit", "lab-03", *LOADED)
-    assert r3.returncode == 0 and "changed=0" in r3.stdout.split("PLAY RECAP")[1], r3.stdout[-4000:]
-    # the ledger written through Ansible: fleetctl status reads it, fleetctl rollback undoes it
-    _, _, st = server_lab.cli_json("status", "lab-03", rc=0)
-    [entry] = st["lab-03"]["changes"]
-    assert entry["state"] == "applied" and entry["operator"] == "ansible@lab-03"
-    assert {sha(server_lab, "lab-03", p) for p in files["lab-03"]} != set(before["lab-03"].values())
-    server_lab.cli_json("rollback", entry["change_id"], "lab-03", "--yes", rc=0)
-    assert {p: sha(server_lab, "lab-03", p) for p in files["lab-03"]} == before["lab-03"]
 
 
 def test_lock_lease_is_honoured_by_the_cli(ansible, server_lab):

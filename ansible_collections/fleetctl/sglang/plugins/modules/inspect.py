@@ -20,8 +20,11 @@ author:
 options:
   python:
     description:
-      - An interpreter to ask as well (the inventory's C(fleetctl_python)); servers' own and common venv
-        locations are always asked.
+      - The inventory's interpreter, asked as C(fleetctl inspect) asks the inventory's C(ansible_python_interpreter)
+        or C(fleetctl_python) (the collection's action plugins pass that); servers' own, python3 on PATH and
+        common venv locations are always asked as well.
+      - Default is the interpreter Ansible runs this module with (C(ansible_python_interpreter), or the one
+        Ansible discovered).
     type: str
   scan:
     description: Scan each install for allocator call sites and need_sort origins.
@@ -79,6 +82,7 @@ scan:
 """
 
 import json
+import sys
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.fleetctl.sglang.plugins.module_utils import facts, probe_bundle
@@ -98,7 +102,8 @@ def main():
                            with_sources=dict(type="bool", default=False)),
         supports_check_mode=True,
     )
-    params = {"python": module.params["python"], "scan": module.params["scan"],
+    # the interpreter this module runs under is ansible_python_interpreter: the inventory's, to the facts probe
+    params = {"python": module.params["python"] or sys.executable, "scan": module.params["scan"],
               "with_sources": module.params["with_sources"]}
     # facts.ask re-runs the probe bundle it was loaded from: here, this module's own payload
     facts.FLEETCTL_BUNDLE = own_payload(params)
