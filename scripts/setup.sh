@@ -36,6 +36,53 @@ fi
 # ansible-core (ansible-playbook, ansible-test) for the fleetctl.sglang collection's tests.
 "$PY" -m pip install -q --disable-pip-version-check -e '.[kernel,test]'
 
+# SGLang's own benchmark clients (`fleetctl validate --load`), as the lab hosts run them: under each
+# host's /opt/sglang/venv/bin/python, a --no-deps venv of the SGLang wheel that sees this
+# interpreter's site-packages (--system-site-packages, as it sees torch). The modules they import,
+# pinned, wheels only, one pip call: `sglang.bench_serving` of 0.4.6.post5 and 0.5.2 imports aiohttp,
+# tqdm, transformers (AutoTokenizer, for the stand-in's byte-level tokenizer), pybase64 (0.5.2),
+# numpy, requests, IPython, pydantic; 0.5.23's Rust client (`sglang.benchmark.rust_client`) imports
+# the sglang package: psutil, pyzmq, msgspec, pillow, starlette, orjson (and triton, torch: above).
+# The Python clients of 0.5.10 and 0.5.23 import torchvision too, which cannot run here (PyPI's
+# wheels are CUDA builds; this machine's torch is the CPU one), so they stay "not run" in the lab.
+"$PY" -m pip install -q --disable-pip-version-check --only-binary :all: aiohttp==3.14.3 tqdm==4.70.1 \
+    transformers==5.17.0 pybase64==1.5.1 psutil==7.2.2 pyzmq==27.2.0 msgspec==0.22.0 pillow==12.3.0 \
+    starlette==1.7.0 numpy==2.4.6 requests==2.34.2 orjson==3.8.3 ipython==8.12.3 pydantic==2.13.4
+
+# The fleetctl.sglang collection runs on each ansible-core series fleetctl allows (the `ansible`
+# extra: >=2.18,<2.20), the newest patch of each pinned, from a venv of its own per series in the
+# wheel cache, <cache>/venvs/ansible-core-SERIES (tests/fleet/test_fleet_ansible.py), with
+# fleetctl's own requirements (the action plugins import fleetctl, from this checkout's
+# PYTHONPATH); ansible-lint, pinned, in the newest (tests/machine/test_ansible_sanity.py).
+# A venv is made again only when what it holds would change (.fleetctl-ready holds that).
+ANSIBLE_VENVS=("2.18:ansible-core==2.18.19" "2.19:ansible-core==2.19.14 ansible-lint==26.10.1")
+venvs=$("$PY" -c 'from fleetctl.wheels import cache_dir; print(cache_dir() / "venvs")')
+fleetctl_requires=$("$PY" -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+for entry in "${ANSIBLE_VENVS[@]}"; do
+    home="$venvs/ansible-core-${entry%%:*}"
+    want="${entry#*:} $fleetctl_requires ($("$PY" -VV | head -1))"
+    if [ "$(cat "$home/.fleetctl-ready" 2>/dev/null)" != "$want" ]; then
+        rm -rf "$home"
+        "$PY" -m venv "$home"
+        # shellcheck disable=SC2086  # word splitting: each requirement is one argument
+        "$home/bin/python" -m pip install -q --disable-pip-version-check ${entry#*:} $fleetctl_requires
+        echo "$want" > "$home/.fleetctl-ready"
+    fi
+done
+
+# The real uv and pipx, pinned, for tests/fleet/test_fleet_installs_turn3.py (SGLang installed as
+# its docs and these tools put it: `uv tool install`, `pipx install`, `uv venv` + `uv pip install`,
+# each run by a local user on a lab host), with the pip wheel pipx's shared venv upgrades to
+# (offline there): `pip install --target` into <cache>/venvs/install-tools, which any user can run.
+tools=$("$PY" -c 'from fleetctl.wheels import cache_dir; print(cache_dir() / "venvs" / "install-tools")')
+tools_want="uv==0.13.9 pipx==1.7.1 pip==25.1.1 ($("$PY" -VV | head -1))"
+if [ "$(cat "$tools/.fleetctl-ready" 2>/dev/null)" != "$tools_want" ]; then
+    rm -rf "$tools"
+    "$PY" -m pip install -q --disable-pip-version-check --target "$tools" uv==0.13.9 pipx==1.7.1
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps -d "$tools/wheels" pip==25.1.1
+    echo "$tools_want" > "$tools/.fleetctl-ready"
+fi
+
 # The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache.
 "$PY" - <<'PYEOF'
 from fleetctl.wheels import ensure_wheel

@@ -49,6 +49,15 @@ class PlanStatus(_Word):
         return HostStatus.CHANGED if self is PlanStatus.CHANGE else HostStatus(self.value)
 
 
+class InstallStatus(_Word):
+    """An install seen on a host but not inspected ("status" of an entry of `not_inspected` in
+    inspect's report: its interpreter was not run, or not answered, or its container not
+    entered; the entry's "reason" says which). Listed by inspect (exit 0); apply, deploy and
+    validate fail the host that needs it (exit 2)."""
+
+    NOT_INSPECTED = "not_inspected"
+
+
 class GateStatus(_Word):
     """The validation verdict of a change ("validation": {"status": ...} in results)."""
 

@@ -444,7 +444,7 @@ def test_case14_venv_on_path_without_virtual_env(installs, started):
     [s] = servers_of(probe(), p.pid)
     assert (s["pid"], s["port"], s["tp_size"], s["python"]) == (pid, 30001, 2, str(env.parent / "python3"))
     assert (s["processes"], s["workers"]) == (2, [])  # its sglang:: titled schedulers, counted under it
-    assert (s["cuda_visible_devices"], s["gpus"]) == ("2,3", ["2", "3"])
+    assert (s["cuda_visible_devices"], s["gpu_ids"]) == ("2,3", ["2", "3"])
     assert s["install"] == f"host:{site_packages(env)}/sglang"
 
 

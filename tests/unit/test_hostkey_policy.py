@@ -222,3 +222,21 @@ def test_the_ssh_connection_puts_its_host_key_option_before_the_hosts_args(tmp_p
         for argv in dialling:
             assert argv[:2] == ["-o", f"StrictHostKeyChecking={'yes' if want[argv[-1]] == 'true' else 'accept-new'}"]
             assert openssh_decides(argv) == want[argv[-1]], argv
+
+
+def test_a_users_master_counts_only_under_directories_no_one_else_can_replace(tmp_path):
+    """users_master (security review turn 3, N9, and its red-team follow-up): the socket's own
+    directory and every one above it must be this user's or root's, not writable by others
+    (unless sticky, as /tmp is)."""
+    from fleetctl.connection.openssh import users_master
+    top = tmp_path / "top"
+    (top / "cm").mkdir(parents=True, mode=0o700)
+    top.chmod(0o700)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(top / "cm" / "m"))
+    assert users_master(str(top / "cm" / "m")) is None
+    top.chmod(0o777)  # another user could move cm/ away and put a directory of theirs in its place
+    assert "which others could replace" in users_master(str(top / "cm" / "m"))
+    top.chmod(0o1777)  # sticky: cm/ stays ours
+    assert users_master(str(top / "cm" / "m")) is None
+    assert users_master(str(top / "cm" / "gone")) == "" and users_master("none") == ""

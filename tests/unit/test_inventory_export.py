@@ -181,3 +181,37 @@ def test_a_bad_value_in_a_file_vault_encrypted_whole_is_not_printed(tmp_path):
         inventory.load(source, sources.Vault(str(tmp_path / "vault-pass")))
     assert str(refused.value) == (f"{group_vars}:2: ansible_port: the value in this vault-encrypted file is not what fleetctl "
                      "needs here (a port number, an integer, or a string)")
+
+
+def test_a_bad_value_rendered_from_a_vault_value_is_not_printed(tmp_path):
+    """`ansible_port: "{{ vault_port }}"` whose vaulted value is no port: the refusal names the
+    file:line and the var, never the decrypted text nor what it rendered."""
+    source = tmp_path / "hosts.yaml"
+    source.write_text("all:\n  hosts:\n    gpu-01:\n      ansible_port: \"{{ vault_port | upper }}\"\n"
+                      f"      vault_port: {vault_block('hunter2-port', 8)}\n")
+    (tmp_path / "vault-pass").write_text(PASSWORD + "\n")
+    with pytest.raises(InventoryError) as refused:
+        inventory.load(source, sources.Vault(str(tmp_path / "vault-pass")))
+    assert "hunter2" not in str(refused.value).lower()
+    assert str(refused.value).startswith(f"{source}:4: ansible_port: the value rendered from a vault value is not")
+
+
+@pytest.mark.parametrize("kind", ["ini", "directory"])
+def test_a_source_ansible_inventory_reads_with_a_vars_file_encrypted_whole_is_not_exported(tmp_path, kind):
+    """ansible-inventory hands the vars of a vars file vault-encrypted whole over decrypted: an
+    INI file or an inventory directory beside such a group_vars file is refused (exit 4) naming
+    the file, and nothing of it is printed (red-team finding on N4; Ansible's usual
+    group_vars/all/vault.yml)."""
+    src = tmp_path / "inv"
+    (src / "group_vars" / "all").mkdir(parents=True)
+    (src / "hosts.ini").write_text("[gpus]\ngpu-01 ansible_host=10.213.250.11\n")
+    vault = src / "group_vars" / "all" / "vault.yml"
+    vault.write_text(encrypted("ansible_become_password: S3cret-BECOME-INFILE\n"))
+    (tmp_path / "vault-pass").write_text(PASSWORD + "\n")
+    source = src / "hosts.ini" if kind == "ini" else src
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "inventory", "export", "-i", str(source),
+                        "--vault-password-file", str(tmp_path / "vault-pass")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 4, r.stderr
+    assert f"{vault}: vault-encrypted whole" in r.stderr and "read through ansible-inventory" in r.stderr
+    assert "S3cret" not in r.stdout + r.stderr

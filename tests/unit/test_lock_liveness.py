@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from fleetctl import inventory
 from fleetctl.connection import LockBusy, Session, Settings
 from fleetctl.connection import command
+from fleetctl.lab.base import alive
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 
@@ -46,14 +48,6 @@ def local_host(tmp_path: Path) -> inventory.Host:
     path = tmp_path / "here.yaml"
     path.write_text("all:\n  hosts:\n    here:\n      ansible_connection: local\n")
     return inventory.load(path).select("here")[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def start_controller(tmp_path: Path, slack: int) -> tuple[subprocess.Popen, int, int]:
@@ -129,20 +123,57 @@ def test_commands_are_tied_only_while_the_lock_is_held_and_a_finished_one_is_nev
     lock = conn.hold_lock(str(state), timeout=5, hold_s=60)
     assert conn.run(["true"], timeout=10).ok
     assert conn.run(["cat"], timeout=10, stdin=b"bundle").stdout == b"bundle"  # stdin reaches a tied command
-    (pid, start), _ = [line.split() for line in (state / "lock.groups").read_text().splitlines()]
+    groups, = state.glob("lock.groups.*[0-9a-f]")
+    first, *lines = groups.read_text().splitlines()
+    assert first.startswith("# ") and len(lines) == 2
+    pid, start = lines[0].split()
     assert int(pid) > 0 and start.isdigit()
     # a stranger's process under the registered pid's number cannot be made here; a line whose start
     # time is not that of a live process stands for it: never signalled
     victim = subprocess.Popen(["sleep", "30"], start_new_session=True)
-    with open(state / "lock.groups", "a") as f:
+    with open(groups, "a") as f:
         f.write(f"{victim.pid} 1\n")
     lock.release()
     time.sleep(1)
     assert victim.poll() is None
     victim.kill()
-    assert not (state / "lock.groups").exists()
+    assert list(state.glob("lock.groups*")) == []
     assert conn.run(["true"], timeout=10).ok
-    assert not (state / "lock.groups").exists()  # not registered: no lock is held
+    assert list(state.glob("lock.groups*")) == []  # not registered: no lock is held
+
+
+def test_a_command_of_an_ended_hold_never_registers_with_the_next_one(tmp_path):
+    """Run A's hold ended (its controller was silent past the window) and run B holds the lock
+    now: A's next command is refused, never run under B's lock (red-team finding on H2/L3)."""
+    a = Session(Settings()).connect(local_host(tmp_path))
+    b = Session(Settings()).connect(local_host(tmp_path))
+    state = str(tmp_path / "state")
+    lock_a = a.hold_lock(state, timeout=5, hold_s=1)
+    time.sleep(2)
+    lock_b = b.hold_lock(state, timeout=5, hold_s=60)
+    try:
+        marker = tmp_path / "ran"
+        r = a.run(["touch", str(marker)], timeout=10)
+        assert r.exit_code == 125 and b"no longer holds the host lock" in r.stderr
+        assert not marker.exists()
+        assert b.run(["true"], timeout=10).ok
+    finally:
+        lock_b.release()
+        lock_a.release()
+
+
+def test_a_state_dir_others_can_write_is_never_locked_in(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    state.chmod(0o777)
+    with pytest.raises(LockBusy, match="is not a directory of uid .* that only it can write"):
+        Session(Settings()).connect(local_host(tmp_path)).hold_lock(str(state), timeout=5, hold_s=5)
+    assert sorted(p.name for p in state.iterdir()) == []
+    link = tmp_path / "link"
+    state.chmod(0o700)
+    link.symlink_to(state)
+    with pytest.raises(LockBusy, match="not locked"):
+        Session(Settings()).connect(local_host(tmp_path)).hold_lock(str(link), timeout=5, hold_s=5)
 
 
 def test_a_command_of_a_run_whose_lock_ended_is_not_started(tmp_path):
@@ -158,3 +189,22 @@ def test_a_command_of_a_run_whose_lock_ended_is_not_started(tmp_path):
         assert not marker.exists()
     finally:
         lock.release()
+
+
+def test_a_command_that_ignores_sigterm_is_killed_when_the_lock_ends(tmp_path):
+    """SIGTERM first, SIGKILL for what is left (`kill -s KILL --`: dash's kill takes no `-KILL --`)."""
+    conn = Session(Settings()).connect(local_host(tmp_path))
+    state = tmp_path / "state"
+    lock = conn.hold_lock(str(state), timeout=5, hold_s=60)
+    pidfile = tmp_path / "pid"
+    threading.Thread(target=conn.run, args=(["sh", "-c", f"trap '' TERM; echo $$ > {pidfile}; exec sleep 300"], 600),
+                     daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    t0 = time.monotonic()
+    lock.release()
+    wait_dead(pid, within=command.KILL_AFTER_S + 5)
+    assert time.monotonic() - t0 >= 1  # it outlived the SIGTERM, not the SIGKILL

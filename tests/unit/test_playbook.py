@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import textwrap
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 from fleetctl.errors import EXIT_PARSE, ParseError
 from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine import playbook
+from fleetctl.engine.playbook import TemplateRefused, load_playbook
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,7 @@ def test_shipped_playbook_loads():
     assert pb.name == "defrag-tier0" and pb.on_failure == "rollback"
     assert [t.findings for t in pb.tasks] == ["need_sort_origins"]
     assert list(pb.handlers) == ["restart sglang"] and pb.tasks[0].notify == ["restart sglang"]
-    assert [v.step for v in pb.validate] == ["compile", "reinspect", "smoke"]
+    assert [v.step for v in pb.validate] == ["compile", "reinspect", "smoke", "load"]
 
 
 def test_good_playbook_plans_and_renders_handler(tmp_path):
@@ -132,3 +134,112 @@ def test_a_value_that_parses_alone_but_breaks_the_file_is_refused(tmp_path):
     plan = plan_host(pb, "h", {}, facts, findings, sources)
     assert (plan.status, plan.reason, plan.files) == (
         "failed", "the edited sglang/a.py does not parse: line 1: '(' was never closed", [])
+
+
+# Review N8: the playbook and its templates are read only from regular files inside the
+# playbook's directory, reached without links, that only the operator (or root) can change.
+LINKED = ("fleetctl reads a playbook and its templates only from regular files inside the playbook's directory, "
+          "reached without links; copy the file in")
+
+
+@pytest.fixture
+def secret(tmp_path_factory):
+    """A file outside every playbook directory, as /root/.ssh/id_ed25519 would be."""
+    path = tmp_path_factory.mktemp("outside") / "id_ed25519"
+    path.write_text("TOPSECRET-key\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_a_symlinked_template_is_refused_naming_the_playbook_line(tmp_path, secret):
+    """value: templates/v.j2, a link to a file outside: refused at load with the playbook's
+    file:line, the link and its target; so is a link that stays inside the directory, and a
+    linked directory on the way."""
+    path = write(tmp_path, GOOD)
+    v = tmp_path / "templates" / "v.j2"
+    v.unlink()
+    v.symlink_to(secret)
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == f"{path}:10: value: template 'templates/v.j2': {v} is a symbolic link (to {secret}): {LINKED}"
+    v.unlink()
+    (tmp_path / "templates" / "real.j2").write_text("True\n")
+    v.symlink_to("real.j2")
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == f"{path}:10: value: template 'templates/v.j2': {v} is a symbolic link (to real.j2): {LINKED}"
+    v.unlink()
+    v.write_text("True\n")
+    (tmp_path / "templates").rename(tmp_path / "elsewhere")
+    (tmp_path / "templates").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == (f"{path}:10: value: template 'templates/v.j2': {tmp_path / 'templates'} is a symbolic link "
+                            f"(to {tmp_path / 'elsewhere'}): {LINKED}")
+
+
+def test_an_include_of_a_symlink_is_refused_naming_the_template_line(tmp_path, secret):
+    """{% include %} (and `ignore missing`, which skips only what does not exist) of a link in a
+    comment template is refused when rendered, naming the including template's line; in an
+    inline handler command, the playbook's line. The secret is in no message and no plan."""
+    comment = "# fleetctl t: was {{ finding.expr }}\n{% include 'templates/notes.j2' ignore missing %}\n"
+    path = write(tmp_path, GOOD, comment=comment)
+    (tmp_path / "templates" / "notes.j2").symlink_to(secret)
+    pb = load_playbook(path)  # the include is looked up when the comment renders
+    with pytest.raises(ParseError) as e:
+        plan_host(pb, "h", {"fleetctl_restart_cmd": "x"}, *inputs())
+    notes = tmp_path / "templates" / "notes.j2"
+    assert str(e.value) == (f"{tmp_path / 'templates' / 'c.j2'}:2: template 'templates/notes.j2': {notes} is a symbolic "
+                            f"link (to {secret}): {LINKED}")
+    pb = load_playbook(write(tmp_path, GOOD.replace("--now", "{% include 'templates/notes.j2' %}")))
+    with pytest.raises(ParseError) as e:
+        plan_host(pb, "h", {"fleetctl_restart_cmd": "x"}, *inputs())
+    assert str(e.value) == f"{path}:16: template 'templates/notes.j2': {notes} is a symbolic link (to {secret}): {LINKED}"
+    assert "TOPSECRET" not in str(e.value)
+
+
+def test_a_linked_playbook_file_and_a_directory_others_may_change_are_refused(tmp_path, secret, monkeypatch):
+    """The playbook file a link (even to a playbook): refused. The playbook's directory, or a
+    template directory, writable by group or others, or owned by another user than the
+    operator and root: refused, saying why and what to do."""
+    path = write(tmp_path, GOOD)
+    (tmp_path / "link.yaml").symlink_to(path)
+    with pytest.raises(ParseError) as e:
+        load_playbook(tmp_path / "link.yaml")
+    assert str(e.value) == (f"{tmp_path / 'link.yaml'}: cannot read playbook: playbook 'link.yaml': "
+                            f"{tmp_path / 'link.yaml'} is a symbolic link (to {path}): {LINKED}")
+    tmp_path.chmod(0o775)
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == (f"{path}: cannot read playbook: the playbook directory {tmp_path} is writable by group or "
+                            f"others (mode 775): they could change the playbook after you read it; chmod go-w {tmp_path}")
+    tmp_path.chmod(0o700)
+    (tmp_path / "templates").chmod(0o757)
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == (f"{path}:10: value: {tmp_path / 'templates'} is writable by group or others (mode 757): "
+                            f"they could change the playbook after you read it; chmod go-w {tmp_path / 'templates'}")
+    (tmp_path / "templates").chmod(0o755)
+    assert load_playbook(path).name == "t"
+    if os.geteuid() == 0:  # another owner for real; else the operator pretends to be another user
+        os.chown(tmp_path, 4243, -1)
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    owner = tmp_path.stat().st_uid
+    with pytest.raises(ParseError) as e:
+        load_playbook(path)
+    assert str(e.value) == (f"{path}: cannot read playbook: the playbook directory {tmp_path} is owned by uid {owner}, "
+                            "not by you (uid 4242) or root: its owner could change the playbook after you read it; "
+                            "copy the playbook into a directory of yours")
+
+
+def test_a_dotfile_of_the_playbook_directory_is_never_read(tmp_path):
+    """A playbook saved in a home directory makes it the playbook directory: its .ssh/ and
+    .git/config must stay out of reach (red-team finding on N8)."""
+    (tmp_path / ".ssh").mkdir(mode=0o700)
+    (tmp_path / ".ssh" / "id_test").write_text("PRIVATE-KEY-MATERIAL\n")
+    with pytest.raises(TemplateRefused, match=r"\.ssh is a hidden name"):
+        playbook._read_inside(str(tmp_path), ".ssh/id_test")
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / ".env").write_text("TOKEN=x\n")
+    with pytest.raises(TemplateRefused, match=r"\.env is a hidden name"):
+        playbook._read_inside(str(tmp_path), "templates/.env")

@@ -173,7 +173,9 @@ def test_info_endpoints(servers, sglang):
     assert info["stand_in"] is True and info["model_path"] == "fleetctl-standin/tiny"
     assert info["port"] == port
     args_fields = class_fields(sglang["server_args_0510"], "ServerArgs")
-    assert set(info) - args_fields == {"internal_states", "version", "stand_in", "stand_in_behavior"}
+    # + the scheduler's init info (checked against scheduler.py in test_standin_stream.py)
+    assert set(info) - args_fields == {"internal_states", "version", "stand_in", "stand_in_behavior",
+                                       "stand_in_counters", "max_total_num_tokens", "max_req_input_len"}
     status, mi = http(port, "/model_info")
     assert status == 200 and http(port, "/get_model_info") == (200, mi)
     fn = next(n for n in ast.walk(sglang["http_server"])

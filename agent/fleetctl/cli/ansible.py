@@ -25,10 +25,12 @@ def inventory_export(inventory: InventoryOpt = None, vault_password_file: VaultP
     UserKnownHostsFile=...) resolved from the ssh_config fleetctl reads. No decrypted value is
     printed: `!vault` values stay vaulted, vars rendered from them are written unrendered, vars
     of files vault-encrypted whole are left out, `!unsafe` stays `!unsafe`; stderr names them."""
-    from ..collection.inventory import export
+    from ..collection.inventory import export, refuse_decrypted_vars_files
     from ..errors import ParseError
+    from ..inventory import resolve_path
     from ..inventory.templates import templars
 
+    refuse_decrypted_vars_files(resolve_path(str(inventory) if inventory else None))
     with templars() as made:
         loaded = load_inventory(inventory, vault_password_file, ask_vault_pass)
     (templar,) = made

@@ -21,6 +21,14 @@ from .options import (
     JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
     VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
 )
+from .options import (
+    GateOpt, ItlSlackMs, LoadClient, LoadConcurrency, LoadInputLen, LoadOpt, LoadOutputLen, LoadPrompts, LoadRepeat,
+    LoadTimeout, MaxItlRise, MaxThroughputDrop, MaxTtftRise, TtftSlackMs, load_settings,
+)
+from .options import (
+    AllocatorReplay, ReplayAborts, ReplayConcurrency, ReplayInput, ReplayOutput, ReplayPool, ReplayRequests,
+    ReplaySeed, replay_trace,
+)
 
 app = typer.Typer()
 deploy_app = typer.Typer(no_args_is_help=True, help="Deploy things to hosts.")
@@ -31,17 +39,24 @@ cache_app = typer.Typer(no_args_is_help=True, help="The hosts' scan caches (kept
 @fleet_command(timeout=config.INSPECT_TIMEOUT_S, before="no_cache")
 def inspect(opts: FleetOptions, pattern: Pattern,
             no_cache: Annotated[bool, typer.Option("--no-cache", help=(
-                "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False) -> None:
-    """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites."""
+                "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False,
+            allocator_replay: AllocatorReplay = False, pool: ReplayPool = None, concurrency: ReplayConcurrency = None,
+            input_range: ReplayInput = None, output_range: ReplayOutput = None, aborts: ReplayAborts = None,
+            seed: ReplaySeed = None, requests: ReplayRequests = None) -> None:
+    """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites; with
+    --allocator-replay, each install's own KV allocator replayed with need_sort False and True
+    (its --timeout grows by the replay's deadline, 300 s)."""
     from functools import partial
 
     from ..engine.fleet import exit_code
     from ..engine.gather import inspect_job
+    from ..probes.allocreplay import DEADLINE_S
     from .report import inspect_document, render_inspect
 
+    trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
     hosts = opts.select(pattern)
-    with opts.fleet() as fleet:
-        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache), "inspect")
+    with opts.fleet(timeout=opts.timeout + DEADLINE_S if trace is not None else None) as fleet:
+        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect")
     if opts.json_out:
         sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
     else:
@@ -109,17 +124,46 @@ def _confirm(what: str, yes: bool) -> None:
 @fleet_command(timeout=None, before="install")
 def validate(opts: FleetOptions, pattern: Pattern,
              port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
-             repeat: Repeat = 3, install: InstallOpt = None) -> None:
-    """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency."""
-    from .report import render_validate
+             repeat: Repeat = 3, install: InstallOpt = None, load: LoadOpt = None,
+             load_concurrency: LoadConcurrency = None, load_prompts: LoadPrompts = None,
+             load_input_len: LoadInputLen = None, load_output_len: LoadOutputLen = None,
+             load_timeout: LoadTimeout = None, load_client: LoadClient = None) -> None:
+    """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency; with
+    --load PROFILE, then SGLang's own benchmark client against each server (its own install)."""
+    from .report import render_load, render_validate
+    from ..engine.load import load_options
     from ..engine.validate import validate_job
 
     smoke = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=opts.timeout)
+    settings = load_settings(load=load, concurrency=load_concurrency, num_prompts=load_prompts,
+                             input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
+                             client=load_client)
+    if load is None and settings:
+        raise UsageError("the --load-* options go with --load PROFILE")
+    lo = load_options(settings) if load is not None else None
     hosts = opts.select(pattern)
-    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout)) as fleet:
-        results = fleet.run(hosts, validate_job(smoke, install), "validate")
-    _finish(results, opts.json_out, render_validate)
+    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + (lo.budget_s(1) if lo else 0)) as fleet:
+        results = fleet.run(hosts, validate_job(smoke, install, lo), "validate")
+
+    def render(rs, console):
+        render_validate(rs, console)
+        render_load(rs, console)
+
+    _finish(results, opts.json_out, render)
+
+
+def _gate_load(gate, declared, **settings):
+    """(--gate load asked, the command line's load settings, the LoadOptions a change gets when
+    the playbook's load step (`declared`, None for none) or --gate load asks, else None).
+    Raises UsageError for load options given with no load gate to use them."""
+    from ..engine.load import load_options
+
+    given = load_settings(gate=gate, **settings)
+    if gate is None and declared is None and given:
+        raise UsageError("the --load-* and tolerance options go with --gate load (or a playbook's load step)")
+    lo = load_options(declared or {}, given) if gate is not None or declared is not None else None
+    return gate is not None, given, lo
 
 
 @app.command()
@@ -142,7 +186,13 @@ def apply(opts: FleetOptions,
               "for image builds; implies --check."))] = None,
           pristine_dir: Annotated[Optional[Path], typer.Option("--pristine-dir", help=(
               "Release wheels (sglang-VERSION-*.whl) to check exported patches against, instead of the "
-              "wheel cache."))] = None) -> None:
+              "wheel cache."))] = None,
+          gate: GateOpt = None, load_concurrency: LoadConcurrency = None, load_prompts: LoadPrompts = None,
+          load_input_len: LoadInputLen = None, load_output_len: LoadOutputLen = None,
+          load_timeout: LoadTimeout = None, load_client: LoadClient = None, load_repeat: LoadRepeat = None,
+          max_throughput_drop: MaxThroughputDrop = None, max_itl_rise: MaxItlRise = None,
+          itl_slack_ms: ItlSlackMs = None, max_ttft_rise: MaxTtftRise = None,
+          ttft_slack_ms: TtftSlackMs = None) -> None:
     """Apply a playbook: plan, check mode and diff, rolling batches, validation gate, rollback.
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
@@ -151,7 +201,7 @@ def apply(opts: FleetOptions,
     from ..engine.fleet import parse_serial
     from ..paths import find_playbook
     from ..engine.playbook import load_playbook
-    from .report import render_apply, render_handlers, text
+    from .report import render_apply, render_handlers, render_load_gate, text
 
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
@@ -160,10 +210,16 @@ def apply(opts: FleetOptions,
     if pristine_dir is not None and export_patch is None:
         raise UsageError("--pristine-dir goes with --export-patch")
     check = check or export_patch is not None
+    load_gate, load_given, lo = _gate_load(
+        gate, next((v.load for v in pb.validate if v.step == "load"), None), concurrency=load_concurrency,
+        num_prompts=load_prompts, input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
+        client=load_client, repeat=load_repeat, max_throughput_drop=max_throughput_drop, max_itl_rise=max_itl_rise,
+        itl_slack_ms=itl_slack_ms, max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
     apply_opts = ApplyOptions(check=check, export=export_patch is not None, install=install, serial=serial,
                               max_fail_percentage=max_fail_percentage,
                               smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
-                                                allow_token_drift, latency_slack))
+                                                allow_token_drift, latency_slack),
+                              load_gate=load_gate, load_settings=load_given)
     hosts = opts.select(pattern)
 
     def confirm(plan_results, to_change) -> None:
@@ -172,7 +228,8 @@ def apply(opts: FleetOptions,
             render_handlers(plan_results, out)
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
-    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout)) as fleet:
+    load_budget = lo.budget_s(lo.repeat + 1) if lo else 0
+    with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + load_budget) as fleet:
         try:
             parse_serial(serial, len(hosts))
         except ValueError as e:
@@ -190,6 +247,7 @@ def apply(opts: FleetOptions,
 
     def render(rs, console):
         render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
+        render_load_gate(rs, console)
         for p in patches:
             console.print(text(f"patch written: {p}"))
 
@@ -275,28 +333,45 @@ def deploy_kernel(opts: FleetOptions,
                   = config.BUILD_DEADLINE_S,
                   port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
                   repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
-                  allow_token_drift: AllowDrift = False, kernels_dir: KernelsDir = None) -> None:
+                  allow_token_drift: AllowDrift = False, kernels_dir: KernelsDir = None,
+                  gate: GateOpt = None, load_concurrency: LoadConcurrency = None, load_prompts: LoadPrompts = None,
+                  load_input_len: LoadInputLen = None, load_output_len: LoadOutputLen = None,
+                  load_timeout: LoadTimeout = None, load_client: LoadClient = None, load_repeat: LoadRepeat = None,
+                  max_throughput_drop: MaxThroughputDrop = None, max_itl_rise: MaxItlRise = None,
+                  itl_slack_ms: ItlSlackMs = None, max_ttft_rise: MaxTtftRise = None,
+                  ttft_slack_ms: TtftSlackMs = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
-    activate it atomically, validate, and switch back on failure."""
+    activate it atomically, validate (with --gate load, also under load: the report shows the
+    speedup), and switch back on failure."""
     from ..engine.deploy import DeployOptions, run_deploy
     from ..engine.kernelpkg import load_package
     from ..paths import project_dir
-    from .report import render_deploy
+    from .report import render_deploy, render_load_gate
 
     if max_jobs < 1:
         raise UsageError(f"--max-jobs must be at least 1, not {max_jobs}")
     _positive(build_timeout=build_timeout, timeout=opts.timeout)
     pkg = load_package(project_dir("kernels", kernels_dir), name)
+    load_gate, load_given, lo = _gate_load(
+        gate, None, concurrency=load_concurrency, num_prompts=load_prompts, input_len=load_input_len,
+        output_len=load_output_len, timeout_s=load_timeout, client=load_client, repeat=load_repeat,
+        max_throughput_drop=max_throughput_drop, max_itl_rise=max_itl_rise, itl_slack_ms=itl_slack_ms,
+        max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
     deploy_opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                                   latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
-                                check=check)
+                                check=check, load_gate=load_gate, load_settings=load_given)
     hosts = opts.select(pattern)
     if not check:
         _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
-    with opts.fleet(opts.timeout or config.deploy_job_timeout(build_timeout, health_timeout)) as fleet:
+    load_budget = lo.budget_s(lo.repeat + 1) if lo else 0
+    with opts.fleet(opts.timeout or config.deploy_job_timeout(build_timeout, health_timeout) + load_budget) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, deploy_opts)
 
-    _finish(results, opts.json_out, render_deploy, change_id=cid, kernel=pkg.name, **({"check": True} if check else {}))
+    def render(rs, console):
+        render_deploy(rs, console)
+        render_load_gate(rs, console)
+
+    _finish(results, opts.json_out, render, change_id=cid, kernel=pkg.name, **({"check": True} if check else {}))
 
 
 def _finish(results, json_out: bool, render, **doc) -> None:

@@ -51,7 +51,7 @@ def lab_status(lab_id: LabId = 0) -> None:
     rows = lab.lab_status(lab_id=lab_id)
     for r in rows:
         f = r.pop("faults", {})
-        r["faults"] = ", ".join(f"{k}={v}" if k == "delay_ms" else k for k, v in f.items() if v) or "none"
+        r["faults"] = ", ".join(k if v is True else f"{k}={v}" for k, v in f.items() if v) or "none"
     cols = list(rows[0].keys()) if rows else ["host"]
     table(f"fleetctl lab {lab_id}", cols, [[r.get(c) for c in cols] for r in rows], out)
 
@@ -66,10 +66,15 @@ def lab_inventory(lab_id: LabId = 0) -> None:
 
 @app.command("fault")
 def lab_fault(host: str, kind: Annotated[str, typer.Argument(
-        help="delay MS | down | up | freeze | thaw | rekey | unrekey | hang | unhang")],
-              arg: Annotated[Optional[str], typer.Argument(help="MS for delay")] = None,
+        help="delay MS | down | up | freeze | thaw | rekey | unrekey | hang | unhang; the stand-in server's "
+             "behaviours: contention MS | fail-every N | behave")],
+              arg: Annotated[Optional[str], typer.Argument(help="MS for delay and contention, N for fail-every "
+                                                           "(0 clears)")] = None,
+              at_restart: Annotated[bool, typer.Option(
+                  "--at-restart", help="A behaviour only from the stand-in's next start (e.g. an apply's restart "
+                                       "handler), not at once.")] = False,
               lab_id: LabId = 0) -> None:
-    """Inject or clear a fault on one lab host."""
+    """Inject or clear a fault on one lab host, or set its stand-in server's behaviour."""
     from .. import lab
 
-    lab.lab_fault(host, kind, arg, lab_id=lab_id)
+    lab.lab_fault(host, kind, arg, lab_id=lab_id, at_restart=at_restart)

@@ -74,6 +74,120 @@ KernelsDir = Annotated[Optional[str], typer.Option("--kernels-dir", envvar="FLEE
     "Directory of kernel packages to find NAME in (default: the ones fleetctl ships); "
     "else $FLEETCTL_KERNELS_DIR."))]
 
+# inspect --allocator-replay and its trace (probes/allocreplay.py; DEFAULTS there for what is not given)
+AllocatorReplay = Annotated[bool, typer.Option("--allocator-replay", help=(
+    "Replay each install's own KV allocator on the host's CPU (its torch; no server touched) through a seeded "
+    "continuous-batching trace, with need_sort False and True: how fragmented prefill allocations get."))]
+ReplayPool = Annotated[Optional[int], typer.Option("--pool", help=(
+    "Replay: KV slots in the pool (default: the server's max_total_num_tokens, else 65536)."))]
+ReplayConcurrency = Annotated[Optional[int], typer.Option("--concurrency", help="Replay: requests running at once (16).")]
+ReplayInput = Annotated[Optional[str], typer.Option("--input", metavar="A:B", help=(
+    "Replay: prompt lengths, uniform from A to B tokens (64:2048)."))]
+ReplayOutput = Annotated[Optional[str], typer.Option("--output", metavar="A:B", help=(
+    "Replay: output lengths, uniform from A to B tokens (16:1024)."))]
+ReplayAborts = Annotated[Optional[float], typer.Option("--aborts", help=(
+    "Replay: share of requests aborted after 1-8 output tokens (0.1)."))]
+ReplaySeed = Annotated[Optional[int], typer.Option("--seed", help="Replay: the trace's random seed (0).")]
+ReplayRequests = Annotated[Optional[int], typer.Option("--requests", help="Replay: requests in the trace (800).")]
+
+
+def replay_trace(allocator_replay: bool, pool: int | None, concurrency: int | None, input_range: str | None,
+                 output_range: str | None, aborts: float | None, seed: int | None,
+                 requests: int | None) -> dict | None:
+    """The allocator replay's trace parameters the options give ({pool (None: the server's),
+    concurrency, input [A, B], output [A, B], aborts, seed, requests}: None for one not given,
+    the probe's DEFAULTS then), or None without --allocator-replay. Raises UsageError (exit 5)
+    for a range that is not A:B, a value out of range (probes/allocreplay.check_trace), or a
+    trace option given without --allocator-replay."""
+    from ..probes import allocreplay
+
+    given = {"pool": pool, "concurrency": concurrency, "input": input_range, "output": output_range,
+             "aborts": aborts, "seed": seed, "requests": requests}
+    if not allocator_replay:
+        named = [f"--{k}" for k, v in given.items() if v is not None]
+        if named:
+            raise UsageError(f"{', '.join(named)}: only with --allocator-replay")
+        return None
+    for k in ("input", "output"):
+        if given[k] is not None:
+            lo, sep, hi = given[k].partition(":")
+            if not (sep and lo.strip().isdigit() and hi.strip().isdigit()):
+                raise UsageError(f"--{k} {given[k]}: want A:B, two whole numbers of tokens (e.g. 64:2048)")
+            given[k] = [int(lo), int(hi)]
+    why = allocreplay.check_trace(dict(allocreplay.DEFAULTS, **{k: v for k, v in given.items() if v is not None}),
+                                  pool_known=pool is not None)
+    if why:
+        raise UsageError(why)
+    return given
+
+# Validation under load (engine/load.py, probes/load.py): validate --load, and the load gate of
+# apply and deploy kernel (--gate load[:PROFILE], or a playbook's load step) with its tolerances.
+LoadOpt = Annotated[Optional[str], typer.Option("--load", metavar="PROFILE", help=(
+    "After the smoke decode, run SGLang's own benchmark client (the server's install and interpreter) "
+    "against each server: smoke (seconds), steady, or pressure (sized from the server's max_total_num_tokens)."))]
+GateOpt = Annotated[Optional[str], typer.Option("--gate", metavar="load[:PROFILE]", help=(
+    "Also gate the change on a load run before and after it (SGLang's own benchmark client; "
+    "PROFILE smoke, steady or pressure, default the playbook's, else smoke)."))]
+LoadConcurrency = Annotated[Optional[int], typer.Option("--load-concurrency", help=(
+    "Load: requests in flight (closed loop; default: the profile's; pressure: sized from the KV pool)."))]
+LoadPrompts = Annotated[Optional[int], typer.Option("--load-prompts", help=(
+    "Load: requests measured (default: the profile's)."))]
+LoadInputLen = Annotated[Optional[int], typer.Option("--load-input-len", help=(
+    "Load: longest prompt in tokens (lengths from half of it to it; default: the profile's)."))]
+LoadOutputLen = Annotated[Optional[int], typer.Option("--load-output-len", help=(
+    "Load: longest output in tokens (lengths from half of it to it; default: the profile's)."))]
+LoadTimeout = Annotated[Optional[float], typer.Option("--load-timeout", help=(
+    "Load: seconds one client run may take before its process group is killed (300)."))]
+LoadClient = Annotated[Optional[str], typer.Option("--load-client", metavar="auto|python|rust", help=(
+    "Load: SGLang's Python client (sglang.benchmark.serving, else sglang.bench_serving), its Rust one "
+    "(0.5.23+), or auto: the Python one, else the Rust one."))]
+LoadRepeat = Annotated[Optional[int], typer.Option("--load-repeat", help=(
+    "Load gate: baseline runs (2: each tolerance widened to twice their measured spread)."))]
+MaxThroughputDrop = Annotated[Optional[float], typer.Option("--max-throughput-drop", help=(
+    "Load gate: output throughput may fall by this fraction of the baseline (0.10)."))]
+MaxItlRise = Annotated[Optional[float], typer.Option("--max-itl-rise", help=(
+    "Load gate: p99 ITL may rise by this fraction of the baseline, plus --itl-slack-ms (0.20)."))]
+ItlSlackMs = Annotated[Optional[float], typer.Option("--itl-slack-ms", help=(
+    "Load gate: milliseconds added to the p99 ITL limit (2)."))]
+MaxTtftRise = Annotated[Optional[float], typer.Option("--max-ttft-rise", help=(
+    "Load gate: p99 TTFT may rise by this fraction of the baseline, plus --ttft-slack-ms (0.25)."))]
+TtftSlackMs = Annotated[Optional[float], typer.Option("--ttft-slack-ms", help=(
+    "Load gate: milliseconds added to the p99 TTFT limit (20)."))]
+
+
+def load_settings(**given) -> dict:
+    """The load settings the load options give (engine/load.load_options names; those not
+    given left out): `gate` (--gate load[:PROFILE]) or `load` (validate --load PROFILE) gives the
+    profile, the others their own setting (concurrency, num_prompts, input_len, output_len,
+    timeout_s, client, repeat and the tolerances). Raises UsageError (exit 5) for a --gate other
+    than load[:PROFILE] or a value load_options refuses."""
+    from ..engine.load import load_options
+
+    gate = given.pop("gate", None)
+    settings = {k: v for k, v in given.items() if v is not None}
+    if gate is not None:
+        kind, sep, profile = gate.partition(":")
+        if kind != "load" or (sep and not profile):
+            raise UsageError(f"--gate {gate}: want load or load:PROFILE (smoke, steady, pressure)")
+        if profile:
+            settings["profile"] = profile
+    if "load" in settings:
+        settings["profile"] = settings.pop("load")
+    for k, v in settings.items():
+        try:
+            load_options({k: v})
+        except ValueError as e:
+            raise UsageError(f"{LOAD_FLAGS[k]} {v}: {e}") from None
+    return settings
+
+
+# The option that sets each load setting (for messages).
+LOAD_FLAGS = {"profile": "--load/--gate", "concurrency": "--load-concurrency", "num_prompts": "--load-prompts",
+              "input_len": "--load-input-len", "output_len": "--load-output-len", "timeout_s": "--load-timeout",
+              "client": "--load-client", "repeat": "--load-repeat", "max_throughput_drop": "--max-throughput-drop",
+              "max_itl_rise": "--max-itl-rise", "itl_slack_ms": "--itl-slack-ms", "max_ttft_rise": "--max-ttft-rise",
+              "ttft_slack_ms": "--ttft-slack-ms"}
+
 
 def load_inventory(inventory: str | None, vault_password_file: str | None = None,
                    ask_vault_pass: bool = False) -> inv.Inventory:

@@ -54,9 +54,11 @@ STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus
 
 def inspect_document(results: list[HostResult]) -> dict:
     """The `inspect --json` document: {"hosts": [{host, address, status, error, elapsed_s, facts,
-    installs, allocator_call_sites, need_sort_origins, scan, timing}]}; lists are complete, never
-    truncated. `installs`: [{id, python, sglang, torch, servers (pids), allocator_call_sites,
-    need_sort_origins, scan}] (README, "installs"); the top-level call sites, origins and scan
+    installs, not_inspected, allocator_call_sites, need_sort_origins, scan, timing}]}; lists are
+    complete, never truncated. `installs`: [{id, python, sglang, torch, servers (pids),
+    allocator_call_sites, need_sort_origins, scan}] (README, "installs"); `not_inspected`: the
+    installs seen but not inspected, [{id, status "not_inspected", reason, python, servers,
+    units, user}] (engine/gather.not_inspected); the top-level call sites, origins and scan
     are the primary install's. `timing`: where the host's time went (fleet.HostContext.timing:
     connect_s, probes, upload_bytes, remote_s, parse_s)."""
     hosts = []
@@ -66,6 +68,7 @@ def inspect_document(results: list[HostResult]) -> dict:
             "host": r.host, "address": r.address, "status": r.status, "error": r.error,
             "elapsed_s": r.elapsed_s, "facts": d.get("facts"),
             "installs": [{k: v for k, v in i.items() if k != "sources"} for i in d.get("installs", [])],
+            "not_inspected": d.get("not_inspected", []),
             "allocator_call_sites": d.get("allocator_call_sites", []),
             "need_sort_origins": d.get("need_sort_origins", []),
             "scan": d.get("scan"),
@@ -111,6 +114,20 @@ def _gpus(f: dict) -> str:
     return names or f"none ({f.get('gpus_reason')})"
 
 
+def server_line(s: dict) -> str:
+    """One server of a host's facts for the inspect table: ":PORT MODEL tp=N [dp=N [(attention)]]
+    [pp=N] [node R/N of ADDR] gpus IDS [(stand-in)]"; a GPU id CUDA_VISIBLE_DEVICES lacks is "?"."""
+    dp = s.get("dp_size", 1)
+    nodes = s.get("nnodes", 1)
+    gpus = ",".join("?" if g is None else str(g) for g in s.get("gpu_ids") or [])
+    return (f":{s['port']} {s.get('model_path') or '?'} tp={s['tp_size']}"
+            + (f" dp={dp}" + (" (attention)" if s.get("enable_dp_attention") else "") if dp > 1 else "")
+            + (f" pp={s['pp_size']}" if s.get("pp_size", 1) > 1 else "")
+            + (f" node {s.get('node_rank')}/{nodes} of {s.get('dist_init_addr')}" if nodes > 1 else "")
+            + f" gpus {gpus or 'none'}"
+            + (" (stand-in)" if s.get("kind") == "stand-in" else ""))
+
+
 def _summary(data: dict) -> dict:
     try:
         return _summary_of(data)
@@ -128,13 +145,11 @@ def _summary_of(data: dict) -> dict:
     return {
         "python": f"{(f.get('python') or {}).get('path')} ({(f.get('python') or {}).get('version')})",
         "sglang": f"{sg['version']} ({sg.get('install')})" if sg else f"none: {f.get('sglang_reason')}",
-        "installs": "\n".join(_install_line(i) for i in data.get("installs", [])) or "none",
+        "installs": "\n".join([_install_line(i) for i in data.get("installs", [])]
+                              + [f"NOT INSPECTED: {e['reason']}" for e in data.get("not_inspected") or []]) or "none",
         "torch": f"{torch['version']} / CUDA {torch['cuda'] or 'none'}" if torch else "none",
         "gpus": _gpus(f),
-        "servers": ", ".join(f":{s['port']} {s.get('model_path') or '?'} tp={s['tp_size']}"
-                             + (f" dp={s['dp_size']}" if s.get("dp_size", 1) > 1 else "")
-                             + (" (stand-in)" if s.get("kind") == "stand-in" else "")
-                             for s in f.get("servers", [])) or "none",
+        "servers": "\n".join(server_line(s) for s in f.get("servers", [])) or "none",
         "call sites": f"{len(sites)}" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(passing.items())) + ")"
                                          if sites else ""),
         "need_sort origins": (f"{len(origins)}: {len(computed)} computed, {len(origins) - len(computed)} literal"
@@ -167,7 +182,55 @@ def render_inspect(results: list[HostResult], console: Console) -> None:
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             console.print(text(f"{host_list(hosts)}: malformed call sites from the host: {type(e).__name__}: {e}",
                                style="red"))
+    render_allocator_replay(good, console)
     render_problems(results, console)
+
+
+# a replay whose need_sort run sorts on at least this share of its prefills is under memory pressure
+PRESSURE_SHARE = 0.5
+
+
+def replay_line(info: dict, runs: list[dict]) -> str:
+    """One line: what defrag-tier0 (need_sort=True) would change for one install, from its
+    allocator replay (engine/gather.allocator_replay: `info` its allocator_replay_info, `runs` its
+    allocator_replay): per allocator the mean contiguous runs per prefill allocation False -> True,
+    how many times fewer, the fully contiguous share, the sorts in all prefills and the longest;
+    "under pressure" when the True run sorts on PRESSURE_SHARE of its prefills or more; the trace
+    after. A release without need_sort, or a replay not run, says so with its reason."""
+    if info.get("status") == "no_need_sort":
+        return f"defrag-tier0 would change nothing here: {info.get('reason')}"
+    if info.get("status") != "replayed":
+        return f"not replayed: {info.get('reason')}"
+    parts, pressure = [], False
+    for kind in ("token", "paged"):
+        pair = {r["need_sort"]: r for r in runs if r["kind"] == kind}
+        if set(pair) != {False, True}:
+            continue
+        off, on = pair[False], pair[True]
+        pressure |= (on["sorts"] or 0) >= PRESSURE_SHARE * on["prefills"]
+        name = "token" if kind == "token" else f"paged/{on['page_size']}"
+        fewer = off["runs_per_alloc_mean"] / on["runs_per_alloc_mean"]
+        parts.append(f"{name} {off['runs_per_alloc_mean']:.1f} -> {on['runs_per_alloc_mean']:.1f} runs per prefill "
+                     f"({fewer:.1f}x fewer; contiguous {off['contiguous_share']:.0%} -> {on['contiguous_share']:.0%}; "
+                     f"{on['sorts']} sorts in {on['prefills']} prefills, {on['sort_max_s'] * 1000:.1f} ms max)")
+    t = info.get("trace") or {}
+    regime = ("UNDER PRESSURE, a sort on most admissions" if pressure else "with headroom")
+    return (f"defrag-tier0 here ({regime}): " + "; ".join(parts)
+            + f" [pool {t.get('pool')} ({t.get('pool_source')}), {t.get('concurrency')} concurrent, "
+              f"{t.get('requests')} requests, seed {t.get('seed')}]")
+
+
+def render_allocator_replay(results: list[HostResult], console: Console) -> None:
+    """The allocator replay's answer per install (replay_line), identical hosts coalesced; nothing
+    when no install was replayed (inspect without --allocator-replay)."""
+    def line(i: dict) -> str:
+        return _tolerant(lambda: [replay_line(i["allocator_replay_info"], i.get("allocator_replay") or [])], 1)[0]
+
+    rows = [(r.host, (f"{(i.get('sglang') or {}).get('version')} {(i.get('sglang') or {}).get('package_dir')}", line(i)))
+            for r in results for i in r.data.get("installs", []) if "allocator_replay_info" in i]
+    if rows:
+        table("allocator replay: what defrag-tier0 (need_sort=True) would change", ["hosts", "install", "answer"],
+              [[host_list(hosts), install, line] for hosts, (install, line) in coalesce(rows)], console)
 
 
 def _render_findings(hosts: list[str], sites: list[dict], origins: list[dict], console: Console) -> None:
@@ -297,11 +360,13 @@ def render_validate(results: list[HostResult], console: Console) -> None:
 
             def cells(s=s):
                 lat = s.get("e2e_latency_s") or s.get("latency_s")
+                only = f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""
                 return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
                         f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
                         " ".join(map(str, s.get("output_ids") or [])),
                         f"{lat * 1000:.1f} ms" if lat else "",
-                        f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "", s.get("error") or ""]
+                        f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
+                        "; ".join(x for x in (only, s.get("error")) if x)]
 
             t.add_row(text(r.host), status, *map(text, _tolerant(cells, 6)))
         for f in (r.data or {}).get("refused") or []:  # not smoke-tested, nothing sent (review N6)
@@ -333,9 +398,10 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
     for r in results:
         plan = r.data.get("plan") or {}
         v = r.data.get("validation") or {}
-        val = v.get("status", "") + (" (token drift allowed)" if v.get("token_drift") else "")
+        val = (v.get("status", "") + (" (token drift allowed)" if v.get("token_drift") else "")
+               + (f"; gate: {v['gate']}" if v.get("gate") else ""))
         rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
-                              val, r.error or r.data.get("skipped_reason") or "")))
+                              val, r.error or r.data.get("skipped_reason") or r.data.get("commit_note") or "")))
     for hosts, (status, edits, left, val, detail) in coalesce(rows):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), str(edits), str(left),
                   text(val), text(detail))
@@ -406,7 +472,7 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         activated = r.status == HostStatus.OK or (r.status == HostStatus.CHANGED and not d.get("check"))
         active = key if activated else (d.get("previous") or "")[:12]
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
-                              (d.get("validation") or {}).get("status", ""), r.error or "")))
+                              (d.get("validation") or {}).get("status", ""), r.error or d.get("commit_note") or "")))
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
                   text(active), text(val), text(detail))
@@ -441,3 +507,104 @@ def render_cache_clear(results: list[HostResult], console: Console) -> None:
              r.error or ""] for r in results]
     table("scan cache cleared", ["host", "status", "path", "files removed", "error"], rows, console,
           lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)
+
+
+def _num(v: Any, unit: str = "") -> str:
+    """A figure as shown in the load tables ('' when absent)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return ""
+    return f"{v:.0f}{unit}" if isinstance(v, int) or abs(v) >= 100 else f"{v:.2f}{unit}"
+
+
+def _workload(w: dict | None) -> str:
+    if not w:
+        return ""
+    pool = f"; {w['demand_tokens']} tokens in flight vs pool {w['pool_tokens']}" if w.get("pool_tokens") else ""
+    return (f"{w['profile']}: {w['concurrency']} in flight, {w['num_prompts']} requests, "
+            f"in<={w['input_len']} out<={w['output_len']} tokens{pool}")
+
+
+def render_load(results: list[HostResult], console: Console) -> None:
+    """`validate --load`: per host and server, SGLang's own benchmark client's figures (SGLang's
+    result names: completed of requested, output_throughput, median/p99 TTFT, p99 ITL, p99 E2E
+    latency), the client and workload, and why a server's run failed or did not run (and the
+    servers sent nothing: refused, or skipped as non-zero-rank nodes); nothing when no host ran one."""
+    rows = []
+    for r in results:
+        load = (r.data or {}).get("load")
+        if not load:
+            continue
+        if load.get("not_run"):
+            rows.append([r.host, r.status, "", "", "", "", "", "", "", f"load: not run: {load['not_run']}"])
+        for s in load.get("servers") or []:
+
+            def cells(s=s):
+                m = s.get("load") or {}
+                detail = f"load: not run: {s['not_run']}" if s.get("not_run") else (s.get("error") or "")
+                return [f"{s['host']}:{s['port']}", f"{s.get('client') or ''}\n{_workload(s.get('workload'))}",
+                        f"{m['completed']} of {m['requested']}" if m else "",
+                        _num(m.get("output_throughput")), f"{_num(m.get('median_ttft_ms'))} / {_num(m.get('p99_ttft_ms'))}"
+                        if m else "", _num(m.get("p99_itl_ms")), _num(m.get("p99_e2e_latency_ms")), detail]
+
+            rows.append([r.host, r.status, *_tolerant(cells, 8)])
+        for k in (load.get("skipped") or []) + (load.get("refused") or []):  # nothing was sent to these
+            rows.append([r.host, r.status, f"{k.get('host')}:{k.get('port')}", "", "", "", "", "", "",
+                         f"{'skipped' if 'node_rank' in k else 'refused'}: {k.get('reason')}"])
+    if rows:
+        table("load: SGLang's own benchmark client", ["host", "status", "server", "client and workload", "completed",
+                                                      "output tok/s", "TTFT p50 / p99 ms", "ITL p99 ms",
+                                                      "E2E p99 ms", "detail"], rows, console,
+              lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)
+
+
+def render_load_gate(results: list[HostResult], console: Console) -> None:
+    """The load gate of each host that ran one (data["load_gate"]: engine/load.load_gate): per
+    server, the baseline taken right before the change and the run after its restart side by
+    side (SGLang's result names), the change (after / baseline), each gated metric's limit and
+    verdict; then the output throughput ratio per server (a kernel's speedup). A gate that was
+    skipped says why in one line."""
+    for r in results:
+        gate = (r.data or {}).get("load_gate")
+        if not gate:
+            continue
+        if not gate.get("servers"):
+            console.print(text(f"{r.host}: load gate {gate.get('status')}"))
+            continue
+
+        def build(r=r, gate=gate):
+            from ..engine.load import SHOWN
+
+            verdicts = {(c["target"], c["name"]): c for c in gate.get("checks") or []}
+            names = {"output_throughput": "load-throughput", "p99_itl_ms": "load-itl", "p99_ttft_ms": "load-ttft",
+                     "failed": "load-errors"}
+            rows, speed = [], []
+            for row in gate["servers"]:
+                base, after, limits = row.get("baseline") or {}, row.get("after") or {}, row.get("limits") or {}
+                for key in SHOWN:
+                    b, a = base.get(key), after.get(key)
+                    if b is None and a is None:
+                        continue
+                    ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+                    check = verdicts.get((row["target"], names.get(key)))
+                    verdict = "" if check is None else ("ok" if check["passed"] else "BREACH")
+                    rows.append([row["target"], key, _num(b), _num(a), ratio, _num(limits.get(key)), verdict])
+                b, a = base.get("output_throughput"), after.get("output_throughput")
+                if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
+                    speed.append(f"{row['target']} {a / b:.2f}x")
+            for c in gate.get("checks") or []:
+                if not c["passed"] and c["name"] in ("load-baseline", "load-run"):
+                    rows.append([c["target"], c["name"], "", "", "", "", c["detail"]])
+            return rows, speed
+
+        try:
+            rows, speed = build()
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+            console.print(text(f"{r.host}: malformed load gate data: {type(e).__name__}: {e}", style="red"))
+            continue
+        twice = " (the mean of 2 baselines; tolerances widened by their spread)" if gate.get("repeat") == 2 else ""
+        table(f"{r.host}: load gate {gate.get('status')}, profile {gate.get('profile')}: baseline right before the "
+              f"change vs after its restart{twice}", ["server", "metric", "baseline", "after", "after/baseline",
+                                                      "limit", "verdict"], rows, console,
+              lambda c, v: "red" if v == "BREACH" else ("green" if v == "ok" else None))
+        if speed:
+            console.print(text(f"{r.host}: output throughput after/baseline (the change's speedup): {', '.join(speed)}"))

@@ -41,7 +41,8 @@ import yaml
 
 from ..connection import Session, Settings
 from ..connection.describe import describe
-from ..inventory import Host, Inventory
+from ..errors import InventoryError
+from ..inventory import Host, Inventory, is_yaml_inventory
 from ..inventory.templates import InEncryptedFile, Templar, Unsafe, Vaulted, is_template, needed
 
 # Ansible's sudo become plugin's password vars (ansible/plugins/become/sudo.py, become_pass).
@@ -143,6 +144,29 @@ def host_vars(host: Host, templar: Templar, session: Session) -> tuple[dict, lis
     if common:
         out["ansible_ssh_common_args"] = _yaml(shlex.join(common), rendered=True)
     return out, notes
+
+
+def refuse_decrypted_vars_files(source: Path) -> None:
+    """Refuse (InventoryError, exit 4) to export `source` when it is read through
+    ansible-inventory (inventory.is_yaml_inventory is False: INI, a directory, a script, a plugin)
+    and a vars file beside it (group_vars/, host_vars/ of its directory, at any depth) is
+    vault-encrypted whole: `ansible-inventory --list` hands those vars over already decrypted, so
+    nothing tells them from plain ones (red-team finding on N4). The YAML reader knows them."""
+    if is_yaml_inventory(source):
+        return
+    base = source if source.is_dir() else source.parent
+    for sub in ("group_vars", "host_vars"):
+        for f in sorted((base / sub).rglob("*")) if (base / sub).is_dir() else []:
+            try:
+                with f.open("rb") as fh:
+                    head = fh.read(14) if f.is_file() and not f.is_symlink() else b""
+            except OSError:
+                continue
+            if head.startswith(b"$ANSIBLE_VAULT"):
+                raise InventoryError(
+                    f"{f}: vault-encrypted whole, and {source} is read through ansible-inventory, which hands its "
+                    "vars over decrypted: not exported (no decrypted value is ever printed); give Ansible this "
+                    "source itself, or export a YAML inventory (fleetctl's own reader keeps such vars out)")
 
 
 def export(inv: Inventory, templar: Templar, settings: Settings) -> tuple[str, list[str]]:

@@ -5,7 +5,8 @@ module, then call in here to turn Ansible's task vars into a fleetctl `Host`, pl
 fleetctl's own planner and the playbook's templates (apply.plan_installs, the same code as
 `fleetctl apply`), shape the plan into the change module's argument and the result into
 Ansible's (changed, diff as fleetctl's own unified diffs), and gate a smoke decode against a
-baseline (validate.gate). Running modules stays in the plugins.
+baseline (validate.gate), and keep the play's lease on fleetctl's host lock (the lock module,
+run through the plugin's own `run`). Running modules stays in the plugins.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import base64
 import hashlib
+import math
 
 from .. import __version__
 from . import build
@@ -29,6 +31,13 @@ from ..engine.playbook import Playbook, load_playbook
 from ..engine.plan import HostPlan
 from ..engine.validate import SmokeOptions, gate, smoke_targets
 from ..vocab import PlanStatus
+
+LOCK = "fleetctl.sglang.lock"
+# The fact the lock module sets (and the patch and smoke plugins keep): the play's lease, {} when it holds none.
+LEASE_FACT = "fleetctl_lease"
+LEASE_S = 300  # the lock module's default lease_s: what a lease lasts from its last renewal (seconds)
+AUTO_HOLDER = "ansible-playbook (fleetctl.sglang)"  # the holder of a lease a plugin took because the play held none
+OFFLINE_TIMEOUT_S = 600  # the smoke probe's default offline_timeout (probes/smoke.py main)
 
 
 def check_pins(version: str, probe_sha256: str) -> None:
@@ -115,6 +124,53 @@ def smoke_params(host: Host, facts: dict | None, opts: SmokeOptions, offline_cmd
     return {"servers": smoke_targets(host, facts, opts), "health_timeout": opts.health_timeout,
             "repeat": opts.repeat, "request_timeout": request_timeout,
             "offline_cmd": offline_cmd or host.smoke_cmd, "api_key": host.sglang_api_key}
+
+
+def smoke_bound_s(params: dict) -> float:
+    """The longest the smoke module can run with `params` (smoke_params' answer), in seconds: per server named (at
+    least one) its health wait and its requests (model and server info, the warm-up, `repeat` decodes, each within
+    request_timeout), and the offline command's timeout. What a lease must cover beyond its own lease_s while the
+    smoke decode runs."""
+    per_server = params["health_timeout"] + (params["repeat"] + 3) * params["request_timeout"]
+    return max(1, len(params["servers"])) * per_server + (OFFLINE_TIMEOUT_S if params.get("offline_cmd") else 0)
+
+
+def held_lease(task_vars: dict, state_dir: str) -> dict:
+    """The play's lease in state_dir as its fact (LEASE_FACT in task_vars' ansible_facts: the lock module's `lease`,
+    plus "state_dir" and "auto"), or {} when the play holds none there. Facts, not inventory vars: an inventory
+    cannot name a lease as the play's."""
+    fact = (task_vars.get("ansible_facts") or {}).get(LEASE_FACT)
+    ok = isinstance(fact, dict) and fact.get("token") and fact.get("state_dir", state_dir) == state_dir
+    return dict(fact) if ok else {}
+
+
+def hold_lease(run: Callable[[str, dict], dict], fact: dict, state_dir: str, extra_s: float = 0.0) -> dict:
+    """Renew the play's lease `fact` (held_lease), or take a lease when it holds none (or its lease is void), for
+    its lease_s (LEASE_S when new) + `extra_s` seconds from now, with the lock module (`run(module, args)`: its
+    result). Returns the new fact: the lease, "state_dir", "lease_s" (the play's length, without extra_s) and "auto"
+    (true when a plugin took it, not the play's lock task). Raises HostFailed with the lock module's reason (another
+    run holds the lock: its holder and since when)."""
+    lease_s = fact.get("lease_s") if isinstance(fact.get("lease_s"), int) and fact["lease_s"] >= 1 else LEASE_S
+    args = {"state": "acquired", "state_dir": state_dir, "lease_s": int(math.ceil(lease_s + extra_s)),
+            "holder": fact["holder"] if isinstance(fact.get("holder"), str) else AUTO_HOLDER}
+    if isinstance(fact.get("token"), str):
+        args["token"] = fact["token"]
+    got = run(LOCK, args)
+    if got.get("failed") or not isinstance(got.get("lease"), dict):
+        raise HostFailed(f"no lease on fleetctl's host lock: {got.get('msg') or 'the lock module gave none'}")
+    lease = got["lease"]
+    renewed = lease.get("token") == fact.get("token")
+    return dict(lease, state_dir=state_dir, lease_s=lease_s, auto=bool(fact.get("auto")) if renewed else True)
+
+
+def settle_lease(run: Callable[[str, dict], dict], fact: dict, failed: bool, pending: list | None) -> dict:
+    """End a lease a plugin took itself (fact "auto") when the task failed or leaves nothing pending in the
+    ledger (`pending`: the patch module's list; None: unknown, kept), with the lock module (`run`). Returns the
+    fact to set: {} when released, else `fact`. A lease of the play's own lock task is left to it."""
+    if not fact.get("auto") or (not failed and (pending is None or pending)):
+        return fact
+    run(LOCK, {"state": "released", "token": fact["token"], "state_dir": fact["state_dir"]})
+    return {}
 
 
 def gate_verdict(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> dict:

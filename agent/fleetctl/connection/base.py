@@ -39,6 +39,19 @@ _LOCK_BUSY_EXIT = 75
 BECOME_HANDSHAKE_MAX = 8192
 # Characters of sudo's message kept in an error.
 _SUDO_SAID_MAX = 300
+# Seconds sudo's stderr stays silent after an unfinished line (text no newline has ended yet)
+# that is neither fleetctl's prompt nor its ready line, nor the start of one, before that line
+# counts as a question sudo waits on in its own words (`Password for USER@REALM: `, a one-time
+# code's `Verification code: `): sudo given -p asks every question of PAM's conversation with
+# -p's prompt (-p turns on sudoers' passprompt_override: plugins/sudoers/policy.c, "prompt="),
+# so such a question comes from a sudo auth method other than PAM, a module or plugin that
+# writes its own text, or a program that is not quite sudo. A prompt is written with no
+# newline and then read; sudo's lecture, PAM's messages and sudo's refusals each end with one,
+# so they are never taken for a question. Long enough for the rest of a line split across
+# packets on a slow link; far shorter than a host's deadline.
+BECOME_QUESTION_QUIET_S = 3.0
+# Characters of such a question kept in an error (then escaped: repr).
+_QUESTION_MAX = 120
 # Seconds the lock's holder waits past keepalive interval x count for a heartbeat before it counts
 # the controller as gone (a busy control node's late heartbeat must not end a live run's lock).
 LOCK_BEAT_SLACK_S = 5
@@ -208,50 +221,99 @@ class Connection(ABC):
         start_s = limit if start_s is None else start_s
         if not self.host.become:
             return self._start(wrapped, start_s), b"", limit
+        password = self.host.become_password
+        if password is None:
+            password = self.settings.become_password
         prompt = f"fleetctl-sudo-{secrets.token_hex(8)}:"
         ready = f"fleetctl-ready-{secrets.token_hex(8)}"
-        proc = self._start(command.become_argv(wrapped, self.host.become_user, self.host.become_flags,
-                                               prompt, ready), start_s)
+        proc = self._start(self._become_argv(wrapped, prompt, ready, password is not None), start_s)
         try:
-            rest = self._answer_sudo(proc, prompt.encode(), ready.encode() + b"\n", time.monotonic() + start_s)
+            rest = self._answer_sudo(proc, prompt.encode(), ready.encode() + b"\n", password,
+                                     time.monotonic() + start_s)
         except BaseException:
             proc.close()
             raise
         return proc, rest, limit
 
-    def _answer_sudo(self, proc: Process, prompt: bytes, ready: bytes, deadline: float) -> bytes:
+    def _become_argv(self, wrapped: list[str], prompt: str, ready: str, password: bool) -> list[str]:
+        """command.become_argv of `wrapped` for this host's ansible_become_exe and
+        ansible_become_flags (command.become_exe, command.sudo_flags; `password`: whether one is
+        given). Raises BecomeFailed, before anything starts, for a value fleetctl does not run,
+        naming the var, the file:line it was set at (Host.where) and why."""
+        host = self.host
+        var = "ansible_become_exe"
+        try:
+            exe = command.become_exe(host.become_exe)
+            var = "ansible_become_flags"
+            flags, shell = command.sudo_flags(host.become_flags, password)
+        except ValueError as e:
+            where = host.where.get(var)
+            raise BecomeFailed(f"{where + ': ' if where else ''}{var} {host.vars.get(var)!r}: {e}") from None
+        return command.become_argv(wrapped, host.become_user, flags, prompt, ready, exe, shell)
+
+    def _answer_sudo(self, proc: Process, prompt: bytes, ready: bytes, password: str | None,
+                     deadline: float) -> bytes:
         """Read sudo's stderr until the command's `ready` line (return what follows it). The
-        password is written once, and only after sudo's own `prompt` arrived: with NOPASSWD or a
-        cached sudo it would otherwise reach the command's stdin. Never a pty (sudo -S).
-        Raises BecomeFailed with sudo's message (a second prompt: the password was refused;
-        sudo exiting: no rights, or `Defaults requiretty`), RemoteTimeout at `deadline`."""
-        seen, answered = b"", False
+        `password` is written once, and only after sudo's own `prompt` arrived: with NOPASSWD or
+        a cached sudo it would otherwise reach the command's stdin. Never a pty (sudo -S).
+        Raises BecomeFailed with sudo's words: the prompt again (after a message: the password
+        was refused; with none: a second question asked with fleetctl's prompt), a question of
+        its own (an unfinished line, then BECOME_QUESTION_QUIET_S seconds of silence: a PAM
+        module's prompt, or a second question after the password), no password to give, sudo
+        exiting (no rights, `Defaults requiretty`); RemoteTimeout at `deadline`."""
+        said, unread, answered = b"", b"", False  # unread: what sudo wrote since fleetctl last answered
+        heard = time.monotonic()
         while True:
-            at = seen.find(ready)
+            at = unread.find(ready)
             if at >= 0:
-                return seen[at + len(ready):]
-            if prompt in seen:
-                password = self.host.become_password
-                if password is None:
-                    password = self.settings.become_password
-                if answered:
-                    raise BecomeFailed(f"sudo refused the password: {_sudo_said(seen, prompt)}")
+                return unread[at + len(ready):]
+            if prompt in unread:
+                before, _, unread = unread.partition(prompt)
+                if answered and before.strip():
+                    raise BecomeFailed(f"sudo refused the password: {_sudo_said(before, prompt)}")
+                if answered:  # nothing between: not a refusal (sudo says one), the next PAM question
+                    raise BecomeFailed(_second_question(None, _sudo_said(said, prompt)))
                 if password is None:
                     raise BecomeFailed("sudo asked for a password and none was given: set "
                                        "ansible_become_password (vault it) or run with --ask-become-pass (-K)")
                 proc.write(password.encode() + b"\n")
-                answered, seen = True, seen.replace(prompt, b"", 1)
+                answered, said = True, said + before
                 continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RemoteTimeout("sudo did not start the command by its deadline")
-            chunk = proc.read_err(BECOME_HANDSHAKE_MAX, left) if len(seen) < BECOME_HANDSHAKE_MAX else b""
-            if not chunk and time.monotonic() < deadline:
-                said = _sudo_said(seen, prompt)
-                if "must have a tty" in said:
+            now = time.monotonic()
+            if now >= deadline:
+                told = _sudo_said(said + unread, prompt)
+                raise RemoteTimeout("sudo did not start the command by its deadline"
+                                    + (f" (sudo said: {told})" if told else ""))
+            asked = _question(unread, (prompt, ready))
+            quiet = bool(asked) and now - heard >= BECOME_QUESTION_QUIET_S
+            if quiet and proc.wait(0) is None:
+                earlier = _sudo_said(said + unread[:-len(asked)], prompt)
+                if answered:
+                    raise BecomeFailed(_second_question(asked, earlier))
+                raise BecomeFailed(self._own_prompt(asked, earlier))
+            wait = deadline - now if not asked else min(deadline - now, heard + BECOME_QUESTION_QUIET_S - now)
+            gone = quiet or len(said) + len(unread) >= BECOME_HANDSHAKE_MAX  # exited, or said too much
+            chunk = b"" if gone else proc.read_err(BECOME_HANDSHAKE_MAX, wait)
+            if chunk:
+                unread, heard = unread + chunk, time.monotonic()
+                continue
+            if gone or time.monotonic() - now < wait - 0.01:  # b"" before the wait was over: EOF, sudo is gone
+                told = _sudo_said(said + unread, prompt)
+                if "must have a tty" in told:
                     raise BecomeFailed("sudo requires a tty (Defaults requiretty)")
-                raise BecomeFailed(f"sudo did not run the command: {said or 'no message'}")
-            seen += chunk
+                raise BecomeFailed(f"sudo did not run the command: {told or 'no message'}")
+
+    def _own_prompt(self, asked: bytes, earlier: str) -> str:
+        """The error for a question sudo asked in its own words (`asked`) where fleetctl's prompt
+        was expected, after `earlier` (what sudo said before it)."""
+        login = self.host.user or "LOGIN"
+        return (f"sudo asked {_quoted(asked)} instead of fleetctl's prompt"
+                + (f" (after: {earlier})" if earlier else "")
+                + f": a prompt of its own (a PAM module or a sudo auth method asking in its own words); "
+                f"nothing was answered (waited {BECOME_QUESTION_QUIET_S:g} s). sudoers' "
+                f"`Defaults:{login} passprompt_override` makes sudo ask with fleetctl's prompt where the "
+                "question goes through PAM's conversation (sudo's -p turns it on); otherwise let this login "
+                "sudo without that question (the PAM stack sudo uses) or with NOPASSWD")
 
     def run(self, argv: list[str], timeout: float, stdin: bytes = b"", what: str | None = None,
             keep_ends: bool = False) -> Result:
@@ -301,18 +363,22 @@ class Connection(ABC):
         it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
-        proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s()), hold + timeout, timeout)
+        token = secrets.token_hex(8)
+        proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s(), token), hold + timeout,
+                                 timeout)
         line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
         if line.strip() == b"LOCKED":
             if not self.prefix:
-                self._tied = command.lock_groups(state_dir)
+                self._tied = command.lock_groups(state_dir, token)
             return HostLock(proc, self, self.keepalive()[0])
         code = proc.wait(timeout)
+        said = _sudo_said(proc.read_err(LOCK_HANDSHAKE_MAX, 1.0), b"") if code != _LOCK_BUSY_EXIT else ""
         proc.close()
         if code == _LOCK_BUSY_EXIT:
             who = self._lock_holder(state_dir, line, timeout)
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
-        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})")
+        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})"
+                       + (f": {said}" if said else ""))
 
     def lock_beat_s(self) -> int:
         """Seconds without a heartbeat after which the lock's holder counts this controller as
@@ -320,14 +386,45 @@ class Connection(ABC):
         interval, count = self.keepalive()
         return math.ceil(interval * count) + LOCK_BEAT_SLACK_S
 
-    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
+    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int, token: str) -> list[str]:
         """The lock command (command.lock_argv: flock, with a shell and coreutils)."""
-        return command.lock_argv(state_dir, who, hold_s, beat_s)
+        return command.lock_argv(state_dir, who, hold_s, beat_s, token)
 
     def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
         """Who holds the lock, from STATE_DIR/lock.owner (`line`: the lock command's first line)."""
         holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
         return holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+
+
+def _question(unread: bytes, markers: tuple[bytes, ...]) -> bytes:
+    """The unfinished last line of `unread` (no newline after it yet), unless it is blank or
+    could still become one of `markers` (it ends with the start of one); else b""."""
+    line = unread.rpartition(b"\n")[2]
+    if not line.strip():
+        return b""
+    for m in markers:
+        if any(m.startswith(line[k:]) for k in range(max(0, len(line) - len(m)), len(line))):
+            return b""
+    return line
+
+
+def _quoted(text: bytes) -> str:
+    """`text` from a host as a bounded, escaped Python string literal (repr: quotes, no control
+    characters), cut to _QUESTION_MAX characters."""
+    s = text.decode("utf-8", "replace")
+    return repr(s[:_QUESTION_MAX]) + ("..." if len(s) > _QUESTION_MAX else "")
+
+
+def _second_question(asked: bytes | None, earlier: str) -> str:
+    """The error for a question sudo asked after fleetctl had answered its password prompt:
+    `asked` in its own words, or None for fleetctl's prompt once more with no refusal before it
+    (sudo asks each PAM question with -p's prompt); `earlier`: what sudo said before."""
+    what = (_quoted(asked) if asked else
+            "fleetctl's prompt once more, with no refusal before it: sudo asks each PAM question with -p's prompt")
+    return (f"sudo asked a second question ({what}) after fleetctl answered its password prompt"
+            + (f" (after: {earlier})" if earlier else "")
+            + ": a one-time code or other second factor (OTP) is not supported: let this login sudo "
+            "with the password alone (the PAM stack sudo uses), or give it NOPASSWD")
 
 
 def _sudo_said(seen: bytes, prompt: bytes) -> str:

@@ -6,7 +6,8 @@ inventory says can be parsed as shell. `remote_argv` wraps each one in the deadl
 (coreutils `timeout -k`, which runs the command in its own process group and kills that group at
 the deadline, so the remote work dies even when fleetctl is gone) and, for a host with
 ansible_become, in the become prefix (`become_argv`: sudo, outside the deadline wrapper, since a
-non-root `timeout` could not kill root's command). A probe for an install in a container runs
+non-root `timeout` could not kill root's command; the inventory's sudo program and options read by
+`become_exe` and `sudo_flags`). A probe for an install in a container runs
 inside it: `container_entry` is one more prefix, inside the deadline wrapper (the runtime's exec,
 or nsenter, is what the wrapper kills), and the interpreter after it is executed directly
 (distroless images have no `sh` or `timeout`). The few fixed scripts fleetctl needs
@@ -15,8 +16,11 @@ or nsenter, is what the wrapper kills), and the interpreter after it is executed
 
 from __future__ import annotations
 
+import base64
 import math
+import os
 import shlex
+from typing import Iterator
 
 from .. import probes
 
@@ -36,41 +40,52 @@ _UPLOAD = (
 )
 
 # $1 state dir, $2 who holds it, $3 seconds to hold it at most, $4 seconds without a heartbeat
-# byte after which the controller counts as gone, $5 the holder (_HOLD). flock -n fails at once
-# (exit 75) when another run holds the lock.
-_LOCK = 'umask 077 && mkdir -p -m 700 -- "$1" && exec flock -n -E 75 "$1/lock" sh -c "$5" "$1" "$2" "$3" "$4"'
+# byte after which the controller counts as gone, $5 the holder (_HOLD), $6 this hold's token (hex).
+# The state dir must be a directory (not a link) of this uid that group and others cannot write
+# (else exit 3, nothing written in it); flock -n fails at once (exit 75) when another run holds it.
+_LOCK = ('umask 077 && mkdir -p -m 700 -- "$1" && [ -n "$(find "$1" -maxdepth 0 -type d -user "$(id -u)" ! -perm /022)" ] '
+         '|| { echo "fleetctl: the state dir $1 is not a directory of uid $(id -u) that only it can write: not locked" >&2; '
+         'exit 3; }; exec flock -n -E 75 "$1/lock" sh -c "$5" "$1" "$2" "$3" "$4" "$6"')
 
-# The lock's holder ($0 state dir, $1 who, $2 hold seconds, $3 heartbeat window seconds): says
-# LOCKED, then reads one heartbeat byte at a time from stdin; EOF (released, or the controller's
-# connection closed), no byte within the window (a silent controller: a cut link, a dead control
-# node), or the hold time (CLOCK_BOOTTIME's /proc/uptime, never the wall clock) ends the hold.
-# Then registration is closed (lock.groups renamed under lock.groups.lock, so a command that
-# starts later refuses to), and the run's commands that still run (pid and start time, so a
+# The lock's holder ($0 state dir, $1 who, $2 hold seconds, $3 heartbeat window seconds, $4 the
+# hold's token): clears what earlier holds left, writes lock.owner and this hold's own
+# registration file lock.groups.TOKEN (a first line, so a later append needs no new block; exit 4
+# when the file system is full), says LOCKED, then reads one heartbeat byte at a time from stdin;
+# EOF (released, or the controller's connection closed), no byte within the window (a silent
+# controller: a cut link, a dead control node), or the hold time (CLOCK_BOOTTIME's /proc/uptime,
+# never the wall clock) ends the hold. Then registration is closed (the file renamed under its
+# .lock, so a command that starts later, of this run or of an earlier one, refuses to), and the
+# run's commands that still run (pid and start time, read past the comm field's last ")": a
 # reused pid is never hit) get SIGTERM on their process group, SIGKILL when any of it is left
-# KILL_AFTER_S later.
+# KILL_AFTER_S later (`kill -s SIG --`: dash's kill takes no `-SIG --`).
 _HOLD = (
-    'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner"; : > "$0/lock.groups"; echo LOCKED; '
+    'g="$0/lock.groups.$4"; rm -f -- "$0"/lock.groups.*; '
+    'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner" && printf "# %s\\n" "$1" > "$g" '
+    '|| { echo "fleetctl: cannot write in $0 (is its file system full?): not locked" >&2; exit 4; }; echo LOCKED; '
+    'st() { t=$(cat "/proc/$1/stat" 2>/dev/null) || return 0; t=${t##*) }; set -- $t; shift 19; echo "$1"; }; '
     'end=$(( $(cut -d. -f1 /proc/uptime) + $2 )); '
     'while now=$(cut -d. -f1 /proc/uptime); [ "$now" -lt "$end" ]; do w=$((end - now)); [ "$w" -lt "$3" ] || w=$3; '
     'b=$(timeout "$w" head -c 1) && [ -n "$b" ] || break; done; '
-    'flock "$0/lock.groups.lock" mv -f -- "$0/lock.groups" "$0/lock.groups.end"; '
+    'flock "$g.lock" mv -f -- "$g" "$g.end"; '
     'k=; while read -r p s; do '
-    '[ -n "$s" ] && [ "$(cut -d" " -f22 "/proc/$p/stat" 2>/dev/null)" = "$s" ] && '
-    '{ kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null; k="$k $p"; }; '
-    'done < "$0/lock.groups.end"; '
+    '[ "$p" != "#" ] && [ -n "$s" ] && [ "$(st "$p")" = "$s" ] && '
+    '{ kill -s TERM -- "-$p" 2>/dev/null || kill -s TERM "$p" 2>/dev/null; k="$k $p"; }; '
+    'done < "$g.end"; '
     f'[ -z "$k" ] || {{ i=0; while [ "$i" -lt {KILL_AFTER_S * 10} ]; do a=; '
-    'for p in $k; do kill -0 -- "-$p" 2>/dev/null && a=1; done; [ -n "$a" ] || break; sleep 0.1; i=$((i + 1)); done; '
-    'for p in $k; do kill -KILL -- "-$p" 2>/dev/null; done; }; '
-    'rm -f -- "$0/lock.groups.end"'
+    'for p in $k; do kill -s 0 -- "-$p" 2>/dev/null && a=1; done; [ -n "$a" ] || break; sleep 0.1; i=$((i + 1)); done; '
+    'for p in $k; do kill -s KILL -- "-$p" 2>/dev/null; done; }; '
+    'rm -f -- "$g.end" "$g.lock"'
 )
 
-# $1 the lock holder's lock.groups, then the command (under the deadline wrapper, which makes its
-# own process group, with this shell's pid: exec). This shell's pid and start time (/proc/PID/stat
-# field 22) are appended to $1 under lock.groups.lock before the command starts, and only while
-# the holder still takes them (else exit 125, nothing started).
-_TIED = ('flock "$1.lock" sh -c \'[ -f "$0" ] && printf "%s %s\\n" "$1" "$2" >> "$0"\' '
-         '"$1" "$$" "$(cut -d" " -f22 "/proc/$$/stat")" '
-         '|| { echo "fleetctl: this run no longer holds the host lock: not started" >&2; exit 125; }; shift; exec "$@"')
+# $1 the lock holder's lock.groups.TOKEN, then the command (under the deadline wrapper, which
+# makes its own process group, with this shell's pid: exec). This shell's pid and start time
+# (/proc/PID/stat field 22; its comm is "sh") are appended to $1 under $1.lock before the command
+# starts, and only while that hold still takes them: else exit 125 and nothing started (the hold
+# ended, or its file system is full).
+_TIED = ('flock "$1.lock" sh -c \'[ -f "$0" ] || exit 3; printf "%s %s\\n" "$1" "$2" >> "$0" || exit 4\' '
+         '"$1" "$$" "$(cut -d" " -f22 "/proc/$$/stat")"; r=$?; [ "$r" = 0 ] || { if [ "$r" = 4 ]; then '
+         'echo "fleetctl: cannot register with the host lock (is the state dir\'s file system full?): not started" >&2; '
+         'else echo "fleetctl: this run no longer holds the host lock: not started" >&2; fi; exit 125; }; shift; exec "$@"')
 
 
 def remote_argv(argv: list[str], timeout: float, tied: str | None = None) -> tuple[list[str], int]:
@@ -85,17 +100,208 @@ def remote_argv(argv: list[str], timeout: float, tied: str | None = None) -> tup
     return (["sh", "-c", _TIED, "fleetctl-tied", tied, *wrapped] if tied else wrapped), limit
 
 
-def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str, ready: str) -> list[str]:
-    """`argv` (already under the deadline wrapper) run by sudo as `user`: `sudo -S -p PROMPT
-    FLAGS -u USER -- sh -c 'print READY on stderr; exec "$@"' ...`. -S: sudo reads a password
+# sudo's options (sudo 1.9's src/parse_args.c: its getopt string and long_opts): the short
+# letters, each followed by ":" when it takes a value (the rest of the word or the next word) or
+# "::" when it takes one only attached (-hHOST); and the long names, each with its letter and
+# whether it takes a value (True: required, as `--name=V` or `--name V`; None: optional, only as
+# `--name=V`; False: none).
+_SUDO_GETOPT = "Aa:BbC:c:D:Eeg:Hh::iKklNnPp:R:r:SsT:t:U:u:Vv"
+_SUDO_LONG = {
+    "askpass": ("A", False), "auth-type": ("a", True), "background": ("b", False), "bell": ("B", False),
+    "close-from": ("C", True), "login-class": ("c", True), "chdir": ("D", True), "preserve-env": ("E", None),
+    "edit": ("e", False), "group": ("g", True), "set-home": ("H", False), "help": ("h", False),
+    "host": ("host", True), "login": ("i", False), "remove-timestamp": ("K", False),
+    "reset-timestamp": ("k", False), "list": ("l", False), "no-update": ("N", False),
+    "non-interactive": ("n", False), "preserve-groups": ("P", False), "prompt": ("p", True),
+    "chroot": ("R", True), "role": ("r", True), "stdin": ("S", False), "shell": ("s", False),
+    "command-timeout": ("T", True), "type": ("t", True), "other-user": ("U", True), "user": ("u", True),
+    "version": ("V", False), "validate": ("v", False),
+}
+# Options fleetctl does not pass to sudo, by letter, with the reason.
+_SUDO_REFUSED = {
+    "p": "fleetctl gives sudo its own prompt (-p MARKER): that marker is how it knows sudo asks for "
+         "the password",
+    "A": "sudo would ask an askpass helper instead of reading the password on stdin (-S), which fleetctl "
+         "answers (and sudo refuses -A with -S)",
+    "u": "fleetctl gives -u itself: set ansible_become_user instead",
+    "b": "sudo would run the command in the background, and fleetctl needs its output and exit status",
+    **{c: f"it is sudo's {m} mode, not a way to run a command" for c, m in
+       (("e", "edit"), ("l", "list"), ("v", "validate"), ("V", "version"), ("h", "help"),
+        ("K", "remove-timestamp"), ("U", "list (-U)"))},
+}
+# The options that make sudo run the command through a shell, which parses it again: -i (the
+# become user's login shell) and -s ($SHELL). sudo joins the words after it into one `-c` string,
+# each character but letters, digits, `_`, `-` and `$` after a backslash (parse_args.c, "quote
+# potential meta characters"): `$` is expanded and a newline dropped by that shell.
+_SUDO_SHELL = ("i", "s")
+
+# Words fleetctl puts after sudo's `--`: `sh -c _READY READY ARGV...` prints READY and runs ARGV.
+_READY = 'printf "%s\\n" "$0" >&2; exec "$@"'
+# The same through a shell that parses the command again (_SUDO_SHELL): each word of ARGV travels
+# as `b` and its base64 (letters, digits, +, / and =, which survive the backslashes; never empty,
+# which that parse would drop), decoded here (coreutils base64) before READY; the script itself
+# is decoded by a first one that holds no `$` and no newline, so the second parse gives both
+# back unchanged.
+_UNPACK = ('n=$#; for e; do a=$(printf %s "${e#b}" | base64 -d && echo .) || exit 126; '
+           'set -- "$@" "${a%.}"; done; shift "$n"; ' + _READY)
+_SHELL_BOOT = 'eval "`echo ' + base64.b64encode(_UNPACK.encode()).decode() + ' | base64 -d`"'
+
+# Programs Ansible users name in ansible_become_exe that are not sudo, with why fleetctl cannot
+# run them in sudo's place.
+_NOT_SUDO = {
+    "doas": "doas reads a password only from a terminal (it has no -S and no -p), and fleetctl never "
+            "allocates one",
+    "pbrun": "pbrun has no -S and no -p (it asks on a terminal); Ansible drives it with its own become "
+             "method, pbrun, which fleetctl does not run",
+    "dzdo": "dzdo is driven by Ansible's own become method (community.general.dzdo), not as sudo, and "
+            "fleetctl runs sudo only",
+    "su": "su takes none of sudo's options and asks on a terminal; Ansible's become method su, which "
+          "fleetctl does not run, answers it on a pty",
+}
+
+
+def become_exe(value: str) -> str:
+    """The sudo program of ansible_become_exe `value` (Ansible's sudo become plugin, become_exe;
+    "" means sudo): an absolute path or a name the host's PATH finds, whose last part is `sudo`
+    (a site's own sudo, or a wrapper that takes sudo's command line and prints -p's prompt).
+    Raises ValueError saying why for another program (doas, pbrun, dzdo, su, ...: none takes
+    sudo's `-S -p MARKER -u USER --`, which fleetctl's password handshake needs), options in
+    the value, or a relative path."""
+    words = shlex.split(value)
+    if not words:
+        return "sudo"
+    if len(words) > 1:
+        raise ValueError("it holds options: it names the sudo program only; put the options in "
+                         "ansible_become_flags")
+    exe = words[0]
+    if "/" in exe and not exe.startswith("/"):
+        raise ValueError("it is a relative path: give an absolute path, or a name the host's PATH finds")
+    name = os.path.basename(exe)
+    if name != "sudo":
+        why = _NOT_SUDO.get(name, "fleetctl runs only sudo (its -S -p -u -- command line and its prompt on "
+                                  "stderr): a site's own sudo, or a wrapper that behaves as sudo, is named "
+                                  "by a path whose last part is `sudo`")
+        raise ValueError(f"it is not sudo: {why}")
+    return exe
+
+
+def _sudo_long(word: str) -> tuple[str, str | None, str | None]:
+    """(letter, full name, value after `=` or None) of the long option `word` ("--name[=V]"),
+    its name resolved as getopt_long resolves it (the exact name, else the one name it is a
+    prefix of); an unknown name gives letter "" and None. Raises ValueError for a prefix of
+    several names."""
+    name, eq, value = word[2:].partition("=")
+    if name in _SUDO_LONG:
+        return _SUDO_LONG[name][0], name, value if eq else None
+    matches = [n for n in _SUDO_LONG if n.startswith(name)]
+    if len(matches) > 1:
+        raise ValueError(f"{word!r} is ambiguous: it may be --{', --'.join(matches)}")
+    return (_SUDO_LONG[matches[0]][0], matches[0], value if eq else None) if matches else ("", name, None)
+
+
+def _sudo_takes(letter: str) -> bool | None:
+    """Whether short option `letter` takes a value: True required, None only attached, False none
+    (also for a letter sudo does not know)."""
+    at = _SUDO_GETOPT.find(letter) if letter != ":" else -1
+    if at < 0:
+        return False
+    return None if _SUDO_GETOPT[at + 1:at + 3] == "::" else _SUDO_GETOPT[at + 1:at + 2] == ":"
+
+
+def _sudo_options(words: tuple[str, ...]) -> Iterator[tuple[str, list[str]]]:
+    """Each option in `words` as sudo reads its command line, as (its letter, the words that
+    give it): short options one by one out of a group (`-Hn`: H, n), a value attached or the
+    next word (`-gwheel`, `-g wheel`); long ones as _sudo_long reads them; `-hHOST`, `-h HOST`
+    and `--host` as "host" (sudo takes a lone -h followed by a word that is not an option as the
+    host, else it is the help); `--preserve-env=LIST` as "E=" (not -E); NAME=VALUE as "="; an
+    unknown option as "" (long) or its letter (short, taking no value). Raises ValueError for
+    `--`, a word that is neither (sudo would run it, and all after it, as the command), a
+    missing value, or an ambiguous long name."""
+    i = 0
+    while i < len(words):
+        word, i = words[i], i + 1
+        if word == "--" or not word.startswith("-") or word == "-":
+            if word != "--" and "=" in word and not word.startswith(("/", "=")):
+                yield "=", [word]
+                continue
+            raise ValueError(f"{word!r} is not a sudo option: sudo would take it, and all after it, as the command")
+        if word.startswith("--"):
+            letter, name, value = _sudo_long(word)
+            if letter and _SUDO_LONG[name][1] is True and value is None:
+                if i == len(words):
+                    raise ValueError(f"{word!r} needs a value")
+                yield letter, [word, words[i]]
+                i += 1
+            else:
+                yield ("E=" if letter == "E" and value is not None else letter), [word]
+            continue
+        j = 1
+        while j < len(word):
+            letter, value, j = word[j], word[j + 1:], j + 1
+            takes = _sudo_takes(letter)
+            if takes is False:
+                yield letter, [f"-{letter}"]
+                continue
+            j = len(word)
+            if letter == "h":
+                lone_host = word == "-h" and i < len(words) and not words[i].startswith("-") and "=" not in words[i]
+                if lone_host:
+                    yield "host", ["-h", words[i]]
+                    i += 1
+                else:
+                    yield ("host", [word]) if value else ("h", ["-h"])
+            elif value or takes is None:
+                yield letter, [f"-{letter}{value}"]
+            elif i == len(words):
+                raise ValueError(f"-{letter} needs a value")
+            else:
+                yield letter, [f"-{letter}", words[i]]
+                i += 1
+
+
+def sudo_flags(words: tuple[str, ...], password: bool) -> tuple[tuple[str, ...], bool]:
+    """(the words to give sudo, whether they make it run the command through a shell) for
+    ansible_become_flags `words` (split as a shell would), read as sudo reads its options
+    (_sudo_options; each given back as its own word). As Ansible's sudo become plugin does, `-n`
+    (non-interactive) is left out when a password is given (`password`), so that sudo can ask
+    for it, and kept otherwise (sudo then fails at once where it would ask); options sudo does
+    not know are passed through as Ansible passes them (sudo refuses them itself, with its usage
+    message); -i and -s are run (become_argv quotes the command for the shell they start).
+    Raises ValueError saying why for an option fleetctl does not pass (_SUDO_REFUSED: -p, -A,
+    -u, -b, and the modes that run no command), for what _sudo_options refuses, and for -i with
+    -s or -E (which sudo refuses)."""
+    out: list[str] = []
+    used: set[str] = set()
+    for letter, given in _sudo_options(words):
+        if letter in _SUDO_REFUSED:
+            raise ValueError(f"{' '.join(given)}: {_SUDO_REFUSED[letter]}")
+        used.add(letter)
+        if not (letter == "n" and password):
+            out += given
+    if "i" in used and ("s" in used or "E" in used):
+        raise ValueError(f"-i with {'-s' if 's' in used else '-E'}: sudo refuses the two together")
+    return tuple(out), any(c in used for c in _SUDO_SHELL)
+
+
+def become_argv(argv: list[str], user: str, flags: tuple[str, ...], prompt: str, ready: str,
+                exe: str = "sudo", shell: bool = False) -> list[str]:
+    """`argv` (already under the deadline wrapper) run by sudo as `user`: `EXE -S -p PROMPT FLAGS
+    -u USER -- sh -c 'print READY on stderr; exec "$@"' READY ARGV...`. -S: sudo reads a password
     from stdin, never a tty (sudo(8)); -p: its prompt is PROMPT, written to stderr with no
     newline, so the caller sees whether sudo asks before anything reaches the command's stdin;
-    READY on a line of its own on stderr says sudo let the command start. `prompt` and `ready`
-    are the caller's random markers (no `%`, which sudo's -p expands)."""
+    READY on a line of its own on stderr says sudo let the command start. `exe` and `flags`:
+    become_exe and sudo_flags of the inventory's values (sudo_flags refuses those that would
+    undo -S, -p or -u); with `shell` (sudo_flags: -i or -s, whose shell parses the command again)
+    the words after `sh -c` are _SHELL_BOOT, READY and ARGV base64-encoded (each after a `b`),
+    which that second parse leaves as they are. `prompt` and `ready` are the caller's random
+    markers (no `%`, which sudo's -p expands; letters, digits, `-` and `:` only, which no shell
+    changes). Raises ValueError for a marker with `%`."""
     if "%" in prompt:
         raise ValueError("a sudo prompt marker must not hold %")
-    return ["sudo", "-S", "-p", prompt, *flags, "-u", user, "--",
-            "sh", "-c", 'printf "%s\n" "$0" >&2; exec "$@"', ready, *argv]
+    head = [exe, "-S", "-p", prompt, *flags, "-u", user, "--", "sh", "-c"]
+    if not shell:
+        return [*head, _READY, ready, *argv]
+    return [*head, _SHELL_BOOT, ready, *("b" + base64.b64encode(os.fsencode(a)).decode() for a in argv)]
 
 
 # How a container is entered (inventory `fleetctl_container_exec`); "none": never.
@@ -188,14 +394,18 @@ def upload_argv(path: str, mode: int, sha256: str) -> list[str]:
     return ["sh", "-c", _UPLOAD, "fleetctl-upload", path, format(mode, "o"), sha256]
 
 
-def lock_argv(state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
+def lock_argv(state_dir: str, who: str, hold_s: int, beat_s: int, token: str) -> list[str]:
     """The command that holds STATE_DIR/lock for `hold_s` seconds at most, until its stdin
     closes, or until `beat_s` seconds pass without a heartbeat byte on it; it prints LOCKED once
-    held, and exits 75 when another run holds it. Commands started with remote_argv(tied=
-    STATE_DIR/lock.groups) while it holds are stopped (their process groups) when it ends."""
-    return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s), str(beat_s), _HOLD]
+    held, exits 75 when another run holds it, 3 when the state dir is not this user's alone, 4
+    when nothing can be written there. Commands started with remote_argv(tied=lock_groups(
+    STATE_DIR, token)) while it holds are stopped (their process groups) when it ends. `token`:
+    this hold's own (hex), so a command of an earlier hold never registers with a later one."""
+    if not token or not all(c in "0123456789abcdef" for c in token):
+        raise ValueError(f"a lock token is hex, not {token!r}")
+    return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s), str(beat_s), _HOLD, token]
 
 
-def lock_groups(state_dir: str) -> str:
-    """The file the lock's holder reads the run's commands from (remote_argv's `tied`)."""
-    return f"{state_dir}/lock.groups"
+def lock_groups(state_dir: str, token: str) -> str:
+    """The file the hold `token` reads the run's commands from (remote_argv's `tied`)."""
+    return f"{state_dir}/lock.groups.{token}"

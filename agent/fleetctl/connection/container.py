@@ -58,11 +58,11 @@ class ContainerConnection(Connection):
     def _start(self, argv: list[str], timeout: float) -> Process:
         return self.outer._start(argv, timeout)
 
-    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
+    def _lock_argv(self, state_dir: str, who: str, hold_s: int, beat_s: int, token: str) -> list[str]:
         """The lock without a shell: command.python_lock_argv under the container's interpreter
         (with none known, the host's way: a shell and flock in the container)."""
         if self._python is None:
-            return super()._lock_argv(state_dir, who, hold_s, beat_s)
+            return super()._lock_argv(state_dir, who, hold_s, beat_s, token)
         return command.python_lock_argv(self._python, state_dir, who, hold_s, beat_s)
 
     def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:

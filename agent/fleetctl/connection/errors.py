@@ -30,7 +30,10 @@ class LockBusy(HostError):
 
 class BecomeFailed(HostError):
     """sudo did not start the command (a wrong or missing password, no sudo rights, a sudo that
-    requires a tty); nothing ran as the become user. The message is sudo's own, bounded."""
+    requires a tty, a question in its own words or a second one after the password), or the
+    host's ansible_become_exe / ansible_become_flags is one fleetctl does not run (named with
+    its file:line and why, before anything starts); nothing ran as the become user. The message
+    quotes sudo's own words, bounded and escaped."""
 
 
 class OutputTooLarge(HostError):

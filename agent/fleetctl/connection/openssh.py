@@ -152,10 +152,18 @@ def users_master(path: str) -> str | None:
     me = os.geteuid()
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != me:
         return f"ControlPath {path} is not a socket of uid {me} (owner uid {st.st_uid}): not used"
-    parent = os.lstat(os.path.dirname(path) or ".")
-    if not stat.S_ISDIR(parent.st_mode) or parent.st_uid not in (me, 0) or parent.st_mode & 0o022:
-        return (f"ControlPath {path} lies in a directory of uid {parent.st_uid}, mode "
-                f"{stat.S_IMODE(parent.st_mode):o} (others could replace the socket): not used")
+    parent = os.path.dirname(os.path.abspath(path))
+    st = os.lstat(parent)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (me, 0) or st.st_mode & 0o022:
+        return (f"ControlPath {path} lies in a directory of uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o} (others could replace the socket): not used")
+    while parent != "/":  # above it: no one else may move it away (a sticky directory keeps what is ours)
+        parent = os.path.dirname(parent)
+        st = os.lstat(parent)
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid not in (me, 0)
+                or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX)):
+            return (f"ControlPath {path} lies under {parent} (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}), "
+                    "which others could replace: not used")
     return None
 
 
@@ -190,6 +198,7 @@ class OpenSSHConnection(Connection):
         self._resolved = None
         self._master = False
         self._live = False
+        self._user_cp = "none"
         # fleetctl's host-key option, first on every ssh command line (open() decides it per host)
         self._first = ["-o", f"StrictHostKeyChecking={strictness(self.settings.accept_new)}"]
 
@@ -256,7 +265,8 @@ class OpenSSHConnection(Connection):
         resolved = self._resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
         self._first = ssh_options(resolved, self.settings.accept_new, h.name)
-        refused = users_master(self._users_control_path(deadline))
+        self._user_cp = self._users_control_path(deadline)
+        refused = users_master(self._user_cp)
         if refused:
             log.warning("fleetctl: %s: the master of your ssh configuration: %s", h.name, refused)
         if (not resolved.host_key_checking_off and refused is None
@@ -300,6 +310,9 @@ class OpenSSHConnection(Connection):
         return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
 
     def _start(self, argv: list[str], timeout: float) -> Process:
+        if self._live and users_master(self._user_cp) is not None:  # checked again before each use
+            raise Unreachable(f"the master of your ssh configuration for {self.address} is no longer yours "
+                              f"({users_master(self._user_cp) or 'gone'}): nothing sent over it")
         ssh = self._user_argv if self._live else self._argv
         interval, count = self.keepalive()
         return OpenSSHProcess(ssh("-T", "-o", "ControlMaster=no", "--", self.host.address,

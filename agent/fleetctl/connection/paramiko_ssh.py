@@ -163,9 +163,9 @@ class ParamikoConnection(Connection):
 
     def keepalive(self) -> tuple[float, int]:
         r = self.resolved
-        if r is None:
+        if r is None or not r.server_alive_interval:
             return super().keepalive()
-        return r.server_alive_interval or self.settings.server_alive_interval, r.server_alive_count_max
+        return r.server_alive_interval, r.server_alive_count_max
 
     def _resolve(self, deadline: float) -> Resolved:
         h = self.host

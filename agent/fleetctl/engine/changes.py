@@ -8,11 +8,13 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
     change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
                                      for the whole job) -> recover -> work(ctx, recovery)
     recover                          undo changes a killed run left "pending"; restart SGLang
-    execute(ctx, result, change)     baseline smoke (a failing one refuses the host) -> write,
+    execute(ctx, result, change)     baseline smoke (a failing one refuses the host), the load
+                                     gate's baseline (engine/load.py; likewise) -> write,
                                      ledger "pending" -> validate_change
                                      -> settle; a connection lost from the write on -> put_back
     put_back                         one reconnect, then finish by the ledger's state (roll back)
     validate_change                  handlers -> checks -> smoke gate against the baseline
+                                     -> load gate (the same load run, compared with its baseline)
     settle                           ledger "applied", or rollback (byte-identical) + handlers again
 
 Everything that runs on the host is an action of the `change` probe (probes/change.py) sent
@@ -38,8 +40,10 @@ from .context import HostContext, HostResult
 from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
+from .load import LoadOptions, load_baselines, load_gate
 from ..probes import redact
-from .validate import SmokeOptions, gate, server_problems, smoke, smoke_problems
+from .validate import (Rank0, SmokeOptions, gate, gate_note, rank0_smoke, server_problems, smoke, smoke_problems,
+                       smoke_targets)
 from ..vocab import ChangeState, GateStatus, HostStatus
 
 RESTART_HANDLER = "restart sglang"
@@ -55,9 +59,13 @@ def _operator() -> str:
 @dataclass
 class ChangeOptions:
     """What every changing command shares. smoke: gate options; operator: recorded in the
-    ledger ("user@machine"); state_dir: fleetctl's state directory on the hosts."""
+    ledger ("user@machine"); state_dir: fleetctl's state directory on the hosts; load_gate: the
+    command line asked for the load gate (--gate load); load_settings: its load settings
+    (engine/load.load_options names), over a playbook's `load` step."""
 
     smoke: SmokeOptions = field(default_factory=SmokeOptions)
+    load_gate: bool = False
+    load_settings: dict = field(default_factory=dict)
     operator: str = field(default_factory=_operator)
     state_dir: str = STATE_DIR
 
@@ -197,7 +205,10 @@ class Change:
     facts (interpreter, servers); rollback: False keeps a change that fails validation
     (playbook on_failure: keep); install: the install id the ledger entry is for; root: the
     directory every file must lie in (links resolved; the install's package directory, or the
-    kernels dir), on a network file system only when the host's fleetctl_shared_tree says so."""
+    kernels dir), on a network file system only when the host's fleetctl_shared_tree says so;
+    load: the load gate's settings (engine/load.py), None for no load gate; rank0: where the
+    host's non-zero-rank nodes are decoded (validate.Rank0: rank 0 on another host of the run;
+    none: their gate is their /health alone, validate.RANK0_ABSENT)."""
 
     change_id: str
     label: str
@@ -210,26 +221,43 @@ class Change:
     offline: str | None = None
     rollback: bool = True
     install: str | None = None
+    load: LoadOptions | None = None
+    rank0: list[Rank0] = field(default_factory=list)
+
+
+def _with_rank0(ctx: HostContext, res: dict, change: Change, opts: SmokeOptions) -> dict:
+    """Smoke result `res` of the host with change.rank0's decodes added as "rank0"
+    (validate.rank0_smoke, each leaving ROLLBACK_RESERVE_S of the host's deadline)."""
+    if change.rank0:
+        res["rank0"] = [rank0_smoke(ctx, r0, opts, reserve=ROLLBACK_RESERVE_S) for r0 in change.rank0]
+    return res
 
 
 def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
-    """Write `change` and see it through: baseline smoke decode (when change.smoke), the write
-    (pre-image hashes checked, backups, atomic; ledger "pending"), then validation and settling
-    (validate_change, settle). A connection lost from the write on is put right by put_back.
-    Returns `result` with status changed, or failed with the reason (rolled back unless
-    change.rollback is False). Sets result.data["change_id"], ["handlers"], ["validation"],
-    ["rolled_back"]. Raises HostFailed (a refused write: nothing changed), Unreachable (see
-    put_back)."""
-    baseline = (smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S)
+    """Write `change` and see it through: baseline smoke decode (when change.smoke), with
+    change.load the load gate's baseline (engine/load.load_baselines: a baseline that fails or
+    cannot run refuses the host), the write (pre-image hashes checked, backups, atomic; ledger
+    "pending"), then validation and settling (validate_change, settle). A connection lost from
+    the write on is put right by put_back. Returns `result` with status changed, or failed with
+    the reason (rolled back unless change.rollback is False). Sets result.data["change_id"],
+    ["handlers"], ["validation"], ["load_gate"], ["rolled_back"]. The baseline of a non-zero-rank
+    node (which serves only /health) is its health, and rank 0's decode on its own host where
+    change.rank0 names it (a rank 0 that fails refuses the host too). Raises HostFailed (a
+    refused write or baseline: nothing changed), Unreachable (see put_back)."""
+    baseline = (_with_rank0(ctx, smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S),
+                            change, opts.smoke)
                 if change.smoke else None)
     refuse_failing_baseline(baseline)
+    loaded = (load_baselines(ctx, smoke_targets(ctx.host, change.facts, opts.smoke, inside=ctx.container is not None),
+                             change.facts, change.load, opts.smoke.health_timeout, reserve=ROLLBACK_RESERVE_S)
+              if change.load is not None and baseline is not None and baseline["servers"] else None)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
                      operator=opts.operator, files=change.files, root=change.root,
                      shared_tree=ctx.host.shared_tree, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
-        problems = validate_change(ctx, result, change, opts.smoke, baseline)
+        problems = validate_change(ctx, result, change, opts.smoke, baseline, loaded)
         return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
@@ -302,12 +330,15 @@ def relock(ctx: HostContext, state_dir: str):
 
 
 def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
-                    baseline: dict | None) -> list[str]:
+                    baseline: dict | None, loaded: list[dict] | None = None) -> list[str]:
     """After a change is written: run its handlers, `change.checks()` (-> [problem]), then the
-    smoke gate against `baseline`. Returns the problems; any error on the way (a handler that
-    fails, a deadline, a probe crash) is a problem too, so the caller always settles the change.
-    Smoke waits leave ROLLBACK_RESERVE_S of the host's deadline for the rollback. Raises only
-    Unreachable. Sets result.data["handlers"] and ["validation"]."""
+    smoke gate against `baseline`, then, when it passed and there are load baselines
+    (`loaded`: load_baselines), the same load run and the load gate (engine/load.load_gate).
+    Returns the problems; any error on the way (a handler that fails, a deadline, a probe
+    crash) is a problem too, so the caller always settles the change. Smoke waits and load
+    runs leave ROLLBACK_RESERVE_S of the host's deadline for the rollback. Raises only
+    Unreachable. Sets result.data["handlers"], ["validation"] (with "gate": validate.gate_note,
+    when the host has non-zero-rank nodes) and ["load_gate"]."""
     problems: list[str] = []
     handlers = change.handlers
     try:
@@ -321,6 +352,9 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
         if baseline["servers"] and not handlers:
             # without a restart the server still runs the old code: its decode proves nothing
             result.data["validation"] = {"status": GateStatus.NOT_RESTARTED}
+            if loaded is not None:
+                result.data["load_gate"] = {"status": GateStatus.NOT_RESTARTED}
+                loaded = None
             if baseline["offline"] is None:
                 return problems
             baseline = {"servers": [], "offline": baseline["offline"]}
@@ -329,10 +363,20 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
         after_opts = replace(smoke_opts, health_timeout=max([smoke_opts.health_timeout, *waits]))
         after = smoke(ctx, change.facts, after_opts, change.offline, reserve=ROLLBACK_RESERVE_S,
                       servers=bool(baseline["servers"]))
+        if baseline.get("rank0") is not None:
+            after = _with_rank0(ctx, after, change, after_opts)
         verdict = gate(ctx.host, baseline, after, smoke_opts)
         result.data["validation"] = verdict.to_dict()
+        note = gate_note(baseline)
+        if note:  # how the non-zero-rank nodes were gated (through rank 0, or /health alone)
+            result.data["validation"]["gate"] = note
         if verdict.failed:
             problems.append(f"validation failed: {verdict.message}")
+        elif loaded is not None:
+            targets = smoke_targets(ctx.host, change.facts, after_opts, inside=ctx.container is not None)
+            result.data["load_gate"], failed = load_gate(ctx, targets, change.facts, change.load,
+                                                         after_opts.health_timeout, loaded, reserve=ROLLBACK_RESERVE_S)
+            problems += failed
     except Unreachable:
         raise  # nothing more can be done now; the change stays pending and the next run undoes it
     except Exception as e:  # noqa: BLE001 - every other failure must still lead to the rollback

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
+from dataclasses import replace
 
 from ..connection.command import CONTAINER_EXECS, container_entry
 from ..connection.container import ContainerConnection
@@ -75,16 +77,28 @@ def prefix(root: dict) -> str:
     return f"{root['runtime']}:{root.get('name') or (root.get('container_id') or '?')[:12]}:"
 
 
-def enter(ctx: HostContext, found: dict, how: str) -> HostContext:
-    """`ctx` entered into container `found` (probes/containers.containers entry) with `how`.
-    Raises HostFailed when the container gives no way in (no id for a runtime exec)."""
+def enter(ctx: HostContext, found: dict, how: str, within: float | None = None) -> HostContext:
+    """`ctx` entered into container `found` (probes/containers.containers entry) with `how`;
+    `within`: seconds the entered context's commands have in all (its deadline, at most the
+    host's: engine/gather bounds each container's inspection so, and a runtime exec that never
+    answers raises RemoteTimeout there); None: the host's deadline. Raises HostFailed when the
+    container gives no way in (no id for a runtime exec)."""
     root = found["root"]
     try:
         entry = container_entry(how, root.get("container_id") or "", root["pid"], found.get("process") or {})
     except ValueError as e:
         raise HostFailed(f"container of pid {root['pid']}: {e}") from None
-    return ctx.inside(ContainerConnection(ctx.conn, entry, found.get("python")),
-                      {"how": how, "root": root, "found": found})
+    inner = ctx.inside(ContainerConnection(ctx.conn, entry, found.get("python")),
+                       {"how": how, "root": root, "found": found})
+    if within is not None:
+        inner = replace(inner, deadline=min(ctx.deadline, time.monotonic() + within))
+    return inner
+
+
+def exec_name(how: str) -> str:
+    """What enters a container entered with `how`, as a report names it: "podman exec",
+    "docker exec", "crictl exec", or "nsenter" (fleetctl's entry, probes/enter.py)."""
+    return "nsenter" if how == "nsenter" else f"{how} exec"
 
 
 def adopt(inner: dict, ctx: HostContext) -> dict:

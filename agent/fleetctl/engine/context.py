@@ -115,23 +115,31 @@ class HostContext:
 
     def probe(self, main: str, params: dict, python: str | None = None, timeout: float | None = None) -> dict:
         """Run probe `main` with `params` (its bundle: probes.modules_for) on the target (the host, or its container) under
-        `python`, else the target's interpreter (the inventory's on the host, the install's in a
-        container), else the recorded one or python3 on PATH. On a target that checks
-        interpreters (the host), the same command checks the interpreter and every directory
-        above it before it execs it (probes/trust.py GUARD; no second round trip, nothing
-        cached): one that root must not run raises HostFailed naming the file. In a container
-        the interpreter is the container's own, run with no more power than its process has
-        (connection/container.py). Raises ProbeFailed, RemoteTimeout, Unreachable, OutputTooLarge."""
+        `python` (a path), else the target's interpreter (on the host the inventory's, with its
+        options: Host.interpreter; in a container the install's), else the recorded one or
+        python3 on PATH. On a target that checks interpreters (the host), the same command checks
+        the interpreter and every directory above it before it runs it (probes/trust.py GUARD; no
+        second round trip, nothing cached): one that root must not run raises HostFailed naming
+        the file; the target's own older than 3.8 is passed over for a running server's or
+        another 3.8+ one (probes.command; `python`, an install's, never is), and with none
+        HostFailed says so ("the probes need Python 3.8+; ...").
+        In a container the interpreter is the container's own, run with no more power than its
+        process has (connection/container.py). Raises ProbeFailed, RemoteTimeout, Unreachable,
+        OutputTooLarge."""
         t = self.target
-        py = python or t.python
+        py, options = (python or t.python, ()) if python or not t.checks_interpreters else \
+            (self.host.interpreter or (None, ()))
         stdin = probes.bundle(main, params)
         t0 = time.monotonic()
-        r = self._run(t, probes.command(py, guard=t.checks_interpreters), stdin, timeout, f"the {main} probe")
+        r = self._run(t, probes.command(py, guard=t.checks_interpreters, options=options, fallback=python is None),
+                      stdin, timeout, f"the {main} probe")
         t1 = time.monotonic()
         try:
             out = probes.parse_output(r.stdout, r.stderr, r.exit_code)
         except probes.Untrusted as e:
             raise HostFailed(f"interpreter {py or 'python3 on PATH'} refused: {e} (fleetctl runs it as root)") from None
+        except probes.NoPython as e:
+            raise HostFailed(str(e)) from None
         except probes.ProbeError as e:
             raise ProbeFailed(str(e)) from None
         t = self.timing

@@ -7,8 +7,9 @@ torch CUDA, ninja; no GPU means the `cpu` backend) -> build key (kernelpkg.build
 `/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is reused; else upload the
 package to `<key>/src` (sha256 checked after upload), build into `<key>/build`, test against
 the reference in a fresh process, mark PASSED -> changes.execute: swap the `current` symlink to
-`<key>` (a ledger change, "pending") -> restart handler -> smoke gate -> "applied", or the link
-is switched back.
+`<key>` (a ledger change, "pending") -> restart handler -> smoke gate (and, with --gate load, the
+load gate: SGLang's own benchmark client before and after, engine/load.py) -> "applied", or the
+link is switched back.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
 from ..errors import HostFailed
 from .context import HostContext, HostResult
 from .fleet import Fleet
-from .gather import gather
+from .gather import gather, not_inspected
 from ..inventory import Host
 from .kernelpkg import KernelPackage, build_key
+from .load import load_options
 from ..vocab import HostStatus
 
 
@@ -147,8 +149,16 @@ def activation(link: str, current: str | None, key: str) -> list[dict]:
 
 
 def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tuple[dict, dict, str, dict]:
-    """(facts, kbuild preflight answer, build key, kbuild state answer) of `pkg` on the host."""
-    facts = gather(ctx, scan=False)["facts"]
+    """(facts, kbuild preflight answer, build key, kbuild state answer) of `pkg` on the host.
+    Raises HostFailed when the install SGLang runs from (a server's, or the only one seen) was
+    not inspected (gather.not_inspected): its interpreter, which the kernel is built for, was
+    not asked."""
+    g = gather(ctx, scan=False)
+    facts = g["facts"]
+    unseen = not_inspected(g)
+    blocked = [e["reason"] for e in unseen if e["servers"]] or ([e["reason"] for e in unseen] if not g.get("installs") else [])
+    if blocked:
+        raise HostFailed("; ".join(blocked))
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
     key = preflight_key(pkg, pre)
@@ -172,7 +182,7 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     if current == key:
         return result
     change = Change(change_id, f"kernel {pkg.name}", activation(link, current, key), facts, root,
-                    restart_handlers(ctx))
+                    restart_handlers(ctx), load=load_options(opts.load_settings) if opts.load_gate else None)
     execute(ctx, result, change, opts)
     if result.status == HostStatus.FAILED:
         result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")

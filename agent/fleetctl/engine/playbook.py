@@ -27,20 +27,29 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
       - reinspect: {that: "finding.expr == 'True'"}   # every edited site, re-read, satisfies it
       - smoke: {offline: "{{ fleetctl_python }} -m sglang.bench_one_batch ..."}   # optional command;
                                             # servers come from inventory vars or discovery
+      - load: {profile: pressure}           # the load gate: SGLang's own benchmark client before
+                                            # and after (engine/load.py; settings: load.SETTINGS,
+                                            # e.g. max_throughput_drop: 0.1, repeat: 2); at most one
     on_failure: rollback                    # rollback (default) | keep
 
-Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined from the
-playbook's directory (FileSystemLoader): a playbook from a colleague cannot run code on the
-control machine (no `__class__`/`__globals__` walks, no calls that mutate); an undefined
-variable or a sandbox violation raises ParseError naming the template file and line. Render context:
+Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined: a playbook
+from a colleague cannot run code on the control machine (no `__class__`/`__globals__` walks, no
+calls that mutate); an undefined variable or a sandbox violation raises ParseError naming the
+template file and line. The playbook file and every template, `{% include %}`, `{% import %}` and
+`{% extends %}` included, are read by PlaybookLoader only: from regular files inside the
+playbook's directory, reached without a symbolic link, in directories and files that belong to
+the operator (euid) or root and that only their owner can write (review N8: a template linked to
+/root/.ssh/id_ed25519 would otherwise go into handler commands, comments and diffs). Render context:
 the host's inventory vars at top level, plus `host` (inventory name), `facts`, `findings`
 and, in per-site templates, `finding` (one inspect finding plus `expr_one_line`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +58,98 @@ import jinja2.sandbox
 import yaml
 
 from ..errors import ParseError
+from .load import SETTINGS as LOAD_SETTINGS, load_options
 
-VALIDATE_STEPS = ("compile", "reinspect", "smoke")
+VALIDATE_STEPS = ("compile", "reinspect", "smoke", "load")
 ON_FAILURE = ("rollback", "keep")
+
+
+class TemplateRefused(Exception):
+    """A playbook file or template that PlaybookLoader will not read; the message says which
+    and why (not a TemplateNotFound, which `{% include ... ignore missing %}` would skip)."""
+
+
+def _owned(st: os.stat_result, path: str, kind: str = "") -> None:
+    """Raise TemplateRefused unless `st` (of `path`; `kind` names it in the message) belongs to
+    the operator (euid) or root and only its owner can write it: what fleetctl renders and sends
+    to hosts is then the text the operator read."""
+    euid = os.geteuid()
+    if st.st_uid not in (0, euid):
+        raise TemplateRefused(f"{kind}{path} is owned by uid {st.st_uid}, not by you (uid {euid}) or root: its "
+                              "owner could change the playbook after you read it; copy the playbook into a directory "
+                              "of yours")
+    if st.st_mode & 0o022:
+        raise TemplateRefused(f"{kind}{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                              f"they could change the playbook after you read it; chmod go-w {path}")
+
+
+def _read_inside(directory: str, name: str, what: str = "template") -> tuple[str, str]:
+    """(text, path) of `name` ("a/b.j2": "/"-separated, relative; `what` it is, for messages)
+    read from inside `directory`. Each component is opened relative to the one before with
+    O_NOFOLLOW, so no symbolic link is followed and nothing outside `directory` is reached;
+    `directory`, each directory on the way and the file must pass _owned; the file must be a
+    regular UTF-8 file; no component may start with "." (a playbook saved in a home directory
+    must not reach .ssh/ or .git/). `directory` itself is opened as the operator named it. Raises
+    jinja2.TemplateNotFound when nothing has that name, TemplateRefused (saying which component,
+    and why) for anything else."""
+    pieces = [p for p in name.split("/") if p not in ("", ".")]
+    if not pieces or ".." in pieces:
+        raise TemplateRefused(f"{what} {name!r} is not a path inside the playbook directory {directory}")
+    hidden = [p for p in pieces if p.startswith(".")]
+    if hidden:  # .ssh/, .git/config, .env, .vault_pass: a playbook saved in a home directory must not reach them
+        raise TemplateRefused(f"{what} {name!r}: {hidden[0]} is a hidden name: fleetctl reads no dotfile or "
+                              "dot-directory of the playbook's directory")
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise TemplateRefused(f"cannot open the playbook directory {directory}: {e.strerror}") from None
+    where = directory
+    try:
+        _owned(os.fstat(fd), directory, "the playbook directory ")
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            where = os.path.join(where, piece)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            try:
+                nfd = os.open(piece, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    raise jinja2.TemplateNotFound(name) from None
+                if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and stat.S_ISLNK(
+                        os.stat(piece, dir_fd=fd, follow_symlinks=False).st_mode)):
+                    raise TemplateRefused(
+                        f"{what} {name!r}: {where} is a symbolic link (to {os.readlink(piece, dir_fd=fd)}): fleetctl "
+                        "reads a playbook and its templates only from regular files inside the playbook's directory, "
+                        "reached without links; copy the file in") from None
+                raise TemplateRefused(f"{what} {name!r}: cannot open {where}: {e.strerror}") from None
+            os.close(fd)
+            fd = nfd
+            st = os.fstat(fd)
+            if last and not stat.S_ISREG(st.st_mode):
+                raise TemplateRefused(f"{what} {name!r}: {where} is not a regular file")
+            _owned(st, where)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    try:
+        return data.decode("utf-8"), where
+    except UnicodeDecodeError as e:
+        raise TemplateRefused(f"{what} {name!r}: {where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+class PlaybookLoader(jinja2.BaseLoader):
+    """Jinja2's loader for a playbook's templates: _read_inside(directory, name). Templates are
+    read once (never reloaded from a changed file)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def get_source(self, environment: jinja2.Environment, template: str) -> tuple[str, str, None]:
+        text, path = _read_inside(self.directory, template)
+        return text, path, None
 
 
 def _where(exc: BaseException, filename: str | None) -> int | None:
@@ -133,6 +231,7 @@ class ValidateStep:
     when: Expr | None = None
     that: Expr | None = None  # reinspect only
     offline: Snippet | None = None  # smoke only: an offline smoke command, rendered per host
+    load: dict | None = None  # load only: its settings (engine/load.load_options), checked
 
 
 @dataclass
@@ -213,6 +312,8 @@ class _Reader:
             t = self.env.get_template(name)
         except jinja2.TemplateNotFound:
             raise self.err(node, f"{what}: no template {name!r} next to the playbook") from None
+        except TemplateRefused as e:
+            raise self.err(node, f"{what}: {e}") from None
         except jinja2.TemplateSyntaxError as e:
             raise ParseError(f"{e.filename}:{e.lineno}: {e.message}") from None
         return Snippet(t, self.where(node))
@@ -220,7 +321,7 @@ class _Reader:
 
 def _environment(directory: str) -> jinja2.Environment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        loader=jinja2.FileSystemLoader(directory), undefined=jinja2.StrictUndefined,
+        loader=PlaybookLoader(directory), undefined=jinja2.StrictUndefined,
         autoescape=False, keep_trailing_newline=False)
     env.tests["identifier"] = lambda v: isinstance(v, str) and v.isidentifier()
     env.filters["quote"] = shlex.quote  # for values templated into handler or smoke commands
@@ -230,16 +331,21 @@ def _environment(directory: str) -> jinja2.Environment:
 def load_playbook(path: str | os.PathLike) -> Playbook:
     """Load and check a playbook YAML file (schema in the module docstring).
 
-    Templates are resolved relative to the playbook's directory and syntax-checked now.
+    The file and its templates are read by PlaybookLoader's rules (the module docstring);
+    templates are resolved relative to the playbook's directory and syntax-checked now.
     Raises ParseError "file:line: what" (exit 4) for bad YAML, unknown or missing keys, wrong
-    types, bad Jinja2 syntax, missing templates and notify names without a handler.
+    types, bad Jinja2 syntax, missing or refused templates (a symlink, outside the directory, a
+    directory or file another user owns or may write) and notify names without a handler; a
+    template that `{% include %}`s a refused one raises ParseError "template:line: ..." when rendered.
     """
     path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ParseError(f"{path}: cannot read playbook: {e.strerror}") from None
+        text, _ = _read_inside(directory, os.path.basename(path), "playbook")
+    except jinja2.TemplateNotFound:
+        raise ParseError(f"{path}: cannot read playbook: {os.strerror(errno.ENOENT)}") from None
+    except TemplateRefused as e:
+        raise ParseError(f"{path}: cannot read playbook: {e}") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -248,7 +354,7 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
         raise ParseError(f"{path}{line}: bad YAML: {getattr(e, 'problem', None) or e}") from None
     if root is None:
         raise ParseError(f"{path}:1: empty playbook")
-    env = _environment(os.path.dirname(os.path.abspath(path)))
+    env = _environment(directory)
     r = _Reader(path, env)
     top = r.mapping(root, "playbook", required=("name", "tasks"),
                     optional=("description", "requires", "handlers", "validate", "on_failure"))
@@ -296,13 +402,22 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
             if len(m) != 1:
                 raise r.err(n, f"a validate step is one of {', '.join(VALIDATE_STEPS)}")
             (step, body), = m.items()
-            opts = r.mapping(body, step, optional={"reinspect": ("when", "that"),
-                                                   "smoke": ("when", "offline")}.get(step, ("when",)))
+            opts = r.mapping(body, step, optional={"reinspect": ("when", "that"), "smoke": ("when", "offline"),
+                                                   "load": ("when",) + LOAD_SETTINGS}.get(step, ("when",)))
         if step not in VALIDATE_STEPS:
             raise r.err(n, f"unknown validate step {step!r} (known: {', '.join(VALIDATE_STEPS)})")
+        load = None
+        if step == "load":
+            if any(v.step == "load" for v in validate):
+                raise r.err(n, "a second load step: a playbook declares at most one load gate")
+            load = {k: r.construct.construct_object(v, deep=True) for k, v in opts.items() if k != "when"}
+            try:
+                load_options(load)
+            except ValueError as e:
+                raise r.err(n, f"load: {e}") from None
         validate.append(ValidateStep(step, r.expr(opts["when"], "when") if "when" in opts else None,
                                      r.expr(opts["that"], "that") if "that" in opts else None,
-                                     r.inline(opts["offline"], "offline") if "offline" in opts else None))
+                                     r.inline(opts["offline"], "offline") if "offline" in opts else None, load))
 
     on_failure = r.scalar(top["on_failure"], "on_failure", str) if "on_failure" in top else "rollback"
     if on_failure not in ON_FAILURE:

@@ -6,20 +6,29 @@ install being validated); the probe decodes only their own listening sockets, on
 address of the host, and refuses, by name, any other (probes/targets.py, review N6). The
 inventory's `fleetctl_sglang_port` / `fleetctl_sglang_host` select among those sockets. An
 offline smoke command may come from the inventory (`fleetctl_smoke_cmd`) or a playbook.
+
+A non-zero-rank node of a multi-node server (`--node-rank 1` and above) serves only /health
+(probes/smoke.py): the probe checks its health only. Its decode is rank 0's, on another host: a
+change gated on rank 0 (Rank0, given by the apply run when rank 0 is one of its hosts) decodes
+there before and after, and the gate compares those decodes; without one, the gate is the node's
+/health alone and says so (RANK0_ABSENT).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Callable, TypedDict
 
 from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
-from ..connection import RemoteTimeout
+from ..connection import Connection, RemoteTimeout, Unreachable
+from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
-from .gate import compare, refusal
-from .gather import find_install, gather, install_context, install_facts
+from .gate import Check, GateResult, compare, refusal
+from .gather import find_install, gather, install_context, install_facts, not_inspected
+from .load import LoadOptions, load_problems, run_load
 from ..inventory import Host
-from ..vocab import HostStatus
+from ..probes import redact, topology
+from ..vocab import GateStatus, HostStatus
 
 # The smoke probe and the redaction it applies to what it returns.
 
@@ -60,17 +69,20 @@ def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions, inside: bo
 
 
 def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None,
-          reserve: float = 0.0, servers: bool = True) -> dict:
+          reserve: float = 0.0, servers: bool = True, offline: bool = True) -> dict:
     """Run the smoke probe on the host: {"servers": [...], "refused": [...], "offline": ... | None}
     (see probes/smoke.py) on the servers of `facts` (smoke_targets) and the inventory's
     fleetctl_sglang_port / _host. `reserve`: seconds of the host's deadline to leave unused (for
-    a rollback); the health wait is cut to fit. `servers`: False runs only the offline command.
+    a rollback); the health wait is cut to fit. `servers`: False runs only the offline command;
+    `offline`: False runs none (a decode on rank 0's host for another host's gate).
+    Each server's model_path (what it answered) is redacted (probes/redact.py).
     Raises ProbeFailed, RemoteTimeout, Unreachable."""
     port = ctx.host.sglang_port if servers else None
     params = {"servers": smoke_targets(ctx.host, facts, opts, inside=ctx.container is not None) if servers else [],
               "port": port, "host": ctx.host.sglang_host if port is not None else None,
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
-              "offline_cmd": offline_cmd or ctx.host.smoke_cmd, "api_key": ctx.host.sglang_api_key}
+              "offline_cmd": (offline_cmd or ctx.host.smoke_cmd) if offline else None,
+              "api_key": ctx.host.sglang_api_key}
     if not params["servers"] and port is None and not params["offline_cmd"]:
         return {"servers": [], "refused": [], "offline": None}
     budget = ctx.remaining() - reserve
@@ -79,17 +91,149 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
     params["offline_timeout"] = budget - 5
     python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("smoke", params, python=python, timeout=budget)
+    res = ctx.probe("smoke", params, python=python, timeout=budget)
+    # what each server says it serves (its /model_info) may carry a URL's secrets (review N11)
+    for s in res.get("servers") if isinstance(res.get("servers"), list) else []:
+        if isinstance(s, dict) and isinstance(s.get("model_path"), str):
+            s["model_path"] = redact.text(s["model_path"])
+    return res
 
 
-def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions):
+# ---- multi-node servers: a non-zero-rank node's gate -----------------------------------------
+
+RANK0_ABSENT = "rank 0 not in this run: /health only"
+
+
+@dataclass(frozen=True)
+class Rank0:
+    """Rank 0 of a multi-node server, on another host of the run: where a change to one of its
+    non-zero-rank nodes is decoded. host: rank 0's inventory host; facts: {"python", "servers":
+    [rank 0's server as its facts probe identified it]}; deployment: topology.deployment of
+    both; ports: the ports of the changed host's nodes it stands for; connect: opens a new
+    verified connection to `host` (the run's session: Fleet.connect, then open)."""
+
+    host: Host
+    facts: dict
+    deployment: str
+    ports: tuple[int, ...]
+    connect: Callable[[Host], Connection]
+
+
+def rank0_smoke(ctx: HostContext, r0: Rank0, opts: SmokeOptions, reserve: float = 0.0) -> dict:
+    """The smoke decode of rank 0's server on its own host, over a connection of its own (closed
+    after), within `ctx`'s deadline less `reserve` seconds; no offline check. Returns {"host"
+    (rank 0's inventory name), "deployment", "ports", "error" (None, or why rank 0 could not be
+    smoke-tested: unreachable, a probe that failed), and smoke()'s "servers", "refused",
+    "offline"}. Raises RemoteTimeout when the deadline leaves no time for it."""
+    out = {"host": r0.host.name, "deployment": r0.deployment, "ports": list(r0.ports), "error": None,
+           "servers": [], "refused": [], "offline": None}
+    try:
+        conn = r0.connect(r0.host)
+        try:
+            out.update(smoke(HostContext(r0.host, conn, ctx.deadline), r0.facts, opts, reserve=reserve, offline=False))
+        finally:
+            conn.close()
+    except (Unreachable, ProbeFailed, HostFailed) as e:
+        out["error"] = str(e)
+    return out
+
+
+def _rank0_label(e: dict) -> str:
+    return f"rank 0 on {e['host']} ({e['deployment'].rpartition('/')[0]})"
+
+
+def rank0_problems(entries: list[dict]) -> list[str]:
+    """What fails in rank 0's smoke results (rank0_smoke's): its error, a server that failed
+    (server_problems), and a server whose /server_info says it is not rank 0 of that
+    deployment: ["rank 0 on HOST (ADDR): why"]."""
+    bad = []
+    for e in entries:
+        why = [e["error"]] if e.get("error") else server_problems(e)
+        for s in e.get("servers") or []:
+            said = s.get("server_args") or {}
+            if said.get("node_rank", 0) != 0 or ("dist_init_addr" in said and "nnodes" in said
+                                                 and topology.deployment(said) != e["deployment"]):
+                why.append(f"{s['host']}:{s['port']} says on /server_info it is node_rank {said.get('node_rank')} "
+                           f"of {said.get('dist_init_addr')} (nnodes {said.get('nnodes')})")
+        if not e.get("servers") and not why:
+            why.append("no server decoded")
+        bad += [f"{_rank0_label(e)}: {w}" for w in why]
+    return bad
+
+
+def _where(baseline: dict, port: int) -> str:
+    """How a non-zero-rank node on `port` is gated: the rank 0 entry standing for it, or RANK0_ABSENT."""
+    e = next((e for e in baseline.get("rank0") or [] if port in e.get("ports", [])), None)
+    return f"decoded through {_rank0_label(e)}" if e else RANK0_ABSENT
+
+
+def gate_note(baseline: dict | None) -> str | None:
+    """How the non-zero-rank nodes of a smoke baseline are gated, for the report: "decoded
+    through rank 0 on HOST (ADDR)" or RANK0_ABSENT, each once ("; "); None when it has none."""
+    notes = [_where(baseline, s["port"]) for s in (baseline or {}).get("servers") or [] if s.get("health_only")]
+    return "; ".join(dict.fromkeys(notes)) or None
+
+
+def _health_checks(baseline: dict, after: dict) -> list[Check]:
+    """The gate's checks of the non-zero-rank nodes (health-only results), paired by host:port."""
+    def only(res):
+        return {(s["host"], s["port"]): s for s in res.get("servers") or [] if s.get("health_only")}
+    bs, as_ = only(baseline), only(after)
+    checks = []
+    for key in list(bs) + [k for k in as_ if k not in bs]:
+        target, b, a = "%s:%s" % key, bs.get(key), as_.get(key)
+        rank = (a or b).get("node_rank")
+        if b is None or a is None:
+            checks.append(Check("server", target, False, "not in the baseline" if b is None else "missing after the change"))
+        elif not b.get("ok"):
+            checks.append(Check("baseline", target, False, f"node rank {rank}: baseline health failed: {b.get('error')}"))
+        elif not a.get("ok"):
+            checks.append(Check("health", target, False, f"node rank {rank}: {a.get('error')}"))
+        else:
+            checks.append(Check("health", target, True, f"node rank {rank}: /health answered 200 "
+                                                        f"({_where(baseline, key[1])})"))
+    return checks
+
+
+def _decoded(res: dict) -> dict:
+    """A smoke result without its non-zero-rank nodes: what gate.compare pairs and compares."""
+    return {**res, "servers": [s for s in res.get("servers") or [] if not s.get("health_only")]}
+
+
+def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> GateResult:
     """The validation gate (gate.compare) with these options; the latency slack (seconds) is
-    --latency-slack, else the host's `fleetctl_latency_slack` var, else 0."""
+    --latency-slack, else the host's `fleetctl_latency_slack` var, else 0. A non-zero-rank node
+    (a health-only result) passes when its /health answered 200 after the change; each rank 0
+    decoded for one (the smoke results' "rank0": rank0_smoke) is gated as gate.compare gates a
+    server, its checks named "HOST TARGET (rank 0)", and one that could not be smoke-tested
+    after the change fails."""
     slack = opts.latency_slack_s
     if slack is None:
         slack = host.latency_slack
-    return compare(baseline, after, latency_tolerance=opts.latency_tolerance,
-                   allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
+
+    def judge(b, a):
+        return compare(_decoded(b), _decoded(a), latency_tolerance=opts.latency_tolerance,
+                       allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
+
+    verdict = judge(baseline, after)
+    extra, drift = _health_checks(baseline, after), verdict.token_drift
+    later = {(e["host"], e["deployment"]): e for e in after.get("rank0") or []}
+    for b in baseline.get("rank0") or []:
+        a, label = later.get((b["host"], b["deployment"])), _rank0_label(b)
+        if a is None or a.get("error"):
+            extra.append(Check("rank0", label, False, "could not be smoke-tested after the change: "
+                                                      + (a["error"] if a else "not run")))
+            continue
+        v = judge(b, a)
+        drift = drift or v.token_drift
+        extra += [Check(c.name, f"{b['host']} {c.target} (rank 0)", c.passed, c.detail) for c in v.checks]
+    if not extra:
+        return verdict
+    checks = verdict.checks + extra
+    failed = [c for c in checks if not c.passed]
+    message = "; ".join("%s %s %s: %s" % (c.target, c.name, "passed" if c.passed else "FAILED", c.detail)
+                        for c in (failed or checks))
+    return GateResult(GateStatus.FAILED if failed else GateStatus.PASSED, checks, message, drift)
 
 
 class ValidateData(TypedDict):
@@ -97,11 +241,13 @@ class ValidateData(TypedDict):
     decoded ({pid, host, port, model_path, version, stand_in, health_wait_s, ok, error,
     output_ids, ids_consistent, latency_s, e2e_latency_s, tokens_per_s, runs}; seconds), refused
     (the servers nothing was sent to: {pid, host, port (what each claimed), reason}), and
-    offline (the offline check's {cmd, ok, returncode, timed_out, tail} or None)."""
+    offline (the offline check's {cmd, ok, returncode, timed_out, tail} or None); with --load,
+    load (engine/load.run_load: {"servers": [per server: probes/load.py], "refused", "profile"})."""
 
     servers: list
     refused: list
     offline: dict | None
+    load: dict  # with --load only
 
 
 def server_problems(res: dict) -> list[str]:
@@ -115,29 +261,47 @@ def server_problems(res: dict) -> list[str]:
 
 
 def smoke_problems(res: dict) -> list[str]:
-    """What failed in a smoke result ({"servers", "refused", "offline"}: probes/smoke.py):
-    server_problems, then "offline check 'CMD' failed (exit N[, timed out]): last lines"."""
+    """What failed in a smoke result ({"servers", "refused", "offline"}: probes/smoke.py; and
+    "rank0", rank 0's decodes for a non-zero-rank node: rank0_problems): server_problems, then
+    "offline check 'CMD' failed (exit N[, timed out]): last lines", then rank 0's."""
     bad = server_problems(res)
     off = res.get("offline")
     if off is not None and not off["ok"]:
         bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
                    f"{', timed out' if off.get('timed_out') else ''}): {' | '.join(off['tail'][-3:])}")
-    return bad
+    return bad + rank0_problems(res.get("rank0") or [])
 
 
-def validate_job(opts: SmokeOptions, install: str | None = None):
+def validate_job(opts: SmokeOptions, install: str | None = None, load: LoadOptions | None = None):
     """The `fleetctl validate` job: ok when every server identified on the host (of install
     `install` when given) that the smoke probe decodes gives its 16 greedy tokens (and the
     offline check, if any, passes), the refused ones named in data["refused"]; failed otherwise,
-    and when every server was refused; skipped when there is nothing to check."""
+    when every server was refused, and when a server's install (or the install named) was seen
+    but not inspected (gather.not_inspected: its reason, nothing decoded); skipped when there
+    is nothing to check. With `load` (engine/load.LoadOptions, `validate --load`), after a
+    smoke decode that passed, SGLang's own benchmark client runs against the same servers
+    (load.run_load: data["load"]), and the host fails when any server's run failed a request,
+    gave no result or could not run ("load ... not run: why": a gate that asked for load fails
+    closed)."""
 
     def job(ctx: HostContext) -> HostResult:
         ctx, _ = install_context(ctx, install)  # a container install: its probes run inside it
         g = gather(ctx, scan=False)  # the servers to decode are the ones identified here
+        blocked = [e["reason"] for e in not_inspected(g) if (e["id"] == install if install else e["servers"])]
+        if blocked:  # a server seen whose install was not inspected is not vouched for (README)
+            return ctx.result(HostStatus.FAILED, "; ".join(blocked), data={"servers": [], "refused": [], "offline": None})
         facts = install_facts(g, find_install(g, install)) if install else g["facts"]
         res: ValidateData = smoke(ctx, facts, opts)
         r = ctx.result(HostStatus.OK, data=res)
         bad = smoke_problems(res)
+        if load is not None and res["servers"]:
+            if bad:
+                res["load"] = {"servers": [], "refused": [], "profile": load.profile,
+                               "not_run": "the smoke decode failed first"}
+            else:
+                targets = smoke_targets(ctx.host, facts, opts, inside=ctx.container is not None)
+                res["load"] = run_load(ctx, targets, facts, load, opts.health_timeout, installs=g.get("installs"))
+                bad = load_problems(res["load"])
         if bad:
             r.status, r.error = HostStatus.FAILED, "; ".join(bad)
         elif not res["servers"] and not res["refused"] and res.get("offline") is None:

@@ -19,7 +19,7 @@ from ..errors import InventoryError
 from . import sources, yamlfile
 from .model import Decrypt, Host, Inventory, LocatedVars, build, prechecked
 
-__all__ = ["DEFAULT_PATH", "ENV_VAR", "Host", "Inventory", "load", "resolve_path"]
+__all__ = ["DEFAULT_PATH", "ENV_VAR", "Host", "Inventory", "is_yaml_inventory", "load", "resolve_path"]
 
 ENV_VAR = "FLEETCTL_INVENTORY"
 DEFAULT_PATH = "hosts.yaml"
@@ -62,7 +62,7 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     config.CONNECTIONS) or is vault-encrypted while `decrypt` is None.
     """
     path = Path(path)
-    if _is_yaml_inventory(path):
+    if is_yaml_inventory(path):
         return yamlfile.load(path, decrypt)
     hosts, groups = sources.load_source(path, decrypt if isinstance(decrypt, sources.Vault) else None)
     merged = {}
@@ -77,7 +77,7 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     return build(path, merged, groups, decrypt)
 
 
-def _is_yaml_inventory(path: Path) -> bool:
+def is_yaml_inventory(path: Path) -> bool:
     """Whether `path` is for the YAML reader: a file with a YAML suffix that is not a plugin
     configuration or a script (a broken one is reported by the YAML reader, with its line), or
     any other file holding a YAML mapping of groups."""

@@ -27,9 +27,9 @@ from .templates import Templar, Vaulted, as_bool, is_template, needed
 _ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_become_flags")
 _PORT_VARS = ("ansible_port", "ansible_ssh_port")
 # Become (privilege escalation) vars, as Ansible's sudo become plugin reads them
-# (ansible/plugins/become/sudo.py: become_user, become_flags, become_pass and its aliases).
+# (ansible/plugins/become/sudo.py: become_user, become_exe, become_flags, become_pass and its aliases).
 _BECOME_PASSWORD_VARS = ("ansible_become_password", "ansible_become_pass", "ansible_sudo_pass")
-_BECOME_STR_VARS = ("ansible_become_user", "ansible_become_flags", "ansible_become_method",
+_BECOME_STR_VARS = ("ansible_become_user", "ansible_become_exe", "ansible_become_flags", "ansible_become_method",
                     *_BECOME_PASSWORD_VARS)
 # The only become method fleetctl runs (Ansible's default).
 BECOME_METHODS = ("sudo",)
@@ -43,6 +43,39 @@ NO_SECRET = "no vault secret was given: run with --vault-password-file FILE or -
 Decrypt = Optional[Callable[[Vaulted, str, str], str]]
 # ansible_python_interpreter values that ask Ansible to discover the interpreter.
 _AUTO_INTERPRETERS = ("auto", "auto_silent", "auto_legacy", "auto_legacy_silent")
+# The vars that name the interpreter (Host.python), checked at load by split_interpreter.
+_INTERPRETER_VARS = ("ansible_python_interpreter", config.PYTHON.name)
+
+
+def split_interpreter(value: str) -> tuple[str, tuple[str, ...]]:
+    """(interpreter, its options) of an ansible_python_interpreter / fleetctl_python value, as
+    Ansible reads one (shlex-split: ansible/ansible PR #16247; `/usr/bin/env NAME`: PR #15638):
+    the interpreter is an absolute path, or a name (no slash) the host's PATH resolves at each
+    start as env would (probes.command), after `[/usr/bin/]env` when the value starts with it;
+    the other words are given to it after fleetctl's own `-I -S` (so none can undo them) and
+    before `-c PROBE`, unread, as Ansible passes them. Raises ValueError, saying how to write it,
+    for a value that does not split, names no interpreter, gives env options or NAME=VALUE
+    settings, or is a relative path."""
+    try:
+        words = shlex.split(value)
+    except ValueError as e:
+        raise ValueError(f"the interpreter {value!r} cannot be split as a shell would: {e}") from None
+    if words and os.path.basename(words[0]) == "env":
+        words = words[1:]
+        if words and (words[0].startswith("-") or "=" in words[0]):
+            raise ValueError(f"the interpreter {value!r}: after env only the interpreter's name is read, "
+                             "with its options (no env options or NAME=VALUE settings): e.g. /usr/bin/env python3")
+    if not words:
+        raise ValueError(f"the interpreter {value!r} names no interpreter: give its absolute path or "
+                         "`/usr/bin/env python3`")
+    python, options = words[0], tuple(words[1:])
+    if python.startswith("-"):
+        raise ValueError(f"the interpreter {value!r} starts with an option, not an interpreter: give its "
+                         "absolute path or `/usr/bin/env python3` first")
+    if not python.startswith("/") and "/" in python:
+        raise ValueError(f"the interpreter {python!r} is a relative path: give an absolute path, or a name "
+                         "looked up on the host's PATH (python3, /usr/bin/env python3)")
+    return python, options
 
 
 def _last(values: Mapping[str, Any], *names: str) -> Any:
@@ -124,10 +157,17 @@ class Host:
         return self.vars.get("ansible_become_user") or "root"
 
     @property
+    def become_exe(self) -> str:
+        """ansible_become_exe as written (a string, checked at load): the sudo program, "" when
+        unset (sudo); connection/command.py become_exe reads it, and refuses one that is not sudo."""
+        return self.vars.get("ansible_become_exe") or ""
+
+    @property
     def become_flags(self) -> tuple[str, ...]:
         """ansible_become_flags, split as a shell would (checked at load): extra sudo options
-        placed before `-u`. () when unset (fleetctl never adds Ansible's default `-H -S -n`:
-        it gives -S itself and answers the prompt, see connection/command.py)."""
+        placed before fleetctl's `-S -p MARKER -u USER`, read and checked when a command starts
+        (connection/command.py sudo_flags). () when unset (fleetctl never adds Ansible's default
+        `-H -S -n`: it gives -S itself and answers the prompt)."""
         return tuple(shlex.split(self.vars.get("ansible_become_flags") or ""))
 
     @property
@@ -151,6 +191,20 @@ class Host:
         if python is None or python in _AUTO_INTERPRETERS:
             python = self.vars.get(config.PYTHON.name)
         return python
+
+    @property
+    def interpreter(self) -> tuple[str, tuple[str, ...]] | None:
+        """`python` as (interpreter, its options) (split_interpreter: an absolute path or a name
+        the host's PATH resolves, as `/usr/bin/env NAME` does); None: not set. Raises
+        InventoryError naming the host for a value split_interpreter refuses (checked at load
+        for an inventory file's hosts)."""
+        python = self.python
+        if python is None:
+            return None
+        try:
+            return split_interpreter(python)
+        except ValueError as e:
+            raise InventoryError(f"host {self.name}: {e}") from None
 
     # fleetctl's own vars (config.HOST_VARS); nothing else reads them by name.
 
@@ -253,6 +307,9 @@ def build(path: Path, merged: dict[str, LocatedVars], groups: dict[str, tuple[st
                 if isinstance(raw[name], Vaulted) or name in _BECOME_PASSWORD_VARS:  # never print a secret
                     raise InventoryError(f"{raw.where[name]}: {name}: the decrypted vault value is not "
                                          "what fleetctl needs here (a port number, or a string)") from None
+                if templar.from_vault(host, name):  # nor what a template made of one
+                    raise InventoryError(f"{raw.where[name]}: {name}: the value rendered from a vault value is not "
+                                         "what fleetctl needs here (a port number, or a string)") from None
                 raise InventoryError(f"{raw.where[name]}: {e} (rendered from {raw[name]!r})") from None
         hosts[host] = Host(host, MappingProxyType(final), tuple(g for g in groups if host in groups[g]),
                            MappingProxyType(dict(raw.where)))
@@ -288,6 +345,11 @@ def _checked(name: str, data: Any) -> Any:
             shlex.split(data)
         except ValueError as e:
             raise ValueError(f"{name} {data!r} cannot be split as a shell would: {e}") from None
+    if name in _INTERPRETER_VARS and data not in _AUTO_INTERPRETERS:
+        try:
+            split_interpreter(data)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     return data
 
 

@@ -1,32 +1,39 @@
 """Faults injected into and cleared from one lab host: a table of kinds (KINDS), each a small
-function, behind lab_fault."""
+function, behind lab_fault; and the stand-in server's behaviours (BEHAVIOURS), set in its
+behaviour file (fleetctl/lab/standin/server.py's docstring)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 from ..errors import UsageError
-from .base import (PRIVATE_DIRS, VENV_PYTHONS, alive, find_host, host_dir, load, require_root, run, save,
-                   state_dir_for, wait_banner)
+from .base import (PRIVATE_DIRS, VENV_PYTHONS, LabError, alive, find_host, host_dir, load, require_root, run,
+                   save, state_dir_for, wait_banner)
 from .host import start_sshd
+from .pidns import root_pid
 
 HANG_SCRIPT = "#!/bin/sh\n# fleetctl lab fault: an interpreter that hangs forever\nexec sleep 2147483647\n"
+
+
+def _whole(kind: str, arg: str | int | None, what: str) -> int:
+    """`arg` as a whole number >= 0; UsageError naming the fault kind and what it counts otherwise."""
+    try:
+        n = int(arg) if arg is not None else -1
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UsageError(f"{kind} needs {what}: a whole number >= 0 (0 clears), not {arg!r}")
+    return n
 
 
 def _delay(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
     """`delay MS`: each direction, by the host's delayproxy (SIGHUP rereads <host dir>/delay_ms);
     0 clears. Raises UsageError unless MS is a whole number >= 0."""
-    if arg is None:
-        raise UsageError("delay needs MS: a whole number of milliseconds >= 0 (0 clears)")
-    try:
-        ms = int(arg)
-    except ValueError:
-        ms = -1
-    if ms < 0:
-        raise UsageError(f"delay needs a whole number of milliseconds >= 0, not {arg!r}")
+    ms = _whole(kind, arg, "MS, milliseconds")
     (host_dir(sd, h["name"]) / "delay_ms").write_text(f"{ms}\n")
     os.kill(h["proxy_pid"], signal.SIGHUP)
     h["faults"]["delay_ms"] = ms
@@ -95,27 +102,113 @@ def _hang(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> N
 # changing the host's entry in the state (its "faults" and pids), which lab_fault then saves
 KINDS = {"delay": _delay, "down": _link, "up": _link, "freeze": _freeze, "thaw": _freeze,
          "rekey": _rekey, "unrekey": _rekey, "hang": _hang, "unhang": _hang}
-FAULTS = tuple(KINDS)
+# stand-in behaviour kind -> (its key in the behaviour file, what its argument counts); `behave`
+# empties the file
+BEHAVIOURS = {"contention": ("contention_ms", "MS, milliseconds per decode step per other request in flight"),
+              "fail-every": ("fail_every", "N, every Nth streamed /generate request fails"),
+              "behave": (None, None)}
+FAULTS = tuple(KINDS) + tuple(BEHAVIOURS)
+STANDIN = "/opt/fleetctl-standin"  # the stand-in's directory on a lab host (host.start_server)
+RELOAD_WAIT_S = 10.0  # for the server's "behaviour reloaded" log line
+
+
+def _behaviour(sd: Path, h: dict, kind: str, arg: str | int | None, at_restart: bool) -> None:
+    """`contention MS` / `fail-every N` (0 clears) / `behave`: merge the key into the stand-in's
+    behaviour file on the host (STANDIN/behavior.json) or empty it, written whole through a
+    rename. Then, unless `at_restart`, the running server (STANDIN/server.pid) rereads it at once
+    (SIGHUP) and this waits for its log line saying so; with `at_restart` the server takes it up
+    when it next starts (an apply's restart handler, say). Raises UsageError (a bad argument),
+    LabError (the file is not a JSON object; no stand-in server runs there; it did not reload)."""
+    key, what = BEHAVIOURS[kind]
+    if key is None and arg is not None:
+        raise UsageError(f"behave takes no argument, not {arg!r}")
+    value = None if key is None else _whole(kind, arg, what)
+    d = host_dir(sd, h["name"]) / PRIVATE_DIRS[STANDIN]
+    bfile = d / "behavior.json"
+    behavior = {}
+    if key is not None and bfile.exists():
+        try:
+            behavior = json.loads(bfile.read_text())
+        except ValueError:
+            behavior = None
+        if not isinstance(behavior, dict):
+            raise LabError(f"{h['name']}: {STANDIN}/behavior.json is not a JSON object; "
+                           f"empty it with `fleetctl lab fault {h['name']} behave`")
+    if key is not None:
+        behavior.pop(key, None)
+        if value:
+            behavior[key] = value
+    tmp = bfile.with_name("behavior.json.tmp")
+    tmp.write_text(json.dumps(behavior) + "\n")
+    tmp.replace(bfile)
+    if key is None:
+        for k, _ in BEHAVIOURS.values():
+            h["faults"].pop(k, None)
+    else:
+        h["faults"][key] = value
+    if at_restart:
+        return
+    pid = _server_pid(h, d)
+    log = d / "server.log"
+    start = log.stat().st_size if log.exists() else 0
+    os.kill(pid, signal.SIGHUP)
+    want = f"behaviour reloaded: {json.dumps(behavior, sort_keys=True)}"
+    deadline = time.monotonic() + RELOAD_WAIT_S
+    while time.monotonic() < deadline:
+        with open(log, "rb") as f:
+            f.seek(start)
+            if want.encode() in f.read():
+                return
+        time.sleep(0.05)
+    raise LabError(f"{h['name']}: the stand-in server (pid {pid}) did not reload its behaviour within "
+                   f"{RELOAD_WAIT_S:.0f} s; see {STANDIN}/server.log on the host")
+
+
+def _server_pid(h: dict, d: Path) -> int:
+    """Root-view pid of the stand-in server running from STANDIN on the host (its pid file holds
+    the host's view), checked to be that server.py. Raises LabError when none runs."""
+    try:
+        nspid = int((d / "server.pid").read_text())
+    except (OSError, ValueError):
+        nspid = None
+    pid = root_pid(h["init_pid"], nspid) if nspid else None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid else []
+    except OSError:
+        cmdline = []
+    if f"{STANDIN}/server.py".encode() not in cmdline:
+        raise LabError(f"{h['name']}: no stand-in server runs from {STANDIN} (pid file {nspid}); start it "
+                       f"(`{STANDIN}/restart.sh` on the host), or write the behaviour for its next start "
+                       "with --at-restart")
+    return pid
 
 
 def lab_fault(host: str, kind: str, arg: str | int | None = None, lab_id: int = 0,
-              state_dir: Path | None = None) -> dict:
+              state_dir: Path | None = None, at_restart: bool = False) -> dict:
     """Inject or clear a fault on one lab host (name like "lab-01" or its address); return its faults.
 
     Kinds: `delay MS` (each direction, by the host's delayproxy; 0 clears), `down`/`up` (the
     bridge side of the host's veth: connects time out), `freeze`/`thaw` (SIGSTOP/SIGCONT sshd:
     TCP is accepted, no banner), `rekey` (a new host key, sshd restarted; known_hosts keeps the
     old one) / `unrekey` (the original key back), `hang`/`unhang` (/opt/sglang/venv/bin/python*
-    replaced by a script that sleeps forever / restored). Raises UsageError for a bad kind or
-    host, LabError if a step fails.
+    replaced by a script that sleeps forever / restored). The stand-in server's behaviours:
+    `contention MS` (each decode step MS ms longer per other request in flight), `fail-every N`
+    (every Nth streamed /generate answers 500), 0 clearing either, and `behave` (all cleared):
+    in effect at once (the server rereads its behaviour file), or with `at_restart` only from
+    the server's next start. Raises UsageError for a bad kind, argument or host, LabError if a
+    step fails.
     """
     require_root()
     sd = state_dir_for(lab_id, state_dir)
     state = load(sd)
     h = find_host(state, host)
-    fn = KINDS.get(kind)
-    if fn is None:
+    if kind in BEHAVIOURS:
+        _behaviour(sd, h, kind, arg, at_restart)
+    elif kind not in KINDS:
         raise UsageError(f"unknown fault {kind!r}; kinds: {', '.join(FAULTS)}")
-    fn(sd, state, h, kind, arg)
+    elif at_restart:
+        raise UsageError(f"--at-restart is for the stand-in's behaviours ({', '.join(BEHAVIOURS)}), not {kind}")
+    else:
+        KINDS[kind](sd, state, h, kind, arg)
     save(sd, state)
     return dict(h["faults"])

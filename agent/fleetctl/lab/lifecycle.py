@@ -233,7 +233,8 @@ def _inventory_yaml(state: dict, sd: Path) -> str:
 
 def lab_status(lab_id: int = 0, state_dir: Path | None = None) -> list[dict]:
     """One dict per host: name, address, netns, release, sshd_pid, sshd_alive, proxy_alive,
-    link_up, faults (delay_ms, down, frozen, rekeyed, hung). Raises LabError if no lab is up."""
+    link_up, faults (delay_ms, down, frozen, rekeyed, hung; contention_ms and fail_every once
+    `fleetctl lab fault` set them). Raises LabError if no lab is up."""
     require_root()
     sd = state_dir_for(lab_id, state_dir)
     out = []

@@ -8,6 +8,9 @@ parameters into one JSON document (zlib-compressed); `WRAPPER` (run as `python -
 reads it from stdin, loads each module in order as PACKAGE.<name> into `sys.modules` (so
 `from . import x` finds the ones loaded before it), calls the main module's `main(params)` and
 prints the JSON result after a marker line (result.py). Nothing is written to the host to do this.
+The probes need Python 3.8+: WRAPPER itself parses on any Python (2.7 too) and, first of all, exits
+TOO_OLD_EXIT on one older than 3.8, before it reads the bundle, so the start (`command`) can go on
+to another interpreter with the bundle still unread (see _START).
 A probe can re-run itself under another interpreter (see facts.py) with `FLEETCTL_BUNDLE`,
 the bundle's JSON text, and `FLEETCTL_WRAPPER`, which the wrapper leaves in each module's globals.
 A bundle that holds `scancache` carries `code_key`, the sha256 of its sources: the modules after
@@ -24,6 +27,7 @@ import os
 import re
 import zlib
 from functools import lru_cache
+from typing import Sequence
 
 from . import result, trust
 
@@ -33,8 +37,19 @@ PACKAGE = "fleetctl_probes"
 # The probe whose CodeCache keeps the compiled modules loaded after it (see WRAPPER).
 CODE_CACHE = "scancache"
 
+# Exit status of WRAPPER under a Python older than 3.8, and of a start that found no interpreter
+# new enough (NO_PYTHON on stderr says which it tried).
+TOO_OLD_EXIT = 3
+# The line a start that found no interpreter to run the probes prints on stderr (exit
+# TOO_OLD_EXIT, or 127 when it found none at all): NO_PYTHON and the reason.
+NO_PYTHON = "fleetctl-no-python: "
+
 WRAPPER = r"""
-import json, sys, types, zlib
+import sys
+if sys.version_info < (3, 8):
+    sys.stderr.write("\n%sthe probes need Python 3.8+; %s is %s\n" % (NO_PYTHON, sys.executable, sys.version.split()[0]))
+    sys.exit(TOO_OLD_EXIT)
+import json, types, zlib
 try:
     data = sys.stdin.buffer.read()
     raw = (data if data[:1] == b"{" else zlib.decompress(data)).decode("utf-8")
@@ -63,7 +78,8 @@ except BaseException:
     import traceback
     out = {"__probe_error__": traceback.format_exc()}
 sys.stdout.write("\n%s\n%s\n" % (MARKER, json.dumps(out)))
-""".replace("MARKER", repr(result.MARKER)).replace("PACKAGE", repr(PACKAGE)).replace("CODE_CACHE", repr(CODE_CACHE))
+""".replace("MARKER", repr(result.MARKER)).replace("PACKAGE", repr(PACKAGE)).replace("CODE_CACHE", repr(CODE_CACHE)) \
+    .replace("NO_PYTHON", repr(NO_PYTHON)).replace("TOO_OLD_EXIT", str(TOO_OLD_EXIT))
 
 
 class ProbeError(Exception):
@@ -174,45 +190,125 @@ def _bundle(main: str, params_json: str) -> bytes:
 # reason to run). A probe that needs the install's packages (kbuild: torch) checks the site
 # module's files (trust.untrusted) and then runs site.main() itself.
 #
-# A named interpreter starts through trust.GUARD: checked and exec'd by the same command, or
-# refused with REFUSED on stderr and exit 126 (parse_output raises Untrusted).
+# Every start goes through trust.GUARD: an interpreter is checked by the same command that then
+# runs it, or refused with REFUSED on stderr and exit 126 (parse_output raises Untrusted).
 REFUSED = "fleetctl-untrusted: "
 _REFUSE = 'printf \'\\n%s%s\\n\' "' + REFUSED + '" "$why" >&2; exit 126'
-_GUARDED = trust.GUARD + '\nif why=$(fleetctl_trust "$1"); then exec "$1" -I -S -c "$0"; fi\n' + _REFUSE
-# python3 (else python) on PATH, checked by GUARD too, exec'd with -I -S and "$@"
+# python3 (else python) on PATH, checked by GUARD too, exec'd with -I -S and "$@" (path_python)
 _PATH_PYTHON = ('for p in python3 python; do q=$(command -v "$p") || continue\n'
                 '  if why=$(fleetctl_trust "$q"); then exec "$q" -I -S "$@"; fi\n  ' + _REFUSE + '\ndone\n'
                 'echo "fleetctl: no python3 or python on PATH" >&2; exit 127')
+# The interpreters tried when the first choice is older than 3.8 or absent, after the servers'
+# own: the newest first, as Ansible's interpreter discovery lists them (INTERPRETER_PYTHON_FALLBACK).
+FALLBACK_NAMES = tuple(f"python3.{n}" for n in range(14, 7, -1))
 
-# Runs WRAPPER ($0) with the interpreter the last facts probe ran under, recorded in this user's
-# scan cache directory (scancache.cache_dir, scancache.INTERPRETER: a directory and a regular
-# file of this user, not links, naming an executable that trust.GUARD clears on this start; one
-# it refuses is removed, review N10), else the first python3 or python on PATH (checked the
-# same way). The record spares a warm run a version manager's shim (pyenv's python3 costs
-# ~0.13 s of shell before Python starts).
-_FINDER = (trust.GUARD + '\n'
-           'if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi\n'
-           'if [ -d "$c" ] && [ ! -L "$c" ] && [ -O "$c" ] && [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] && '
-           '[ -O "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; then\n'
-           '  if fleetctl_trust "$p" >/dev/null; then exec "$p" -I -S -c "$0"; fi\n'
-           '  rm -f "$c/interpreter"\n'
-           'fi\n'
-           'set -- -c "$0"\n' + _PATH_PYTHON)
+# The start of every guarded probe: `sh -c _START WRAPPER MODE NAMED [OPTION...]`. Each interpreter is
+# cleared by GUARD on this start, then run (not exec'd) as `P -I -S [OPTION...] -c WRAPPER`;
+# fleetctl_run goes on to the next only when P did not start the probes: WRAPPER's TOO_OLD_EXIT
+# before it read the bundle, or Python 2's exit 2 for -I, and `P -V` says it is older than 3.8;
+# or the shell's 126/127 (a version manager's shim for a version it does not have).
+# 1. NAMED (the inventory's: an absolute path, or a name looked up on PATH as `/usr/bin/env NAME`
+#    does), with its options; one GUARD refuses, or a name not on PATH, fails the start. Without
+#    one: the interpreter the last facts probe ran under, recorded in this user's scan cache
+#    directory (scancache.cache_dir, scancache.INTERPRETER: a directory and a regular file of this
+#    user, not links; one GUARD refuses or that does not start is removed, review N10), then the
+#    first of python3, python on PATH (one GUARD refuses fails the start). The record spares a
+#    warm run a version manager's shim (pyenv's python3 costs ~0.13 s of shell before Python starts).
+# 2. Only when those are absent or did not start, and MODE is not "only" (NAMED must run the probe
+#    itself: an install's interpreter; NAMED's options are not given to these others): the
+#    interpreters of running SGLang servers (/proc/PID/exe of each process whose command line
+#    names sglang, when it is a python*), then python3, python and FALLBACK_NAMES on PATH; one
+#    GUARD refuses is passed over.
+# 3. None: NO_PYTHON and the sentence naming each one that did not start, exit TOO_OLD_EXIT (127
+#    with none at all).
+_START = trust.GUARD + r'''
+w=$0; mode=$1; named=$2; shift 2
+nl='
+'
+tried=; old=
+fleetctl_run() {
+  p=$1; shift
+  tried="$tried$nl$p"
+  "$p" -I -S "$@" -c "$w"; rc=$?
+  case $rc in
+    2|@OLD@) v=$("$p" -V 2>&1 </dev/null); v=${v%%"$nl"*}
+      case $v in
+        "Python 2."*|"Python 3."[0-7]|"Python 3."[0-7][!0-9]*) old="$old${old:+, }$p is ${v#Python }"; return 1;;
+      esac;;
+    126|127) old="$old${old:+, }$p did not start (exit $rc)"; return 1;;
+  esac
+  exit "$rc"
+}
+fleetctl_other() {
+  case $1 in /*) ;; *) return 0;; esac
+  case "$tried$nl" in *"$nl$1$nl"*) return 0;; esac
+  if fleetctl_trust "$1" >/dev/null; then fleetctl_run "$1"; else tried="$tried$nl$1"; fi
+}
+if [ -n "$named" ]; then
+  case $named in
+    /*) p=$named;;
+    *) p=$(command -v -- "$named") || { @SAY@ "the inventory's interpreter $named is not on this host's PATH" >&2; exit 127; };;
+  esac
+  why=$(fleetctl_trust "$p") || { @REFUSE@; }
+  fleetctl_run "$p" "$@"
+  [ "$mode" != only ] || { @SAY@ "the probes need Python 3.8+; $old" >&2; exit @OLD@; }
+else
+  if [ "$(id -u)" = 0 ]; then c=/var/lib/fleetctl/scan-cache; else c="${XDG_CACHE_HOME:-$HOME/.cache}/fleetctl"; fi
+  if [ -d "$c" ] && [ ! -L "$c" ] && [ -O "$c" ] && [ -f "$c/interpreter" ] && [ ! -L "$c/interpreter" ] &&
+     [ -O "$c/interpreter" ] && read -r p < "$c/interpreter" && [ -x "$p" ]; then
+    if fleetctl_trust "$p" >/dev/null; then fleetctl_run "$p" || rm -f "$c/interpreter"; else rm -f "$c/interpreter"; fi
+  fi
+fi
+if [ -z "$named" ]; then
+  for n in python3 python; do
+    q=$(command -v "$n") || continue
+    case "$tried$nl" in *"$nl$q$nl"*) break;; esac
+    why=$(fleetctl_trust "$q") || { @REFUSE@; }
+    fleetctl_run "$q"; break
+  done
+fi
+for f in $(grep -l -a -e sglang /proc/[0-9]*/cmdline 2>/dev/null); do
+  e=$(readlink "${f%/cmdline}/exe" 2>/dev/null) || continue
+  case ${e##*/} in python*) fleetctl_other "$e";; esac
+done
+for n in python3 python @FALLBACK@; do q=$(command -v "$n") && fleetctl_other "$q"; done
+if [ -n "$old" ]; then
+  @SAY@ "@TOO_OLD@" >&2
+  exit @OLD@
+fi
+@SAY@ "no python3 or python on PATH, and no running SGLang server's interpreter or PATH's @RANGE@ either" >&2
+exit 127'''
+# the sentence a start with no interpreter new enough ends with ($old: "P is VERSION, ...")
+_TOO_OLD = ("the probes need Python 3.8+; $old, and no other trusted Python 3.8+ was found (a running SGLang "
+            "server's, PATH's @RANGE@); set ansible_python_interpreter to a Python 3.8+ interpreter on this host")
+for _k, _v in {"@OLD@": str(TOO_OLD_EXIT), "@SAY@": "printf '\\n%s%s\\n' \"" + NO_PYTHON + '"', "@REFUSE@": _REFUSE,
+               "@TOO_OLD@": _TOO_OLD, "@FALLBACK@": " ".join(FALLBACK_NAMES),
+               "@RANGE@": f"{FALLBACK_NAMES[-1]} to {FALLBACK_NAMES[0]}"}.items():
+    _START = _START.replace(_k, _v)
 
 
-def command(python: str | None, guard: bool = True) -> list[str]:
+def command(python: str | None, guard: bool = True, options: Sequence[str] = (), fallback: bool = True) -> list[str]:
     """The argv that runs WRAPPER (every probe starts with `python -I -S`: no site, no
-    PYTHON* variables, no working directory on sys.path) under `python`: through trust.GUARD
-    when `guard` (a host, where the probe runs as root or the probing user: the interpreter and
-    every directory its path resolves through checked by the same command that execs it),
-    directly when not (a container's own interpreter, entered with no more power than the
-    container's process has: connection/container.py). None: the recorded interpreter or the
-    first python3/python on PATH, each cleared by GUARD on this start (see _FINDER)."""
+    PYTHON* variables, no working directory on sys.path) under `python` (with `options`, the
+    inventory's interpreter options, after -I -S: Host.interpreter): through trust.GUARD when
+    `guard` (a host, where the probe runs as root or the probing user: the interpreter and
+    every directory its path resolves through checked by the same command that runs it; a
+    name, not a path, is looked up on the host's PATH first, as `/usr/bin/env NAME` does; one
+    older than 3.8 is passed over for another, see _START), directly when not (a container's
+    own interpreter, entered with no more power than the container's process has:
+    connection/container.py). None: the recorded interpreter or the first python3/python on
+    PATH, each cleared by GUARD on this start, and the others of _START when those are too old.
+    `fallback` False: `python` must run the probe itself (an install's interpreter, whose
+    packages the probe uses), never another one."""
     if python and not guard:
-        return [python, "-I", "-S", "-c", WRAPPER]
-    if python:
-        return ["sh", "-c", _GUARDED, WRAPPER, python]
-    return ["sh", "-c", _FINDER, WRAPPER]
+        return [python, "-I", "-S", *options, "-c", WRAPPER]
+    return ["sh", "-c", _START, WRAPPER, "any" if fallback or not python else "only", python or "", *options]
+
+
+def which(name: str) -> list[str]:
+    """The argv that prints the path interpreter name `name` (as the inventory gives it: no
+    slash) resolves to on the host's PATH, as `command -v` finds it (exit 127, no output: none)."""
+    return ["sh", "-c", 'command -v -- "$1"', "fleetctl-which", name]
 
 
 def path_python(args: list[str]) -> list[str]:
@@ -226,18 +322,28 @@ class Untrusted(ProbeError):
     """trust.GUARD refused the interpreter a probe was to start under; the message is why."""
 
 
+class NoPython(ProbeError):
+    """No interpreter that can run the probes (Python 3.8+) was found, or the inventory's is not
+    on the host's PATH; the message is the sentence the start printed (NO_PYTHON)."""
+
+
 def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     """Extract the probe's JSON result from its output.
 
-    Raises Untrusted when trust.GUARD refused its interpreter, ProbeError when the probe
-    crashed (its traceback included) or printed no result.
+    Raises Untrusted when trust.GUARD refused its interpreter, NoPython when no interpreter
+    could run the probes (too old, or none: the start's own sentence), ProbeError when the
+    probe crashed (its traceback included) or printed no result.
     """
     text = stdout.decode("utf-8", "replace")
     found = result.after_marker(text)
     if found is None:
-        refused = stderr.decode("utf-8", "replace").rpartition("\n" + REFUSED)[2]
+        err = stderr.decode("utf-8", "replace")
+        refused = err.rpartition("\n" + REFUSED)[2]
         if exit_code == 126 and refused:
             raise Untrusted(refused.strip()[:2000])
+        _, said, why = err.rpartition("\n" + NO_PYTHON)
+        if exit_code in (TOO_OLD_EXIT, 127) and said:
+            raise NoPython(why.strip()[:2000])
         tail = (stderr.decode("utf-8", "replace") or text).strip()[-2000:]
         raise ProbeError(f"probe printed no result (exit {exit_code}): {tail or 'no output'}")
     try:

@@ -1,17 +1,20 @@
 """Inspect probe: facts about one host, its SGLang installs and their allocator call sites.
 
 Runs on the host, stdlib only (Python 3.8+), sent by fleetctl over SSH stdin with its helpers
-(procs: servers; locate: where `import sglang` resolves; gpus: nvidia-smi; callsites: the scan;
-torchver: torch's version).
+(procs: servers; units: systemd services; locate: where `import sglang` resolves; gpus:
+nvidia-smi; callsites: the scan; torchver: torch's version).
 Data flows one way: servers (procs.find_servers) -> interpreters to ask -> installs (each asked of
 its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a scan per install
 (callsites.scan) -> the primary install, whose facts stay at the top level.
 
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
-inventory's ansible_python_interpreter / fleetctl_python (params["python"]); python3 on PATH and
-common venv locations whose site directories hold an sglang distribution. An interpreter is run
-only after trust.untrusted() clears it (its `.pth` files run at start), by this probe, just
-before it starts it.
+inventory's ansible_python_interpreter / fleetctl_python (params["python"]); each systemd service
+that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the local
+users' venvs, `uv tool` and pipx venvs, and servers' project `.venv`s, whose site directories
+hold an sglang distribution. An interpreter is run only after trust.untrusted() clears it (its
+`.pth` files run at start), by this probe, just before it starts it; one it refuses (another
+user's venv, for a root probe) or that does not answer is an install seen but not inspected
+("not_inspected", with the reason), never a host without SGLang.
 """
 
 import glob
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust
+from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust, units
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -29,9 +32,17 @@ COMMON_PYTHONS = [
     "/root/venv/bin/python", "/home/*/.venv/bin/python", "/home/*/venv/bin/python",
     "/workspace/*/.venv/bin/python", "/usr/local/bin/python3", "/usr/bin/python3",
 ]
+# under each local user's home (facts.homes): (pattern, reason with the home)
+HOME_PYTHONS = [
+    (".venv/bin/python", "venv in %s"), ("venv/bin/python", "venv in %s"), ("*/.venv/bin/python", "project venv in %s"),
+    (".local/share/uv/tools/*/bin/python", "uv tool of %s"), (".local/share/pipx/venvs/*/bin/python", "pipx venv of %s"),
+    (".local/pipx/venvs/*/bin/python", "pipx venv of %s"),
+]
 LOCATE_TIMEOUT_S = 60  # one interpreter's start + find_spec (site runs every .pth file)
 SEVERAL = "several installs, no server: see installs"
 NONE_FOUND = "no interpreter with an sglang distribution found"
+NOT_INSPECTED = "not_inspected"  # vocab.InstallStatus.NOT_INSPECTED
+MAX_USERS = 4096  # passwd entries whose homes are looked in (a directory service may list many more)
 
 
 _DIST_MARKS = ("sglang-*.dist-info", "sglang-*.egg-info", "sglang.egg-link", "__editable__.sglang-*")
@@ -70,22 +81,81 @@ def may_have_sglang(python):
             or any(os.path.isfile(os.path.join(p, "sglang", "__init__.py")) for d in dirs for p in _pth_paths(d)))
 
 
-def candidates(params, servers):
-    """Interpreters to ask, in order: [(python, sys.path entries put first, reason, server pid
-    or None)]: each server's, the inventory's, then python3 on PATH and common venv locations
-    that may_have_sglang (so that installs no server runs from are listed too)."""
-    out = [(s["python"], s["import_path"], "running server pid %d" % s["pid"], s["pid"])
+def homes():
+    """Home directories of the host's local users (/etc/passwd through pwd, its first MAX_USERS
+    entries, and /root): those that exist and belong to their user (a system account's shared home, such as /usr/sbin or
+    /, is no user's own), each once (by its real path)."""
+    out, seen = [], set()
+    try:
+        import pwd
+        entries = [(e.pw_dir, e.pw_uid) for e in pwd.getpwall()[:MAX_USERS]]
+    except ImportError:
+        entries = []
+    for home, uid in [("/root", 0)] + entries:
+        try:
+            st = os.stat(home)
+        except (OSError, ValueError):
+            continue
+        real = os.path.realpath(home)
+        if os.path.isabs(home) and st.st_uid == uid and real not in seen and real != "/":
+            seen.add(real)
+            out.append(home)
+    return out
+
+
+def tool_pythons():
+    """Interpreters of the venvs SGLang's install docs and Python's tool installers make,
+    [(python, reason)]: each local user's (homes()) project and plain venvs, `uv tool` tools
+    (~/.local/share/uv/tools/NAME), pipx venvs (~/.local/share/pipx/venvs/NAME, older
+    ~/.local/pipx/venvs/NAME), pipx's global venvs (/opt/pipx/venvs/NAME) and the directories
+    this probe's own environment names ($PIPX_HOME, $PIPX_GLOBAL_HOME, $UV_TOOL_DIR)."""
+    out = []
+    for home in homes():
+        for pat, why in HOME_PYTHONS:
+            out += [(p, why % home) for p in sorted(glob.glob(os.path.join(glob.escape(home), pat)))]
+    named = [(os.environ.get("PIPX_HOME"), "venvs/*/bin/python", "$PIPX_HOME"),
+             (os.environ.get("PIPX_GLOBAL_HOME") or "/opt/pipx", "venvs/*/bin/python", "pipx --global"),
+             (os.environ.get("UV_TOOL_DIR"), "*/bin/python", "$UV_TOOL_DIR")]
+    for top, pat, why in named:
+        if top and os.path.isabs(top):
+            out += [(p, why) for p in sorted(glob.glob(os.path.join(glob.escape(top), pat)))]
+    return out
+
+
+def _candidate(python, first, reason, pid=None, unit=None, idle=False):
+    return {"python": python, "first": list(first), "reason": reason, "pid": pid, "unit": unit, "idle": idle}
+
+
+def candidates(params, servers, services=()):
+    """Interpreters to ask, in order: [{python, first (sys.path entries put first), reason, pid
+    (the server's, or None), unit (the systemd service's, or None), idle}]: each server's, the
+    inventory's, each SGLang service's (units.services: its working directory and PYTHONPATH,
+    running or not), then the idle ones that may_have_sglang: python3 on PATH, COMMON_PYTHONS,
+    the users' venvs and tools (tool_pythons) and each server's project `.venv` (in its working
+    directory), so that installs no server runs from are listed too."""
+    out = [_candidate(s["python"], s["import_path"], "running server pid %d" % s["pid"], pid=s["pid"],
+                      unit=s.get("unit"))
            for s in servers if s["python"]]
     if params.get("python"):
-        out.append((params["python"], [], "inventory", None))
+        out.append(_candidate(params["python"], [], "inventory"))
+    for u in services:
+        out.append(_candidate(u["python"], units.import_path(u), "systemd unit %s" % u["unit"], unit=u["unit"]))
     idle = []
     for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
         p = os.path.join(d, "python3")
         if os.path.exists(p):
-            idle.append((p, [], "python3 on PATH", None))
+            idle.append((p, "python3 on PATH"))
             break
-    idle += [(p, [], "common location", None) for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
-    return out + [c for c in idle if may_have_sglang(c[0])]
+    idle += [(p, "common location") for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
+    idle += tool_pythons()
+    cwds = [s.get("cwd") for s in servers] + [u["cwd"] for u in services]
+    idle += [(os.path.join(d, ".venv", "bin", "python"), "project venv of a server") for d in cwds if d]
+    seen = set()
+    for p, why in idle:
+        if p not in seen and os.path.exists(p) and may_have_sglang(p):
+            seen.add(p)
+            out.append(_candidate(p, [], why, idle=True))
+    return out
 
 
 def ask(python, first, timeout=LOCATE_TIMEOUT_S):
@@ -153,20 +223,80 @@ def located(python, first, store):
     return res
 
 
-def discover(params, servers, store=None):
+def seen_tree(python, first):
+    """The package directory `import sglang` would find for `python` with `first` put first,
+    read (never run) from those entries, its site directories and the directories their `.pth`
+    files name: the first holding `sglang/__init__.py`; None when none does (a PEP 660 finder,
+    or no sglang there)."""
+    dirs = list(first) + trust.site_dirs(python)
+    dirs += [p for d in trust.site_dirs(python) for p in _pth_paths(d)]
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "sglang", "__init__.py")):
+            return os.path.join(d, "sglang")
+    return None
+
+
+def _owner(path):
+    """The user (name, else uid as text) owning the first directory on `path`, from / down (as
+    named, links not followed), that belongs neither to root nor to this euid; None."""
+    euid, parts = os.geteuid(), path.split("/")
+    for i in range(2, len(parts) + 1):
+        try:
+            uid = os.lstat("/".join(parts[:i])).st_uid
+        except OSError:
+            return None
+        if uid not in (0, euid):
+            try:
+                import pwd
+                return pwd.getpwuid(uid).pw_name
+            except (ImportError, KeyError):
+                return str(uid)
+    return None
+
+
+def _not_inspected(cand, why, refused):
+    """A not_inspected entry for candidate `cand` (candidates()) that was not asked (`refused`:
+    trust.untrusted's reason `why`) or did not answer (`why`: the error)."""
+    tree = seen_tree(cand["python"], cand["first"])
+    if cand["pid"] is not None:
+        what = "install of server pid %d" % cand["pid"] + (" (systemd unit %s)" % cand["unit"] if cand["unit"] else "")
+    elif cand["unit"]:
+        what = "install of systemd unit %s" % cand["unit"]
+    else:
+        what = "install %s (%s)" % (tree or os.path.dirname(os.path.dirname(cand["python"])), cand["reason"])
+    user = _owner(cand["python"]) if refused else None
+    if refused:
+        me = "root" if os.geteuid() == 0 else "uid %d" % os.geteuid()
+        reason = "%s not inspected: %s is not run as %s: %s" % (what, cand["python"], me, why)
+        if user:
+            reason += "; inspect as that user, e.g. ansible_become_user: %s" % user
+    else:
+        reason = "%s not inspected: %s: %s" % (what, cand["python"], why)
+    return {"id": "host:" + tree if tree else None, "status": NOT_INSPECTED, "reason": reason,
+            "python": cand["python"], "servers": [], "units": [], "user": user}
+
+
+def discover(params, servers, store=None, services=()):
     """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error}],
-    [{python, reason, sglang (version or None), skipped | error}] interpreters considered).
-    Sets each server's `install` (its install id, None when its interpreter has no sglang).
-    `store`: a scancache.Store keeping interpreters' answers (see located), or None.
-    An install's id is "host:<package_dir>" (or "host:<location>" when the package directory
-    was not found)."""
-    installs, considered, asked = {}, [], {}
+    [{python, reason, sglang (version or None), skipped | error}] interpreters considered,
+    [{id, status: NOT_INSPECTED, reason, python, servers: [pid], units: [name], user}] installs
+    seen but not inspected: a server's, a service's (`services`: units.services) or an idle
+    interpreter's (one that may_have_sglang) that trust.untrusted refused (`user`: the owner to
+    inspect it as) or that did not answer; `id` is "host:<package_dir>" read from its site
+    directories (seen_tree; None when none is found), one entry per tree.
+    Sets each server's `install` (its install id, None when its interpreter has no sglang or
+    was not asked). `store`: a scancache.Store keeping interpreters' answers (see located), or
+    None. An install's id is "host:<package_dir>" (or "host:<location>" when the package
+    directory was not found); one tree is one install (by its real path), whichever
+    interpreters reach it."""
+    installs, considered, asked, unseen = {}, [], {}, {}
     for s in servers:
         s["install"] = None
-    for python, first, why, pid in candidates(params, servers):
+    for cand in candidates(params, servers, services):
+        python, first, pid = cand["python"], cand["first"], cand["pid"]
         key = (python, tuple(first))
         if key not in asked:
-            entry = {"python": python, "reason": why, "sglang": None}
+            entry = {"python": python, "reason": cand["reason"], "sglang": None}
             considered.append(entry)
             asked[key] = None
             if not os.access(python, os.X_OK):
@@ -175,24 +305,38 @@ def discover(params, servers, store=None):
             why_not = trust.untrusted(python)
             if why_not:
                 entry["skipped"] = why_not
-                continue
-            try:
-                asked[key] = located(python, first, store)
-            except (RuntimeError, OSError) as e:
-                entry["error"] = str(e)
-                continue
-            entry["sglang"] = (asked[key]["sglang"] or {}).get("version")
+                asked[key] = {"refused": why_not}
+            else:
+                try:
+                    asked[key] = located(python, first, store)
+                    entry["sglang"] = (asked[key]["sglang"] or {}).get("version")
+                except (RuntimeError, OSError) as e:
+                    entry["error"] = str(e)
+                    asked[key] = {"failed": str(e)}
         res = asked[key]
+        if res and ("refused" in res or "failed" in res):
+            if cand["reason"] == "inventory" or (pid is None and not cand["idle"] and seen_tree(python, first) is None):
+                continue  # the inventory's is the host's failure (gather); a service with no sglang seen
+            e = _not_inspected(cand, res.get("refused") or res["failed"], "refused" in res)
+            e = unseen.setdefault(e["id"] or os.path.realpath(python), e)
+            if pid is not None:
+                e["servers"].append(pid)
+            if cand["unit"] and cand["unit"] not in e["units"]:
+                e["units"].append(cand["unit"])
+            continue
         if not res or not res["sglang"]:
             continue
         sg = res["sglang"]
         iid = "host:" + (sg["package_dir"] or sg["location"])
-        inst = installs.setdefault(iid, {"id": iid, "python": dict(res["python"], path=python), "sglang": sg,
-                                         "torch": res["torch"], "servers": [], "error": res["error"]})
+        same = next((i for i in installs.values() if os.path.realpath(i["id"][5:]) == os.path.realpath(iid[5:])), None)
+        inst = same or installs.setdefault(iid, {"id": iid, "python": dict(res["python"], path=python), "sglang": sg,
+                                                 "torch": res["torch"], "servers": [], "error": res["error"]})
         if pid is not None:
             inst["servers"].append(pid)
-            next(s for s in servers if s["pid"] == pid)["install"] = iid
-    return list(installs.values()), considered
+            next(s for s in servers if s["pid"] == pid)["install"] = inst["id"]
+    # an idle interpreter refused where another one reached the same tree: that tree is inspected
+    seen = [e for e in unseen.values() if e["servers"] or e["units"] or e["id"] not in installs]
+    return list(installs.values()), considered, seen
 
 
 def scan_install(inst, with_sources, store=None):
@@ -231,16 +375,24 @@ def scan_install(inst, with_sources, store=None):
                 inst["sources"][f] = None  # not UTF-8: planning refuses this file, inspect goes on
 
 
-def primary(installs, servers):
+def primary(installs, servers, unseen=()):
     """(the primary install or None, reason when None): the install of the server with the
-    lowest pid; with no server, the only install; otherwise none."""
+    lowest pid (none when that server's install was not inspected: its entry of `unseen`, the
+    not_inspected list, gives the reason); with no server, the only install, when nothing else
+    was seen; otherwise none."""
     by_id = dict((i["id"], i) for i in installs)
+    blocked = dict((pid, e) for e in unseen for pid in e["servers"])
     for s in sorted(servers, key=lambda s: s["pid"]):
         if s.get("install") in by_id:
             return by_id[s["install"]], None
-    if len(installs) == 1:
+        if s["pid"] in blocked:
+            return None, blocked[s["pid"]]["reason"]
+    if len(installs) == 1 and not unseen:
         return installs[0], None
-    return None, SEVERAL if installs else NONE_FOUND
+    if unseen and not installs:
+        more = len(unseen) - 1
+        return None, unseen[0]["reason"] + ("; %d more not inspected: see not_inspected" % more if more else "")
+    return None, SEVERAL if installs or unseen else NONE_FOUND
 
 
 def record_interpreter(store, params):
@@ -262,8 +414,9 @@ def main(params):
     (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
     there, site files aside: the probe runs with -S); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
-    Returns {"facts", "installs", "allocator_call_sites", "need_sort_origins", "scan",
-    ["sources"]}, the last four (and facts.sglang/python/torch) of the primary install."""
+    Returns {"facts", "installs", "not_inspected" (discover), "allocator_call_sites",
+    "need_sort_origins", "scan", ["sources"]}, the last four (and facts.sglang/python/torch) of
+    the primary install."""
     if "locate" in params:
         res = locate.locate(params["locate"])
         res["torch"] = torchver.installed()
@@ -276,7 +429,7 @@ def main(params):
     found = containers.containers(others) if params.get("containers", True) else []
     store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
     try:
-        installs, considered = discover(params, servers, store)
+        installs, considered, unseen = discover(params, servers, store, units.services())
         for inst in installs:
             if params.get("scan", True):
                 scan_install(inst, params.get("with_sources"), store)
@@ -289,7 +442,7 @@ def main(params):
     finally:
         if store:
             store.close()
-    main_inst, reason = primary(installs, servers)
+    main_inst, reason = primary(installs, servers, unseen)
     gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
     facts = {
         "hostname": os.uname().nodename,  # what gethostname(2) answers on Linux, without importing socket
@@ -305,8 +458,8 @@ def main(params):
         "interpreter_discovery": {"python": main_inst["python"]["path"] if main_inst else None,
                                   "reason": reason or "install %s" % main_inst["id"], "considered": considered},
     }
-    out = {"facts": facts, "installs": installs, "allocator_call_sites": [], "need_sort_origins": [],
-           "scan": None}
+    out = {"facts": facts, "installs": installs, "not_inspected": unseen, "allocator_call_sites": [],
+           "need_sort_origins": [], "scan": None}
     if params.get("records"):
         out["container_records"] = containers.records(params["records"])
     if main_inst:

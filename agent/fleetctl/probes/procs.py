@@ -10,13 +10,15 @@ below another server (the DP workers of `sglang_router.launch_server`) is one of
 and `sglang::` titled processes (SGLang's setproctitle names) count under their server.
 
 Facts come from the process itself: its interpreter (argv[0] on its own PATH, else /proc/PID/exe),
-its working directory and PYTHONPATH (what its `sys.path` started with), and the GPUs it uses
-(CUDA_VISIBLE_DEVICES, --tp-size, --dp-size, --base-gpu-id: sglang/srt/server_args.py).
+its working directory and PYTHONPATH (what its `sys.path` started with), its parallel layout
+(tensor, data and pipeline parallel sizes, DP attention, nnodes, node rank, dist-init-addr, read
+from its argv: topology.read) and the GPUs it uses (the devices SGLang's launch code gives its
+schedulers, under the CUDA_VISIBLE_DEVICES it started with: topology.gpu_ids).
 """
 
 import os
 
-from . import listeners, redact
+from . import listeners, redact, topology
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
@@ -34,22 +36,13 @@ def read(path, mode="r"):
         return None
 
 
-def _opt(argv, *names):
-    """Value of the last of `names` in argv (`--name V` or `--name=V`; the last one given wins,
-    as with argparse), else None."""
-    found = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                found = argv[i + 1]
-            elif a.startswith(n + "="):
-                found = a[len(n) + 1:]
-    return found
-
-
-def _int_opt(argv, default, *names):
-    v = _opt(argv, *names)
-    return int(v) if v and v.isdigit() else default
+def cmdline(pid):
+    """Process `pid`'s argv from /proc/PID/cmdline (each item at most MAX_ARG characters), None
+    when it cannot be read or is empty (a kernel thread, a zombie)."""
+    raw = read("/proc/%d/cmdline" % pid, "rb")
+    if not raw:
+        return None
+    return [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
 
 
 def python_program(argv):
@@ -135,15 +128,14 @@ def _proc_table(host_view):
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
-        raw = read("/proc/%s/cmdline" % d, "rb")
+        argv = cmdline(int(d))
         stat = read("/proc/%s/stat" % d)
-        if not raw or not stat:
+        if not argv or not stat:
             continue
         try:
             mnt = os.readlink("/proc/%s/ns/mnt" % d)
         except OSError:
             mnt = own_mnt
-        argv = [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if own_mnt is not None and mnt != own_mnt and not host_view(int(d)):
             if server_kind(argv) and _is_python(int(d)):
@@ -175,6 +167,19 @@ def interpreter(pid, argv):
         if os.path.isfile(name) and os.path.realpath(name) == real:
             return name
     return exe
+
+
+def service_unit(pid):
+    """The systemd service process `pid` runs in: the `NAME.service` its cgroup path ends in
+    under /system.slice (/proc/PID/cgroup: the unified hierarchy's line, else name=systemd's;
+    systemd.special(7)), or None. A label for reports: what the process is trusted with is
+    containers.classify's."""
+    lines = (read("/proc/%d/cgroup" % pid) or "").splitlines()
+    for line in [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]:
+        parts = line.split(":", 2)[2].split("/")
+        if len(parts) > 2 and parts[1] == "system.slice" and parts[-1].endswith(".service"):
+            return parts[-1][:MAX_ARG]
+    return None
 
 
 def _cwd(pid):
@@ -209,17 +214,6 @@ def _listening_ports(pids):
     return {pid: sorted({port for _, _, port, _ in held}) for pid, held in listeners.held(pids).items()}
 
 
-def _gpus_used(pid, argv, tp, dp):
-    """GPUs a server uses: CUDA_VISIBLE_DEVICES (None when unset: every GPU is visible), and the
-    device ids it takes, --base-gpu-id onwards, tp * dp of them (server_args.py)."""
-    visible = environ(pid, {"CUDA_VISIBLE_DEVICES"}).get("CUDA_VISIBLE_DEVICES")
-    base = _int_opt(argv, 0, "--base-gpu-id")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
-    n = tp * dp
-    used = ids[base:base + n] if ids is not None else [str(i) for i in range(base, base + n)]
-    return visible, used
-
-
 def _ancestors(pid, table):
     seen, p = [], table[pid][1]
     while p in table and p not in seen and p > 1:
@@ -232,15 +226,18 @@ def find_servers(host_view=lambda pid: False):
     """Running SGLang servers in this mount namespace (and in the others that `host_view(pid)`
     reads as the host's: containers.host_view, system services), one per process tree.
 
-    Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, python, cwd,
-    import_path, cuda_visible_devices, gpus, workers: [{pid, ports}], processes}], [pid] of the
+    Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, pp_size,
+    enable_dp_attention, nnodes, node_rank, dist_init_addr, base_gpu_id, gpu_id_step (the layout:
+    topology.read), python, cwd, import_path, unit (service_unit), cuda_visible_devices (None:
+    unset), gpu_ids (topology.gpu_ids: the devices its schedulers run on, as the host names them),
+    workers: [{pid, ports}], processes}], [pid] of the
     servers in other mount namespaces: containers, see containers.py). `python`: see interpreter();
     `import_path`: see import_path(); `processes`: the server's `sglang::` titled descendants;
     `workers`: a router's Python children that listen on TCP ports (its DP workers; not its
     multiprocessing resource tracker), and servers started below this one, with their ports.
-    Flags per sglang/srt/server_args.py (--port default 30000, --model-path, --tp-size, --dp-size).
-    Secrets in argv (--api-key, tokens, URL passwords) are redacted here, before they leave the
-    host (redact.py)."""
+    Flags per sglang/srt/server_args.py (--port default 30000, --host, --model-path; the layout's: topology).
+    Secrets in argv, model_path and host (--api-key, tokens, headers, URL passwords, signed-URL
+    parameters) are redacted here, before they leave the host (redact.py)."""
     table, others = _proc_table(host_view)
     cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and _is_python(pid)}
     tops = {pid for pid in cands if not any(a in cands for a in _ancestors(pid, table))}
@@ -253,10 +250,9 @@ def find_servers(host_view=lambda pid: False):
     for pid in sorted(tops):
         argv = table[pid][0]
         kind = server_kind(argv)
-        port = _opt(argv, "--port")
-        tp = _int_opt(argv, 1, "--tp-size", "--tp", "--tensor-parallel-size")
-        dp = _int_opt(argv, 1, "--dp-size", "--dp", "--data-parallel-size")
-        visible, used = _gpus_used(pid, argv, tp, dp)
+        port = topology.option(argv, "--port")
+        layout = topology.read(argv)
+        visible = environ(pid, {"CUDA_VISIBLE_DEVICES"}).get("CUDA_VISIBLE_DEVICES")
         kids = sorted(below.get(pid, []))
         children = [p for p in kids if kind == "router" and table[p][1] == pid and _is_python(p)]
         ports = _listening_ports(set(children) | (set(kids) & cands))
@@ -264,11 +260,12 @@ def find_servers(host_view=lambda pid: False):
         servers.append({
             "pid": pid, "argv": redact.argv(argv), "kind": kind,
             "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
-            "host": _opt(argv, "--host") or "127.0.0.1",
-            "model_path": _opt(argv, "--model-path", "--model"),
-            "tp_size": tp, "dp_size": dp,
+            "host": redact.text(topology.option(argv, "--host") or "127.0.0.1"),
+            "model_path": redact.text(topology.option(argv, "--model-path", "--model")),
             "python": interpreter(pid, argv), "cwd": _cwd(pid), "import_path": import_path(pid, argv),
-            "cuda_visible_devices": visible, "gpus": used,
+            "unit": service_unit(pid),
+            **{k: layout[k] for k in topology.KEYS},
+            "cuda_visible_devices": visible, "gpu_ids": topology.gpu_ids(layout, visible),
             "workers": [{"pid": p, "ports": ports[p]} for p in workers],
             "processes": sum(1 for p in kids if table[p][0][:1] and table[p][0][0].startswith("sglang::")),
         })

@@ -7,7 +7,12 @@ listening socket, on loopback or an address of this host: review N6), again whil
 listening yet. For each target it waits for `GET /health` to answer 200 (503 means "still
 starting", connection refused means "not up yet"), then decodes a fixed prompt given as
 `input_ids` greedily `repeat` times through `POST /generate` and checks the answer. Optionally
-it runs an offline smoke command instead / as well.
+it runs an offline smoke command instead / as well. A target of node rank 1 and above (a
+non-zero-rank node of a multi-node server, targets.py) gets the health wait only: SGLang runs no
+tokenizer there, and its port is `launch_dummy_health_check_server`'s, which answers `/health`,
+`/health_generate` (and `/ping` from 0.5.10) with 200 and nothing else (0.4.6.post5 and 0.5.2
+srt/utils.py, 0.5.10 and 0.5.23 srt/utils/common.py; started by entrypoints/engine.py for
+`node_rank >= 1`); its decode is rank 0's.
 
 Request and response shapes are SGLang's own: `GenerateReqInput` (sglang/srt/managers/
 io_struct.py), `SamplingParams` (sglang/srt/sampling/sampling_params.py), the out dict and
@@ -27,11 +32,16 @@ import time
 import urllib.error
 import urllib.request
 
-from . import redact, targets
+from . import redact, targets, topology
 
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]
 TAIL_LINES = 20
+# /generate's answer from a port that serves no such route (FastAPI's 404, which SGLang's dummy
+# health server gives), and what the error adds when /server_info did not answer either
+NOT_FOUND = '/generate answered HTTP 404: {"detail": "Not Found"}'
+DUMMY_HINT = ("; the port answers /health but neither /generate nor /server_info, as SGLang's dummy health server of a "
+              "non-zero-rank node does: a --node-rank its command line does not give (a --config file?)")
 MAX_BODY = 16 << 20  # bytes of one HTTP answer read at most
 # The servers are on this host: never through the environment's http_proxy (review L9).
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -102,9 +112,10 @@ def check_generate(status, out, n):
 
 
 def _server_facts(base, timeout):
-    """model_path from /model_info (or /get_model_info before 0.5), version and stand_in flag
-    from /server_info (or /get_server_info); missing facts are None."""
-    facts = {"model_path": None, "version": None, "stand_in": False}
+    """model_path from /model_info (or /get_model_info before 0.5), version, stand_in flag and
+    server_args (its parallel layout as the server resolved it: topology.server_info) from
+    /server_info (or /get_server_info); missing facts are None."""
+    facts = {"model_path": None, "version": None, "stand_in": False, "server_args": None}
     for paths, keys in ((("/model_info", "/get_model_info"), ("model_path",)),
                         (("/server_info", "/get_server_info"), ("version", "stand_in"))):
         for path in paths:
@@ -114,6 +125,8 @@ def _server_facts(base, timeout):
                 continue
             if status == 200 and isinstance(body, dict):
                 facts.update({k: body[k] for k in keys if k in body})
+                if "stand_in" in keys:
+                    facts["server_args"] = topology.server_info(body)
                 break
     return facts
 
@@ -133,29 +146,36 @@ def choose(selectors, port, host, deadline_s):
         delay = min(delay * 2, 2.0)
 
 
-def _result(host, port):
+def _result(host, port, node_rank=0):
     """A smoke_server result before anything is known (see there)."""
-    return {"host": host, "port": int(port), "model_path": None, "version": None, "stand_in": False,
+    return {"host": host, "port": int(port), "node_rank": node_rank, "health_only": node_rank >= 1,
+            "model_path": None, "version": None, "stand_in": False, "server_args": None,
             "health_wait_s": None, "ok": False, "error": None, "output_ids": None,
             "ids_consistent": None, "latency_s": None, "e2e_latency_s": None, "tokens_per_s": None,
             "runs": []}
 
 
 def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
-                 input_ids=None, request_timeout=60.0, warmup=1):
-    """Health wait + `repeat` greedy decodes against one SGLang server at host:port.
+                 input_ids=None, request_timeout=60.0, warmup=1, node_rank=0):
+    """Health wait + `repeat` greedy decodes against one SGLang server at host:port; for
+    `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only.
 
-    Times in seconds. Returns {host, port, model_path, version, stand_in, health_wait_s, ok,
-    error, output_ids (first run), ids_consistent (all runs equal), latency_s (median client
-    time), e2e_latency_s (median server meta_info.e2e_latency), tokens_per_s, runs: [{output_ids,
-    latency_s, e2e_latency_s, problems}]}. `warmup` untimed decodes go first. Never raises for server faults; they land in error.
+    Times in seconds. Returns {host, port, node_rank, health_only (no decode: node_rank >= 1),
+    model_path, version, stand_in, server_args (topology.server_info of its /server_info, None
+    when it does not answer), health_wait_s, ok, error, output_ids (first run), ids_consistent
+    (all runs equal), latency_s (median client time), e2e_latency_s (median server
+    meta_info.e2e_latency), tokens_per_s, runs: [{output_ids, latency_s, e2e_latency_s,
+    problems}]}. `warmup` untimed decodes go first. Never raises for server faults; they land in error.
     """
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
-    res = _result(host, port)
+    res = _result(host, port, node_rank)
     healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
     res["health_wait_s"] = round(waited, 3)
     if not healthy:
         res["error"] = "health deadline exceeded after %.0f s: last answer %s" % (health_timeout, last)
+        return res
+    if res["health_only"]:
+        res["ok"] = True
         return res
     res.update(_server_facts(base, request_timeout))
     body = {"input_ids": list(input_ids or DEFAULT_INPUT_IDS),
@@ -179,6 +199,8 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     problems = [p for r in res["runs"] for p in r["problems"]]
     if problems:
         res["error"] = "; ".join(sorted(set(problems), key=problems.index))
+        if res["server_args"] is None and any(r["problems"][:1] == [NOT_FOUND] for r in res["runs"]):
+            res["error"] += DUMMY_HINT
         return res
     runs = res["runs"]
     res["output_ids"] = runs[0]["output_ids"]
@@ -230,8 +252,8 @@ def main(params):
     request_timeout (60 s, per HTTP request); offline_cmd: a shell command string (from the
     playbook or inventory); offline_timeout (600 s); api_key: the servers' API key (sent as a
     bearer token to the targets only, never returned).
-    Returns {"servers": [smoke_server result + pid, ...; a server that never listened: ok false,
-    the reason in error], "refused": [{pid, host, port, reason}] (targets.select: nothing was
+    Returns {"servers": [smoke_server result + pid, ...; a non-zero-rank node's: health only; a
+    server that never listened: ok false, the reason in error], "refused": [{pid, host, port, reason}] (targets.select: nothing was
     sent to them), "offline": offline_check result or None}; server errors have their secrets
     redacted (redact.py).
     """
@@ -246,7 +268,7 @@ def main(params):
                                     max_new_tokens=int(params.get("max_new_tokens", 16)),
                                     input_ids=params.get("input_ids"),
                                     request_timeout=float(params.get("request_timeout", 60)),
-                                    warmup=int(params.get("warmup", 1))))
+                                    warmup=int(params.get("warmup", 1)), node_rank=t["node_rank"]))
         servers[-1]["pid"] = t["pid"]
     for p in picked["pending"]:
         servers.append(dict(_result(p["host"], p["port"]), pid=p["pid"], health_wait_s=round(waited, 3),

@@ -24,11 +24,14 @@ it only says which of the server's own sockets to use, never where to connect.
   its import path).
 
 Each refusal names the process (pid), what it claimed (host, port) and why; nothing is sent to it.
+Each target carries the node rank its process's command line gives (topology.read): a server of
+rank 1 and above is a non-zero-rank node of a multi-node deployment, whose port serves only
+/health (SGLang's dummy health server: engine.py `launch_dummy_health_check_server`).
 """
 
 import ipaddress
 
-from . import containers, listeners, procs
+from . import containers, listeners, procs, topology
 
 NOT_IDENTIFIED = "the listener of a process that is no identified server"
 GONE = "pid %d exited and no server of the same interpreter on its port has taken its place"
@@ -191,8 +194,14 @@ def _alive(pid):
         return False
 
 
+def _node_rank(pid):
+    """The node rank process `pid`'s command line gives (topology.read; 0 when it cannot be read)."""
+    return topology.read(procs.cmdline(pid) or [])["node_rank"]
+
+
 def live(selectors):
-    """The servers `selectors` name, now: [{pid, port, host, gone}] (port, host: what each claims).
+    """The servers `selectors` name, now: [{pid, port, host, node_rank, gone}] (port, host, node_rank:
+    what each one's command line claims, node_rank as topology.read reads it).
     A selector {pid, python, port, host} is a server as the facts probe identified it (pid as
     this probe sees it, python its interpreter, port and host from its argv): that process while
     it runs, else its successors (module docstring), else an entry gone with the reason.
@@ -204,11 +213,11 @@ def live(selectors):
         pid = sel.get("pid")
         port = int(sel.get("port") or procs.DEFAULT_PORT)
         if pid is not None and _alive(pid):
-            now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1"}]
+            now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "node_rank": _node_rank(pid)}]
         else:
             if found is None:
                 found = procs.find_servers(containers.host_view)[0]
-            now = [{"pid": s["pid"], "port": s["port"], "host": s["host"]} for s in found
+            now = [{"pid": s["pid"], "port": s["port"], "host": s["host"], "node_rank": s["node_rank"]} for s in found
                    if pid is None or (sel.get("python") is not None and s["pid"] not in given
                                       and (s["python"], s["port"]) == (sel["python"], port))]
             if pid is not None and not now:
@@ -220,7 +229,8 @@ def live(selectors):
 def pick(selectors, port=None, host=None):
     """The targets of `selectors` (live()) as select() decides them on this host's /proc now.
     `port`, `host`: the inventory's choice; a {"pid": None} selector may carry it instead (for
-    callers that pass only selectors: the collection's smoke module). Returns select()'s answer."""
+    callers that pass only selectors: the collection's smoke module). Returns select()'s answer,
+    each target with the node rank its server's command line gives (live(): "node_rank")."""
     for sel in selectors:
         if sel.get("pid") is None and port is None:
             port, host = sel.get("port"), sel.get("host")
@@ -236,4 +246,8 @@ def pick(selectors, port=None, host=None):
                     s["here"].append((inode, address, p))
                 else:
                     s["elsewhere"].append((address, p))
-    return select(servers, listeners.listening(), listeners.local_addresses(), port, host)
+    picked = select(servers, listeners.listening(), listeners.local_addresses(), port, host)
+    ranks = {s["pid"]: s.get("node_rank") or 0 for s in servers}
+    for t in picked["targets"]:
+        t["node_rank"] = ranks.get(t["pid"], 0)
+    return picked

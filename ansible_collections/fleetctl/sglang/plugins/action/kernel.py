@@ -4,9 +4,12 @@
 """fleetctl.sglang.kernel on the controller: load the package, find the SGLang interpreter (inspect
 module), preflight and build key, then transfer, build, test and mark on the host (the kernel
 module's steps, the same sequence as `fleetctl deploy kernel`: deploy.build_and_test), and
-activate with the patch module's host side (one ledger change)."""
+activate with the patch module's host side (one ledger change), under the play's lease on
+fleetctl's host lock (the lock module: renewed, or taken when the play holds none)."""
 
 from __future__ import annotations
+
+import functools
 
 from ansible.plugins.action import ActionBase
 from ansible_collections.fleetctl.sglang.plugins.module_utils import pins
@@ -78,8 +81,14 @@ class ActionModule(ActionBase):
                 return result
             plan = ops.kernel_change(pkg, root, link, current, key,
                                      "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
+            # the activation is written under the play's lease on fleetctl's host lock (renewed, or
+            # taken here when the play holds none), as the patch action writes a change
+            lock = functools.partial(self._module, task_vars=task_vars)
+            fact = ops.hold_lease(lock, ops.held_lease(task_vars, state_dir), state_dir)
             wrote = self._module(PATCH, {"plan": plan, "commit": bool(args.get("commit")), "state_dir": state_dir},
                                  task_vars)
+            fact = ops.settle_lease(lock, fact, bool(wrote.get("failed")), wrote.get("pending"))
+            result["ansible_facts"] = {ops.LEASE_FACT: fact}
             if wrote.get("failed"):
                 raise HostFailed("activation: %s" % wrote.get("msg"))
         except (HostFailed, ParseError) as e:

@@ -15,6 +15,12 @@ description:
     (C(state_dir)/ledger.jsonl), backups, pre-image sha256 check and atomic writes.
   - A written change stays C(pending) until M(fleetctl.sglang.smoke) with O(change_id) gates it and commits it, or
     O(state=committed) does; a pending change is what C(fleetctl apply) or C(fleetctl recover) undo after a failed run.
+  - A pending change is written only under a live lease on fleetctl's host lock (M(fleetctl.sglang.lock)), so that
+    no C(fleetctl apply) or C(recover) undoes it before the gate. The action plugin renews the play's lease (the fact
+    C(fleetctl_lease)), or takes one when the play holds none (failing with the holder's name when another run
+    holds the lock); a lease it took itself ends when the task leaves nothing pending, or fails. O(state=committed)
+    and O(state=rolled_back) renew (or take) it the same way. On the host a pending change with no live lease in
+    O(state_dir)/lock.lease is refused.
   - With C(--check) and C(--diff) it shows the same unified diffs as C(fleetctl apply --check --diff) and changes nothing.
 version_added: "0.1.0"
 author:
@@ -101,10 +107,20 @@ files:
   returned: with O(state=rolled_back)
   type: list
   elements: str
+pending:
+  description: The changes still pending in the ledger afterwards (their ids).
+  returned: when a change was written, committed or rolled back
+  type: list
+  elements: str
 """
 
+import fcntl
+import json
+import os
+import time
+
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import change
+from ansible_collections.fleetctl.sglang.plugins.module_utils import change, ledger
 
 
 def run(module, action, **params):
@@ -118,6 +134,34 @@ def run(module, action, **params):
 def entry(module, cid):
     """The ledger summary entry of change `cid`, or None."""
     return next((c for c in run(module, "status")["changes"] if c["change_id"] == cid), None)
+
+
+def pending(state_dir):
+    """The ids of the changes whose last state in the ledger is pending."""
+    return [cid for cid, e in ledger.changes(state_dir).items() if e["state"] == ledger.PENDING]
+
+
+def under_lease(state_dir, write):
+    """write() while a live lease of fleetctl.sglang.lock holds fleetctl's host lock: STATE_DIR/lock.lease names
+    this boot (/proc/sys/kernel/random/boot_id), a time on CLOCK_BOOTTIME not yet up and a running holder process
+    (its /proc/PID/stat start); the record is held under its shared flock meanwhile, so its holder cannot end the
+    lease during the write. Returns write()'s answer, or None (nothing written) when there is no live lease. The same
+    reading as the lock module's `live` (modules share code only through module_utils, which are fleetctl's probes)."""
+    try:
+        f = os.fdopen(os.open(os.path.join(state_dir, "lock.lease"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except OSError:
+        return None
+    with f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            lease = json.loads(f.read())
+            with open("/proc/sys/kernel/random/boot_id") as b, open("/proc/%d/stat" % lease["pid"]) as st:
+                bid, proc = b.read().strip(), st.read().rsplit(")", 1)[1].split()
+            ok = lease["boot_id"] == bid and proc[0] not in ("Z", "X") and proc[19] == lease["start"] and \
+                time.clock_gettime(time.CLOCK_BOOTTIME) < lease["expires"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            ok = False
+        return write() if ok else None
 
 
 def main():
@@ -138,24 +182,32 @@ def main():
             module.fail_json(msg="state=applied runs through the fleetctl.sglang.patch action plugin, which plans")
         if module.check_mode:
             module.exit_json(changed=True, change_id=p["plan"]["change_id"])
-        res = run(module, "apply", commit=p["commit"], **p["plan"])
+        if p["commit"]:
+            res = run(module, "apply", commit=True, **p["plan"])
+        else:
+            res = under_lease(p["state_dir"], lambda: run(module, "apply", commit=False, **p["plan"]))
+            if res is None:
+                module.fail_json(msg="not writing a pending change without a lease on fleetctl's host lock (no live "
+                                 "lease in %s/lock.lease): take one with fleetctl.sglang.lock first" % p["state_dir"])
         module.exit_json(changed=True, change_id=p["plan"]["change_id"], files=[f["path"] for f in p["plan"]["files"]],
-                         ledger=res)
+                         ledger=res, pending=pending(p["state_dir"]))
     e = entry(module, p["change_id"])
     if e is None:
         module.fail_json(msg="no change %r in the ledger" % p["change_id"])
+    sd = p["state_dir"]
     if p["state"] == "committed":
         if e["state"] == "applied":
-            module.exit_json(changed=False, change_id=p["change_id"])
+            module.exit_json(changed=False, change_id=p["change_id"], pending=pending(sd))
         if not module.check_mode:
             run(module, "commit", change_id=p["change_id"], reason="gated by ansible")
-        module.exit_json(changed=True, change_id=p["change_id"])
+        module.exit_json(changed=True, change_id=p["change_id"], pending=pending(sd))
     if e["state"] == "rolled-back":
-        module.exit_json(changed=False, change_id=p["change_id"], files=[])
+        module.exit_json(changed=False, change_id=p["change_id"], files=[], pending=pending(sd))
     if module.check_mode:
         module.exit_json(changed=True, change_id=p["change_id"], files=e["files"])
     res = run(module, "rollback", change_id=p["change_id"], force=p["force"], reason="ansible rollback")
-    module.exit_json(changed=True, change_id=p["change_id"], files=res.get("files", []), forced=res.get("forced") or [])
+    module.exit_json(changed=True, change_id=p["change_id"], files=res.get("files", []), forced=res.get("forced") or [],
+                     pending=pending(sd))
 
 
 if __name__ == "__main__":

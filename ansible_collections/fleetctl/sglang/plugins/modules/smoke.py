@@ -14,6 +14,11 @@ description:
   - With O(baseline) (the RV(smoke) of an earlier run, registered before the change) the action plugin gates the
     result as C(fleetctl apply) does (decode, tokens, latency); a failed gate fails the task.
   - With O(change_id) too, a passing gate commits that pending change in the ledger.
+  - With O(change_id), the play's lease on fleetctl's host lock (the fact C(fleetctl_lease) of M(fleetctl.sglang.lock)
+    or M(fleetctl.sglang.patch)) is renewed before the decode, to cover it (each server's health wait and requests,
+    the offline command), and again before the commit; with no lease held one is taken, and a task that cannot have
+    one fails naming the run that holds the lock. A lease M(fleetctl.sglang.patch) took itself ends once the commit
+    leaves nothing pending, or when the gate fails.
 version_added: "0.1.0"
 author:
   - fleetctl maintainers (@fleetctl)
