@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -179,18 +181,27 @@ def test_off_keys_and_routes_are_sglangs(servers, sglang):
     assert json.loads(data)["tokenizer_path"] == os.path.join(os.path.dirname(standin.SERVER), "tokenizer")
 
 
-def test_tokenizer_is_the_servers_byte_encoding(monkeypatch):
+def test_tokenizer_is_the_servers_byte_encoding():
     """transformers' AutoTokenizer loads the shipped directory offline, as the clients do, and it
-    encodes and decodes as server.py does: id i = byte i, 256 <eos>, 257..511 special."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    encodes and decodes as server.py does: id i = byte i, 256 <eos>, 257..511 special. Run in an
+    interpreter of its own, as the clients run: in this one, a test that imported ansible-core has
+    patched sys.intern, which torch (imported by transformers) cannot take."""
     server = load_server_module()
-    tok = AutoTokenizer.from_pretrained(server.TOKENIZER_DIR)
-    assert tok.vocab_size == 256 and len(tok) == server.VOCAB and tok.eos_token_id == server.EOS
-    for text in ("Hello, world", "héllo wörld ✓", " two  spaces\n"):
-        assert tok.encode(text, add_special_tokens=False) == server.encode(text)
+    texts = ["Hello, world", "héllo wörld ✓", " two  spaces\n"]
     ids = [72, 105, 256, 300, 511, 195, 169, 33]
-    assert tok.decode(ids, skip_special_tokens=True) == server.decode(ids) == "Hié!"
+    script = ("import json, sys\nfrom transformers import AutoTokenizer\n"
+              "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+              "texts, ids = json.loads(sys.argv[2]), json.loads(sys.argv[3])\n"
+              "print(json.dumps({'vocab_size': tok.vocab_size, 'len': len(tok), 'eos': tok.eos_token_id,"
+              " 'encoded': [tok.encode(t, add_special_tokens=False) for t in texts],"
+              " 'decoded': tok.decode(ids, skip_special_tokens=True)}))\n")
+    r = subprocess.run([sys.executable, "-c", script, str(server.TOKENIZER_DIR), json.dumps(texts), json.dumps(ids)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert (got["vocab_size"], got["len"], got["eos"]) == (256, server.VOCAB, server.EOS)
+    assert got["encoded"] == [server.encode(t) for t in texts]
+    assert got["decoded"] == server.decode(ids) == "Hié!"
 
 
 def test_fail_every_counts_streamed_requests_only(servers):
