@@ -524,9 +524,9 @@ def test_a_server_behind_a_launcher_is_one_server_on_the_envs_install(installs, 
 
 
 def test_the_last_of_a_repeated_option_wins_as_with_argparse():
-    from fleetctl.probes import procs
+    from fleetctl.probes import procs, topology
     argv = ["/v/bin/python", "-m", "sglang.launch_server", "--port", "30000", "--tp", "2", "--port=30001"]
-    assert (procs._opt(argv, "--port"), procs._opt(argv, "--tp-size", "--tp"), procs._opt(argv, "--host")) == \
+    assert (topology.option(argv, "--port"), topology.option(argv, "--tp-size", "--tp"), topology.option(argv, "--host")) == \
         ("30001", "2", None)
     assert procs.python_program(["python3", "-u", "-X", "dev", "-Wignore", "-m", "sglang.launch_server", "--x"]) == \
         ("u", "m", "sglang.launch_server", ["--x"])
