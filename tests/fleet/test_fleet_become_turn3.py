@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import json
 
+import os
+import signal
+import time
+
 import pytest
 import yaml
 
@@ -53,6 +57,34 @@ def inventory(lab, path) -> tuple[str, dict[str, int]]:
         at[name] = len(lines)
     path.write_text("\n".join(lines) + "\n")
     return str(path), at
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+@pytest.fixture(autouse=True)
+def sessions_end(lab):
+    """The become logins' SSH sessions (an ssh kind's master lingers ControlPersist seconds) are
+    gone before the next test, which counts the processes left on a lab host."""
+    yield
+    deadline = time.monotonic() + 15
+    while True:
+        left = [p for h in lab.hosts for p in lab.pids(h) if _cmdline(p).startswith(b"sshd: flab")]
+        if not left:
+            return
+        if time.monotonic() > deadline:  # this module's own logins: end them (the lab's users only)
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 60
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("kind", ["paramiko", "ssh"])
