@@ -58,10 +58,10 @@ def test_no_decrypted_value_is_printed_and_what_was_vaulted_stays_usable(tmp_pat
         all:
           hosts:
             gpu-01:
-              ansible_host: 10.213.250.11
+              ansible_host: 10.213.7.11
               ansible_become_password: {direct}
             gpu-02:
-              ansible_host: 10.213.250.12
+              ansible_host: 10.213.7.12
               ansible_become_password: "{{{{ sudo_pw }}}}"
               sudo_pw: "{{{{ vault_sudo }}}}"
               vault_sudo: {templated}
@@ -107,7 +107,7 @@ def test_vars_of_a_file_vault_encrypted_whole_are_left_out(tmp_path):
     its vars are left out, as is what `ssh -G` resolves from them (the user), and the vars
     templated from one of them are written unrendered."""
     source = tmp_path / "hosts.yaml"
-    source.write_text("gpu:\n  hosts:\n    gpu-01:\n      ansible_host: 10.213.250.11\n"
+    source.write_text("gpu:\n  hosts:\n    gpu-01:\n      ansible_host: 10.213.7.11\n"
                       "      ansible_become_password: '{{ vault_sudo }}'\n"
                       "      fleetctl_smoke_cmd: 'check {{ vault_sudo }}'\n")
     (tmp_path / "group_vars").mkdir()
@@ -116,7 +116,7 @@ def test_vars_of_a_file_vault_encrypted_whole_are_left_out(tmp_path):
     for secret in ("vaulted-ops", "pw-from-file"):
         assert secret.encode() not in r.stdout.encode() + r.stderr.encode(), secret
     host = doc["all"]["hosts"]["gpu-01"]
-    assert host == {"ansible_host": "10.213.250.11", "ansible_become_password": "{{ vault_sudo }}",
+    assert host == {"ansible_host": "10.213.7.11", "ansible_become_password": "{{ vault_sudo }}",
                     "fleetctl_smoke_cmd": "check {{ vault_sudo }}"}
     assert any(n.startswith("fleetctl inventory export: left out: set in a file vault-encrypted whole")
                and n.endswith(": ansible_user (gpu-01); vault_sudo (gpu-01)") for n in r.stderr.splitlines()), r.stderr
@@ -204,7 +204,7 @@ def test_a_source_ansible_inventory_reads_with_a_vars_file_encrypted_whole_is_no
     group_vars/all/vault.yml)."""
     src = tmp_path / "inv"
     (src / "group_vars" / "all").mkdir(parents=True)
-    (src / "hosts.ini").write_text("[gpus]\ngpu-01 ansible_host=10.213.250.11\n")
+    (src / "hosts.ini").write_text("[gpus]\ngpu-01 ansible_host=10.213.7.11\n")
     vault = src / "group_vars" / "all" / "vault.yml"
     vault.write_text(encrypted("ansible_become_password: S3cret-BECOME-INFILE\n"))
     (tmp_path / "vault-pass").write_text(PASSWORD + "\n")

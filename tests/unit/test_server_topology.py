@@ -234,5 +234,5 @@ def test_a_rank_1_nodes_gate_is_rank_0s_decode_or_its_health_said_as_such():
 def test_the_apply_table_says_how_a_rank_1_node_was_gated():
     console = Console(file=io.StringIO(), width=300)
     data = {"plan": {"edits": [1], "left_alone": []}, "validation": {"status": "passed", "gate": RANK0_ABSENT}}
-    render_apply([HostResult("rank1", "10.0.0.2", HostStatus.CHANGED, data=data)], console, diff=False, check=False)
+    render_apply([HostResult("rank1", "10.213.66.12", HostStatus.CHANGED, data=data)], console, diff=False, check=False)
     assert "passed; gate: rank 0 not in this run: /health only" in console.file.getvalue()
