@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU proof of kernels/verify_attention in one command (stages 0-4, see bench/gpu_check/check.py):
+# GPU proof of kernels/verify_attention in one command (stages 0-6, see bench/gpu_check/check.py):
 #
 #   bash bench/gpu_check.sh                    # on the GPU machine: writes $OUT/gpu_check.{json,md,log}
-#   bash bench/gpu_check.sh --stages 2,3       # rerun only those stages (the others keep their records)
+#   bash bench/gpu_check.sh --stage speed      # rerun only the speed stage (the others keep their records)
+#   bash bench/gpu_check.sh --stages 2,3       # the same by stage numbers
+#   bash bench/gpu_check.sh --backend cuda     # the new kernel is the CUDA backend (default: triton)
 #   bash bench/gpu_check.sh --cpu --out DIR    # the same script on a CPU: CPU backend, smallest shapes,
-#                                              # SGLang's Triton kernel under TRITON_INTERPRET=1
+#                                              # SGLang's Triton kernels under TRITON_INTERPRET=1
 #
 # Needs python3 with torch, pyyaml (and triton for the SGLang baseline, nvcc for the CUDA build);
 # not fleetctl's own dependencies: stage 1 runs fleetctl as `PYTHONPATH=agent python3 -m fleetctl.cli`.

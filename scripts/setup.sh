@@ -19,6 +19,8 @@ command -v ccache >/dev/null 2>&1 || need_apt+=(ccache)
 # are in hybrid mode, which crun refuses)
 command -v podman >/dev/null 2>&1 || need_apt+=(podman)
 [ -x /usr/sbin/runc ] || command -v runc >/dev/null 2>&1 || need_apt+=(runc)
+# tests/machine/test_report_browser.py: the HTML report in Debian's chromium, driven through its chromedriver
+[ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] || need_apt+=(chromium chromium-driver)
 if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
@@ -83,9 +85,11 @@ if [ "$(cat "$tools/.fleetctl-ready" 2>/dev/null)" != "$tools_want" ]; then
     echo "$tools_want" > "$tools/.fleetctl-ready"
 fi
 
-# The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache.
+# The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache
+# (wheels only, no deps). 0.4.10 and 0.5.19 are read by tests/unit/test_verifyroute.py only: two
+# releases no lab host runs, on which route-verify-attention's finding must work unshown.
 "$PY" - <<'PYEOF'
 from fleetctl.wheels import ensure_wheel
-for v in ("0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"):
+for v in ("0.4.6.post5", "0.4.10", "0.5.2", "0.5.10", "0.5.19", "0.5.23"):
     print("wheel cache:", ensure_wheel(v).name)
 PYEOF

@@ -234,6 +234,16 @@ def write_ssh_config(path: Path, known_hosts: Path, extra: str = "") -> Path:
 SERVER_LAB_ID = int(os.environ.get("FLEETCTL_TEST_SERVER_LAB_ID", "8"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_history(tmp_path_factory) -> Path:
+    """The run's history file ($FLEETCTL_HISTORY, set in this process's environment, which the
+    fleetctl runs the tests start inherit): their runs are recorded there, not in the home of
+    whoever runs the suite."""
+    path = tmp_path_factory.mktemp("history") / "history.sqlite"
+    os.environ["FLEETCTL_HISTORY"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def lab_machine() -> None:
     """This machine as the lab's host: root (network namespaces, bridge, sshd). Every fixture

@@ -1,10 +1,10 @@
-"""GPU proof of kernels/verify_attention in one command: bash bench/gpu_check.sh [--stages 0,1,2,3,4] [--cpu].
+"""GPU proof of kernels/verify_attention in one command: bash bench/gpu_check.sh [--stages ...] [--cpu].
 
-Stages (each appends its part to OUT/gpu_check.json as it finishes, and OUT/gpu_check.md is
-rewritten beside it, so a run killed at its time limit still returns what it finished; a stage
-that was running when the run died reads "running"; `--stages 2,3` reruns only those and keeps
-the others' records; where OUT starts empty, as on the device machine, `--resume-from PATH` starts
-from an earlier run's gpu_check.json carried in the tree):
+Stages, in this order (each appends its part to OUT/gpu_check.json as it finishes, and
+OUT/gpu_check.md is rewritten beside it, so a run killed at its time limit still returns what it
+finished; a stage that was running when the run died reads "running"; `--stages 3` or
+`--stage speed` reruns only those and keeps the others' records; where OUT starts empty, as on the
+device machine, `--resume-from PATH` starts from an earlier run's gpu_check.json carried in the tree):
 
   0 preflight    nvidia-smi (name, compute capability, `nvidia-smi -q -d CLOCK`), torch / CUDA /
                  triton / nvcc / driver versions, runtime kind (gVisor or Firecracker, from the
@@ -12,18 +12,25 @@ from an earlier run's gpu_check.json carried in the tree):
   1 deploy       `PYTHONPATH=agent python3 -m fleetctl.cli deploy kernel verify_attention HOST -i INV
                  --yes --json` against this machine through an inventory host with
                  `ansible_connection: local` (see stage1). Skipped, saying why, while fleetctl has
-                 no local connection (issue 10) or its CLI does not import here (no paramiko).
-  2 correctness  the kernel against the float64 reference over the grid, CUDA graph replay, the
-                 two baselines against the reference (correctness.py).
-  3 speed        kernel vs SGLang 0.5.23's Triton target-verify kernel vs gather + SDPA (speed.py).
-  4 ncu          if stage 3 is short of the goal: one `ncu --clock-control none` summary of the
-                 kernel at the 64k shape with the most K/V bytes, under 60 s; a failure is recorded.
+                 no local connection or its CLI does not import here (no paramiko).
+  2 correctness  every backend under test, both entries, against the float64 reference over the grid
+                 (small prefixes), CUDA graph capture at one prefix and replay at others, no host
+                 sync (set_sync_debug_mode "error"), the baselines against the reference (correctness.py).
+  3 speed        the new kernel (--backend, default the Triton backend) and the CUDA backend beside it,
+                 per shape K/V bytes, FLOPs, floor, fraction, GB/s, TFLOP/s and the goal (speed.py);
+                 it alone fits in SPEED_BUDGET_S.
+  4 baselines    at 16k and 64k only: SGLang 0.5.23's extend_attention_fwd, its verify_splitkv_fwd
+                 (chain trees), gather + SDPA, against the new kernel.
+  5 splits       the new kernel's split heuristic against fixed split counts at three shapes.
+  6 ncu          `ncu --clock-control none` summaries of the new kernel at the worst shape and at one
+                 memory-bound shape; a failure is recorded.
 
-Stages 2-4 build the kernel themselves (in build/verify_attention/, started in the background before
-stage 1) and never use fleetctl's transport. --cpu: the CPU backend, the smallest shapes, and the
-carried Triton kernel under TRITON_INTERPRET=1 (for the CPU test, tests/machine/test_gpu_check.py).
+Stages 2-6 build the CUDA (or CPU) extension themselves (in build/verify_attention/, started in the
+background before stage 1) and never use fleetctl's transport. --cpu: the CPU backend as the new
+kernel, the smallest shapes, and the carried Triton kernels under TRITON_INTERPRET=1 (for the CPU
+test, tests/machine/test_gpu_check.py); its times check the script, they measure nothing.
 OUT is --out, else $OUT. Files written there: gpu_check.json, gpu_check.md, gpu_check.log,
-stage1_deploy.json (stage 1's fleetctl output), ncu.txt (stage 4).
+stage1_deploy.json (stage 1's fleetctl output), ncu.txt (stage 6).
 """
 
 from __future__ import annotations
@@ -44,8 +51,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-STAGES = {0: "preflight", 1: "deploy", 2: "correctness", 3: "speed", 4: "ncu"}
-SCHEMA = "fleetctl-gpu-check/1"
+STAGES = {0: "preflight", 1: "deploy", 2: "correctness", 3: "speed", 4: "baselines", 5: "splits", 6: "ncu"}
+GPU_STAGES = (2, 3, 4, 5, 6)
+SPEED_BUDGET_S = 120.0        # stage 3 starts no shape past this (the issue: the speed stage reruns in <= 120 s)
+STAGE_BUDGET_S = {4: 60.0, 5: 25.0}  # the others: what the run's deadline leaves
+SCHEMA = "fleetctl-gpu-check/2"
 
 
 def now() -> str:
@@ -55,9 +65,10 @@ def now() -> str:
 class Report:
     """OUT/gpu_check.json: one document, rewritten atomically (temp file + rename) after every change.
 
-    {"schema", "mode", "device_name", "clocks", "versions", "carried", "runs": [...],
-     "stages": {"0": {"name", "status", "run", "started", "finished", "seconds", ...}, ...},
-     "shapes": [stage 3 rows], "goal": {...}}
+    {"schema", "mode", "device_name", "clocks", "versions", "carried": {file: {...}}, "backend", "beside",
+     "runs": [...], "stages": {"0": {"name", "status", "run", "started", "finished", "seconds", ...}, ...},
+     "rates": {"copy", "matmul"}, "shapes": [stage 3 rows], "baselines": [stage 4 rows],
+     "splits": [stage 5 rows], "goal": {...}}
     status: ok | failed | skipped (with "skipped": why) | not_needed | incomplete | running (the run
     died inside it). A rerun keeps the records of the stages it does not run.
     """
@@ -74,7 +85,8 @@ class Report:
                 doc = {}
         if doc.get("schema") != SCHEMA or doc.get("mode") != mode:
             doc = {"schema": SCHEMA, "mode": mode, "device_name": None, "clocks": None, "versions": None,
-                   "carried": None, "runs": [], "stages": {}, "shapes": [], "goal": None}
+                   "carried": None, "runs": [], "stages": {}, "rates": None, "shapes": [], "baselines": [],
+                   "splits": [], "goal": None}
         doc["runs"].append({"run": run_id, "argv": argv, "started": now()})
         self.doc = doc
         self.save()
@@ -232,14 +244,14 @@ def stage0(env: dict, cpu: bool, out: Path) -> tuple[str, dict]:
 def cannot_run(env: dict, cpu: bool) -> dict:
     """{stage: why} for the stages that cannot run on this machine (from environment())."""
     if cpu:
-        return {"4": "--cpu: no GPU to profile"}
+        return {"6": "--cpu: no GPU to profile"}
     if not env["cuda_available"]:
-        return {s: "no CUDA device (torch.cuda.is_available() is False); --cpu checks the CPU backend"
-                for s in ("2", "3", "4")}
+        return {str(s): "no CUDA device (torch.cuda.is_available() is False); --cpu checks the CPU backend"
+                for s in GPU_STAGES}
     if not env["nvcc"]:
-        return {s: "no nvcc: the CUDA backend cannot be built" for s in ("2", "3", "4")}
+        return {str(s): "no nvcc: the CUDA backend cannot be built" for s in GPU_STAGES}
     if not env["ncu"]:
-        return {"4": "ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute/*/)"}
+        return {"6": "ncu not found (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute/*/)"}
     return {}
 
 
@@ -344,36 +356,60 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
     return ("ok" if all(checks.values()) else "failed"), data
 
 
-# --- stage 4 ---------------------------------------------------------------------------------------
+# --- stage 6 ---------------------------------------------------------------------------------------
 
-def stage4(report: Report, module_path: str | None, env: dict, left: float, out: Path, log) -> tuple[str, dict]:
-    """One ncu summary of the kernel at the 64k shape with the most K/V bytes (ncu_target.py)."""
-    g = report.doc.get("goal") or {}
-    if g.get("met") is True and report.doc["stages"].get("3", {}).get("status") == "ok":
-        return "not_needed", {"not_needed": "stage 3 met the goal"}
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats")
+NCU_METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "L2 Cache Throughput", "Compute (SM) Throughput",
+               "Achieved Occupancy", "Registers Per Thread", "Grid Size", "Block Size", "Theoretical Occupancy")
+
+
+def ncu_shapes(goal: dict | None) -> list[tuple[str, dict]]:
+    """[(why, shape)]: stage 3's worst shape (lowest fraction of the floor) and its memory-bound shape
+    with the most K/V bytes (the same shape once if they coincide); none without stage 3 figures."""
+    g = goal or {}
+    out = []
+    for why, key in (("worst fraction of the floor", "worst"), ("memory-bound, most K/V bytes", "memory_bound_shape")):
+        if g.get(key):
+            shape = {k: g[key][k] for k in ("B", "T", "P", "G", "D")}
+            if all(shape != s for _, s in out):
+                out.append((why, shape))
+    return out
+
+
+def stage6(report: Report, backend: str, module_path: str | None, env: dict, left: float, out: Path,
+           log) -> tuple[str, dict]:
+    """ncu summaries of the new kernel (ncu_target.py) at ncu_shapes(), each within its share of
+    min(60 s, what the deadline leaves); OUT/ncu.txt holds every report."""
+    import ncu_target
+
     if not env.get("ncu"):
         return "skipped", {"skipped": "ncu not found"}
-    if not module_path:
-        return "skipped", {"skipped": "the kernel was not built"}
+    shapes = ncu_shapes(report.doc.get("goal"))
+    if not shapes:
+        return "skipped", {"skipped": "no stage 3 figures to pick the shapes from"}
     budget = min(60.0, left - 5)
     if budget < 20:
         return "skipped", {"skipped": f"only {left:.0f} s left of the run's deadline"}
-    shape = g.get("bandwidth_shape") or {"B": 8, "T": 64, "P": 65536, "G": 1, "D": 256}
-    cmd = [env["ncu"], "--clock-control", "none", "--target-processes", "all", "-k", "regex:split_kernel|merge_kernel",
-           "--launch-skip", "2", "--launch-count", "2", "--section", "SpeedOfLight", "--section", "MemoryWorkloadAnalysis",
-           "--section", "Occupancy", "--section", "LaunchStats",
-           sys.executable, str(HERE / "ncu_target.py"), "--module", module_path,
-           *[f"--{k}={shape[k]}" for k in ("B", "T", "P", "G", "D")]]
-    r = sh(cmd, timeout=budget, cwd=str(ROOT))
-    text = (r.stdout or "") + ("\n--- stderr ---\n" + r.stderr if r.stderr else "")
-    (out / "ncu.txt").write_text(text)
-    metrics = {}
-    for name in ("Duration", "DRAM Throughput", "Memory Throughput", "L2 Cache Throughput", "Compute (SM) Throughput",
-                 "Achieved Occupancy", "Registers Per Thread", "Grid Size", "Block Size", "Theoretical Occupancy"):
-        metrics[name] = re.findall(rf"^\s*{re.escape(name)}\s+(\S+)\s+([\d.,]+)\s*$", r.stdout or "", re.M)
-    data = {"cmd": " ".join(cmd), "rc": r.returncode, "shape": shape, "metrics": metrics, "tail": text[-3000:]}
-    if r.returncode != 0 or not any(metrics.values()):
-        return "failed", dict(data, error=f"ncu exit {r.returncode} (recorded, not fatal)")
+    regex = ncu_target.KERNELS[backend]
+    runs, text = [], []
+    for why, shape in shapes:
+        cmd = [env["ncu"], "--clock-control", "none", "--target-processes", "all", "--profile-from-start", "off",
+               "-k", regex, *[a for sec in NCU_SECTIONS for a in ("--section", sec)],
+               sys.executable, str(HERE / "ncu_target.py"), "--backend", backend,
+               *(["--module", module_path] if module_path and backend != "triton" else []),
+               *[f"--{k}={shape[k]}" for k in ("B", "T", "P", "G", "D")]]
+        r = sh(cmd, timeout=budget / len(shapes), cwd=str(ROOT))
+        text.append(f"=== {why}: {shape}\n$ {' '.join(cmd)}\n{r.stdout or ''}"
+                    + ("\n--- stderr ---\n" + r.stderr if r.stderr else ""))
+        metrics = {name: re.findall(rf"^\s*{re.escape(name)}\s+(\S+)\s+([\d.,]+)\s*$", r.stdout or "", re.M)
+                   for name in NCU_METRICS}
+        runs.append({"why": why, "shape": shape, "rc": r.returncode, "metrics": metrics,
+                     "ok": r.returncode == 0 and any(metrics.values()), "tail": (r.stdout or r.stderr)[-2000:]})
+    (out / "ncu.txt").write_text("\n\n".join(text))
+    data = {"backend": backend, "runs": runs}
+    if not all(x["ok"] for x in runs):
+        return "failed", dict(data, error="ncu failed on " + ", ".join(str(x["shape"]) for x in runs if not x["ok"])
+                              + " (recorded, not fatal)")
     return "ok", data
 
 
@@ -384,61 +420,104 @@ def _f(v, fmt):
 
 
 def markdown(doc: dict) -> str:
-    """gpu_check.md: device, clocks, versions, stage statuses, goal, one row per stage 3 shape."""
+    """gpu_check.md: device, clocks, versions, stage statuses, goal, one row per stage 3 shape, one per
+    stage 4 shape, stage 5's sweep."""
     v = doc.get("versions") or {}
     lines = [f"# verify_attention GPU check ({doc.get('mode')})", "",
              f"- device: {doc.get('device_name')}",
              f"- versions: torch {v.get('torch')} (CUDA {v.get('torch_cuda')}), triton {v.get('triton')}, "
-             f"nvcc {v.get('nvcc')}, driver {v.get('driver')}, runtime {v.get('runtime')}"]
+             f"nvcc {v.get('nvcc')}, driver {v.get('driver')}, runtime {v.get('runtime')}",
+             f"- backends: new kernel {doc.get('backend')}, beside it {doc.get('beside') or 'none'}"]
     clocks = doc.get("clocks") or {}
     if "Clocks" in clocks:
         c, m = clocks.get("Clocks", {}), clocks.get("Max Clocks", {})
         lines.append(f"- clocks at preflight: SM {c.get('SM')}, memory {c.get('Memory')} (max SM {m.get('SM')}, "
                      f"max memory {m.get('Memory')})")
-    carried = doc.get("carried") or {}
-    if carried:
-        lines.append(f"- baseline: SGLang 0.5.23 `{carried.get('path_in_wheel')}` sha256 {carried.get('sha256')} "
-                     f"(carried copy restores to it: {carried.get('matches')})")
+    for name, c in (doc.get("carried") or {}).items():
+        lines.append(f"- baseline: SGLang 0.5.23 `{c.get('path_in_wheel')}` sha256 {c.get('sha256')} "
+                     f"(carried copy restores to it: {c.get('matches')})")
     for n in sorted(doc.get("stages", {}), key=int):
         s = doc["stages"][n]
         why = s.get("skipped") or s.get("not_needed") or s.get("error") or ""
         lines.append(f"- stage {n} {s.get('name')}: **{s.get('status')}** {why[:300]}".rstrip())
-    s3 = doc.get("stages", {}).get("3", {})
-    if s3.get("copy"):
-        lines.append(f"- device-to-device copy: {s3['copy']['gbps_read_plus_write']:.0f} GB/s (read + write)")
+    rates = doc.get("rates") or {}
+    if rates.get("copy"):
+        lines.append(f"- device-to-device copy: {rates['copy']['gbps_read_plus_write']:.0f} GB/s (read + write); "
+                     f"bf16 matmul {rates['matmul']['tflops']:.4g} TFLOP/s")
     g = doc.get("goal")
     if g:
-        lines.append(f"- goal (>= 3x Triton at 4k-64k; 64k K/V read rate >= 0.5 x copy): met = {g.get('met')}; "
-                     f"min speedup {_f(g.get('min_speedup_vs_triton'), '.2f')}x; "
-                     f"64k rate / copy {_f(g.get('bandwidth_frac_of_copy'), '.2f')}")
+        lines.append(f"- goal per shape ({g.get('per_shape')}): met {g['shapes']['met']}, missed "
+                     f"{g['shapes']['missed']}, unmeasured {g['shapes']['unmeasured']}; worst fraction of the floor "
+                     f"{_f((g.get('worst') or {}).get('frac_of_floor'), '.3f')} at {g.get('worst')}, median "
+                     f"{_f(g.get('median_frac_of_floor'), '.3f')}; >= 3x Triton {g.get('vs_triton')}, >= 1.0x "
+                     f"verify_splitkv_fwd {g.get('vs_splitkv')}; met = {g.get('met')}")
     if doc.get("mode") == "cpu":
         lines.append("- --cpu run: CPU backend and the Triton *interpreter*; its times check the script, they "
                      "measure nothing")
     rows = doc.get("shapes") or []
     if rows:
-        lines += ["", "| D | G | Hkv | B | T | prefix | K/V MB | kernel ms | Triton ms | SDPA ms | x Triton | x SDPA "
-                      "| GB/s | correct |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| D | G | Hkv | B | T | prefix | T*G | K/V MB | GFLOP | floor ms | kernel ms | of floor | GB/s "
+                      "| TFLOP/s | goal ms | goal | other backends ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r['D']} | {r['G']} | {r['Hkv']} | {r['B']} | {r['T']} | {r['P']} | "
-                         f"{r['kv_bytes'] / 1e6:.1f} | {_f(r.get('ms_kernel'), '.4f')} | {_f(r.get('ms_triton'), '.4f')} | "
-                         f"{_f(r.get('ms_sdpa'), '.4f')} | {_f(r.get('speedup_vs_triton'), '.2f')} | "
-                         f"{_f(r.get('speedup_vs_sdpa'), '.2f')} | {_f(r.get('hbm_gbps'), '.0f')} | {r.get('correct')} |")
+            others = ", ".join(f"{n} {_f(b.get('ms'), '.4f')}" for n, b in r["by_backend"].items() if n != r["backend"])
+            lines.append(f"| {r['D']} | {r['G']} | {r['Hkv']} | {r['B']} | {r['T']} | {r['P']} | {r['TG']} | "
+                         f"{r['kv_bytes'] / 1e6:.1f} | {r['flops'] / 1e9:.2f} | {_f(r.get('floor_ms'), '.4f')} | "
+                         f"{_f(r.get('ms_kernel'), '.4f')} | {_f(r.get('frac_of_floor'), '.3f')} | "
+                         f"{_f(r.get('gbps'), '.0f')} | {_f(r.get('tflops'), '.1f')} | {_f(r.get('goal_ms'), '.4f')} | "
+                         f"{r.get('goal')} | {others or '-'} |")
+    base = doc.get("baselines") or []
+    if base:
+        lines += ["", "| D | G | B | T | prefix | kernel ms | Triton ms | x Triton | SDPA ms | kernel ms (chain) "
+                      "| verify_splitkv ms | x splitkv |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in base:
+            lines.append(f"| {r['D']} | {r['G']} | {r['B']} | {r['T']} | {r['P']} | {_f(r.get('ms_kernel'), '.4f')} | "
+                         f"{_f(r.get('ms_triton'), '.4f')} | {_f(r.get('speedup_vs_triton'), '.2f')} | "
+                         f"{_f(r.get('ms_sdpa'), '.4f')} | {_f(r.get('ms_kernel_chain'), '.4f')} | "
+                         f"{_f(r.get('ms_splitkv'), '.4f') if r.get('ms_splitkv') else 'unmeasured'} | "
+                         f"{_f(r.get('speedup_vs_splitkv'), '.2f')} |")
+    for r in doc.get("splits") or []:
+        lines.append(f"- split sweep B {r['B']} T {r['T']} P {r['P']} G {r['G']} D {r['D']}: heuristic "
+                     f"{_f(r.get('ms_heuristic'), '.4f')} ms, best fixed {r.get('best_splits')} splits "
+                     f"{_f(r.get('ms_best'), '.4f')} ms (x{_f(r.get('heuristic_over_best'), '.2f')}), ok {r.get('ok')}")
     return "\n".join(lines) + "\n"
 
 
 # --- main ------------------------------------------------------------------------------------------
 
+def parse_stages(numbers: str | None, names: str | None) -> list[int]:
+    """--stages 0,2,3 and/or --stage speed,ncu -> sorted stage numbers; ValueError for an unknown one."""
+    by_name = {v: k for k, v in STAGES.items()}
+    out = set()
+    for item in (numbers or "").split(","):
+        if item.strip():
+            if not item.strip().isdigit() or int(item) not in STAGES:
+                raise ValueError(f"unknown stage {item.strip()!r} (stages: {sorted(STAGES)})")
+            out.add(int(item))
+    for item in (names or "").split(","):
+        if item.strip():
+            if item.strip() not in by_name:
+                raise ValueError(f"unknown stage {item.strip()!r} (stages: {', '.join(STAGES.values())})")
+            out.add(by_name[item.strip()])
+    return sorted(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output directory (default: $OUT)")
-    ap.add_argument("--stages", default="0,1,2,3,4", help="comma-separated stages to run (others keep their records)")
+    ap.add_argument("--stages", help="comma-separated stage numbers to run (default all; others keep their records)")
+    ap.add_argument("--stage", help="comma-separated stage names instead (e.g. speed)")
     ap.add_argument("--cpu", action="store_true", help="CPU backend, smallest shapes, Triton under TRITON_INTERPRET=1")
-    ap.add_argument("--module", help="a prebuilt extension (.so) for stages 2-4 instead of building one")
+    ap.add_argument("--backend", choices=("triton", "cuda", "cpu"),
+                    help="the new kernel (default: triton; --cpu: cpu)")
+    ap.add_argument("--beside", help="comma-separated backends measured beside it (default: cuda on a GPU unless "
+                                     "it is the new kernel; none with --cpu)")
+    ap.add_argument("--module", help="a prebuilt extension (.so) of the cpu/cuda backend instead of building one")
     ap.add_argument("--build-dir", help="build directory (default build/verify_attention/<backend>-torch<version>)")
-    ap.add_argument("--calls", type=int, help="calls per timed replay (default 100; --cpu 2)")
-    ap.add_argument("--deadline-s", type=float, default=380.0,
-                    help="wall seconds for the whole run: stage 3 starts no shape, stage 4 no ncu, past it")
+    ap.add_argument("--calls", type=int, help="calls per timed replay (default: sized to ~20 ms; --cpu 2)")
+    ap.add_argument("--deadline-s", type=float, default=300.0,
+                    help="wall seconds for the whole run: no stage starts a shape, and stage 6 no ncu, past it")
     ap.add_argument("--deploy-here", action="store_true", help="with --cpu: let stage 1 deploy to this machine")
     ap.add_argument("--resume-from", help="a gpu_check.json of an earlier run to continue when OUT has none (the "
                                            "device tool empties $OUT on every call: carry the JSON in the tree)")
@@ -447,23 +526,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out or os.environ.get("OUT") or "")
     if not str(out) or str(out) == ".":
         ap.error("no output directory: give --out DIR or set $OUT")
+    try:
+        stages = parse_stages(a.stages, a.stage) if (a.stages or a.stage) else sorted(STAGES)
+    except ValueError as e:
+        ap.error(str(e))
     out.mkdir(parents=True, exist_ok=True)
     if a.resume_from and not (out / "gpu_check.json").exists():
         shutil.copyfile(a.resume_from, out / "gpu_check.json")
-    try:
-        stages = sorted({int(s) for s in a.stages.split(",") if s.strip()})
-    except ValueError:
-        ap.error(f"--stages: {a.stages!r} is not a list of stage numbers")
-    if not set(stages) <= set(STAGES):
-        ap.error(f"--stages: unknown stage in {a.stages!r} (stages: 0-4)")
     if a.cpu:
         os.environ["TRITON_INTERPRET"] = "1"           # before triton is imported anywhere
     sys.path.insert(0, str(HERE))
     log = Log(out)
     mode = "cpu" if a.cpu else "cuda"
+    ext = "cpu" if a.cpu else "cuda"                 # the extension this machine builds
+    new = a.backend or ("cpu" if a.cpu else "triton")
+    beside = [b for b in (a.beside.split(",") if a.beside is not None else ([] if a.cpu else ["cuda"]))
+              if b and b != new]
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     report = Report(out, run_id, sys.argv[1:] if argv is None else argv, mode)
-    log(f"gpu_check run {run_id}: stages {stages}, mode {mode}, out {out}")
+    log(f"gpu_check run {run_id}: stages {stages}, mode {mode}, new kernel {new}, beside {beside}, out {out}")
 
     def left() -> float:
         return a.deadline_s - (time.monotonic() - t_start)
@@ -476,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "runtime", "kernel_release")} | {
         "driver": (report.doc.get("versions") or {}).get("driver")}
     report.doc["carried"] = common.carried_sha256()
+    report.doc["backend"], report.doc["beside"] = new, beside
     report.save()
 
     if 0 in stages:
@@ -489,14 +571,13 @@ def main(argv: list[str] | None = None) -> int:
             f"nvcc {env['nvcc']}, runtime {env['runtime']}")
     cannot = cannot_run(env, a.cpu)
 
-    # The build for stages 2-4 starts now, in the background, so that it overlaps stage 1.
+    # The extension build for stages 2-6 starts now, in the background, so that it overlaps stage 1.
     build = None
-    gpu_stages = [s for s in (2, 3, 4) if s in stages and str(s) not in cannot]
-    if gpu_stages and not a.module:
-        backend = "cpu" if a.cpu else "cuda"
-        bdir = Path(a.build_dir) if a.build_dir else common.default_build_dir(backend)
-        build = common.Build(backend, bdir, None if a.cpu else env.get("compute_capability"))
-        log(f"building the {backend} backend in {bdir} (background)")
+    gpu_stages = [s for s in GPU_STAGES if s in stages and str(s) not in cannot]
+    if gpu_stages and not a.module and ext in [new, *beside]:
+        bdir = Path(a.build_dir) if a.build_dir else common.default_build_dir(ext)
+        build = common.Build(ext, bdir, None if a.cpu else env.get("compute_capability"))
+        log(f"building the {ext} backend in {bdir} (background)")
 
     if 1 in stages:
         t0 = time.monotonic()
@@ -508,62 +589,65 @@ def main(argv: list[str] | None = None) -> int:
         report.finish(1, status, t0, **data)
         log(f"stage 1 deploy: {status} {data.get('skipped') or data.get('error') or data.get('checks') or ''}")
 
-    module_path, mod, build_info = a.module, None, None
+    module_path, build_info = a.module, None
     if build is not None:
         build_info = build.wait(timeout=max(60.0, left() - 30))
         module_path = build_info["module_path"]
         log(f"build: {'ok' if build_info['ok'] else 'FAILED'} in {build_info['seconds']} s")
-    if module_path:
-        mod = common.load_module(module_path)
+    triton_note = None
+    if a.cpu and env["triton"]:          # the interpreter runs the carried kernels and a triton backend
+        import interp_shims
+        triton_note = interp_shims.apply()
+    backends, load_errors = {}, {}
+    if gpu_stages:
+        for name in [new, *beside]:
+            try:
+                backends[name] = common.load_backend(name, module_path if name == ext else None)
+            except Exception as e:  # noqa: BLE001 - a backend that does not load is recorded
+                load_errors[name] = f"{type(e).__name__}: {e}"[:1000]
+                log(f"backend {name}: did not load: {load_errors[name]}")
+    report.doc["backend_errors"] = load_errors
     device = "cpu" if a.cpu else "cuda"
 
-    extend_attention_fwd, triton_note = None, None
-    if any(s in stages for s in (2, 3)) and env["triton"]:
+    extend_attention_fwd, verify_splitkv_fwd = None, None
+    if any(s in stages for s in (2, 4)) and env["triton"]:
         try:
-            if a.cpu:
-                import interp_shims
-                triton_note = interp_shims.apply()
             from carried.extend_attention import extend_attention_fwd
+            from carried.verify_splitkv import verify_splitkv_fwd
         except Exception as e:  # noqa: BLE001
-            triton_note = f"carried kernel did not import: {type(e).__name__}: {e}"
+            triton_note = f"carried kernels did not import: {type(e).__name__}: {e}"
 
-    for n in (2, 3):
+    ctx = Ctx(report, backends, new, extend_attention_fwd, verify_splitkv_fwd, env, device, a, left, log, triton_note,
+              module_path, out)
+    for n in GPU_STAGES:
         if n not in stages:
             continue
         t0 = time.monotonic()
         report.start(n)
         if str(n) in cannot:
             report.finish(n, "skipped", t0, skipped=cannot[str(n)])
-            log(f"stage {n}: skipped: {cannot[str(n)]}")
+            log(f"stage {n} {STAGES[n]}: skipped: {cannot[str(n)]}")
             continue
-        if mod is None:
-            report.finish(n, "failed", t0, error="the kernel did not build", build=build_info)
-            log(f"stage {n}: FAILED: the kernel did not build")
+        if new not in backends and n != 6:
+            report.finish(n, "failed", t0, error=f"the new kernel ({new}) did not load: "
+                          f"{load_errors.get(new) or 'not built'}", build=build_info)
+            log(f"stage {n}: FAILED: the new kernel did not load")
             continue
         try:
             if n == 2:
                 import correctness
                 log("stage 2 correctness")
-                res = correctness.stage2(mod, extend_attention_fwd, device, a.cpu, log)
+                res = correctness.stage2(backends, extend_attention_fwd, verify_splitkv_fwd, device, a.cpu, log)
                 report.finish(2, "ok" if res["ok"] else "failed", t0, build=build_info, triton=triton_note, **res)
+            elif n == 6:
+                status, data = stage6(report, new, module_path, env, left(), out, log)
+                report.finish(6, status, t0, **data)
+                log(f"stage 6 ncu: {status} {data.get('skipped') or data.get('error') or ''}")
             else:
-                stage3(report, mod, extend_attention_fwd, env, device, a, left, stages, log, t0, triton_note)
+                {3: stage3, 4: stage4, 5: stage5}[n](ctx, t0)
         except Exception:
             report.finish(n, "failed", t0, error=traceback.format_exc()[-3000:])
             log(f"stage {n}: FAILED with an exception:\n{traceback.format_exc()[-2000:]}")
-
-    if 4 in stages:
-        t0 = time.monotonic()
-        report.start(4)
-        if "4" in cannot:
-            status, data = "skipped", {"skipped": cannot["4"]}
-        else:
-            try:
-                status, data = stage4(report, module_path, env, left(), out, log)
-            except Exception:
-                status, data = "failed", {"error": traceback.format_exc()[-3000:]}
-        report.finish(4, status, t0, **data)
-        log(f"stage 4 ncu: {status} {data.get('skipped') or data.get('not_needed') or data.get('error') or ''}")
 
     print(markdown(report.doc), flush=True)
     st = report.doc["stages"]
@@ -572,53 +656,145 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def stage3(report: Report, mod, extend_attention_fwd, env: dict, device: str, a, left, stages, log, t0,
-           triton_note) -> None:
-    """Stage 3, appending each shape's row to the report as it is timed."""
+class Ctx:
+    """What stages 3-5 share: the report, the loaded backends (new kernel first), the baselines, the
+    environment, the device, the parsed arguments and the deadline."""
+
+    def __init__(self, report, backends, new, extend_attention_fwd, verify_splitkv_fwd, env, device, args, left, log,
+                 triton_note, module_path, out):
+        self.report, self.backends, self.new = report, backends, new
+        self.extend_attention_fwd, self.verify_splitkv_fwd = extend_attention_fwd, verify_splitkv_fwd
+        self.env, self.device, self.args, self.left, self.log = env, device, args, left, log
+        self.triton_note, self.module_path, self.out = triton_note, module_path, out
+        self.cpu = device == "cpu"
+        self.l2 = env.get("l2_bytes") or 0
+
+    def timer(self, cpu_calls: int = 2):
+        import speed
+
+        return speed.Timer(self.device, self.args.calls or (cpu_calls if self.cpu else None))
+
+    def rates(self) -> dict:
+        """The copy and matmul rates of this run (measured by stage 3, or by the first stage that needs them)."""
+        import speed
+
+        r = self.report.doc.get("rates")
+        if not r or r.get("run") != self.report.run_id:
+            r = {"run": self.report.run_id, "copy": speed.copy_bandwidth(self.device),
+                 "matmul": speed.matmul_rate(self.device)}
+            self.report.doc["rates"] = r
+            self.report.save()
+        return r
+
+
+def _reserve(stages_after: list[int], stages: list[int]) -> float:
+    """Seconds to leave for the later stages this run will still start."""
+    return sum({4: STAGE_BUDGET_S[4], 5: STAGE_BUDGET_S[5], 6: 45.0}[s] for s in stages_after if s in stages)
+
+
+def stage3(c: Ctx, t0: float) -> None:
+    """Stage 3: every backend's SGLang entry per shape, rows appended to the report as they are timed;
+    no shape starts past SPEED_BUDGET_S or when the later stages' reserve is due."""
     import speed
 
     import torch
 
-    report.doc["shapes"] = []
-    report.doc["goal"] = None
-    rec = report.doc["stages"]["3"]
-    rec["triton"] = triton_note
-    copy = speed.copy_bandwidth(device)
-    rec["copy"] = copy
-    log(f"stage 3 speed: copy {copy['gbps_read_plus_write']:.0f} GB/s (read + write)")
-    report.save()
-    calls = a.calls or (2 if a.cpu else 100)
-    reserve = 70.0 if 4 in stages else 5.0
-    todo = speed.shapes(a.cpu)
+    stages = parse_stages(c.args.stages, c.args.stage) if (c.args.stages or c.args.stage) else sorted(STAGES)
+    c.report.doc["shapes"], c.report.doc["goal"] = [], None
+    rec = c.report.doc["stages"]["3"]
+    rates = c.rates()
+    c.log(f"stage 3 speed: copy {rates['copy']['gbps_read_plus_write']:.0f} GB/s (read + write), bf16 matmul "
+          f"{rates['matmul']['tflops']:.4g} TFLOP/s")
+    timer = c.timer()
+    todo = speed.shapes(c.cpu)
+    reserve = _reserve([4, 5, 6], stages)
     for i, sh_ in enumerate(todo):
-        if left() < reserve:
+        if time.monotonic() - t0 > SPEED_BUDGET_S or c.left() < reserve:
             rec["not_run"] = todo[i:]
-            log(f"  deadline: {len(todo) - i} shapes not run")
+            c.log(f"  budget: {len(todo) - i} shapes not run")
             break
-        row = speed.run_shape(mod, extend_attention_fwd, sh_, device, calls, env.get("l2_bytes") or 0, a.cpu)
-        report.doc["shapes"].append(row)
-        report.doc["goal"] = speed.goal(report.doc["shapes"], copy)
-        report.save()
-        log(f"  D {row['D']} G {row['G']} B {row['B']} T {row['T']} P {row['P']}: kernel {row['ms_kernel']:.4f} ms, "
-            f"triton {_f(row.get('ms_triton'), '.4f')} ms, sdpa {row['ms_sdpa']:.4f} ms, "
-            f"{_f(row.get('speedup_vs_triton'), '.2f')}x, {row['hbm_gbps']:.0f} GB/s, correct {row['correct']}")
-    if device == "cuda" and shutil.which("nvidia-smi"):
-        c = sh(["nvidia-smi", "-q", "-d", "CLOCK"], timeout=30)
-        rec["clocks_after"] = parse_clocks(c.stdout) if c.returncode == 0 else None
-    rows = report.doc["shapes"]
-    complete = len(rows) == len(todo)
-    kernel_correct = all(r["correct"] for r in rows)
-    # A baseline outside kernel.yaml's tolerance is reported, not a failure of this kernel (stage 2
-    # already checked the Triton call's set-up against the reference); each row says which.
-    rec["baseline_disagreements"] = [
-        {k: r[k] for k in ("B", "T", "P", "G", "D", "max_abs_err")} for r in rows
-        if r.get("triton_correct") is False or r.get("sdpa_correct") is False]
-    status = "ok" if complete and kernel_correct else ("failed" if not kernel_correct else "incomplete")
-    if extend_attention_fwd is None:
+        row = speed.speed_shape(c.backends, sh_, c.device, timer, c.l2, c.cpu, rates["copy"], rates["matmul"])
+        c.report.doc["shapes"].append(row)
+        c.report.doc["goal"] = speed.goal(c.report.doc["shapes"], c.report.doc.get("baselines"), c.cpu)
+        c.report.save()
+        c.log(f"  D {row['D']} G {row['G']} B {row['B']} T {row['T']} P {row['P']}: {c.new} {row['ms_kernel']:.4f} ms "
+              f"= {row['frac_of_floor']:.3f} of the floor ({row['gbps']:.0f} GB/s, {row['tflops']:.1f} TFLOP/s), "
+              f"goal {row['goal']}")
+    if c.device == "cuda" and shutil.which("nvidia-smi"):
+        r = sh(["nvidia-smi", "-q", "-d", "CLOCK"], timeout=30)
+        rec["clocks_after"] = parse_clocks(r.stdout) if r.returncode == 0 else None
+    rows = c.report.doc["shapes"]
+    disagree = [{k: r[k] for k in ("B", "T", "P", "G", "D", "agree")} for r in rows
+                if any(not v["ok"] for v in r["agree"].values()) or r["correct"] is False]
+    status = "ok" if len(rows) == len(todo) and not disagree else ("failed" if disagree else "incomplete")
+    c.report.finish(3, status, t0, shapes_timed=len(rows), shapes_planned=len(todo), disagreements=disagree,
+                    torch_threads=torch.get_num_threads())
+
+
+def stage4(c: Ctx, t0: float) -> None:
+    """Stage 4: the baselines at 16k and 64k (--cpu: its shapes), against stage 3's kernel times."""
+    import speed
+
+    rec = c.report.doc["stages"]["4"]
+    rec["triton"] = c.triton_note
+    stages = parse_stages(c.args.stages, c.args.stage) if (c.args.stages or c.args.stage) else sorted(STAGES)
+    kernel_ms = {tuple(r[k] for k in ("B", "T", "P", "G", "D")): r["ms_kernel"]
+                 for r in c.report.doc.get("shapes") or []}
+    todo = [s for s in speed.shapes(c.cpu) if c.cpu or s["P"] in speed.BASELINE_PREFIXES]
+    if c.cpu:
+        todo = todo[:1]                 # the interpreter takes seconds per verify_splitkv call
+    c.report.doc["baselines"] = []
+    timer = speed.Timer(c.device, c.args.calls or (1 if c.cpu else None), cpu_reps=1)
+    reserve = _reserve([5, 6], stages)
+    for i, sh_ in enumerate(todo):
+        if time.monotonic() - t0 > STAGE_BUDGET_S[4] or c.left() < reserve:
+            rec["not_run"] = todo[i:]
+            c.log(f"  budget: {len(todo) - i} baseline shapes not run")
+            break
+        row = speed.baseline_shape(c.backends[c.new], c.extend_attention_fwd, c.verify_splitkv_fwd, sh_, c.device,
+                                   timer, c.l2, c.cpu, kernel_ms.get(tuple(sh_[k] for k in ("B", "T", "P", "G", "D"))))
+        c.report.doc["baselines"].append(row)
+        c.report.doc["goal"] = speed.goal(c.report.doc.get("shapes") or [], c.report.doc["baselines"], c.cpu)
+        c.report.save()
+        c.log(f"  D {row['D']} G {row['G']} B {row['B']} T {row['T']} P {row['P']}: triton "
+              f"{_f(row.get('ms_triton'), '.4f')} ms ({_f(row.get('speedup_vs_triton'), '.2f')}x), verify_splitkv "
+              f"{_f(row.get('ms_splitkv'), '.4f')} ms ({_f(row.get('speedup_vs_splitkv'), '.2f')}x"
+              f"{', ' + row['error_splitkv'][:120] if row.get('error_splitkv') else ''}), sdpa "
+              f"{_f(row.get('ms_sdpa'), '.4f')} ms")
+    rows = c.report.doc["baselines"]
+    status = "ok" if len(rows) == len(todo) else "incomplete"
+    errors = {n: sorted({r[f"error_{n}"] for r in rows if r.get(f"error_{n}")}) for n in ("triton", "splitkv", "sdpa")}
+    if c.extend_attention_fwd is None:
         status = "failed"
-        rec["error"] = f"no Triton baseline: {triton_note or 'triton is not importable'}"
-    report.finish(3, status, t0, shapes_timed=len(rows), shapes_planned=len(todo), calls=calls, torch_threads=
-                  torch.get_num_threads())
+        rec["error"] = f"no Triton baseline: {c.triton_note or 'triton is not importable'}"
+    c.report.finish(4, status, t0, shapes_timed=len(rows), shapes_planned=len(todo),
+                    baseline_errors={n: e for n, e in errors.items() if e})
+
+
+def stage5(c: Ctx, t0: float) -> None:
+    """Stage 5: the split sweep at speed.sweep_shapes()."""
+    import speed
+
+    stages = parse_stages(c.args.stages, c.args.stage) if (c.args.stages or c.args.stage) else sorted(STAGES)
+    rec = c.report.doc["stages"]["5"]
+    c.report.doc["splits"] = []
+    timer = speed.Timer(c.device, c.args.calls or (1 if c.cpu else None), cpu_reps=1)
+    todo = speed.sweep_shapes(c.cpu)
+    for i, sh_ in enumerate(todo):
+        if time.monotonic() - t0 > STAGE_BUDGET_S[5] or c.left() < _reserve([6], stages):
+            rec["not_run"] = todo[i:]
+            break
+        row = speed.split_sweep(c.backends[c.new], sh_, c.device, timer, c.l2, c.cpu)
+        c.report.doc["splits"].append(row)
+        c.report.save()
+        c.log(f"  sweep D {row['D']} G {row['G']} B {row['B']} T {row['T']} P {row['P']}: heuristic "
+              f"{row['ms_heuristic']:.4f} ms, best {row['best_splits']} splits {row['ms_best']:.4f} ms")
+    rows = c.report.doc["splits"]
+    if c.cpu:
+        rec["note"] = "--cpu: the CPU backend ignores num_splits; the sweep checks the script, it judges nothing"
+    bad = [r for r in rows if r["ok"] is False]
+    status = "failed" if bad else ("ok" if len(rows) == len(todo) else "incomplete")
+    c.report.finish(5, status, t0, shapes_timed=len(rows), heuristic_within_10pct=None if c.cpu else not bad)
 
 
 if __name__ == "__main__":

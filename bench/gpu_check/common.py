@@ -26,6 +26,7 @@ CARRIED = HERE / "carried"
 
 sys.path.insert(0, str(PKG))
 from reference import tree_mask_from_parents, verify_attention_ref  # noqa: E402,F401
+from sglang_layout import target_verify_args  # noqa: E402,F401
 
 
 def kernel_spec() -> dict:
@@ -54,23 +55,26 @@ def compare(got: torch.Tensor, want: torch.Tensor, dtype: str) -> dict:
 
 
 def carried_sha256() -> dict:
-    """sha256 of the carried SGLang file with its import lines restored, against ORIGIN.json.
+    """{carried file: its record}: sha256 of each carried SGLang file with its import lines restored,
+    against ORIGIN.json ({"wheel", "files": {name: {"path_in_wheel", "sha256", "caller"}}, "changes"}).
 
     Every line the stub replaced ends with "# fleetctl-carried: was `ORIGINAL`"; putting ORIGINAL
     back must give the wheel's file byte for byte, so "matches" proves nothing else was changed.
     """
     origin = json.loads((CARRIED / "ORIGIN.json").read_text())
-    text = (CARRIED / "extend_attention.py").read_text()
     marker = "  # fleetctl-carried: was `"
-    lines, replaced = [], 0
-    for line in text.split("\n"):
-        if marker in line and line.endswith("`"):
-            line = line.split(marker, 1)[1][:-1]
-            replaced += 1
-        lines.append(line)
-    sha = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    return {"wheel": origin["wheel"], "path_in_wheel": origin["path_in_wheel"], "sha256": origin["sha256"],
-            "sha256_restored": sha, "matches": sha == origin["sha256"], "import_lines_replaced": replaced}
+    out = {}
+    for name, rec in origin["files"].items():
+        lines, replaced = [], 0
+        for line in (CARRIED / name).read_text().split("\n"):
+            if marker in line and line.endswith("`"):
+                line = line.split(marker, 1)[1][:-1]
+                replaced += 1
+            lines.append(line)
+        sha = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+        out[name] = {"wheel": origin["wheel"], "path_in_wheel": rec["path_in_wheel"], "sha256": rec["sha256"],
+                     "sha256_restored": sha, "matches": sha == rec["sha256"], "import_lines_replaced": replaced}
+    return out
 
 
 # --- the extension build ---------------------------------------------------------------------------
@@ -218,3 +222,44 @@ def kv_bytes(prefix_lens: list[int], T: int, Hkv: int, D: int, dtype: torch.dtyp
     """K and V bytes one call must read at least: every visible key and value once per KV head."""
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(p + T for p in prefix_lens) * Hkv * D * 2 * elem
+
+
+def flops(prefix_lens: list[int], T: int, Hq: int, D: int) -> int:
+    """Matrix FLOPs of one call: QK^T and PV, 2 * D each per (query row, key), every key of the
+    request counted (the tree mask hides at most T - 1 of P + T), so T*G FLOP per K/V byte in bf16."""
+    return sum(4 * T * Hq * (p + T) * D for p in prefix_lens)
+
+
+# The issue's per-shape goal (issue 27, "Numbers"): t <= max(bytes / (GOAL_COPY_FRAC x copy rate),
+# FLOPs / GOAL_TFLOPS) + GOAL_SLACK_MS.
+GOAL_COPY_FRAC, GOAL_TFLOPS, GOAL_SLACK_MS = 0.5, 200.0, 0.010
+
+
+def roofline(nbytes: int, nflops: int, ms: float | None, copy_gbps: float, matmul_tflops: float) -> dict:
+    """One timing against the device's measured limits.
+
+    floor_ms = max(bytes / copy rate, FLOPs / bf16 matmul rate) (the copy rate is read + write, as
+    measured by speed.copy_bandwidth); frac_of_floor = floor_ms / ms; gbps = bytes / ms;
+    tflops = FLOPs / ms; goal_ms as GOAL_*; goal "met" / "missed", or "unmeasured" without a time.
+    """
+    floor = max(nbytes / (copy_gbps * 1e6), nflops / (matmul_tflops * 1e9))
+    goal_ms = max(nbytes / (GOAL_COPY_FRAC * copy_gbps * 1e6), nflops / (GOAL_TFLOPS * 1e9)) + GOAL_SLACK_MS
+    out = {"floor_ms": floor, "goal_ms": goal_ms, "bound": "memory" if nbytes / (copy_gbps * 1e6) >= nflops / (
+        matmul_tflops * 1e9) else "compute"}
+    if not ms:
+        return dict(out, ms=None, frac_of_floor=None, gbps=None, tflops=None, goal="unmeasured")
+    return dict(out, ms=ms, frac_of_floor=floor / ms, gbps=nbytes / ms / 1e6, tflops=nflops / ms / 1e9,
+                goal="met" if ms <= goal_ms else "missed")
+
+
+def load_backend(name: str, module_path: str | None):
+    """The backend under test: "cpu"/"cuda" = the built extension at module_path; "triton" = the
+    package's triton_verify module (Triton's JIT; under TRITON_INTERPRET=1 its interpreter). Each has
+    verify_attention(...) and verify_attention_sglang(...) (kernels/verify_attention/README.md)."""
+    if name == "triton":
+        import importlib
+
+        return importlib.import_module("triton_verify")
+    if not module_path:
+        raise RuntimeError(f"the {name} backend was not built")
+    return load_module(module_path)

@@ -3,6 +3,13 @@
     python test_kernel.py --module BUILD/verify_attention_cpu.so --device cpu \
         --reference reference.py:verify_attention_ref --tolerances '{"float32": [2e-5, 1e-4], ...}'
 
+Both entries are checked: `verify_attention` (the package's req_to_token layout) and
+`verify_attention_sglang` (SGLang's target-verify layout, inputs built by sglang_layout.py the way
+SGLang's Triton backend builds them: the FULL_MASK as an eager bool tensor or in a longer uint8
+graph buffer, whose prefix columns are garbage in every other case, and one causal-chain case with
+custom_mask None); a case says which in "layout" ("req_to_token", "sglang-bool", "sglang-uint8",
+"sglang-none"). The SGLang entry must write every row of `o` in place and return None.
+
 Prints one JSON line {"ok", "seed", "device", "cases", "failures"} and exits 0 when every case is
 within tolerance (|out - ref| <= atol + rtol * |ref| elementwise), 1 otherwise. Inputs are fresh
 random draws each run (the seed is reported so a failure can be replayed with --seed).
@@ -77,29 +84,58 @@ def make_inputs(B, T, prefix_lens, Hkv, G, D, dtype, device, gen, r2t_dtype=torc
                 tree_mask=mask.to(device), sm_scale=D ** -0.5)
 
 
+def sglang_call(mod, x: dict, mask: str | None, splits: int, case_index: int):
+    """verify_attention_sglang on x's inputs in SGLang's layout: the `o` it was given, NaN-filled
+    before the call, so a row it did not write fails (None if it returned a value). Every other case
+    leaves the FULL_MASK's prefix columns as garbage."""
+    from sglang_layout import target_verify_args
+
+    a = target_verify_args(x, mask, "garbage" if case_index % 2 else "true")
+    returned = mod.verify_attention_sglang(**a, num_splits=splits)
+    return a["o"] if returned is None else None
+
+
 def run(module_path: str, device: str, tolerances: dict, reference: str = "reference.py:verify_attention_ref",
         seed: int | None = None) -> dict:
-    """Compare the module's verify_attention with the reference over SHAPES x dtypes (x splits on CUDA).
+    """Compare the module's two entries with the reference over SHAPES x dtypes (x splits on CUDA):
+    verify_attention, then verify_attention_sglang with the FULL_MASK (bool for even shapes, the uint8
+    graph buffer for odd ones), and once per dtype a causal chain with custom_mask None.
 
     tolerances: {dtype name: [atol, rtol]}. Returns {"ok", "seed", "device", "cases", "failures"}.
     """
     sys.path.insert(0, str(HERE))
+    from reference import tree_mask_from_parents
+
     mod = load_module(module_path)
     ref = load_function(reference)
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     gen = torch.Generator().manual_seed(seed)
     cases = []
-    for B, T, plens, Hkv, G, D, r2t_dtype, shared in SHAPES:
+
+    def record(got, want, atol, rtol, **facts):
+        ok = got is not None and bool(torch.isfinite(got).all())
+        err = (got.double() - want).abs() if ok else None
+        ok = ok and bool((err <= atol + rtol * want.abs()).all())
+        cases.append({**facts, "max_abs_err": float(err.max()) if err is not None else None, "ok": ok})
+
+    for i, (B, T, plens, Hkv, G, D, r2t_dtype, shared) in enumerate(SHAPES):
         for dtype in DTYPES[device]:
             atol, rtol = tolerances[dtype]
             x = make_inputs(B, T, plens, Hkv, G, D, getattr(torch, dtype), device, gen, r2t_dtype, shared)
             want = ref(**x)
+            runs = [("req_to_token", x, want), ("sglang-uint8" if i % 2 else "sglang-bool", x, want)]
+            if i == 0:                       # the same inputs with a causal chain, custom_mask None
+                chain = dict(x, tree_mask=tree_mask_from_parents(list(range(-1, T - 1))).to(device))
+                runs.append(("sglang-none", chain, ref(**chain)))
+            facts = {"B": B, "T": T, "prefix_lens": plens, "Hkv": Hkv, "G": G, "D": D, "dtype": dtype}
             for splits in SPLITS[device]:
-                got = mod.verify_attention(**x, num_splits=splits).double()
-                err = (got - want).abs()
-                ok = bool(torch.isfinite(got).all()) and bool((err <= atol + rtol * want.abs()).all())
-                cases.append({"B": B, "T": T, "prefix_lens": plens, "Hkv": Hkv, "G": G, "D": D, "dtype": dtype,
-                              "num_splits": splits, "max_abs_err": float(err.max()), "ok": ok})
+                for layout, xs, want_ in runs:
+                    if layout == "req_to_token":
+                        got = mod.verify_attention(**xs, num_splits=splits)
+                    else:
+                        got = sglang_call(mod, xs, {"sglang-bool": "bool", "sglang-uint8": "uint8"}.get(layout),
+                                          splits, i)
+                    record(got, want_, atol, rtol, **facts, num_splits=splits, layout=layout)
     failures = [c for c in cases if not c["ok"]]
     return {"ok": not failures, "seed": seed, "device": device, "cases": cases, "failures": failures}
 

@@ -17,6 +17,7 @@ import pytest
 from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
 from fleetctl.engine.kernelpkg import load_package
+from fleetctl.probes import torchver
 
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
@@ -132,6 +133,37 @@ def test_failing_reference_test_is_not_activated(server_lab, deployed, tmp_path)
     h = hosts["lab-01"]
     assert h["status"] == "failed" and "reference test failed, not activated" in h["error"]
     assert active(server_lab, "lab-01") == before
+
+
+# the lab hosts' torch is this machine's (the venvs see its site-packages)
+NO_DEVICE = ("preflight refused the triton backend (--backend triton (the operator's choice)): no GPU answers "
+             "nvidia-smi: the triton backend compiles for the host's GPU arch and its reference test runs on the "
+             f"device; torch {torchver.importable()['version']} is a CPU build (torch.version.cuda is None): no "
+             "device for the triton backend's reference test")
+
+
+def test_triton_backend_without_a_gpu_is_refused_and_current_stays(server_lab, deployed):
+    """`--backend triton` on a lab host (no GPU; its /opt/sglang/venv imports this machine's
+    triton through --system-site-packages, so only the device is missing): refused at preflight
+    for want of a device, in check mode and in a deploy, nothing uploaded, built or activated.
+    Check mode without --backend says which backend and why, in JSON and in its table."""
+    before = active(server_lab, "lab-01")
+    assert before is not None
+    builds = server_lab.ssh("lab-01", f"ls {KDIR}").stdout
+    r, doc, hosts = deploy(server_lab, "lab-01", "--check")
+    h = hosts["lab-01"]
+    # ok: the key is the active one (changed only where the package was edited since `deployed`)
+    assert (h["status"], h["backend"], h["why"]) == ("ok" if h["build_key"] == before else "changed", "cpu",
+                                                     "no GPU answers nvidia-smi")
+    table = server_lab.cli("deploy", "kernel", "verify_attention", "lab-01", "--check",
+                           env={"FLEETCTL_KERNELS_DIR": str(KERNELS), "COLUMNS": "250"}, timeout=300)
+    assert table.returncode == 0 and "no GPU answers nvidia-smi" in table.stdout, table.stdout
+    for extra in (["--check"], []):
+        r, doc, hosts = deploy(server_lab, "lab-01", "--backend", "triton", *extra)
+        assert r.returncode == 2 and hosts["lab-01"]["status"] == "failed", extra
+        assert hosts["lab-01"]["error"] == NO_DEVICE, extra
+    assert active(server_lab, "lab-01") == before
+    assert server_lab.ssh("lab-01", f"ls {KDIR}").stdout == builds
 
 
 def test_failing_validation_switches_back(server_lab, deployed, tmp_path):

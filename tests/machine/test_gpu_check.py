@@ -1,9 +1,11 @@
 """bench/gpu_check.sh end to end on this CPU machine (--cpu): the same script a GPU machine runs, with the
-CPU backend, the smallest shapes and SGLang 0.5.23's carried Triton kernel under TRITON_INTERPRET=1.
+CPU backend as the new kernel, the smallest shapes and SGLang 0.5.23's carried Triton kernels
+(extend_attention_fwd, verify_splitkv_fwd) under TRITON_INTERPRET=1: every stage's code path (0-6;
+ncu skipped with its reason), then a `--stage speed` rerun of a copy of its output, and the pure
+pieces (roofline, goal, ncu's shape pick, stage names) on hand-made figures.
 
-One full run (module fixture, ~30 s; the build is the test run's one CPU build, conftest's
-`cpu_kernel`, passed as --build-dir), then a `--stages 2` rerun of a copy of its output. Needs triton
-3.6.0 (the `test` extra) for the interpreter.
+One full run (module fixture, ~20 s; the build is the test run's one CPU build, conftest's
+`cpu_kernel`, passed as --build-dir). Needs triton 3.6.0 (the `test` extra) for the interpreter.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-SGLANG_SHA256 = "be3baffc80ef9fe484d0b896842522b02bf671785088e05a66ca4dcdb2e8a9b3"
-SHAPE_FIELDS = ("ms_kernel", "ms_triton", "ms_sdpa", "speedup_vs_triton", "hbm_gbps", "correct")
+SGLANG_SHA256 = {"extend_attention.py": "be3baffc80ef9fe484d0b896842522b02bf671785088e05a66ca4dcdb2e8a9b3",
+                 "verify_splitkv.py": "0c2c4009b3553e13bcc4ae1e0e375aa5c96c48e6c96ab9a475a3e2d874c3c6c6"}
+IMPORTS_REPLACED = {"extend_attention.py": 4, "verify_splitkv.py": 1}
+SHAPE_FIELDS = ("kv_bytes", "flops", "TG", "floor_ms", "ms_kernel", "frac_of_floor", "gbps", "tflops", "goal_ms",
+                "goal", "bound", "by_backend", "agree", "correct")
+BASELINE_FIELDS = ("ms_kernel", "ms_triton", "ms_sdpa", "ms_kernel_chain", "ms_splitkv", "speedup_vs_triton",
+                   "speedup_vs_splitkv", "goal_vs_triton", "goal_vs_splitkv")
 sys.path.insert(0, str(ROOT / "bench" / "gpu_check"))
 
 
@@ -69,17 +76,25 @@ def full_run(tmp_path_factory, build_dir):
 
 def test_json_has_the_issue_fields(full_run):
     out, doc, _ = full_run
-    assert doc["schema"] == "fleetctl-gpu-check/1" and doc["mode"] == "cpu"
+    assert doc["schema"] == "fleetctl-gpu-check/2" and doc["mode"] == "cpu"
     assert doc["device_name"].startswith("cpu: ")
     assert doc["clocks"] == {"skipped": "no nvidia-smi on this machine"} or "Clocks" in doc["clocks"]
     v = doc["versions"]
     assert v["torch"] and v["triton"] == "3.6.0" and v["python"] and v["runtime"]
-    assert doc["carried"]["sha256"] == SGLANG_SHA256
-    assert doc["carried"]["matches"] is True and doc["carried"]["import_lines_replaced"] == 4
-    assert sorted(doc["stages"]) == ["0", "1", "2", "3", "4"]
+    assert doc["backend"] == "cpu" and doc["beside"] == [] and doc["backend_errors"] == {}
+    for name, sha in SGLANG_SHA256.items():
+        c = doc["carried"][name]
+        assert c["sha256"] == sha and c["matches"] is True and c["import_lines_replaced"] == IMPORTS_REPLACED[name]
+    # the issue's order: correctness, speed, baselines, split sweep, ncu, each written before the next
+    assert [doc["stages"][n]["name"] for n in sorted(doc["stages"], key=int)] == [
+        "preflight", "deploy", "correctness", "speed", "baselines", "splits", "ncu"]
+    started = [doc["stages"][str(n)]["started"] for n in range(2, 7)]
+    finished = [doc["stages"][str(n)]["finished"] for n in range(2, 6)]
+    assert all(f <= s for f, s in zip(finished, started[1:]))
     assert {n: s["status"] for n, s in doc["stages"].items() if n != "1"} == {
-        "0": "ok", "2": "ok", "3": "ok", "4": "skipped"}
-    assert doc["stages"]["4"]["skipped"] == "--cpu: no GPU to profile"
+        "0": "ok", "2": "ok", "3": "ok", "4": "ok", "5": "ok", "6": "skipped"}
+    # ncu cannot run on a CPU: skipped with the reason, never reported as passing
+    assert doc["stages"]["6"]["skipped"] == "--cpu: no GPU to profile"
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
 
 
@@ -100,16 +115,21 @@ def test_stage1_reports_what_it_found(full_run):
 
 
 def test_every_cpu_case_is_correct(full_run):
+    """36 inputs through both entries of the CPU backend (the SGLang one with the bool and the uint8
+    mask, alternating)."""
     s2 = full_run[1]["stages"]["2"]
     grid = s2["grid"]
-    assert grid["cases"] == 24 == len(grid["results"]) and grid["failed"] == 0
+    assert grid["cases"] == 72 == len(grid["results"]) and grid["failed"] == 0
     assert all(c["ok"] and c["finite"] for c in grid["results"])
-    assert {c["T"] for c in grid["results"]} == {1, 8}
+    assert {c["T"] for c in grid["results"]} == {1, 4, 8}
     assert {c["prefix_lens"][0] for c in grid["results"]} == {0, 1, 33}
     assert {(c["dtype"], c["G"]) for c in grid["results"]} == {(d, g) for d in ("float16", "bfloat16") for g in (1, 8)}
     assert {c["tree"] for c in grid["results"]} == {"random", "chain", "star"}
-    # No CUDA graphs on a CPU: reported as not checked, never as passed.
+    assert {(c["backend"], c["entry"]) for c in grid["results"]} == {
+        ("cpu", "req_to_token"), ("cpu", "sglang-bool"), ("cpu", "sglang-uint8")}
+    # No CUDA graphs and no CUDA sync check on a CPU: reported as not checked, never as passed.
     assert s2["graph"] == {"skipped": "--cpu: no CUDA graphs on the CPU backend", "ok": None}
+    assert s2["sync_debug"] == {"skipped": "--cpu: torch.cuda.set_sync_debug_mode needs CUDA", "ok": None}
 
 
 def test_triton_baseline_under_the_interpreter_agrees_with_the_reference(full_run):
@@ -122,6 +142,8 @@ def test_triton_baseline_under_the_interpreter_agrees_with_the_reference(full_ru
     assert all(r["prefix_lens"] == [37, 0] for r in b["triton"])
     assert b["negative_control"]["matched"] is False and b["negative_control"]["max_abs_err"] > 0.1
     assert len(b["sdpa"]) == 4 and all(r["ok"] for r in b["sdpa"])
+    # SGLang's verify_splitkv_fwd on a causal chain (the interpreter: one shape)
+    assert [(r["G"], r["dtype"], r["tree"], r["ok"]) for r in b["splitkv"]] == [(8, "float16", "chain", True)]
     assert s2["triton"] == [
         "interpreter tensor __index__ uses .item() (numpy >= 2.4 refuses int() of a 1-element array)",
         "interpreter tl.dot widens bfloat16 operands to float32 (it multiplied their raw uint16 bits)"]
@@ -130,20 +152,56 @@ def test_triton_baseline_under_the_interpreter_agrees_with_the_reference(full_ru
 def test_every_shape_has_timings_and_is_correct(full_run):
     doc = full_run[1]
     rows = doc["shapes"]
-    assert [(r["G"], r["P"]) for r in rows] == [(1, 64), (8, 256)]
+    assert [(r["T"], r["G"], r["P"]) for r in rows] == [(4, 1, 64), (8, 8, 256)]
+    copy, mm = doc["rates"]["copy"]["gbps_read_plus_write"], doc["rates"]["matmul"]["tflops"]
+    assert doc["rates"]["copy"]["copied_equal"] is True and copy > 0 and mm > 0
     for r in rows:
         for f in SHAPE_FIELDS:
             assert f in r, f
-        assert r["correct"] is True and r["triton_correct"] is True and r["sdpa_correct"] is True
-        assert all(r[f] > 0 for f in ("ms_kernel", "ms_triton", "ms_sdpa", "hbm_gbps"))
-        assert r["speedup_vs_triton"] == pytest.approx(r["ms_triton"] / r["ms_kernel"])
-        assert r["hbm_gbps"] == pytest.approx(r["kv_bytes"] / r["ms_kernel"] / 1e6)
+        assert r["correct"] is True and r["backend"] == "cpu" and list(r["by_backend"]) == ["cpu"]
         assert r["kv_bytes"] == (r["P"] + r["T"]) * r["B"] * r["Hkv"] * r["D"] * 2 * 2
-        assert r["timing_kernel"] == r["timing_triton"] == "perf_counter"
+        assert r["flops"] == 4 * r["B"] * r["T"] * r["Hq"] * (r["P"] + r["T"]) * r["D"]
+        assert r["TG"] == r["T"] * r["G"] and r["flops"] / r["kv_bytes"] == pytest.approx(r["TG"] * r["T"] / r["T"])
+        floor = max(r["kv_bytes"] / (copy * 1e6), r["flops"] / (mm * 1e9))
+        assert r["floor_ms"] == pytest.approx(floor) and r["ms_kernel"] > 0
+        assert r["frac_of_floor"] == pytest.approx(floor / r["ms_kernel"])
+        assert r["gbps"] == pytest.approx(r["kv_bytes"] / r["ms_kernel"] / 1e6)
+        assert r["tflops"] == pytest.approx(r["flops"] / r["ms_kernel"] / 1e9)
+        goal = max(r["kv_bytes"] / (0.5 * copy * 1e6), r["flops"] / 200e9) + 0.010
+        assert r["goal_ms"] == pytest.approx(goal) and r["goal"] == ("met" if r["ms_kernel"] <= goal else "missed")
+        assert r["by_backend"]["cpu"]["timing"] == "perf_counter"
     s3 = doc["stages"]["3"]
-    assert s3["copy"]["copied_equal"] is True and s3["copy"]["gbps_read_plus_write"] > 0
-    assert s3["shapes_timed"] == s3["shapes_planned"] == 2 and s3["baseline_disagreements"] == []
-    assert doc["goal"]["met"] is None  # no 64k shape on a CPU: the goal is not judged
+    assert s3["shapes_timed"] == s3["shapes_planned"] == 2 and s3["disagreements"] == []
+    g = doc["goal"]
+    assert g["met"] is None and g["why"].startswith("--cpu")  # a CPU measures nothing: the goal is not judged
+    assert g["worst"]["frac_of_floor"] == min(r["frac_of_floor"] for r in rows)
+    assert g["shapes"]["met"] + g["shapes"]["missed"] == 2
+
+
+def test_baselines_stage(full_run):
+    """Stage 4 (on a CPU: one shape): SGLang's extend_attention_fwd, its verify_splitkv_fwd on the causal
+    chain, and SDPA, timed against the new kernel; every figure present and its ratio its own."""
+    doc = full_run[1]
+    [r] = doc["baselines"]
+    for f in BASELINE_FIELDS:
+        assert f in r, f
+    assert (r["T"], r["G"], r["P"]) == (4, 1, 64)
+    assert r["ms_kernel"] == doc["shapes"][0]["ms_kernel"]
+    assert r["speedup_vs_triton"] == pytest.approx(r["ms_triton"] / r["ms_kernel"])
+    assert r["speedup_vs_splitkv"] == pytest.approx(r["ms_splitkv"] / r["ms_kernel_chain"])
+    assert r["agree_triton"]["ok"] and r["agree_sdpa"]["ok"]
+    assert r["goal_vs_triton"] in ("met", "missed") and r["goal_vs_splitkv"] in ("met", "missed")
+    assert doc["stages"]["4"]["baseline_errors"] == {}
+
+
+def test_split_sweep_stage(full_run):
+    doc = full_run[1]
+    [r] = doc["splits"]
+    assert list(r["ms_by_splits"]) == ["0", "1", "2", "4", "8", "16", "32", "64", "128"]
+    assert r["ms_best"] == min(v for k, v in r["ms_by_splits"].items() if k != "0")
+    assert r["ms_heuristic"] == r["ms_by_splits"]["0"]
+    assert r["ok"] is None and doc["stages"]["5"]["heuristic_within_10pct"] is None  # the CPU backend has no splits
+    assert "ignores num_splits" in doc["stages"]["5"]["note"]
 
 
 def test_markdown_table(full_run):
@@ -151,26 +209,29 @@ def test_markdown_table(full_run):
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# verify_attention GPU check (cpu)")
     table = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert len(table) == len(doc["shapes"]) == 2
-    assert all(line.rstrip().endswith("| True |") for line in table)
+    assert len(table) == len(doc["shapes"]) + len(doc["baselines"]) == 3
+    assert all(f"| {r['goal']} |" in line for r, line in zip(doc["shapes"], table))
     assert "stage 1 deploy: **skipped**" in md and "stage 2 correctness: **ok**" in md
+    assert "stage 6 ncu: **skipped** --cpu: no GPU to profile" in md and "split sweep" in md
     assert md in r.stdout  # the table is printed last, for the device tool's output tail
 
 
-def test_stages_rerun_touches_only_those_stages(full_run, build_dir, tmp_path):
-    """As on the device machine: a fresh, empty OUT, continuing the first run's JSON (--resume-from)."""
+def test_speed_stage_reruns_alone(full_run, build_dir, tmp_path):
+    """As on the device machine: a fresh, empty OUT, continuing the first run's JSON (--resume-from),
+    `--stage speed` reruns stage 3 only; the others keep their records."""
     out, before, _ = full_run
     again = tmp_path / "out"
-    r = run_check(again, "--build-dir", build_dir, "--stages", "2", "--resume-from", str(out / "gpu_check.json"))
+    r = run_check(again, "--build-dir", build_dir, "--stage", "speed", "--resume-from", str(out / "gpu_check.json"))
     assert r.returncode == 0, why(again, r)
     after = json.loads((again / "gpu_check.json").read_text())
-    assert len(after["runs"]) == 2 and after["runs"][1]["argv"][-4:-2] == ["--stages", "2"]
+    assert len(after["runs"]) == 2 and after["runs"][1]["argv"][-4:-2] == ["--stage", "speed"]
     new_run = after["runs"][1]["run"]
-    assert after["stages"]["2"]["run"] == new_run != before["stages"]["2"]["run"]
-    assert after["stages"]["2"]["status"] == "ok"
-    for n in ("0", "1", "3", "4"):
+    assert after["stages"]["3"]["run"] == new_run != before["stages"]["3"]["run"]
+    assert after["stages"]["3"]["status"] == "ok" and len(after["shapes"]) == 2
+    for n in ("0", "1", "2", "4", "5", "6"):
         assert after["stages"][n] == before["stages"][n]
-    assert after["shapes"] == before["shapes"] and after["goal"] == before["goal"]
+    assert after["baselines"] == before["baselines"] and after["splits"] == before["splits"]
+    assert after["rates"]["run"] == new_run                 # the floor's rates are this run's own
     assert (again / "gpu_check.md").exists()
     assert "stage 1 deploy:" not in r.stdout.split("# verify_attention")[0]  # stage 1 did not run
 
@@ -178,14 +239,14 @@ def test_stages_rerun_touches_only_those_stages(full_run, build_dir, tmp_path):
 def test_without_a_gpu_the_gpu_stages_say_so(tmp_path):
     """Without --cpu on a machine with no CUDA device: preflight runs, stages 2-4 are skipped with the
     reason (never built, never reported as passed)."""
-    r = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path), "--stages", "0,2,3,4"], capture_output=True,
+    r = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path), "--stages", "0,2,3,4,5,6"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     if doc["stages"]["0"]["environment"]["cuda_available"]:
         pytest.skip("this machine has a CUDA device")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert doc["mode"] == "cuda" and doc["shapes"] == []
-    for n in ("2", "3", "4"):
+    assert doc["mode"] == "cuda" and doc["shapes"] == [] and doc["backend"] == "triton" and doc["beside"] == ["cuda"]
+    for n in ("2", "3", "4", "5", "6"):
         assert doc["stages"][n]["status"] == "skipped"
         assert doc["stages"][n]["skipped"].startswith("no CUDA device")
     assert "building" not in r.stdout
@@ -234,8 +295,9 @@ GPU 00000000:00:05.0
     assert c["_"]["Driver Version"] == "580.159.04"
 
 
-def test_carried_file_is_the_wheels_file_but_for_its_imports():
-    """Restoring the four marked import lines gives the 0.5.23 wheel's file byte for byte; the stub
+@pytest.mark.parametrize("name", sorted(SGLANG_SHA256))
+def test_carried_file_is_the_wheels_file_but_for_its_imports(name):
+    """Restoring the marked import lines gives the 0.5.23 wheel's file byte for byte; the stub
     provides exactly the names those lines import."""
     from fleetctl.wheels import find_wheel
 
@@ -245,15 +307,67 @@ def test_carried_file_is_the_wheels_file_but_for_its_imports():
     if wheel is None:
         pytest.skip("the SGLang 0.5.23 wheel is not in the wheel cache (scripts/setup.sh downloads it)")
     with zipfile.ZipFile(wheel) as z:
-        original = z.read("sglang/kernels/ops/attention/extend_attention.py")
-    assert hashlib.sha256(original).hexdigest() == SGLANG_SHA256
-    assert common.carried_sha256()["sha256_restored"] == SGLANG_SHA256
-    carried = (ROOT / "bench/gpu_check/carried/extend_attention.py").read_text().splitlines()
+        original = z.read(f"sglang/kernels/ops/attention/{name}")
+    assert hashlib.sha256(original).hexdigest() == SGLANG_SHA256[name]
+    assert common.carried_sha256()[name]["sha256_restored"] == SGLANG_SHA256[name]
+    carried = (ROOT / "bench/gpu_check/carried" / name).read_text().splitlines()
     changed = [(a, b) for a, b in zip(original.decode().splitlines(), carried) if a != b]
-    assert len(changed) == 4 and all(b.startswith("from .sglang_stub import ") for _, b in changed)
+    assert len(changed) == IMPORTS_REPLACED[name] and all(b.startswith("from .sglang_stub import ") for _, b in changed)
     import carried.sglang_stub as stub
 
     names = {n.strip() for _, b in changed for n in b.split("import ", 1)[1].split("  #")[0].split(",")}
-    assert names == {"_extract_kv_strides", "unpack_aux_tensors", "envs", "is_cuda", "is_gfx95_supported",
-                     "is_gfx1250_supported", "is_hip"}
+    assert names == {"extend_attention.py": {"_extract_kv_strides", "unpack_aux_tensors", "envs", "is_cuda",
+                                             "is_gfx95_supported", "is_gfx1250_supported", "is_hip"},
+                     "verify_splitkv.py": {"is_hip"}}[name]
     assert all(hasattr(stub, n) for n in names)
+
+
+def test_roofline_and_goal_on_hand_figures():
+    """1 GB of K/V and 10 TFLOP at a 4000 GB/s copy and an 800 TFLOP/s matmul: the floor is the
+    larger of 0.25 ms and 12.5 ms; the goal max(0.5 ms, 50 ms) + 10 us. A shape with no time is
+    unmeasured, and a goal with any unmeasured figure (verify_splitkv_fwd that did not run) is not met."""
+    import common
+    import speed
+
+    r = common.roofline(10 ** 9, 10 ** 13, 25.0, 4000.0, 800.0)
+    assert r["floor_ms"] == pytest.approx(12.5) and r["bound"] == "compute"
+    assert r["goal_ms"] == pytest.approx(50.01) and r["goal"] == "met"
+    assert r["frac_of_floor"] == pytest.approx(0.5) and r["gbps"] == pytest.approx(40.0)
+    assert r["tflops"] == pytest.approx(400.0)
+    m = common.roofline(10 ** 9, 10 ** 9, 1.0, 4000.0, 800.0)
+    assert m["bound"] == "memory" and m["floor_ms"] == pytest.approx(0.25) and m["goal"] == "missed"
+    assert common.roofline(10 ** 9, 10 ** 9, None, 4000.0, 800.0)["goal"] == "unmeasured"
+    shape = {"B": 8, "T": 4, "P": 65536, "G": 1, "D": 128}
+    rows = [dict(shape, ms_kernel=0.4, kv_bytes=10 ** 9, **common.roofline(10 ** 9, 10 ** 9, 0.4, 4000.0, 800.0))]
+    base = [dict(shape, goal_vs_triton="met", goal_vs_splitkv="met")]
+    assert speed.goal(rows, base)["met"] is True
+    assert speed.goal(rows, [dict(base[0], goal_vs_splitkv="unmeasured")])["met"] is False
+    assert speed.goal(rows, [])["met"] is False               # no baselines measured: not met
+    assert speed.goal(rows, base, cpu=True)["met"] is None
+    g = speed.goal(rows + [dict(rows[0], P=4096, ms_kernel=2.0, **common.roofline(10 ** 9, 10 ** 9, 2.0, 4000.0,
+                                                                                    800.0))], base)
+    assert g["met"] is False and g["worst"]["P"] == 4096 and g["shapes"] == {"met": 1, "missed": 1, "unmeasured": 0}
+    assert g["median_frac_of_floor"] == pytest.approx((0.25 / 0.4 + 0.25 / 2.0) / 2)
+
+
+def test_ncu_profiles_the_worst_and_a_memory_bound_shape():
+    import check
+
+    worst = {"B": 1, "T": 64, "P": 4096, "G": 8, "D": 64, "ms_kernel": 1, "floor_ms": 1, "frac_of_floor": 0.1}
+    mem = {"B": 8, "T": 4, "P": 65536, "G": 1, "D": 256, "kv_bytes": 1, "gbps": 1}
+    assert check.ncu_shapes({"worst": worst, "memory_bound_shape": mem}) == [
+        ("worst fraction of the floor", {"B": 1, "T": 64, "P": 4096, "G": 8, "D": 64}),
+        ("memory-bound, most K/V bytes", {"B": 8, "T": 4, "P": 65536, "G": 1, "D": 256})]
+    assert len(check.ncu_shapes({"worst": dict(worst, **{k: mem[k] for k in "BTPGD"}), "memory_bound_shape": mem})) == 1
+    assert check.ncu_shapes(None) == []
+
+
+def test_stage_names():
+    import check
+
+    assert check.parse_stages(None, "speed") == [3]
+    assert check.parse_stages("0,2", "ncu,baselines") == [0, 2, 4, 6]
+    with pytest.raises(ValueError, match="unknown stage 'sped'"):
+        check.parse_stages(None, "sped")
+    with pytest.raises(ValueError, match="unknown stage '7'"):
+        check.parse_stages("7", None)

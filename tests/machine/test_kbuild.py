@@ -64,7 +64,9 @@ def test_reference_test_passes_on_the_built_module(cpu_kernel):
     pkg, _, _, ok = cpu_kernel
     r = kbuild.main(_test_params(pkg, pkg.root, ok["module_path"]))
     assert r["ok"] and r["rc"] == 0, r
-    assert r["result"]["ok"] and len(r["result"]["cases"]) == 12 and r["result"]["failures"] == []
+    # 4 shapes x 3 dtypes through each entry (req_to_token, SGLang layout), and per dtype one causal chain
+    # through the SGLang entry with custom_mask None
+    assert r["result"]["ok"] and len(r["result"]["cases"]) == 4 * 3 * 2 + 3 and r["result"]["failures"] == []
 
 
 def test_broken_reference_fails_the_test(cpu_kernel, tmp_path):

@@ -153,7 +153,10 @@ def test_test_kernel_script_passes_on_cpu_backend(cpu_module):
     tol = {k: list(v) for k, v in PKG.tolerances.items()}
     result = test_kernel.run(cpu_module[1], "cpu", tol, seed=20240611)
     assert result["ok"], (result["seed"], result["failures"])
-    assert len(result["cases"]) == len(test_kernel.SHAPES) * 3
+    # both entries: the req_to_token one and the SGLang-layout one per shape and dtype, and once per
+    # dtype the SGLang entry on a causal chain with custom_mask None
+    assert len(result["cases"]) == len(test_kernel.SHAPES) * 3 * 2 + 3
+    assert {c["layout"] for c in result["cases"]} == {"req_to_token", "sglang-bool", "sglang-uint8", "sglang-none"}
 
 
 def test_bench_runs_on_cpu(cpu_module):
@@ -212,7 +215,8 @@ def test_cuda_binding_compiles_against_torch_headers(tmp_path):
 @pytest.mark.slow
 def test_cuda_backend_matches_reference_on_gpu(tmp_path):
     """The CUDA backend built with kernel.yaml's flags, run by the package's own reference test on
-    the device (split-K and its log-sum-exp merge included: num_splits 0 and 3), then bench.py."""
+    the device (both entries, the SGLang-layout one included; split-K and its log-sum-exp merge
+    included: num_splits 0 and 3), then bench.py."""
     if not torch.cuda.is_available():
         missing("no CUDA device (torch.cuda.is_available() is false)", "FLEETCTL_REQUIRE_CUDA")
     from torch.utils.cpp_extension import load
@@ -225,7 +229,8 @@ def test_cuda_backend_matches_reference_on_gpu(tmp_path):
     result = test_kernel.run(mod.__file__, "cuda", tol, seed=20240611)
     assert result["ok"], (result["seed"], result["failures"])
     assert {c["num_splits"] for c in result["cases"]} == {0, 3}
-    assert len(result["cases"]) == len(test_kernel.SHAPES) * len(test_kernel.DTYPES["cuda"]) * 2
+    assert len(result["cases"]) == (len(test_kernel.SHAPES) * 2 + 1) * len(test_kernel.DTYPES["cuda"]) * 2
+    assert {c["layout"] for c in result["cases"]} == {"req_to_token", "sglang-bool", "sglang-uint8", "sglang-none"}
     r = subprocess.run([sys.executable, str(PKG.root / "bench.py"), "--device", "cuda", "--module", mod.__file__,
                         "--prefixes", "256,4096", "--iters", "2", "--warmup", "1"],
                        capture_output=True, text=True, timeout=600)

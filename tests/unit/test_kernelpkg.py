@@ -4,6 +4,7 @@ tests/machine/test_kbuild.py)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -15,7 +16,9 @@ import pytest
 
 from fleetctl import probes
 from fleetctl.errors import ParseError
-from fleetctl.engine.kernelpkg import build_key, load_package
+from fleetctl.engine.deploy import preflight_key
+from fleetctl.engine.kernelpkg import TritonBackend, build_key, load_package
+from fleetctl.errors import HostFailed
 from fleetctl.probes import kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
@@ -36,8 +39,12 @@ def _write(kroot: Path, text: str) -> None:
 
 def test_real_package_loads():
     pkg = load_package(KERNELS, "verify_attention")
-    assert set(pkg.backends) == {"cpu", "cuda"}
+    assert set(pkg.backends) == {"cpu", "cuda", "triton"}
     assert pkg.backends["cuda"].sources == ("csrc/binding_cuda.cpp", "csrc/verify_attention.cu")
+    assert pkg.backends["triton"] == TritonBackend(module="triton_verify.py", build="build", load="load")
+    assert pkg.build_params("triton") == {"name": "verify_attention_triton", "kind": "triton",
+                                          "module": "triton_verify.py", "build": "build", "load": "load"}
+    assert pkg.test_params("triton")["device"] == "cuda" and pkg.test_params("cpu")["device"] == "cpu"
     assert pkg.tolerances["bfloat16"] == (1e-2, 2e-2)
     files = pkg.files()
     assert {"kernel.yaml", "reference.py", "test_kernel.py", "csrc/verify_attention.h"} <= set(files)
@@ -75,6 +82,18 @@ MALFORMED = [
     ("yaml syntax", lambda t: t.replace("sources: [csrc/binding_cuda.cpp,", "sources: [csrc/binding_cuda.cpp,,"),
      "csrc/binding_cuda.cpp,,", "expected the node content, but found ','"),  # the YAML parser's words
     ("not a mapping", lambda t: "- just\n- a list\n", 1, "expected a mapping"),
+    ("triton module not python", lambda t: t.replace("module: triton_verify.py", "module: kernel.yaml"),
+     "module: kernel.yaml", "is not a .py file"),
+    ("triton module missing", lambda t: t.replace("module: triton_verify.py", "module: nope.py"),
+     "module: nope.py", "is not a file"),
+    ("triton module escapes", lambda t: t.replace("module: triton_verify.py", "module: ../triton_verify.py"),
+     "module: ../triton_verify.py", "leaves the package directory"),
+    ("triton build not a name", lambda t: t.replace("build: build", "build: build(arch)"),
+     "build: build(arch)", "is not a function name"),
+    ("triton load missing", lambda t: t.replace("    load: load\n", ""), "module: triton_verify.py",
+     "missing field 'load'"),
+    ("triton with sources", lambda t: t.replace("    load: load\n", "    load: load\n    sources: [a.cu]\n"),
+     "sources: [a.cu]", "unknown field 'sources'"),
 ]
 
 
@@ -157,6 +176,49 @@ def test_build_key_changes_with_arch_versions_flags_and_source_bytes(kroot):
     assert build_key(load_package(kroot, "verify_attention"), *base) != key
 
 
+def test_triton_build_key_is_torch_triton_arch_and_sources(kroot):
+    """The triton backend's key: torch's and Triton's versions, the arch, the package's bytes;
+    Triton's version enters no other backend's key (cpu/cuda keys are the ones they were)."""
+    pkg = load_package(kroot, "verify_attention")
+    base = ("triton", "2.8.0+cu128", None, None, "9.0", "3.6.0")
+    key = build_key(pkg, *base)
+    assert len(key) == 64 and key == build_key(load_package(kroot, "verify_attention"), *base)
+    assert build_key(pkg, "triton", "2.8.0+cu128", None, None, "9.0", "3.5.1") != key
+    assert build_key(pkg, "triton", "2.9.0+cu128", None, None, "9.0", "3.6.0") != key
+    assert build_key(pkg, "triton", "2.8.0+cu128", None, None, "12.0", "3.6.0") != key
+    assert build_key(pkg, "cuda", "2.8.0+cu128", None, None, "9.0", "3.6.0") != key
+    cuda = ("cuda", "2.8.0+cu128", "12.8", "12.8", "9.0")
+    assert build_key(pkg, *cuda, "3.6.0") == build_key(pkg, *cuda) == build_key(pkg, *cuda, None)
+    mod = kroot / "verify_attention" / "triton_verify.py"
+    mod.write_bytes(mod.read_bytes() + b"\n")
+    assert build_key(pkg, *base) != key
+
+
+def _pre(backend, arch="9.0", torch="2.8.0+cu128", cuda="12.8", nvcc="12.8", triton="3.6.0"):
+    """A kbuild preflight answer (kbuild.preflight's shape) that chose `backend`."""
+    return {"backend": backend, "choice": backend, "why": "test", "arch": arch, "refusals": [],
+            "facts": {"torch": {"version": torch, "cuda": cuda}, "nvcc": nvcc and {"version": nvcc},
+                      "triton": triton and {"version": triton, "path": "x"}}}
+
+
+def test_preflight_key_reads_the_versions_each_backend_builds_with(kroot):
+    """deploy.preflight_key: triton's key from torch, Triton and the arch (no nvcc: the
+    ahead-of-time compile uses Triton's own ptxas); cuda's from torch, its CUDA and nvcc."""
+    pkg = load_package(kroot, "verify_attention")
+    key = preflight_key(pkg, _pre("triton"))
+    assert key == build_key(pkg, "triton", "2.8.0+cu128", None, None, "9.0", "3.6.0")
+    assert preflight_key(pkg, _pre("triton", nvcc=None)) == key  # nvcc plays no part
+    assert preflight_key(pkg, _pre("triton", triton="3.5.1")) != key
+    assert preflight_key(pkg, _pre("triton", arch="12.0")) != key
+    assert preflight_key(pkg, _pre("cuda")) == build_key(pkg, "cuda", "2.8.0+cu128", "12.8", "12.8", "9.0")
+    assert preflight_key(pkg, _pre("cuda", triton="3.5.1")) == preflight_key(pkg, _pre("cuda"))
+    refused = dict(_pre(None), choice="triton", why="--backend triton (the operator's choice)",
+                   refusals=["no GPU answers nvidia-smi: ..."])
+    with pytest.raises(HostFailed, match=r"^preflight refused the triton backend \(--backend triton "
+                                         r"\(the operator's choice\)\): no GPU answers nvidia-smi"):
+        preflight_key(pkg, refused)
+
+
 def test_results_do_not_enter_the_build_key(kroot):
     """Measurements committed under results/ (the GPU check's JSON) are about the package, not
     part of it: adding them must not invalidate every host's build. A `results` directory below
@@ -197,17 +259,24 @@ def test_preflight_through_the_probe_wrapper():
     gpus = [] if smi is None else [line for line in subprocess.run(
         [smi, "-L"], capture_output=True, text=True, timeout=60).stdout.splitlines() if line.startswith("GPU ")]
     assert len(out["facts"]["gpus"]) == len(gpus)
+    try:
+        triton = {"version": importlib.metadata.version("triton")}
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    assert (out["facts"]["triton"] and {"version": out["facts"]["triton"]["version"]}) == triton
     if not gpus:
         assert (out["backend"], out["arch"], out["refusals"]) == ("cpu", None, [])
+        assert out["why"] == "no GPU answers nvidia-smi"
     else:
         caps = sorted({g["compute_cap"] for g in out["facts"]["gpus"]}, key=lambda c: tuple(map(int, c.split("."))))
         assert out["arch"] == ";".join(caps) and out["backend"] in ("cuda", None)
 
 
-def _facts(gpus=(), torch_cuda="12.8", nvcc="12.8", ninja="/usr/bin/ninja"):
+def _facts(gpus=(), torch_cuda="12.8", nvcc="12.8", ninja="/usr/bin/ninja", triton=None):
     return {"python": "/venv/bin/python", "gpus": [{"name": "GPU", "compute_cap": c} for c in gpus],
             "gpu_error": None, "torch": {"version": "2.8.0", "cuda": torch_cuda, "path": "x"},
-            "nvcc": nvcc and {"path": "/usr/local/cuda/bin/nvcc", "version": nvcc}, "ninja": ninja}
+            "nvcc": nvcc and {"path": "/usr/local/cuda/bin/nvcc", "version": nvcc}, "ninja": ninja,
+            "triton": triton and {"version": triton, "path": "/venv/lib/triton/__init__.py"}}
 
 
 @pytest.mark.parametrize("facts,backends,want_backend,want_arch,fragments", [
@@ -228,6 +297,52 @@ def test_preflight_decisions(facts, backends, want_backend, want_arch, fragments
     got = kbuild.decide(facts, backends)
     assert (got["backend"], got["arch"]) == (want_backend, want_arch)
     assert len(got["refusals"]) == len(fragments)
+    for fragment in fragments:
+        assert any(fragment in r for r in got["refusals"]), got["refusals"]
+
+
+ALL = ["cpu", "cuda", "triton"]
+TRITON_ON = "sm_90 GPU and triton 3.6.0 importable by /venv/bin/python"
+NO_DEVICE = "no GPU answers nvidia-smi: the triton backend compiles for the host's GPU arch and its reference test runs on the device"
+
+
+@pytest.mark.parametrize("facts,backends,forced,want,why,fragments", [
+    # chosen from the host: triton where the GPU's arch is supported and SGLang's interpreter imports triton
+    (_facts(["9.0"], triton="3.6.0"), ALL, None, ("triton", "triton", "9.0"), TRITON_ON, []),
+    (_facts(["9.0"], nvcc=None, ninja=None, triton="3.6.0"), ALL, None, ("triton", "triton", "9.0"), TRITON_ON, []),
+    (_facts(["12.0"], triton="3.6.0"), ["triton"], None, ("triton", "triton", "12.0"),
+     "sm_120 GPU and triton 3.6.0 importable by /venv/bin/python", []),
+    (_facts(["9.0"]), ALL, None, ("cuda", "cuda", "9.0"),
+     "sm_90 GPU, not triton: triton is not importable by /venv/bin/python", []),
+    (_facts(["9.0"], triton="3.6.0"), ["cpu", "cuda"], None, ("cuda", "cuda", "9.0"),
+     "sm_90 GPU, not triton: the package has no triton backend", []),
+    (_facts(["7.5"], triton="3.6.0"), ALL, None, ("cuda", "cuda", "7.5"),
+     "sm_75 GPU, not triton: sm_75 is older than the triton backend's sm_80 or unknown", []),
+    (_facts(["9.0", "12.0"], triton="3.6.0"), ALL, None, ("cuda", "cuda", "9.0;12.0"),
+     "sm_90, sm_120 GPU, not triton: GPUs of 2 archs (sm_90, sm_120): a triton build targets one", []),
+    (_facts(["9.0"], torch_cuda=None, triton="3.6.0"), ALL, None, (None, "cuda", "9.0"),
+     "sm_90 GPU, not triton: torch 2.8.0 is a CPU build (torch.version.cuda is None): no device for the "
+     "triton backend's reference test", ["is a CPU build (torch.version.cuda is None) on a GPU host"]),
+    (_facts([], triton="3.6.0"), ALL, None, ("cpu", "cpu", None), "no GPU answers nvidia-smi", []),
+    # the operator's --backend
+    (_facts([], triton="3.6.0"), ALL, "triton", (None, "triton", None), "--backend triton (the operator's choice)",
+     [NO_DEVICE]),
+    (_facts(["9.0"]), ALL, "triton", (None, "triton", "9.0"), "--backend triton (the operator's choice)",
+     ["triton is not importable by /venv/bin/python"]),
+    (_facts(["9.0"], triton="3.6.0"), ["cpu", "cuda"], "triton", (None, "triton", "9.0"),
+     "--backend triton (the operator's choice)", ["the package has no triton backend (it has cpu, cuda)"]),
+    (_facts(["9.0"], triton="3.6.0"), ALL, "cuda", ("cuda", "cuda", "9.0"), "--backend cuda (the operator's choice)", []),
+    (_facts(["9.0"], triton="3.6.0"), ALL, "cpu", ("cpu", "cpu", None), "--backend cpu (the operator's choice)", []),
+    (_facts([], triton="3.6.0"), ALL, "cuda", (None, "cuda", None), "--backend cuda (the operator's choice)",
+     ["no GPU answers nvidia-smi: the cuda backend builds for the host's GPU arch"]),
+])
+def test_backend_choice(facts, backends, forced, want, why, fragments):
+    """Which backend preflight takes, why, and what it refuses: triton on a GPU host of one
+    supported arch whose (SGLang's) interpreter imports triton and whose torch is a CUDA build,
+    else cuda; cpu without a GPU; --backend overrides and is refused where it cannot build or test."""
+    got = kbuild.decide(facts, backends, forced)
+    assert (got["backend"], got["choice"], got["arch"], got["why"]) == (*want, why)
+    assert got["refusals"] == fragments if fragments == [NO_DEVICE] else len(got["refusals"]) == len(fragments)
     for fragment in fragments:
         assert any(fragment in r for r in got["refusals"]), got["refusals"]
 

@@ -20,7 +20,7 @@ LAYERS = {
     "inventory": 2,
     "connection": 3,
     "engine": 4,
-    "lab": 5, "collection": 5,
+    "lab": 5, "collection": 5, "history": 5,
     "cli": 6,
     "__init__": 0, "data": 0,
 }

@@ -166,3 +166,13 @@ def test_deploy_check_mode_says_what_would_happen_and_what_is_active_now():
     rows = {line.split("│")[1].strip(): line for line in out.getvalue().splitlines() if line.count("│") > 3}
     assert "would build" in rows["h1"] and old[:12] in rows["h1"] and new[:12] not in rows["h1"]
     assert "would reuse" in rows["h2"] and new[:12] in rows["h2"]
+
+
+def test_a_table_title_from_host_data_has_its_escapes_visible():
+    """`history show`'s tables are titled with recorded text: a terminal escape in a title is shown
+    as \\x1b, not sent to the terminal (red-team review of issue 37, L5)."""
+    from fleetctl.cli.report import table
+
+    out = io.StringIO()
+    table("run \x1b[2J[bold]x[/]", ["a column wider than the title"], [["1"]], Console(file=out, width=200, color_system=None))
+    assert "\x1b" not in out.getvalue() and "run \\x1b[2J[bold]x[/]" in out.getvalue()

@@ -18,7 +18,8 @@ from typer.exceptions import TyperException
 from rich.text import Text
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError
-from . import ansible, fleet, lab
+from ..history import record
+from . import ansible, fleet, history, htmlreport, lab
 from .console import err
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,6 +28,8 @@ app.add_typer(fleet.app)
 app.add_typer(fleet.deploy_app, name="deploy")
 app.add_typer(fleet.cache_app, name="cache")
 app.add_typer(lab.app, name="lab")
+app.add_typer(history.app, name="history")
+app.add_typer(htmlreport.app)
 app.add_typer(ansible.inventory_app, name="inventory")
 app.add_typer(ansible.collection_app, name="collection")
 
@@ -42,21 +45,32 @@ def _on_sigterm(signum, frame) -> None:
 
 def main() -> None:
     """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5;
-    SIGTERM as Ctrl-C, exit 143)."""
+    SIGTERM as Ctrl-C, exit 143), and records the run's end with that code in the run history
+    (history.record; 1 for an uncaught exception, as Python exits)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    code = 1
+    try:
+        code = _run()
+    finally:
+        record.end(code)
+    sys.exit(code)
+
+
+def _run() -> int:
+    """Run the app; its exit code."""
     try:
         code = app(standalone_mode=False)
     except TyperException as e:  # Typer's own click: usage errors, bad parameters, no arguments
         if hasattr(e, "show"):
             e.show()
-        sys.exit(EXIT_OPTIONS)
+        return EXIT_OPTIONS
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        sys.exit(EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED)
+        return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
     except FleetctlError as e:
         from .report import text
 
         err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
+        return e.exit_code
     code = code if isinstance(code, int) else 0
-    sys.exit(EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code)
+    return EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code

@@ -48,20 +48,15 @@ def inspect(opts: FleetOptions, pattern: Pattern,
     (its --timeout grows by the replay's deadline, 300 s)."""
     from functools import partial
 
-    from ..engine.fleet import exit_code
     from ..engine.gather import inspect_job
     from ..probes.allocreplay import DEADLINE_S
-    from .report import inspect_document, render_inspect
+    from .report import inspect_document
 
     trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
     hosts = opts.select(pattern)
     with opts.fleet(timeout=opts.timeout + DEADLINE_S if trace is not None else None) as fleet:
         results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect")
-    if opts.json_out:
-        sys.stdout.write(json.dumps(inspect_document(results), indent=1) + "\n")
-    else:
-        _render(results, render_inspect)
-    raise typer.Exit(exit_code(results))
+    _finish(results, opts.json_out, renderer("inspect", {}), hosts=inspect_document(results)["hosts"])
 
 
 @app.command()
@@ -130,7 +125,6 @@ def validate(opts: FleetOptions, pattern: Pattern,
              load_timeout: LoadTimeout = None, load_client: LoadClient = None) -> None:
     """Smoke decode on each host itself: wait for /health, 16 greedy tokens, median latency; with
     --load PROFILE, then SGLang's own benchmark client against each server (its own install)."""
-    from .report import render_load, render_validate
     from ..engine.load import load_options
     from ..engine.validate import validate_job
 
@@ -145,12 +139,7 @@ def validate(opts: FleetOptions, pattern: Pattern,
     hosts = opts.select(pattern)
     with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + (lo.budget_s(1) if lo else 0)) as fleet:
         results = fleet.run(hosts, validate_job(smoke, install, lo), "validate")
-
-    def render(rs, console):
-        render_validate(rs, console)
-        render_load(rs, console)
-
-    _finish(results, opts.json_out, render)
+    _finish(results, opts.json_out, renderer("validate", {}))
 
 
 def _gate_load(gate, declared, **settings):
@@ -201,7 +190,7 @@ def apply(opts: FleetOptions,
     from ..engine.fleet import parse_serial
     from ..paths import find_playbook
     from ..engine.playbook import load_playbook
-    from .report import render_apply, render_handlers, render_load_gate, text
+    from .report import render_apply, render_handlers
 
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
@@ -245,14 +234,9 @@ def apply(opts: FleetOptions,
         for r in outcome.results:
             r.data.pop("texts", None)
 
-    def render(rs, console):
-        render_apply(rs, console, diff=diff and check, check=check)  # an apply showed its diffs above
-        render_load_gate(rs, console)
-        for p in patches:
-            console.print(text(f"patch written: {p}"))
-
-    extra = {"patches": patches} if export_patch is not None else {}
-    _finish(outcome.results, opts.json_out, render, change_id=cid, check=check, **extra)
+    doc = {"change_id": cid, "check": check, **({"patches": patches} if export_patch is not None else {})}
+    # an apply showed its diffs with the plan, before the confirmation
+    _finish(outcome.results, opts.json_out, renderer("apply", doc, diff=diff and check), **doc)
 
 
 @app.command()
@@ -264,7 +248,6 @@ def rollback(opts: FleetOptions,
              yes: Yes = False, install: InstallOpt = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
     from ..engine.ledger import rollback_job
-    from .report import render_rollback
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
@@ -276,7 +259,7 @@ def rollback(opts: FleetOptions,
     _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with opts.fleet() as fleet:
         results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
-    _finish(results, opts.json_out, render_rollback)
+    _finish(results, opts.json_out, renderer("rollback", {}))
 
 
 @app.command()
@@ -284,13 +267,12 @@ def rollback(opts: FleetOptions,
 def recover(opts: FleetOptions, pattern: Pattern, yes: Yes = False) -> None:
     """Undo the changes a killed run left pending (and restart SGLang where there were any); apply nothing."""
     from ..engine.ledger import recover_job
-    from .report import render_recover
 
     hosts = opts.select(pattern)
     _confirm(f"undo pending changes on {len(hosts)} host(s)", yes)
     with opts.fleet() as fleet:
         results = fleet.run(hosts, recover_job(), "recover")
-    _finish(results, opts.json_out, render_recover)
+    _finish(results, opts.json_out, renderer("recover", {}))
 
 
 @app.command()
@@ -298,12 +280,11 @@ def recover(opts: FleetOptions, pattern: Pattern, yes: Yes = False) -> None:
 def status(opts: FleetOptions, pattern: Pattern, install: InstallOpt = None) -> None:
     """Applied changes per host and drift (reverted changes, files modified outside fleetctl)."""
     from ..engine.ledger import status_job
-    from .report import render_status
 
     hosts = opts.select(pattern)
     with opts.fleet() as fleet:
         results = fleet.run(hosts, status_job(install=install), "status")
-    _finish(results, opts.json_out, render_status)
+    _finish(results, opts.json_out, renderer("status", {}))
 
 
 @cache_app.command("clear")
@@ -312,12 +293,11 @@ def cache_clear(opts: FleetOptions, pattern: Pattern) -> None:
     """Empty each host's scan cache: scans, interpreters' answers, RECORD hashes, compiled probes and
     the interpreter record (the next inspect reads and parses every file again)."""
     from ..engine.gather import cache_clear_job
-    from .report import render_cache_clear
 
     hosts = opts.select(pattern)
     with opts.fleet() as fleet:
         results = fleet.run(hosts, cache_clear_job, "cache clear")
-    _finish(results, opts.json_out, render_cache_clear)
+    _finish(results, opts.json_out, renderer("cache clear", {}))
 
 
 @deploy_app.command("kernel")
@@ -329,6 +309,9 @@ def deploy_kernel(opts: FleetOptions,
                       "Check mode: preflight and build key per host (would it build, would it activate); "
                       "nothing is uploaded, built or activated."))] = False,
                   max_jobs: Annotated[int, typer.Option("--max-jobs", help="Parallel compile jobs per host.")] = 4,
+                  backend: Annotated[Optional[str], typer.Option("--backend", metavar="cpu|cuda|triton", help=(
+                      "Build this backend on every host (default per host: triton on a GPU host whose SGLang "
+                      "interpreter imports triton, cuda on other GPU hosts, cpu without a GPU)."))] = None,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
                   = config.BUILD_DEADLINE_S,
                   port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
@@ -344,12 +327,13 @@ def deploy_kernel(opts: FleetOptions,
     activate it atomically, validate (with --gate load, also under load: the report shows the
     speedup), and switch back on failure."""
     from ..engine.deploy import DeployOptions, run_deploy
-    from ..engine.kernelpkg import load_package
+    from ..engine.kernelpkg import BACKENDS, load_package
     from ..paths import project_dir
-    from .report import render_deploy, render_load_gate
 
     if max_jobs < 1:
         raise UsageError(f"--max-jobs must be at least 1, not {max_jobs}")
+    if backend not in (None, *BACKENDS):
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     _positive(build_timeout=build_timeout, timeout=opts.timeout)
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     load_gate, load_given, lo = _gate_load(
@@ -359,27 +343,53 @@ def deploy_kernel(opts: FleetOptions,
         max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
     deploy_opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                                   latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
-                                check=check, load_gate=load_gate, load_settings=load_given)
+                                check=check, backend=backend, load_gate=load_gate, load_settings=load_given)
     hosts = opts.select(pattern)
     if not check:
         _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
     load_budget = lo.budget_s(lo.repeat + 1) if lo else 0
     with opts.fleet(opts.timeout or config.deploy_job_timeout(build_timeout, health_timeout) + load_budget) as fleet:
         cid, results = run_deploy(fleet, hosts, pkg, deploy_opts)
-
-    def render(rs, console):
-        render_deploy(rs, console)
-        render_load_gate(rs, console)
-
-    _finish(results, opts.json_out, render, change_id=cid, kernel=pkg.name, **({"check": True} if check else {}))
+    doc = {"change_id": cid, "kernel": pkg.name, **({"check": True} if check else {})}
+    _finish(results, opts.json_out, renderer("deploy kernel", doc), **doc)
 
 
-def _finish(results, json_out: bool, render, **doc) -> None:
-    """Print the results (one JSON document, or `_render`) and exit with Ansible's code for them."""
+def renderer(command: str, doc: dict, diff: bool = False):
+    """How `command` (its words: "inspect", "deploy kernel", ...) prints its results: a function
+    (results, console) made of cli.report's renderers, given the rest of its `--json` document
+    (`doc`: check, patches) and whether an apply prints its diffs. The commands print with it,
+    and `history show` prints a recorded run again with it. Raises KeyError for another command."""
+    from . import report
+
+    own = {"inspect": report.render_inspect, "validate": report.render_validate, "rollback": report.render_rollback,
+           "recover": report.render_recover, "status": report.render_status,
+           "cache clear": report.render_cache_clear, "deploy kernel": report.render_deploy,
+           "apply": lambda rs, console: report.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}
+    first = own[command]
+
+    def render(results, console) -> None:
+        first(results, console)
+        if command == "validate":
+            report.render_load(results, console)
+        if command in ("apply", "deploy kernel"):
+            report.render_load_gate(results, console)
+        for p in doc.get("patches") or []:
+            console.print(report.text(f"patch written: {p}"))
+
+    return render
+
+
+def _finish(results, json_out: bool, render, hosts: list[dict] | None = None, **doc) -> None:
+    """Print the results (one JSON document: `doc` and "hosts", each result's to_json() unless
+    `hosts` gives the entries; or `_render`), hand that document to the run's history record,
+    and exit with Ansible's code for them."""
     from ..engine.fleet import exit_code
+    from ..history import record
 
+    document = {**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts}
+    record.results(document)
     if json_out:
-        _print_json({**doc, "hosts": [r.to_json() for r in results]})
+        _print_json(document)
     else:
         _render(results, render, doc.get("change_id"))
     raise typer.Exit(exit_code(results))

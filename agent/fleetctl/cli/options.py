@@ -22,6 +22,7 @@ from .. import inventory as inv
 from ..connection import Settings
 from ..engine.fleet import Fleet
 from ..errors import UsageError
+from ..history import record
 from .console import err
 
 Pattern = Annotated[str, typer.Argument(help="Host pattern: name, group, glob, all, a:b, a:&b, a:!b.")]
@@ -52,6 +53,10 @@ ConnectionOpt = Annotated[Optional[str], typer.Option("-c", "--connection", help
     "(the OpenSSH client), local."))]
 RunTimeout = Annotated[Optional[float], typer.Option("--run-timeout", help=(
     "Seconds for the whole command: hosts still in progress then fail, the rest are not attempted."))]
+HistoryOpt = Annotated[Optional[str], typer.Option("--history", envvar="FLEETCTL_HISTORY", metavar="PATH", help=(
+    "The run history file (fleetctl history): PATH, else $FLEETCTL_HISTORY, else "
+    "${XDG_STATE_HOME:-~/.local/state}/fleetctl/history.sqlite."))]
+NoHistory = Annotated[bool, typer.Option("--no-history", help="Do not record this run in the run history.")]
 
 HealthTimeout = Annotated[float, typer.Option("--health-timeout", help=(
     "Seconds to wait for /health to answer 200 (after a restart handler: at least its wait_for_health_s)."))]
@@ -190,14 +195,72 @@ LOAD_FLAGS = {"profile": "--load/--gate", "concurrency": "--load-concurrency", "
 
 
 def load_inventory(inventory: str | None, vault_password_file: str | None = None,
-                   ask_vault_pass: bool = False) -> inv.Inventory:
+                   ask_vault_pass: bool = False, seen: set[str] | None = None) -> inv.Inventory:
     """The inventory -i names (else $FLEETCTL_INVENTORY, else ./hosts.yaml), its vault values
-    decrypted with the vault options' password. Raises InventoryError (exit 4)."""
+    decrypted with the vault options' password; `seen`, when given, gets every secret value the
+    load knows (loaded_secrets). Raises InventoryError (exit 4)."""
+    from ..inventory.templates import templars
+
     vault = None
     if vault_password_file or ask_vault_pass:
         from ..inventory.sources import Vault
-        vault = Vault(vault_password_file, ask_vault_pass)
-    return inv.load(inv.resolve_path(inventory), vault)
+
+        class Revealing(Vault):
+            """The Vault, remembering what it reveals: its password and each decrypted value."""
+
+            def __init__(self, password_file: str | None, ask: bool):
+                super().__init__(password_file, ask)
+                self.revealed: list[str] = []
+
+            def password(self) -> bytes:
+                secret = super().password()
+                self.revealed.append(secret.decode("utf-8", "replace"))
+                return secret
+
+            def __call__(self, value, name, where):
+                text = super().__call__(value, name, where)
+                self.revealed.append(text)
+                return text
+
+        vault = Revealing(vault_password_file, ask_vault_pass)
+    if seen is None:  # (a caller's own templars() block gets the Templar)
+        return inv.load(inv.resolve_path(inventory), vault)
+    with templars() as made:
+        loaded = inv.load(inv.resolve_path(inventory), vault)
+    seen.update(loaded_secrets(loaded, made, vault.revealed if vault else []))
+    return loaded
+
+
+def loaded_secrets(loaded: inv.Inventory, made: list, revealed: list[str]) -> set[str]:
+    """Every secret value a loaded inventory holds, as text: what its vault revealed (`revealed`:
+    the vault password, each decrypted value), the value of each var rendered from a vault value
+    or set in a file vault-encrypted whole (the Templars `made` by the load: Templar.from_vault),
+    and of each var whose name is a secret's (redact.secret_name: ansible_become_password,
+    fleetctl_sglang_api_key). Lists and mappings give their leaves; empty strings and
+    booleans none."""
+    from ..inventory.templates import Vaulted
+    from ..probes import redact
+
+    found = set(revealed)
+
+    def leaves(value) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                leaves(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                leaves(v)
+        elif isinstance(value, (str, int, float)) and not isinstance(value, (bool, Vaulted)):
+            found.add(str(value))
+
+    for host in loaded.hosts.values():
+        for name, value in host.vars.items():
+            vaulted = any(host.name in t.where and name in t.where[host.name] and t.from_vault(host.name, name)
+                          for t in made)
+            if vaulted or redact.secret_name(name):
+                leaves(value)
+    found.discard("")
+    return found
 
 
 def settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
@@ -221,7 +284,8 @@ class FleetOptions:
     """The options every fleet command takes, as given: where its hosts come from (-i, the
     vault options), -K, --json, and how they are worked on (--forks, --timeout in seconds per
     host's job, None where the command computes it, the connection options, --run-timeout in
-    seconds for the whole command)."""
+    seconds for the whole command), and where the run is recorded (--history PATH, None: the
+    default file; --no-history)."""
 
     inventory: InventoryOpt = None
     vault_password_file: VaultPasswordFile = None
@@ -235,17 +299,24 @@ class FleetOptions:
     ssh_config: SshConfig = None
     connection: ConnectionOpt = None
     run_timeout: RunTimeout = None
+    history: HistoryOpt = None
+    no_history: NoHistory = False
 
     def select(self, pattern: str) -> list[inv.Host]:
-        """The inventory's hosts `pattern` matches. Raises InventoryError (exit 4), or UsageError
+        """The inventory's hosts `pattern` matches (the inventory's secret values handed to the
+        run's record: loaded_secrets). Raises InventoryError (exit 4), or UsageError
         (exit 5) for a pattern that matches nothing."""
-        return load_inventory(self.inventory, self.vault_password_file, self.ask_vault_pass).select(pattern)
+        seen: set[str] = set()
+        loaded = load_inventory(self.inventory, self.vault_password_file, self.ask_vault_pass, seen)
+        record.secrets(seen)  # the run's record replaces each of them wherever it appears
+        return loaded.select(pattern)
 
     def fleet(self, timeout: float | None = None) -> Fleet:
         """A Fleet with these options; `timeout` (seconds per host's job) replaces --timeout. Its
         progress goes to stderr, on a terminal and without --json. Raises UsageError (exit 5)."""
         timeout = self.timeout if timeout is None else timeout
         given = settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection, self.ask_become_pass)
+        record.secrets([given.become_password] if given.become_password else [])
         for bad, msg in ((self.forks < 1, "--forks must be at least 1"), (timeout <= 0, "--timeout must be positive"),
                          (self.run_timeout is not None and self.run_timeout <= 0, "--run-timeout must be positive")):
             if bad:
@@ -262,7 +333,8 @@ def fleet_command(timeout: float | None, after: str = "pattern", before: str | N
     """Give a command the FleetOptions: `command(opts, *own)` becomes a function whose signature,
     for Typer, is the command's own parameters with the FleetOptions fields among them (-i to
     --json after the parameter named `after`, --forks to --run-timeout before the one named
-    `before`, or last), and which calls `command` with them gathered into `opts`.
+    `before`, or last), and which records the run's start in the history (history.record;
+    its end is recorded by cli.main) and calls `command` with them gathered into `opts`.
 
     timeout: the --timeout default in seconds; None where the command computes each job's
     timeout itself (its help then says the default is health timeout + 300).
@@ -293,6 +365,8 @@ def fleet_command(timeout: float | None, after: str = "pattern", before: str | N
 
         def run(**given):
             opts = FleetOptions(**{n: given.pop(n) for n in common})
+            if not opts.no_history:
+                record.start(command.__name__.replace("_", " "), opts.history)  # deploy_kernel: "deploy kernel"
             return command(opts, **given)
 
         run.__name__, run.__qualname__, run.__module__ = command.__name__, command.__qualname__, command.__module__

@@ -24,12 +24,13 @@ from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 
 # C0 controls but tab and newline, DEL, C1 controls, and the Unicode bidi and zero-width format
-# characters that reorder or hide text on a terminal.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+# characters that reorder or hide text on a terminal, and lone surrogates (no UTF-8 encodes them).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def visible(value: Any) -> str:
-    """`value` as a string (None: "") with each control character shown as \\xNN / \\uNNNN."""
+    """`value` as a string (None: "") with each control character shown as \\xNN / \\uNNNN, and each
+    lone surrogate (an undecodable byte of a file name, as os.fsdecode gives it) as \\udcNN."""
     s = "" if value is None else str(value)
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", s)
 
@@ -295,7 +296,7 @@ def render_status_line(results: list[HostResult], console: Console) -> None:
 def table(title: str, columns: list[str], rows: list[list[Any]], console: Console,
           style_of: Callable[[str, Any], str | None] | None = None) -> None:
     """Print a simple table (one row per item; cells stringified)."""
-    t = Table(title=title, title_justify="left")
+    t = Table(title=text(title), title_justify="left")
     for c in columns:
         t.add_column(c, overflow="fold")
     for row in rows:
@@ -458,7 +459,7 @@ def render_status(results: list[HostResult], console: Console) -> None:
 
 def render_deploy(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused, the active
-    build (check mode: would build or reuse, and the build active now), validation."""
+    build (check mode: would build or reuse, the build active now, and why that backend), validation."""
     t = Table(title="deploy kernel", title_justify="left")
     for c in ("hosts", "status", "backend", "build", "active", "validation", "detail"):
         t.add_column(c, overflow="fold")
@@ -472,7 +473,8 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         activated = r.status == HostStatus.OK or (r.status == HostStatus.CHANGED and not d.get("check"))
         active = key if activated else (d.get("previous") or "")[:12]
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
-                              (d.get("validation") or {}).get("status", ""), r.error or d.get("commit_note") or "")))
+                              (d.get("validation") or {}).get("status", ""),
+                              r.error or d.get("commit_note") or (d.get("why") if d.get("check") else "") or "")))
     for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
                   text(active), text(val), text(detail))

@@ -121,8 +121,12 @@ def no_install_reason(g: dict) -> str | None:
 
 
 def _findings(inst: dict) -> dict:
+    """The findings a plan reads of install `inst`: its scan's, and verify_attention_route
+    (probes/verifyroute.py; None when it was not scanned), whose files join "files"."""
+    route = inst.get("verify_attention_route")
     return {"allocator_call_sites": inst["allocator_call_sites"], "need_sort_origins": inst["need_sort_origins"],
-            "files": (inst.get("scan") or {}).get("files", {})}
+            "verify_attention_route": route,
+            "files": {**(inst.get("scan") or {}).get("files", {}), **((route or {}).get("files") or {})}}
 
 
 def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None,
@@ -137,7 +141,8 @@ def plan_installs(playbook: Playbook, host: Host, g: dict, install: str | None,
         plan = HostPlan(host.name, playbook.name, PlanStatus.SKIPPED, reason=why)
         return [(None, plan)]
     for inst in chosen or [None]:
-        findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [], "files": {}}
+        findings = _findings(inst) if inst else {"allocator_call_sites": [], "need_sort_origins": [],
+                                                 "verify_attention_route": None, "files": {}}
         plan = plan_host(playbook, host.name, dict(host.vars) if host_vars is None else host_vars,
                          install_facts(g, inst), findings,
                          (inst or {}).get("sources") or {})
@@ -294,6 +299,9 @@ def check_job(playbook: Playbook, state_dir: str, install: str | None = None, te
             for inst, p in plans:
                 if inst and p.files:
                     exportable(inst["id"], [f.rel for f in p.files], inst["sglang"].get("version"))
+                new = [f.rel for f in p.files if f.pre_sha256 is None]
+                if new:
+                    raise HostFailed(f"--export-patch carries edits of existing files only; this plan creates {new[0]}")
             result.data["texts"] = {f.path: {"pre_text": inst["sources"][f.rel], "post_text": f.new_text}
                                     for inst, p in plans if inst for f in p.files}
         # a read-only container holds no ledger (and apply refuses it): nothing can be pending there

@@ -3,10 +3,13 @@ activation as a change through the change engine (changes.py), the same one play
 
 Per host, under the host's lock: recover a change a killed run left pending -> facts (the
 interpreter that runs SGLang, which has torch) -> preflight (probes/kbuild.py: GPU arch, nvcc,
-torch CUDA, ninja; no GPU means the `cpu` backend) -> build key (kernelpkg.build_key) -> if
-`/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is reused; else upload the
-package to `<key>/src` (sha256 checked after upload), build into `<key>/build`, test against
-the reference in a fresh process, mark PASSED -> changes.execute: swap the `current` symlink to
+torch CUDA, triton, ninja; the backend: --backend, else `triton` on a GPU host whose SGLang
+interpreter imports triton, `cuda` on other GPU hosts, `cpu` without a GPU) -> build key
+(kernelpkg.build_key) -> if `/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is
+reused; else upload the package to `<key>/src` (sha256 checked after upload), build into
+`<key>/build` (cpu, cuda: torch.utils.cpp_extension; triton: the package's ahead-of-time
+compile for the host's arch), test against the reference in a fresh process (on the device
+for cuda and triton), mark PASSED -> changes.execute: swap the `current` symlink to
 `<key>` (a ledger change, "pending") -> restart handler -> smoke gate (and, with --gate load, the
 load gate: SGLang's own benchmark client before and after, engine/load.py) -> "applied", or the
 link is switched back.
@@ -33,22 +36,26 @@ from ..vocab import HostStatus
 @dataclass
 class DeployOptions(ChangeOptions):
     """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds; check: check
-    mode (preflight and build key only: nothing uploaded, built, locked or activated)."""
+    mode (preflight and build key only: nothing uploaded, built, locked or activated); backend:
+    the operator's choice of backend (kernelpkg.BACKENDS; None: preflight chooses per host)."""
 
     max_jobs: int = 4
     build_timeout: float = BUILD_DEADLINE_S
     check: bool = False
+    backend: str | None = None
 
 
 class DeployData(TypedDict, total=False):
-    """A deploy's result data: backend ("cuda" | "cpu"), arch (sm_XY or None), build_key (sha256
-    hex), previous (the build key active before, or None), recovered (changes a killed run left
-    pending), refusals (preflight's, for backends it refused), reused (a PASSED build of the key
-    was already there), build ({ok, seconds, log_path, timed_out, removed_stale_lock}), test
-    (the reference test's result); the change engine adds change_id, handlers, validation. In
+    """A deploy's result data: backend ("triton" | "cuda" | "cpu"), why (how preflight chose it),
+    arch (compute capability "9.0", or None), build_key (sha256 hex), previous (the build key
+    active before, or None), recovered (changes a killed run left pending), refusals
+    (preflight's, for backends it refused), reused (a PASSED build of the key was already
+    there), build ({ok, seconds, log_path, timed_out, removed_stale_lock}), test (the reference
+    test's result); the change engine adds change_id, handlers, validation. In
     check mode: check (True) and would_build instead of recovered, build and test."""
 
     backend: str | None
+    why: str
     arch: str | None
     build_key: str
     previous: str | None
@@ -87,7 +94,8 @@ def check_job(pkg: KernelPackage, opts: DeployOptions):
     def job(ctx: HostContext) -> HostResult:
         _, pre, key, state = _preflight(ctx, pkg, opts)
         current = state["current"]
-        data: DeployData = {"check": True, "backend": pre["backend"], "arch": pre["arch"], "build_key": key,
+        data: DeployData = {"check": True, "backend": pre["backend"], "why": pre["why"], "arch": pre["arch"],
+                            "build_key": key,
                             "previous": current, "refusals": pre["refusals"], "reused": state["passed"],
                             "would_build": not state["passed"]}
         return ctx.result(HostStatus.OK if current == key else HostStatus.CHANGED, data=data)
@@ -129,11 +137,17 @@ def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], p
 
 
 def preflight_key(pkg: KernelPackage, pre: dict) -> str:
-    """The build key of `pkg` for a host from its kbuild preflight answer ({"backend", "arch",
-    "facts": {"torch", "nvcc"}}). Raises HostFailed "preflight refused: ..." when no backend fits."""
+    """The build key of `pkg` for a host from its kbuild preflight answer ({"backend", "choice",
+    "why", "arch", "facts": {"torch", "nvcc", "triton"}}): for triton, torch's and triton's
+    versions and the arch (nvcc is not used); for cuda, torch's, its CUDA's and nvcc's versions
+    and the arch. Raises HostFailed "preflight refused the CHOICE backend (WHY): ..." when the
+    backend cannot be built there."""
     if pre["backend"] is None:
-        raise HostFailed("preflight refused: " + "; ".join(pre["refusals"]))
-    torch, nvcc = pre["facts"].get("torch") or {}, pre["facts"].get("nvcc") or {}
+        raise HostFailed(f"preflight refused the {pre['choice']} backend ({pre['why']}): " + "; ".join(pre["refusals"]))
+    facts = pre["facts"]
+    torch, nvcc, triton = facts.get("torch") or {}, facts.get("nvcc") or {}, facts.get("triton") or {}
+    if pre["backend"] == "triton":
+        return build_key(pkg, "triton", torch.get("version"), None, None, pre["arch"], triton.get("version"))
     return build_key(pkg, pre["backend"], torch.get("version"), torch.get("cuda"), nvcc.get("version"), pre["arch"])
 
 
@@ -160,7 +174,7 @@ def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tup
     if blocked:
         raise HostFailed("; ".join(blocked))
     python = facts["python"]["path"]
-    pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends))
+    pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends), backend=opts.backend)
     key = preflight_key(pkg, pre)
     _, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
     return facts, pre, key, _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
@@ -172,8 +186,9 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     backend = pre["backend"]
     root, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
     current = state["current"]
-    data: DeployData = {"backend": backend, "arch": pre["arch"], "build_key": key, "previous": current,
-                        "recovered": rec.changes, "refusals": pre["refusals"], "reused": state["passed"]}
+    data: DeployData = {"backend": backend, "why": pre["why"], "arch": pre["arch"], "build_key": key,
+                        "previous": current, "recovered": rec.changes, "refusals": pre["refusals"],
+                        "reused": state["passed"]}
     result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
         build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),

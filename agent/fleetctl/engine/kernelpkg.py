@@ -3,9 +3,13 @@
 kernel.yaml fields (all required except the flag lists):
     name: NAME                      # must equal the directory name; a Python identifier
     version: "0.1.0"                # a string
-    backends:                       # at least one of cpu, cuda
+    backends:                       # at least one of cpu, cuda, triton
       cpu:  {sources: [a.cpp], cflags: [...], ldflags: [...]}
       cuda: {sources: [b.cpp, c.cu], cflags: [...], cuda_cflags: [...], ldflags: [...]}
+      triton: {module: m.py, build: build, load: load}
+                                    # m.py's build(arch: int, out_dir) -> manifest compiles every
+                                    # instantiation ahead of time for sm_<arch>; load(out_dir)
+                                    # returns the kernels (verify_attention, ...) without compiling
     reference: reference.py:FUNC    # float64 ground truth
     test: test_kernel.py            # run on the host against the built module
     tolerances: {float32: {atol: X, rtol: Y}, ...}
@@ -26,22 +30,33 @@ import yaml
 
 from fleetctl.errors import ParseError
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cuda", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
 SOURCE_SUFFIXES = (".cpp", ".cc", ".cu")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TOP_KEYS = {"name", "version", "backends", "reference", "test", "tolerances"}
 _FLAG_KEYS = ("cflags", "cuda_cflags", "ldflags")
+_TRITON_KEYS = {"module", "build", "load"}
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend's sources (paths relative to the package) and compiler/linker flags."""
+    """One compiled backend's sources (paths relative to the package) and compiler/linker flags."""
 
     sources: tuple[str, ...]
     cflags: tuple[str, ...] = ()
     cuda_cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TritonBackend:
+    """The triton backend: `module` (a .py path relative to the package) and the names of its
+    `build(arch: int, out_dir) -> manifest` (ahead-of-time compile) and `load(out_dir)` functions."""
+
+    module: str
+    build: str
+    load: str
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class KernelPackage:
     name: str
     version: str
     root: Path
-    backends: dict[str, Backend]
+    backends: dict[str, Backend | TritonBackend]
     reference: str                       # "file.py:function"
     test: str                            # relative path of the test module
     tolerances: dict[str, tuple[float, float]]  # dtype -> (atol, rtol)
@@ -80,14 +95,20 @@ class KernelPackage:
         return f"{self.name}_{backend}"
 
     def build_params(self, backend: str) -> dict:
-        """The `build` parameters of the kbuild probe that depend on the package (paths relative)."""
+        """The `build` parameters of the kbuild probe that depend on the package (paths relative):
+        {name, sources, cflags, cuda_cflags, ldflags} for cpu/cuda, {name, kind: "triton", module,
+        build, load} for triton."""
         b = self.backends[backend]
+        if isinstance(b, TritonBackend):
+            return {"name": self.module_name(backend), "kind": "triton", "module": b.module, "build": b.build,
+                    "load": b.load}
         return {"name": self.module_name(backend), "sources": list(b.sources), "cflags": list(b.cflags),
                 "cuda_cflags": list(b.cuda_cflags), "ldflags": list(b.ldflags)}
 
     def test_params(self, backend: str) -> dict:
-        """The `test` parameters of the kbuild probe that depend on the package."""
-        return {"test": self.test, "reference": self.reference, "device": backend,
+        """The `test` parameters of the kbuild probe that depend on the package; the triton build
+        is tested on the device ("cuda"), like the cuda one."""
+        return {"test": self.test, "reference": self.reference, "device": "cpu" if backend == "cpu" else "cuda",
                 "tolerances": {k: list(v) for k, v in self.tolerances.items()}}
 
 
@@ -121,9 +142,12 @@ def load_package(kernels_root: Path, name: str) -> KernelPackage:
     backends = {}
     bmap = at.mapping(top["backends"], "backends", set(BACKENDS), line=top.lines["backends"])
     if not bmap:
-        raise at.error(top, "backends", "backends: at least one of cpu, cuda is required")
+        raise at.error(top, "backends", "backends: at least one of cpu, cuda, triton is required")
     for bname, spec in bmap.items():
         where = f"backends.{bname}"
+        if bname == "triton":
+            backends[bname] = _triton_backend(at, root, spec, where, bmap.lines[bname])
+            continue
         spec = at.mapping(spec, where, {"sources", *_FLAG_KEYS}, required={"sources"}, line=bmap.lines[bname])
         sources = at.strings(spec, "sources", where)
         if not sources:
@@ -155,12 +179,15 @@ def load_package(kernels_root: Path, name: str) -> KernelPackage:
 
 
 def build_key(pkg: KernelPackage, backend: str, torch_version: str, cuda_version: str | None,
-              nvcc_version: str | None, arch: str | None) -> str:
-    """sha256 hex over every package file, the backend's flags, torch/CUDA/nvcc versions and target arch.
+              nvcc_version: str | None, arch: str | None, triton_version: str | None = None) -> str:
+    """sha256 hex over every package file, the backend's build parameters, torch/CUDA/nvcc
+    versions and target arch, and for the triton backend the Triton version.
 
     torch_version: torch.__version__; cuda_version: torch.version.cuda; nvcc_version: "13.0";
-    arch: TORCH_CUDA_ARCH_LIST value such as "9.0" (None for cpu). torch's own extension cache
-    does not key on the arch, hence this key.
+    arch: TORCH_CUDA_ARCH_LIST value such as "9.0" (None for cpu); triton_version:
+    triton.__version__ such as "3.6.0", which compiles (and bundles the ptxas of) the triton
+    backend; it enters only that backend's key, so cpu/cuda keys are the ones they were. torch's
+    own extension cache does not key on the arch, hence this key.
     """
     doc = {
         "name": pkg.name, "version": pkg.version, "backend": backend,
@@ -168,7 +195,24 @@ def build_key(pkg: KernelPackage, backend: str, torch_version: str, cuda_version
         "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in pkg.files().items()},
         "torch": torch_version, "cuda": cuda_version, "nvcc": nvcc_version, "arch": arch,
     }
+    if backend == "triton":
+        doc["triton"] = triton_version
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _triton_backend(at: _Where, root: Path, spec, where: str, line: int) -> TritonBackend:
+    """backends.triton: {module: FILE.py inside the package, build: NAME, load: NAME}."""
+    spec = at.mapping(spec, where, _TRITON_KEYS, required=_TRITON_KEYS, line=line)
+    module = at.string(spec, "module")
+    if not module.endswith(".py"):
+        raise at.error(spec, "module", f"{where}.module: {module!r} is not a .py file")
+    _inside(root, module, f"{at.path}:{spec.lines['module']}: {where}.module")
+    names = {}
+    for key in ("build", "load"):
+        names[key] = at.string(spec, key)
+        if not _IDENT.match(names[key]):
+            raise at.error(spec, key, f"{where}.{key}: {names[key]!r} is not a function name")
+    return TritonBackend(module=module, **names)
 
 
 def _inside(root: Path, rel: str, what: str) -> None:

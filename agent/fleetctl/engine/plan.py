@@ -12,6 +12,11 @@ writes, and that the task's `when` no longer selects is "already applied"; a mar
 `when` still selects was changed by hand after the apply, and the host is refused rather than
 edited twice.
 
+A create_file task's file has no pre-image (FileChange.pre_sha256 None): one already there with
+the rendered text is "already applied", with any other text refused. An insert_text task puts
+its rendered text before the line its site names; the site's `present` (what the finding read
+there already) equal to that text is "already applied", anything else refused.
+
 Every file the host names (each call site's and finding's `file`, every key of findings["files"]
 and of the sources) must be a file of the install (hostpaths.package_file: relative, under sglang/,
 no `..`) before it is joined to anything: a host that names another is refused (review N2).
@@ -31,17 +36,18 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 
 from ..hostpaths import Refused, package_file
-from .playbook import EditTask, Playbook
+from .playbook import CreateTask, EditTask, InsertTask, Playbook
 from ..vocab import PlanStatus
 
 
 @dataclass
 class FileChange:
-    """One file's edit: `path` is absolute on the host (location/rel); sha256 in hex of UTF-8 bytes."""
+    """One file's edit: `path` is absolute on the host (location/rel); sha256 in hex of UTF-8
+    bytes; pre_sha256 None: the change creates the file (the change probe refuses one that exists)."""
 
     rel: str
     path: str
-    pre_sha256: str
+    pre_sha256: str | None
     post_sha256: str
     new_text: str
     diff: str
@@ -181,7 +187,10 @@ def plan_host(playbook: Playbook, host_name: str, host_vars: dict, facts: dict, 
     plan = HostPlan(host_name, playbook.name, PlanStatus.OK)
     for req in playbook.requires:
         if not req.that(ctx):
-            plan.status, plan.reason = PlanStatus.SKIPPED, f"not applicable: {req.reason}"
+            if req.refuse:
+                plan.status, plan.reason = PlanStatus.FAILED, f"refused: {req.reason.render(ctx)}"
+            else:
+                plan.status, plan.reason = PlanStatus.SKIPPED, f"not applicable: {req.reason.render(ctx)}"
             return plan
     try:
         edits = _plan_edits(playbook, plan, ctx, facts, findings, sources)
@@ -208,7 +217,16 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
     comments: dict[str, dict[int, list[str]]] = {}  # rel -> {offset: [comment, ...]}
     srcs: dict[str, _Source] = {}
     changed_tasks = []
+    created: list[FileChange] = []
     for task in playbook.tasks:
+        if isinstance(task, CreateTask):
+            if _plan_create(task, plan, ctx, location, findings, sources, created):
+                changed_tasks.append(task)
+            continue
+        if isinstance(task, InsertTask):
+            if _plan_insert(task, plan, ctx, findings, sources, srcs, per_file):
+                changed_tasks.append(task)
+            continue
         changed = False
         for f in findings.get(task.findings) or []:
             rel = package_file(f["file"])  # a playbook's task may name any findings list
@@ -245,8 +263,64 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
         if changed:
             changed_tasks.append(task)
     for rel, spans in per_file.items():
-        plan.files.append(_edit_file(rel, posixpath.join(location, rel), srcs[rel].text, spans, comments[rel]))
+        plan.files.append(_edit_file(rel, posixpath.join(location, rel), srcs[rel].text, spans, comments.get(rel, {})))
+    plan.files += created
     return changed_tasks
+
+
+def _plan_create(task: CreateTask, plan: HostPlan, ctx: dict, location: str, findings: dict,
+                 sources: dict[str, str], created: list[FileChange]) -> bool:
+    """Plan a CreateTask: a FileChange with pre_sha256 None into `created` (True), or the file
+    already there with exactly the rendered text (already applied, False). Refused: a path
+    outside the install, a file there with other text, a .py text that does not parse."""
+    rel = package_file(task.path.render(ctx))
+    text = task.template.render(ctx, strip=False)
+    text = text if text.endswith("\n") else text + "\n"
+    site = {"file": rel, "line": 1, "kind": "create", "task": task.name}
+    if rel in (findings.get("files") or {}):
+        if _checked_source(rel, findings, sources).text != text:
+            raise _Refused(f"{rel} exists and is not what {task.template.template.filename} renders: not "
+                           "replacing a file this playbook did not write (roll back the change that wrote it)")
+        plan.already_applied.append(site)
+        return False
+    if rel.endswith(".py"):
+        try:
+            _parse(text)
+        except SyntaxError as e:
+            raise _Refused(f"{task.template.template.filename} renders a {rel} that does not parse: line "
+                           f"{e.lineno}: {e.msg}") from None
+    diff = "".join(difflib.unified_diff([], text.splitlines(True), "/dev/null", f"b/{rel}"))
+    created.append(FileChange(rel, posixpath.join(location, rel), None, sha256_text(text), text, diff))
+    plan.edits.append(dict(site, new_sha256=sha256_text(text)))
+    return True
+
+
+def _plan_insert(task: InsertTask, plan: HostPlan, ctx: dict, findings: dict, sources: dict[str, str],
+                 srcs: dict, per_file: dict) -> bool:
+    """Plan an InsertTask at the site its expression gives ({file, line, present}): an insertion
+    span into `per_file` (True), or, when the site's `present` text is the rendered one, already
+    applied (False). Refused: no site, a present text that differs, a rendered text without the
+    marker."""
+    site = task.site(ctx)
+    if not isinstance(site, dict) or not site.get("file") or not isinstance(site.get("line"), int):
+        raise _Refused(f"{task.site.where}: {task.site.source!r} gives no site to insert at")
+    rel = package_file(site["file"])
+    text = task.template.render({**ctx, "site": site}, strip=False)
+    text = text if text.endswith("\n") else text + "\n"
+    if task.marker not in text:
+        raise _Refused(f"{task.template.template.filename} must render text holding {task.marker!r}")
+    entry = {"file": rel, "line": site["line"], "kind": "insert", "task": task.name}
+    if site.get("present") is not None:
+        if site["present"] != text:
+            raise _Refused(f"{rel}:{site['line']} carries {task.marker!r} but not the text this playbook renders "
+                           "(changed by hand, or by another release of the playbook): roll that back first")
+        plan.already_applied.append(entry)
+        return False
+    src = srcs.get(rel) or srcs.setdefault(rel, _checked_source(rel, findings, sources))
+    at = src.offset(site["line"], 0)
+    per_file.setdefault(rel, []).append((at, at, text))
+    plan.edits.append(dict(entry, new_text=text))
+    return True
 
 
 def _checked_source(rel: str, findings: dict, sources: dict[str, str]) -> _Source:
@@ -300,8 +374,9 @@ def reinspect_problems(playbook: Playbook, plan: HostPlan, host_vars: dict, fact
     checks = [v.that for v in playbook.validate if v.step == "reinspect" and v.that is not None]
     # exactly the sites that carry the change (another finding on the same line, say a nested
     # literal need_sort=False, is not one of them)
-    applied = {(a["file"], a["value_line"], a["value_col"]) for a in again.already_applied}
-    for task in playbook.tasks:
+    applied = {(a["file"], a.get("value_line"), a.get("value_col")) for a in again.already_applied
+               if a.get("kind") not in ("create", "insert")}
+    for task in (t for t in playbook.tasks if isinstance(t, EditTask)):
         for f in findings.get(task.findings) or []:
             if (f["file"], f.get("value_line"), f.get("value_col")) in applied:
                 fctx = {**ctx, "finding": {**f, "expr_one_line": one_line(f["expr"])}}

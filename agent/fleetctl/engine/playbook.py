@@ -7,9 +7,17 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
     description: ...                        # optional
     requires:                               # optional; the first false one skips the host
       - that: "facts.sglang is not none"    # Jinja2 expression over host vars, facts, findings
-        reason: "sglang is not installed"   # -> status skipped, "not applicable: <reason>"
-    tasks:                                  # required, at least one
-      - name: ...
+        reason: "sglang is not installed"   # a template -> status skipped, "not applicable: <reason>"
+        refuse: true                        # optional: status failed with the reason instead
+    tasks:                                  # required, at least one; each has one of
+      - name: ...                           # edit_expressions, create_file, insert_text
+        create_file:                        # a new file of the install, rendered (pre-image: absent;
+          path: "{{ findings.x.file }}"     # rollback deletes it); one already there with the
+          template: templates/x/new.py.j2   # rendered text is "already applied", any other refused
+        insert_text:                        # text inserted before a line of an install's file:
+          site: "findings.x.guard"          # an expression giving {file, line, present}: present is
+          template: templates/x/guard.j2    # the text already there (== the rendered: applied; else
+          marker: "fleetctl x"              # refused), rendered unstripped, holding the marker
         edit_expressions:                   # replace the value span of selected inspect findings
           findings: need_sort_origins       # key of the inspect findings holding the sites
           when: "not finding.literal"       # which findings to change (expression over `finding`)
@@ -61,6 +69,7 @@ from ..errors import ParseError
 from .load import SETTINGS as LOAD_SETTINGS, load_options
 
 VALIDATE_STEPS = ("compile", "reinspect", "smoke", "load")
+TASK_KINDS = ("edit_expressions", "create_file", "insert_text")
 ON_FAILURE = ("rollback", "keep")
 
 
@@ -169,10 +178,12 @@ class Snippet:
     template: jinja2.Template
     where: str
 
-    def render(self, ctx: dict[str, Any]) -> str:
-        """Render with `ctx`, stripped. Raises ParseError "file:line: message" on any template error."""
+    def render(self, ctx: dict[str, Any], strip: bool = True) -> str:
+        """Render with `ctx`, stripped (unless not `strip`). Raises ParseError "file:line:
+        message" on any template error."""
         try:
-            return self.template.render(ctx).strip()
+            text = self.template.render(ctx)
+            return text.strip() if strip else text
         except Exception as e:  # noqa: BLE001 - every template failure is the playbook's fault
             line = _where(e, self.template.filename)
             if self.template.filename and self.template.filename != "<template>" and line:
@@ -201,7 +212,29 @@ class Expr:
 @dataclass
 class Requirement:
     that: Expr
-    reason: str
+    reason: Snippet
+    refuse: bool = False
+
+
+@dataclass
+class CreateTask:
+    """Create a file of the install (`path`, rendered) from `template`; see the module docstring."""
+
+    name: str
+    path: Snippet
+    template: Snippet
+    notify: list[str]
+
+
+@dataclass
+class InsertTask:
+    """Insert `template`'s text (unstripped) before the line the `site` expression names."""
+
+    name: str
+    site: Expr
+    template: Snippet
+    marker: str
+    notify: list[str]
 
 
 @dataclass
@@ -242,7 +275,7 @@ class Playbook:
     description: str
     path: str
     requires: list[Requirement]
-    tasks: list[EditTask]
+    tasks: list[EditTask | CreateTask | InsertTask]
     handlers: dict[str, Handler]
     validate: list[ValidateStep]
     on_failure: str
@@ -361,8 +394,11 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
 
     requires = []
     for n in r.seq(top["requires"], "requires") if "requires" in top else []:
-        m = r.mapping(n, "requirement", required=("that", "reason"))
-        requires.append(Requirement(r.expr(m["that"], "that"), r.scalar(m["reason"], "reason", str)))
+        m = r.mapping(n, "requirement", required=("that", "reason"), optional=("refuse",))
+        refuse = r.construct.construct_object(m["refuse"]) if "refuse" in m else False
+        if not isinstance(refuse, bool):
+            raise r.err(m["refuse"], "refuse must be true or false")
+        requires.append(Requirement(r.expr(m["that"], "that"), r.inline(m["reason"], "reason"), refuse))
 
     handlers: dict[str, Handler] = {}
     for n in r.seq(top["handlers"], "handlers") if "handlers" in top else []:
@@ -377,17 +413,31 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
 
     tasks = []
     for n in r.seq(top["tasks"], "tasks"):
-        m = r.mapping(n, "task", required=("name", "edit_expressions"), optional=("notify",))
-        e = r.mapping(m["edit_expressions"], "edit_expressions",
-                      required=("findings", "when", "value", "comment", "marker"))
+        m = r.mapping(n, "task", required=("name",), optional=("notify",) + TASK_KINDS)
+        kinds = [k for k in TASK_KINDS if k in m]
+        if len(kinds) != 1:
+            raise r.err(n, f"a task has one of {', '.join(TASK_KINDS)}")
         notify = []
         for h in r.seq(m["notify"], "notify") if "notify" in m else []:
             hname = r.scalar(h, "notify entry", str)
             if hname not in handlers:
                 raise r.err(h, f"notify names no handler: {hname!r}")
             notify.append(hname)
+        name = r.scalar(m["name"], "task name", str)
+        if kinds[0] == "create_file":
+            c = r.mapping(m["create_file"], "create_file", required=("path", "template"))
+            tasks.append(CreateTask(name, r.inline(c["path"], "path"), r.template_file(c["template"], "template"),
+                                    notify))
+            continue
+        if kinds[0] == "insert_text":
+            c = r.mapping(m["insert_text"], "insert_text", required=("site", "template", "marker"))
+            tasks.append(InsertTask(name, r.expr(c["site"], "site"), r.template_file(c["template"], "template"),
+                                    r.scalar(c["marker"], "marker", str), notify))
+            continue
+        e = r.mapping(m["edit_expressions"], "edit_expressions",
+                      required=("findings", "when", "value", "comment", "marker"))
         tasks.append(EditTask(
-            r.scalar(m["name"], "task name", str), r.scalar(e["findings"], "findings", str),
+            name, r.scalar(e["findings"], "findings", str),
             r.expr(e["when"], "when"), r.template_file(e["value"], "value"),
             r.template_file(e["comment"], "comment"), r.scalar(e["marker"], "marker", str), notify))
     if not tasks:

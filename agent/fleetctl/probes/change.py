@@ -32,6 +32,9 @@ def apply(params, state_dir):
 
     A "link" item swaps symlink `path` from pre_target (None: absent) to post_target atomically;
     the ledger records link states as "link:<target>" in before/after_sha256 and needs no backup.
+    A file item with pre_sha256 None creates `path`, which must not exist (nothing at all there,
+    no dangling link either): its before_sha256 is None, it has no backup, and a rollback or
+    recover deletes it.
     Refuses, changing nothing, when a file's sha256 is not pre_sha256 ("changed since inspect"),
     new_text does not hash to post_sha256, the change id is used, or a change is still pending.
     Then: the ledger's reserve (ledger.make_reserve), ledger "pending", originals to
@@ -65,14 +68,18 @@ def apply(params, state_dir):
                 items.append({"path": path, "kind": "link", "before_sha256": before,
                               "after_sha256": "link:" + f["post_target"]})
                 continue
-            try:
-                originals[path] = safefs.read_file(path)
-            except OSError as e:
-                raise safefs.Refused("%s: %s" % (path, e.strerror))
+            if f["pre_sha256"] is None:
+                if safefs.lexists(path):
+                    raise safefs.Refused("%s: changed since inspect (it exists; this change creates it)" % path)
+            else:
+                try:
+                    originals[path] = safefs.read_file(path)
+                except OSError as e:
+                    raise safefs.Refused("%s: %s" % (path, e.strerror))
             safefs.check_pycache(path)
         except safefs.UnsafePath as e:
             raise safefs.Refused("%s: not changing it" % e)
-        if hashlib.sha256(originals[path]).hexdigest() != f["pre_sha256"]:
+        if f["pre_sha256"] is not None and hashlib.sha256(originals[path]).hexdigest() != f["pre_sha256"]:
             raise safefs.Refused("%s: changed since inspect" % path)
         news[path] = f["new_text"].encode("utf-8")
         if hashlib.sha256(news[path]).hexdigest() != f["post_sha256"]:
@@ -87,7 +94,7 @@ def apply(params, state_dir):
     written = []
     try:
         for f in entry["files"]:
-            if f.get("kind") != "link":
+            if f.get("kind") != "link" and f["before_sha256"] is not None:
                 os.close(safefs.open_dir(os.path.dirname(f["backup"]), create=0o700))
                 safefs.atomic_write(f["backup"], originals[f["path"]], cid)
         for f in entry["files"]:
@@ -96,7 +103,8 @@ def apply(params, state_dir):
                 safefs.set_link(f["path"], f["after_sha256"][len("link:"):], cid)
             else:
                 try:
-                    safefs.atomic_write(f["path"], news[f["path"]], cid, expect=f["before_sha256"])
+                    safefs.atomic_write(f["path"], news[f["path"]], cid, expect=safefs.ABSENT
+                                        if f["before_sha256"] is None else f["before_sha256"])
                 except safefs.ChangedMeanwhile:
                     written.pop()  # not written by this change: never "restored" over the new bytes
                     raise
@@ -185,13 +193,20 @@ def commit(params, state_dir):
 
 
 def _restore(f, tag, data=None):
-    """Put ledger file entry `f` back to before_sha256: a link to its old target, a file from
-    `data` or its backup; verify the result."""
+    """Put ledger file entry `f` back to before_sha256: a link to its old target, a file the
+    change created (before_sha256 None) deleted with its bytecode, a file from `data` or its
+    backup; verify the result."""
     if f.get("kind") == "link":
         before = f["before_sha256"]
         safefs.set_link(f["path"], before[len("link:"):] if before else None, tag)
         if _state(f) != before:
             raise OSError("%s: link after restore is not %s" % (f["path"], before))
+        return
+    if f["before_sha256"] is None:
+        safefs.remove_file(f["path"])
+        safefs.drop_pycache(f["path"])
+        if safefs.lexists(f["path"]):
+            raise OSError("%s: still there after removing it" % f["path"])
         return
     data = safefs.read_file(f["backup"]) if data is None else data
     if hashlib.sha256(data).hexdigest() != f["before_sha256"]:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust, units
+from . import callsites, containers, gpus, ledger, locate, procs, result, scancache, torchver, trust, units, verifyroute
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -416,7 +416,8 @@ def main(params):
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
     Returns {"facts", "installs", "not_inspected" (discover), "allocator_call_sites",
     "need_sort_origins", "scan", ["sources"]}, the last four (and facts.sglang/python/torch) of
-    the primary install."""
+    the primary install; each scanned install also carries "verify_attention_route"
+    (verifyroute.route), its files' texts in its "sources" when with_sources."""
     if "locate" in params:
         res = locate.locate(params["locate"])
         res["torch"] = torchver.installed()
@@ -433,6 +434,11 @@ def main(params):
         for inst in installs:
             if params.get("scan", True):
                 scan_install(inst, params.get("with_sources"), store)
+                if inst["scan"].get("error") is None:  # where target verify can be routed (route-verify-attention)
+                    route = inst["verify_attention_route"] = verifyroute.route(
+                        inst, servers, params.get("state_dir") or ledger.STATE_DIR, params.get("with_sources"))
+                    if "sources" in route:
+                        inst["sources"].update(route.pop("sources"))
             else:
                 inst["scan"] = {"error": inst.pop("error")} if inst.get("error") else None
                 inst.pop("error", None)

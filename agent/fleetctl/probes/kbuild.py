@@ -1,19 +1,24 @@
 """Kernel build probe (stdlib only, Python 3.8+): preflight, build and test a kernel package on the host.
 
 main(params) dispatches on params["action"]:
-  preflight  facts (nvidia-smi compute_cap, nvcc --version, torch/version.py, ninja) and a verdict:
-             the backend to build ("cuda", "cpu" or None), TORCH_CUDA_ARCH_LIST value, refusals.
-  build      torch.utils.cpp_extension.load in a child process (own process group) into an explicit
-             build directory, under an flock and a deadline; the log is kept in BUILD_DIR/build.log.
+  preflight  facts (nvidia-smi compute_cap, nvcc --version, torch/version.py, triton's version,
+             ninja) and a verdict: the backend to build ("triton", "cuda", "cpu" or None), why,
+             the arch (TORCH_CUDA_ARCH_LIST value), refusals.
+  build      in a child process (own process group), under an flock and a deadline, into an explicit
+             build directory: torch.utils.cpp_extension.load (cpu, cuda), or the package's triton
+             module's build(arch, out_dir) (the ahead-of-time compile: no GPU, no nvcc); the log is
+             kept in BUILD_DIR/build.log.
   test       the package's test module against the built module in a fresh process.
   state      the package's active build (the `current` link's target) and whether a build passed.
   mark       record that a build passed its reference test (BUILD_DIR/PASSED holds the module path).
-torch is never imported here: builds and tests run in child processes of the host's interpreter.
+torch and triton are never imported here: builds and tests run in child processes of the host's
+interpreter.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +34,8 @@ from . import gpus, torchver, trust
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
 MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),
                      "10.0": (12, 8), "12.0": (12, 8)}
+# Oldest compute capability the triton backend builds for: tl.dot on bf16 needs sm_80 (Ampere).
+TRITON_MIN_ARCH = (8, 0)
 LOG_TAIL_BYTES = 4000
 
 _BUILD = r"""
@@ -40,6 +47,46 @@ m = load(name=a["name"], sources=a["sources"], extra_cflags=a["cflags"], extra_c
 with open(a["result"], "w") as f:
     json.dump({"module_path": m.__file__}, f)
 """
+
+_TRITON_BUILD = r"""
+import importlib.util, json, sys
+a = json.loads(sys.argv[1])
+sys.path.insert(0, a["src_dir"])
+spec = importlib.util.spec_from_file_location(a["module_name"], a["module"])
+m = importlib.util.module_from_spec(spec)
+sys.modules[a["module_name"]] = m
+spec.loader.exec_module(m)
+manifest = getattr(m, a["build"])(a["arch"], a["out_dir"])
+with open(a["result"], "w") as f:
+    json.dump({"manifest": manifest}, f, default=str)
+"""
+
+# The triton build's importable module, BUILD_DIR/NAME.py (the path PASSED records): the package's
+# triton module's load() over the compiled kernels, its attributes those of what load() returned,
+# so the reference test (and whatever imports the active build) imports it by path as it imports
+# a .so. Without a CUDA device it refuses to import, naming that. Filled with str.format.
+_TRITON_MODULE = '''"""{name}: the triton build for sm_{sm} (written by fleetctl's kbuild probe): {module}'s
+{load}() over the kernels compiled into {out_dir}; importing it compiles nothing."""
+
+import importlib.util
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    raise RuntimeError("no CUDA device for the reference test of the triton build (torch %s: "
+                       "torch.cuda.is_available() is False); its kernels run on the device only" % torch.__version__)
+sys.path.insert(0, {src_dir!r})
+_spec = importlib.util.spec_from_file_location({module_name!r}, {module_path!r})
+_source = importlib.util.module_from_spec(_spec)
+sys.modules[{module_name!r}] = _source
+_spec.loader.exec_module(_source)
+_kernels = _source.{load}({out_dir!r})
+
+
+def __getattr__(attr):
+    return getattr(_kernels, attr)
+'''
 
 
 def main(params: dict) -> dict:
@@ -81,23 +128,26 @@ def mark(params: dict) -> dict:
 
 
 def preflight(params: dict) -> dict:
-    """Facts and verdict for params["backends"] (the package's backends, e.g. ["cpu", "cuda"]).
+    """Facts and verdict for params["backends"] (the package's backends, e.g. ["cpu", "cuda",
+    "triton"]) and params.get("backend") (the operator's --backend; None: chosen from the host).
 
-    Returns {"facts": gather_facts(), "backend": str|None, "arch": str|None, "refusals": [str]}.
+    Returns {"facts": gather_facts(), "backend": str|None, "choice": str, "why": str,
+    "arch": str|None, "refusals": [str]} (see decide).
     """
     facts = gather_facts()
-    return dict(facts=facts, **decide(facts, params["backends"]))
+    return dict(facts=facts, **decide(facts, params["backends"], params.get("backend")))
 
 
 def gather_facts() -> dict:
-    """Build-relevant facts of this host and interpreter, read without importing torch.
+    """Build-relevant facts of this host and interpreter, read without importing torch or triton.
 
     gpus: [{"name", "compute_cap"}] of the GPUs that answer nvidia-smi (gpus.ARGS, read by
     gpus.parse; [] without nvidia-smi); gpu_errors: gpus.parse's [{index, pci_bus_id, error}]
     of lost GPUs; gpu_error: gpus.parse's reason (lost GPUs, nvidia-smi failed) or None; nvcc:
     {"path", "version"} or None, found as torch finds it (CUDA_HOME/CUDA_PATH, PATH,
     /usr/local/cuda); torch: {"version", "cuda", "path"} from torch/version.py
-    (torchver.importable) or None; ninja: its path (PATH plus the interpreter's bin dir) or None.
+    (torchver.importable) or None; triton: {"version", "path"} (_triton) or None; ninja: its
+    path (PATH plus the interpreter's bin dir) or None.
     """
     python = sys.executable
     facts = {"python": python, "gpus": [], "gpu_errors": [], "gpu_error": None, "cpu_count": os.cpu_count()}
@@ -108,33 +158,65 @@ def gather_facts() -> dict:
         facts["gpus"] = [{"name": g["name"], "compute_cap": g["compute_cap"]} for g in rows]
     facts["nvcc"] = _nvcc()
     facts["torch"] = torchver.importable()
+    facts["triton"] = _triton()
     facts["ninja"] = shutil.which("ninja", path=_search_path(python))
     return facts
 
 
-def decide(facts: dict, backends: list) -> dict:
-    """Which backend to build, for which arch, or why not: {"backend", "arch", "refusals"}.
+def decide(facts: dict, backends: list, forced: str | None = None) -> dict:
+    """Which backend to build, for which arch, why, or why not:
+    {"backend", "choice", "why", "arch", "refusals"}.
 
-    GPU host: the cuda backend, refused when nvcc is missing, nvcc's major version differs from
-    torch.version.cuda's, torch is a CPU build, or torch/nvcc are older than the arch needs
-    (MIN_CUDA_FOR_ARCH, e.g. sm_120 needs CUDA >= 12.8). No GPU: the cpu backend if the package has one.
+    choice: `forced` (the operator's --backend), else from the host: no GPU, cpu; a GPU host,
+    triton when the package has a triton backend, triton is importable by this interpreter (the
+    one SGLang runs; SGLang's wheels depend on triton), torch is a CUDA build and the GPUs are
+    of one arch >= TRITON_MIN_ARCH; else cuda. why: one sentence, how choice was made. backend:
+    choice, or None when there are refusals. arch: the GPUs' compute capabilities
+    ("9.0", "9.0;12.0"), None for cpu.
+    Refusals: torch missing, the GPUs unreadable, the package lacking the choice's backend; cpu
+    and cuda: ninja missing (torch.utils.cpp_extension); cuda: _cuda_refusals; triton:
+    _triton_refusals.
     """
+    torch, cards = facts.get("torch"), facts.get("gpus") or []
+    archs = sorted({g["compute_cap"] or "unknown" for g in cards}, key=_version)
+    sms = ", ".join(_sm(a) for a in archs)
     refusals = []
-    torch, nvcc, cards = facts.get("torch"), facts.get("nvcc"), facts.get("gpus") or []
     if not torch:
         refusals.append("torch is not installed for %s" % facts.get("python"))
-    if not facts.get("ninja"):
-        refusals.append("ninja is not on PATH (torch.utils.cpp_extension needs it)")
     if facts.get("gpu_error"):
         refusals.append("cannot read the GPUs: %s" % facts["gpu_error"])
-    if not cards:
-        if "cpu" not in backends:
-            refusals.append("no GPU and the package has no cpu backend")
-        return {"backend": None if refusals else "cpu", "arch": None, "refusals": refusals}
-    archs = sorted({g["compute_cap"] or "unknown" for g in cards}, key=_version)
+    if forced:
+        choice, why = forced, "--backend %s (the operator's choice)" % forced
+    elif not cards:
+        choice, why = "cpu", "no GPU answers nvidia-smi"
+    else:
+        not_triton = _triton_refusals(facts, archs) if "triton" in backends else ["the package has no triton backend"]
+        choice = "cuda" if not_triton else "triton"
+        why = ("%s GPU and triton %s importable by %s" % (sms, facts["triton"]["version"], facts.get("python"))
+               if choice == "triton" else "%s GPU, not triton: %s" % (sms, "; ".join(not_triton)))
+    if choice not in backends:
+        refusals.append("the package has no %s backend (it has %s)" % (choice, ", ".join(sorted(backends))) if forced
+                        else "no GPU and the package has no cpu backend" if choice == "cpu"
+                        else "GPU host (%s) but the package has no cuda backend" % sms)
+    if choice in ("cpu", "cuda") and not facts.get("ninja"):
+        refusals.append("ninja is not on PATH (torch.utils.cpp_extension needs it)")
+    if choice == "cuda":
+        refusals += _cuda_refusals(facts, archs)
+    elif choice == "triton":
+        refusals += _triton_refusals(facts, archs)
+    arch = ";".join(archs) if archs and choice != "cpu" else None
+    return {"backend": None if refusals else choice, "choice": choice, "why": why, "arch": arch, "refusals": refusals}
+
+
+def _cuda_refusals(facts: dict, archs: list) -> list:
+    """Why the cuda backend cannot be built for GPUs of `archs`: none (no GPU), nvcc missing,
+    nvcc's major version differs from torch.version.cuda's, torch is a CPU build, or torch/nvcc
+    are older than an arch needs (MIN_CUDA_FOR_ARCH, e.g. sm_120 needs CUDA >= 12.8)."""
+    torch, nvcc = facts.get("torch"), facts.get("nvcc")
+    if not archs:
+        return ["no GPU answers nvidia-smi: the cuda backend builds for the host's GPU arch"]
+    refusals = []
     tcuda = torch and torch.get("cuda")
-    if "cuda" not in backends:
-        refusals.append("GPU host (sm_%s) but the package has no cuda backend" % archs[0].replace(".", ""))
     if not nvcc or not nvcc["version"]:
         refusals.append("nvcc not found or its version unreadable (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda/bin)")
         nvcc = None
@@ -143,24 +225,54 @@ def decide(facts: dict, backends: list) -> dict:
     if nvcc and tcuda and _version(nvcc["version"])[0] != _version(tcuda)[0]:
         refusals.append("nvcc %s major differs from torch's CUDA %s" % (nvcc["version"], tcuda))
     for arch in archs:
-        sm = "sm_" + arch.replace(".", "")
         need = MIN_CUDA_FOR_ARCH.get(arch)
         if need is None:
-            refusals.append("%s is not a supported arch (%s)" % (sm, ", ".join(sorted(MIN_CUDA_FOR_ARCH))))
+            refusals.append("%s is not a supported arch (%s)" % (_sm(arch), ", ".join(sorted(MIN_CUDA_FOR_ARCH))))
             continue
         for who, have in (("torch", tcuda), ("nvcc", nvcc and nvcc["version"])):
             if have and _version(have) < need:
-                refusals.append("%s needs CUDA >= %d.%d; %s has CUDA %s" % (sm, need[0], need[1], who, have))
-    return {"backend": None if refusals else "cuda", "arch": ";".join(archs), "refusals": refusals}
+                refusals.append("%s needs CUDA >= %d.%d; %s has CUDA %s" % (_sm(arch), need[0], need[1], who, have))
+    return refusals
+
+
+def _triton_refusals(facts: dict, archs: list) -> list:
+    """Why the triton backend cannot be built and tested for GPUs of `archs`: no GPU (no arch to
+    compile for, no device for the reference test), GPUs of more than one arch (a build targets
+    one), an arch older than TRITON_MIN_ARCH or unknown, triton not importable by this
+    interpreter or its version unreadable, torch a CPU build (the reference test runs on the
+    device through torch)."""
+    torch, triton = facts.get("torch"), facts.get("triton")
+    refusals = []
+    if not archs:
+        refusals.append("no GPU answers nvidia-smi: the triton backend compiles for the host's GPU arch "
+                        "and its reference test runs on the device")
+    elif len(archs) > 1:
+        refusals.append("GPUs of %d archs (%s): a triton build targets one" % (len(archs), ", ".join(map(_sm, archs))))
+    for arch in archs:
+        if len(_version(arch)) < 2 or _version(arch) < TRITON_MIN_ARCH:
+            refusals.append("%s is older than the triton backend's sm_%d%d or unknown"
+                            % ((_sm(arch),) + TRITON_MIN_ARCH))
+    if not triton:
+        refusals.append("triton is not importable by %s" % facts.get("python"))
+    elif not triton.get("version"):
+        refusals.append("triton's version is unreadable from %s" % triton["path"])
+    if torch and not torch.get("cuda"):
+        refusals.append("torch %s is a CPU build (torch.version.cuda is None): no device for the triton "
+                        "backend's reference test" % torch["version"])
+    return refusals
 
 
 def build(params: dict) -> dict:
-    """Build an extension with torch.utils.cpp_extension.load in a child process.
+    """Build an extension with torch.utils.cpp_extension.load, or a triton build, in a child process.
 
     params: src_dir (uploaded package), build_dir (staging), name (module name), sources (relative
     to src_dir), cflags, cuda_cflags, ldflags, arch (TORCH_CUDA_ARCH_LIST, None for cpu), max_jobs
     (cap on MAX_JOBS, default 4), deadline_s (default 1800 s, waiting for the lock included),
-    lock_path (default BUILD_DIR.lock).
+    lock_path (default BUILD_DIR.lock). kind "triton" (kernelpkg.TritonBackend's parameters):
+    module (.py relative to src_dir), build, load (its function names) in place of sources and
+    flags; the child calls module.build(arch as an int: "9.0" -> 90, BUILD_DIR/kernels), then
+    BUILD_DIR/NAME.py is written (_TRITON_MODULE) and is the module_path; "manifest" is what
+    build returned.
     An flock on lock_path serialises builds; under it torch's own `lock` file in build_dir, which a
     killed build leaves behind (torch then waits forever), is removed. The child's environment:
     MAX_JOBS, PATH (_search_path), and CCACHE_BASEDIR (_cache_base) unless already set. At the
@@ -196,26 +308,55 @@ def build(params: dict) -> dict:
         env.pop("TORCH_CUDA_ARCH_LIST", None)
         if params.get("arch"):
             env["TORCH_CUDA_ARCH_LIST"] = params["arch"]
-        args = {"name": params["name"], "build_dir": build_dir, "result": result_path,
-                "sources": [os.path.join(os.path.abspath(params["src_dir"]), s) for s in params["sources"]],
-                "cflags": params.get("cflags") or [], "cuda_cflags": params.get("cuda_cflags") or [],
-                "ldflags": params.get("ldflags") or []}
+        src_dir = os.path.abspath(params["src_dir"])
+        if params.get("kind") == "triton":
+            script, args = _TRITON_BUILD, _triton_args(params, src_dir, build_dir, result_path)
+        else:
+            script = _BUILD
+            args = {"name": params["name"], "build_dir": build_dir, "result": result_path,
+                    "sources": [os.path.join(src_dir, s) for s in params["sources"]],
+                    "cflags": params.get("cflags") or [], "cuda_cflags": params.get("cuda_cflags") or [],
+                    "ldflags": params.get("ldflags") or []}
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([python, "-c", _BUILD, json.dumps(args)], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([python, "-c", script, json.dumps(args)], stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, cwd=build_dir, env=env,
                                     start_new_session=True, pass_fds=(lock_fd,))
             out["pgid"] = proc.pid
             out["rc"], out["timed_out"] = _wait(proc, deadline)
         if out["rc"] == 0 and os.path.exists(result_path):
             with open(result_path) as f:
-                out["module_path"] = json.load(f)["module_path"]
-            out["ok"] = True
+                done = json.load(f)
+            if params.get("kind") == "triton":
+                out["manifest"], done["module_path"] = done["manifest"], _write_triton_module(params, args)
+            out["module_path"], out["ok"] = done["module_path"], True
         else:
             out["log_tail"] = _tail(log_path)
         return out
     finally:
         os.close(lock_fd)
         out["seconds"] = round(time.monotonic() - start, 3)
+
+
+def _triton_args(params: dict, src_dir: str, build_dir: str, result_path: str) -> dict:
+    """The triton build child's arguments (_TRITON_BUILD); the module is imported under its file
+    name (triton_verify.py -> triton_verify), sys.path starting at the package."""
+    module = os.path.join(src_dir, params["module"])
+    return {"src_dir": src_dir, "module": module, "module_name": os.path.basename(module)[:-3],
+            "build": params["build"], "load": params["load"], "arch": int(params["arch"].replace(".", "")),
+            "out_dir": os.path.join(build_dir, "kernels"), "result": result_path}
+
+
+def _write_triton_module(params: dict, args: dict) -> str:
+    """Write BUILD_DIR/NAME.py (_TRITON_MODULE) for a finished triton build atomically; its path."""
+    path = os.path.join(os.path.dirname(args["out_dir"]), params["name"] + ".py")
+    text = _TRITON_MODULE.format(name=params["name"], sm=args["arch"], module=params["module"], load=args["load"],
+                                 out_dir=args["out_dir"], src_dir=args["src_dir"], module_name=args["module_name"],
+                                 module_path=args["module"])
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
 
 
 def test(params: dict) -> dict:
@@ -347,6 +488,20 @@ def _nvcc():
             m = re.search(r"release (\d+\.\d+)", _run([path, "--version"]).stdout)
             return {"path": path, "version": m.group(1) if m else None}
     return None
+
+
+def _triton():
+    """The triton `import triton` gives: {"version": triton.__version__, "path": its
+    __init__.py}, read from that file's top-level constants (triton is not imported: that loads
+    its drivers), or None when it is not importable."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    return {"version": torchver.fields(spec.origin).get("__version__"), "path": spec.origin}
+
+
+def _sm(arch: str) -> str:
+    return "sm_" + arch.replace(".", "")
 
 
 def _version(text: str) -> tuple:

@@ -222,13 +222,18 @@ def _sha256_fd(fd):
         h.update(chunk)
 
 
+# atomic_write's `expect` for a file that must not exist yet
+ABSENT = object()
+
+
 def atomic_write(path, data, tag, expect=None):
     """Replace regular file `path` by `data` (bytes) atomically, never through a symlink: the
     parent reached by open_dir, a temp file beside it with an unguessable name opened
     O_CREAT|O_EXCL|O_NOFOLLOW, fsync, rename with directory descriptors, fsync the directory.
     Keeps the file's owner, mode and extended attributes (0644 and the caller's when it is
     missing). `expect`: the sha256 the file must still have right before the rename (review L6:
-    a `pip install` that rewrote it meanwhile is not clobbered); else ChangedMeanwhile, nothing replaced.
+    a `pip install` that rewrote it meanwhile is not clobbered), or ABSENT: it must still not
+    exist (a file the change creates); else ChangedMeanwhile, nothing replaced.
     Raises UnsafePath when `path` is a symlink or anything but a regular file."""
     dfd, name = parent(path)
     try:
@@ -257,7 +262,10 @@ def atomic_write(path, data, tag, expect=None):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if expect is not None:
+            if expect is ABSENT:
+                if lstat(dfd, name) is not None:
+                    raise ChangedMeanwhile(errno.EEXIST, "made on the host while being applied, left as it is", path)
+            elif expect is not None:
                 src = open_regular(dfd, name, path)
                 try:
                     if _sha256_fd(src) != expect:
@@ -272,6 +280,22 @@ def atomic_write(path, data, tag, expect=None):
             except FileNotFoundError:
                 pass
             raise
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def remove_file(path):
+    """Remove regular file `path` (never through a symlink; a missing one is fine), the
+    directory fsynced. Raises UnsafePath when it is anything but a regular file."""
+    dfd, name = parent(path)
+    try:
+        st = lstat(dfd, name)
+        if st is None:
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath("%s is a %s: fleetctl does not remove it" % (path, kind_of(st.st_mode)))
+        os.unlink(name, dir_fd=dfd)
         os.fsync(dfd)
     finally:
         os.close(dfd)

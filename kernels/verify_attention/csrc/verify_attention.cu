@@ -4,8 +4,10 @@
 // Block (split s, kv head h, request b, row block rb) handles kVerifyRowsPerBlock query rows
 // (row = t * G + g, query head = h * G + g) against keys [s * chunk, (s + 1) * chunk) of the
 // request's L = prefix_len + T keys; keys at positions >= prefix_len are draft tokens, visible
-// only where tree_mask[b, t, pos - prefix_len] is set. K/V tiles of 32 keys are staged in shared
-// memory with 16-byte loads; lane j scores key j, then lanes own D/32 output dims each.
+// only where the request's tree bit (t, pos - prefix_len) is set. K/V tiles of 32 keys are staged in
+// shared memory with 16-byte loads; lane j scores key j, then lanes own D/32 output dims each.
+// One kernel body, two index maps (where a request's keys and tree bits live): ReqToTokenMap (the
+// package's layout) and SglangMap (SGLang's target-verify layout), see verify_attention.h.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -60,7 +62,71 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-template <typename T, typename Idx, int D>
+// Request b's keys in the package's layout: slot req_to_token[row_b, pos] for every pos < P_b + T.
+// (The maps copy the fields they read: a reference to the kernel's parameter would move it to local memory.)
+template <typename T, typename Idx>
+struct ReqToTokenMap {
+  const T* kc;
+  const T* vc;
+  const Idx* r2t;
+  const uint8_t* tree;
+  int64_t ks, vs, mq, mk;
+  int P;
+
+  __device__ ReqToTokenMap(const VerifyAttentionParams& p, int b, int hk)
+      : kc(static_cast<const T*>(p.k_cache) + (int64_t)hk * p.k_stride_head),
+        vc(static_cast<const T*>(p.v_cache) + (int64_t)hk * p.v_stride_head),
+        r2t(static_cast<const Idx*>(p.req_to_token) + (int64_t)p.req_pool_indices[b] * p.r2t_stride),
+        tree(p.tree_mask + (int64_t)b * p.mask_stride_b),
+        ks(p.k_stride_slot), vs(p.v_stride_slot), mq(p.mask_stride_q), mk(p.mask_stride_k),
+        P(p.prefix_lens[b]) {}
+  __device__ const T* key(int pos) const { return kc + static_cast<int64_t>(r2t[pos]) * ks; }
+  __device__ const T* value(int pos) const { return vc + static_cast<int64_t>(r2t[pos]) * vs; }
+  __device__ bool draft_visible(int t, int j) const { return tree[(int64_t)t * mq + (int64_t)j * mk] != 0; }
+};
+
+__device__ __forceinline__ int64_t load_index(const void* ptr, bool is64, int i) {
+  return is64 ? static_cast<const int64_t*>(ptr)[i] : static_cast<const int32_t*>(ptr)[i];
+}
+
+// Request b's keys in SGLang's target-verify layout: prefix key j at slot kv_indices[kv_indptr[b] + j],
+// draft key j at row b*T + j of k_extend/v_extend; tree bit (t, j) at
+// custom_mask[mask_indptr[b] + t*(P_b+T) + P_b + j], or the causal chain without a mask.
+template <typename T>
+struct SglangMap {
+  const T* kc;
+  const T* vc;
+  const T* ke;   // k_extend row b*T
+  const T* ve;
+  const int64_t* slots;
+  const uint8_t* mask;  // request b's first tree bit (row 0, draft 0), or nullptr
+  int64_t ks, vs, kes, ves;
+  int P, row_len;       // row_len = P_b + T: one mask row
+
+  __device__ SglangMap(const VerifyAttentionParams& p, int b, int hk) {
+    const int64_t start = load_index(p.kv_indptr, p.kv_indptr_int64, b);
+    P = static_cast<int>(load_index(p.kv_indptr, p.kv_indptr_int64, b + 1) - start);
+    row_len = P + p.T;
+    slots = p.kv_indices + start;
+    kc = static_cast<const T*>(p.k_cache) + (int64_t)hk * p.k_stride_head;
+    vc = static_cast<const T*>(p.v_cache) + (int64_t)hk * p.v_stride_head;
+    ke = static_cast<const T*>(p.k_extend) + (int64_t)b * p.T * p.ke_stride_tok + (int64_t)hk * p.ke_stride_head;
+    ve = static_cast<const T*>(p.v_extend) + (int64_t)b * p.T * p.ve_stride_tok + (int64_t)hk * p.ve_stride_head;
+    ks = p.k_stride_slot;
+    vs = p.v_stride_slot;
+    kes = p.ke_stride_tok;
+    ves = p.ve_stride_tok;
+    mask = p.custom_mask == nullptr ? nullptr
+                                    : p.custom_mask + load_index(p.mask_indptr, p.mask_indptr_int64, b) + P;
+  }
+  __device__ const T* key(int pos) const { return pos < P ? kc + slots[pos] * ks : ke + (int64_t)(pos - P) * kes; }
+  __device__ const T* value(int pos) const { return pos < P ? vc + slots[pos] * vs : ve + (int64_t)(pos - P) * ves; }
+  __device__ bool draft_visible(int t, int j) const {
+    return mask == nullptr ? j <= t : mask[(int64_t)t * row_len + j] != 0;
+  }
+};
+
+template <typename T, typename Map, int D>
 __global__ void __launch_bounds__(kWarps * 32)
 split_kernel(const VerifyAttentionParams p) {
   constexpr int kVecs = D / 8;       // 16-byte vectors per head row
@@ -81,9 +147,9 @@ split_kernel(const VerifyAttentionParams p) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  const int P = p.prefix_lens[b];
+  const Map map(p, b, hk);
+  const int P = map.P;
   const int L = P + p.T;
-  const Idx* r2t = static_cast<const Idx*>(p.req_to_token) + (int64_t)p.req_pool_indices[b] * p.r2t_stride;
   int chunk = (L + p.num_splits - 1) / p.num_splits;
   chunk = (chunk + kTile - 1) / kTile * kTile;
   const int kv_begin = split * chunk;
@@ -111,8 +177,6 @@ split_kernel(const VerifyAttentionParams p) {
     for (int k = 0; k < kPerLane; ++k) acc[rr][k] = 0.f;
   }
 
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
   const float scale = p.sm_scale * kLog2e;
 
   for (int tile = kv_begin; tile < kv_end; tile += kTile) {
@@ -122,9 +186,8 @@ split_kernel(const VerifyAttentionParams p) {
       const int pos = tile + j;
       uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
       if (pos < kv_end) {
-        const int64_t slot = static_cast<int64_t>(r2t[pos]);
-        kv = __ldg(reinterpret_cast<const uint4*>(kc + slot * p.k_stride_slot + (int64_t)hk * p.k_stride_head + c));
-        vv = __ldg(reinterpret_cast<const uint4*>(vc + slot * p.v_stride_slot + (int64_t)hk * p.v_stride_head + c));
+        kv = __ldg(reinterpret_cast<const uint4*>(map.key(pos) + c));
+        vv = __ldg(reinterpret_cast<const uint4*>(map.value(pos) + c));
       }
       *reinterpret_cast<uint4*>(&k_s[j][c]) = kv;
       *reinterpret_cast<uint4*>(&v_s[j][c]) = vv;
@@ -139,9 +202,7 @@ split_kernel(const VerifyAttentionParams p) {
       if (row >= rows) break;  // warp-uniform
       const int t = row / G;
       bool visible = pos < kv_end;
-      if (visible && pos >= P)
-        visible = p.tree_mask[(int64_t)b * p.mask_stride_b + (int64_t)t * p.mask_stride_q +
-                              (int64_t)(pos - P) * p.mask_stride_k] != 0;
+      if (visible && pos >= P) visible = map.draft_visible(t, pos - P);
       float s = -CUDART_INF_F;
       if (visible) {
         float d = 0.f;
@@ -207,28 +268,30 @@ __global__ void merge_kernel(const VerifyAttentionParams p) {
   store(out, den > 0.f ? num / den : 0.f);
 }
 
-template <typename T, typename Idx, int D>
+template <typename T, typename Map, int D>
 void launch(const VerifyAttentionParams& p, cudaStream_t stream) {
   const int rows = p.T * (p.Hq / p.Hkv);
   const int row_blocks = (rows + kVerifyRowsPerBlock - 1) / kVerifyRowsPerBlock;
-  split_kernel<T, Idx, D><<<dim3(p.num_splits, p.Hkv, p.B * row_blocks), kWarps * 32, 0, stream>>>(p);
+  split_kernel<T, Map, D><<<dim3(p.num_splits, p.Hkv, p.B * row_blocks), kWarps * 32, 0, stream>>>(p);
   merge_kernel<T><<<p.B * p.T * p.Hq, D, 0, stream>>>(p);
 }
 
-template <typename T, typename Idx>
+template <typename T, typename Map>
 int dispatch_dim(const VerifyAttentionParams& p, cudaStream_t stream) {
   switch (p.D) {
-    case 64: launch<T, Idx, 64>(p, stream); break;
-    case 128: launch<T, Idx, 128>(p, stream); break;
-    case 256: launch<T, Idx, 256>(p, stream); break;
+    case 64: launch<T, Map, 64>(p, stream); break;
+    case 128: launch<T, Map, 128>(p, stream); break;
+    case 256: launch<T, Map, 256>(p, stream); break;
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T>
-int dispatch_index(const VerifyAttentionParams& p, cudaStream_t stream) {
-  return p.r2t_int64 ? dispatch_dim<T, int64_t>(p, stream) : dispatch_dim<T, int32_t>(p, stream);
+int dispatch_layout(const VerifyAttentionParams& p, cudaStream_t stream) {
+  if (p.layout == kLayoutSglang) return dispatch_dim<T, SglangMap<T>>(p, stream);
+  return p.r2t_int64 ? dispatch_dim<T, ReqToTokenMap<T, int64_t>>(p, stream)
+                     : dispatch_dim<T, ReqToTokenMap<T, int32_t>>(p, stream);
 }
 
 }  // namespace
@@ -236,5 +299,5 @@ int dispatch_index(const VerifyAttentionParams& p, cudaStream_t stream) {
 int verify_attention_cuda_launch(const VerifyAttentionParams& p, void* stream) {
   if (p.B == 0 || p.T == 0) return static_cast<int>(cudaSuccess);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return p.bf16 ? dispatch_index<__nv_bfloat16>(p, s) : dispatch_index<__half>(p, s);
+  return p.bf16 ? dispatch_layout<__nv_bfloat16>(p, s) : dispatch_layout<__half>(p, s);
 }

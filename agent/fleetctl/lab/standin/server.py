@@ -618,6 +618,7 @@ def main(argv=None):
         p.add_argument(name, type=int, default=default)
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--dist-init-addr", "--nccl-init-addr", default=None)
+    p.add_argument("--attention-backend", default=None, help="accepted as SGLang takes it; only its command line says it")
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS,
                    help="the KV pool size /server_info reports as max_total_num_tokens")
     args = p.parse_args(argv)

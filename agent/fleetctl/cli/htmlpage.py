@@ -1,0 +1,346 @@
+"""The HTML fleet report's page (`fleetctl report -o fleet.html`, cli.htmlreport): one
+self-contained file built from the run history alone (history.store's RunRecords; no host is
+contacted).
+
+    overview(runs)  host x SGLang installs x applied changes x active kernels x drift x last
+                    validation x last run: each cell the latest recorded run that carries it
+                    (inspect or status; status; validate), with its time and run
+    render(runs, generated_at, since, source, total)  the page: the overview, a timeline of the
+                    changes (svgchart.timeline), the load gates' charts (svgchart.gate_bars), then
+                    each run (newest first) with its hosts, gate checks and diffs
+
+One run's odd data never fails the page: a figure that is not a finite number is "not measured",
+a missing key shows as nothing, and a run whose section still cannot be drawn shows as a section
+that says so and names `fleetctl history show RUN`. Each string shown is cut to CAP characters
+(a diff to DIFF_CAP) with how many are left and that same pointer.
+
+The page is a Jinja2 template (templates/fleet-report.html.j2) with autoescape on, and every
+value it prints first passes through report.visible (`finalize`): host text is HTML-escaped and
+its control characters (terminal escapes included) are shown as \\xNN, never interpreted. The
+only markup that is not escaped is the SVG svgchart builds, itself escaped by ElementTree. The
+CSS is inline, there is no script, and a Content-Security-Policy meta (default-src 'none', the
+style element allowed by its sha256) makes the browser refuse any load from the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib.resources import files
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
+
+from ..history.model import HostRecord, RunRecord
+from ..vocab import ChangeState
+from . import svgchart as svg
+from .report import coalesce, visible
+
+# Commands whose host results are changes (the timeline), unless run in check mode.
+CHANGING = ("apply", "deploy kernel", "rollback", "recover")
+# The errors odd host data raises in a reader (an int too large for a float: OverflowError).
+MALFORMED = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError)
+# The most characters of one string (a host's error, a detail, a cell line) and of one diff shown.
+CAP, DIFF_CAP = 4096, 16384
+
+
+def clip(value: Any, run_id: str | None = None, cap: int = CAP) -> str:
+    """`value` as visible text (report.visible) of at most `cap` characters: a longer one keeps
+    its head and says how many characters are left and where to read them all."""
+    s = visible(value)
+    if len(s) <= cap:
+        return s
+    note = f" … {{}} more characters; fleetctl history show {run_id or 'RUN'}"
+    keep = cap - len(note.format(len(s)))
+    return s[:keep] + note.format(len(s) - keep)
+
+
+def when(t: float | None) -> str:
+    """Unix seconds as 'YYYY-MM-DD HH:MM:SSZ' (UTC), '' for None."""
+    return "" if t is None else datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One overview cell: its lines, and the run it comes from (run_id, its start `at` in Unix
+    seconds, its command and the host's status there)."""
+
+    lines: list[str]
+    run_id: str
+    at: float
+    command: str
+    status: str
+
+
+def _installs(doc: dict) -> list[str] | None:
+    """'VERSION KIND ID' per install (inspect's or status's `installs`), or None when the entry
+    has none (a host that failed before they were read)."""
+    if not isinstance(doc.get("installs"), list):
+        return None
+    lines = []
+    for i in doc["installs"]:
+        sg = i.get("sglang")
+        version, kind = (sg.get("version"), sg.get("install")) if isinstance(sg, dict) else (sg, i.get("install"))
+        lines.append(f"{version} {kind} {i.get('id')}")
+    lines += [f"not inspected: {e.get('id')}: {e.get('reason')}" for e in doc.get("not_inspected") or []]
+    return lines or [f"none: {(doc.get('facts') or {}).get('sglang_reason') or 'no SGLang install found'}"]
+
+
+def _changes(doc: dict) -> list[str] | None:
+    if not isinstance(doc.get("changes"), list):
+        return None
+    return [f"{c.get('change_id')} ({c.get('playbook')})"
+            + (" PENDING" if c.get("state") == ChangeState.PENDING else "")
+            for c in doc["changes"] if c.get("state") in (ChangeState.APPLIED, ChangeState.PENDING)] or ["none"]
+
+
+def _kernels(doc: dict) -> list[str] | None:
+    if not isinstance(doc.get("kernels"), dict):
+        return None
+    return [f"{name} {str(key)[:12]}" for name, key in doc["kernels"].items()] or ["none"]
+
+
+def _drift(doc: dict) -> list[str] | None:
+    if not isinstance(doc.get("drift"), list):
+        return None
+    return ([f"{d.get('path')}: {d.get('problem')} ({d.get('change_id')})" for d in doc["drift"]]
+            + [f"{m.get('path')}: {m.get('problem')}" for m in doc.get("modified") or []]) or ["none"]
+
+
+def _num(v: Any, unit: str) -> str:
+    f = svg.measured(v)
+    return "not measured" if f is None else svg.figure(f, unit)
+
+
+def _validation(doc: dict) -> list[str] | None:
+    """Per server: the smoke decode's median latency and, with --load, the load run's figures."""
+    if "servers" not in doc and "load" not in doc:
+        return [doc["error"]] if doc.get("error") else None
+    lines = []
+    for s in doc.get("servers") or []:
+        lat = svg.measured(s.get("e2e_latency_s") or s.get("latency_s"))
+        lines.append(f":{s.get('port')} smoke " + (_num(lat * 1000, "ms") if lat is not None else "not measured")
+                     + (f" {s['error']}" if s.get("error") else ""))
+    load = doc.get("load") or {}
+    if load.get("not_run"):
+        lines.append(f"load: not run: {load['not_run']}")
+    for s in load.get("servers") or []:
+        m = s.get("load") or {}
+        lines.append(f":{s.get('port')} load {load.get('profile')}: " + (
+            f"{m.get('completed')} of {m.get('requested')}, {_num(m.get('output_throughput'), 'tok/s')}, p99 TTFT "
+            f"{_num(m.get('p99_ttft_ms'), 'ms')}, p99 ITL {_num(m.get('p99_itl_ms'), 'ms')}" if m
+            else f"not run: {s.get('not_run')}" if s.get("not_run") else str(s.get("error"))))
+    return lines + ([doc["error"]] if doc.get("error") else []) or ["no server"]
+
+
+# The overview's columns: (title, the commands whose entries carry it, what it reads from an entry).
+COLUMNS = (("SGLang installs", ("inspect", "status"), _installs),
+           ("applied changes", ("status",), _changes),
+           ("active kernels", ("status",), _kernels),
+           ("drift", ("status",), _drift),
+           ("last validation", ("validate",), _validation))
+
+
+def _lines(read, doc: dict) -> list[str] | None:
+    try:
+        return read(doc)
+    except MALFORMED as e:
+        return ["malformed data from the host: " + f"{type(e).__name__}: {e}"]
+
+
+def overview(runs: list[RunRecord]) -> list[tuple[str, list[Cell | None], Cell]]:
+    """One row per host, in the order hosts first appear: (host, a Cell or None per COLUMNS
+    entry, the host's last run). A column's cell is the latest run (by start) of one of its
+    commands whose entry for the host carries that column's data; None when no run did."""
+    rows: dict[str, tuple[list[Cell | None], list[Cell]]] = {}
+    for run in sorted(runs, key=lambda r: r.started_at):
+        for h in run.hosts:
+            cells, last = rows.setdefault(h.host, ([None] * len(COLUMNS), []))
+            last[:] = [Cell([f"{run.command} {h.status}"] + ([clip(h.error, run.run_id)] if h.error else []),
+                            run.run_id, run.started_at, run.command, h.status)]
+            for n, (_, commands, read) in enumerate(COLUMNS):
+                lines = _lines(read, {**h.doc, "error": h.error}) if run.command in commands else None
+                if lines is not None:
+                    cells[n] = Cell([clip(line, run.run_id) for line in lines], run.run_id, run.started_at,
+                                    run.command, h.status)
+    return [(host, cells, last[0]) for host, (cells, last) in rows.items()]
+
+
+def _check_mode(run: RunRecord) -> bool:
+    return bool(run.doc.get("check")) or "--check" in run.argv
+
+
+def events(runs: list[RunRecord]) -> list[svg.Event]:
+    """The timeline's points: each host result of a CHANGING run not in check mode, at the run's
+    end (its start when it has none)."""
+    out = []
+    for run in runs:
+        if run.command not in CHANGING or _check_mode(run):
+            continue
+        cid = run.doc.get("change_id")
+        for h in run.hosts:
+            label = (f"{run.command} {h.doc.get('change_id') or cid or ''} {h.status}"
+                     + (f": {h.error}" if h.error else ""))
+            out.append(svg.Event(h.host, run.ended_at or run.started_at, h.status,
+                                 clip(f"{when(run.started_at)} {label}", run.run_id)))
+    return out
+
+
+def _diffs(run: RunRecord) -> list[tuple[str, str]]:
+    """(hosts, diff text) of a run's plans, identical diffs across hosts coalesced."""
+    def text(h: HostRecord) -> str:
+        plans = h.doc.get("plans") or ([h.doc["plan"]] if isinstance(h.doc.get("plan"), dict) else [])
+        return "".join(str(f.get("diff") or "") for p in plans if isinstance(p, dict) for f in p.get("files") or [])
+
+    return [(", ".join(hosts), diff) for hosts, diff in coalesce((h.host, text(h)) for h in run.hosts) if diff]
+
+
+def _detail(command: str, h: HostRecord) -> str:
+    """A host's outcome in one line: its error, else why it was skipped, else what the command
+    found (inspect: the installs; status: the applied changes and drift; validate: the
+    validation) or did (edits, the gates' verdicts, the kernel build, the files a rollback
+    restored, the pending changes undone)."""
+    d = h.doc
+    if h.error:
+        return h.error
+    if d.get("skipped_reason"):
+        return f"skipped: {d['skipped_reason']}"
+    found = {"inspect": [("", _installs)], "status": [("applied: ", _changes), ("drift: ", _drift)],
+             "validate": [("", _validation)]}.get(command)
+    if found:
+        return "; ".join(label + ", ".join(read(d) or ["?"]) for label, read in found)
+    parts = []
+    plans = d.get("plans") or ([d["plan"]] if isinstance(d.get("plan"), dict) else [])
+    if plans:
+        parts.append(f"{sum(len(p.get('edits') or []) for p in plans)} edit(s) in "
+                     f"{sum(len(p.get('files') or []) for p in plans)} file(s)")
+    v = d.get("validation") or {}
+    if v.get("status"):
+        parts.append(f"validation {v['status']}")
+    if (d.get("load_gate") or {}).get("status"):
+        parts.append(f"load gate {d['load_gate']['status']}")
+    if d.get("build_key"):
+        parts.append(f"{d.get('backend') or ''} build {str(d['build_key'])[:12]}"
+                     + (" (reused)" if d.get("reused") else ""))
+    if d.get("commit_note"):
+        parts.append(str(d["commit_note"]))
+    if d.get("nothing"):
+        parts.append(f"nothing to do: {d['nothing']}")
+    elif command == "rollback":
+        parts.append(f"restored {len(d.get('files') or [])} file(s)/link(s)")
+    parts += [f"recovered {c.get('change_id')} -> {c.get('state')}" for c in d.get("recovered") or []]
+    if command == "recover" and not d.get("recovered"):
+        parts.append("nothing pending")
+    return "; ".join(parts)
+
+
+def _checks(run_id: str, h: HostRecord) -> list[dict]:
+    """The gate checks of a host's result (the smoke gate's, then the load gate's), each as
+    target, name, passed and detail (None where an older record lacks one; detail clipped)."""
+    smoke = (h.doc.get("validation") or {}).get("checks") or []
+    load = (h.doc.get("load_gate") or {}).get("checks") or []
+    return [{"target": c.get("target"), "name": c.get("name"), "passed": bool(c.get("passed")),
+             "detail": clip(c.get("detail"), run_id)} for c in smoke + load if isinstance(c, dict)]
+
+
+def _gates(h: HostRecord) -> list[tuple[str, Markup]]:
+    """(server, its svg.gate_bars) per server of the host's load gate that has both runs."""
+    try:
+        return _gate_charts(h)
+    except MALFORMED:
+        return []  # the run's section says what the host's data holds
+
+
+def _gate_charts(h: HostRecord) -> list[tuple[str, Markup]]:
+    gate = h.doc.get("load_gate") or {}
+    out = []
+    for row in gate.get("servers") or []:
+        if not isinstance(row, dict) or not row.get("baseline") or not row.get("after"):
+            continue
+        names = {"load-throughput": "output_throughput", "load-ttft": "p99_ttft_ms", "load-itl": "p99_itl_ms"}
+        verdicts = {names[c["name"]]: c.get("passed") for c in gate.get("checks") or []
+                    if c.get("target") == row.get("target") and c.get("name") in names}
+        out.append((row.get("target"), svg.gate_bars(str(row.get("target")), row["baseline"], row["after"],
+                                                      row.get("limits") or {}, verdicts)))
+    return out
+
+
+def _run_view(run: RunRecord) -> dict:
+    """What the template shows of one run: its hosts (record, change id, detail, gate checks,
+    whether it has a load-gate chart), diffs, duration, check mode and outcome ("exit N", else
+    its state)."""
+    hosts = []
+    for h in run.hosts:
+        try:
+            hosts.append({"record": h, "change_id": h.doc.get("change_id") or run.doc.get("change_id"),
+                          "detail": clip(_detail(run.command, h), run.run_id), "checks": _checks(run.run_id, h),
+                          "elapsed": _num(h.elapsed_s, "s"),
+                          "gated": bool((h.doc.get("load_gate") or {}).get("servers"))})
+        except MALFORMED as e:
+            hosts.append({"record": h, "change_id": None, "elapsed": _num(h.elapsed_s, "s"), "checks": [],
+                          "detail": clip(f"malformed data: {type(e).__name__}: {e}", run.run_id), "gated": False})
+    duration = _num(run.ended_at - run.started_at, "s") if run.ended_at is not None else ""
+    diffs = [(hosts_, clip(diff, run.run_id, DIFF_CAP)) for hosts_, diff in _diffs(run)]
+    return {"run": run, "hosts": hosts, "diffs": diffs, "duration": duration, "check": _check_mode(run),
+            "outcome": f"exit {run.exit_code}" if run.exit_code is not None else str(run.state)}
+
+
+def _shown(value: Any) -> Any:
+    """Jinja's finalize: every printed value but svgchart's markup and the run sections through
+    clip (None: '')."""
+    return value if isinstance(value, Markup) else clip(value)
+
+
+def _tolerated(run: RunRecord) -> RunRecord:
+    """`run` with the shapes the page reads: a dict doc (a null one: {}), argv a list of words,
+    each host's doc a dict, its name and address clipped (they key the overview and timeline)."""
+    return dataclasses.replace(
+        run, doc=run.doc if isinstance(run.doc, dict) else {},
+        argv=[str(a) for a in run.argv] if isinstance(run.argv, list) else [str(run.argv)],
+        hosts=[dataclasses.replace(h, host=clip(h.host, run.run_id), address=clip(h.address, run.run_id),
+                                   doc=h.doc if isinstance(h.doc, dict) else {}) for h in run.hosts])
+
+
+def _section(run: RunRecord) -> Markup:
+    """One run's section (the template's run macro); when its data still breaks it, a section
+    with the run's id, command and start that says so and where to read the record."""
+    macros = _ENV.get_template("fleet-report-run.html.j2").module
+    try:
+        return macros.run_section(_run_view(run))
+    except Exception as e:  # one run's odd record must not fail the whole page
+        return macros.broken_section(run, clip(f"{type(e).__name__}: {e}", run.run_id))
+
+
+_ENV = Environment(loader=PackageLoader("fleetctl.cli", "templates"), autoescape=True, finalize=_shown,
+                   undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+_ENV.filters["when"] = when
+CSS = (files("fleetctl.cli") / "templates" / "fleet-report.css").read_text()
+
+
+def csp() -> str:
+    """The page's Content-Security-Policy: nothing may load (default-src 'none'), the one style
+    element is allowed by its sha256, and no base URL or form target can be set."""
+    digest = base64.b64encode(hashlib.sha256(CSS.encode()).digest()).decode()
+    return f"default-src 'none'; style-src 'sha256-{digest}'; base-uri 'none'; form-action 'none'"
+
+
+def render(runs: list[RunRecord], generated_at: float, since: str | None = None, source: str = "",
+           total: int | None = None) -> str:
+    """The report page (HTML text) of `runs` (oldest first, as Store.runs gives them):
+    generated_at (Unix seconds) and since (the --since text or None) for its header, total
+    (how many runs there were when `runs` is only the newest of them) and source (the history
+    file) for its footer."""
+    ordered = sorted((_tolerated(r) for r in runs), key=lambda r: r.started_at)
+    rows = overview(ordered)
+    evs = events(ordered)
+    hosts = [host for host, _, _ in rows]
+    chart = svg.timeline(hosts, evs, min(e.at for e in evs), max(e.at for e in evs)) if evs else None
+    gates = [(run, h, target, bars) for run in reversed(ordered) for h in run.hosts for target, bars in _gates(h)]
+    return _ENV.get_template("fleet-report.html.j2").render(
+        csp=csp(), css=Markup(CSS), generated=when(generated_at), since=since, source=source, total=total,
+        columns=[c[0] for c in COLUMNS], overview=rows, timeline=chart, events=len(evs), gates=gates,
+        runs=[_section(r) for r in reversed(ordered)])

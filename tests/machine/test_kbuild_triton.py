@@ -1,0 +1,92 @@
+"""The kbuild probe's triton build run locally (no SSH): the package's triton module
+(kernels/verify_attention, kernel.yaml's `backends.triton`) compiled ahead of time by this
+interpreter's triton as a host's SGLang interpreter compiles it (kbuild's build action), then its
+reference test (kbuild's test action, test_kernel.py on the device). Without a GPU the build
+targets sm_90 (triton needs no device to compile) and the test must be refused for want of a
+device; on a GPU machine the build targets the device's arch and the test must pass.
+
+For CI time the package is a variant whose kernel.yaml names a two-line module around the real
+triton_verify.build limited to two instantiations (kernel.yaml's own build compiles all of
+them: 86 s here, on the shared 2-core machine); on a GPU machine it is the package itself."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import kernel_variant
+from fleetctl.engine.kernelpkg import load_package
+from fleetctl.probes import kbuild
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+ARCH = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0"
+
+
+TWO = '''"""verify_attention's triton build limited to two instantiations (a test variant, CI time)."""
+import triton_verify
+from triton_verify import load  # noqa: F401
+
+
+def build(arch, out_dir):
+    return triton_verify.build(arch, out_dir, keys={triton_verify.fwd_key("bf16", 128, 16, "sglang_tree"),
+                                                    triton_verify.combine_key("bf16", 128)})
+'''
+
+
+def two_instantiations(d: Path) -> None:
+    (d / "triton_two.py").write_text(TWO)
+    yaml = d / "kernel.yaml"
+    yaml.write_text(yaml.read_text().replace("module: triton_verify.py", "module: triton_two.py"))
+
+
+@pytest.fixture(scope="module")
+def triton_build(tmp_path_factory):
+    """(package, the key's directory, kbuild's build answer) of one triton build for ARCH."""
+    kernels = KERNELS if torch.cuda.is_available() else kernel_variant(
+        tmp_path_factory.mktemp("kernels"), "two", two_instantiations)
+    pkg = load_package(kernels, "verify_attention")
+    key_dir = tmp_path_factory.mktemp("triton-key")
+    r = kbuild.main(dict(action="build", src_dir=str(pkg.root), build_dir=str(key_dir / "build"), arch=ARCH,
+                         deadline_s=900, **pkg.build_params("triton")))
+    return pkg, key_dir, r
+
+
+def test_triton_build_compiles_for_the_arch_with_no_gpu_needed(triton_build):
+    pkg, key_dir, r = triton_build
+    assert r["ok"] and not r["timed_out"] and r["rc"] == 0, r["log_tail"]
+    module = Path(r["module_path"])
+    assert module == key_dir / "build" / "verify_attention_triton.py" and module.is_file()
+    compile(module.read_text(), str(module), "exec")  # the module the test and `current` import parses
+    manifest = r["manifest"]
+    assert manifest == json.loads((key_dir / "build" / "kernels" / "manifest.json").read_text())
+    assert manifest["arch"] == int(ARCH.replace(".", ""))
+    assert manifest["triton"] == importlib.metadata.version("triton")
+    assert len(manifest["instantiations"]) >= 2 if torch.cuda.is_available() else len(manifest["instantiations"]) == 2
+    cubins = sorted((key_dir / "build" / "kernels").rglob("*.cubin"))
+    assert len(cubins) >= len(manifest["instantiations"])
+    assert all(c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
+
+
+def test_triton_reference_test_runs_on_the_device(triton_build):
+    pkg, key_dir, r = triton_build
+    assert r["ok"], r["log_tail"]
+    t = kbuild.main(dict(action="test", src_dir=str(pkg.root), module_path=r["module_path"], deadline_s=600,
+                         **pkg.test_params("triton")))
+    if torch.cuda.is_available():
+        assert t["ok"] and t["result"]["failures"] == [], t
+    else:
+        assert not t["ok"] and t["rc"] == 1 and t["result"] is None
+        assert "RuntimeError: no CUDA device for the reference test of the triton build" in t["stderr_tail"]
+
+
+def test_failing_triton_build_returns_log_tail(tmp_path):
+    (tmp_path / "k.py").write_text("def build(arch, out_dir):\n    raise ValueError('no config for sm_%d' % arch)\n")
+    r = kbuild.main(dict(action="build", src_dir=str(tmp_path), build_dir=str(tmp_path / "b"), arch="12.0",
+                         name="k_triton", kind="triton", module="k.py", build="build", load="load", deadline_s=120))
+    assert not r["ok"] and not r["timed_out"] and r["rc"] == 1 and r["module_path"] is None
+    assert "ValueError: no config for sm_120" in r["log_tail"]
+    assert not (tmp_path / "b" / "k_triton.py").exists()
