@@ -96,7 +96,9 @@ def test_route_verify_attention_refuses_then_applies_and_rolls_back(server_lab, 
         assert h["validation"]["status"] == "passed"
         assert {e["kind"] for e in h["plan"]["edits"]} == {"create", "insert"} and len(h["plan"]["edits"]) == 3
         patched = ok(lab, f"cat {LOCATION}/{backend}")
-        assert patched.count("import verify_fwd as _fleetctl_verify_fwd  # fleetctl route-verify-attention") == 1
+        assert patched.count("try:  # fleetctl route-verify-attention") == 1
+        assert patched.count("    from sglang.srt.layers.attention.fleetctl_verify import verify_fwd as _fleetctl_verify_fwd\n"
+                             "except Exception:\n    _fleetctl_verify_fwd = None\n") == 1
         assert patched.count("if (_fleetctl_verify_fwd is not None  # fleetctl route-verify-attention") == 1
         guard_end = patched.index("            return o\n        self._forward_extend_kernel(\n")
         assert "page_size=self.page_size," in patched[patched.index("if (_fleetctl_verify_fwd"):guard_end]

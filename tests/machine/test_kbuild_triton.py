@@ -12,7 +12,9 @@ them: 86 s here, on the shared 2-core machine); on a GPU machine it is the packa
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,28 @@ def test_failing_triton_build_returns_log_tail(tmp_path):
     assert not r["ok"] and not r["timed_out"] and r["rc"] == 1 and r["module_path"] is None
     assert "ValueError: no config for sm_120" in r["log_tail"]
     assert not (tmp_path / "b" / "k_triton.py").exists()
+
+
+def test_the_triton_builds_module_leaves_sys_path_as_it_found_it(tmp_path, monkeypatch):
+    """The written BUILD_DIR/NAME.py (kbuild._TRITON_MODULE) puts the uploaded package's dir on
+    sys.path only while the package's module loads (its sibling imports work), never after: in
+    SGLang's process it would shadow top-level modules."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "sibling_of_triton_verify.py").write_text("KERNELS = 'compiled'\n")
+    (src / "tv_for_path_test.py").write_text("import sibling_of_triton_verify\n\n\ndef load(out_dir):\n"
+                                             "    return type('K', (), {'where': out_dir, "
+                                             "'what': sibling_of_triton_verify.KERNELS})\n")
+    args = {"arch": 90, "out_dir": str(tmp_path / "build" / "kernels"), "src_dir": str(src), "load": "load",
+            "module_name": "tv_for_path_test", "module": str(src / "tv_for_path_test.py")}
+    (tmp_path / "build").mkdir()
+    path = kbuild._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_path_test.py"}, args)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = list(sys.path)
+    spec = importlib.util.spec_from_file_location("verify_attention_triton_path_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (mod.where, mod.what) == (args["out_dir"], "compiled")
+    assert sys.path == before
+    for name in ("tv_for_path_test", "sibling_of_triton_verify"):
+        sys.modules.pop(name, None)

@@ -189,6 +189,7 @@ SINKS = torch.zeros(8)
     {"max_len_extend": 3},                      # not in the dispatch table
     {"sm_scale": torch.tensor(0.125)},          # a tensor scale: float() of it would sync
     "ragged", "bf16_kv_for_fp32_q", "three_requests_for_max_batch_2",
+    "max_len_extend_renamed", "mask_indptr_left_out",  # a release that renamed / dropped a keyword
 ])
 def test_what_the_kernel_does_not_serve_falls_back_with_o_untouched(tmp_path, state, change):
     fwd = hook(tmp_path, state)
@@ -198,6 +199,10 @@ def test_what_the_kernel_does_not_serve_falls_back_with_o_untouched(tmp_path, st
                   v_extend=kw["v_extend"][:7])
     elif change == "bf16_kv_for_fp32_q":  # an fp8/bf16 KV cache under other queries
         kw["k_buffer"] = kw["k_buffer"].to(torch.bfloat16)
+    elif change == "max_len_extend_renamed":  # verify_fwd(**kw) never raises TypeError into SGLang
+        kw["max_extend_len"] = kw.pop("max_len_extend")
+    elif change == "mask_indptr_left_out":
+        del kw["mask_indptr"]
     elif change == "three_requests_for_max_batch_2":
         (state.parent / "k1" / "dispatch.json").write_text(json.dumps({"entries": [dict(ENTRIES[4], max_batch=1)]}))
         fwd = hook(tmp_path, state)
@@ -276,3 +281,22 @@ def test_import_makes_no_cuda_call_and_loads_the_module_at_the_first_routed_call
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"  # the build's module is not loaded yet
+
+
+def test_a_failing_call_is_logged_once_per_exception_type(tmp_path, state, caplog):
+    """Per-call errors whose messages differ (they name shapes) log once, by exception type."""
+    fwd = hook(tmp_path, state)
+
+    class Indptr:
+        def __init__(self, n):
+            self.n = n
+
+        @property
+        def shape(self):
+            raise ValueError(f"no shape for a batch of {self.n}")
+
+    with caplog.at_level(logging.WARNING, "fleetctl.verify"):
+        for n in (2, 3, 4):
+            kw, _ = call_args(2, 4, [9, 3], 8, torch.float32)
+            assert fwd(**dict(kw, qo_indptr=Indptr(n))) is False
+    assert caplog.text.count("a call fell back: ValueError: no shape for a batch of") == 1, caplog.text

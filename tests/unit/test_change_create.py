@@ -105,3 +105,30 @@ def test_a_file_made_while_it_is_written_is_left_as_it_is(tmp_path, monkeypatch)
         raise AssertionError("atomic_write replaced a file made meanwhile")
     monkeypatch.undo()
     assert path.read_text() == "theirs\n" and [p.name for p in tmp_path.iterdir()] == ["new.py"]
+
+
+def test_files_are_undone_in_the_reverse_of_the_order_they_were_written(site, monkeypatch):
+    """The new file comes first in `files` (the planner's order: an edit may import it), so it is
+    written first and deleted last, by a rollback and by a failed apply's restore."""
+    site_dir, state, params, originals = site
+    new = created(site_dir)
+    order = [new["path"]] + [f["path"] for f in params["files"]]
+    restored = []
+    real = change._restore
+    monkeypatch.setattr(change, "_restore", lambda f, *a: (restored.append(f["path"]), real(f, *a))[1])
+    r = change.main(dict(params, files=[new] + params["files"]))
+    assert r["ok"], r
+    r = change.main({"action": "rollback", "state_dir": str(state), "last": True})
+    assert r["ok"] and restored == order[::-1], restored
+    restored.clear()
+    drop = change.safefs.drop_pycache
+
+    def fail_last(path):  # the last file's write is done, then the apply fails
+        if path == order[-1]:
+            raise OSError("disk gone")
+        drop(path)
+
+    monkeypatch.setattr(change.safefs, "drop_pycache", fail_last)
+    r = change.main(dict(params, change_id="c2", files=[new] + params["files"]))
+    assert not r["ok"] and "files restored" in r["error"], r
+    assert restored == order[::-1], restored

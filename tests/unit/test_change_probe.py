@@ -306,7 +306,7 @@ def test_recover_after_kill_inside_the_undo(site, backup):
     p = subprocess.run([sys.executable, "-c", UNDO_KILLER], input=json.dumps(params), text=True, timeout=CHILD_S)
     assert p.returncode == -signal.SIGKILL
     first, second = (Path(f["path"]) for f in params["files"])
-    assert sha(first) == params["files"][0]["pre_sha256"]  # the undo had put the first one back
+    assert sha(first) == params["files"][0]["post_sha256"]  # the undo starts at the last written: not yet back
     assert sha(second) == params["files"][1]["post_sha256"]
     left = sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts)
     assert len(left) == len(listing) + 1  # the undo's temp file beside the second file
@@ -318,11 +318,11 @@ def test_recover_after_kill_inside_the_undo(site, backup):
     actions = [f["action"] for f in r["recovered"][0]["files"]]
     assert sorted(str(q) for q in site_dir.rglob("*") if "__pycache__" not in q.parts) == listing
     if backup == "kept":
-        assert r["ok"] and actions == ["untouched", "restored"]
+        assert r["ok"] and actions == ["restored", "restored"]
         assert all(Path(q).read_bytes() == d for q, d in originals.items())
         assert ledger_states(state)[-1] == ("c1", "rolled-back")
     else:
-        assert actions[0] == "untouched" and actions[1].startswith("restore failed: ")
+        assert actions[0] == "restored" and actions[1].startswith("restore failed: ")
         assert sha(second) == params["files"][1]["post_sha256"]
         assert ledger_states(state)[-1] == ("c1", "failed")
 
@@ -385,7 +385,7 @@ def test_a_restore_is_checked_against_before_sha256(site, monkeypatch):
     whose bytes do not land as before_sha256 is reported, not counted as restored."""
     _, state, params, originals = site
     assert change.main(params)["ok"]
-    first = params["files"][0]["path"]
+    first = params["files"][-1]["path"]  # the first a rollback restores: the last written
     backup = state / "backups" / "c1" / first.lstrip("/")
     good = backup.read_bytes()
     backup.write_bytes(b"import os  # not what was there\n")
@@ -393,7 +393,7 @@ def test_a_restore_is_checked_against_before_sha256(site, monkeypatch):
     r = change.main(rollback)
     assert not r["ok"] and r["error"] == (
         f"rollback failed after restoring 0 of 2 files (none): backup {backup} does not hash to before_sha256")
-    assert sha(Path(first)) == params["files"][0]["post_sha256"]
+    assert sha(Path(first)) == params["files"][-1]["post_sha256"]
     backup.write_bytes(good)
     real = safefs.atomic_write
     monkeypatch.setattr(safefs, "atomic_write",

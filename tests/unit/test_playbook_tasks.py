@@ -92,3 +92,16 @@ def test_an_insert_without_its_marker_or_site_is_refused(tmp_path):
     findings["x"]["site"] = None
     plan = plan_host(load_playbook(write(tmp_path)), "h", {}, facts, findings, sources)
     assert plan.status == "failed" and "gives no site to insert at" in plan.reason
+
+
+@pytest.mark.parametrize("line, indent", [(0, "    "), (3, "    "), (2, ""), (2, "  "), (1, "    "),
+                                          (2, "os.system(1)\n    "), (2, 4)])
+def test_an_insert_site_where_no_statement_starts_is_refused(tmp_path, line, indent):
+    """A site out of the file, not at a statement's own start and indentation, or an indent that
+    is not whitespace (code the guard template would render) is refused, nothing planned."""
+    facts, findings, sources = inputs()
+    findings["x"]["site"].update(line=line, indent=indent)
+    plan = plan_host(load_playbook(write(tmp_path)), "h", {}, facts, findings, sources)
+    assert plan.status == "failed" and plan.files == [], plan.reason
+    assert plan.reason == (f"sglang/a.py:{line}: the site 'findings.x.site' gives (indent {indent!r}) is not where a "
+                           "statement of the source starts: the findings do not match the source")

@@ -124,7 +124,7 @@ def test_plan_creates_the_hook_and_guards_the_call_then_is_a_no_op(tmp_path, ver
     p = plan(loc, version, state)
     assert p.status == PlanStatus.CHANGE, p.reason
     files = {fc.rel: fc for fc in p.files}
-    assert set(files) == {verifyroute.BACKEND, verifyroute.HOOK}
+    assert [fc.rel for fc in p.files] == [verifyroute.HOOK, verifyroute.BACKEND]  # written before its import
     hook = files[verifyroute.HOOK]
     assert hook.pre_sha256 is None
     imported = [a.name for n in ast.walk(ast.parse(hook.new_text)) if isinstance(n, ast.Import) for a in n.names] + \
@@ -157,12 +157,16 @@ def test_plan_creates_the_hook_and_guards_the_call_then_is_a_no_op(tmp_path, ver
     assert "forward_batch.forward_mode.is_target_verify()" in ast.unparse(guards[0].test)
     assert isinstance(guards[0].body[0], ast.Return) and ast.unparse(guards[0].body[0].value) == "o"
     # the import, once, at module level; without it and the guard, the file is the release's own
-    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "sglang.srt.layers.attention."
-               "fleetctl_verify"]
-    assert len(imports) == 1 and ast.unparse(imports[0]) == \
-        "from sglang.srt.layers.attention.fleetctl_verify import verify_fwd as _fleetctl_verify_fwd"
+    imports = [n for n in tree.body if isinstance(n, ast.Try) and "fleetctl_verify" in ast.unparse(n)]
+    assert len(imports) == 1 and ast.unparse(imports[0]) == (
+        "try:\n    from sglang.srt.layers.attention.fleetctl_verify import verify_fwd as _fleetctl_verify_fwd\n"
+        "except Exception:\n    _fleetctl_verify_fwd = None")
+    env = {}  # no hook module here (no sglang at all): the import binds None, never raises
+    exec(compile(ast.Module(body=[imports[0]], type_ignores=[]), verifyroute.BACKEND, "exec"), env)
+    assert env["_fleetctl_verify_fwd"] is None
     lines = patched.splitlines(True)
-    inserted = {imports[0].lineno} | set(range(guards[0].lineno, guards[0].end_lineno + 1))
+    inserted = set(range(imports[0].lineno, imports[0].end_lineno + 1))
+    inserted |= set(range(guards[0].lineno, guards[0].end_lineno + 1))
     assert "".join(line for n, line in enumerate(lines, 1) if n not in inserted) == original
     # applied by the change probe, the same playbook plans nothing; rolled back, the release's own
     # file is back byte for byte and the hook module is gone
@@ -253,7 +257,7 @@ def test_each_releases_real_call_runs_through_its_guard(tmp_path, version):
     called = [n.func.attr for n in ast.walk(tail[1]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"][0]
 
-    def run(target_verify: bool, served: bool):
+    def run(target_verify: bool, served: bool, dllm=None):
         """(what the hook got, what SGLang's kernel got: bound by its signature, the return)."""
         got = {"hook": None, "kernel": None}
 
@@ -265,7 +269,7 @@ def test_each_releases_real_call_runs_through_its_guard(tmp_path, version):
             got["kernel"] = kernel.bind(*args, **kwargs).arguments
 
         # 0.5.23's wrapper hands the call to dllm_attention when one is set (not for target verify)
-        me = Sym("self", extend_attention_fwd=kernel_fwd, dllm_attention=None)
+        me = Sym("self", extend_attention_fwd=kernel_fwd, dllm_attention=dllm)
         if called != "extend_attention_fwd":
             wrapper = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == called)
             setattr(me, called, functools.partial(compiled(_function(patched, wrapper), called, {}), me))
@@ -282,12 +286,17 @@ def test_each_releases_real_call_runs_through_its_guard(tmp_path, version):
     bound = hook_sig.bind(**given).arguments  # the hook takes what it is given, by name
     want = {k: repr(v) for k, v in got["kernel"].items()}
     assert {k: repr(v) for k, v in given.items()} == want
-    assert (repr(bound["sm_scale"]), repr(bound["kw"]["logit_cap"])) == SCALE_CAP[version]
+    assert set(verifyroute.NEEDED) <= set(bound["kw"])  # what verify_fwd pulls out of its **kw
+    assert (repr(bound["kw"]["sm_scale"]), repr(bound["kw"]["logit_cap"])) == SCALE_CAP[version]
     assert (want["sm_scale"], want["logit_cap"]) == SCALE_CAP[version]
     got, out = run(True, True)
     assert got["kernel"] is None and repr(out) == "o"
     got, out = run(False, True)
     assert got["hook"] is None and got["kernel"] is not None and repr(out) == "o"
+    if version == "0.5.23":  # a dllm backend set: the wrapper's own branch runs, the hook never sees the call
+        assert found["anchor"]["unless"] == ["self.dllm_attention is not None"]
+        got, out = run(True, True, dllm=Sym("dllm"))
+        assert got["hook"] is None and got["kernel"] is None and repr(out) == "o"
 
 
 def test_an_anchor_found_twice_or_never_is_refused(tmp_path):
@@ -424,3 +433,76 @@ def test_reinspect_after_the_apply_finds_the_change_in_place(tmp_path):
     assert reinspect_problems(load_playbook(PLAYBOOK), p, {}, *inputs(loc, "0.5.23", state)) == []
     Path(p.files[0].path).write_text(Path(p.files[0].path).read_text() + "# later\n")
     assert reinspect_problems(load_playbook(PLAYBOOK), p, {}, *inputs(loc, "0.5.23", state))
+
+
+def test_an_extend_call_not_passing_what_the_hook_needs_is_refused(tmp_path):
+    """A release whose extend_attention_fwd renamed max_len_extend (the real 0.5.2 kernel file,
+    renamed) is refused naming it; the hook's own list of needed keywords is the finding's."""
+    version = "0.5.2"
+    loc = install(tmp_path, version)
+    kernel = loc / "sglang/srt/layers/attention/triton_ops/extend_attention.py"
+    kernel.write_text(kernel.read_text().replace("max_len_extend", "max_extend_len"))
+    p = plan(loc, version, deployed(tmp_path, location=loc))
+    assert p.status == PlanStatus.FAILED and p.files == []
+    assert "the extend call does not pass max_len_extend under the names the hook needs" in p.reason, p.reason
+    template = (PLAYBOOK.parent / "templates" / "route-verify-attention" / "fleetctl_verify.py.j2").read_text()
+    needed = next(n for n in ast.parse(template.partition("\n")[2]).body if isinstance(n, ast.Assign)
+                  and n.targets[0].id == "_NEEDED")
+    assert ast.literal_eval(needed.value) == verifyroute.NEEDED
+
+
+WRAPPER_0523 = '''    def _forward_extend_kernel(self, layer, *args, **kwargs):
+        if self.dllm_attention is not None:
+            return self.dllm_attention.forward_extend(layer, *args, **kwargs)
+        return self.extend_attention_fwd(*args, **kwargs)
+'''
+
+
+@pytest.mark.parametrize("version, old, new, why", [
+    ("0.5.2", "torch.compiler.disable(extend_attention_fwd)", "functools.partial(extend_attention_fwd, logit_cap=1.0)",
+     "self.extend_attention_fwd is bound to functools.partial(extend_attention_fwd, logit_cap=1.0), not to "
+     "extend_attention_fwd as is"),
+    ("0.5.2", "torch.compiler.disable(extend_attention_fwd)", "torch.compiler.disable(extend_attention_fwd, "
+     "recursive=False)", "is bound to torch.compiler.disable(extend_attention_fwd, recursive=False), not to"),
+    ("0.5.23", "        return self.extend_attention_fwd(*args, **kwargs)\n",
+     "        kwargs['logit_cap'] = 0.0\n        return self.extend_attention_fwd(*args, **kwargs)\n",
+     "TritonAttnBackend._forward_extend_kernel hands *args, **kwargs to the kernel, but not as"),
+    ("0.5.23", "if self.dllm_attention is not None:", "if self.dllm_attention is not None or self.busy():",
+     "TritonAttnBackend._forward_extend_kernel hands *args, **kwargs to the kernel, but not as"),
+    ("0.5.23", "if self.dllm_attention is not None:", "if layer.is_cross_attention:",
+     "TritonAttnBackend._forward_extend_kernel hands *args, **kwargs to the kernel, but not as"),
+])
+def test_a_kernel_binding_or_wrapper_that_could_change_the_call_is_refused(tmp_path, version, old, new, why):
+    """What self's kernel attribute binds, or a wrapper's branches, the guard does not see: only
+    the bare kernel, torch.compiler.disable(kernel) and early returns on self's state are let in."""
+    text = install(tmp_path / "read", version).joinpath(verifyroute.BACKEND).read_text()
+    if version == "0.5.23":
+        assert WRAPPER_0523 in text
+    mutated = text.replace(WRAPPER_0523, WRAPPER_0523.replace(old, new)) if version == "0.5.23" else \
+        text.replace(old, new, 1)
+    assert mutated != text
+    loc = install(tmp_path, version, backend=mutated)
+    p = plan(loc, version, deployed(tmp_path, location=loc))
+    assert p.status == PlanStatus.FAILED and p.files == [] and why in p.reason, p.reason
+
+
+def test_host_values_in_the_hook_are_data_never_code():
+    """The host's SGLang version, torch version and state path, each carrying a line break and
+    quotes, change only the hook's _LINK / _TORCH strings and its first-line comment."""
+    template = next(t for t in load_playbook(PLAYBOOK).tasks if t.name == "the hook module").template
+
+    def render(version, torch, link):
+        text = template.render({"facts": {"sglang": {"version": version}, "torch": {"version": torch}},
+                                "findings": {"verify_attention_route": {"kernel": {"link": link}}}}, strip=False)
+        tree = ast.parse(text)
+        consts = {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                  and isinstance(n.targets[0], ast.Name) and n.targets[0].id in ("_LINK", "_TORCH")}
+        rest = [ast.dump(n) for n in tree.body if not (isinstance(n, ast.Assign) and isinstance(
+            n.targets[0], ast.Name) and n.targets[0].id in consts)]
+        return consts, rest, text.splitlines()[0]
+
+    evil = "\nimport os; os.system('id')  #\"\"\"'''"
+    consts, rest, first = render("0.5.2" + evil, "2.13.0+cpu" + evil, "/var/lib/fleetctl" + evil + "/current")
+    assert consts == {"_TORCH": "2.13.0+cpu" + evil, "_LINK": "/var/lib/fleetctl" + evil + "/current"}
+    assert rest == render("0.5.2", "2.13.0+cpu", "/var/lib/fleetctl/current")[1]
+    assert first.startswith("# fleetctl route-verify-attention: written by fleetctl for SGLang \"0.5.2\\nimport os")

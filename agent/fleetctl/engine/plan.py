@@ -262,9 +262,9 @@ def _plan_edits(playbook, plan, ctx, facts, findings, sources) -> list[EditTask]
             changed = True
         if changed:
             changed_tasks.append(task)
-    for rel, spans in per_file.items():
+    plan.files += created  # first: the change probe writes in this order, so an edit importing a new file
+    for rel, spans in per_file.items():  # (triton_backend.py's import of fleetctl_verify) never runs before it
         plan.files.append(_edit_file(rel, posixpath.join(location, rel), srcs[rel].text, spans, comments.get(rel, {})))
-    plan.files += created
     return changed_tasks
 
 
@@ -317,10 +317,27 @@ def _plan_insert(task: InsertTask, plan: HostPlan, ctx: dict, findings: dict, so
         plan.already_applied.append(entry)
         return False
     src = srcs.get(rel) or srcs.setdefault(rel, _checked_source(rel, findings, sources))
+    indent = site.get("indent", "")
+    if not isinstance(indent, str) or indent.strip(" \t") or (site["line"], len(indent)) not in _statement_starts(src):
+        raise _Refused(f"{rel}:{site['line']}: the site {task.site.source!r} gives (indent {indent!r}) is not where a "
+                       "statement of the source starts: the findings do not match the source")
     at = src.offset(site["line"], 0)
     per_file.setdefault(rel, []).append((at, at, text))
     plan.edits.append(dict(entry, new_text=text))
     return True
+
+
+def _statement_starts(src: _Source) -> set[tuple[int, int]]:
+    """{(line, column)} (1-based line, column in characters) where a statement of `src` starts,
+    a decorated definition at its first decorator's line; what an insertion site must be."""
+    starts = set()
+    for node in ast.walk(_parse(src.text)):
+        if isinstance(node, ast.stmt):
+            line = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            head = src.text[src.starts[node.lineno - 1]:]
+            col = len(head.encode("utf-8")[:node.col_offset].decode("utf-8", "replace"))
+            starts.add((line, col))
+    return starts
 
 
 def _checked_source(rel: str, findings: dict, sources: dict[str, str]) -> _Source:

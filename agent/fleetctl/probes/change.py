@@ -38,12 +38,13 @@ def apply(params, state_dir):
     Refuses, changing nothing, when a file's sha256 is not pre_sha256 ("changed since inspect"),
     new_text does not hash to post_sha256, the change id is used, or a change is still pending.
     Then: the ledger's reserve (ledger.make_reserve), ledger "pending", originals to
-    backups/<change_id>/ (fsynced), atomic writes with stale bytecode dropped, ledger "applied"
+    backups/<change_id>/ (fsynced), atomic writes in the order of `files` (a new file the others
+    import comes first: the planner puts it there) with stale bytecode dropped, ledger "applied"
     (ledger.append_applied; on a full disk the answer's "note" says how it was recorded). With
     commit false the change stays "pending" (written, awaiting validation: `commit` makes it
     "applied", `rollback` undoes it, and a killed run's next `recover` undoes it). An error
-    midway restores the written files from the originals read before the write and records
-    "failed"; the error says "files restored" only when every touched file is back to
+    midway restores the written files (the last written first) from the originals read before
+    the write and records "failed"; the error says "files restored" only when every touched file is back to
     pre_sha256, and names each file that is not.
     """
     cid = params["change_id"]
@@ -161,7 +162,7 @@ def _undo_written(written, tag, originals):
     stale bytecode cannot be dropped) counts only by the file's state afterwards. Returns
     ["path (error)"] for the entries that are not back to before_sha256."""
     left = []
-    for f in written:
+    for f in reversed(written):  # the last written first: an edit goes before the new file it imports
         error = None
         if _state(f) != f["before_sha256"]:
             try:
@@ -169,8 +170,8 @@ def _undo_written(written, tag, originals):
             except Exception as e:
                 error = "%s: %s" % (type(e).__name__, e)
         if _state(f) != f["before_sha256"]:
-            left.append("%s (%s)" % (f["path"], error or "state after restore is not before_sha256"))
-    return left
+            left.insert(0, "%s (%s)" % (f["path"], error or "state after restore is not before_sha256"))
+    return left  # in the order written
 
 
 def commit(params, state_dir):
@@ -222,7 +223,8 @@ def rollback(params, state_dir):
 
     The change must be "applied", "pending" or "failed" (`last`: the latest applied one); one
     already rolled back is a no-op. Refuses, changing nothing, unless every file has
-    after_sha256 or already before_sha256 (force skips that check). Verifies each restored
+    after_sha256 or already before_sha256 (force skips that check). Restores in the reverse of
+    the apply's order (an edit before the new file it imports). Verifies each restored
     file has before_sha256; records "rolled-back" with the reason, or "failed" with the files
     restored so far when a restore fails midway (a later rollback finishes the job).
     """
@@ -247,7 +249,7 @@ def rollback(params, state_dir):
         raise safefs.Refused("changed since the apply (--force restores anyway): %s" % ", ".join(moved))
     restored = []
     try:
-        for f in entry["files"]:
+        for f in reversed(entry["files"]):  # apply's order undone: an edit goes before the new file it imports
             if _state(f) != f["before_sha256"]:
                 _restore(f, cid + "-rb")
             restored.append(f["path"])
@@ -267,7 +269,8 @@ def recover(params, state_dir):
     """Undo every change whose last state is "pending" (fleetctl was killed mid-apply).
 
     A file with before_sha256 is left as it is, one with after_sha256 is restored from the
-    backup; either way the change becomes "rolled-back" (reason "interrupted"). A file with any
+    backup (in the reverse of the apply's order); either way the change becomes "rolled-back"
+    (reason "interrupted"). A file with any
     other content is left alone and the change becomes "failed". Leftover temp files are removed.
     Returns {"recovered": [{change_id, state, files: [{path, action}]}]}.
     """
@@ -277,7 +280,7 @@ def recover(params, state_dir):
             continue
         ledger.check_entry(entry, state_dir)
         actions, unknown = [], []
-        for f in entry["files"]:
+        for f in reversed(entry["files"]):
             safefs.remove_tmp(f["path"], (cid, cid + "-rb"))
             cur = _state(f)
             if cur == f["before_sha256"]:
@@ -288,11 +291,11 @@ def recover(params, state_dir):
                     action = "restored"
                 except (OSError, safefs.UnsafePath) as e:
                     action = "restore failed: %s" % e
-                    unknown.append(f["path"])
+                    unknown.insert(0, f["path"])
             else:
                 action = "unknown content, left alone"
-                unknown.append(f["path"])
-            actions.append({"path": f["path"], "action": action})
+                unknown.insert(0, f["path"])
+            actions.insert(0, {"path": f["path"], "action": action})  # reported in the apply's order
         if unknown:
             state = ledger.append(state_dir, entry, ledger.FAILED,
                                   "interrupted; unknown content: " + ", ".join(unknown))

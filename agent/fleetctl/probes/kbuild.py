@@ -76,12 +76,15 @@ import torch
 if not torch.cuda.is_available():
     raise RuntimeError("no CUDA device for the reference test of the triton build (torch %s: "
                        "torch.cuda.is_available() is False); its kernels run on the device only" % torch.__version__)
-sys.path.insert(0, {src_dir!r})
-_spec = importlib.util.spec_from_file_location({module_name!r}, {module_path!r})
-_source = importlib.util.module_from_spec(_spec)
-sys.modules[{module_name!r}] = _source
-_spec.loader.exec_module(_source)
-_kernels = _source.{load}({out_dir!r})
+sys.path.insert(0, {src_dir!r})  # for the package's own imports of its siblings, while it loads only
+try:
+    _spec = importlib.util.spec_from_file_location({module_name!r}, {module_path!r})
+    _source = importlib.util.module_from_spec(_spec)
+    sys.modules[{module_name!r}] = _source
+    _spec.loader.exec_module(_source)
+    _kernels = _source.{load}({out_dir!r})
+finally:
+    sys.path.remove({src_dir!r})  # never left to shadow the importing process's top-level modules
 
 
 def __getattr__(attr):

@@ -8,15 +8,25 @@ release the playbook was never shown is judged by what its code says:
 
 - the anchor: the one call inside `TritonAttnBackend.forward_extend` (of
   sglang/srt/layers/attention/triton_backend.py) that reaches SGLang's Triton extend kernel:
-  `self.<attr>(...)` where `self.<attr>` is bound in the class to `extend_attention_fwd` (as
-  is, or wrapped: `torch.compiler.disable(extend_attention_fwd)`), or `self.<wrapper>(...)`
-  where the wrapper is a method `def w(self, a1..an, *args, **kwargs)` of the class that
-  calls `self.<attr>(*args, **kwargs)` (0.5.23's `_forward_extend_kernel(self, layer, ...)`:
-  its n leading arguments are the wrapper's own). It must be a statement of its own line,
-  followed in its block by `return EXPR`; it may not pass `*x` or `**x`.
+  `self.<attr>(...)` where `self.<attr>` is bound in the class to `extend_attention_fwd` as
+  is or as `torch.compiler.disable(extend_attention_fwd)` / `torch._dynamo.disable(...)` (one
+  argument, no keyword; any other binding naming it, such as functools.partial(..., logit_cap=
+  ...), is refused: it would bind keywords the guard never sees), or `self.<wrapper>(...)`
+  where the wrapper is a method `def w(self, a1..an, *args, **kwargs)` (no defaults, no
+  keyword-only parameters) whose body is only `if C: return X` statements (no else) and then
+  `return self.<attr>(*args, **kwargs)`, each C reading only self's attributes and constants
+  through comparisons, `not`, `and`, `or` (no call). Such a wrapper reaches the kernel, with its
+  *args and **kwargs unchanged, exactly when every C is false; the guard, which stands before
+  the call of the wrapper, routes only then: it carries `and not (C)` for each (the anchor's
+  "unless"; 0.5.23's `_forward_extend_kernel(self, layer, ...)`: `self.dllm_attention is not
+  None`; its n leading arguments are the wrapper's own). A wrapper of any other shape that
+  forward_extend calls is refused. The call must be a statement of its own line, followed in
+  its block by `return EXPR`; it may not pass `*x` or `**x`.
 - the signature: `extend_attention_fwd`'s parameters in the module the backend imports it
   from; each argument of the anchor is named by it (positional ones by position), so each
-  release's scale and logit cap are passed under their own names.
+  release's scale and logit cap are passed under their own names. Refused unless those names
+  include all of NEEDED (the 13 the hook cannot serve a call without: a release that renamed
+  max_len_extend, or an extend call that leaves one out, is refused, not guarded).
 - the kernel: STATE_DIR/kernels/verify_attention/current (a link to a build key), its PASSED
   (the module path), the build's record of the torch it was made with (build/build.ninja,
   torch.utils.cpp_extension's, for the cpu and cuda builds; build/kernels/manifest.json for the
@@ -45,6 +55,9 @@ METHOD = "forward_extend"
 KERNEL_NAME = "extend_attention_fwd"
 HOOK_NAME = "_fleetctl_verify_fwd"  # the name the guard calls, bound by the inserted import
 PACKAGE = "verify_attention"
+# the keywords the hook (fleetctl_verify.py's verify_fwd, its _NEEDED) cannot serve a call without
+NEEDED = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr",
+          "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend")
 # torch.utils.cpp_extension's build.ninja names the torch headers it compiled against
 _TORCH_INCLUDE = re.compile(r"-isystem\s+(\S+)/include/torch/csrc/api/include(?:\s|$)")
 _ARCH = re.compile(r"arch=compute_(\d+)")
@@ -119,37 +132,99 @@ def _kernel_binding(tree):
     return found.pop()
 
 
-def _kernel_attrs(cls, local):
-    """Attributes `self.X` the class binds to `local` (the imported kernel), as is or wrapped in
-    a call whose first argument it is (torch.compiler.disable(extend_attention_fwd))."""
+_DISABLE = ("torch.compiler.disable", "torch._dynamo.disable")  # wrappers that bind no argument
+
+
+def _dotted(node):
+    """"a.b.c" of a Name/Attribute chain, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return head + "." + node.attr if head else None
+    return None
+
+
+def _kernel_attrs(src, cls, local):
+    """Attributes `self.X` the class binds to `local` (the imported kernel): as is, or as
+    `torch.compiler.disable(local)` / `torch._dynamo.disable(local)` (one argument, no keyword).
+    Refused for any other binding of self.X whose value names `local` (functools.partial(local,
+    logit_cap=...) would bind keywords the guard never sees)."""
     attrs = set()
     for node in ast.walk(cls):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
         attr = _self_attr(node.targets[0])
         v = node.value
-        if isinstance(v, ast.Call) and v.args:
+        if not attr or not any(isinstance(n, ast.Name) and n.id == local for n in ast.walk(v)):
+            continue
+        if isinstance(v, ast.Call) and _dotted(v.func) in _DISABLE and len(v.args) == 1 and not v.keywords:
             v = v.args[0]
-        if attr and isinstance(v, ast.Name) and v.id == local:
-            attrs.add(attr)
+        if not (isinstance(v, ast.Name) and v.id == local):
+            raise Refused("%s:%d: self.%s is bound to %s, not to %s as is or in %s(%s): what it binds the guard "
+                          "would not pass" % (BACKEND, node.lineno, attr, src.segment(node.value), local,
+                                              " / ".join(_DISABLE), local))
+        attrs.add(attr)
     return attrs
 
 
-def _wrappers(cls, attrs):
-    """{method name: its number of leading parameters after self} for methods of `cls` shaped
-    `def w(self, a1..an, *args, **kwargs)` whose body calls self.<attr>(*args, **kwargs)."""
+def _self_only(expr):
+    """`expr` reads only `self`'s attributes and constants through comparisons and boolean
+    operators (no call, no subscript, no other name): evaluating it again in forward_extend,
+    where `self` is the same object, gives what the wrapper saw."""
+    ok = (ast.Expression, ast.Attribute, ast.Constant, ast.Compare, ast.BoolOp, ast.UnaryOp, ast.Load, ast.cmpop,
+          ast.boolop, ast.Not)
+    return all(isinstance(n, ok) or (isinstance(n, ast.Name) and n.id == "self") for n in ast.walk(expr))
+
+
+def _wrapper(fn, attrs):
+    """(n, [condition node]) when method `fn` is `def w(self, a1..an, *args, **kwargs)` whose
+    body is only `if C: return EXPR` statements (no else, each C _self_only) and then `return
+    self.<attr>(*args, **kwargs)`: it reaches the kernel, passing its *args and **kwargs
+    unchanged, exactly when every C is false. None when fn does not call self.<attr>(*args,
+    **kwargs) at all; Refused (why) when it does in any other shape."""
+    a = fn.args
+    star, kw = (a.vararg.arg if a.vararg else None), (a.kwarg.arg if a.kwarg else None)
+
+    def passes(call):
+        return isinstance(call, ast.Call) and _self_attr(call.func) in attrs and len(call.args) == 1 \
+            and isinstance(call.args[0], ast.Starred) and isinstance(call.args[0].value, ast.Name) \
+            and call.args[0].value.id == star and len(call.keywords) == 1 and call.keywords[0].arg is None \
+            and isinstance(call.keywords[0].value, ast.Name) and call.keywords[0].value.id == kw
+
+    if not star or not kw or not any(passes(c) for c, _, _ in _calls_in(fn)):
+        return None
+    why = "%s:%d: %s.%s hands *%s, **%s to the kernel, but not as `if C: return X` branches on self's state " \
+          "followed by `return self.<kernel>(*%s, **%s)`" % (BACKEND, fn.lineno, CLASS, fn.name, star, kw, star, kw)
+    body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        getattr(fn.body[0], "value", None), ast.Constant) else fn.body
+    if a.kwonlyargs or a.defaults or not body or not (isinstance(body[-1], ast.Return) and passes(body[-1].value)):
+        raise Refused(why)
+    unless = []
+    for stmt in body[:-1]:
+        if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1
+                and isinstance(stmt.body[0], ast.Return) and _self_only(stmt.test)):
+            raise Refused(why)
+        unless.append(stmt.test)
+    n = len(getattr(a, "posonlyargs", [])) + len(a.args) - 1
+    return n, unless
+
+
+def _wrappers(src, cls, attrs):
+    """{method name: (its number of leading parameters after self, [the source of each
+    condition under which it does not reach the kernel]), or the Refused saying why its shape is
+    not one the guard can stand in front of} of the methods of `cls` that hand *args, **kwargs
+    to the kernel (_wrapper)."""
     out = {}
     for fn in cls.body:
-        if not isinstance(fn, ast.FunctionDef) or not fn.args.vararg or not fn.args.kwarg:
-            continue
-        star, kw = fn.args.vararg.arg, fn.args.kwarg.arg
-        for call, _, _ in _calls_in(fn):
-            if _self_attr(call.func) in attrs and len(call.args) == 1 and isinstance(call.args[0], ast.Starred) \
-                    and isinstance(call.args[0].value, ast.Name) and call.args[0].value.id == star \
-                    and len(call.keywords) == 1 and call.keywords[0].arg is None \
-                    and isinstance(call.keywords[0].value, ast.Name) and call.keywords[0].value.id == kw:
-                out[fn.name] = len(fn.args.posonlyargs if hasattr(fn.args, "posonlyargs") else []) \
-                    + len(fn.args.args) - 1
+        if isinstance(fn, ast.FunctionDef):
+            try:
+                w = _wrapper(fn, attrs)
+            except Refused as e:
+                out[fn.name] = e
+                continue
+            if w is not None:
+                out[fn.name] = (w[0], [src.segment(t) for t in w[1]])
     return out
 
 
@@ -209,7 +284,9 @@ def _is_guard(stmt):
 
 
 def _is_import(stmt):
-    return isinstance(stmt, ast.ImportFrom) and any(a.asname == HOOK_NAME for a in stmt.names)
+    """`try: from ... import verify_fwd as _fleetctl_verify_fwd` / `except ...` (import.py.j2's)."""
+    return isinstance(stmt, ast.Try) and any(isinstance(n, ast.ImportFrom) and any(
+        a.asname == HOOK_NAME for a in n.names) for n in stmt.body)
 
 
 def anchor(location, text):
@@ -226,16 +303,18 @@ def anchor(location, text):
         raise Refused("%s.%s is defined %d times, not once" % (CLASS, METHOD, len(methods)))
     fn = methods[0]
     module, local = _kernel_binding(src.tree)
-    attrs = _kernel_attrs(cls, local)
+    attrs = _kernel_attrs(src, cls, local)
     if not attrs:
         raise Refused("%s binds no self attribute to %s" % (CLASS, KERNEL_NAME))
-    wrappers = _wrappers(cls, attrs)
+    wrappers = _wrappers(src, cls, attrs)
     calls = [(c, s, b) for c, s, b in _calls_in(fn) if _self_attr(c.func) in attrs or _self_attr(c.func) in wrappers]
     if len(calls) != 1:
         raise Refused("%s.%s reaches %s %d times (%s), not once: the guard goes before exactly one call" % (
             CLASS, METHOD, KERNEL_NAME, len(calls),
             ", ".join("line %d" % c.lineno for c, _, _ in calls) or "no call of self.%s" % "/".join(sorted(attrs))))
     call, stmt, block = calls[0]
+    if isinstance(wrappers.get(_self_attr(call.func)), Refused):
+        raise wrappers[_self_attr(call.func)]
     if not isinstance(stmt, ast.Expr) or stmt.value is not call:
         raise Refused("%s:%d: the extend call is not a statement of its own" % (BACKEND, call.lineno))
     indent = _own_line(src, stmt)
@@ -249,16 +328,22 @@ def anchor(location, text):
         raise Refused("%s.%s takes no forward_batch (its parameters: %s)" % (CLASS, METHOD, ", ".join(params)))
     sig = signature(location, module, local)
     attr = _self_attr(call.func)
-    drop = wrappers.get(attr, 0) if attr not in attrs else 0
+    drop, unless = (0, []) if attr in attrs else wrappers[attr]
     before = block[at - 1] if at > 0 else None
     guard = _present(src, before, _is_guard)
     first = cls.decorator_list[0].lineno if cls.decorator_list else cls.lineno
     body = src.tree.body
     prev = body[body.index(cls) - 1] if body.index(cls) > 0 else None
     imported = _present(src, prev, _is_import)
+    named = _named(src, call, drop, sig)
+    missing = [n for n in NEEDED if n not in [name for name, _ in named]]
+    if missing:
+        raise Refused("%s:%d: the extend call does not pass %s under the names the hook needs (%s, %s:%d, names "
+                      "its parameters %s)" % (BACKEND, call.lineno, ", ".join(missing), KERNEL_NAME, sig["file"],
+                                              sig["line"], ", ".join(sig["params"] + sig["kwonly"])))
     return {
         "anchor": {"file": BACKEND, "line": call.lineno, "callee": "self." + attr, "dropped": drop,
-                   "arguments": _named(src, call, drop, sig), "returns": src.segment(after.value)},
+                   "unless": unless, "arguments": named, "returns": src.segment(after.value)},
         "signature": sig, "forward_batch": "forward_batch",
         "guard": {"file": BACKEND, "line": before.lineno if guard is not None else stmt.lineno, "indent": indent,
                   "present": guard},
