@@ -1,11 +1,14 @@
 """The recorded lab sequence (tests/golden/history/, written by its record.py) as run history: each
 step's `--json` document as the RunRecord history.record would have stored for it, and a real
-history file (history.store) holding them, for the HTML report's tests."""
+history file (history.store) holding them, for the HTML report's tests; and every byte a history
+file holds (stored_bytes), for the tests that grep it for secrets."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
+import zlib
 from pathlib import Path
 
 from fleetctl.history.model import HostRecord, RunRecord, RunState
@@ -46,3 +49,15 @@ def write_store(path: Path, runs: list[RunRecord]) -> Path:
     finally:
         store.close()
     return path
+
+
+def stored_bytes(path: Path) -> bytes:
+    """The history file's raw bytes and its -wal's, then every blob decompressed (what a reader
+    of the file could get)."""
+    path = Path(path)
+    raw = b"".join(p.read_bytes() for p in (path, path.with_name(path.name + "-wal")) if p.exists())
+    conn = sqlite3.connect(path)
+    try:
+        return raw + b"".join(zlib.decompress(z) for (z,) in conn.execute("SELECT zlib FROM blobs"))
+    finally:
+        conn.close()
