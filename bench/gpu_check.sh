@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU proof of kernels/verify_attention in one command (stages 0-6, see bench/gpu_check/check.py):
+# GPU proof of kernels/verify_attention in one command (stages 0-7, see bench/gpu_check/check.py):
 #
 #   bash bench/gpu_check.sh                    # on the GPU machine: writes $OUT/gpu_check.{json,md,log}
 #   bash bench/gpu_check.sh --stage speed      # rerun only the speed stage (the others keep their records)

@@ -23,9 +23,9 @@ RECORD = os.environ.get("FLEETCTL_GOLDEN") == "record"
 
 # keys whose values differ from run to run (seconds, pids, bytes of caches that grow), or that
 # measure the probes' own source (upload_bytes: the bundles' size, which any edit of a probe
-# changes; the run's number of probes, `probes`, is kept)
+# changes; the run's number of probes, `probes`, is kept; made: when a dispatch table was made)
 VOLATILE_KEYS = frozenset({"pid", "total", "upload_bytes", "tokens_per_s", "build_key", "phases_s", "timings",
-                           "change_id", "cache_bytes"})
+                           "change_id", "cache_bytes", "made"})
 _KEY = re.compile(r"AAAA[0-9A-Za-z+/]{20,}={0,2}")
 _CHANGE_ID = re.compile(r"\d{8}T\d{6}Z-[\w.-]+?-[0-9a-f]{6}")
 
@@ -33,6 +33,8 @@ _CHANGE_ID = re.compile(r"\d{8}T\d{6}Z-[\w.-]+?-[0-9a-f]{6}")
 def _volatile(key: str, value) -> bool:
     if key in VOLATILE_KEYS:
         return True
+    if key == "build" and isinstance(value, str):
+        return True  # a dispatch table's build key (build_key's)
     if key == "servers" and isinstance(value, list) and all(isinstance(v, int) for v in value):
         return bool(value)  # an install's servers, by pid
     # durations: every "..._s" key but the configured waits (ints from the inventory or playbook)

@@ -17,8 +17,12 @@ from dataclasses import dataclass
 # connection, `paramiko_ssh` for its paramiko one.
 CONNECTIONS = {"paramiko": "paramiko", "paramiko_ssh": "paramiko", "ssh": "ssh", "smart": "ssh", "local": "local"}
 DEFAULT_SGLANG_PORT = 30000
-# Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/, the lock.
+# Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/ (private builds), the lock.
 STATE_DIR = "/var/lib/fleetctl"
+# Where each host keeps the published kernel builds the server process reads (root, 0755):
+# NAME/<key>/{src,build,PASSED}, NAME/current -> <key>, NAME/dispatch.json, route-evidence/ (01777).
+# probes/change.py, probes/verifyroute.py keep copies (PUBLIC_DIR); tests check they agree.
+PUBLIC_KERNELS_DIR = "/var/lib/fleetctl-kernels"
 
 # ---- deadlines (seconds) ----------------------------------------------------------------
 # the lock command's start on the host (session, sudo, mkdir, `flock -n`) until it says LOCKED: a

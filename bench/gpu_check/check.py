@@ -24,8 +24,11 @@ device machine, `--resume-from PATH` starts from an earlier run's gpu_check.json
   5 splits       the new kernel's split heuristic against fixed split counts at three shapes.
   6 ncu          `ncu --clock-control none` summaries of the new kernel at the worst shape and at one
                  memory-bound shape; a failure is recorded.
+  7 route        route-verify-attention's hook rendered over a published-style tree of the extension
+                 build, called as SGLang's Triton backend calls it under CUDA graph capture and replay,
+                 the routing evidence read back (route.py; --cpu: eager calls only, said so).
 
-Stages 2-6 build the CUDA (or CPU) extension themselves (in build/verify_attention/, started in the
+Stages 2-7 build the CUDA (or CPU) extension themselves (in build/verify_attention/, started in the
 background before stage 1) and never use fleetctl's transport. --cpu: the CPU backend as the new
 kernel, the smallest shapes, and the carried Triton kernels under TRITON_INTERPRET=1 (for the CPU
 test, tests/machine/test_gpu_check.py); its times check the script, they measure nothing.
@@ -51,8 +54,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-STAGES = {0: "preflight", 1: "deploy", 2: "correctness", 3: "speed", 4: "baselines", 5: "splits", 6: "ncu"}
-GPU_STAGES = (2, 3, 4, 5, 6)
+STAGES = {0: "preflight", 1: "deploy", 2: "correctness", 3: "speed", 4: "baselines", 5: "splits", 6: "ncu",
+          7: "route"}
+GPU_STAGES = (2, 3, 4, 5, 6, 7)
 SPEED_BUDGET_S = 120.0        # stage 3 starts no shape past this (the issue: the speed stage reruns in <= 120 s)
 STAGE_BUDGET_S = {4: 60.0, 5: 25.0}  # the others: what the run's deadline leaves
 SCHEMA = "fleetctl-gpu-check/2"
@@ -628,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
             report.finish(n, "skipped", t0, skipped=cannot[str(n)])
             log(f"stage {n} {STAGES[n]}: skipped: {cannot[str(n)]}")
             continue
-        if new not in backends and n != 6:
+        if new not in backends and n not in (6, 7):
             report.finish(n, "failed", t0, error=f"the new kernel ({new}) did not load: "
                           f"{load_errors.get(new) or 'not built'}", build=build_info)
             log(f"stage {n}: FAILED: the new kernel did not load")
@@ -639,6 +643,12 @@ def main(argv: list[str] | None = None) -> int:
                 log("stage 2 correctness")
                 res = correctness.stage2(backends, extend_attention_fwd, verify_splitkv_fwd, device, a.cpu, log)
                 report.finish(2, "ok" if res["ok"] else "failed", t0, build=build_info, triton=triton_note, **res)
+            elif n == 7:
+                import route
+                log("stage 7 route")
+                status, data = route.stage7(module_path, a.cpu, log)
+                report.finish(7, status, t0, **data)
+                log(f"stage 7 route: {status} {data.get('skipped') or data.get('error') or data.get('checks') or ''}")
             elif n == 6:
                 status, data = stage6(report, new, module_path, env, left(), out, log)
                 report.finish(6, status, t0, **data)

@@ -292,17 +292,19 @@ KERNEL_PLAY = """
             kernels_dir: "{{ kernels }}"
             max_jobs: 2
             commit: true
+            route: "{{ route | default(omit) }}"
           register: kernel
+      always:
         - ansible.builtin.copy:
             content: "{{ kernel | to_json }}"
             dest: "{{ out }}/{{ inventory_hostname }}-{{ run }}.json"
             mode: "0600"
           delegate_to: localhost
           check_mode: false
-      always:
         - fleetctl.sglang.lock: {state: released}
 """
-KDIR = "/var/lib/fleetctl/kernels/verify_attention"
+KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # published builds, `current`, dispatch.json
+PRIVATE = "/var/lib/fleetctl/kernels/verify_attention"  # where builds are made and tested (root's)
 
 
 def active(lab, host: str) -> str | None:
@@ -311,49 +313,96 @@ def active(lab, host: str) -> str | None:
     return r.stdout.strip() or None
 
 
+def table_text(lab, host: str) -> str | None:
+    """KDIR/dispatch.json's text on `host`, None when it is not there."""
+    r = lab.ssh(host, f"if [ -f {KDIR}/dispatch.json ]; then cat {KDIR}/dispatch.json; else echo NONE; fi")
+    assert r.returncode == 0, r.stderr
+    return None if r.stdout == "NONE\n" else r.stdout
+
+
+def last_entry(lab, host: str) -> dict:
+    r = lab.ssh(host, "tail -n 1 /var/lib/fleetctl/ledger.jsonl")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 @pytest.mark.slow
-def test_kernel_plugin_builds_tests_activates_and_the_cli_sees_it(ansible, server_lab, tmp_path):
-    """fleetctl.sglang.kernel on one host: --check builds and activates nothing; a run builds (real
-    torch extension build, CPU backend), passes the reference test and activates, and `fleetctl
-    status` shows the active build and the ledger entry; a second run reuses it (changed: false);
-    `fleetctl rollback` switches back."""
+def test_kernel_plugin_builds_publishes_activates_with_its_table_and_the_cli_sees_it(ansible, server_lab, tmp_path):
+    """fleetctl.sglang.kernel on one host, laid out as `fleetctl deploy kernel` lays it out:
+    --check builds, publishes and activates nothing; a run builds privately (real torch
+    extension build, CPU backend), passes the reference test, publishes the build and activates
+    the `current` link and a dispatch table that routes nothing as one ledger change, and
+    `fleetctl status` shows both; a second run reuses it (changed: false); `route: all` writes
+    only the table (source operator); a bad route fails the task, naming it; `fleetctl
+    rollback` puts the table, then the link and the table before, back."""
     host = "lab-02"
     kernels = kernel_variant(tmp_path, "ansible")  # a build key no other test builds
     out = ansible.tmp / "kernel"
     out.mkdir()
     play = ansible.tmp / "kernel.yml"
     play.write_text(KERNEL_PLAY)
-    before = active(server_lab, host)
+    before, table_before = active(server_lab, host), table_text(server_lab, host)
 
-    def run(name: str, *args: str) -> dict:
+    def run(name: str, *args: str, rc: int = 0) -> dict:
         r = ansible.run("ansible-playbook", str(play), "--limit", host, *args,
                         "-e", f"kernels={kernels} out={out} run={name}", timeout=1200)
-        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+        assert r.returncode == rc, r.stdout[-4000:] + r.stderr[-2000:]
         return json.loads((out / f"{host}-{name}.json").read_text())
 
     chk = run("check", "--check")
+    key = chk["build_key"]
     assert chk["changed"] is True and chk["reused"] is False and chk["previous"] == before
-    assert "build" not in chk and "change_id" not in chk
-    r = server_lab.ssh(host, f"test -e {KDIR}/{chk['build_key']} && echo built || echo none")
-    assert r.stdout.strip() == "none" and active(server_lab, host) == before
+    assert "build" not in chk and "change_id" not in chk and "published" not in chk
+    assert (chk["table"]["source"], chk["table"]["build"], chk["table"]["all"]) == ("none", key, False)
+    r = server_lab.ssh(host, f"for d in {KDIR}/{key} {PRIVATE}/{key}; do test -e $d && echo $d; done; echo end")
+    assert r.stdout == "end\n", r.stdout
+    assert active(server_lab, host) == before and table_text(server_lab, host) == table_before
 
     got = run("first")
-    assert got["changed"] is True and got["reused"] is False and got["build_key"] == chk["build_key"]
+    assert got["changed"] is True and got["reused"] is False and got["build_key"] == key
     assert got["backend"] == "cpu" and got["build"]["ok"] is True and got["test"]["ok"] is True
     assert got["test"]["failures"] == [] and len(got["test"]["cases"]) > 10
-    assert active(server_lab, host) == got["build_key"]
+    assert got["published"] == f"{KDIR}/{key}" and active(server_lab, host) == key
+    passed = server_lab.ssh(host, f"cat {KDIR}/{key}/PASSED").stdout.strip()
+    assert passed.startswith(f"{KDIR}/{key}/build/") and passed.endswith(".so"), passed
+    table = json.loads(table_text(server_lab, host))
+    assert table == got["table"]
+    assert (table["source"], table["build"], table["backend"], table["entries"]) == ("none", key, "cpu", [])
+    assert "measured table comes from `fleetctl deploy kernel`" in table["why"]
+    entry = last_entry(server_lab, host)
+    assert (entry["change_id"], entry["root"]) == (got["change_id"], KDIR)
+    assert [f["path"] for f in entry["files"]] == [f"{KDIR}/current", f"{KDIR}/dispatch.json"]
     _, _, st = server_lab.cli_json("status", host, rc=0)
-    assert st[host]["kernels"]["verify_attention"] == got["build_key"]
-    [entry] = [c for c in st[host]["changes"] if c["change_id"] == got["change_id"]]
-    assert (entry["state"], entry["playbook"], entry["operator"]) == \
+    assert st[host]["kernels"]["verify_attention"] == key and st[host]["dispatch"]["verify_attention"] == table
+    [change] = [c for c in st[host]["changes"] if c["change_id"] == got["change_id"]]
+    assert (change["state"], change["playbook"], change["operator"]) == \
         ("applied", "kernel verify_attention", f"ansible@{host}")
+    status = server_lab.cli("status", host, env={"COLUMNS": "900"}, timeout=300)
+    assert f"verify_attention {key[:12]} (cpu): routes nothing (fleetctl.sglang.kernel measures nothing)" \
+        in status.stdout, status.stdout
 
     again = run("second")
     assert again["changed"] is False and again["reused"] is True and "build" not in again
-    assert "change_id" not in again and active(server_lab, host) == got["build_key"]
+    assert "change_id" not in again and active(server_lab, host) == key and again["table"] == table
 
+    routed = run("route", "-e", "route=all")
+    assert routed["changed"] is True and routed["reused"] is True and "build" not in routed
+    new = json.loads(table_text(server_lab, host))
+    assert new == routed["table"] and (new["source"], new["route"], new["all"], new["build"]) == \
+        ("operator", "all", True, key)
+    entry = last_entry(server_lab, host)
+    assert entry["change_id"] == routed["change_id"] and [f["path"] for f in entry["files"]] == [f"{KDIR}/dispatch.json"]
+    status = server_lab.cli("status", host, env={"COLUMNS": "900"}, timeout=300)
+    assert f"verify_attention {key[:12]} (cpu): routes all shapes (operator: --route all, {new['made']})" \
+        in status.stdout, status.stdout
+
+    bad = run("bad", "--check", "-e", "route=64:2:x:float32", rc=2)
+    assert bad["failed"] is True and bad["msg"] == "route: '64:2:x:float32': draft_tokens must be a positive integer, not 'x'"
+
+    server_lab.cli_json("rollback", routed["change_id"], host, "--yes", rc=0)
+    assert json.loads(table_text(server_lab, host)) == table and active(server_lab, host) == key
     server_lab.cli_json("rollback", got["change_id"], host, "--yes", rc=0)
-    assert active(server_lab, host) == before
+    assert active(server_lab, host) == before and table_text(server_lab, host) == table_before
 
 
 def test_modules_refuse_a_ledger_of_a_newer_schema(ansible, server_lab):

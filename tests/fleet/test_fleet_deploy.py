@@ -16,17 +16,26 @@ import pytest
 
 from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
+from fleetctl.engine.dispatch import text as dispatch_text
 from fleetctl.engine.kernelpkg import load_package
 from fleetctl.probes import torchver
 
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
-KDIR = "/var/lib/fleetctl/kernels/verify_attention"
+KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # published builds, `current`, dispatch.json
+PRIVATE = "/var/lib/fleetctl/kernels/verify_attention"  # where builds are made and tested
 
 
 def deploy(lab, pattern, *args, kernels: Path | None = None):
     return lab.cli_json("deploy", "kernel", "verify_attention", pattern, "--yes", "--max-jobs", "2", *args,
                         env={"FLEETCTL_KERNELS_DIR": str(kernels or KERNELS)}, timeout=900)
+
+
+def table_bytes(lab, host) -> str | None:
+    """PUBLIC/verify_attention/dispatch.json's text on `host`, None when it is not there."""
+    r = lab.ssh(host, f"if [ -f {KDIR}/dispatch.json ]; then cat {KDIR}/dispatch.json; else echo NONE; fi")
+    assert r.returncode == 0, r.stderr
+    return None if r.stdout == "NONE\n" else r.stdout
 
 
 def active(lab, host):
@@ -108,7 +117,25 @@ def test_deploy_builds_tests_and_activates_everywhere(server_lab, deployed):
     r = server_lab.ssh("lab-01", "tail -n 1 /var/lib/fleetctl/ledger.jsonl")
     entry = json.loads(r.stdout)
     assert (entry["change_id"], entry["state"]) == (doc["change_id"], "applied")
-    assert entry["files"][0]["after_sha256"] == "link:" + keys.pop()
+    key = keys.pop()
+    assert entry["root"] == KDIR and [f["path"] for f in entry["files"]] == [f"{KDIR}/current", f"{KDIR}/dispatch.json"]
+    assert entry["files"][0]["after_sha256"] == "link:" + key
+    # no --route on a host without a GPU: the table routes nothing, and says so
+    table = json.loads(table_bytes(server_lab, "lab-01"))
+    assert table == hosts["lab-01"]["table"]
+    assert (table["source"], table["all"], table["entries"], table["build"], table["backend"]) == ("none", False, [], key,
+                                                                                                  "cpu")
+    assert table["why"].startswith("no GPU to measure on")
+    assert hosts["lab-01"]["published"] == f"{KDIR}/{key}"
+    # the published copy: root's, 0755 dirs, no group/other write, PASSED names the published module
+    r = server_lab.ssh("lab-01", f"find {KDIR}/{key} {KDIR}/dispatch.json -printf '%u:%g %m %y %p\\n'")
+    rows = [line.split(" ", 3) for line in r.stdout.splitlines()]
+    assert rows and all(o == "root:root" and y in "fd" and (m == "755" if y == "d" else m in ("644", "755"))
+                        for o, m, y, _ in rows), r.stdout
+    passed = server_lab.ssh("lab-01", f"cat {KDIR}/{key}/PASSED").stdout.strip()
+    assert passed.startswith(f"{KDIR}/{key}/build/") and passed.endswith(".so"), passed
+    assert server_lab.ssh("lab-01", "stat -c '%U %a' /var/lib/fleetctl-kernels/route-evidence").stdout.split() == [
+        "root", "1777"]
 
 
 def test_second_deploy_reuses_the_build(server_lab, deployed):
@@ -199,7 +226,7 @@ def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, 
                          stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock 2>/dev/null").stdout.strip() == "":
+        while server_lab.ssh("lab-03", f"ls {PRIVATE}/*/build/lock 2>/dev/null").stdout.strip() == "":
             assert time.monotonic() < deadline and p.poll() is None, "the build never started"
             time.sleep(0.5)
         os.kill(p.pid, signal.SIGKILL)
@@ -211,16 +238,69 @@ def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, 
         p.wait()
     assert any("torch.utils.cpp_extension" in cmd for cmd in killed.values()), killed
     assert build_pids(server_lab, "lab-03") == {}
-    lock = server_lab.ssh("lab-03", f"ls {KDIR}/*/build/lock")
+    lock = server_lab.ssh("lab-03", f"ls {PRIVATE}/*/build/lock")
     assert lock.returncode == 0 and lock.stdout.strip() != "", lock.stderr  # torch's lock is left
+    table_before = table_bytes(server_lab, "lab-03")
+    assert table_before is not None
     r, doc, hosts = deploy(server_lab, "lab-03", kernels=kernels)
     h = hosts["lab-03"]
     assert h["status"] == "changed", h["error"]
     assert h["build"]["removed_stale_lock"] is True
+    assert json.loads(table_bytes(server_lab, "lab-03"))["build"] == h["build_key"] != h["previous"]
     r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "rollback", doc["change_id"], "lab-03", "--yes"],
                        env=server_lab.env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout
+    # the link and the table are one change: both back, the table byte for byte
     assert active(server_lab, "lab-03") == hosts["lab-03"]["previous"]
+    assert table_bytes(server_lab, "lab-03") == table_before
+
+
+def test_route_all_writes_the_table_status_shows_it_and_rollback_restores_it(server_lab, deployed):
+    """`--route all` on the key already active (the `deployed` fixture's, whose table routes
+    nothing on this GPU-less host): check mode shows the table it would write and changes
+    nothing; the deploy writes only dispatch.json (the link stays: one file in the ledger
+    entry); `fleetctl status` shows the routed shapes and where the table came from; a rollback
+    puts the table back byte for byte; another --route on the same key changes only the table."""
+    host = "lab-04"
+    key, before = active(server_lab, host), table_bytes(server_lab, host)
+    assert key is not None and json.loads(before)["source"] == "none"
+    r, doc, hosts = deploy(server_lab, host, "--check", "--route", "64:2:4:float32:8", "--route", "128:4:4:bfloat16")
+    h = hosts[host]
+    assert r.returncode == 0 and h["status"] == "changed" and h["check"] is True
+    assert [(e["head_dim"], e["group"], e["draft_tokens"], e["dtype"], e["max_batch"]) for e in h["table"]["entries"]] \
+        == [(64, 2, 4, "float32", 8), (128, 4, 4, "bfloat16", None)]
+    assert table_bytes(server_lab, host) == before and active(server_lab, host) == key
+
+    r, doc, hosts = deploy(server_lab, host, "--route", "all")
+    h = hosts[host]
+    assert r.returncode == 0 and h["status"] == "changed", host_outcomes(hosts)
+    assert h["reused"] is True and "build" not in h and active(server_lab, host) == key
+    table = json.loads(table_bytes(server_lab, host))
+    assert table == h["table"]
+    assert (table["source"], table["route"], table["all"], table["build"]) == ("operator", "all", True, key)
+    entry = json.loads(server_lab.ssh(host, "tail -n 1 /var/lib/fleetctl/ledger.jsonl").stdout)
+    assert entry["change_id"] == doc["change_id"] and [f["path"] for f in entry["files"]] == [f"{KDIR}/dispatch.json"]
+    # status: exit 0 (the fixture's change, whose table this one replaced, is no drift), the routed shapes
+    status = server_lab.cli("status", host, env={"COLUMNS": "900"}, timeout=300)
+    assert status.returncode == 0, status.stdout
+    assert f"verify_attention {key[:12]} (cpu): routes all shapes (operator: --route all, {table['made']})" \
+        in status.stdout, status.stdout
+    _, _, st = server_lab.cli_json("status", host)
+    assert st[host]["dispatch"]["verify_attention"] == table and st[host]["kernels"]["verify_attention"] == key
+    # the same --route again: nothing to do
+    r, _, hosts = deploy(server_lab, host, "--route", "all")
+    assert r.returncode == 0 and hosts[host]["status"] == "ok" and table_bytes(server_lab, host) == dispatch_text(table)
+
+    server_lab.cli_json("rollback", doc["change_id"], host, "--yes", rc=0)
+    assert table_bytes(server_lab, host) == before and active(server_lab, host) == key
+
+    r, doc, hosts = deploy(server_lab, host, "--route", "64:2:4:float32")
+    assert r.returncode == 0 and hosts[host]["status"] == "changed"
+    assert json.loads(table_bytes(server_lab, host))["entries"][0]["max_batch"] is None
+    status = server_lab.cli("status", host, env={"COLUMNS": "900"}, timeout=300)
+    assert "routes 64:2:4:float32 any batch (operator: --route 64:2:4:float32," in status.stdout, status.stdout
+    server_lab.cli_json("rollback", doc["change_id"], host, "--yes", rc=0)
+    assert table_bytes(server_lab, host) == before
 
 
 def test_rollback_and_deploy_as_a_sudo_user_reuse_the_build_like_root(server_lab, deployed, tmp_path):

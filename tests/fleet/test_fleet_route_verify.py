@@ -1,10 +1,14 @@
 """`fleetctl apply route-verify-attention` on a lab host through real sshd (lab-04, SGLang 0.5.23,
 its stand-in server): refused while verify_attention is not deployed there and while its server
-does not run the triton attention backend; then, after `deploy kernel verify_attention` (the CPU
-backend), applied: the hook module created, its import and the guard inserted, both files
-byte-compiled by the host's interpreter, the hook importable there over the deployed build (and
-routing a call where the build's dispatch table lists the shape); rolled back byte-identical,
-the hook module deleted."""
+does not run the triton attention backend; then, after `deploy kernel verify_attention --route
+all` (the CPU backend, the operator's table) and with the server speculating (STANDALONE: a draft
+made of the model's first block, 4 draft tokens) on triton, applied under the route gate (every
+rank routed, read from the hook's evidence; greedy tokens and logprobs equal to the baseline's; a
+4,096+ token prompt; the accept length): the hook module created, its import and the guard
+inserted, both files byte-compiled by the host's interpreter, the hook importable there over the
+deployed build and routing a call right; `status` showing the routed shapes; rolled back
+byte-identical, the hook module deleted. test_fleet_route_gate.py: a wrong kernel refused by the
+gate, an unprivileged server routed."""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from fleetctl.probes import verifyroute
 HOST = "lab-04"
 LOCATION = "/opt/sglang/venv/lib/python3.11/site-packages"
 PYTHON = "/opt/sglang/venv/bin/python"
-KDIR = "/var/lib/fleetctl/kernels/verify_attention"
+KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # published builds, `current`, dispatch.json
+SPECULATIVE = "--attention-backend triton --speculative-algorithm STANDALONE --speculative-num-draft-tokens 4"
 RESTART = "/opt/fleetctl-standin/restart.sh"
 
 
@@ -32,6 +37,26 @@ def sha(lab, rel):
     return r.stdout.split()[0]
 
 
+def applied_under_the_gate(lab) -> tuple[dict, dict, dict]:
+    """Apply route-verify-attention, which must change the host and pass the smoke gate and every
+    route gate check: (the run's document, the host's entry, {check name: route gate check})."""
+    r, doc, hosts = apply(lab, rc=0)
+    h = hosts[HOST]
+    assert h["status"] == "changed", h.get("error")
+    assert h["validation"]["status"] == "passed"
+    gate = h["route_gate"]
+    assert gate["status"] == "passed", gate
+    c = {k["name"]: k for k in gate["checks"]}
+    assert all(c[n]["passed"] for n in ("ranks", "tokens", "logprobs", "long prompt", "accept length")), c
+    return doc, h, c
+
+
+def restart_cmd(lab) -> str:
+    """The host's restart handler as the lab's inventory gives it."""
+    inventory = yaml.safe_load(lab.inventory.read_text())
+    return inventory["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_restart_cmd"]
+
+
 def ok(lab, command, timeout=120):
     r = lab.ssh(HOST, command, timeout=timeout)
     assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
@@ -39,7 +64,7 @@ def ok(lab, command, timeout=120):
 
 
 # On the host, over the deployed build's own package sources: the hook module loaded by path, one
-# target-verify call of a shape the dispatch table lists, checked against the float64 reference.
+# target-verify call (the table routes all shapes), checked against the float64 reference.
 ROUTED = """
 import importlib.util, json, sys, torch
 sys.path.insert(0, "{kdir}/current/src")
@@ -75,25 +100,34 @@ def test_route_verify_attention_refuses_then_applies_and_rolls_back(server_lab, 
     assert r.returncode != 0 and hosts[HOST]["status"] == "failed"
     assert hosts[HOST]["error"] == (f"refused: verify_attention is not deployed here (no {KDIR}/current): run "
                                     "`fleetctl deploy kernel verify_attention HOST` first")
-    # 2. deployed (the CPU backend), but the server names no attention backend: refused
+    # 2. deployed (the CPU backend, every shape routed as the operator says), but the server names
+    # no attention backend: refused
     r, doc, hosts = lab.cli_json("deploy", "kernel", "verify_attention", HOST, "--yes", "--max-jobs", "2",
-                                 timeout=900, rc=0)
+                                 "--route", "all", timeout=900, rc=0)
     assert hosts[HOST]["backend"] == "cpu" and hosts[HOST]["status"] in ("changed", "ok")
+    table = hosts[HOST]["table"]
+    assert (table["source"], table["all"], table["route"], table["build"]) == (
+        "operator", True, "all", hosts[HOST]["build_key"])
     r, doc, hosts = apply(lab)
     assert r.returncode != 0 and hosts[HOST]["status"] == "failed"
     assert hosts[HOST]["error"].startswith("refused: server pid ") and "runs attention backend unset" in \
         hosts[HOST]["error"] and "not triton" in hosts[HOST]["error"]
     assert (sha(lab, backend), sha(lab, hook)) == (pristine, "absent")
-    # 3. the server on triton (and its restart keeping it so): applied
-    inventory = yaml.safe_load(lab.inventory.read_text())
-    restart = inventory["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_restart_cmd"]
-    lab.add_host_vars(HOST, {"fleetctl_restart_cmd": f"{RESTART} --attention-backend triton"})
-    ok(lab, f"{RESTART} --attention-backend triton")
+    # 3. the server speculating on triton (and its restart keeping it so): applied, the gate passed
+    restart = restart_cmd(lab)
+    lab.add_host_vars(HOST, {"fleetctl_restart_cmd": f"{RESTART} {SPECULATIVE}"})
+    ok(lab, f"{RESTART} {SPECULATIVE}")
     try:
-        r, doc, hosts = apply(lab, rc=0)
-        h = hosts[HOST]
-        assert h["status"] == "changed", h.get("error")
-        assert h["validation"]["status"] == "passed"
+        doc, h, c = applied_under_the_gate(lab)
+        assert "eager_routed " in c["ranks"]["detail"], c["ranks"]  # routed eagerly (no CUDA graphs here)
+        evidence = json.loads(ok(lab, f"cd /var/lib/fleetctl-kernels/route-evidence/0 && {PYTHON} -c 'import glob, "
+                                      "json; print(json.dumps([json.load(open(p)) for p in glob.glob(\"*.json\")]))'"))
+        assert any(e["eager_routed"] > 0 and e["uid"] == 0 and e["build"] == f"{KDIR}/{table['build']}"
+                   for e in evidence), evidence
+        _, _, st = lab.cli_json("status", HOST, rc=0)
+        assert st[HOST]["kernels"]["verify_attention"] == table["build"]
+        assert (st[HOST]["dispatch"]["verify_attention"]["source"], st[HOST]["dispatch"]["verify_attention"]["all"]) \
+            == ("operator", True)
         assert {e["kind"] for e in h["plan"]["edits"]} == {"create", "insert"} and len(h["plan"]["edits"]) == 3
         patched = ok(lab, f"cat {LOCATION}/{backend}")
         assert patched.count("try:  # fleetctl route-verify-attention") == 1
@@ -111,17 +145,9 @@ def test_route_verify_attention_refuses_then_applies_and_rolls_back(server_lab, 
         # a second apply changes nothing
         r, doc2, hosts2 = apply(lab, rc=0)
         assert hosts2[HOST]["status"] == "ok" and len(hosts2[HOST]["plan"]["already_applied"]) == 3
-        # the hook, imported by the host's interpreter over the deployed build: nothing routed
-        # without a dispatch table; a listed shape routed and right
+        # the hook, imported by the host's interpreter over the deployed build: a call routed and right
         script = ROUTED.format(kdir=KDIR, hook=f"{LOCATION}/{hook}")
-        out = ok(lab, f"{PYTHON} -c {shlex.quote(script)} 2>&1", timeout=300)
-        assert "nothing is routed" in out and json.loads(out.splitlines()[-1])["routed"] is False
-        table = {"entries": [{"head_dim": 64, "group": 8, "draft_tokens": 4, "dtype": "float32", "max_batch": 2}]}
-        ok(lab, f"echo {shlex.quote(json.dumps(table))} > {KDIR}/current/dispatch.json")
-        try:
-            res = json.loads(ok(lab, f"{PYTHON} -c {shlex.quote(script)}", timeout=300).splitlines()[-1])
-        finally:
-            ok(lab, f"rm -f {KDIR}/current/dispatch.json")
+        res = json.loads(ok(lab, f"{PYTHON} -c {shlex.quote(script)}", timeout=300).splitlines()[-1])
         assert res["routed"] is True and res["err"] < 1e-4
         # 4. rolled back: byte-identical, the hook module and its bytecode gone
         ok(lab, f"{PYTHON} -c 'import py_compile; py_compile.compile(\"{LOCATION}/{hook}\")'")
@@ -133,4 +159,4 @@ def test_route_verify_attention_refuses_then_applies_and_rolls_back(server_lab, 
         assert (entry["change_id"], entry["state"]) == (doc["change_id"], "rolled-back")
     finally:
         lab.add_host_vars(HOST, {"fleetctl_restart_cmd": restart})
-        ok(lab, RESTART)
+        ok(lab, restart)

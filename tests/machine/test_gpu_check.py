@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -87,12 +88,12 @@ def test_json_has_the_issue_fields(full_run):
         assert c["sha256"] == sha and c["matches"] is True and c["import_lines_replaced"] == IMPORTS_REPLACED[name]
     # the issue's order: correctness, speed, baselines, split sweep, ncu, each written before the next
     assert [doc["stages"][n]["name"] for n in sorted(doc["stages"], key=int)] == [
-        "preflight", "deploy", "correctness", "speed", "baselines", "splits", "ncu"]
+        "preflight", "deploy", "correctness", "speed", "baselines", "splits", "ncu", "route"]
     started = [doc["stages"][str(n)]["started"] for n in range(2, 7)]
     finished = [doc["stages"][str(n)]["finished"] for n in range(2, 6)]
     assert all(f <= s for f, s in zip(finished, started[1:]))
     assert {n: s["status"] for n, s in doc["stages"].items() if n != "1"} == {
-        "0": "ok", "2": "ok", "3": "ok", "4": "ok", "5": "ok", "6": "skipped"}
+        "0": "ok", "2": "ok", "3": "ok", "4": "ok", "5": "ok", "6": "skipped", "7": "ok"}
     # ncu cannot run on a CPU: skipped with the reason, never reported as passing
     assert doc["stages"]["6"]["skipped"] == "--cpu: no GPU to profile"
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
@@ -228,7 +229,7 @@ def test_speed_stage_reruns_alone(full_run, build_dir, tmp_path):
     new_run = after["runs"][1]["run"]
     assert after["stages"]["3"]["run"] == new_run != before["stages"]["3"]["run"]
     assert after["stages"]["3"]["status"] == "ok" and len(after["shapes"]) == 2
-    for n in ("0", "1", "2", "4", "5", "6"):
+    for n in ("0", "1", "2", "4", "5", "6", "7"):
         assert after["stages"][n] == before["stages"][n]
     assert after["baselines"] == before["baselines"] and after["splits"] == before["splits"]
     assert after["rates"]["run"] == new_run                 # the floor's rates are this run's own
@@ -239,17 +240,74 @@ def test_speed_stage_reruns_alone(full_run, build_dir, tmp_path):
 def test_without_a_gpu_the_gpu_stages_say_so(tmp_path):
     """Without --cpu on a machine with no CUDA device: preflight runs, stages 2-4 are skipped with the
     reason (never built, never reported as passed)."""
-    r = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path), "--stages", "0,2,3,4,5,6"], capture_output=True,
+    r = subprocess.run(["bash", str(SCRIPT), "--out", str(tmp_path), "--stages", "0,2,3,4,5,6,7"], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     if doc["stages"]["0"]["environment"]["cuda_available"]:
         pytest.skip("this machine has a CUDA device")
     assert r.returncode == 0, r.stderr[-3000:]
     assert doc["mode"] == "cuda" and doc["shapes"] == [] and doc["backend"] == "triton" and doc["beside"] == ["cuda"]
-    for n in ("2", "3", "4", "5", "6"):
+    for n in ("2", "3", "4", "5", "6", "7"):
         assert doc["stages"][n]["status"] == "skipped"
         assert doc["stages"][n]["skipped"].startswith("no CUDA device")
     assert "building" not in r.stdout
+
+
+def test_route_stage_routes_and_reads_the_evidence_back(full_run):
+    """Stage 7 on a CPU: the hook rendered by fleetctl's playbook loader over a published-style tree of the
+    CPU build, called with the 0.5.23 guard's keywords; batches up to the table's max_batch routed and equal
+    to the reference, the one over it left to SGLang; the evidence file this process wrote says the same. No
+    CUDA graphs on a CPU: the capture is reported as not checked (on a GPU `captured` lists the batches)."""
+    s7 = full_run[1]["stages"]["7"]
+    if os.geteuid() != 0:
+        assert s7["status"] == "skipped" and "root" in s7["skipped"]
+        pytest.skip("the hook trusts root-owned builds only")
+    assert s7["status"] == "ok" and all(s7["checks"].values()) and set(s7["checks"]) == {
+        "calls", "evidence_is_this_process", "build", "captured", "eager_routed", "fallbacks"}
+    assert [(c["batch"], c["returned"]) for c in s7["calls"]] == [(1, True), (2, True), (4, True), (8, False)]
+    assert all(c["check"]["ok"] for c in s7["calls"] if c["returned"])
+    ev = s7["evidence"]
+    assert ev["captured"] == [] and ev["eager_routed"] == 3 and ev["fallbacks"] == {"batch over max_batch": 1}
+    assert s7["graphs"] == {"skipped": "--cpu: no CUDA graphs on the CPU backend", "ok": None}
+
+
+def test_route_stage_fails_when_the_table_routes_another_shape(build_dir, monkeypatch):
+    """The same stage over a table whose entry names another draft width: nothing routes, the stage fails."""
+    if os.geteuid() != 0:
+        pytest.skip("the hook trusts root-owned builds only")
+    import route
+
+    made = route.make_tree
+
+    def other_table(tmp, module_path, sh):
+        link, ev = made(tmp, module_path, sh)
+        table = link.parent / "dispatch.json"
+        doc = json.loads(table.read_text())
+        doc["entries"][0]["draft_tokens"] += 1
+        table.write_text(json.dumps(doc))
+        return link, ev
+
+    monkeypatch.setattr(route, "make_tree", other_table)
+    status, data = route.stage7(str(Path(build_dir) / "verify_attention_cpu.so"), True, lambda m: None)
+    assert status == "failed" and data["checks"]["calls"] is False and data["checks"]["eager_routed"] is False
+    assert data["evidence"]["fallbacks"] == {"shape not enabled": 4}
+
+
+def test_dispatch_bench_cpu_plumbing(build_dir):
+    """kernels/verify_attention/dispatch_bench.py with "device": "cpu" (the plumbing check: eager calls of the
+    CPU build against reference.py): every point timed and agreeing, and the answer says it is no CUDA-graph
+    measurement, so engine/measure.py enables nothing from it. The CUDA path needs a GPU host."""
+    req = {"module": str(Path(build_dir) / "verify_attention_cpu.so"), "device": "cpu", "prefixes": [16, 64],
+           "shapes": [{"head_dim": 64, "group": 2, "draft_tokens": 4, "dtype": d, "q_heads": 4, "kv_heads": 2,
+                       "topk": k, "batches": [1, 2]} for d, k in (("float32", 1), ("bfloat16", 4))]}
+    r = subprocess.run([sys.executable, str(ROOT / "kernels/verify_attention/dispatch_bench.py")], input=json.dumps(req),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ok"] is True and out["device"] == "cpu" and out["graphs"] is False and "measures nothing" in out["note"]
+    points = [p for s in out["shapes"] for p in s["results"]]
+    assert len(points) == 8 and all(p["agree"] is True and p["ms_build"] > 0 and p["ms_sglang"] > 0 for p in points)
+    assert {(p["batch"], p["prefix"]) for p in points} == {(b, p) for b in (1, 2) for p in (16, 64)}
 
 
 def test_a_killed_run_leaves_valid_json_naming_the_running_stage(tmp_path):
@@ -369,5 +427,6 @@ def test_stage_names():
     assert check.parse_stages("0,2", "ncu,baselines") == [0, 2, 4, 6]
     with pytest.raises(ValueError, match="unknown stage 'sped'"):
         check.parse_stages(None, "sped")
-    with pytest.raises(ValueError, match="unknown stage '7'"):
-        check.parse_stages("7", None)
+    assert check.parse_stages(None, "route") == [7]
+    with pytest.raises(ValueError, match="unknown stage '8'"):
+        check.parse_stages("8", None)

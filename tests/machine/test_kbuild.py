@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -144,3 +145,107 @@ def test_the_same_sources_under_another_build_key_compile_once(tmp_path, monkeyp
     stats = _ccache_stats(dict(os.environ))
     hits = stats["direct_cache_hit"] + stats["preprocessed_cache_hit"]
     assert (stats["cache_miss"], hits) == ((1, 1) if base_dir is None else (2, 0)), stats
+
+
+def _private_build(root: Path, key: str, pkg, ok) -> Path:
+    """A private build dir STATE/kernels/NAME/<key> as deploy leaves it: the package's sources in
+    src/ (owned by nobody, 0600: what the copy must not keep), the CPU build in build/, PASSED."""
+    bdir = root / "state" / "kernels" / "verify_attention" / key
+    shutil.copytree(pkg.root, bdir / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(ok["module_path"]).parent, bdir / "build", symlinks=True)
+    for p in (bdir / "src").rglob("*"):
+        if p.is_file():
+            p.chmod(0o600)
+            os.chown(p, 65534, 65534)
+    (bdir / "build.lock").touch()
+    (bdir / "PASSED").write_text(str(bdir / "build" / Path(ok["module_path"]).name) + "\n")
+    return bdir
+
+
+def _publish(bdir: Path, public: Path, key: str) -> dict:
+    return kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(public / "verify_attention" / key)))
+
+
+def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kernel, tmp_path):
+    """kbuild's publish: a real copy of the private build at PUBLIC/NAME/<key>, root:root, dirs
+    0755, files 0644 (0755 where the owner may execute), PASSED naming the published module,
+    route-evidence 01777; the package's reference test passes on the published module with the
+    private build gone; a second publish reuses the copy and changes nothing in it."""
+    pkg, _, _, ok = cpu_kernel
+    assert ok["ok"], ok["log_tail"]
+    key = "k" * 64
+    bdir, public = _private_build(tmp_path, key, pkg, ok), tmp_path / "public"
+    r = _publish(bdir, public, key)
+    pdir = public / "verify_attention" / key
+    module = pdir / "build" / Path(ok["module_path"]).name
+    assert r == {"ok": True, "published": str(pdir), "module_path": str(module), "reused": False,
+                 "evidence_dir": str(public / "route-evidence")}, r
+    assert (pdir / "PASSED").read_text() == f"{module}\n"
+    assert sorted(p.name for p in (public / "verify_attention").iterdir()) == [key]  # no temp dir left
+    assert sorted(p.name for p in pdir.iterdir()) == ["PASSED", "build", "src"]  # build.lock stays private
+    seen = 0
+    for p in [pdir, *pdir.rglob("*")]:
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (0, 0), p
+        assert not p.is_symlink(), p
+        want = 0o755 if p.is_dir() or p.suffix == ".so" else 0o644
+        assert stat.S_IMODE(st.st_mode) == want, (p, oct(st.st_mode))
+        seen += 1
+    assert seen > 20
+    ev = (public / "route-evidence").lstat()
+    assert (ev.st_uid, stat.S_IMODE(ev.st_mode), stat.S_ISDIR(ev.st_mode)) == (0, 0o1777, True)
+    for d in (public, public / "verify_attention"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o755
+    shutil.rmtree(bdir)  # the published copy stands alone
+    t = kbuild.main(_test_params(pkg, pdir / "src", str(module)))
+    assert t["ok"], t
+    before = {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in pdir.rglob("*")}
+    again = _publish(bdir, public, key)  # no private build any more: the published one is reused as it is
+    assert again["ok"] and again["reused"] is True and again["module_path"] == str(module), again
+    assert {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in pdir.rglob("*")} == before
+
+
+def _fake_build(root: Path, key: str) -> Path:
+    bdir = root / "state" / key
+    (bdir / "src").mkdir(parents=True)
+    (bdir / "build").mkdir()
+    (bdir / "src" / "a.py").write_text("A = 1\n")
+    (bdir / "build" / "m.so").write_bytes(b"\x7fELF")
+    (bdir / "PASSED").write_text(str(bdir / "build" / "m.so") + "\n")
+    return bdir
+
+
+def test_publish_refuses_a_link_in_the_build_and_publishes_nothing(tmp_path):
+    key, public = "a" * 64, tmp_path / "public"
+    bdir = _fake_build(tmp_path, key)
+    os.symlink("/etc/shadow", bdir / "build" / "planted")
+    r = _publish(bdir, public, key)
+    assert not r["ok"] and r["error"] == f"not published: {bdir}/build/planted is a symbolic link: a published " \
+                                         "build holds none", r
+    assert list((public / "verify_attention").iterdir()) == []  # neither the key nor a temp dir
+
+
+def test_publish_refuses_foreign_or_shared_directories_and_a_tampered_copy(tmp_path):
+    key, public = "b" * 64, tmp_path / "public"
+    bdir = _fake_build(tmp_path, key)
+    public.mkdir(mode=0o755)
+    public.chmod(0o777)
+    r = _publish(bdir, public, key)
+    assert not r["ok"] and "is writable by group or others (mode 777): not publishing there" in r["error"], r
+    public.chmod(0o755)
+    os.chown(public, 65534, 65534)
+    r = _publish(bdir, public, key)
+    assert not r["ok"] and "is owned by uid 65534, not root" in r["error"], r
+    os.chown(public, 0, 0)
+    assert _publish(bdir, public, key)["reused"] is False
+    (public / "verify_attention" / key / "src" / "a.py").chmod(0o666)  # a published copy someone loosened
+    r = _publish(bdir, public, key)
+    assert not r["ok"] and "writable by others (mode 666): not reusing it" in r["error"], r
+    # a directory of the key without PASSED was never published: replaced; a killed publish's temp dir removed
+    shutil.rmtree(public / "verify_attention" / key)
+    (public / "verify_attention" / key).mkdir()
+    (public / "verify_attention" / f".{key}.0123456789abcdef").mkdir()
+    r = _publish(bdir, public, key)
+    assert r["ok"] and r["reused"] is False, r
+    assert sorted(p.name for p in (public / "verify_attention").iterdir()) == [key]
+    assert (public / "verify_attention" / key / "PASSED").read_text() == f"{public}/verify_attention/{key}/build/m.so\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -116,4 +117,40 @@ def test_the_triton_builds_module_leaves_sys_path_as_it_found_it(tmp_path, monke
     assert (mod.where, mod.what) == (args["out_dir"], "compiled")
     assert sys.path == before
     for name in ("tv_for_path_test", "sibling_of_triton_verify"):
+        sys.modules.pop(name, None)
+
+
+def test_the_triton_builds_module_works_from_its_published_copy(tmp_path, monkeypatch):
+    """The written module finds the kernels and the package's sources relative to its own
+    __file__: published by kbuild's publish (a copy at PUBLIC/NAME/<key>) and the private build
+    removed, the copy imports and loads from the published kernels and sources."""
+    key = "c" * 64
+    bdir = tmp_path / "state" / "kernels" / "verify_attention" / key
+    src = bdir / "src"
+    src.mkdir(parents=True)
+    (src / "sibling_of_published.py").write_text("KERNELS = 'published'\n")
+    (src / "tv_for_publish_test.py").write_text("import os\nimport sibling_of_published\n\n\ndef load(out_dir):\n"
+                                                "    return type('K', (), {'where': out_dir, 'listed': os.listdir(out_dir), "
+                                                "'what': sibling_of_published.KERNELS})\n")
+    (bdir / "build" / "kernels").mkdir(parents=True)
+    (bdir / "build" / "kernels" / "manifest.json").write_text("{}\n")
+    args = {"arch": 90, "out_dir": str(bdir / "build" / "kernels"), "src_dir": str(src), "load": "load",
+            "module_name": "tv_for_publish_test", "module": str(src / "tv_for_publish_test.py")}
+    path = kbuild._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_publish_test.py"}, args)
+    (bdir / "PASSED").write_text(path + "\n")
+    public = tmp_path / "public"
+    r = kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(public / "verify_attention" / key)))
+    assert r["ok"], r
+    shutil.rmtree(bdir)
+    pdir = public / "verify_attention" / key
+    assert r["module_path"] == str(pdir / "build" / "verify_attention_triton.py")
+    assert str(tmp_path / "state") not in Path(r["module_path"]).read_text()  # no private path baked in
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = list(sys.path)
+    spec = importlib.util.spec_from_file_location("verify_attention_triton_publish_test", r["module_path"])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (mod.where, mod.listed, mod.what) == (str(pdir / "build" / "kernels"), ["manifest.json"], "published")
+    assert sys.path == before
+    for name in ("tv_for_publish_test", "sibling_of_published"):
         sys.modules.pop(name, None)

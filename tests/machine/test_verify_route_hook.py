@@ -1,7 +1,7 @@
 """route-verify-attention's hook module (playbooks/templates/route-verify-attention/fleetctl_verify.py.j2),
 rendered as the playbook renders it and imported, over the run's real CPU build of
 kernels/verify_attention (conftest's `cpu_kernel`) laid out as a deploy lays it out
-(STATE/kernels/verify_attention/<key>/{PASSED, build/, dispatch.json}, `current` -> <key>):
+(PUBLIC/verify_attention/{<key>/{PASSED, build/}, `current` -> <key>, dispatch.json}):
 routed calls against SGLang 0.5.23's own extend_attention_fwd (bench/gpu_check/carried, run under
 TRITON_INTERPRET=1 in a process of its own on the same keywords the hook gets, as the guard passes
 them) and against the float64 reference, the fallback matrix (False, `o` untouched), and the
@@ -59,20 +59,30 @@ ENTRIES = [{"head_dim": 64, "group": g, "draft_tokens": t, "dtype": d, "max_batc
            for g in (1, 8) for t in (1, 4, 8) for d in ("float32", "bfloat16")]
 
 
+def table(entries, every=False, build="k1") -> str:
+    """A dispatch.json (engine/dispatch.py's schema) for `build`."""
+    return json.dumps({"schema": "fleetctl-dispatch/1", "kernel": "verify_attention", "build": build,
+                       "backend": "cpu", "source": "measured", "all": every, "entries": entries,
+                       "why": "a test's table"})
+
+
 @pytest.fixture
 def state(tmp_path, cpu_kernel):
-    """A state dir as a deploy leaves it, holding a copy of the run's CPU build: its `current` link."""
+    """A public kernels dir as a deploy leaves it, holding a copy of the run's CPU build and a
+    dispatch table enabling ENTRIES: its `current` link."""
     built = Path(cpu_kernel[3]["module_path"])
-    key = tmp_path / "state" / "kernels" / "verify_attention" / "k1"
+    key = tmp_path / "public" / "verify_attention" / "k1"
     key.mkdir(parents=True)
     shutil.copytree(built.parent, key / "build", ignore=shutil.ignore_patterns("*.o", "lock"))
     (key / "PASSED").write_text(f"{key / 'build' / built.name}\n")
-    (key / "dispatch.json").write_text(json.dumps({"entries": ENTRIES}))
+    (key.parent / "dispatch.json").write_text(table(ENTRIES))
     link = key.parent / "current"
     link.symlink_to("k1")
     for p in [tmp_path, *tmp_path.rglob("*")]:
         if not p.is_symlink():
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    (tmp_path / "public" / "route-evidence").mkdir()
+    os.chmod(tmp_path / "public" / "route-evidence", 0o1777)  # as kbuild's publish makes it
     return link
 
 
@@ -204,7 +214,7 @@ def test_what_the_kernel_does_not_serve_falls_back_with_o_untouched(tmp_path, st
     elif change == "mask_indptr_left_out":
         del kw["mask_indptr"]
     elif change == "three_requests_for_max_batch_2":
-        (state.parent / "k1" / "dispatch.json").write_text(json.dumps({"entries": [dict(ENTRIES[4], max_batch=1)]}))
+        (state.parent / "dispatch.json").write_text(table([dict(ENTRIES[4], max_batch=1)]))
         fwd = hook(tmp_path, state)
     else:
         kw.update(change)
@@ -214,13 +224,30 @@ def test_what_the_kernel_does_not_serve_falls_back_with_o_untouched(tmp_path, st
                                                                                before.nan_to_num())
 
 
-def test_no_dispatch_table_routes_nothing(tmp_path, state, caplog):
-    (state.parent / "k1" / "dispatch.json").unlink()
+@pytest.mark.parametrize("spoil, why", [
+    (None, "there is no dispatch table"),
+    (table(ENTRIES, build="k0"), "is the table of build k0, and current names k1"),
+    (table([]), "enables no shape (source measured: a test's table)"),
+    ("{", "cannot be read: JSONDecodeError"),
+    (json.dumps({"entries": ENTRIES}), "is not a fleetctl-dispatch/1 table"),
+])
+def test_no_table_or_one_not_for_this_build_routes_nothing(tmp_path, state, caplog, spoil, why):
+    t = state.parent / "dispatch.json"
+    t.unlink()
+    if spoil is not None:
+        t.write_text(spoil)
     with caplog.at_level(logging.WARNING, "fleetctl.verify"):
         fwd = hook(tmp_path, state)
-    assert fwd is not None and "has no dispatch table enabling a shape: nothing is routed" in caplog.text
+    assert fwd is not None and "build k1: nothing is routed: " in caplog.text and why in caplog.text, caplog.text
     kw, _ = call_args(2, 4, [9, 3], 8, torch.float32)
     assert fwd(**kw) is False
+
+
+def test_an_all_table_routes_every_shape_and_any_batch(tmp_path, state):
+    (state.parent / "dispatch.json").write_text(table([], every=True))
+    fwd = hook(tmp_path, state)
+    kw, _ = call_args(7, 4, [9, 3, 1, 5, 2, 8, 4], 2, torch.float32)  # group 2, batch 7: in no entry
+    assert fwd(**kw) is True
 
 
 def _refused(tmp_path, link, caplog, torch_version=torch.__version__) -> str:
@@ -241,6 +268,15 @@ def test_the_locator_refuses_what_it_cannot_trust(tmp_path, state, caplog):
     os.chmod(state.parent, 0o757)
     assert "writable by group or others (mode 757)" in _refused(tmp_path, state, caplog)
     os.chmod(state.parent, 0o755)
+    t = state.parent / "dispatch.json"  # the table: as trusted as the build
+    os.chmod(t, 0o666)
+    assert f"{t} is writable by group or others (mode 666)" in _refused(tmp_path, state, caplog)
+    os.chmod(t, 0o644)
+    t.rename(tmp_path / "table.json")
+    t.symlink_to(tmp_path / "table.json")
+    assert f"{t} is a symbolic link" in _refused(tmp_path, state, caplog)
+    t.unlink()
+    (tmp_path / "table.json").rename(t)
     # `current` through another link, or out of the package directory
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(key, elsewhere, symlinks=True)

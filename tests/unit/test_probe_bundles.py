@@ -26,7 +26,7 @@ def run(doc: dict, **env) -> dict:
 def test_the_bundles_are_the_probes_imports_in_load_order():
     assert probes.modules_for("change") == ["safefs", "scancache", "ledger", "record", "change"]
     assert probes.modules_for("smoke") == ["redact", "enter", "listeners", "topology", "procs", "containers", "targets", "smoke"]
-    assert probes.modules_for("kbuild") == ["gpus", "torchver", "trust", "kbuild"]
+    assert probes.modules_for("kbuild") == ["gpus", "safefs", "torchver", "trust", "kbuild"]
     assert probes.modules_for("gittree") == ["gittree"]
     for main in ALL:
         mods = probes.modules_for(main)

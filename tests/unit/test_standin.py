@@ -212,13 +212,16 @@ def test_kv_cache_decode_equals_full_recompute():
     server = load_server_module()
     import torch
     engine = server.Engine(0, {})
-    ids, finish = engine.generate(PROMPT, GREEDY16)
+    ids, finish, _ = engine.generate(PROMPT, GREEDY16)
     seq = list(PROMPT)
     with torch.inference_mode():
-        for _ in range(16):
-            logits, _ = engine.model(torch.tensor(seq), None)
+        for _ in range(16):  # the whole sequence again each time, in fresh slots of a fresh pool
+            pool = server.KVPool(torch, len(seq))
+            logits = engine.model(torch.tensor(seq), torch.arange(len(seq)), pool,
+                                  server.Step(torch.empty(0, dtype=torch.int64), pool.alloc(len(seq))))
             seq.append(int(logits[-1].argmax()))
     assert seq[len(PROMPT):] == ids and finish == {"type": "length", "length": 16}
+    assert len(engine.pool.free_slots) == engine.pool.size  # every slot back in the free list
 
 
 def test_never_healthy(servers):

@@ -137,8 +137,8 @@ def test_stream_text_prompt_and_refusals(servers):
     evs = stream(port, {"text": "Hello", "sampling_params": GREEDY, **CLIENT_KEYS})
     assert evs[-2]["meta_info"]["prompt_tokens"] == 5 and evs[-1] == "[DONE]"
     # the "off" keys at any other value, and a streamed batch, are refused before any event
-    for key, on in (("return_logprob", True), ("lora_path", "adapter"), ("logprob_start_len", 0),
-                    ("return_routed_experts", True), ("top_logprobs_num", 2)):
+    for key, on in (("lora_path", "adapter"), ("return_routed_experts", True), ("return_logprob", "yes"),
+                    ("top_logprobs_num", -2), ("logprob_start_len", 1.5)):
         status, headers, data = request(port, "POST", "/generate",
                                         {"input_ids": PROMPT, "sampling_params": GREEDY, **CLIENT_KEYS, key: on})
         assert status == 400 and key in json.loads(data)["error"]["message"], (key, data)
@@ -149,8 +149,9 @@ def test_stream_text_prompt_and_refusals(servers):
 def test_error_after_the_stream_began_is_an_error_event(servers):
     """As SGLang's stream_results: HTTP 200, then {"error": {...}} and [DONE] (a ValueError raised
     by the engine once the response started: here the context length)."""
+    server = load_server_module()
     port = servers["normal"][0]
-    evs = stream(port, {"input_ids": [1] * 2040, "sampling_params": GREEDY, **CLIENT_KEYS})
+    evs = stream(port, {"input_ids": [1] * (server.CONTEXT - 8), "sampling_params": GREEDY, **CLIENT_KEYS})
     assert len(evs) == 2 and evs[1] == "[DONE]"
     err = evs[0]["error"]
     assert set(err) == {"message", "type", "code", "retryable"} and "context length" in err["message"]
@@ -159,7 +160,7 @@ def test_error_after_the_stream_began_is_an_error_event(servers):
 
 def test_off_keys_and_routes_are_sglangs(servers, sglang):
     server = load_server_module()
-    assert set(server.OFF_KEYS) <= class_fields(sglang["io_struct"], "GenerateReqInput")
+    assert set(server.OFF_KEYS) | set(server.LOGPROB_KEYS) <= class_fields(sglang["io_struct"], "GenerateReqInput")
     port = servers["normal"][0]
     status, _, data = request(port, "GET", "/v1/models")
     models = json.loads(data)

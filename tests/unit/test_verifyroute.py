@@ -1,9 +1,9 @@
 """route-verify-attention on the real triton_backend.py of six SGLang releases: the anchor finding
 (probes/verifyroute.py), the playbook's plan through the real planner (the hook module created,
 its import and the guard inserted), a second plan that changes nothing, the refusals (an anchor
-found twice or never, no deployed kernel, a server that is not on triton or not root), the
-change applied and rolled back by the change probe, and each release's real extend call run
-through the guard it gets (a recorder as the hook, the release's own extend_attention_fwd
+found twice or never, no deployed kernel, a build the hook would not trust, a server that is not
+on triton), the change applied and rolled back by the change probe, and each release's real
+extend call run through the guard it gets (a recorder as the hook, the release's own extend_attention_fwd
 signature binding the call SGLang makes next).
 
 The releases are the lab's four and two no other test names (0.4.10: sm_scale, logit_cap and its
@@ -19,6 +19,7 @@ import ast
 import functools
 import hashlib
 import inspect
+import json
 import os
 import textwrap
 import zipfile
@@ -56,11 +57,13 @@ def install(tmp_path: Path, version: str, backend: str | None = None) -> Path:
     return loc
 
 
-def deployed(tmp_path: Path, torch: str = TORCH, location: Path | None = None) -> Path:
-    """A state dir whose verify_attention `current` names a build with PASSED and a build.ninja
-    compiled against a torch (version `torch`) in `location` (default: a site-packages of its own)."""
-    state = tmp_path / "state"
-    key = state / "kernels" / "verify_attention" / "k1"
+def deployed(tmp_path: Path, torch: str = TORCH, location: Path | None = None, table: dict | None = None) -> Path:
+    """A public kernels dir (as deploy publishes one: root's, nothing writable by others) whose
+    verify_attention `current` names build k1 with PASSED and a build.ninja compiled against a
+    torch (version `torch`) in `location` (default: a site-packages of its own), and beside it
+    dispatch.json: `table`, default an operator table routing every shape of k1."""
+    public = tmp_path / "public"
+    key = public / "verify_attention" / "k1"
     (key / "build").mkdir(parents=True)
     module = key / "build" / "verify_attention_cpu.so"
     module.write_bytes(b"")
@@ -70,8 +73,12 @@ def deployed(tmp_path: Path, torch: str = TORCH, location: Path | None = None) -
     (tdir / "version.py").write_text(f"__version__ = {torch!r}\ncuda = None\n")
     (key / "build" / "build.ninja").write_text(f"cflags = -isystem {tdir}/include/torch/csrc/api/include -isystem "
                                                f"{tdir}/include\n")
-    (state / "kernels" / "verify_attention" / "current").symlink_to("k1")
-    return state
+    (public / "verify_attention" / "current").symlink_to("k1")
+    doc = table if table is not None else {"schema": "fleetctl-dispatch/1", "kernel": "verify_attention",
+                                           "build": "k1", "backend": "cpu", "source": "operator", "route": "all",
+                                           "all": True, "entries": [], "why": "operator: --route all"}
+    (public / "verify_attention" / "dispatch.json").write_text(json.dumps(doc))
+    return public
 
 
 def inputs(loc: Path, version: str, state: Path, servers=()):
@@ -130,7 +137,7 @@ def test_plan_creates_the_hook_and_guards_the_call_then_is_a_no_op(tmp_path, ver
     imported = [a.name for n in ast.walk(ast.parse(hook.new_text)) if isinstance(n, ast.Import) for a in n.names] + \
         [n.module for n in ast.walk(ast.parse(hook.new_text)) if isinstance(n, ast.ImportFrom)]
     assert imported and not [m for m in imported if m.split(".")[0] == "sglang"]
-    assert str(state / "kernels" / "verify_attention" / "current") in hook.new_text
+    assert str(state / "verify_attention" / "current") in hook.new_text
     compile(hook.new_text, verifyroute.HOOK, "exec")
     patched = files[verifyroute.BACKEND].new_text
     compile(patched, verifyroute.BACKEND, "exec")
@@ -333,7 +340,7 @@ def test_no_kernel_deployed_is_refused_naming_the_command(tmp_path):
     loc = install(tmp_path, "0.5.23")
     p = plan(loc, "0.5.23", tmp_path / "no-state")
     assert p.status == PlanStatus.FAILED and p.files == []
-    assert p.reason == (f"refused: verify_attention is not deployed here (no {tmp_path}/no-state/kernels/"
+    assert p.reason == (f"refused: verify_attention is not deployed here (no {tmp_path}/no-state/"
                         "verify_attention/current): run `fleetctl deploy kernel verify_attention HOST` first")
 
 
@@ -362,13 +369,99 @@ def test_a_server_not_on_the_triton_backend_is_refused(tmp_path, argv, why):
     assert ok.status == PlanStatus.CHANGE, ok.reason  # pid 1 runs as root
 
 
-def test_a_server_that_is_not_root_is_refused(tmp_path, monkeypatch):
+def test_a_server_that_is_not_root_is_planned_the_build_being_public(tmp_path, monkeypatch):
     loc = install(tmp_path, "0.5.23")
     state = deployed(tmp_path, location=loc)
-    monkeypatch.setattr(verifyroute, "server", lambda s: {"pid": s["pid"], "uid": 1000, "attention_backend": "triton"})
+    monkeypatch.setattr(verifyroute, "server", lambda s: {"pid": s["pid"], "uid": 65534, "attention_backend": "triton"})
     p = plan(loc, "0.5.23", state, [{"pid": 7, "argv": []}])
-    assert p.status == PlanStatus.FAILED
-    assert p.reason.startswith("refused: server pid 7 runs as uid 1000, not root: the deployed build lies under")
+    assert p.status == PlanStatus.CHANGE, p.reason
+
+
+def _loose(public):
+    (public / "verify_attention" / "k1" / "PASSED").chmod(0o666)
+
+
+def _foreign(public):
+    os.chown(public / "verify_attention" / "k1" / "build", 65534, 65534)
+
+
+def _linked(public):
+    (public / "verify_attention" / "k1" / "build" / "extra.so").symlink_to("/etc/passwd")
+
+
+def _table_link(public):
+    t = public / "verify_attention" / "dispatch.json"
+    t.rename(public / "t.json")
+    t.symlink_to(public / "t.json")
+
+
+def _outside(public):
+    (public / "verify_attention" / "current").unlink()
+    (public / "verify_attention" / "current").symlink_to("../k1")
+
+
+@pytest.mark.parametrize("spoil, why", [
+    (_loose, "k1/PASSED is writable by group or others (mode 666)"),
+    (_foreign, "k1/build belongs to uid 65534, not root"),
+    (_linked, "k1/build/extra.so is a symbolic link"),
+    (_table_link, "verify_attention/dispatch.json is a symbolic link"),
+    (_outside, "current points at ../k1, not at a build beside it"),
+])
+def test_a_build_the_hook_would_not_trust_is_refused_by_the_same_walk(tmp_path, spoil, why):
+    loc = install(tmp_path, "0.5.23")
+    public = deployed(tmp_path, location=loc)
+    spoil(public)
+    p = plan(loc, "0.5.23", public)
+    assert p.status == PlanStatus.FAILED and why in p.reason, p.reason
+    assert "the published build is not one the hook would load" in p.reason
+
+
+def _hook_text():
+    """The hook template's text between its shared-text marks."""
+    t = (PLAYBOOK.parent / "templates" / "route-verify-attention" / "fleetctl_verify.py.j2").read_text()
+    return t[t.index("_OWNERS = "):t.index("# ---- end of the text shared")]
+
+
+def test_the_finding_walks_and_reads_the_table_with_the_hooks_own_text():
+    probe = inspect.getsource(verifyroute)
+    shared = probe[probe.index("_OWNERS = "):probe.index("# ---- end of the text shared")]
+    assert shared.strip() == _hook_text().strip()
+
+
+TABLE = {"schema": "fleetctl-dispatch/1", "build": "k1", "source": "measured", "all": False,
+         "entries": [{"head_dim": 64, "group": 2, "draft_tokens": 4, "dtype": "float32", "max_batch": 8},
+                     {"head_dim": 128, "group": 4, "draft_tokens": 4, "dtype": "bfloat16", "max_batch": None}],
+         "why": "2 of 6 shapes at least 1.1x faster"}
+
+
+@pytest.mark.parametrize("change, routes, why_not", [
+    ({}, True, None),
+    ({"build": "k0"}, False, "is the table of build k0, and current names k1"),
+    ({"schema": "other/1"}, False, "is not a fleetctl-dispatch/1 table"),
+    ({"entries": []}, False, "enables no shape (source measured: 2 of 6 shapes at least 1.1x faster)"),
+    ({"entries": [{"head_dim": 64, "group": 2, "draft_tokens": 4, "dtype": "int8", "max_batch": 8}]}, False,
+     "is not {head_dim, group, draft_tokens: int >= 1"),
+    ({"all": "yes"}, False, "its all is not true or false"),
+])
+def test_the_findings_table_says_what_the_hook_routes(tmp_path, change, routes, why_not):
+    loc = install(tmp_path, "0.5.23")
+    public = deployed(tmp_path, location=loc, table=dict(TABLE, **change))
+    k = verifyroute.kernel(str(public), TORCH)
+    assert k["active"], k["reason"]  # a table that routes nothing is the route gate's to fail
+    t = k["table"]
+    assert t["routes"] is routes and t["build_match"] is (change.get("build", "k1") == "k1")
+    if routes:
+        assert t["shapes"] == ["128:4:4:bfloat16", "64:2:4:float32:8"] and t["why_not"] is None
+    else:
+        assert why_not in t["why_not"] and t["shapes"] == []
+
+
+def test_no_table_routes_nothing_and_says_so(tmp_path):
+    loc = install(tmp_path, "0.5.23")
+    public = deployed(tmp_path, location=loc)
+    (public / "verify_attention" / "dispatch.json").unlink()
+    t = verifyroute.kernel(str(public), TORCH)["table"]
+    assert not t["routes"] and t["why_not"].startswith("there is no dispatch table")
 
 
 def test_a_hook_file_there_already_is_refused_unless_it_is_ours(tmp_path):

@@ -314,6 +314,12 @@ def deploy_kernel(opts: FleetOptions,
                       "interpreter imports triton, cuda on other GPU hosts, cpu without a GPU)."))] = None,
                   build_timeout: Annotated[float, typer.Option("--build-timeout", help="Seconds for one build.")]
                   = config.BUILD_DEADLINE_S,
+                  route: Annotated[Optional[list[str]], typer.Option(
+                      "--route", metavar="all|HEAD_DIM:GROUP:DRAFT_TOKENS:DTYPE[:MAX_BATCH]", help=(
+                          "What the build's dispatch table routes to it, recorded as the operator's: all, or "
+                          "shapes (repeatable or comma-separated; dtype float16|bfloat16|float32; MAX_BATCH: the "
+                          "largest batch routed, default any). Default: measured on a GPU host, nothing without "
+                          "one."))] = None,
                   port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
                   repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, kernels_dir: KernelsDir = None,
@@ -324,9 +330,10 @@ def deploy_kernel(opts: FleetOptions,
                   itl_slack_ms: ItlSlackMs = None, max_ttft_rise: MaxTtftRise = None,
                   ttft_slack_ms: TtftSlackMs = None) -> None:
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
-    activate it atomically, validate (with --gate load, also under load: the report shows the
-    speedup), and switch back on failure."""
+    publish it, activate it and its dispatch table (--route) atomically, validate (with --gate
+    load, also under load: the report shows the speedup), and switch back on failure."""
     from ..engine.deploy import DeployOptions, run_deploy
+    from ..engine.dispatch import parse_route
     from ..engine.kernelpkg import BACKENDS, load_package
     from ..paths import project_dir
 
@@ -335,6 +342,7 @@ def deploy_kernel(opts: FleetOptions,
     if backend not in (None, *BACKENDS):
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     _positive(build_timeout=build_timeout, timeout=opts.timeout)
+    routes = parse_route(route)
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     load_gate, load_given, lo = _gate_load(
         gate, None, concurrency=load_concurrency, num_prompts=load_prompts, input_len=load_input_len,
@@ -343,7 +351,8 @@ def deploy_kernel(opts: FleetOptions,
         max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
     deploy_opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                                   latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
-                                check=check, backend=backend, load_gate=load_gate, load_settings=load_given)
+                                check=check, backend=backend, load_gate=load_gate, load_settings=load_given,
+                                route=routes)
     hosts = opts.select(pattern)
     if not check:
         _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)
@@ -373,6 +382,7 @@ def renderer(command: str, doc: dict, diff: bool = False):
             report.render_load(results, console)
         if command in ("apply", "deploy kernel"):
             report.render_load_gate(results, console)
+            report.render_route_gate(results, console)
         for p in doc.get("patches") or []:
             console.print(report.text(f"patch written: {p}"))
 

@@ -221,8 +221,9 @@ def _detail(command: str, h: HostRecord) -> str:
     v = d.get("validation") or {}
     if v.get("status"):
         parts.append(f"validation {v['status']}")
-    if (d.get("load_gate") or {}).get("status"):
-        parts.append(f"load gate {d['load_gate']['status']}")
+    for key, label in (("load_gate", "load gate"), ("route_gate", "route gate")):
+        if (d.get(key) or {}).get("status"):
+            parts.append(f"{label} {d[key]['status']}")
     if d.get("build_key"):
         parts.append(f"{d.get('backend') or ''} build {str(d['build_key'])[:12]}"
                      + (" (reused)" if d.get("reused") else ""))
@@ -239,12 +240,12 @@ def _detail(command: str, h: HostRecord) -> str:
 
 
 def _checks(run_id: str, h: HostRecord) -> list[dict]:
-    """The gate checks of a host's result (the smoke gate's, then the load gate's), each as
-    target, name, passed and detail (None where an older record lacks one; detail clipped)."""
-    smoke = (h.doc.get("validation") or {}).get("checks") or []
-    load = (h.doc.get("load_gate") or {}).get("checks") or []
+    """The gate checks of a host's result (the smoke gate's, the load gate's, then the route
+    gate's: engine/routegate.CHECKS), each as target, name, passed and detail (None where an
+    older record lacks one; detail clipped)."""
+    checks = [c for key in ("validation", "load_gate", "route_gate") for c in (h.doc.get(key) or {}).get("checks") or []]
     return [{"target": c.get("target"), "name": c.get("name"), "passed": bool(c.get("passed")),
-             "detail": clip(c.get("detail"), run_id)} for c in smoke + load if isinstance(c, dict)]
+             "detail": clip(c.get("detail"), run_id)} for c in checks if isinstance(c, dict)]
 
 
 def _gates(h: HostRecord) -> list[tuple[str, Markup]]:

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..engine.context import HostResult
+from ..engine.dispatch import describe
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 
@@ -430,6 +431,19 @@ def _space(space: dict | None) -> str:
     return f"backups {mib(space['backups'])}, kernel builds {mib(space['kernels'])} (state dir {mib(space['total'])})"
 
 
+def _kernels(d: dict) -> str:
+    """The status table's kernels cell: per active kernel 'verify_attention 1a2b3c4d5e6f (cpu):
+    routes all shapes (operator: --route all, 2026-...)' (engine/dispatch.describe of the
+    host's PUBLIC/NAME/dispatch.json), one line each."""
+    tables = d.get("dispatch") or {}
+    lines = []
+    for name, key in (d.get("kernels") or {}).items():
+        table = tables.get(name)
+        backend = f" ({table['backend']})" if isinstance(table, dict) and isinstance(table.get("backend"), str) else ""
+        lines.append(f"{name} {str(key)[:12]}{backend}: {describe(table, key)}")
+    return "\n".join(lines)
+
+
 def render_status(results: list[HostResult], console: Console) -> None:
     """Applied changes and drift per host."""
     t = Table(title="fleetctl status", title_justify="left", show_lines=True)
@@ -447,7 +461,7 @@ def render_status(results: list[HostResult], console: Console) -> None:
                                                   if c["state"] == ChangeState.PENDING else "")
                        for c in d.get("changes") or [] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)]
             return [d.get("sglang") or "", "\n".join(applied) or "none",
-                    "\n".join(f"{k} -> {str(v)[:12]}" for k, v in (d.get("kernels") or {}).items()) or "none",
+                    _kernels(d) or "none",
                     "\n".join(f"{x['path']} ({x['change_id']})" for x in d.get("drift") or []) or "none",
                     "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none",
                     _space(d.get("space"))]
@@ -459,9 +473,10 @@ def render_status(results: list[HostResult], console: Console) -> None:
 
 def render_deploy(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused, the active
-    build (check mode: would build or reuse, the build active now, and why that backend), validation."""
+    build (check mode: would build or reuse, the build active now, and why that backend), what its
+    dispatch table routes (check mode: the table it would write), validation."""
     t = Table(title="deploy kernel", title_justify="left")
-    for c in ("hosts", "status", "backend", "build", "active", "validation", "detail"):
+    for c in ("hosts", "status", "backend", "build", "active", "dispatch", "validation", "detail"):
         t.add_column(c, overflow="fold")
     rows = []
     for r in results:
@@ -472,12 +487,17 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         # changed in check mode: would activate `key`, and `previous` is still active
         activated = r.status == HostStatus.OK or (r.status == HostStatus.CHANGED and not d.get("check"))
         active = key if activated else (d.get("previous") or "")[:12]
+        # the table on the host judged against the build it serves: switched back, the previous
+        # build's; check mode: the table and build it would write
+        serves = d.get("build_key") if activated or d.get("check") else d.get("previous")
+        routes = (("would write: " if d.get("check") else "") + describe(d["table"], serves)
+                  if d.get("table") else d.get("table_note") or "")
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
-                              (d.get("validation") or {}).get("status", ""),
+                              routes, (d.get("validation") or {}).get("status", ""),
                               r.error or d.get("commit_note") or (d.get("why") if d.get("check") else "") or "")))
-    for hosts, (status, backend, built, active, val, detail) in coalesce(rows):
+    for hosts, (status, backend, built, active, routes, val, detail) in coalesce(rows):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
-                  text(active), text(val), text(detail))
+                  text(active), text(routes), text(val), text(detail))
     console.print(t)
 
 
@@ -610,3 +630,25 @@ def render_load_gate(results: list[HostResult], console: Console) -> None:
               lambda c, v: "red" if v == "BREACH" else ("green" if v == "ok" else None))
         if speed:
             console.print(text(f"{r.host}: output throughput after/baseline (the change's speedup): {', '.join(speed)}"))
+
+
+def render_route_gate(results: list[HostResult], console: Console) -> None:
+    """The route gate of each host that ran one (data["route_gate"]: engine/routegate.route_gate):
+    one row per check (ranks, tokens, logprobs, long prompt, accept length) per server, its verdict
+    and detail (both sides' values, the pids and their fallbacks when a rank did not route). A gate
+    that did not run (not restarted) says so in one line."""
+    for r in results:
+        gate = (r.data or {}).get("route_gate")
+        if not gate:
+            continue
+        if not gate.get("checks"):
+            console.print(text(f"{r.host}: route gate {gate.get('status')}"))
+            continue
+        try:
+            rows = [[c["target"], c["name"], "ok" if c["passed"] else "FAILED", c["detail"]] for c in gate["checks"]]
+        except (KeyError, TypeError) as e:
+            console.print(text(f"{r.host}: malformed route gate data: {type(e).__name__}: {e}", style="red"))
+            continue
+        table(f"{r.host}: route gate {gate.get('status')}: the routed kernel against the baseline right before the "
+              "change", ["server", "check", "verdict", "detail"], rows, console,
+              lambda c, v: "red" if v == "FAILED" else ("green" if v == "ok" else None))

@@ -21,8 +21,9 @@ from .. import __version__
 from . import build
 from ..engine.apply import host_side, install_change_id, plan_installs, reinspect_install
 from ..engine.changes import new_change_id
+from ..engine import dispatch
 from ..engine.deploy import activation
-from ..errors import HostFailed
+from ..errors import HostFailed, UsageError
 from ..inventory import Host
 from ..inventory.templates import needed
 from ..engine.kernelpkg import KernelPackage, load_package
@@ -192,10 +193,43 @@ def transfer(pkg: KernelPackage) -> dict[str, dict]:
             for rel, data in pkg.files().items()}
 
 
-def kernel_change(pkg: KernelPackage, root: str, link: str, current: str | None, key: str, operator: str,
-                  shared_tree: bool) -> dict:
-    """The patch module's `plan` argument that activates build `key` (deploy.activation): a
-    fresh "kernel-NAME" change id, ledger label "kernel NAME" (what `fleetctl deploy kernel`
-    writes), every file inside `root` (the kernels dir)."""
+# the why of the table the kernel module writes without a `route`: it measures nothing (dispatch.describe shows
+# the part before the first colon)
+UNMEASURED = ("fleetctl.sglang.kernel measures nothing: a measured table comes from `fleetctl deploy kernel` on a "
+              "GPU host; nothing routes unless route: all or route: SHAPES")
+
+
+def kernel_route(route: Any) -> str | list[str] | None:
+    """The kernel module's `route` task argument (None, "all", a shape spec, or a list of them:
+    dispatch.SHAPE_FORM, each string may hold several, comma-separated) as the dispatch table's
+    "route" (dispatch.parse_route: None, "all" or the shape specs). Raises UsageError "route: ..."
+    for another type or a spec parse_route refuses."""
+    if route is None:
+        return None
+    specs = [route] if isinstance(route, str) else route
+    if not isinstance(specs, list) or not specs or not all(isinstance(s, str) for s in specs):
+        raise UsageError(f"route: expected all or a list of {dispatch.SHAPE_FORM}, not {route!r}")
+    try:
+        return dispatch.parse_route(specs)
+    except UsageError as e:
+        raise UsageError("route: " + str(e).removeprefix("--route").lstrip(": ")) from None  # the task's, not the CLI's
+
+
+def kernel_table(pkg: KernelPackage, key: str, backend: str, route: str | list[str] | None) -> dict:
+    """The dispatch table the kernel module writes for build `key` of `pkg` (dispatch.py's shape):
+    the task's `route` (kernel_route's answer) as the operator's table, else one that routes
+    nothing (why UNMEASURED: the collection measures no speedup, even on a GPU host)."""
+    if route is not None:
+        return dispatch.operator_table(pkg.name, key, backend, route)
+    return dispatch.none_table(pkg.name, key, backend, why=UNMEASURED)
+
+
+def kernel_change(pkg: KernelPackage, root: str, link: str, current: str | None, key: str, table: dict,
+                  operator: str, shared_tree: bool) -> dict:
+    """The patch module's `plan` argument that activates build `key` with its dispatch table
+    (deploy.activation): `link` swapped from `current` to `key` (left out when `current` is `key`
+    already) and `table`, the dispatch table's change probe file item (deploy.table_item), as one
+    change; a fresh "kernel-NAME" change id, ledger label "kernel NAME" (what `fleetctl deploy
+    kernel` writes), every file inside `root` (PUBLIC/NAME: deploy.public_paths' "root")."""
     return {"change_id": new_change_id(f"kernel-{pkg.name}"), "playbook": f"kernel {pkg.name}", "operator": operator,
-            "install": None, "root": root, "shared_tree": shared_tree, "files": activation(link, current, key)}
+            "install": None, "root": root, "shared_tree": shared_tree, "files": activation(link, current, key, table)}

@@ -6,7 +6,8 @@ data); how a change is written, validated, committed or rolled back is the chang
 killed run left pending -> gather facts with sources -> plan each selected install (every
 install a server runs from, or --install ID) -> (the plans must be the ones the operator
 confirmed) -> per install, changes.execute: baseline smoke, write ("pending"), handlers, checks
-(compile, reinspect), smoke gate, load gate (when the playbook or --gate load asks) -> "applied",
+(compile, reinspect), smoke gate, load gate (when the playbook or --gate load asks), route gate
+(the playbook's route step: engine/routegate.py) -> "applied",
 or rollback to the byte-identical originals (and then the installs changed before it in this run
 are rolled back too).
 
@@ -32,6 +33,7 @@ from .fleet import Fleet, parse_serial
 from .containers import LASTS
 from .gather import find_install, gather, install_errors, install_facts, not_inspected
 from .load import LoadOptions, load_options
+from .routegate import RouteOptions
 from .patches import exportable
 from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
@@ -371,7 +373,8 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
         smoke="smoke" in steps,
         offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
         rollback=playbook.on_failure == "rollback", install=plan.install, load=change_load(playbook, steps, opts),
-        rank0=rank0s.for_host(ctx.host, facts) if rank0s is not None and ctx.container is None else [])
+        rank0=rank0s.for_host(ctx.host, facts) if rank0s is not None and ctx.container is None else [],
+        route=RouteOptions() if "route" in steps else None)
 
 
 def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, opts: ApplyOptions,
@@ -391,7 +394,7 @@ def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, 
         change = _change(ctx, playbook, install_change_id(change_id, n, len(changing)), g, inst, plan, opts, rank0s)
         one = execute(ctx, ctx.result(HostStatus.CHANGED, data={}), change, opts)
         result.data.setdefault("changes", []).append({"install": plan.install, **one.data})
-        for key in ("change_id", "handlers", "validation", "load_gate", "rolled_back"):
+        for key in ("change_id", "handlers", "validation", "load_gate", "route_gate", "rolled_back"):
             if key in one.data:
                 result.data[key] = one.data[key]
         if one.status == HostStatus.FAILED:

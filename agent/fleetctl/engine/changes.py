@@ -41,6 +41,7 @@ from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
 from .load import LoadOptions, load_baselines, load_gate
+from .routegate import RouteOptions, route_baseline, route_gate
 from ..probes import redact
 from .validate import (Rank0, SmokeOptions, gate, gate_note, rank0_smoke, server_problems, smoke, smoke_problems,
                        smoke_targets)
@@ -208,7 +209,9 @@ class Change:
     kernels dir), on a network file system only when the host's fleetctl_shared_tree says so;
     load: the load gate's settings (engine/load.py), None for no load gate; rank0: where the
     host's non-zero-rank nodes are decoded (validate.Rank0: rank 0 on another host of the run;
-    none: their gate is their /health alone, validate.RANK0_ABSENT)."""
+    none: their gate is their /health alone, validate.RANK0_ABSENT); route: the route gate's
+    settings (engine/routegate.py: its baseline before the write, the gate after the smoke and
+    load gates passed), None for no route gate."""
 
     change_id: str
     label: str
@@ -223,6 +226,7 @@ class Change:
     install: str | None = None
     load: LoadOptions | None = None
     rank0: list[Rank0] = field(default_factory=list)
+    route: RouteOptions | None = None
 
 
 def _with_rank0(ctx: HostContext, res: dict, change: Change, opts: SmokeOptions) -> dict:
@@ -236,11 +240,12 @@ def _with_rank0(ctx: HostContext, res: dict, change: Change, opts: SmokeOptions)
 def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
     """Write `change` and see it through: baseline smoke decode (when change.smoke), with
     change.load the load gate's baseline (engine/load.load_baselines: a baseline that fails or
-    cannot run refuses the host), the write (pre-image hashes checked, backups, atomic; ledger
+    cannot run refuses the host), with change.route the route gate's baseline (engine/routegate.
+    route_baseline: likewise), the write (pre-image hashes checked, backups, atomic; ledger
     "pending"), then validation and settling (validate_change, settle). A connection lost from
     the write on is put right by put_back. Returns `result` with status changed, or failed with
     the reason (rolled back unless change.rollback is False). Sets result.data["change_id"],
-    ["handlers"], ["validation"], ["load_gate"], ["rolled_back"]. The baseline of a non-zero-rank
+    ["handlers"], ["validation"], ["load_gate"], ["route_gate"], ["rolled_back"]. The baseline of a non-zero-rank
     node (which serves only /health) is its health, and rank 0's decode on its own host where
     change.rank0 names it (a rank 0 that fails refuses the host too). Raises HostFailed (a
     refused write or baseline: nothing changed), Unreachable (see put_back)."""
@@ -251,13 +256,16 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     loaded = (load_baselines(ctx, smoke_targets(ctx.host, change.facts, opts.smoke, inside=ctx.container is not None),
                              change.facts, change.load, opts.smoke.health_timeout, reserve=ROLLBACK_RESERVE_S)
               if change.load is not None and baseline is not None and baseline["servers"] else None)
+    routed = (route_baseline(ctx, smoke_targets(ctx.host, change.facts, opts.smoke, inside=ctx.container is not None),
+                             change.facts, change.route, opts.smoke.health_timeout, reserve=ROLLBACK_RESERVE_S)
+              if change.route is not None and baseline is not None and baseline["servers"] else None)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
                      operator=opts.operator, files=change.files, root=change.root,
                      shared_tree=ctx.host.shared_tree, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
-        problems = validate_change(ctx, result, change, opts.smoke, baseline, loaded)
+        problems = validate_change(ctx, result, change, opts.smoke, baseline, loaded, routed)
         return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
@@ -330,15 +338,18 @@ def relock(ctx: HostContext, state_dir: str):
 
 
 def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
-                    baseline: dict | None, loaded: list[dict] | None = None) -> list[str]:
+                    baseline: dict | None, loaded: list[dict] | None = None,
+                    routed: dict | None = None) -> list[str]:
     """After a change is written: run its handlers, `change.checks()` (-> [problem]), then the
     smoke gate against `baseline`, then, when it passed and there are load baselines
-    (`loaded`: load_baselines), the same load run and the load gate (engine/load.load_gate).
+    (`loaded`: load_baselines), the same load run and the load gate (engine/load.load_gate),
+    then, when those passed and there is a route baseline (`routed`: routegate.route_baseline),
+    the route gate (engine/routegate.route_gate).
     Returns the problems; any error on the way (a handler that fails, a deadline, a probe
     crash) is a problem too, so the caller always settles the change. Smoke waits and load
     runs leave ROLLBACK_RESERVE_S of the host's deadline for the rollback. Raises only
     Unreachable. Sets result.data["handlers"], ["validation"] (with "gate": validate.gate_note,
-    when the host has non-zero-rank nodes) and ["load_gate"]."""
+    when the host has non-zero-rank nodes), ["load_gate"] and ["route_gate"]."""
     problems: list[str] = []
     handlers = change.handlers
     try:
@@ -355,6 +366,9 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
             if loaded is not None:
                 result.data["load_gate"] = {"status": GateStatus.NOT_RESTARTED}
                 loaded = None
+            if routed is not None:
+                result.data["route_gate"] = {"status": GateStatus.NOT_RESTARTED}
+                routed = None
             if baseline["offline"] is None:
                 return problems
             baseline = {"servers": [], "offline": baseline["offline"]}
@@ -376,6 +390,11 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
             targets = smoke_targets(ctx.host, change.facts, after_opts, inside=ctx.container is not None)
             result.data["load_gate"], failed = load_gate(ctx, targets, change.facts, change.load,
                                                          after_opts.health_timeout, loaded, reserve=ROLLBACK_RESERVE_S)
+            problems += failed
+        if routed is not None and not problems:
+            targets = smoke_targets(ctx.host, change.facts, after_opts, inside=ctx.container is not None)
+            result.data["route_gate"], failed = route_gate(ctx, targets, change.facts, change.route,
+                                                           after_opts.health_timeout, routed, reserve=ROLLBACK_RESERVE_S)
             problems += failed
     except Unreachable:
         raise  # nothing more can be done now; the change stays pending and the next run undoes it

@@ -1,35 +1,48 @@
-"""Deploying a kernel package to hosts: preflight, upload, remote build, reference test, then the
-activation as a change through the change engine (changes.py), the same one playbooks use.
+"""Deploying a kernel package to hosts: preflight, upload, remote build, reference test, publish,
+then the activation (the `current` link and the dispatch table) as a change through the change
+engine (changes.py), the same one playbooks use.
 
 Per host, under the host's lock: recover a change a killed run left pending -> facts (the
 interpreter that runs SGLang, which has torch) -> preflight (probes/kbuild.py: GPU arch, nvcc,
 torch CUDA, triton, ninja; the backend: --backend, else `triton` on a GPU host whose SGLang
 interpreter imports triton, `cuda` on other GPU hosts, `cpu` without a GPU) -> build key
-(kernelpkg.build_key) -> if `/var/lib/fleetctl/kernels/NAME/<key>/PASSED` exists the build is
-reused; else upload the package to `<key>/src` (sha256 checked after upload), build into
-`<key>/build` (cpu, cuda: torch.utils.cpp_extension; triton: the package's ahead-of-time
-compile for the host's arch), test against the reference in a fresh process (on the device
-for cuda and triton), mark PASSED -> changes.execute: swap the `current` symlink to
-`<key>` (a ledger change, "pending") -> restart handler -> smoke gate (and, with --gate load, the
-load gate: SGLang's own benchmark client before and after, engine/load.py) -> "applied", or the
-link is switched back.
+(kernelpkg.build_key) -> if the build is published (`PUBLIC/NAME/<key>/PASSED`, PUBLIC =
+config.PUBLIC_KERNELS_DIR) or passed privately (`STATE_DIR/kernels/NAME/<key>/PASSED`) it is
+reused; else upload the package to the private `<key>/src` (sha256 checked after upload), build
+into `<key>/build` (cpu, cuda: torch.utils.cpp_extension; triton: the package's ahead-of-time
+compile for the host's arch), test against the reference in a fresh process (on the device for
+cuda and triton), mark PASSED -> publish (kbuild `publish`: a root-owned 0755/0644 copy at
+`PUBLIC/NAME/<key>`, which an unprivileged server can read) -> the dispatch table
+(engine/dispatch.py: --route as the operator gave it; else measured on a GPU host,
+engine/measure.py; else "none") -> changes.execute: `PUBLIC/NAME/current` swapped to `<key>`
+and `PUBLIC/NAME/dispatch.json` written, one ledger change ("pending"; root PUBLIC/NAME) ->
+restart handler -> smoke gate (and, with --gate load, the load gate: SGLang's own benchmark
+client before and after, engine/load.py) -> "applied", or link and table are put back. The
+same key with a table that routes the same (dispatch.same_routing) is nothing to do; the same
+key with another table writes only the table.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 from dataclasses import dataclass
 from typing import Callable, TypedDict
 
 from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
-from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, TEST_DEADLINE_S
+from .routegate import RouteOptions
+from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, PUBLIC_KERNELS_DIR, TEST_DEADLINE_S
+from . import dispatch
 from ..errors import HostFailed
 from .context import HostContext, HostResult
 from .fleet import Fleet
 from .gather import gather, not_inspected
 from ..inventory import Host
+from ..probes.verifyroute import HOOK
 from .kernelpkg import KernelPackage, build_key
 from .load import load_options
+from .measure import measured_table
 from ..vocab import HostStatus
 
 
@@ -37,12 +50,15 @@ from ..vocab import HostStatus
 class DeployOptions(ChangeOptions):
     """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds; check: check
     mode (preflight and build key only: nothing uploaded, built, locked or activated); backend:
-    the operator's choice of backend (kernelpkg.BACKENDS; None: preflight chooses per host)."""
+    the operator's choice of backend (kernelpkg.BACKENDS; None: preflight chooses per host);
+    route: the operator's --route as dispatch.parse_route gives it ("all", ["64:2:4:float32:8",
+    ...]; None: measured on a GPU host, nothing routed without one)."""
 
     max_jobs: int = 4
     build_timeout: float = BUILD_DEADLINE_S
     check: bool = False
     backend: str | None = None
+    route: str | list[str] | None = None
 
 
 class DeployData(TypedDict, total=False):
@@ -66,6 +82,10 @@ class DeployData(TypedDict, total=False):
     test: dict | None
     check: bool
     would_build: bool
+    published: str
+    table: dict | None
+    table_note: str
+    hooked: bool
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
@@ -89,16 +109,24 @@ def deploy_job(pkg: KernelPackage, change_id: str, opts: DeployOptions):
 
 def check_job(pkg: KernelPackage, opts: DeployOptions):
     """The check-mode job for one host: what a deploy would do, changing nothing. Status changed
-    when the build would be activated (data["would_build"]: no PASSED build of its key yet), ok
-    when it is already the active one; failed when preflight refuses."""
+    when the build would be activated or the dispatch table rewritten (data["would_build"]: no
+    passed build of its key yet; data["table"]: the table it would write, None where a deploy
+    would measure it), ok when both are in force already; failed when preflight refuses."""
     def job(ctx: HostContext) -> HostResult:
-        _, pre, key, state = _preflight(ctx, pkg, opts)
+        facts, pre, key, state = _preflight(ctx, pkg, opts)
         current = state["current"]
         data: DeployData = {"check": True, "backend": pre["backend"], "why": pre["why"], "arch": pre["arch"],
                             "build_key": key,
-                            "previous": current, "refusals": pre["refusals"], "reused": state["passed"],
-                            "would_build": not state["passed"]}
-        return ctx.result(HostStatus.OK if current == key else HostStatus.CHANGED, data=data)
+                            "previous": current, "refusals": pre["refusals"],
+                            "reused": state["passed"] or state["published"],
+                            "would_build": not (state["passed"] or state["published"]), "hooked": state["hooked"]}
+        if opts.route is None and pre["backend"] in MEASURED_BACKENDS:
+            data["table"], data["table_note"] = None, "measured on the host's GPU by the deploy (check mode measures nothing)"
+            same = False
+        else:
+            data["table"] = _table(ctx, "", pkg, pre["backend"], key, None, facts, opts)
+            same = dispatch.same_routing(on_host_table(state["table"]), data["table"])
+        return ctx.result(HostStatus.OK if current == key and same else HostStatus.CHANGED, data=data)
     return job
 
 
@@ -151,19 +179,73 @@ def preflight_key(pkg: KernelPackage, pre: dict) -> str:
     return build_key(pkg, pre["backend"], torch.get("version"), torch.get("cuda"), nvcc.get("version"), pre["arch"])
 
 
-def kernel_paths(state_dir: str, name: str, key: str) -> tuple[str, str, str]:
-    """(kernels dir: the root every activation lies in, the build's dir, the `current` link)
-    of package `name`'s build `key` under STATE_DIR/kernels/NAME."""
-    return f"{state_dir}/kernels", f"{state_dir}/kernels/{name}/{key}", f"{state_dir}/kernels/{name}/current"
+def private_dir(state_dir: str, name: str, key: str) -> str:
+    """STATE_DIR/kernels/NAME/<key>: where package `name`'s build `key` is uploaded, built and
+    tested (root's 0700 state dir), before kbuild's publish copies it to public_paths' build."""
+    return f"{state_dir}/kernels/{name}/{key}"
 
 
-def activation(link: str, current: str | None, key: str) -> list[dict]:
-    """The change probe's files of an activation: `link` swapped from `current` (None: no link) to `key`."""
-    return [{"path": link, "kind": "link", "pre_target": current, "post_target": key}]
+def public_paths(name: str, key: str, public: str = PUBLIC_KERNELS_DIR) -> dict[str, str]:
+    """Where package `name`'s build `key` is published: {"root": PUBLIC/NAME (the activation's
+    change root), "build": PUBLIC/NAME/<key>, "link": PUBLIC/NAME/current, "table":
+    PUBLIC/NAME/dispatch.json}."""
+    root = f"{public}/{name}"
+    return {"root": root, "build": f"{root}/{key}", "link": f"{root}/current", "table": f"{root}/{dispatch.FILE}"}
+
+
+def table_item(path: str, on_host: dict | None, table: dict) -> dict:
+    """The change probe's file item that writes `table` (dispatch.text) to `path`, over what
+    the kbuild state action read there (`on_host`: None when absent, {"sha256", "text"}).
+    Raises HostFailed when the state action could not read it ({"error"}: a link, not a
+    regular file, too big)."""
+    if on_host is not None and "error" in on_host:
+        raise HostFailed(f"the dispatch table is not replaced: {on_host['error']}")
+    new = dispatch.text(table)
+    return {"path": path, "pre_sha256": on_host["sha256"] if on_host else None,
+            "post_sha256": hashlib.sha256(new.encode("utf-8")).hexdigest(), "new_text": new}
+
+
+def activation(link: str, current: str | None, key: str, table: dict | None = None) -> list[dict]:
+    """The change probe's files of an activation: `link` swapped from `current` (None: no link) to
+    `key` (left out when `table` is given and `current` is `key` already), then `table` (a
+    table_item) when given: link and table are one change, rolled back together."""
+    files = [] if table is not None and current == key else [
+        {"path": link, "kind": "link", "pre_target": current, "post_target": key}]
+    return files + ([table] if table is not None else [])
+
+
+# backends whose table deploy measures when the operator gives no --route (a GPU to time on)
+MEASURED_BACKENDS = ("cuda", "triton")
+
+
+def on_host_table(answer: dict | None) -> dict | None:
+    """The dispatch table the kbuild state action read (None, {"sha256", "text"}, {"error"}) as
+    a dict, or None when absent, unreadable or not a JSON object."""
+    if not answer or "text" not in answer:
+        return None
+    try:
+        table = json.loads(answer["text"])
+    except ValueError:
+        return None
+    return table if isinstance(table, dict) else None
+
+
+def _table(ctx: HostContext, python: str, pkg: KernelPackage, backend: str, key: str, module_path: str | None,
+           facts: dict, opts: DeployOptions) -> dict:
+    """The dispatch table a deploy writes: the operator's --route (source "operator"); else on a
+    GPU host (MEASURED_BACKENDS) the one measured there (engine/measure.py's measured_table);
+    else none_table's."""
+    if opts.route is not None:
+        return dispatch.operator_table(pkg.name, key, backend, opts.route)
+    if backend in MEASURED_BACKENDS:
+        return measured_table(ctx, python, pkg, module_path, key, facts)
+    return dispatch.none_table(pkg.name, key, backend)
 
 
 def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tuple[dict, dict, str, dict]:
-    """(facts, kbuild preflight answer, build key, kbuild state answer) of `pkg` on the host.
+    """(facts, kbuild preflight answer, build key, kbuild state answer) of `pkg` on the host:
+    state over PUBLIC/NAME/current, the private build dir, the published one, the dispatch table
+    and the install's route hook module (HOOK under facts["sglang"]["location"]).
     Raises HostFailed when the install SGLang runs from (a server's, or the only one seen) was
     not inspected (gather.not_inspected): its interpreter, which the kernel is built for, was
     not asked."""
@@ -176,29 +258,47 @@ def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tup
     python = facts["python"]["path"]
     pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends), backend=opts.backend)
     key = preflight_key(pkg, pre)
-    _, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
-    return facts, pre, key, _kbuild(ctx, python, action="state", link=link, build_dir=bdir)
+    bdir = private_dir(opts.state_dir, pkg.name, key)
+    pub = public_paths(pkg.name, key)
+    location = (facts.get("sglang") or {}).get("location")
+    state = _kbuild(ctx, python, action="state", link=pub["link"], build_dir=bdir, public_dir=pub["build"],
+                    table=pub["table"], hook=posixpath.join(location, HOOK) if location else None)
+    return facts, pre, key, state
 
 
 def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
     facts, pre, key, state = _preflight(ctx, pkg, opts)
     python = facts["python"]["path"]
     backend = pre["backend"]
-    root, bdir, link = kernel_paths(opts.state_dir, pkg.name, key)
+    bdir = private_dir(opts.state_dir, pkg.name, key)
+    pub = public_paths(pkg.name, key)
     current = state["current"]
     data: DeployData = {"backend": backend, "why": pre["why"], "arch": pre["arch"], "build_key": key,
                         "previous": current, "recovered": rec.changes, "refusals": pre["refusals"],
-                        "reused": state["passed"]}
+                        "reused": state["passed"] or state["published"], "hooked": state["hooked"]}
     result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
         build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),
                        lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, current, opts.max_jobs,
                        opts.build_timeout, data)
-    if current == key:
+    published = _kbuild(ctx, python, action="publish", build_dir=bdir, public_dir=pub["build"])
+    if not published["ok"]:
+        raise HostFailed(f"{published['error']} (active build stays {current or 'none'})")
+    data["published"] = published["published"]
+    table = _table(ctx, python, pkg, backend, key, published["module_path"], facts, opts)
+    old = on_host_table(state["table"])
+    if current == key and dispatch.same_routing(old, table):
+        data["table"] = old
         return result
-    change = Change(change_id, f"kernel {pkg.name}", activation(link, current, key), facts, root,
-                    restart_handlers(ctx), load=load_options(opts.load_settings) if opts.load_gate else None)
+    data["table"] = table
+    change = Change(change_id, f"kernel {pkg.name}",
+                    activation(pub["link"], current, key, table_item(pub["table"], state["table"], table)), facts,
+                    pub["root"], restart_handlers(ctx),
+                    load=load_options(opts.load_settings) if opts.load_gate else None,
+                    route=RouteOptions() if state["hooked"] else None)
     execute(ctx, result, change, opts)
     if result.status == HostStatus.FAILED:
-        result.error = f"switched back to {current or 'no build'}: " + result.error.removeprefix("rolled back: ")
+        data["table"] = old
+        back = "the dispatch table put back" if current == key else f"switched back to {current or 'no build'}"
+        result.error = f"{back}: " + result.error.removeprefix("rolled back: ")
     return result

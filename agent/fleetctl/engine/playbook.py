@@ -38,6 +38,9 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
       - load: {profile: pressure}           # the load gate: SGLang's own benchmark client before
                                             # and after (engine/load.py; settings: load.SETTINGS,
                                             # e.g. max_throughput_drop: 0.1, repeat: 2); at most one
+      - route                               # the route gate (engine/routegate.py): every rank routed,
+                                            # tokens and logprobs equal to the baseline's; no settings
+                                            # but `when`; at most one, after a smoke step
     on_failure: rollback                    # rollback (default) | keep
 
 Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined: a playbook
@@ -68,7 +71,7 @@ import yaml
 from ..errors import ParseError
 from .load import SETTINGS as LOAD_SETTINGS, load_options
 
-VALIDATE_STEPS = ("compile", "reinspect", "smoke", "load")
+VALIDATE_STEPS = ("compile", "reinspect", "smoke", "load", "route")
 TASK_KINDS = ("edit_expressions", "create_file", "insert_text")
 ON_FAILURE = ("rollback", "keep")
 
@@ -465,6 +468,11 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
                 load_options(load)
             except ValueError as e:
                 raise r.err(n, f"load: {e}") from None
+        if step == "route":
+            if any(v.step == "route" for v in validate):
+                raise r.err(n, "a second route step: a playbook declares at most one route gate")
+            if not any(v.step == "smoke" for v in validate):
+                raise r.err(n, "the route step runs after the smoke gate passed: put a smoke step before it")
         validate.append(ValidateStep(step, r.expr(opts["when"], "when") if "when" in opts else None,
                                      r.expr(opts["that"], "that") if "that" in opts else None,
                                      r.inline(opts["offline"], "offline") if "offline" in opts else None, load))

@@ -22,10 +22,14 @@ SERVER_PORT = 30000
 # share the control's cores) was seen at 0.1-0.2 s right after a restart: the lab's gate allows
 # 250 ms of scheduling noise. A real slowdown (the tests' 50 ms per decode step) adds 800 ms.
 LATENCY_SLACK_S = 0.25
-# in-host path -> directory name under <state_dir>/hosts/<name>/
+# in-host path -> directory name under <state_dir>/hosts/<name>/ (lifecycle makes /tmp's 01777 and
+# the published kernels' root 0755, as deploy would make them on a real host)
 PRIVATE_DIRS = {"/tmp": "tmp", "/var/lib/fleetctl": "var-lib-fleetctl",
+                "/var/lib/fleetctl-kernels": "var-lib-fleetctl-kernels",
                 "/opt/sglang": "opt-sglang", "/opt/fleetctl-standin": "opt-fleetctl-standin"}
 VENV = "/opt/sglang/venv"
+# where each host's start binds the control machine's /root before covering it (host.start_init)
+REAL_ROOT = "real-root"
 VENV_PYTHONS = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..wheels import cache_dir, ensure_wheel
-from .base import PRIVATE_DIRS, SERVER_PORT, SSHD, STANDIN_SRC, VENV, LabError, host_dir, run, spawn
+from .base import PRIVATE_DIRS, REAL_ROOT, SERVER_PORT, SSHD, STANDIN_SRC, VENV, LabError, host_dir, run, spawn
 from .pidns import children, is_pidns_init, root_pid
 
 # PID 1 of each lab host's PID namespace; written to <state_dir>/lab-init.py, run with python3 -I -S
@@ -81,21 +82,50 @@ def sshd_config(hd: Path, sd: Path) -> Path:
     return cfg
 
 
+# the entries of the machine's /root others may read that a host keeps: the lab venvs' interpreter
+# and the build caches (ccache, torch extensions, Triton); other tools' world-readable files stay out
+ROOT_SHARED = (".pyenv", ".cache")
+
+
+def root_binds(hd: Path) -> list[str]:
+    """Shell commands that give the host a /root every user may pass through (a 0711 tmpfs)
+    holding, bind-mounted (a link copied as a link), ROOT_SHARED and every entry of the control
+    machine's /root that others may not read (its own mode keeps it private: /root/.ssh 0700),
+    so that a server of another uid runs the lab's venvs, whose interpreter lies under
+    /root/.pyenv (0755), as any user runs a real host's /usr/bin/python3. The machine's own /root
+    stays 0700; what a host writes at the top of its /root stays in its tmpfs. The machine's
+    /root is reached through HOST_DIR/real-root, bound there first and unmounted after."""
+    real = hd / REAL_ROOT
+    cmds = [f"mount --bind /root {real}", "mount -t tmpfs -o mode=0711,size=64m fleetctl-root /root"]
+    for e in sorted(os.listdir("/root")):
+        p, src, dst = Path("/root") / e, shlex.quote(str(real / e)), shlex.quote(f"/root/{e}")
+        if e not in ROOT_SHARED and p.lstat().st_mode & 0o004:
+            continue
+        if p.is_symlink():
+            cmds.append(f"cp -P {src} {dst}")
+        else:
+            cmds.append(f"{'mkdir' if p.is_dir() else 'touch'} {dst} && mount --bind {src} {dst}")
+    return cmds + [f"umount {real}"]
+
+
 def start_init(ns: str, hostname: str, hd: Path, sd: Path) -> int:
     """Make the host's PID, mount and UTS namespaces inside network namespace `ns` and return
     the root-view pid of their PID 1, the lab's init, once the hostname and bind mounts are in
-    place.
+    place (PRIVATE_DIRS, and /root as root_binds makes it).
 
-    `nsenter --net=/run/netns/NS unshare --mount --uts --pid --fork --mount-proc sh -c ...`:
-    unshare forks (its child is PID 1 of the new PID namespace and mounts a private /proc, see
-    unshare(1)), the child sets the hostname and bind mounts and execs the init. The unshare
-    process stays behind as the init's parent, in the root PID namespace."""
-    binds = " && ".join(f"mount --bind {hd / d} {p}" for p, d in PRIVATE_DIRS.items())
-    script = (f"hostname {hostname} && mount --make-rprivate / && {binds} && echo ready "
-              f"&& exec {sys.executable} -I -S {sd / 'lab-init.py'} {hostname} </dev/null >/dev/null")
+    `nsenter --net=/run/netns/NS unshare --mount --uts sh -c '... exec unshare --pid --fork
+    --mount-proc sh -c ...'`: the hostname and bind mounts are made in the new mount and UTS
+    namespaces before the PID namespace exists, so the processes they take use no pid in it and
+    the host's pids do not depend on how many mounts it has (its /root's entries); the inner
+    unshare forks (its child is PID 1 of the new PID namespace, in a copy of those mounts with a
+    private /proc, see unshare(1)), which says ready (a builtin: no pid) and execs the init. The
+    unshare process stays behind as the init's parent, in the root PID namespace."""
+    binds = " && ".join([f"mount --bind {hd / d} {p}" for p, d in PRIVATE_DIRS.items()] + root_binds(hd))
+    init = shlex.quote(f"echo ready && exec {sys.executable} -I -S {sd / 'lab-init.py'} {hostname} </dev/null >/dev/null")
+    script = (f"hostname {hostname} && mount --make-rprivate / && {binds} "
+              f"&& exec unshare --pid --fork --mount-proc sh -c {init}")
     with open(hd / "init.log", "ab") as log:
-        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts",
-                              "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "sh", "-c", script],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                              start_new_session=True)
     line = p.stdout.readline()

@@ -42,8 +42,8 @@ import yaml
 
 from ..errors import UsageError
 from ..wheels import ensure_wheel
-from .base import (DEFAULT_RELEASES, LATENCY_SLACK_S, PRIVATE_DIRS, SERVER_PORT, alive, bridge_name, find_host,
-                   host_address, host_dir, host_name, inventory_path, load, netns_name, release_group,
+from .base import (DEFAULT_RELEASES, LATENCY_SLACK_S, PRIVATE_DIRS, REAL_ROOT, SERVER_PORT, alive, bridge_name,
+                   find_host, host_address, host_dir, host_name, inventory_path, load, netns_name, release_group,
                    require_root, run, save, state_dir_for, wait_banner)
 from .become import lab_add_become_users, lab_remove_become_users
 from .host import (LAB_INIT, build_venv, sshd_config, stage_wheels, start_init, start_proxy, start_server,
@@ -169,9 +169,10 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
     for i in range(n):
         name, ns, addr = host_name(i), netns_name(lab_id, i), host_address(lab_id, i)
         hd = host_dir(sd, name)
-        for d in PRIVATE_DIRS.values():
+        for d in [*PRIVATE_DIRS.values(), REAL_ROOT]:
             (hd / d).mkdir(parents=True, exist_ok=True)
         (hd / "tmp").chmod(0o1777)
+        (hd / PRIVATE_DIRS["/var/lib/fleetctl-kernels"]).chmod(0o755)  # root's: read by unprivileged servers
         (hd / "delay_ms").write_text("0\n")
         run(["ip", "netns", "add", ns])
         run(["ip", "link", "add", ns, "type", "veth", "peer", "name", ns + "p"])

@@ -17,6 +17,12 @@ import os
 
 from . import ledger, record, safefs
 
+# where deploy publishes kernel builds, their `current` links and dispatch tables: the host-side
+# copy of the control side's config.PUBLIC_KERNELS_DIR (tests/unit/test_dispatch.py checks they agree)
+PUBLIC_DIR = "/var/lib/fleetctl-kernels"
+DISPATCH = "dispatch.json"
+DISPATCH_MAX_BYTES = 64 << 10
+
 
 def _state(f):
     """Current state of ledger file entry `f`: sha256 of a file, safefs.link_state of a link."""
@@ -310,12 +316,17 @@ def status(params, state_dir):
 
     ledger.changes: [{change_id, playbook, install, time, operator, state, reason, files: [path]}] (last state);
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied ledger.changes whose
-    file no longer has after_sha256; modified: [{path, problem}] for files of the installed
+    file no longer has after_sha256 (a file a later applied change wrote over that change's result is
+    judged by the later one: _superseded); modified: [{path, problem}] for files of the installed
     distribution (dist-info RECORD) that differ and no applied change explains; record_error;
-    kernels: {name: active build key} from the `kernels/<name>/current` links; space: ledger.space_used().
+    kernels: {name: active build key} from the published `PUBLIC/<name>/current` links (params
+    public_dir, default PUBLIC_DIR); dispatch: {name: the table PUBLIC/<name>/dispatch.json holds
+    (a JSON object), None when there is none, {"error": why} when it is a link, not a regular
+    file, over DISPATCH_MAX_BYTES or not a JSON object}; space: ledger.space_used().
     """
     summary, drift, explained = [], [], {}
-    for cid, e in ledger.changes(state_dir).items():
+    entries = list(ledger.changes(state_dir).items())
+    for i, (cid, e) in enumerate(entries):
         summary.append({"change_id": cid, "playbook": e.get("playbook"), "install": e.get("install"),
                         "time": e.get("time"),
                         "operator": e.get("operator"), "state": e["state"], "reason": e.get("reason"),
@@ -329,6 +340,8 @@ def status(params, state_dir):
         if e["state"] != ledger.APPLIED:
             continue
         for f in e["files"]:
+            if _superseded(f, entries[i + 1:]):
+                continue  # a later applied change was written over this one's result: it is judged there
             cur = _state(f)
             if cur == f["after_sha256"]:
                 explained[os.path.realpath(f["path"])] = f["after_sha256"]
@@ -339,10 +352,48 @@ def status(params, state_dir):
     modified, err = (None, None)
     if params.get("location"):
         modified, err = record.problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
-    kernels = {os.path.basename(os.path.dirname(c)): os.readlink(c)
-               for c in sorted(glob.glob(os.path.join(state_dir, "kernels", "*", "current")))}
+    public = os.path.abspath(params.get("public_dir") or PUBLIC_DIR)
+    kernels, tables = {}, {}
+    for c in sorted(glob.glob(os.path.join(glob.escape(public), "*", "current"))):
+        name = os.path.basename(os.path.dirname(c))
+        if os.path.islink(c):
+            kernels[name] = os.readlink(c)
+            tables[name] = _dispatch(os.path.join(os.path.dirname(c), DISPATCH))
     return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
-            "kernels": kernels, "space": ledger.space_used(state_dir)}
+            "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+
+
+def _superseded(f, later):
+    """Whether ledger file entry `f` was changed again by one of the `later` (ledger order) applied
+    changes, over exactly its result (that change's before_sha256 of the path is f's after_sha256):
+    a deploy's `current` link or dispatch table switched by the next deploy is no drift."""
+    where = os.path.realpath(os.path.dirname(f["path"]))
+    for _, e in later:
+        if e["state"] != ledger.APPLIED:
+            continue
+        for g in e["files"]:
+            if os.path.realpath(os.path.dirname(g["path"])) == where and \
+                    os.path.basename(g["path"]) == os.path.basename(f["path"]) and \
+                    g["before_sha256"] == f["after_sha256"]:
+                return True
+    return False
+
+
+def _dispatch(path):
+    """The dispatch table at `path` for status: a dict, None when absent, or {"error": why}."""
+    try:
+        data = safefs.read_file(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, safefs.UnsafePath) as e:
+        return {"error": str(e)}
+    if len(data) > DISPATCH_MAX_BYTES:
+        return {"error": "%s is over %d bytes" % (path, DISPATCH_MAX_BYTES)}
+    try:
+        table = json.loads(data.decode("utf-8"))
+    except ValueError as e:
+        return {"error": "%s: not JSON (%s)" % (path, e)}
+    return table if isinstance(table, dict) else {"error": "%s: not a JSON object" % path}
 
 
 def compile_check(params, state_dir):

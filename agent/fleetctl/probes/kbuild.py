@@ -9,15 +9,20 @@ main(params) dispatches on params["action"]:
              module's build(arch, out_dir) (the ahead-of-time compile: no GPU, no nvcc); the log is
              kept in BUILD_DIR/build.log.
   test       the package's test module against the built module in a fresh process.
-  state      the package's active build (the `current` link's target) and whether a build passed.
+  state      the package's active build (the `current` link's target), whether a build passed
+             and is published, its dispatch table's bytes, whether the install has the route hook.
   mark       record that a build passed its reference test (BUILD_DIR/PASSED holds the module path).
+  publish    copy a passed build from the private state dir to PUBLIC/NAME/<key> (root, 0755/0644,
+             no links), where an unprivileged server process can read it.
 torch and triton are never imported here: builds and tests run in child processes of the host's
 interpreter.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -29,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from . import gpus, torchver, trust
+from . import gpus, safefs, torchver, trust
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
 MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),
@@ -64,11 +69,14 @@ with open(a["result"], "w") as f:
 # The triton build's importable module, BUILD_DIR/NAME.py (the path PASSED records): the package's
 # triton module's load() over the compiled kernels, its attributes those of what load() returned,
 # so the reference test (and whatever imports the active build) imports it by path as it imports
-# a .so. Without a CUDA device it refuses to import, naming that. Filled with str.format.
+# a .so. It finds the kernels and the package's sources relative to its own __file__ (the
+# published copy, PUBLIC/NAME/<key>/build/NAME.py, works as the private build does). Without a
+# CUDA device it refuses to import, naming that. Filled with str.format.
 _TRITON_MODULE = '''"""{name}: the triton build for sm_{sm} (written by fleetctl's kbuild probe): {module}'s
-{load}() over the kernels compiled into {out_dir}; importing it compiles nothing."""
+{load}() over the kernels compiled into {out_rel}/ beside this file; importing it compiles nothing."""
 
 import importlib.util
+import os
 import sys
 
 import torch
@@ -76,15 +84,17 @@ import torch
 if not torch.cuda.is_available():
     raise RuntimeError("no CUDA device for the reference test of the triton build (torch %s: "
                        "torch.cuda.is_available() is False); its kernels run on the device only" % torch.__version__)
-sys.path.insert(0, {src_dir!r})  # for the package's own imports of its siblings, while it loads only
+_here = os.path.dirname(os.path.abspath(__file__))
+_src = os.path.normpath(os.path.join(_here, {src_rel!r}))
+sys.path.insert(0, _src)  # for the package's own imports of its siblings, while it loads only
 try:
-    _spec = importlib.util.spec_from_file_location({module_name!r}, {module_path!r})
+    _spec = importlib.util.spec_from_file_location({module_name!r}, os.path.join(_src, {module_rel!r}))
     _source = importlib.util.module_from_spec(_spec)
     sys.modules[{module_name!r}] = _source
     _spec.loader.exec_module(_source)
-    _kernels = _source.{load}({out_dir!r})
+    _kernels = _source.{load}(os.path.join(_here, {out_rel!r}))
 finally:
-    sys.path.remove({src_dir!r})  # never left to shadow the importing process's top-level modules
+    sys.path.remove(_src)  # never left to shadow the importing process's top-level modules
 
 
 def __getattr__(attr):
@@ -93,7 +103,7 @@ def __getattr__(attr):
 
 
 def main(params: dict) -> dict:
-    """Run params["action"] ("preflight", "build", "test", "state" or "mark") with the other
+    """Run params["action"] ("preflight", "build", "test", "state", "mark" or "publish") with the other
     params; see each function. The probe starts with `python -S` (probes.command); torch is
     the install's, so the site module's files are checked (trust.untrusted: the builds run
     this interpreter with its site, as root) before site.main() puts site-packages on sys.path.
@@ -103,18 +113,60 @@ def main(params: dict) -> dict:
         raise RuntimeError("interpreter %s refused: %s (fleetctl runs it as root)" % (sys.executable, why))
     import site
     site.main()
-    actions = {"preflight": preflight, "build": build, "test": test, "state": state, "mark": mark}
+    actions = {"preflight": preflight, "build": build, "test": test, "state": state, "mark": mark,
+               "publish": publish}
     return actions[params["action"]](params)
 
 
 def state(params: dict) -> dict:
-    """params: {link: the package's `current` symlink, build_dir: a build's directory}.
-    Returns {"current": the link's target or None, "passed": whether build_dir/PASSED exists}."""
+    """params: {link: the package's `current` symlink, build_dir: a build's private directory;
+    optional: public_dir (the build's published directory PUBLIC/NAME/<key>), table (the
+    package's PUBLIC/NAME/dispatch.json), hook (the install's
+    sglang/srt/layers/attention/fleetctl_verify.py, or None)}.
+    Returns {"current": the link's target or None, "passed": whether build_dir/PASSED exists},
+    and for each optional param given: "published" (public_dir/PASSED is a regular file),
+    "table" (None when absent; {"sha256", "text"} of the file read without following a link,
+    at most TABLE_MAX_BYTES; {"error": why} when it is a link, not a regular file, too big or
+    not UTF-8), "hooked" (the hook module is a file there)."""
     try:
         current = os.readlink(params["link"])
     except OSError:
         current = None
-    return {"current": current or None, "passed": os.path.isfile(os.path.join(params["build_dir"], "PASSED"))}
+    out = {"current": current or None, "passed": os.path.isfile(os.path.join(params["build_dir"], "PASSED"))}
+    if params.get("public_dir"):
+        try:
+            out["published"] = stat.S_ISREG(os.lstat(os.path.join(params["public_dir"], "PASSED")).st_mode)
+        except OSError:
+            out["published"] = False
+    if "table" in params:
+        out["table"] = _read_table(params["table"])
+    if "hook" in params:
+        out["hooked"] = bool(params["hook"]) and os.path.isfile(params["hook"])
+    return out
+
+
+TABLE_MAX_BYTES = 64 << 10
+
+
+def _read_table(path: str):
+    """The dispatch table file at `path` for state(): None, {"sha256", "text"} or {"error"}."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return {"error": "%s: %s" % (path, "a symbolic link" if e.errno == errno.ELOOP else e.strerror)}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > TABLE_MAX_BYTES:
+            return {"error": "%s: not a regular file of at most %d bytes" % (path, TABLE_MAX_BYTES)}
+        data = os.read(fd, TABLE_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        return {"sha256": hashlib.sha256(data).hexdigest(), "text": data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"error": "%s: not UTF-8" % path}
 
 
 def mark(params: dict) -> dict:
@@ -128,6 +180,264 @@ def mark(params: dict) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return {"ok": True}
+
+
+_DIR = safefs.OPEN_DIR
+EVIDENCE = "route-evidence"  # PUBLIC/route-evidence: the hook's routing evidence, one dir per server euid
+
+
+class _Refused(Exception):
+    """publish() will not publish (a link in the build, a foreign directory, ...): the message says why."""
+
+
+def publish(params: dict) -> dict:
+    """Publish a build that passed its reference test where the server process can read it.
+
+    params: {build_dir: the private build STATE/kernels/NAME/<key> (src/, build/, PASSED),
+    public_dir: PUBLIC/NAME/<key>}. PUBLIC (public_dir's grandparent) and PUBLIC/NAME are made
+    root 0755 when missing and must be root's and writable by nobody else; every path is
+    reached from / without following a link. When public_dir/PASSED exists the copy is reused
+    (published copies are never changed), after checking that everything in it is root's, not
+    group/other-writable and no link. Else src/ and build/ are copied into
+    PUBLIC/NAME/.<key>.<random> (files root:root 0644, 0755 where the owner may execute; dirs
+    0755; a symbolic link, FIFO, socket or device anywhere refuses the publish), PASSED written
+    there naming the module at its published path (the private PASSED's path with build_dir
+    replaced by public_dir), everything fsynced, then renamed to public_dir. Stale .<key>.*
+    directories of a killed publish are removed first. Also makes PUBLIC/route-evidence (root,
+    01777; an existing one that is not a root-owned directory refuses). Owner root:root when
+    run as root (as on the hosts), else the running user's.
+    Returns {"ok": true, "published": public_dir, "module_path": the published module,
+    "reused": bool, "evidence_dir"} or {"ok": false, "error": why} (nothing published)."""
+    bdir = os.path.normpath(os.path.abspath(params["build_dir"]))
+    pdir = os.path.normpath(params["public_dir"])
+    pkg_dir, key = os.path.split(pdir)
+    public, name = os.path.split(pkg_dir)
+    if not os.path.isabs(pdir) or key.startswith(".") or not key or not name:
+        return {"ok": False, "error": "public_dir %r is not an absolute PUBLIC/NAME/KEY" % params["public_dir"]}
+    try:
+        top = _open_path(os.path.dirname(public))
+        try:
+            pub = _subdir(top, os.path.basename(public), 0o755, public)
+        finally:
+            os.close(top)
+        try:
+            ev = _subdir(pub, EVIDENCE, 0o1777, os.path.join(public, EVIDENCE), shared=True)
+            os.close(ev)
+            nfd = _subdir(pub, name, 0o755, pkg_dir)
+        finally:
+            os.close(pub)
+        try:
+            reused, module = _publish_into(nfd, bdir, pdir, key)
+        finally:
+            os.close(nfd)
+    except (_Refused, OSError, UnicodeDecodeError) as e:
+        return {"ok": False, "error": "not published: %s" % e}
+    return {"ok": True, "published": pdir, "module_path": module, "reused": reused,
+            "evidence_dir": os.path.join(public, EVIDENCE)}
+
+
+def _published_module(nfd: int, key: str, pdir: str) -> str:
+    """The module path the published copy `key` (in `nfd`) records in PASSED, after
+    _check_published; _Refused when it is not a path inside the copy."""
+    _check_published(nfd, key, pdir)
+    fd = os.open(key, _DIR, dir_fd=nfd)
+    try:
+        pfd = os.open("PASSED", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        module = os.read(pfd, 1 << 16).decode("utf-8").strip()
+    finally:
+        os.close(pfd)
+    if not module.startswith(pdir + "/"):
+        raise _Refused("%s/PASSED names %s, not a module inside it" % (pdir, module))
+    return module
+
+
+def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
+    """publish()'s copy into the package dir (open descriptor `nfd`): (reused, published module path)."""
+    for entry in os.listdir(nfd):
+        if entry.startswith("." + key + "."):
+            safefs.rmtree(nfd, entry)
+    if safefs.lstat(nfd, key) is not None:
+        if _lstat_in(nfd, key, "PASSED") is not None:
+            return True, _published_module(nfd, key, pdir)
+        safefs.rmtree(nfd, key)  # never published (no PASSED): a leftover nobody trusted
+    with open(os.path.join(bdir, "PASSED")) as f:
+        private_module = f.read().strip()
+    if not private_module.startswith(bdir + "/"):
+        raise _Refused("%s/PASSED names %s, not a module inside the build" % (bdir, private_module))
+    module = pdir + private_module[len(bdir):]
+    tmp = ".%s.%s" % (key, os.urandom(8).hex())
+    os.mkdir(tmp, 0o700, dir_fd=nfd)
+    try:
+        tfd = os.open(tmp, _DIR, dir_fd=nfd)
+        try:
+            sfd = os.open(bdir, _DIR)
+            try:
+                for part in ("src", "build"):
+                    os.mkdir(part, 0o700, dir_fd=tfd)
+                    s, d = os.open(part, _DIR, dir_fd=sfd), os.open(part, _DIR, dir_fd=tfd)
+                    try:
+                        _copy_tree(s, d, os.path.join(bdir, part))
+                        _own(d, 0o755)
+                    finally:
+                        os.close(s)
+                        os.close(d)
+            finally:
+                os.close(sfd)
+            fd = os.open("PASSED", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=tfd)
+            try:
+                os.write(fd, (module + "\n").encode("utf-8"))
+                _own(fd, 0o644)
+            finally:
+                os.close(fd)
+            _own(tfd, 0o755)
+        finally:
+            os.close(tfd)
+        try:
+            os.rename(tmp, key, src_dir_fd=nfd, dst_dir_fd=nfd)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or _lstat_in(nfd, key, "PASSED") is None:
+                raise
+            safefs.rmtree(nfd, tmp)  # published meanwhile: theirs is reused
+            return True, _published_module(nfd, key, pdir)
+        os.fsync(nfd)
+    except BaseException:
+        if safefs.lstat(nfd, tmp) is not None:
+            safefs.rmtree(nfd, tmp)
+        raise
+    return False, module
+
+
+def _own(fd: int, mode: int) -> None:
+    """Give open file or directory `fd` to root:root (when running as root) with `mode`, fsynced."""
+    if os.geteuid() == 0:
+        os.fchown(fd, 0, 0)
+    os.fchmod(fd, mode)  # after fchown, which may clear set-id bits
+    os.fsync(fd)
+
+
+def _copy_tree(sfd: int, dfd: int, where: str) -> None:
+    """Copy directory `sfd`'s entries into the empty directory `dfd` (publish()'s modes and owner);
+    `where`: the source's path, for messages. Raises _Refused for anything but a regular file or a
+    directory (a symbolic link above all)."""
+    for entry in sorted(os.listdir(sfd)):
+        path = os.path.join(where, entry)
+        st = os.stat(entry, dir_fd=sfd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise _Refused("%s is a symbolic link: a published build holds none" % path)
+        if stat.S_ISDIR(st.st_mode):
+            os.mkdir(entry, 0o700, dir_fd=dfd)
+            s, d = os.open(entry, _DIR, dir_fd=sfd), os.open(entry, _DIR, dir_fd=dfd)
+            try:
+                _copy_tree(s, d, path)
+                _own(d, 0o755)
+            finally:
+                os.close(s)
+                os.close(d)
+        elif stat.S_ISREG(st.st_mode):
+            s = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=sfd)
+            try:
+                if (os.fstat(s).st_ino, os.fstat(s).st_dev) != (st.st_ino, st.st_dev):
+                    raise _Refused("%s changed while being copied" % path)
+                d = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                            dir_fd=dfd)
+                try:
+                    while True:
+                        chunk = os.read(s, 1 << 20)
+                        if not chunk:
+                            break
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(d, view):]
+                    _own(d, 0o755 if st.st_mode & stat.S_IXUSR else 0o644)
+                finally:
+                    os.close(d)
+            finally:
+                os.close(s)
+        else:
+            raise _Refused("%s is not a regular file or directory (mode %o): not published" % (path, st.st_mode))
+    os.fsync(dfd)
+
+
+def _check_published(nfd: int, key: str, pdir: str) -> None:
+    """Raise _Refused unless the published copy `key` in `nfd` and everything in it is a
+    directory or regular file of root's (this euid's) that no group or other may write."""
+    def walk(dfd, where):
+        for entry in os.listdir(dfd):
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+            _trusted(st, os.path.join(where, entry))
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(entry, _DIR, dir_fd=dfd)
+                try:
+                    walk(sub, os.path.join(where, entry))
+                finally:
+                    os.close(sub)
+    _trusted(os.stat(key, dir_fd=nfd, follow_symlinks=False), pdir)
+    fd = os.open(key, _DIR, dir_fd=nfd)
+    try:
+        walk(fd, pdir)
+    finally:
+        os.close(fd)
+
+
+def _trusted(st, path: str) -> None:
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        kind = "symbolic link" if stat.S_ISLNK(st.st_mode) else "special file"
+        raise _Refused("%s in the published build is a %s" % (path, kind))
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise _Refused("%s in the published build is owned by uid %d or writable by others (mode %o): "
+                       "not reusing it" % (path, st.st_uid, stat.S_IMODE(st.st_mode)))
+
+
+def _open_path(path: str) -> int:
+    """A descriptor of existing directory `path` (absolute), reached from / one component at a
+    time without following a link (safefs.open_dir; _Refused names the component that is one)."""
+    try:
+        return safefs.open_dir(path)
+    except safefs.UnsafePath as e:
+        raise _Refused(str(e))
+
+
+def _subdir(dfd: int, name: str, mode: int, path: str, shared: bool = False) -> int:
+    """A descriptor of directory `name` in `dfd` (its path `path`), made root's with `mode` when
+    missing. An existing one must be a directory (never a link) of root's (this euid's); unless
+    `shared` (route-evidence: 01777 by design, its mode set) no group or other may write it."""
+    try:
+        os.mkdir(name, mode, dir_fd=dfd)
+        fd = os.open(name, _DIR, dir_fd=dfd)
+        _own(fd, mode)
+        os.fsync(dfd)
+        return fd
+    except FileExistsError:
+        pass
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _Refused("%s is not a directory (%s)" % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                                                       else "mode %o" % st.st_mode))
+    if st.st_uid != os.geteuid():
+        raise _Refused("%s is owned by uid %d, not root: not publishing there" % (path, st.st_uid))
+    if not shared and st.st_mode & 0o022:
+        raise _Refused("%s is writable by group or others (mode %o): not publishing there"
+                       % (path, stat.S_IMODE(st.st_mode)))
+    fd = os.open(name, _DIR, dir_fd=dfd)
+    if shared and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+    return fd
+
+
+def _lstat_in(dfd: int, name: str, inner: str):
+    """lstat of `inner` in directory `name` of `dfd` (None when either is missing or `name` is no directory)."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        return safefs.lstat(fd, inner)
+    finally:
+        os.close(fd)
 
 
 def preflight(params: dict) -> dict:
@@ -350,11 +660,15 @@ def _triton_args(params: dict, src_dir: str, build_dir: str, result_path: str) -
 
 
 def _write_triton_module(params: dict, args: dict) -> str:
-    """Write BUILD_DIR/NAME.py (_TRITON_MODULE) for a finished triton build atomically; its path."""
-    path = os.path.join(os.path.dirname(args["out_dir"]), params["name"] + ".py")
+    """Write BUILD_DIR/NAME.py (_TRITON_MODULE) for a finished triton build atomically; its path.
+    BUILD_DIR is the directory above the kernels (args["out_dir"]); the module names the kernels,
+    the sources (args["src_dir"]) and the package's module (args["module"]) relative to it."""
+    here = os.path.dirname(args["out_dir"])
+    path = os.path.join(here, params["name"] + ".py")
     text = _TRITON_MODULE.format(name=params["name"], sm=args["arch"], module=params["module"], load=args["load"],
-                                 out_dir=args["out_dir"], src_dir=args["src_dir"], module_name=args["module_name"],
-                                 module_path=args["module"])
+                                 out_rel=os.path.relpath(args["out_dir"], here),
+                                 src_rel=os.path.relpath(args["src_dir"], here), module_name=args["module_name"],
+                                 module_rel=os.path.relpath(args["module"], args["src_dir"]))
     tmp = "%s.%d.tmp" % (path, os.getpid())
     with open(tmp, "w") as f:
         f.write(text)

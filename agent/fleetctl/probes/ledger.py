@@ -15,7 +15,14 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
                                   pending line (make_reserve) and freed when a commit finds the
                                   disk full, so that a validated change can still be recorded.
   backups/<change_id>/<path>      the original bytes of every file the change writes.
-  kernels/<name>/<key>            kernel builds, `kernels/<name>/current` the active one's link.
+  kernels/<name>/<key>            private kernel builds (src/, build/, PASSED), built and tested
+                                  here; deploy publishes a passed one to PUBLIC/<name>/<key>
+                                  (/var/lib/fleetctl-kernels, root 0755: probes/kbuild.py publish),
+                                  where the active link PUBLIC/<name>/current and the dispatch
+                                  table PUBLIC/<name>/dispatch.json live (one ledger change, its
+                                  root PUBLIC/<name>). A `kernels/<name>/current` link here is the
+                                  layout before issue 34 (and the Ansible collection's kernel
+                                  action's); prune() keeps the builds such links name.
 The state dir is reached without following links (safefs.open_dir) and must be root's (this
 euid's) alone; a ledger that is not is refused (safefs.Refused), never read or written.
 """

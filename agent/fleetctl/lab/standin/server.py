@@ -2,8 +2,21 @@
 
 A lab host has no GPU and no model, so this stand-in answers SGLang's HTTP API with the same
 request and response fields, backed by a tiny decoder-only transformer in torch (seeded
-weights, greedy decoding on the CPU with a real KV cache): tokens are deterministic and
-latency is real. Every answer that describes the server says `"stand_in": true`, and every
+weights, CPU): tokens are deterministic and latency is real. Its attention is grouped-query (4
+query heads, 2 KV heads of head dim 64: a shape the verify_attention kernel's CPU backend serves)
+over a paged KV pool in SGLang's layout (KVPool: per-layer k_buffer / v_buffer [slots, 2, 64], slot
+0 the dummy, a free list), context 8,192 tokens.
+
+Speculative decoding (`--speculative-algorithm NGRAM`: a prompt-lookup draft; `STANDALONE`: a
+draft model, here this model's first block and head; `--speculative-num-draft-tokens T`, default
+4) is greedy and lossless: a target-verify step over [last token, T-1 drafts] accepts the drafts
+the target agrees with, plus its own next token. With `--attention-backend triton` the verify's
+attention goes through the installed SGLang's `fleetctl_verify.verify_fwd` (what fleetctl's
+route-verify-attention playbook creates), loaded by file path and called with the keywords
+SGLang's Triton backend passes to extend_attention_fwd (KVPool.verify_args); where that file is
+absent, or verify_fwd answers False, the stand-in's own attention runs. meta_info then carries
+SGLang's speculative metrics (spec_verify_ct, spec_accept_length, ...), and with
+return_logprob its logprob keys (Engine._logprobs). Every answer that describes the server says `"stand_in": true`, and every
 log line starts with "fleetctl stand-in".
 
 Shapes follow the installed SGLang releases (0.5.23, cross-checked with 0.5.10):
@@ -85,18 +98,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
 log = logging.getLogger("fleetctl-standin")
 
-VOCAB, DIM, LAYERS, HEADS, CONTEXT = 512, 64, 2, 4, 2048
+VOCAB, DIM, LAYERS, CONTEXT = 512, 256, 2, 8192
+# grouped-query attention of a shape the verify_attention kernel's CPU backend serves
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 EOS = 256  # ids 0..255 are bytes; 256.. are special ids (EOS) and never decode to text
 BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens",
                  "contention_ms", "fail_every"}
-MAX_TOTAL_TOKENS = 4096  # the KV pool size /server_info reports unless --max-total-tokens
+MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; at least CONTEXT + 16
 # The subsets of GenerateReqInput / SamplingParams / CompletionRequest fields implemented here;
 # any other field is refused with 400 instead of being silently ignored.
 GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream"}
 # GenerateReqInput fields the benchmark clients always send, accepted at these values only
 # (0.5.23 benchmark/serving.py async_request_sglang_generate; 0.4.6-0.5.10 bench_serving.py)
-OFF_KEYS = {"lora_path": None, "return_logprob": False, "logprob_start_len": -1,
-            "return_routed_experts": False, "top_logprobs_num": 0, "token_ids_logprob": None}
+OFF_KEYS = {"lora_path": None, "return_routed_experts": False, "token_ids_logprob": None}
+# GenerateReqInput's logprob fields, implemented (Engine._logprobs): their types and defaults
+LOGPROB_KEYS = {"return_logprob": (bool, False), "logprob_start_len": (int, -1), "top_logprobs_num": (int, 0)}
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
            "waiting requests, the operation will not be performed.)\n")  # http_server.py flush_cache
 SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "ignore_eos",
@@ -139,26 +155,29 @@ def decode(ids):
 
 
 def build_model(seed):
-    """The tiny decoder-only transformer (seeded weights), for CPU inference with a KV cache."""
+    """The tiny decoder-only transformer (seeded weights): LAYERS blocks of grouped-query attention
+    (HEADS query heads, KV_HEADS KV heads of HEAD_DIM) reading and writing a KVPool, for CPU
+    inference. forward(ids, positions, pool, step) -> logits [t, VOCAB]."""
     import torch
     from torch import nn
-    from torch.nn import functional as F
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-            self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+            self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
+            self.kv = nn.Linear(DIM, 2 * KV_HEADS * HEAD_DIM)
+            self.proj = nn.Linear(HEADS * HEAD_DIM, DIM)
             self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
-        def forward(self, x, kv):
+        def forward(self, x, layer, pool, step):
             t = x.shape[0]
-            q, k, v = self.qkv(self.ln1(x)).view(t, 3, HEADS, DIM // HEADS).permute(1, 2, 0, 3)
-            if kv is not None:  # decode: append this step's keys/values to the cache
-                k, v = torch.cat([kv[0], k], 1), torch.cat([kv[1], v], 1)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=kv is None and t > 1)
-            x = x + self.proj(a.transpose(0, 1).reshape(t, DIM))
-            return x + self.mlp(self.ln2(x)), (k, v)
+            h = self.ln1(x)
+            q = self.q(h).view(t, HEADS, HEAD_DIM)
+            k, v = self.kv(h).view(t, 2, KV_HEADS, HEAD_DIM).unbind(1)
+            a = pool.attend(layer, q, k.contiguous(), v.contiguous(), step)
+            x = x + self.proj(a.reshape(t, HEADS * HEAD_DIM))
+            return x + self.mlp(self.ln2(x))
 
     class TinyLM(nn.Module):
         def __init__(self):
@@ -167,50 +186,184 @@ def build_model(seed):
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
             self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
 
-        def forward(self, ids, cache):
-            """ids: LongTensor[T]; cache: per-layer (k, v) [HEADS, S, DIM/HEADS] or None."""
-            start = cache[0][0].shape[1] if cache else 0
-            x = self.tok(ids) + self.pos(torch.arange(start, start + ids.shape[0]))
-            new = []
+        def forward(self, ids, positions, pool, step):
+            """ids, positions: LongTensor[t]; step: Step (the slots of the prefix and of these tokens)."""
+            x = self.tok(ids) + self.pos(positions)
             for i, block in enumerate(self.blocks):
-                x, kv = block(x, cache[i] if cache else None)
-                new.append(kv)
-            return self.head(self.norm(x)), new
+                x = block(x, i, pool, step)
+            return self.head(self.norm(x))
+
+        def early_exit(self, ids, positions, pool, step):
+            """The draft model of STANDALONE speculation here: the first block and the head only
+            (an early exit of this model, as LayerSkip-style self-speculation drafts); its KV is the
+            target's first layer's, which it writes to step.slots."""
+            return self.head(self.norm(self.blocks[0](self.tok(ids) + self.pos(positions), 0, pool, step)))
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     return TinyLM().eval()
 
 
+class Step:
+    """One forward step of one request: `prefix` (LongTensor of the KV slots already holding the
+    context, req_to_token[req, :P]), `slots` (LongTensor of the slots these t tokens' K/V go to,
+    SGLang's out_cache_loc), `verify` (a target-verify step: its attention goes through the hook)."""
+
+    def __init__(self, prefix, slots, verify=False):
+        self.prefix, self.slots, self.verify = prefix, slots, verify
+
+
+class KVPool:
+    """The KV cache in SGLang's layout: per layer k_buffer / v_buffer [size + 1, KV_HEADS, HEAD_DIM]
+    (MHATokenToKVPool, sglang/srt/mem_cache/memory_pool.py; slot 0 is the dummy slot padded
+    requests write to, never handed out: TokenToKVPoolAllocator, mem_cache/allocator.py), and a free
+    list of slots. One request runs at a time here (Engine.lock), so the allocator needs no lock.
+
+    attend(layer, q, k, v, step) writes k, v to step.slots and returns the attention output
+    [t, HEADS, HEAD_DIM] of q over the prefix and these tokens (causal): for a target-verify step
+    through `verify` (the installed SGLang's fleetctl_verify.verify_fwd, called as its Triton
+    backend calls extend_attention_fwd) when it serves the call, else (and for every other step)
+    its own attention. `calls` counts {"verify_hook", "verify_own"} target-verify attention calls."""
+
+    def __init__(self, torch, size, verify=None):
+        self.torch, self.size, self.verify = torch, size, verify
+        shape = (size + 1, KV_HEADS, HEAD_DIM)
+        self.k = [torch.zeros(shape) for _ in range(LAYERS)]
+        self.v = [torch.zeros(shape) for _ in range(LAYERS)]
+        self.free_slots = list(range(size, 0, -1))  # pop() hands out the lowest slot first
+        self.calls = {"verify_hook": 0, "verify_own": 0}
+
+    def alloc(self, n):
+        """n free slots (LongTensor), or BadRequest when the pool has fewer."""
+        if n > len(self.free_slots):
+            raise BadRequest("KV pool exhausted: %d slots asked, %d free" % (n, len(self.free_slots)))
+        return self.torch.tensor([self.free_slots.pop() for _ in range(n)], dtype=self.torch.int64)
+
+    def release(self, slots):
+        """Give `slots` (LongTensor or list) back to the free list."""
+        self.free_slots.extend(int(s) for s in reversed(list(slots)))
+
+    def attend(self, layer, q, k, v, step):
+        torch = self.torch
+        kb, vb = self.k[layer], self.v[layer]
+        kb[step.slots], vb[step.slots] = k, v  # SGLang writes the new tokens' K/V before attention
+        t, P = q.shape[0], step.prefix.numel()
+        if step.verify and self.verify is not None:
+            o = torch.empty_like(q)
+            if self.verify(**self.verify_args(q, k, v, o, kb, vb, step.prefix, t)):
+                self.calls["verify_hook"] += 1
+                return o
+        if step.verify:
+            self.calls["verify_own"] += 1
+        idx = torch.cat([step.prefix, step.slots])
+        keys = kb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)  # query head h reads KV head h // G
+        vals = vb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask)
+        return o.transpose(0, 1)
+
+    def verify_args(self, q, k, v, o, kb, vb, prefix, t):
+        """extend_attention_fwd's keywords as SGLang's Triton backend passes them in target verify
+        (0.5.23 sglang/srt/layers/attention/triton_backend.py forward_extend and
+        init_forward_metadata's target-verify branch: qo_indptr int32 [0, T], kv_indptr int32
+        [0, P], kv_indices int64 the prefix slots, a bool custom_mask of T x (P + T) per request (the
+        chain: every prefix column, the drafts causal), mask_indptr int64, max_len_extend T)."""
+        torch = self.torch
+        P = prefix.numel()
+        mask = torch.ones(t, P + t, dtype=torch.bool)
+        mask[:, P:] = torch.ones(t, t, dtype=torch.bool).tril()
+        return {"q_extend": q, "k_extend": k, "v_extend": v, "o_extend": o, "k_buffer": kb, "v_buffer": vb,
+                "qo_indptr": torch.tensor([0, t], dtype=torch.int32),
+                "kv_indptr": torch.tensor([0, P], dtype=torch.int32), "kv_indices": prefix,
+                "custom_mask": mask.flatten(), "is_causal": True,
+                "mask_indptr": torch.tensor([0, t * (P + t)], dtype=torch.int64), "max_len_extend": t,
+                "k_scale": 1.0, "v_scale": 1.0, "sm_scale": HEAD_DIM ** -0.5, "logit_cap": 0.0,
+                "page_size": 1}
+
+
+def load_verify_hook(attention_backend):
+    """fleetctl_verify.verify_fwd of the SGLang installed beside this interpreter, loaded by file
+    path (sglang/srt/layers/attention/fleetctl_verify.py, found with importlib.util.find_spec,
+    which does not import sglang: `import sglang` fails in the lab's no-deps venvs), when the
+    server runs the Triton attention backend (the only one whose target verify SGLang routes
+    there) and the file exists. Returns (verify_fwd or None, what was found, for the log)."""
+    import importlib.util
+    if attention_backend != "triton":
+        return None, "attention backend %s: own verify attention" % (attention_backend or "unset")
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return None, "no sglang installed: own verify attention"
+    path = os.path.join(list(spec.submodule_search_locations)[0], "srt", "layers", "attention", "fleetctl_verify.py")
+    if not os.path.isfile(path):
+        return None, "no %s: own verify attention" % path
+    hook_spec = importlib.util.spec_from_file_location("fleetctl_verify", path)
+    mod = importlib.util.module_from_spec(hook_spec)
+    hook_spec.loader.exec_module(mod)
+    fwd = getattr(mod, "verify_fwd", None)
+    return fwd, ("verify attention through %s" % path if fwd is not None
+                 else "%s loaded, its verify_fwd is None (see its warning): own verify attention" % path)
+
+
+def lookup_draft(context, width, max_ngram=3):
+    """Prompt-lookup draft (SGLang's NGRAM speculative algorithm drafts from the context the same
+    way): the `width` tokens that followed the latest earlier occurrence of the context's last
+    n-gram (n from max_ngram down to 1), padded with the last token to exactly `width`."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
+        tail = context[n_ctx - n:]
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                follow = context[start + n:start + n + width]
+                return follow + [context[-1]] * (width - len(follow))
+    return [context[-1]] * width
+
+
 class Engine:
     """One model, one request at a time (a lock plays the scheduler); `inflight` counts the
-    requests that have arrived and not finished, the one decoding and those waiting."""
+    requests that have arrived and not finished, the one decoding and those waiting. `draft_tokens`:
+    speculative decoding's T (None: plain decoding), `verify`: the hook (load_verify_hook)."""
 
-    def __init__(self, seed, behavior):
+    def __init__(self, seed, behavior, pool_size=CONTEXT, draft_tokens=None, verify=None, algorithm="NGRAM"):
         import torch
         self.torch = torch
         self.model = build_model(seed)
+        self.pool = KVPool(torch, max(pool_size, CONTEXT + 16), verify)
+        self.draft_tokens, self.algorithm = draft_tokens, algorithm
         self.behavior = behavior
         self.lock = threading.Lock()
         self.inflight = 0
         self.count_lock = threading.Lock()
 
-    def generate(self, prompt, sp, on_token=None):
+    def generate(self, prompt, sp, on_token=None, logprobs=None):
         """Decode for one prompt. prompt: token ids; sp: sampling params dict (SamplingParams names);
-        on_token(output_ids so far), if given, is called after each token (a stream's writer).
+        on_token(output_ids so far), if given, is called after each token (a stream's writer);
+        logprobs: None, or {"top": N, "start": logprob_start_len} to fill in (see _logprobs).
 
-        Returns (output_ids, finish_reason dict). Raises BadRequest on invalid input, and what
+        Returns (output_ids, finish_reason dict, info: {"spec_verify_ct", "spec_num_correct_drafts",
+        and with logprobs the meta_info logprob keys}). Raises BadRequest on invalid input, and what
         on_token raises (a client gone: OSError).
         """
         with self.count_lock:
             self.inflight += 1
         try:
-            return self._generate(prompt, sp, on_token)
+            return self._generate(prompt, sp, on_token, logprobs)
         finally:
             with self.count_lock:
                 self.inflight -= 1
 
-    def _generate(self, prompt, sp, on_token):
+    def _pick(self, row, temperature, gen, shift):
+        torch = self.torch
+        if temperature < 1e-5:
+            nxt = int(row.argmax())
+        else:
+            nxt = int(torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=gen))
+        return (nxt + shift) % VOCAB
+
+    def _generate(self, prompt, sp, on_token, logprobs):
         torch = self.torch
         if not prompt or any(not isinstance(i, int) or not 0 <= i < VOCAB for i in prompt):
             raise BadRequest("input_ids must be a non-empty list of ints in [0, %d)" % VOCAB)
@@ -224,38 +377,117 @@ class Engine:
         temperature = 1.0 if temperature is None else float(temperature)
         stops = set(sp.get("stop_token_ids") or ()) | {EOS}
         gen = torch.Generator().manual_seed(sp.get("sampling_seed") or 0)
-        shift = int(self.behavior.get("token_shift", 0))
-        slowdown = float(self.behavior.get("slowdown", 1.0))
-        delay_s = float(self.behavior.get("delay_ms", 0)) / 1000.0
-        contention_s = float(self.behavior.get("contention_ms", 0)) / 1000.0
-        truncate = self.behavior.get("truncate_tokens")
-        out, cache, finish = [], None, {"type": "length", "length": max_new}
+        b = self.behavior
+        shift = int(b.get("token_shift", 0))
+        slowdown = float(b.get("slowdown", 1.0))
+        delay_s = float(b.get("delay_ms", 0)) / 1000.0
+        contention_s = float(b.get("contention_ms", 0)) / 1000.0
+        truncate = b.get("truncate_tokens")
+        # speculative only for greedy requests (a sampled one decodes plainly here)
+        T = self.draft_tokens if self.draft_tokens and temperature < 1e-5 else None
+        out, rows, info = [], [], {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "draft_tokens": T}
+        finish = {"type": "length", "length": max_new}
+        held = []  # slots of the context (req_to_token's row)
         with self.lock, torch.inference_mode():
-            for step in range(max_new):
-                t0 = time.perf_counter()
-                ids = torch.tensor(out[-1:] if cache else prompt)
-                logits, cache = self.model(ids, cache)
-                last = logits[-1]
-                if temperature < 1e-5:
-                    nxt = int(last.argmax())
-                else:
-                    nxt = int(torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=gen))
-                nxt = (nxt + shift) % VOCAB
-                out.append(nxt)
-                if slowdown > 1.0:
-                    time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
-                if delay_s > 0:
-                    time.sleep(delay_s)
-                if contention_s > 0 and self.inflight > 1:
-                    time.sleep(contention_s * (self.inflight - 1))
-                if truncate is not None and len(out) >= truncate:
-                    return out, {"type": "stop", "matched": EOS}
-                if (nxt in stops and not sp.get("ignore_eos", False)
-                        and len(out) >= sp.get("min_new_tokens", 0)):
-                    return out, {"type": "stop", "matched": nxt}
-                if on_token is not None and step < max_new - 1:
-                    on_token(out)
-        return out, finish
+            try:
+                pending = []  # tokens decided and not yet emitted (a verify step decides several)
+                while len(out) < max_new:
+                    t0 = time.perf_counter()
+                    if not pending:
+                        pending, lp_rows = self._advance(prompt, out, held, T, temperature, gen, shift, info)
+                        rows_pending = list(lp_rows)
+                    nxt = pending.pop(0)
+                    rows.append(rows_pending.pop(0))
+                    out.append(nxt)
+                    if slowdown > 1.0:
+                        time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+                    if delay_s > 0:
+                        time.sleep(delay_s)
+                    if contention_s > 0 and self.inflight > 1:
+                        time.sleep(contention_s * (self.inflight - 1))
+                    if truncate is not None and len(out) >= truncate:
+                        finish = {"type": "stop", "matched": EOS}
+                        break
+                    if (nxt in stops and not sp.get("ignore_eos", False)
+                            and len(out) >= sp.get("min_new_tokens", 0)):
+                        finish = {"type": "stop", "matched": nxt}
+                        break
+                    if on_token is not None and len(out) < max_new:
+                        on_token(out)
+                if logprobs is not None:
+                    info.update(self._logprobs(prompt, out, rows, logprobs))
+            finally:
+                self.pool.release(held)
+                held.clear()
+        return out, finish, info
+
+    def _advance(self, prompt, out, held, T, temperature, gen, shift, info):
+        """One forward step for the request: the prefill (nothing decoded yet), a plain decode
+        step, or with T a target-verify step over [last token, T-1 prompt-lookup drafts] with greedy
+        acceptance. `held` (the context's slots) grows by the tokens whose K/V are now cached.
+        Returns (the tokens it decided, in order; their logit rows, for logprobs)."""
+        torch = self.torch
+        pool = self.pool
+        if not out:  # prefill: the prompt's K/V, the first token from its last row
+            slots = pool.alloc(len(prompt))
+            held.extend(slots.tolist())
+            logits = self.model(torch.tensor(prompt), torch.arange(len(prompt)), pool,
+                                Step(torch.empty(0, dtype=torch.int64), slots))
+            self.prefill_logits = logits
+            return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
+        context = prompt + out
+        n = len(context) - 1  # the last token's K/V is not cached yet
+        prefix = torch.tensor(held, dtype=torch.int64)
+        if T is None or n + T > CONTEXT:
+            slots = pool.alloc(1)
+            held.extend(slots.tolist())
+            logits = self.model(torch.tensor(out[-1:]), torch.tensor([n]), pool, Step(prefix, slots))
+            return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
+        slots = pool.alloc(T)
+        if self.algorithm == "NGRAM":
+            drafts = lookup_draft(context, T - 1)
+        else:  # STANDALONE: T-1 greedy steps of the early-exit draft, its layer-0 K/V in the verify's slots
+            drafts = []
+            for j in range(T - 1):
+                row = self.model.early_exit(torch.tensor((out[-1:] + drafts)[-1:]), torch.tensor([n + j]), pool,
+                                            Step(torch.cat([prefix, slots[:j]]), slots[j:j + 1]))
+                drafts.append((int(row[-1].argmax()) + shift) % VOCAB)
+        logits = self.model(torch.tensor(out[-1:] + drafts), torch.arange(n, n + T), pool,
+                            Step(prefix, slots, verify=True))
+        targets = [(int(i) + shift) % VOCAB for i in logits.argmax(-1)]
+        accepted = 0
+        while accepted < T - 1 and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        held.extend(slots[:accepted + 1].tolist())  # the last token and the accepted drafts
+        pool.release(slots[accepted + 1:])
+        info["spec_verify_ct"] += 1
+        info["spec_num_correct_drafts"] += accepted
+        return targets[:accepted + 1], [logits[i] for i in range(accepted + 1)]
+
+    def _logprobs(self, prompt, out, rows, want):
+        """SGLang's meta_info logprob keys (0.5.23 tokenizer_manager.py detokenize_logprob_tokens,
+        :3098-3116: (logprob, token_id, None) tuples without return_text_in_logprobs;
+        detokenize_top_logprobs_tokens :3118-3135): output_token_logprobs (the log-softmax of the
+        row that picked each output token), output_top_logprobs (the top N of each row, when
+        top_logprobs_num N > 0), input_token_logprobs / input_top_logprobs from logprob_start_len
+        (-1: the last prompt token only), the first prompt token's logprob None."""
+        torch = self.torch
+        top = int(want.get("top") or 0)
+        start = want.get("start", -1)
+        start = len(prompt) - 1 if start is None or start < 0 else min(int(start), len(prompt) - 1)
+        out_lp = [torch.log_softmax(r.double(), -1) for r in rows]
+        meta = {"output_token_logprobs": [[float(lp[i]), i, None] for lp, i in zip(out_lp, out)],
+                "output_token_logprobs_length": len(out)}
+        pre = torch.log_softmax(self.prefill_logits.double(), -1)  # row j predicts prompt[j + 1]
+        meta["input_token_logprobs"] = [[None if j == 0 else float(pre[j - 1][prompt[j]]), prompt[j], None]
+                                        for j in range(start, len(prompt))]
+        if top > 0:
+            def topk(lp):
+                v, i = lp.topk(min(top, VOCAB))
+                return [[float(a), int(b), None] for a, b in zip(v, i)]
+            meta["output_top_logprobs"] = [topk(lp) for lp in out_lp]
+            meta["input_top_logprobs"] = [None if j == 0 else topk(pre[j - 1]) for j in range(start, len(prompt))]
+        return meta
 
 
 class StandIn:
@@ -298,11 +530,16 @@ class StandIn:
     def load(self):
         """Build the model and warm it up (runs in a thread while /health answers 503)."""
         try:
-            engine = Engine(self.args.random_seed, self.behavior)
+            a = self.args
+            verify, said = load_verify_hook(a.attention_backend)
+            draft = (a.speculative_num_draft_tokens or 4) if a.speculative_algorithm else None
+            engine = Engine(a.random_seed, self.behavior, a.max_total_tokens, draft, verify, a.speculative_algorithm)
             engine.generate([0], {"max_new_tokens": 2, "temperature": 0})
             self.engine = engine
-            log.info("fleetctl stand-in: model ready (tiny %d-layer transformer, seed %d, "
-                     "behaviour %s)", LAYERS, self.args.random_seed, self.behavior)
+            log.info("fleetctl stand-in: model ready (tiny %d-layer transformer, %d query heads, %d KV heads "
+                     "of %d, seed %d, %s, behaviour %s)", LAYERS, HEADS, KV_HEADS, HEAD_DIM, a.random_seed,
+                     "speculative %s, %d draft tokens; %s" % (a.speculative_algorithm, draft, said)
+                     if draft else "no speculative decoding", self.behavior)
         except Exception:  # /health then answers 503 forever; the log says why
             log.exception("fleetctl stand-in: model load failed")
 
@@ -312,24 +549,25 @@ class StandIn:
         return (self.engine is not None and not b.get("never_healthy")
                 and time.monotonic() - self.started >= float(b.get("unhealthy_for_s", 0)))
 
-    def run(self, prompt, sp, rid, on_chunk=None):
+    def run(self, prompt, sp, rid, on_chunk=None, logprobs=None):
         """One finished generate result, shaped like TokenizerManager's out dict. on_chunk, if
         given, gets each unfinished one (cumulative text, output_ids, meta_info, finish_reason
-        None) as it is decoded: a stream's events."""
+        None) as it is decoded: a stream's events. logprobs: parse's, None for none."""
         t0 = time.perf_counter()
         on_token = None if on_chunk is None else lambda ids: on_chunk(out_dict(rid, prompt, ids, None))
-        ids, finish = self.engine.generate(prompt, sp, on_token)
-        out = out_dict(rid, prompt, ids, finish)
+        ids, finish, info = self.engine.generate(prompt, sp, on_token, logprobs)
+        out = out_dict(rid, prompt, ids, finish, info)
         out["meta_info"]["e2e_latency"] = time.perf_counter() - t0
         log.info("fleetctl stand-in: generate rid=%s prompt_tokens=%d completion_tokens=%d "
                  "e2e_latency=%.4fs", rid, len(prompt), len(ids), out["meta_info"]["e2e_latency"])
         return out
 
     def parse(self, req):
-        """Check a GenerateReqInput-shaped dict -> (prompts, sampling params, rids, batch).
+        """Check a GenerateReqInput-shaped dict -> (prompts, sampling params, rids, batch, logprobs:
+        None, or {"top": top_logprobs_num, "start": logprob_start_len} with return_logprob).
         Raises BadRequest for what the stand-in does not implement (a key, or an OFF_KEYS key
         at another value) or an invalid request."""
-        unknown = set(req) - GENERATE_KEYS - set(OFF_KEYS)
+        unknown = set(req) - GENERATE_KEYS - set(OFF_KEYS) - set(LOGPROB_KEYS)
         if unknown:
             raise BadRequest("fleetctl stand-in does not implement %s" % sorted(unknown))
         on = sorted(k for k in set(req) & set(OFF_KEYS)
@@ -337,6 +575,11 @@ class StandIn:
         if on:
             raise BadRequest("fleetctl stand-in implements %s only at %s"
                              % (on, {k: OFF_KEYS[k] for k in on}))
+        for k, (kind, default) in LOGPROB_KEYS.items():
+            if req.get(k) is not None and (type(req[k]) is not kind or (kind is int and req[k] < -1)):
+                raise BadRequest("%s must be %s, got %r" % (k, kind.__name__, req[k]))
+        logprobs = ({"top": req.get("top_logprobs_num") or 0, "start": req.get("logprob_start_len", -1)}
+                    if req.get("return_logprob") else None)
         if (req.get("text") is None) == (req.get("input_ids") is None):
             raise BadRequest("Either text or input_ids should be provided.")
         sp = req.get("sampling_params") or {}
@@ -359,14 +602,14 @@ class StandIn:
             rids = [rid or uuid.uuid4().hex]
         if req.get("stream") and batch:
             raise BadRequest("fleetctl stand-in does not implement stream=true for a batch")
-        return prompts, sp, rids, batch
+        return prompts, sp, rids, batch, logprobs
 
     def generate(self, req):
         """POST /generate without stream: a GenerateReqInput-shaped dict -> one result or a list
         (batch). Raises BadRequest (HTTP 400)."""
-        prompts, sp, rids, batch = self.parse(req)
+        prompts, sp, rids, batch, logprobs = self.parse(req)
         self.count("generate")
-        outs = [self.run(p, sp, r) for p, r in zip(prompts, rids)]
+        outs = [self.run(p, sp, r, logprobs=logprobs) for p, r in zip(prompts, rids)]
         return outs if batch else outs[0]
 
     def flush_cache(self, timeout_s):
@@ -427,6 +670,11 @@ class StandIn:
         return {"model_path": a.model_path, "tokenizer_path": TOKENIZER_DIR, "host": a.host,
                 "port": a.port, "tp_size": a.tp_size, "context_length": CONTEXT, **layout(a),
                 "random_seed": a.random_seed, "skip_tokenizer_init": False, "page_size": 1,
+                "kv_cache_dtype": "auto", "attention_backend": a.attention_backend,
+                "speculative_algorithm": a.speculative_algorithm,
+                "speculative_num_draft_tokens": (a.speculative_num_draft_tokens or 4) if a.speculative_algorithm else None,
+                "speculative_eagle_topk": (a.speculative_eagle_topk or 1) if a.speculative_algorithm else None,
+                "speculative_num_steps": a.speculative_num_steps if a.speculative_algorithm else None,
                 "max_running_requests": None, "max_total_tokens": pool,
                 "max_total_num_tokens": pool, "max_req_input_len": min(CONTEXT, pool) - 1,
                 "weight_version": "default", "version": sglang_version(),
@@ -442,12 +690,26 @@ def layout(a):
             "base_gpu_id": a.base_gpu_id, "gpu_id_step": a.gpu_id_step}
 
 
-def out_dict(rid, prompt, ids, finish):
+def out_dict(rid, prompt, ids, finish, info=None):
     """A generate result as TokenizerManager shapes it: {text, output_ids, meta_info}; ids and
-    text cumulative, finish_reason None while unfinished (no e2e_latency then)."""
-    return {"text": decode(ids), "output_ids": list(ids), "meta_info": {
-        "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": "default",
-        "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": len(ids), "cached_tokens": 0}}
+    text cumulative, finish_reason None while unfinished (no e2e_latency then). `info`
+    (Engine.generate's): the logprob keys, and the speculative metrics as SGLang adds them only
+    for a request that was verified at least once (0.5.23 tokenizer_manager.py
+    _calculate_spec_decoding_metrics, :3138-3172: spec_accept_rate, spec_accept_length =
+    completion_tokens / spec_verify_ct, spec_num_correct_drafts, spec_num_proposed_drafts,
+    spec_verify_ct)."""
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "weight_version": "default",
+            "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": len(ids), "cached_tokens": 0}
+    info = dict(info or {})
+    verify_ct, correct = info.pop("spec_verify_ct", 0), info.pop("spec_num_correct_drafts", 0)
+    draft = info.pop("draft_tokens", None)
+    if verify_ct > 0 and draft:
+        proposed = verify_ct * (draft - 1)
+        meta.update({"spec_accept_rate": correct / proposed, "spec_accept_length": len(ids) / verify_ct,
+                     "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed,
+                     "spec_verify_ct": verify_ct})
+    meta.update(info)
+    return {"text": decode(ids), "output_ids": list(ids), "meta_info": meta}
 
 
 def sse(obj):
@@ -492,7 +754,7 @@ class Handler(BaseHTTPRequestHandler):
         `data: [DONE]`: an event per token, or the error event of a request that fails once
         the stream began (SGLang's stream_results)."""
         s = self.state
-        prompts, sp, rids, _ = s.parse(req)
+        prompts, sp, rids, _, logprobs = s.parse(req)
         s.count("generate", streamed=True)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -500,7 +762,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()  # HTTP/1.0: the body ends when the connection closes
         try:
             try:
-                out = s.run(prompts[0], sp, rids[0], on_chunk=lambda chunk: self.wfile.write(sse(chunk)))
+                out = s.run(prompts[0], sp, rids[0], on_chunk=lambda chunk: self.wfile.write(sse(chunk)),
+                            logprobs=logprobs)
                 self.wfile.write(sse(out))
             except BadRequest as e:
                 self.wfile.write(sse({"error": {"message": str(e), "type": "invalid_request_error",
@@ -619,9 +882,19 @@ def main(argv=None):
     p.add_argument("--enable-dp-attention", action="store_true")
     p.add_argument("--dist-init-addr", "--nccl-init-addr", default=None)
     p.add_argument("--attention-backend", default=None, help="accepted as SGLang takes it; only its command line says it")
+    p.add_argument("--speculative-algorithm", default=None, choices=["NGRAM", "STANDALONE"],
+                   help="NGRAM: a prompt-lookup draft; STANDALONE: a draft model, here this model's first "
+                        "block and head; then a target-verify step over the drafts")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="T: the verify width (default 4)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="accepted as SGLang takes it; 1 only")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="accepted as SGLang takes it")
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS,
                    help="the KV pool size /server_info reports as max_total_num_tokens")
     args = p.parse_args(argv)
+    if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens < 2:
+        p.error("--speculative-num-draft-tokens must be at least 2 (the last token and one draft)")
+    if args.speculative_eagle_topk not in (None, 1):
+        p.error("--speculative-eagle-topk: the stand-in drafts a chain (topk 1) only")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     behavior = load_behavior(args.behavior)

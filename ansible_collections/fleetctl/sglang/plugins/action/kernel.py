@@ -2,10 +2,14 @@
 # Copyright: (c) 2026, fleetctl maintainers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """fleetctl.sglang.kernel on the controller: load the package, find the SGLang interpreter (inspect
-module), preflight and build key, then transfer, build, test and mark on the host (the kernel
-module's steps, the same sequence as `fleetctl deploy kernel`: deploy.build_and_test), and
-activate with the patch module's host side (one ledger change), under the play's lease on
-fleetctl's host lock (the lock module: renewed, or taken when the play holds none)."""
+module), preflight and build key, then, as `fleetctl deploy kernel` does (engine/deploy.py), build
+privately (STATE_DIR/kernels/NAME/<key>: transfer, build, test and mark on the host, the kernel
+module's steps, deploy.build_and_test) unless a passed or published build of the key is there,
+publish it (PUBLIC/NAME/<key>, kbuild's publish), and activate the `current` link and the dispatch
+table (the task's `route`, else one that routes nothing: ops.kernel_table) as one ledger change
+with the patch module's host side, under the play's lease on fleetctl's host lock (the lock
+module: renewed, or taken when the play holds none). The same key with a table that routes the
+same (dispatch.same_routing) is nothing to do."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ class ActionModule(ActionBase):
 
     TRANSFERS_FILES = False
     _VALID_ARGS = frozenset(("name", "kernels_dir", "state", "change_id", "commit", "force", "max_jobs",
-                             "build_timeout", "state_dir"))
+                             "build_timeout", "state_dir", "route"))
 
     def _module(self, name, args, task_vars):
         return self._execute_module(module_name=name, module_args=args, task_vars=task_vars)
@@ -39,9 +43,8 @@ class ActionModule(ActionBase):
             return result
         try:
             from fleetctl.collection import ops
-            from fleetctl.engine import deploy
-            from fleetctl.errors import ParseError
-            from fleetctl.errors import HostFailed
+            from fleetctl.engine import deploy, dispatch
+            from fleetctl.errors import HostFailed, ParseError, UsageError
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
 
@@ -56,6 +59,7 @@ class ActionModule(ActionBase):
 
         try:
             ops.check_pins(pins.FLEETCTL_VERSION, pins.PROBE_SHA256)
+            route = ops.kernel_route(args.get("route"))
             host = ops.host_from_vars(task_vars["inventory_hostname"], task_vars, self._templar.template)
             pkg = ops.kernel_package(args.get("name"), args.get("kernels_dir"))
             gathered = self._module(INSPECT, {"python": host.python, "scan": False}, task_vars)
@@ -64,22 +68,33 @@ class ActionModule(ActionBase):
             python = gathered["facts"]["python"]["path"]
             pre = step("preflight", backends=sorted(pkg.backends))
             key = deploy.preflight_key(pkg, pre)
-            root, bdir, link = deploy.kernel_paths(state_dir, pkg.name, key)
-            st = step("state", link=link, build_dir=bdir)
+            private, pub = deploy.private_dir(state_dir, pkg.name, key), deploy.public_paths(pkg.name, key)
+            st = step("state", link=pub["link"], build_dir=private, public_dir=pub["build"], table=pub["table"],
+                      hook=None)
             current = st["current"]
-            result.update(backend=pre["backend"], arch=pre["arch"], build_key=key, previous=current,
-                          reused=st["passed"], refusals=pre["refusals"], changed=current != key)
-            if self._task.check_mode or current == key and st["passed"]:
+            reused = st["passed"] or st["published"]
+            table = ops.kernel_table(pkg, key, pre["backend"], route)
+            old = deploy.on_host_table(st["table"])
+            same = current == key and dispatch.same_routing(old, table)
+            result.update(backend=pre["backend"], arch=pre["arch"], build_key=key, previous=current, reused=reused,
+                          refusals=pre["refusals"])
+            if self._task.check_mode:  # the table it would write; a change unless published and in force already
+                result.update(table=old if same else table, changed=not (same and st["published"]))
                 return result
-            if not st["passed"]:
+            if not reused:
                 deploy.build_and_test(
                     step, lambda src: step("upload", src_dir=src, files=ops.transfer(pkg)), pkg,
-                    pre["backend"], pre["arch"], bdir, current, int(args.get("max_jobs", 4)),
+                    pre["backend"], pre["arch"], private, current, int(args.get("max_jobs", 4)),
                     float(args.get("build_timeout", 1800)), result)
-                result["changed"] = True
-            if current == key:
+            published = step("publish", build_dir=private, public_dir=pub["build"])
+            if not published["ok"]:
+                raise HostFailed("%s (active build stays %s)" % (published["error"], current or "none"))
+            result["published"] = published["published"]
+            if same:  # nothing to activate; a build or a publish of the key is still a change on the host
+                result.update(table=old, changed=not reused or not published["reused"])
                 return result
-            plan = ops.kernel_change(pkg, root, link, current, key,
+            plan = ops.kernel_change(pkg, pub["root"], pub["link"], current, key,
+                                     deploy.table_item(pub["table"], st["table"], table),
                                      "ansible@%s" % task_vars.get("inventory_hostname"), host.shared_tree)
             # the activation is written under the play's lease on fleetctl's host lock (renewed, or
             # taken here when the play holds none), as the patch action writes a change
@@ -91,7 +106,7 @@ class ActionModule(ActionBase):
             result["ansible_facts"] = {ops.LEASE_FACT: fact}
             if wrote.get("failed"):
                 raise HostFailed("activation: %s" % wrote.get("msg"))
-        except (HostFailed, ParseError) as e:
+        except (HostFailed, ParseError, UsageError) as e:
             return dict(result, failed=True, msg=str(e))
-        result["change_id"] = plan["change_id"]
+        result.update(change_id=plan["change_id"], table=table, changed=True)
         return result

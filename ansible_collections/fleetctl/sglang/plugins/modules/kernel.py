@@ -11,13 +11,21 @@ short_description: Build, test and activate a fleetctl kernel package on a host,
 description:
   - On the controller (action plugin) it loads the kernel package (C(kernels/NAME/kernel.yaml)), asks the host for its
     build facts (GPU arch, nvcc, torch, with the interpreter that serves SGLang, found by M(fleetctl.sglang.inspect)),
-    and computes the build key. A build that passed its reference test before is reused; otherwise the package is
-    transferred (each file's sha256 checked on the host), built into O(state_dir)/kernels/NAME/KEY/build and tested
-    against the package's reference in a fresh process, then marked PASSED.
+    and computes the build key. A build of the key that passed its reference test before (privately) or was
+    published is reused; otherwise the package is transferred (each file's sha256 checked on the host), built
+    privately into O(state_dir)/kernels/NAME/KEY/build and tested against the package's reference in a fresh process,
+    then marked PASSED.
+  - The passed build is published, as C(fleetctl deploy kernel) publishes it, to C(/var/lib/fleetctl-kernels/NAME/KEY)
+    (a copy owned by root that every user may read, so an unprivileged SGLang server can load it; a copy published
+    before is checked and kept).
   - The activation is the same ledger change as C(fleetctl deploy kernel)'s, written by M(fleetctl.sglang.patch)'s
-    host side - the C(current) link swapped atomically - and stays C(pending) until M(fleetctl.sglang.smoke) gates
-    and commits it, or O(commit) commits it at once. C(fleetctl status) shows the active build; C(fleetctl rollback)
-    and O(state=rolled_back) switch back.
+    host side - the C(/var/lib/fleetctl-kernels/NAME/current) link swapped atomically and the dispatch table
+    C(/var/lib/fleetctl-kernels/NAME/dispatch.json) beside it written, rolled back together - and stays C(pending)
+    until M(fleetctl.sglang.smoke) gates and commits it, or O(commit) commits it at once. The table routes the shapes
+    O(route) names, else nothing (this module measures no speedup; a measured table comes from
+    C(fleetctl deploy kernel) on a GPU host). The same build with a table that routes the same is nothing to do; the
+    same build with another O(route) writes only the table. C(fleetctl status) shows the active build and what its
+    table routes; C(fleetctl rollback) and O(state=rolled_back) put link and table back.
   - This module's own arguments O(step), O(python) and O(params) are the action plugin's; a task names the package.
 version_added: "0.1.0"
 author:
@@ -45,6 +53,13 @@ options:
     description: Roll back even when the link changed since the activation.
     type: bool
     default: false
+  route:
+    description:
+      - What the build's dispatch table routes to it, recorded as the operator's (source C(operator)), as
+        C(fleetctl deploy kernel --route) takes it - V(all), or shapes C(HEAD_DIM:GROUP:DRAFT_TOKENS:DTYPE[:MAX_BATCH])
+        (DTYPE float16, bfloat16 or float32; no MAX_BATCH - any batch), a list or one comma-separated string.
+      - Without it the table routes nothing (source C(none)).
+    type: raw
   max_jobs:
     description: Cap on parallel compile jobs on the host.
     type: int
@@ -60,7 +75,7 @@ options:
   step:
     description: One host step, run by the action plugin. Not for direct use.
     type: str
-    choices: [preflight, state, upload, build, test, mark]
+    choices: [preflight, state, upload, build, test, mark, publish]
   python:
     description: The interpreter that serves SGLang (it has torch), for the action plugin's steps. Not for direct use.
     type: str
@@ -74,10 +89,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Says whether it would build and activate; builds nothing, changes nothing.
+    description: Says whether it would build, publish and activate, and the table it would write (RV(table));
+      uploads, builds, publishes and changes nothing.
   diff_mode:
     support: none
-    description: An activation swaps a link; the result names the build before (RV(previous)) and after (RV(build_key)).
+    description: An activation swaps a link and writes a table; the result names the build before (RV(previous)) and
+      after (RV(build_key)), and the table (RV(table)).
   action:
     support: full
     description: The action plugin loads the package and computes the build key on the controller.
@@ -91,6 +108,16 @@ EXAMPLES = r"""
   register: kernel
   notify: restart sglang
 
+- name: Route every shape the build serves to it
+  fleetctl.sglang.kernel:
+    name: verify_attention
+    route: all
+
+- name: Route two shapes (the second at any batch size)
+  fleetctl.sglang.kernel:
+    name: verify_attention
+    route: ["64:2:4:float32:8", "128:4:4:bfloat16"]
+
 - name: Switch back
   fleetctl.sglang.kernel:
     state: rolled_back
@@ -100,7 +127,7 @@ EXAMPLES = r"""
 RETURN = r"""
 change_id:
   description: The activation's ledger id.
-  returned: when the active build changed, or with O(state=rolled_back)
+  returned: when the active build or its dispatch table changed, or with O(state=rolled_back)
   type: str
 build_key:
   description: The build key (package, backend, torch, CUDA, nvcc, arch hashed).
@@ -115,9 +142,19 @@ previous:
   returned: with O(state=activated)
   type: str
 reused:
-  description: Whether a build that passed its reference test before was reused.
+  description: Whether a build that passed its reference test before, or was published, was reused.
   returned: with O(state=activated)
   type: bool
+published:
+  description: The published build's directory (/var/lib/fleetctl-kernels/NAME/KEY).
+  returned: with O(state=activated), not in check mode
+  type: str
+table:
+  description:
+    - The dispatch table in force after the run (check mode - the one it would write), as the file holds it (schema,
+      kernel, build, backend, source V(operator) or V(none), route, all, entries, measured, why, made).
+  returned: with O(state=activated), unless it failed
+  type: dict
 build:
   description: The build (ok, seconds, log_path, timed_out, removed_stale_lock).
   returned: when it built
@@ -185,9 +222,9 @@ def main():
             name=dict(type="str"), kernels_dir=dict(type="path"),
             state=dict(type="str", default="activated", choices=["activated", "rolled_back"]),
             change_id=dict(type="str"), commit=dict(type="bool", default=False), force=dict(type="bool", default=False),
-            max_jobs=dict(type="int", default=4), build_timeout=dict(type="float", default=1800),
+            route=dict(type="raw"), max_jobs=dict(type="int", default=4), build_timeout=dict(type="float", default=1800),
             state_dir=dict(type="path", default="/var/lib/fleetctl"),
-            step=dict(type="str", choices=["preflight", "state", "upload", "build", "test", "mark"]),
+            step=dict(type="str", choices=["preflight", "state", "upload", "build", "test", "mark", "publish"]),
             python=dict(type="str"), params=dict(type="dict"), timeout=dict(type="float", default=120),
         ),
         required_together=[("step", "python", "params")],
@@ -196,7 +233,7 @@ def main():
     p = module.params
     if not p["step"]:
         module.fail_json(msg="fleetctl.sglang.kernel runs through its action plugin, which loads the package")
-    changing = p["step"] in ("upload", "build", "mark")
+    changing = p["step"] in ("upload", "build", "mark", "publish")
     if module.check_mode and changing:
         module.fail_json(msg="check mode: the %s step changes the host" % p["step"])
     try:

@@ -1,0 +1,231 @@
+"""engine/measure.py (the measured dispatch table) and probes/serverinfo.py, on hand-made figures: the
+per-rank shapes from /server_info and config.json, the >= 1.1x-at-every-prefix choice, measured_table over
+fake probe answers (every failure a source "none" table, never an exception), and the config.json reader's
+refusals. No GPU here: the CUDA timing itself (dispatch_bench.py) is not run by these tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from fleetctl.engine import measure
+from fleetctl.errors import ProbeFailed
+from fleetctl.probes import serverinfo
+
+INFO = {"tp_size": 1, "dp_size": 1, "enable_dp_attention": False, "speculative_algorithm": "EAGLE",
+        "speculative_num_draft_tokens": 4, "speculative_eagle_topk": 1, "page_size": 1, "kv_cache_dtype": "auto",
+        "dtype": "auto", "model_path": "/models/m", "context_length": 32768, "attention_backend": "triton",
+        "cuda_graph_max_bs": 8}
+LLAMA8B = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "torch_dtype": "bfloat16"}
+
+
+def one(info=None, config=None, **kw):
+    shapes, why = measure.shapes_and_why([dict(info or INFO, **kw)], [config if config is not None else LLAMA8B])
+    return shapes, why
+
+
+def test_llama_shape_per_rank():
+    [s], why = one()
+    assert why == []
+    assert (s["head_dim"], s["group"], s["draft_tokens"], s["dtype"]) == (128, 4, 4, "bfloat16")
+    assert (s["q_heads"], s["kv_heads"], s["topk"], s["batches"]) == (32, 8, 1, [1, 2, 4, 8])
+
+
+def test_group_is_per_rank_after_dividing_by_tp():
+    # 32 query heads, 8 KV heads over TP 16: 2 query heads and max(1, 8 // 16) = 1 KV head per rank
+    [s], _ = one(tp_size=16)
+    assert (s["q_heads"], s["kv_heads"], s["group"]) == (2, 1, 2)
+    [s], _ = one(tp_size=4)
+    assert (s["q_heads"], s["kv_heads"], s["group"]) == (8, 2, 4)
+    # DP attention: attention TP = tp / dp
+    [s], _ = one(tp_size=8, dp_size=4, enable_dp_attention=True)
+    assert (s["q_heads"], s["kv_heads"]) == (16, 4)
+
+
+def test_head_dim_given_wins_over_hidden_size():
+    # Qwen3-style: head_dim 128 though hidden_size / heads is 64
+    [s], _ = one(config={"num_attention_heads": 32, "num_key_value_heads": 4, "hidden_size": 2048,
+                         "head_dim": 128, "torch_dtype": "bfloat16"})
+    assert s["head_dim"] == 128 and s["group"] == 8
+    [s], _ = one(config={"num_attention_heads": 32, "num_key_value_heads": 4, "hidden_size": 2048,
+                         "torch_dtype": "bfloat16"})
+    assert s["head_dim"] == 64
+
+
+def test_text_config_and_dtypes():
+    [s], _ = one(config={"text_config": dict(LLAMA8B, torch_dtype="float16")})
+    assert s["head_dim"] == 128 and s["dtype"] == "float16"
+    [s], _ = one(config=dict(LLAMA8B, torch_dtype="float32"))   # auto: FP16 for FP32 models
+    assert s["dtype"] == "float16"
+    [s], _ = one(dtype="bfloat16", config=dict(LLAMA8B, torch_dtype="float16"))
+    assert s["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"speculative_algorithm": None}, "does not speculate"),
+    ({"attention_backend": "flashinfer"}, "triton backend only"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype fp8_e4m3"),
+    ({"tp_size": 3}, "does not split over attention TP 3"),
+    ({"speculative_num_draft_tokens": True}, "speculative_num_draft_tokens missing"),
+])
+def test_servers_left_out_say_why(change, said):
+    shapes, why = one(**change)
+    assert shapes == [] and len(why) == 1 and said in why[0]
+
+
+def test_batches_capped_and_merged():
+    shapes = measure.shapes_for([dict(INFO, cuda_graph_max_bs=2), dict(INFO, cuda_graph_max_bs=4)], [LLAMA8B] * 2)
+    assert len(shapes) == 1 and shapes[0]["batches"] == [1, 2, 4]
+    assert measure.shapes_for([dict(INFO, cuda_graph_max_bs=None)], [LLAMA8B])[0]["batches"] == [1, 2, 4, 8, 16, 32]
+
+
+def rows(table):
+    """dispatch_bench results from {batch: [speedup per prefix]} (prefixes 1024, 4096)."""
+    return [{"batch": b, "prefix": p, "speedup": s, "agree": True, "ms_build": 1.0, "ms_sglang": s}
+            for b, sp in table.items() for p, s in zip((1024, 4096), sp)]
+
+
+SHAPE = {"head_dim": 128, "group": 4, "draft_tokens": 4, "dtype": "bfloat16", "q_heads": 32, "kv_heads": 8, "topk": 1}
+
+
+def test_enabled_only_at_every_prefix():
+    m = dict(SHAPE, results=rows({1: [1.5, 1.2], 2: [1.4, 1.3], 4: [1.6, 1.05], 8: [2.0, 2.0]}))
+    [e], [rec] = measure.choose([m])
+    # batch 4 misses at 4096: max_batch 2 (batch 8, though faster, is beyond a bucket that missed)
+    assert e == {"head_dim": 128, "group": 4, "draft_tokens": 4, "dtype": "bfloat16", "max_batch": 2,
+                 "speedup": [1.4, 1.2]}
+    assert rec["enabled"] and rec["max_batch"] == 2 and rec["speedups"]["4"] == [1.6, 1.05]
+
+
+def test_one_prefix_is_not_enough():
+    m = dict(SHAPE, results=rows({1: [3.0, 1.09], 2: [3.0, 1.0]}))
+    entries, [rec] = measure.choose([m])
+    assert entries == [] and rec["enabled"] is False and "batch 1" in rec["why"]
+
+
+def test_a_missing_prefix_disagreeing_outputs_or_error_is_not_met():
+    m = dict(SHAPE, results=rows({1: [1.5, 1.5]})[:1])          # 4096 not timed
+    assert measure.choose([m], prefixes=[1024, 4096])[0] == []
+    r = rows({1: [1.5, 1.5]})
+    r[1]["agree"] = False
+    assert measure.choose([dict(SHAPE, results=r)])[0] == []
+    r = rows({1: [1.5, 1.5]})
+    r[1] = {"batch": 1, "prefix": 4096, "error": "RuntimeError: capture failed"}
+    assert measure.choose([dict(SHAPE, results=r)], prefixes=[1024, 4096])[0] == []
+    assert measure.choose([dict(SHAPE, results=rows({1: [1.5, 1.5]}))], min_speedup=1.6)[0] == []
+
+
+class Ctx:
+    def __init__(self, answers):
+        self.host = SimpleNamespace(sglang_port=None, sglang_host=None, sglang_api_key=None)
+        self.container = None
+        self.answers, self.calls = answers, []
+
+    def probe(self, main, params, python=None, timeout=None):
+        self.calls.append((main, params, python, timeout))
+        a = self.answers[main]
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+
+SERVER = {"pid": 42, "python": "/opt/py/bin/python3", "port": 30000, "host": "127.0.0.1"}
+FACTS = {"python": {"path": "/opt/py/bin/python3"}, "servers": [SERVER]}
+MODULE = "/var/lib/fleetctl-kernels/verify_attention/k1/build/verify_attention_cuda.so"
+PKG = SimpleNamespace(name="verify_attention")
+
+
+def bench_answer(**kw):
+    return {"ok": True, "rc": 0, "timed_out": False, "answer": dict({
+        "ok": True, "device": "cuda", "device_name": "NVIDIA H200 (cuda:0)", "graphs": True,
+        "sglang": {"version": "0.5.23"}, "shapes": [dict(SHAPE, results=rows({1: [1.5, 1.2], 2: [1.3, 1.0]}))]},
+        **kw)}
+
+
+def info_answer():
+    return {"servers": [{"pid": 42, "host": "127.0.0.1", "port": 30000, "server_info": dict(INFO, context_length=8192),
+                         "config": LLAMA8B, "error": None}], "refused": []}
+
+
+def test_measured_table():
+    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    t = measure.measured_table(ctx, "/opt/py/bin/python3", PKG, MODULE, "k1", FACTS)
+    assert t["schema"] == "fleetctl-dispatch/1" and t["source"] == "measured" and t["build"] == "k1"
+    assert t["backend"] == "cuda" and t["all"] is False and t["route"] is None
+    assert t["entries"] == [{"head_dim": 128, "group": 4, "draft_tokens": 4, "dtype": "bfloat16", "max_batch": 1,
+                             "speedup": [1.5, 1.2]}]
+    assert t["measured"]["prefixes"] == [1024, 4096] and t["measured"]["min_speedup"] == 1.1
+    bench = ctx.calls[1][1]
+    assert ctx.calls[1][0] == "dispatchbench" and ctx.calls[1][2] == "/opt/py/bin/python3"
+    assert bench["src_dir"] == "/var/lib/fleetctl-kernels/verify_attention/k1/src"
+    assert bench["request"]["module"] == MODULE and bench["request"]["device"] == "cuda"
+    assert bench["request"]["shapes"][0]["batches"] == [1, 2, 4, 8] and bench["request"]["prefixes"] == [1024, 4096]
+    assert ctx.calls[0][1]["servers"] == [{"pid": 42, "python": "/opt/py/bin/python3", "port": 30000,
+                                           "host": "127.0.0.1"}]
+
+
+@pytest.mark.parametrize("answers, said", [
+    ({"serverinfo": ProbeFailed("boom")}, "not measured: ProbeFailed: boom"),
+    ({"serverinfo": {"servers": [], "refused": []}}, "no shape to measure"),
+    ({"dispatchbench": bench_answer(device="cpu", graphs=False)}, "only CUDA-graph timings"),
+    ({"dispatchbench": bench_answer(ok=False, error="RuntimeError: torch sees no CUDA device")}, "no CUDA device"),
+    ({"dispatchbench": {"ok": False, "rc": -9, "timed_out": True, "answer": None}}, "timed out"),
+])
+def test_failures_give_source_none(answers, said):
+    ctx = Ctx(dict({"serverinfo": info_answer(), "dispatchbench": bench_answer()}, **answers))
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    assert t["source"] == "none" and t["entries"] == [] and said in t["why"], t["why"]
+
+
+def test_the_hosts_deadline_bounds_the_benchmark():
+    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    ctx.remaining = lambda: 500.0
+    measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    assert ctx.calls[1][1]["request"]["deadline_s"] == 500.0 - measure.RESERVE_S - 2 * measure.BENCH_SLACK_S
+    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    ctx.remaining = lambda: 350.0
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    assert t["source"] == "none" and "350 s left" in t["why"] and len(ctx.calls) == 1
+
+
+def test_why_is_one_line():
+    ctx = Ctx({"serverinfo": ProbeFailed("probe failed on the host:\nTraceback\n  line 1")})
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    assert "\n" not in t["why"] and "Traceback line 1" in t["why"]
+
+
+def test_no_servers():
+    t = measure.measured_table(Ctx({}), "/p", PKG, MODULE, "k1", {"servers": []})
+    assert t["source"] == "none" and "no SGLang server" in t["why"]
+
+
+def test_server_info_values_are_validated():
+    got = serverinfo.pick_info({"tp_size": True, "dp_size": -1, "enable_dp_attention": 1, "page_size": 1 << 30,
+                                "speculative_num_draft_tokens": 4, "dtype": "x" * 600})
+    assert got["tp_size"] is None and got["dp_size"] is None and got["enable_dp_attention"] is None
+    assert got["page_size"] is None and got["speculative_num_draft_tokens"] == 4 and got["dtype"] is None
+    c = serverinfo.pick_config({"num_attention_heads": "32", "head_dim": 128, "text_config": {"hidden_size": 4096}})
+    assert c["num_attention_heads"] is None and c["head_dim"] == 128 and c["text_config"]["hidden_size"] == 4096
+
+
+def test_config_json_read_without_links_and_bounded(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA8B))
+    assert serverinfo.read_config(str(model)) == (serverinfo.pick_config(LLAMA8B), None)
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    assert serverinfo.read_config(str(link))[0] is None and "symlink" in serverinfo.read_config(str(link))[1]
+    other = tmp_path / "o"
+    other.mkdir()
+    (other / "config.json").symlink_to(model / "config.json")
+    assert serverinfo.read_config(str(other))[0] is None
+    (model / "config.json").write_text(" " * (serverinfo.MAX_CONFIG + 1))
+    assert "over" in serverinfo.read_config(str(model))[1]
+    assert "hub id" in serverinfo.read_config("meta-llama/Llama-3-8B")[1]
+    os.unlink(model / "config.json")
+    (model / "config.json").write_text("[1]")
+    assert "not a JSON object" in serverinfo.read_config(str(model))[1]
