@@ -88,7 +88,7 @@ def kill_build(lab, host, timeout: float = 20) -> dict[int, str]:
 def deployed(server_lab):
     """The package deployed once to every host (four real builds)."""
     r, doc, hosts = deploy(server_lab, "all")
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 0, ({h: (v["status"], v.get("error")) for h, v in hosts.items()}, r.stderr[-3000:])
     return doc, hosts
 
 

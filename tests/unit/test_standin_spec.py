@@ -132,7 +132,7 @@ def test_the_verify_mask_is_the_drafts_chain_and_its_rows_are_used(server, plain
         assert m[:, :P].all() and torch.equal(m[:, P:], torch.ones(T, T, dtype=torch.bool).tril()), (P, T, m)
     bad, _ = installed_hook(tmp_path, monkeypatch, server, "first_row")
     spec = server.Engine(0, {}, draft_tokens=4, verify=bad, algorithm="STANDALONE")
-    assert spec.generate(SHORT, GREEDY)[0] != plain["short"][0]  # rows past the first feed the tokens
+    assert spec.generate(LONG, GREEDY)[0] != plain["long"][0]  # rows past the first feed the tokens
 
 
 def test_a_hook_that_declines_leaves_the_verify_to_the_stand_in(server, plain, tmp_path, monkeypatch):

@@ -18,10 +18,12 @@ DEFAULT_RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
 SSHD = "/usr/sbin/sshd"
 STANDIN_SRC = Path(__file__).with_name("standin")
 SERVER_PORT = 30000
-# The stand-in decodes in ~5 ms, but its median under a loaded 2-core machine (the lab hosts
-# share the control's cores) was seen at 0.1-0.2 s right after a restart: the lab's gate allows
-# 250 ms of scheduling noise. A real slowdown (the tests' 50 ms per decode step) adds 800 ms.
-LATENCY_SLACK_S = 0.25
+# The stand-in decodes in ~35 ms (16 tokens of its 2-layer, 256-wide model), but its median under a
+# loaded 2-core machine (the lab hosts share the control's cores, and a deploy's after-smoke may run
+# while other hosts still compile) was seen at 0.1-0.2 s right after a restart with the smaller
+# model before issue 34: the lab's gate allows 500 ms of scheduling noise. A real slowdown (the
+# tests' 50 ms per decode step) adds 800 ms.
+LATENCY_SLACK_S = 0.5
 # in-host path -> directory name under <state_dir>/hosts/<name>/ (lifecycle makes /tmp's 01777 and
 # the published kernels' root 0755, as deploy would make them on a real host)
 PRIVATE_DIRS = {"/tmp": "tmp", "/var/lib/fleetctl": "var-lib-fleetctl",

@@ -102,6 +102,7 @@ VOCAB, DIM, LAYERS, CONTEXT = 512, 256, 2, 8192
 # grouped-query attention of a shape the verify_attention kernel's CPU backend serves
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 EOS = 256  # ids 0..255 are bytes; 256.. are special ids (EOS) and never decode to text
+SPECIAL_PENALTY = 6.0  # subtracted from the logits of the reserved ids 257.. (3.0 still left 16% of 160 tokens special)
 BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens",
                  "contention_ms", "fail_every"}
 MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; at least CONTEXT + 16
@@ -185,19 +186,28 @@ def build_model(seed):
             self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CONTEXT, DIM)
             self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
             self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+            # reserved special ids (257..) rare, as a trained model makes them: random weights put
+            # half the logits' mass above the bytes, and a short completion of special ids only
+            # decodes to no text (bench_serving counts such a stream failed)
+            prior = torch.zeros(VOCAB)
+            prior[EOS + 1:] = -SPECIAL_PENALTY
+            self.register_buffer("prior", prior)
+
+        def logits(self, x):
+            return self.head(self.norm(x)) + self.prior
 
         def forward(self, ids, positions, pool, step):
             """ids, positions: LongTensor[t]; step: Step (the slots of the prefix and of these tokens)."""
             x = self.tok(ids) + self.pos(positions)
             for i, block in enumerate(self.blocks):
                 x = block(x, i, pool, step)
-            return self.head(self.norm(x))
+            return self.logits(x)
 
         def early_exit(self, ids, positions, pool, step):
             """The draft model of STANDALONE speculation here: the first block and the head only
             (an early exit of this model, as LayerSkip-style self-speculation drafts); its KV is the
             target's first layer's, which it writes to step.slots."""
-            return self.head(self.norm(self.blocks[0](self.tok(ids) + self.pos(positions), 0, pool, step)))
+            return self.logits(self.blocks[0](self.tok(ids) + self.pos(positions), 0, pool, step))
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
