@@ -1,5 +1,5 @@
 """The dispatch table (engine/dispatch.py): --route parsing, the operator and none tables, their
-canonical text, what counts as the same routing, the hook's rule, status's one line; deploy's
+canonical text, what counts as the same routing, the tables as the hook reads them, status's one line; deploy's
 activation files (link and table as one change); the kbuild state action and the change
 probe's status reading the published tree (no root, no SSH)."""
 
@@ -105,18 +105,25 @@ def test_same_routing_ignores_when_and_why_but_nothing_that_routes():
     assert not dispatch.same_routing({"entries": 3}, base)
 
 
-def test_the_hooks_rule():
+def _as_the_hook_reads_it(tmp_path, table: dict, key: str = KEY):
+    """(all, {shape: max_batch}, why nothing routes) of `table` written as deploy writes it
+    (dispatch.text), read by the hook's own `_table` (probes/verifyroute.py holds its text)."""
+    path = tmp_path / dispatch.FILE
+    path.write_text(dispatch.text(table))
+    return verifyroute._table(str(path), key)
+
+
+def test_the_hook_reads_the_tables_deploy_writes(tmp_path):
     t = dispatch.operator_table("verify_attention", KEY, "cpu", ["64:2:4:float32:8", "128:4:4:bfloat16"])
-    assert dispatch.routes(t, KEY, 64, 2, 4, "float32", 8)
-    assert not dispatch.routes(t, KEY, 64, 2, 4, "float32", 9)  # over max_batch
-    assert dispatch.routes(t, KEY, 128, 4, 4, "bfloat16", 4096)  # max_batch None: any batch
-    for shape in ((64, 2, 5, "float32"), (64, 1, 4, "float32"), (64, 2, 4, "bfloat16"), (80, 2, 4, "float32")):
-        assert not dispatch.routes(t, KEY, *shape, 1), shape
-    assert not dispatch.routes(t, "f" * 64, 64, 2, 4, "float32", 1)  # a table of another build
+    assert _as_the_hook_reads_it(tmp_path, t) == (False, {(64, 2, 4, "float32"): 8, (128, 4, 4, "bfloat16"): None},
+                                                  None)
+    assert _as_the_hook_reads_it(tmp_path, t, "f" * 64)[2].endswith(f"is the table of build {KEY}, and current names "
+                                                                    + "f" * 64)
     a = dispatch.operator_table("verify_attention", KEY, "cpu", "all")
-    assert dispatch.routes(a, KEY, 256, 7, 9, "float16", 10 ** 6)
-    assert not dispatch.routes(dict(a, schema="fleetctl-dispatch/2"), KEY, 64, 2, 4, "float32", 1)
-    assert not dispatch.routes(dispatch.none_table("verify_attention", KEY, "cpu"), KEY, 64, 2, 4, "float32", 1)
+    assert _as_the_hook_reads_it(tmp_path, a) == (True, {}, None)
+    assert "is not a fleetctl-dispatch/1 table" in _as_the_hook_reads_it(tmp_path, dict(a, schema="fleetctl-dispatch/2"))[2]
+    none = _as_the_hook_reads_it(tmp_path, dispatch.none_table("verify_attention", KEY, "cpu"))
+    assert none[:2] == (False, {}) and f"enables no shape (source none: {dispatch.NO_GPU})" in none[2]
 
 
 def test_describe_says_what_routes_and_where_it_came_from():

@@ -15,8 +15,9 @@ section 2):
      "measured": None | {"prefixes", "min_speedup", "shapes", "device"},
      "why": one line, "made": "YYYY-MM-DDTHH:MM:SSZ" (UTC)}
 
-A call routes (routes()) only when the table's build is the key `current` names and `all` is true
-or an entry matches (head_dim, group, draft_tokens, dtype) with batch <= max_batch (None: any).
+A call routes only when the table's build is the key `current` names and `all` is true or an
+entry matches (head_dim, group, draft_tokens, dtype) with batch <= max_batch (None: any): the
+hook's rule, read by its `_table` (the same text as probes/verifyroute.py's).
 """
 
 from __future__ import annotations
@@ -136,21 +137,6 @@ def same_routing(a: dict | None, b: dict | None) -> bool:
         return _routing(a) == _routing(b)
     except (AttributeError, TypeError):
         return False
-
-
-def routes(table: dict, build: str, head_dim: int, group: int, draft_tokens: int, dtype: str, batch: int) -> bool:
-    """The hook's rule: whether a call of this shape and batch goes to build `build` (the key
-    `current` names) under `table`: its build is `build`, its schema SCHEMA, and all is true or an
-    entry matches (head_dim, group, draft_tokens, dtype) with batch <= max_batch (None: any)."""
-    if not isinstance(table, dict) or table.get("schema") != SCHEMA or table.get("build") != build:
-        return False
-    if table.get("all") is True:
-        return True
-    for e in table.get("entries") or []:
-        if shape_key(e) == (head_dim, group, draft_tokens, dtype) and (e.get("max_batch") is None
-                                                                       or batch <= e["max_batch"]):
-            return True
-    return False
 
 
 def shape_text(entry: dict) -> str:

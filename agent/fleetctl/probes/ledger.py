@@ -20,9 +20,9 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
                                   (/var/lib/fleetctl-kernels, root 0755: probes/kbuild.py publish),
                                   where the active link PUBLIC/<name>/current and the dispatch
                                   table PUBLIC/<name>/dispatch.json live (one ledger change, its
-                                  root PUBLIC/<name>). A `kernels/<name>/current` link here is the
-                                  layout before issue 34 (and the Ansible collection's kernel
-                                  action's); prune() keeps the builds such links name.
+                                  root PUBLIC/<name>; deploy and the Ansible collection's kernel
+                                  action alike). A `kernels/<name>/current` link here is the
+                                  layout before issue 34; prune() keeps the builds such links name.
 The state dir is reached without following links (safefs.open_dir) and must be root's (this
 euid's) alone; a ledger that is not is refused (safefs.Refused), never read or written.
 """
