@@ -152,7 +152,7 @@ def info_answer():
 
 def test_measured_table():
     ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
-    t = measure.measured_table(ctx, "/opt/py/bin/python3", PKG, MODULE, "k1", FACTS)
+    t = measure.measured_table(ctx, "/opt/py/bin/python3", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["schema"] == "fleetctl-dispatch/1" and t["source"] == "measured" and t["build"] == "k1"
     assert t["backend"] == "cuda" and t["all"] is False and t["route"] is None
     assert t["entries"] == [{"head_dim": 128, "group": 4, "draft_tokens": 4, "dtype": "bfloat16", "max_batch": 1,
@@ -176,29 +176,29 @@ def test_measured_table():
 ])
 def test_failures_give_source_none(answers, said):
     ctx = Ctx(dict({"serverinfo": info_answer(), "dispatchbench": bench_answer()}, **answers))
-    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["source"] == "none" and t["entries"] == [] and said in t["why"], t["why"]
 
 
 def test_the_hosts_deadline_bounds_the_benchmark():
     ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
     ctx.remaining = lambda: 500.0
-    measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert ctx.calls[1][1]["request"]["deadline_s"] == 500.0 - measure.RESERVE_S - 2 * measure.BENCH_SLACK_S
     ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
     ctx.remaining = lambda: 350.0
-    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["source"] == "none" and "350 s left" in t["why"] and len(ctx.calls) == 1
 
 
 def test_why_is_one_line():
     ctx = Ctx({"serverinfo": ProbeFailed("probe failed on the host:\nTraceback\n  line 1")})
-    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", FACTS)
+    t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert "\n" not in t["why"] and "Traceback line 1" in t["why"]
 
 
 def test_no_servers():
-    t = measure.measured_table(Ctx({}), "/p", PKG, MODULE, "k1", {"servers": []})
+    t = measure.measured_table(Ctx({}), "/p", PKG, MODULE, "k1", "cuda", {"servers": []})
     assert t["source"] == "none" and "no SGLang server" in t["why"]
 
 

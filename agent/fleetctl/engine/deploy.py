@@ -238,7 +238,7 @@ def _table(ctx: HostContext, python: str, pkg: KernelPackage, backend: str, key:
     if opts.route is not None:
         return dispatch.operator_table(pkg.name, key, backend, opts.route)
     if backend in MEASURED_BACKENDS:
-        return measured_table(ctx, python, pkg, module_path, key, facts)
+        return measured_table(ctx, python, pkg, module_path, key, backend, facts)
     return dispatch.none_table(pkg.name, key, backend)
 
 

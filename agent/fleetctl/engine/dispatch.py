@@ -92,8 +92,8 @@ def shape_key(entry: dict) -> tuple:
 def _table(kernel: str, build: str, backend: str, source: str, route, all_: bool, entries: list, measured,
            why: str, made: str | None) -> dict:
     return {"schema": SCHEMA, "kernel": kernel, "build": build, "backend": backend, "source": source,
-            "route": route, "all": all_, "entries": entries, "measured": measured, "why": why,
-            "made": made or now()}
+            "route": route, "all": all_, "entries": list(entries), "measured": measured,
+            "why": " ".join(str(why).split())[:800], "made": made or now()}  # why: one line
 
 
 def operator_table(kernel: str, build: str, backend: str, route: str | list[str], made: str | None = None) -> dict:
@@ -109,6 +109,13 @@ def operator_table(kernel: str, build: str, backend: str, route: str | list[str]
 def none_table(kernel: str, build: str, backend: str, why: str = NO_GPU, made: str | None = None) -> dict:
     """The table that routes nothing: source "none", no entries, `why` (default NO_GPU)."""
     return _table(kernel, build, backend, "none", None, False, [], None, why, made)
+
+
+def measured_table(kernel: str, build: str, backend: str, entries: list, measured: dict, why: str,
+                   made: str | None = None) -> dict:
+    """The table engine/measure.py measured: source "measured", the `entries` it enabled (each
+    with its per-prefix "speedup"), `measured` ({prefixes, min_speedup, shapes, device, sglang})."""
+    return _table(kernel, build, backend, "measured", None, False, entries, measured, why, made)
 
 
 def text(table: dict) -> str:

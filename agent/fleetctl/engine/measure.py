@@ -1,7 +1,7 @@
 """The measured dispatch table (engine/dispatch.py's schema): on a GPU host, the deployed build
 against the host's own SGLang Triton `extend_attention_fwd`, on the shapes of the models its servers run.
 
-measured_table(ctx, python, pkg, module_path, key, facts) -> the table dict (source "measured", or "none"
+measured_table(ctx, python, pkg, module_path, key, backend, facts) -> the table dict (source "measured", or "none"
 with why saying what failed); the pure parts, unit-tested:
   shapes_for(server_infos, configs) -> the shapes to measure (one per distinct per-rank shape)
   choose(measurements, min_speedup) -> (entries, measured shapes with their speedups)
@@ -15,12 +15,11 @@ runs only on GPU hosts.
 
 from __future__ import annotations
 
-import datetime as dt
 import posixpath
 
+from . import dispatch
 from ..errors import FleetctlError
 
-SCHEMA = "fleetctl-dispatch/1"
 MIN_SPEEDUP = 1.1
 PREFIXES = (1024, 4096, 16384)          # tokens of prefix per request, each capped by the server's context
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)     # requests per verify call, capped by the server's CUDA-graph max batch
@@ -175,26 +174,9 @@ def choose(measurements: list, min_speedup: float = MIN_SPEEDUP, prefixes: list 
     return list(entries.values()), shapes
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def table(pkg_name: str, key: str, backend: str | None, source: str, why: str, entries=(), measured=None) -> dict:
-    """A dispatch table dict (engine/dispatch.py's schema; route null, all false)."""
-    why = " ".join(str(why).split())[:800]  # one line
-    return {"schema": SCHEMA, "kernel": pkg_name, "build": key, "backend": backend, "source": source, "route": None,
-            "all": False, "entries": list(entries), "measured": measured, "why": why, "made": _now()}
-
-
-def backend_of(module_path: str) -> str | None:
-    """The build's backend from its module's name (verify_attention_cuda.so -> cuda), as the hook reads it."""
-    name = posixpath.basename(module_path or "").split(".")[0]
-    return name.rpartition("_")[2] or None
-
-
-def measured_table(ctx, python: str, pkg, module_path: str, key: str, facts: dict,
+def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: str, facts: dict,
                    min_speedup: float = MIN_SPEEDUP, deadline_s: float = BENCH_DEADLINE_S) -> dict:
-    """The dispatch table of build `key` (its module `module_path` on the host, PASSED's, in BUILD/build/
+    """The dispatch table of build `key` of `backend` (its module `module_path` on the host, PASSED's, in BUILD/build/
     beside BUILD/src where dispatch_bench.py was uploaded) measured on the host of `ctx` with the SGLang
     interpreter `python`: the servers of `facts` (gather's: "servers") asked for their shapes
     (probes/serverinfo.py), then probes/dispatchbench.py under a deadline. Source "measured" (entries only
@@ -203,11 +185,12 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, facts: dic
     Never raises for a measurement problem (FleetctlError, OSError, ValueError, KeyError, TypeError)."""
     from .validate import SmokeOptions, smoke_targets
 
-    backend = backend_of(module_path)
+    def none(why):
+        return dispatch.none_table(pkg.name, key, backend, why)
     try:
         servers = smoke_targets(ctx.host, facts, SmokeOptions(), inside=ctx.container is not None)
         if not servers:
-            return table(pkg.name, key, backend, "none", "no SGLang server on the host: no shape to measure")
+            return none("no SGLang server on the host: no shape to measure")
         info = ctx.probe("serverinfo", {"servers": servers, "port": ctx.host.sglang_port,
                                         "host": ctx.host.sglang_host if ctx.host.sglang_port is not None else None,
                                         "api_key": ctx.host.sglang_api_key}, python=python, timeout=120)
@@ -216,7 +199,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, facts: dic
         why += ["%s:%s: %s" % (s.get("host"), s.get("port"), s["error"]) for s in got if s.get("error")]
         if not shapes:
             said = "; ".join(why)[:600] or "no server answered"
-            return table(pkg.name, key, backend, "none", "no shape to measure: " + said)
+            return none("no shape to measure: " + said)
         contexts = [s["server_info"].get("context_length") for s in got if isinstance(s.get("server_info"), dict)]
         ctxlen = min([c for c in contexts if type(c) is int and c > 0] or [max(PREFIXES) + 64])
         prefixes = [p for p in PREFIXES if p + 64 <= ctxlen] or [max(1, ctxlen // 2)]
@@ -224,8 +207,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, facts: dic
         if remaining is not None:  # leave the host's deadline RESERVE_S for the change that follows
             deadline_s = min(deadline_s, remaining() - RESERVE_S - 2 * BENCH_SLACK_S)
             if deadline_s < 30:
-                return table(pkg.name, key, backend, "none", "not measured: %.0f s left of the host's deadline" % (
-                    remaining()))
+                return none("not measured: %.0f s left of the host's deadline" % remaining())
         bdir = posixpath.dirname(posixpath.dirname(module_path))
         req = {"module": module_path, "device": "cuda", "prefixes": prefixes, "shapes": shapes, "iters": 20,
                "deadline_s": deadline_s}
@@ -233,20 +215,20 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, facts: dic
                                           "deadline_s": deadline_s + BENCH_SLACK_S},
                         python=python, timeout=deadline_s + 2 * BENCH_SLACK_S)
     except (FleetctlError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return table(pkg.name, key, backend, "none", "not measured: %s: %s" % (type(e).__name__, str(e)[:400]))
+        return none("not measured: %s: %s" % (type(e).__name__, str(e)[:400]))
     answer = res.get("answer") if isinstance(res, dict) else None
     if not isinstance(answer, dict) or not answer.get("ok"):
         what = (answer or {}).get("error") if isinstance(answer, dict) else None
-        return table(pkg.name, key, backend, "none", "not measured: %s" % (
+        return none("not measured: %s" % (
             what or ("dispatch_bench timed out" if (res or {}).get("timed_out") else
                      "dispatch_bench exit %s: %s" % ((res or {}).get("rc"), str((res or {}).get("stderr_tail"))[-300:]))))
     if answer.get("device") != "cuda" or answer.get("graphs") is not True:
-        return table(pkg.name, key, backend, "none", "not measured: dispatch_bench answered device %r, graphs %r: "
-                     "only CUDA-graph timings enable a shape" % (answer.get("device"), answer.get("graphs")))
+        return none("not measured: dispatch_bench answered device %r, graphs %r: "
+                    "only CUDA-graph timings enable a shape" % (answer.get("device"), answer.get("graphs")))
     entries, measured = choose(answer.get("shapes") or [], min_speedup, prefixes)
     doc = {"prefixes": prefixes, "min_speedup": min_speedup, "shapes": measured, "device": answer.get("device_name"),
            "sglang": answer.get("sglang")}
     why_line = ("measured on %s against SGLang %s extend_attention_fwd under CUDA graphs: %d of %d shapes >= %.2fx "
                 "at every prefix %s" % (answer.get("device_name"), (answer.get("sglang") or {}).get("version"),
                                         len(entries), len(measured), min_speedup, prefixes))
-    return table(pkg.name, key, backend, "measured", why_line, entries, doc)
+    return dispatch.measured_table(pkg.name, key, backend, entries, doc, why_line)
