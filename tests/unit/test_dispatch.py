@@ -180,9 +180,12 @@ def test_kbuild_state_reads_the_published_tree(tmp_path):
     assert got["table"] == {"sha256": hashlib.sha256(b'{"a": 1}\n').hexdigest(), "text": '{"a": 1}\n'}
     (pkg / "dispatch.json").unlink()
     os.symlink(str(tmp_path / "elsewhere.json"), pkg / "dispatch.json")
-    assert "a symbolic link" in kbuild.state(params)["table"]["error"]
+    assert "dispatch.json is a symlink, not a regular file" in kbuild.state(params)["table"]["error"]
+    (pkg / "dispatch.json").unlink()
+    (pkg / "dispatch.json").write_bytes(b" " * (kbuild.TABLE_MAX_BYTES + 1))
+    assert f"over {kbuild.TABLE_MAX_BYTES} bytes" in kbuild.state(params)["table"]["error"]
     assert kbuild.state(dict(params, hook=None))["hooked"] is False
-    # the old call (the Ansible collection's): only what it asks
+    # a call that asks for the link and the private build only: only those
     assert kbuild.state({"link": params["link"], "build_dir": str(private)}) == {"current": KEY, "passed": False}
 
 

@@ -382,13 +382,11 @@ def _superseded(f, later):
 def _dispatch(path):
     """The dispatch table at `path` for status: a dict, None when absent, or {"error": why}."""
     try:
-        data = safefs.read_file(path)
+        data = safefs.read_file(path, DISPATCH_MAX_BYTES)
     except FileNotFoundError:
         return None
     except (OSError, safefs.UnsafePath) as e:
         return {"error": str(e)}
-    if len(data) > DISPATCH_MAX_BYTES:
-        return {"error": "%s is over %d bytes" % (path, DISPATCH_MAX_BYTES)}
     try:
         table = json.loads(data.decode("utf-8"))
     except ValueError as e:

@@ -149,20 +149,14 @@ TABLE_MAX_BYTES = 64 << 10
 
 
 def _read_table(path: str):
-    """The dispatch table file at `path` for state(): None, {"sha256", "text"} or {"error"}."""
+    """The dispatch table file at `path` for state(): None, {"sha256", "text"} or {"error"}
+    (read from / without following a link: safefs.read_file)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        data = safefs.read_file(path, TABLE_MAX_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        return {"error": "%s: %s" % (path, "a symbolic link" if e.errno == errno.ELOOP else e.strerror)}
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > TABLE_MAX_BYTES:
-            return {"error": "%s: not a regular file of at most %d bytes" % (path, TABLE_MAX_BYTES)}
-        data = os.read(fd, TABLE_MAX_BYTES + 1)
-    finally:
-        os.close(fd)
+    except (OSError, safefs.UnsafePath) as e:
+        return {"error": str(e)}
     try:
         return {"sha256": hashlib.sha256(data).hexdigest(), "text": data.decode("utf-8")}
     except UnicodeDecodeError:

@@ -96,9 +96,10 @@ def lstat(dfd, name):
         return None
 
 
-def open_regular(dfd, name, path):
+def open_regular(dfd, name, path, limit=MAX_FILE_BYTES):
     """A read descriptor of regular file `name` in `dfd` (never a link, FIFO or device: those
-    raise UnsafePath without being opened); FileNotFoundError when missing."""
+    raise UnsafePath without being opened, as does one over `limit` bytes); FileNotFoundError
+    when missing."""
     st = lstat(dfd, name)
     if st is None:
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
@@ -106,23 +107,23 @@ def open_regular(dfd, name, path):
         raise UnsafePath("%s is a %s, not a regular file" % (path, kind_of(st.st_mode)))
     fd = os.open(name, OPEN_READ, dir_fd=dfd)
     fst = os.fstat(fd)
-    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or fst.st_size > MAX_FILE_BYTES:
+    if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or fst.st_size > limit:
         os.close(fd)
-        raise UnsafePath("%s changed while being opened, or is over %d bytes" % (path, MAX_FILE_BYTES))
+        raise UnsafePath("%s changed while being opened, or is over %d bytes" % (path, limit))
     return fd
 
 
-def read_file(path):
-    """The bytes of regular file `path` (see open_regular), at most MAX_FILE_BYTES."""
+def read_file(path, limit=MAX_FILE_BYTES):
+    """The bytes of regular file `path` (see open_regular), at most `limit` (UnsafePath when over)."""
     dfd, name = parent(path)
     try:
-        fd = open_regular(dfd, name, path)
+        fd = open_regular(dfd, name, path, limit)
     finally:
         os.close(dfd)
     with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise UnsafePath("%s is over %d bytes" % (path, MAX_FILE_BYTES))
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnsafePath("%s is over %d bytes" % (path, limit))
     return data
 
 
