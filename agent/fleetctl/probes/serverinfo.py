@@ -10,7 +10,7 @@ _host: the smoke decode's rule, loopback or this host's own addresses only), wit
    :160 dtype, :197 kv_cache_dtype; exec_.py:207 attention_backend, :629 cuda_graph_max_bs_decode),
    each kept only when of its type and range (hostile values dropped to None);
 2. `config.json` under model_path when model_path is an absolute, normalised local directory: reached
-   from / without following a link (safefs.open_dir), a regular file of at most MAX_CONFIG bytes (1 MiB),
+   from / without following a link (safefs.read_file), a regular file of at most MAX_CONFIG bytes (1 MiB),
    parsed as JSON; CONFIG_KEYS kept when ints in range or dtype strings (of text_config too). A hub id
    (not a local directory) or a link on the way is not read: the server's error says so.
 
@@ -61,21 +61,11 @@ def read_config(model_path):
     if not isinstance(model_path, str) or not model_path.startswith("/") or os.path.normpath(model_path) != model_path:
         return None, "model_path %r is not an absolute local directory (a hub id?): config.json not read" % (
             model_path if not isinstance(model_path, str) else model_path[:200])
-    try:
-        dfd = safefs.open_dir(model_path)
-    except (OSError, safefs.UnsafePath) as e:
-        return None, "cannot open %s: %s" % (model_path, e)
     path = model_path.rstrip("/") + "/config.json"
     try:
-        fd = safefs.open_regular(dfd, "config.json", path)
+        data = safefs.read_file(path, MAX_CONFIG)
     except (OSError, safefs.UnsafePath) as e:
         return None, "cannot read %s: %s" % (path, e)
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(MAX_CONFIG + 1)
-    if len(data) > MAX_CONFIG:
-        return None, "%s is over %d bytes" % (path, MAX_CONFIG)
     try:
         doc = json.loads(data.decode("utf-8"))
     except ValueError as e:
