@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, ledger, locate, procs, result, scancache, torchver, trust, units, verifyroute
+from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust, units, verifyroute
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
