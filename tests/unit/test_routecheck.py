@@ -249,12 +249,18 @@ def test_the_long_text_is_deterministic():
     assert routecheck.long_text(9000).startswith(routecheck.long_text(5000))
 
 
-def test_route_server_sends_greedy_logprob_requests_and_reads_the_evidence_twice(ev, child):
-    fake = Fake(ev, child)
+def checked(fake, ev, **kw) -> dict:
+    """routecheck.route_server of `fake`'s target (health 10 s, no flush wait, 8 new tokens, or `kw`), `fake` closed after."""
     try:
-        res = routecheck.route_server(fake.target(), ev, health_timeout=10, flush_wait_s=0.0, max_new_tokens=8)
+        return routecheck.route_server(fake.target(), ev, **{"health_timeout": 10, "flush_wait_s": 0.0,
+                                                             "max_new_tokens": 8, **kw})
     finally:
         fake.close()
+
+
+def test_route_server_sends_greedy_logprob_requests_and_reads_the_evidence_twice(ev, child):
+    fake = Fake(ev, child)
+    res = checked(fake, ev)
     assert res["ok"], res["error"]
     assert len(fake.requests) == len(routecheck.PROMPTS) + 1
     for req in fake.requests:
@@ -291,10 +297,7 @@ def test_the_before_read_waits_for_the_calls_of_what_ran_before_to_be_written(ev
 
 def test_the_long_prompt_grows_when_the_tokenizer_makes_fewer_tokens(ev):
     fake = Fake(chars_per_token=4)
-    try:
-        res = routecheck.route_server(fake.target(), ev, health_timeout=10, flush_wait_s=0.0, max_new_tokens=8)
-    finally:
-        fake.close()
+    res = checked(fake, ev)
     long = res["prompts"][-1]
     assert res["ok"] and long["tries"] == 2 and long["prompt_tokens"] >= 4096, long
     assert long["prompt_tokens"] + 8 <= 8192
@@ -302,10 +305,7 @@ def test_the_long_prompt_grows_when_the_tokenizer_makes_fewer_tokens(ev):
 
 def test_a_context_too_short_for_the_long_prompt_fails_it_saying_so(ev):
     fake = Fake(context=4096)
-    try:
-        res = routecheck.route_server(fake.target(), ev, health_timeout=10, flush_wait_s=0.0, max_new_tokens=8)
-    finally:
-        fake.close()
+    res = checked(fake, ev)
     assert not res["ok"] and "context_length 4096 cannot hold a 4096-token prompt" in res["error"]
     assert len(fake.requests) == len(routecheck.PROMPTS)  # not sent
 
