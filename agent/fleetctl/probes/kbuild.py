@@ -102,17 +102,28 @@ def __getattr__(attr):
 '''
 
 
+# what a build's or a test's child imports as root (torch.utils.cpp_extension, the reference test;
+# the triton build): the install's own packages
+IMPORTS = ("torch", "triton")
+
+
 def main(params: dict) -> dict:
     """Run params["action"] ("preflight", "build", "test", "state", "mark" or "publish") with the other
     params; see each function. The probe starts with `python -S` (probes.command); torch is
     the install's, so the site module's files are checked (trust.untrusted: the builds run
-    this interpreter with its site, as root) before site.main() puts site-packages on sys.path.
-    Raises RuntimeError naming the file when they must not be run."""
+    this interpreter with its site, as root) before site.main() puts site-packages on sys.path,
+    and before a build or test what its child imports (IMPORTS: trust.untrusted_imports, the
+    import path and each package's tree). Raises RuntimeError naming the file when they must
+    not be run."""
     why = trust.untrusted(sys.executable)
     if why:
         raise RuntimeError("interpreter %s refused: %s (fleetctl runs it as root)" % (sys.executable, why))
     import site
     site.main()
+    if params["action"] in ("build", "test"):  # their children import the install's torch (and triton), as root
+        why = trust.untrusted_imports(IMPORTS)
+        if why:
+            raise RuntimeError("not building or testing: root would import code another user may change: %s" % why)
     actions = {"preflight": preflight, "build": build, "test": test, "state": state, "mark": mark,
                "publish": publish}
     return actions[params["action"]](params)
