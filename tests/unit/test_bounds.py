@@ -106,3 +106,29 @@ def test_smoke_reads_16_mib_at_most_and_never_through_a_proxy(huge_server, monke
     assert s["health_wait_s"] is not None and s["health_wait_s"] < 5  # /health answered: no proxy used
     assert not s["ok"] and s["error"] == (f"/generate answered HTTP None: {{\"error\": \"answer over 16 MiB from "
                                           f"http://127.0.0.1:{huge_server}/generate\"}}")
+
+
+class Deep(http.server.BaseHTTPRequestHandler):
+    """Answers every GET with 100,000 nested JSON arrays: past the parser's depth."""
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        body = b"[" * 100000
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_an_answer_nested_past_the_parsers_depth_is_no_json_and_raises_nothing():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deep)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert smoke._request(f"http://127.0.0.1:{srv.server_address[1]}/server_info", timeout=10) == (200, None)
+    finally:
+        srv.shutdown()
+        srv.server_close()

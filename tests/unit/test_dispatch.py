@@ -189,6 +189,14 @@ def test_kbuild_state_reads_the_published_tree(tmp_path):
     assert kbuild.state({"link": params["link"], "build_dir": str(private)}) == {"current": KEY, "passed": False}
 
 
+def test_a_table_on_the_host_that_is_no_json_object_is_no_table():
+    t = dispatch.operator_table("verify_attention", KEY, "cpu", "all")
+    assert deploy.on_host_table({"sha256": "x", "text": dispatch.text(t)}) == t
+    for text in ("[" * 60000, "{not json", "[1]"):  # past the parser's depth, not JSON, not an object
+        assert deploy.on_host_table({"sha256": "x", "text": text}) is None
+    assert deploy.on_host_table(None) is None and deploy.on_host_table({"error": "a link"}) is None
+
+
 def test_status_reads_links_and_tables_from_the_public_dir(tmp_path):
     pub, state = tmp_path / "pub", tmp_path / "state"
     state.mkdir()
@@ -201,12 +209,21 @@ def test_status_reads_links_and_tables_from_the_public_dir(tmp_path):
     table = dispatch.operator_table("verify_attention", KEY, "cpu", "all")
     (pub / "verify_attention" / "dispatch.json").write_text(dispatch.text(table))
     (pub / "broken" / "dispatch.json").write_text("[1]")
+    (pub / "deep").mkdir()
+    os.symlink("k4", pub / "deep" / "current")
+    (pub / "deep" / "dispatch.json").write_text("[" * 60000)  # past the JSON parser's depth
+    # anyone may make a link in route-evidence/ (01777): not a package's
+    (pub / "route-evidence").mkdir()
+    (pub / "route-evidence").chmod(0o1777)
+    os.symlink("forged", pub / "route-evidence" / "current")
+    (pub / "route-evidence" / "dispatch.json").write_text(dispatch.text(table))
     # an old layout's link in the state dir is not what status reports any more
     (state / "kernels" / "old").mkdir(parents=True)
     os.symlink("k0", state / "kernels" / "old" / "current")
     r = change.main({"action": "status", "state_dir": str(state), "public_dir": str(pub)})
     assert r["ok"], r
-    assert r["kernels"] == {"broken": "k3", "other": "k2", "verify_attention": KEY}
+    assert r["kernels"] == {"broken": "k3", "deep": "k4", "other": "k2", "verify_attention": KEY}
+    assert "not JSON" in r["dispatch"]["deep"]["error"]
     assert r["dispatch"]["verify_attention"] == table and r["dispatch"]["other"] is None
     assert "not a JSON object" in r["dispatch"]["broken"]["error"]
 

@@ -229,3 +229,5 @@ def test_config_json_read_without_links_and_bounded(tmp_path):
     os.unlink(model / "config.json")
     (model / "config.json").write_text("[1]")
     assert "not a JSON object" in serverinfo.read_config(str(model))[1]
+    (model / "config.json").write_text("[" * 60000)  # past the parser's depth: said, never raised
+    assert "is not JSON" in serverinfo.read_config(str(model))[1]

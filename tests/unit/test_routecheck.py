@@ -220,6 +220,8 @@ def test_records_not_of_the_hooks_shape_are_refused(ev, child, bad, field):
 def test_not_json_and_not_an_object_are_refused(ev, child):
     write(ev, child, None, raw=b"{not json")
     assert "not JSON" in routecheck.read_evidence(ev, child)["why"]
+    write(ev, child, None, raw=b"[" * 60000)  # past the parser's depth: refused, never raised
+    assert "not JSON" in routecheck.read_evidence(ev, child)["why"]
     write(ev, child, None, raw=b"[1, 2]")
     assert "not a JSON object" in routecheck.read_evidence(ev, child)["why"]
 
@@ -301,6 +303,16 @@ def test_the_long_prompt_grows_when_the_tokenizer_makes_fewer_tokens(ev):
     long = res["prompts"][-1]
     assert res["ok"] and long["tries"] == 2 and long["prompt_tokens"] >= 4096, long
     assert long["prompt_tokens"] + 8 <= 8192
+
+
+def test_a_server_that_counts_almost_no_tokens_never_makes_the_prompt_grow_without_bound(ev):
+    fake = Fake(chars_per_token=10 ** 6, context=10 ** 9)  # prompt_tokens 1, whatever is sent
+    res = checked(fake, ev)
+    long = res["prompts"][-1]
+    limit = routecheck.MAX_CHARS_PER_TOKEN * 4096 + 64
+    assert not res["ok"] and long["chars"] == limit and long["tries"] == 2, long  # at the limit: not sent again
+    assert f"at most {limit} sent), fewer than 4096" in long["error"]
+    assert max(len(r.get("text", "")) for r in fake.requests) == limit
 
 
 def test_a_context_too_short_for_the_long_prompt_fails_it_saying_so(ev):

@@ -225,7 +225,7 @@ def on_host_table(answer: dict | None) -> dict | None:
         return None
     try:
         table = json.loads(answer["text"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     return table if isinstance(table, dict) else None
 

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 
 from . import ledger, record, safefs
 
@@ -356,11 +357,24 @@ def status(params, state_dir):
     kernels, tables = {}, {}
     for c in sorted(glob.glob(os.path.join(glob.escape(public), "*", "current"))):
         name = os.path.basename(os.path.dirname(c))
-        if os.path.islink(c):
+        if _package_link(c):
             kernels[name] = os.readlink(c)
             tables[name] = _dispatch(os.path.join(os.path.dirname(c), DISPATCH))
     return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
             "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+
+
+def _package_link(path):
+    """Whether `path` (PUBLIC/NAME/current) is a package's active link as deploy makes it: a link of
+    this euid's (root's) in a directory of its that nobody else may write (not, say, a link someone
+    made in the 01777 route-evidence/)."""
+    try:
+        link, pkg = os.lstat(path), os.lstat(os.path.dirname(path))
+    except OSError:
+        return False
+    euid = os.geteuid()
+    return (stat.S_ISLNK(link.st_mode) and link.st_uid == euid and stat.S_ISDIR(pkg.st_mode)
+            and pkg.st_uid == euid and not pkg.st_mode & 0o022)
 
 
 def _superseded(f, later):
@@ -389,7 +403,7 @@ def _dispatch(path):
         return {"error": str(e)}
     try:
         table = json.loads(data.decode("utf-8"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past the parser's depth
         return {"error": "%s: not JSON (%s)" % (path, e)}
     return table if isinstance(table, dict) else {"error": "%s: not a JSON object" % path}
 

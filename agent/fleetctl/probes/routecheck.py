@@ -14,7 +14,8 @@ smoke probe sends it:
    POST /generate greedy (`temperature 0`, `ignore_eos`, `max_new_tokens`), `return_logprob: true,
    top_logprobs_num: 2`; the long text starts at `long_tokens` + 64 characters (the stand-in's
    byte tokenizer: one token a byte) and is grown, at most LONG_TRIES times, when the server's
-   `meta_info.prompt_tokens` says its tokenizer made fewer tokens; a server whose context_length
+   `meta_info.prompt_tokens` says its tokenizer made fewer tokens, to at most MAX_CHARS_PER_TOKEN
+   characters per wanted token (a hostile count never makes it build more); a server whose context_length
    cannot hold `long_tokens` + `max_new_tokens` is not sent it (the error says so);
 4. FLUSH_WAIT_S after the last request (the hook writes a dirty record within 0.25 s), the
    evidence again.
@@ -56,6 +57,7 @@ MAX_EVIDENCE = 64 << 10  # bytes of one evidence file read at most
 EVIDENCE_SUBDIR = "route-evidence"  # under config.PUBLIC_KERNELS_DIR
 LONG_TOKENS = 4096  # the long prompt's least prompt_tokens (split paths run: the issue)
 LONG_TRIES = 3  # long prompts sent at most to reach LONG_TOKENS
+MAX_CHARS_PER_TOKEN = 16  # the long prompt's characters per wanted token at most (English BPE makes about 4)
 MAX_NEW_TOKENS = 24
 MAX_TREE = 256  # processes of one server's tree read at most
 MAX_STR = 512  # characters kept of a string field of an evidence record
@@ -237,7 +239,7 @@ def read_record(directory, uid, pid):
                 return "refused", "%s is over %d bytes" % (fpath, MAX_EVIDENCE), None
             try:
                 return "read", None, json.loads(data.decode("utf-8"))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # not JSON, or nested past the parser's depth
                 return "refused", "%s is not JSON: %s" % (fpath, str(e)[:100]), None
         finally:
             os.close(ufd)
@@ -376,9 +378,13 @@ def long_prompt(base, n, long_tokens, context, timeout):
         want = int(long_tokens * 1.05) + 8
         if context is not None:
             want = min(want, context - n - 8)
-        chars = max(chars + 64, int(math.ceil(chars * want / max(1, got))))
-    res["error"] = "the long prompt made %d tokens after %d tries (%d characters), fewer than %d" % (
-        res["prompt_tokens"], res["tries"], res["chars"], long_tokens)
+        limit = MAX_CHARS_PER_TOKEN * long_tokens + 64  # a server's count never makes the probe build more
+        grown = min(limit, max(chars + 64, int(math.ceil(chars * want / max(1, got)))))
+        if grown <= chars:
+            break
+        chars = grown
+    res["error"] = "the long prompt made %d tokens after %d tries (%d characters, at most %d sent), fewer than %d" % (
+        res["prompt_tokens"], res["tries"], res["chars"], MAX_CHARS_PER_TOKEN * long_tokens + 64, long_tokens)
     return res
 
 

@@ -68,7 +68,7 @@ def read_config(model_path):
         return None, "cannot read %s: %s" % (path, e)
     try:
         doc = json.loads(data.decode("utf-8"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # not JSON, or nested past the parser's depth
         return None, "%s is not JSON: %s" % (path, str(e)[:200])
     if not isinstance(doc, dict):
         return None, "%s is not a JSON object" % path

@@ -67,7 +67,7 @@ def _request(url, body=None, timeout=60.0):
         raise OSError("answer over %d MiB from %s" % (MAX_BODY >> 20, url))
     try:
         return status, json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return status, None
 
 
