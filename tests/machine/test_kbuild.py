@@ -18,6 +18,8 @@ import pytest
 
 from fleetctl.probes import kbuild
 
+NOBODY = 65534
+
 
 def test_build_deadline_kills_the_whole_process_group(cpu_kernel):
     _, killed, leftovers, _ = cpu_kernel
@@ -213,6 +215,35 @@ def _fake_build(root: Path, key: str) -> Path:
     (bdir / "build" / "m.so").write_bytes(b"\x7fELF")
     (bdir / "PASSED").write_text(str(bdir / "build" / "m.so") + "\n")
     return bdir
+
+
+def test_publish_makes_each_servers_evidence_dir_and_takes_back_one_someone_else_made(tmp_path):
+    """route-evidence/<uid> for root and each server's effective uid: one made first by another
+    user (the 01777 directory lets anyone), or a link planted there, is removed and made again."""
+    key, public = "c" * 64, tmp_path / "public"
+    bdir = _fake_build(tmp_path, key)
+    ev = public / "route-evidence"
+    ev.mkdir(parents=True)
+    public.chmod(0o755)
+    ev.chmod(0o1777)
+    (ev / "0").mkdir()
+    (ev / "0" / "1.json").write_text("{}")
+    os.chown(ev / "0", NOBODY, NOBODY)  # a local user blocking root's server
+    os.symlink("/etc", ev / str(NOBODY))  # and the nobody server's
+    server = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        r = kbuild.main({"action": "publish", "build_dir": str(bdir), "public_dir": str(public / "verify_attention" / key),
+                         "server_pids": [server.pid, "x", -1]})
+    finally:
+        server.kill()
+        server.wait()
+    assert r["ok"], r
+    for uid in (0, NOBODY):
+        st = (ev / str(uid)).lstat()
+        assert stat.S_ISDIR(st.st_mode) and (st.st_uid, stat.S_IMODE(st.st_mode)) == (uid, 0o755), (uid, st)
+    assert list((ev / "0").iterdir()) == []  # what the other user put there went with their directory
+    assert os.path.isdir("/etc") and os.listdir("/etc")  # the link was removed, never followed
 
 
 def test_publish_refuses_a_link_in_the_build_and_publishes_nothing(tmp_path):

@@ -281,7 +281,8 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
         build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),
                        lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, current, opts.max_jobs,
                        opts.build_timeout, data)
-    published = _kbuild(ctx, python, action="publish", build_dir=bdir, public_dir=pub["build"])
+    published = _kbuild(ctx, python, action="publish", build_dir=bdir, public_dir=pub["build"],
+                        server_pids=[s["pid"] for s in facts.get("servers") or [] if isinstance(s.get("pid"), int)])
     if not published["ok"]:
         raise HostFailed(f"{published['error']} (active build stays {current or 'none'})")
     data["published"] = published["published"]

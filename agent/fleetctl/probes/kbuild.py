@@ -209,8 +209,10 @@ def publish(params: dict) -> dict:
     there naming the module at its published path (the private PASSED's path with build_dir
     replaced by public_dir), everything fsynced, then renamed to public_dir. Stale .<key>.*
     directories of a killed publish are removed first. Also makes PUBLIC/route-evidence (root,
-    01777; an existing one that is not a root-owned directory refuses). Owner root:root when
-    run as root (as on the hosts), else the running user's.
+    01777; an existing one that is not a root-owned directory refuses) and in it
+    route-evidence/<uid> for root and the effective uid of each of params["server_pids"] (the
+    servers': _evidence_dirs). Owner root:root when run as root (as on the hosts), else the
+    running user's.
     Returns {"ok": true, "published": public_dir, "module_path": the published module,
     "reused": bool, "evidence_dir"} or {"ok": false, "error": why} (nothing published)."""
     bdir = os.path.normpath(os.path.abspath(params["build_dir"]))
@@ -227,7 +229,10 @@ def publish(params: dict) -> dict:
             os.close(top)
         try:
             ev = _subdir(pub, EVIDENCE, 0o1777, os.path.join(public, EVIDENCE), shared=True)
-            os.close(ev)
+            try:
+                _evidence_dirs(ev, _evidence_uids(params.get("server_pids")), os.path.join(public, EVIDENCE))
+            finally:
+                os.close(ev)
             nfd = _subdir(pub, name, 0o755, pkg_dir)
         finally:
             os.close(pub)
@@ -239,6 +244,56 @@ def publish(params: dict) -> dict:
         return {"ok": False, "error": "not published: %s" % e}
     return {"ok": True, "published": pdir, "module_path": module, "reused": reused,
             "evidence_dir": os.path.join(public, EVIDENCE)}
+
+
+def _evidence_uids(pids) -> list:
+    """0 and the effective uid (/proc/PID/status `Uid:`, its second number: the one the hook writes
+    under) of each of `pids` (the servers') still running."""
+    uids = {0}
+    for pid in pids or []:
+        if type(pid) is not int or pid < 1:
+            continue
+        try:
+            with open("/proc/%d/status" % pid) as f:
+                line = next((x for x in f.read(16384).splitlines() if x.startswith("Uid:")), "")
+            uids.add(int(line.split()[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(uids)
+
+
+EVIDENCE_TRIES = 3  # route-evidence/<uid> made again at most this often when someone else keeps making it
+
+
+def _evidence_dirs(ev: int, uids: list, path: str) -> None:
+    """route-evidence/<uid> (in open directory `ev`, its path `path`) for each of `uids`: a
+    directory of that uid, mode 0755. One that is not (a link, a file, another owner's, writable
+    by others: anyone may make an entry in the 01777 route-evidence first, and the hook and the
+    route check refuse such a directory) is removed with all in it and made again, so no local
+    user can keep a server's evidence from being written. Raises _Refused when another user makes
+    it again each time, OSError."""
+    for uid in uids:
+        name = str(uid)
+        for _ in range(EVIDENCE_TRIES):
+            st = safefs.lstat(ev, name)
+            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+                break
+            if st is not None:
+                safefs.rmtree(ev, name)
+            try:
+                os.mkdir(name, 0o700, dir_fd=ev)
+            except FileExistsError:
+                continue  # made by someone else meanwhile: judged again
+            fd = os.open(name, _DIR, dir_fd=ev)
+            try:
+                if os.geteuid() == 0:
+                    os.fchown(fd, uid, -1)
+                os.fchmod(fd, 0o755)
+            finally:
+                os.close(fd)
+            break
+        else:
+            raise _Refused("%s/%s is made by another user again each time" % (path, name))
 
 
 def _published_module(nfd: int, key: str, pdir: str) -> str:

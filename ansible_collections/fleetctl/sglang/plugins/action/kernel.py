@@ -86,7 +86,9 @@ class ActionModule(ActionBase):
                     step, lambda src: step("upload", src_dir=src, files=ops.transfer(pkg)), pkg,
                     pre["backend"], pre["arch"], private, current, int(args.get("max_jobs", 4)),
                     float(args.get("build_timeout", 1800)), result)
-            published = step("publish", build_dir=private, public_dir=pub["build"])
+            published = step("publish", build_dir=private, public_dir=pub["build"],
+                             server_pids=[s["pid"] for s in gathered["facts"].get("servers") or []
+                                          if isinstance(s.get("pid"), int)])
             if not published["ok"]:
                 raise HostFailed("%s (active build stays %s)" % (published["error"], current or "none"))
             result["published"] = published["published"]
