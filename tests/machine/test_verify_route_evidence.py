@@ -69,12 +69,14 @@ def test_calls_are_written_within_the_flush_wait_and_fallbacks_by_reason(tmp_pat
         fwd(**kw)
     other, _ = call_args(2, 2, [3, 1], 1, torch.float32)    # T 2: no dispatch entry
     five, _ = call_args(5, 1, [1] * 5, 1, torch.float32)    # max_batch 4
+    four, _ = call_args(4, 1, [1] * 4, 1, torch.float32)    # max_batch 4 itself: routed
+    assert fwd(**four) is True
     for call in [dict(kw, sinks=SINKS), dict(kw, sinks=SINKS), dict(kw, is_causal=False), dict(kw, mystery=1),
                  other, five, dict(kw, max_len_extend=4)]:
         assert fwd(**call) is False
     time.sleep(FLUSH_WAIT_S)
     got = read(state)
-    assert got["eager_routed"] == 8 and got["trigger"] == "fallback"
+    assert got["eager_routed"] == 9 and got["trigger"] == "fallback"
     assert got["fallbacks"] == {"keyword sinks": 2, "not causal": 1, "keyword mystery": 1, "shape not enabled": 1,
                                 "batch over max_batch": 1, "uneven draft widths": 1}
     assert json.loads(held.read_text())["eager_routed"] == 5 and held.stat().st_ino != path.stat().st_ino
@@ -189,18 +191,25 @@ def test_a_link_planted_at_the_record_its_temp_file_or_its_directories_is_never_
     assert caplog.text.count(f"routing evidence not written (tried again at each write): {d} is a symbolic link") == 1
     d.unlink()
     for change, said in ((lambda: (d.mkdir(mode=0o755), os.chown(d, 65534, 0)), "belongs to uid 65534"),
-                         (lambda: (d.mkdir(), os.chmod(d, 0o757)), "is writable by group or others (mode 757)")):
+                         (lambda: (d.mkdir(), os.chmod(d, 0o757)), "is writable by group or others (mode 757)"),
+                         (lambda: (d.mkdir(), os.chmod(d, 0o775)), "is writable by group or others (mode 775)")):
         change()
         caplog.clear()
         _calls(hook(tmp_path, state), kw, caplog)
         assert said in caplog.text and list(d.iterdir()) == []
         d.rmdir()
-    # PUBLIC/route-evidence itself: others may write it without the sticky bit, or a link
+    # PUBLIC/route-evidence itself: others may write it without the sticky bit, another user's, or a link
     top = d.parent
     os.chmod(top, 0o777)
     caplog.clear()
     _calls(hook(tmp_path, state), kw, caplog)
     assert "others may rename what is in it (uid 0, mode 777)" in caplog.text and not d.exists()
+    os.chmod(top, 0o755)
+    os.chown(top, 65534, 0)
+    caplog.clear()
+    _calls(hook(tmp_path, state), kw, caplog)
+    assert "is not root's, or others may rename what is in it (uid 65534, mode 755)" in caplog.text and not d.exists()
+    os.chown(top, 0, 0)
     os.chmod(top, 0o1777)
     top.rename(tmp_path / "top")
     top.symlink_to(tmp_path / "top")

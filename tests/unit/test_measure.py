@@ -100,6 +100,18 @@ def test_enabled_only_at_every_prefix():
     assert rec["enabled"] and rec["max_batch"] == 2 and rec["speedups"]["4"] == [1.6, 1.05]
 
 
+def test_exactly_the_bar_is_met_and_one_table_key_keeps_its_smallest_max_batch():
+    m = dict(SHAPE, results=rows({1: [1.1, 1.1], 2: [1.1, 1.0999]}))
+    [e], _ = measure.choose([m])
+    assert e["max_batch"] == 1  # 1.1 meets the 1.1x bar; 1.0999 does not
+    # two measured shapes of one table key (other q_heads: another TP split of the same group)
+    wide = dict(SHAPE, q_heads=64, kv_heads=16, results=rows({1: [2.0, 2.0], 2: [2.0, 2.0], 4: [2.0, 2.0], 8: [2.0, 2.0]}))
+    narrow = dict(SHAPE, results=rows({1: [2.0, 2.0], 2: [2.0, 2.0], 4: [1.0, 1.0]}))
+    for order in ([wide, narrow], [narrow, wide]):
+        entries, shapes = measure.choose(order)
+        assert [x["max_batch"] for x in entries] == [2] and len(shapes) == 2, entries
+
+
 def test_one_prefix_is_not_enough():
     m = dict(SHAPE, results=rows({1: [3.0, 1.09], 2: [3.0, 1.0]}))
     entries, [rec] = measure.choose([m])
@@ -171,6 +183,7 @@ def test_measured_table():
     ({"serverinfo": ProbeFailed("boom")}, "not measured: ProbeFailed: boom"),
     ({"serverinfo": {"servers": [], "refused": []}}, "no shape to measure"),
     ({"dispatchbench": bench_answer(device="cpu", graphs=False)}, "only CUDA-graph timings"),
+    ({"dispatchbench": bench_answer(graphs=False)}, "answered device 'cuda', graphs False: only CUDA-graph timings"),
     ({"dispatchbench": bench_answer(ok=False, error="RuntimeError: torch sees no CUDA device")}, "no CUDA device"),
     ({"dispatchbench": {"ok": False, "rc": -9, "timed_out": True, "answer": None}}, "timed out"),
 ])
@@ -226,6 +239,7 @@ def test_config_json_read_without_links_and_bounded(tmp_path):
     (model / "config.json").write_text(" " * (serverinfo.MAX_CONFIG + 1))
     assert "over" in serverinfo.read_config(str(model))[1]
     assert "hub id" in serverinfo.read_config("meta-llama/Llama-3-8B")[1]
+    assert "not an absolute local directory" in serverinfo.read_config(f"{model}/../m")[1]  # not normalised
     os.unlink(model / "config.json")
     (model / "config.json").write_text("[1]")
     assert "not a JSON object" in serverinfo.read_config(str(model))[1]

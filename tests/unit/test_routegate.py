@@ -135,6 +135,27 @@ def test_logprobs_within_the_tolerance_up_to_the_divergence():
     assert verdict(answer(server(prompts=with_prompt(0, lps=[-0.1, -0.125] + [-0.1] * 4))), logprob_tolerance=0.03)[1].passed
 
 
+def test_each_limit_is_inclusive_and_the_next_step_past_it_fails():
+    """The near tie, logprob, long-prompt and accept-length limits at their defaults: exactly the
+    limit (as floats compute it) passes, the next step past it fails, both ways."""
+    ids = [10, 11, 99, 98, 97, 96]
+    tie = [1.0, 1.0, 0.03, 1.0, 1.0, 1.0]  # 0.03 apart: past the 0.02 near tie
+    c, r = verdict(answer(server(prompts=with_prompt(0, ids=ids))), answer(server(prompts=with_prompt(0, gaps=tie))))
+    assert r.failed and "output_ids differ at position 2" in c["tokens"].detail
+    # |diff| 0.020000000000000004 as floats compute -0.08 - -0.1: the tolerance, inclusive
+    assert verdict(answer(server(prompts=with_prompt(0, lps=[-0.1, -0.08] + [-0.1] * 4))))[1].passed
+    c, r = verdict(answer(server(prompts=with_prompt(0, lps=[-0.1, -0.0799] + [-0.1] * 4))))
+    assert r.failed and "fox position 1" in c["logprobs"].detail
+    assert verdict(answer(server(prompts=with_prompt(3, tokens=4096))))[1].passed
+    c, r = verdict(answer(server(prompts=with_prompt(3, tokens=4095))))
+    assert r.failed and c["long prompt"].detail == "4095 prompt tokens, fewer than 4096"
+    # an accept length that rises past 5% fails as a drop does (24 / 11 = 2.18 against 2.0)
+    base = answer(server(prompts=[prompt("fox"), prompt("count"), prompt("code"), prompt("long", tokens=4160, chars=4160)]))
+    c, r = verdict(answer(server(prompts=[prompt("fox"), prompt("count"), prompt("code"),
+                                          prompt("long", tokens=4160, chars=4160, verify=2)])), base)
+    assert r.failed and "2.182 vs baseline 2.000" in c["accept length"].detail and "over 5%" in c["accept length"].detail
+
+
 def test_a_rank_that_never_routes_fails_naming_its_pid_and_its_fallbacks():
     after = answer(server(before=[entry(7, eager=5)], after=[entry(7, eager=5, fallbacks={"shape not enabled": 40})]))
     c, r = verdict(after)

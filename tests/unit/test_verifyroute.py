@@ -459,6 +459,22 @@ def test_the_findings_table_says_what_the_hook_routes(tmp_path, change, routes, 
         assert why_not in t["why_not"] and t["shapes"] == []
 
 
+def test_entries_of_one_shape_merge_to_the_largest_batch_and_a_zero_is_no_entry(tmp_path):
+    loc = install(tmp_path, "0.5.23")
+    e = {"head_dim": 64, "group": 2, "draft_tokens": 4, "dtype": "float32"}
+
+    def table_of(i, entries):
+        return verifyroute.kernel(str(deployed(tmp_path / f"t{i}", location=loc, table=dict(TABLE, entries=entries))),
+                                  TORCH)["table"]
+    for i, (entries, shapes) in enumerate((([dict(e, max_batch=2), dict(e, max_batch=8)], ["64:2:4:float32:8"]),
+                                           ([dict(e, max_batch=8), dict(e, max_batch=2)], ["64:2:4:float32:8"]),
+                                           ([dict(e, max_batch=2), dict(e, max_batch=None)], ["64:2:4:float32"]))):
+        assert table_of(i, entries)["shapes"] == shapes, entries
+    for i, zero in enumerate(("head_dim", "group", "draft_tokens", "max_batch"), start=10):
+        t = table_of(i, [{**e, "max_batch": 2, zero: 0}])
+        assert not t["routes"] and "is not {head_dim, group, draft_tokens: int >= 1" in t["why_not"], zero
+
+
 def test_no_table_routes_nothing_and_says_so(tmp_path):
     loc = install(tmp_path, "0.5.23")
     public = deployed(tmp_path, location=loc)
