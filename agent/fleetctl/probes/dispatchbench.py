@@ -7,7 +7,8 @@ whole process group is killed). The interpreter's site files are checked first (
 child runs with its site, as root), then what the benchmark imports (IMPORTS: every directory of the
 import path and each package's tree, trust.untrusted_imports: an editable install from another user's
 checkout is refused, never imported), and the script must be a regular file reached from / without a link
-(safefs); the child runs `python -I` (no PYTHON* variables, no user site). Returns {"ok": exit 0 and an answer, "rc", "timed_out", "answer": the last stdout line as JSON
+(safefs); the child runs `python -I` (no PYTHON* variables, no user site).
+Returns {"ok": exit 0 and an answer, "rc", "timed_out", "answer": the last stdout line as JSON
 (a dict) or None, "stderr_tail", "seconds"}. torch is never imported here. Stdlib only (Python 3.8+).
 """
 
