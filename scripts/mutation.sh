@@ -79,12 +79,12 @@ declare -A SCOPE=(
     [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.plan.xǁ_Sourceǁline_end_after__*
             fleetctl.engine.plan.x__checked_source__* fleetctl.engine.plan.x_one_line__*'
     [gate]='fleetctl.engine.gate.*'
-    [change]='fleetctl.probes.change.x_apply__* fleetctl.probes.change.x__undo_written__*
-              fleetctl.probes.change.x__restore__* fleetctl.probes.change.x_recover__*'
+    [change]='fleetctl.probes.change.actions.x_apply__* fleetctl.probes.change.actions.x__undo_written__*
+              fleetctl.probes.change.actions.x__restore__* fleetctl.probes.change.actions.x_recover__*'
     [safefs]='fleetctl.probes.safefs.x_atomic_write__* fleetctl.probes.safefs.x_open_dir__*
               fleetctl.probes.safefs.x_confine__*'
-    [callsites]='fleetctl.probes.callsites.x__walk__* fleetctl.probes.callsites.x__scan_source__*
-                 fleetctl.probes.callsites.x__call_site__* fleetctl.probes.callsites.x__origin__*'
+    [callsites]='fleetctl.probes.facts.callsites.x__walk__* fleetctl.probes.facts.callsites.x__scan_source__*
+                 fleetctl.probes.facts.callsites.x__call_site__* fleetctl.probes.facts.callsites.x__origin__*'
 )
 patterns=()
 for m in "${modules[@]}"; do

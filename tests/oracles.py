@@ -1,6 +1,6 @@
 """Second readings the tests hold fleetctl against, shared by the rooms (tests/unit, tests/fleet,
 tests/machine): plain `ast` readings of allocator call sites and need_sort origins, written apart
-from probes/callsites.py (the latter in the inspect probe's JSON shape, so the planner is tested
+from probes/facts/callsites.py (the latter in the inspect probe's JSON shape, so the planner is tested
 without the probe), a strict unified-diff applier (a reversed diff cannot apply), and files of
 real SGLang releases from the wheel cache."""
 

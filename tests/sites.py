@@ -12,7 +12,7 @@ import pytest
 
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change, ledger
+from fleetctl.probes.change import actions as change, ledger
 from oracles import PLAYBOOK, host_inputs, release_file
 
 

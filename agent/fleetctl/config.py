@@ -21,7 +21,7 @@ DEFAULT_SGLANG_PORT = 30000
 STATE_DIR = "/var/lib/fleetctl"
 # Where each host keeps the published kernel builds the server process reads (root, 0755):
 # NAME/<key>/{src,build,PASSED}, NAME/current -> <key>, NAME/dispatch.json, route-evidence/ (01777).
-# probes/change.py, probes/verifyroute.py keep copies (PUBLIC_DIR); tests check they agree.
+# probes/change/actions.py, probes/facts/verifyroute.py keep copies (PUBLIC_DIR); tests check they agree.
 PUBLIC_KERNELS_DIR = "/var/lib/fleetctl-kernels"
 
 # ---- deadlines (seconds) ----------------------------------------------------------------

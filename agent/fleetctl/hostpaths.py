@@ -8,7 +8,7 @@ N2, and M7's control side):
 
 - `package_file`: every file a finding names and every key of an install's scan `files` and
   `sources` is relative to the install's location (the directory holding sglang/), as the inspect
-  probe makes it (probes/callsites.py: "sglang" + the walk's relative path): a normalised
+  probe makes it (probes/facts/callsites.py: "sglang" + the walk's relative path): a normalised
   relative POSIX path under sglang/, no `..`, not absolute, no empty or `.` component.
 - `release`: the SGLang version, which names patch files and wheels (`sglang-VERSION-*.whl`, a
   glob) and goes to `pip download sglang==VERSION`: a PEP 440 public version in canonical form,

@@ -68,7 +68,7 @@ class GateStatus(_Word):
 
 
 class ChangeState(_Word):
-    """A change's state in the host's ledger (probes/ledger.py, last ledger line wins)."""
+    """A change's state in the host's ledger (probes/change/ledger.py, last ledger line wins)."""
 
     PENDING = "pending"          # written, not yet validated (or a run was killed): undone by recover
     APPLIED = "applied"          # validated and committed

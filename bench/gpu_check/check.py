@@ -334,8 +334,8 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
     checks = {"status_ok": d.get("status") in ("ok", "changed")}
     sys.path.insert(0, str(ROOT / "agent"))
     from fleetctl.engine.kernelpkg import build_key, load_package
-    from fleetctl.probes import kbuild
-    from fleetctl.probes.ledger import STATE_DIR
+    from fleetctl.probes.kernel import kbuild
+    from fleetctl.probes.change.ledger import STATE_DIR
 
     facts = kbuild.gather_facts()
     torch_f, nvcc_f = facts.get("torch") or {}, facts.get("nvcc") or {}

@@ -141,7 +141,7 @@ def test_inspect_module_equals_cli(ansible, server_lab):
     assert releases == {"0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"}
 
 
-MOVED = "/opt/sglang/env-moved"  # none of the facts probe's common venv locations (probes/facts.py)
+MOVED = "/opt/sglang/env-moved"  # none of the facts probe's common venv locations (probes/facts/host.py)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from conftest import write_ssh_config
-from fleetctl.probes import callsites
+from fleetctl.probes.facts import callsites
 from fleetctl.wheels import ensure_wheel
 
 

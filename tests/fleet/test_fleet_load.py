@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from fleetctl.cli.report import render_load, render_load_gate
+from fleetctl.report.gates import render_load, render_load_gate
 from fleetctl.engine.context import HostResult
 
 # the smoke profile with tiny numbers: 2 in flight, 4 requests, prompts of 16-32 tokens, 4-8 out

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from fleetctl.cli.report import render_inspect
+from fleetctl.report.terminal import render_inspect
 from fleetctl.engine.context import HostResult
 from fleetctl.engine.validate import RANK0_ABSENT
 from fleetctl.vocab import HostStatus

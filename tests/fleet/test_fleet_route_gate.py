@@ -16,7 +16,7 @@ import yaml
 
 from conftest import kernel_variant
 from test_fleet_route_verify import applied_under_the_gate
-from fleetctl.probes import verifyroute
+from fleetctl.probes.facts import verifyroute
 
 HOST = "lab-04"
 LOCATION = "/opt/sglang/venv/lib/python3.11/site-packages"

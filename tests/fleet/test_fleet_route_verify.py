@@ -17,7 +17,7 @@ import shlex
 
 import yaml
 
-from fleetctl.probes import verifyroute
+from fleetctl.probes.facts import verifyroute
 
 HOST = "lab-04"
 LOCATION = "/opt/sglang/venv/lib/python3.11/site-packages"

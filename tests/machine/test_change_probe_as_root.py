@@ -22,7 +22,8 @@ from fleetctl.engine.changes import Change, ChangeOptions, change_job, execute
 from fleetctl.engine.context import HostResult
 from fleetctl.engine.fleet import Fleet
 from fleetctl.engine.validate import SmokeOptions
-from fleetctl.probes import change, ledger, safefs
+from fleetctl.probes import safefs
+from fleetctl.probes.change import actions as change, ledger
 from fleetctl.vocab import HostStatus
 from sites import ledger_consistent
 

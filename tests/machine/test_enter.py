@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from fleetctl.connection import command
-from fleetctl.probes import containers, enter
+from fleetctl.probes import enter
+from fleetctl.probes.facts import containers
 
 SHOW = ('grep -E "^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs):" /proc/self/status; '
         'readlink /proc/self/ns/mnt /proc/self/ns/pid; grep -E "^[0-9]+:pids:" /proc/self/cgroup; echo "pid $$"')

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from fleetctl import probes
-from fleetctl.probes import gpus
+from fleetctl.probes.facts import gpus
 
-PROBES = sorted({*probes.modules_for("facts"), "gittree"})
+PROBES = sorted({*probes.modules_for("facts.host"), "gittree"})
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 
@@ -248,7 +248,7 @@ def _build_installs(root: Path) -> dict:
 def probe(**params) -> dict:
     """Run the facts probe as fleetctl does (the bundle on stdin of a python -c WRAPPER)."""
     params = {"python": None, "scan": True, "with_sources": False, **params}
-    r = subprocess.run([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts", params),
+    r = subprocess.run([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts.host", params),
                        capture_output=True, timeout=300)
     return probes.parse_output(r.stdout, r.stderr, r.returncode)
 
@@ -306,7 +306,7 @@ def test_case12_missing_package_directory_is_an_error_not_an_empty_scan(installs
 
 
 def test_idle_interpreters_are_asked_only_with_an_sglang_distribution(installs, tmp_path):
-    from fleetctl.probes.facts import may_have_sglang
+    from fleetctl.probes.facts.host import may_have_sglang
     assert may_have_sglang(str(installs["env"])) and may_have_sglang(str(installs["editable"]))
     assert not may_have_sglang(str(make_venv(tmp_path / "empty")))
 
@@ -316,7 +316,7 @@ def test_an_idle_interpreter_with_only_a_pth_naming_a_checkout_is_asked(installs
     or by hand): still an install, so the interpreter is asked, and it finds the checkout. A
     `.pth` naming a directory without sglang, a FIFO named `.pth` (never opened: it would hang)
     and a symlinked `.pth` do not count."""
-    from fleetctl.probes.facts import may_have_sglang
+    from fleetctl.probes.facts.host import may_have_sglang
     py = make_venv(tmp_path / "pth")
     sp = Path(site_packages(py))
     os.mkfifo(sp / "a-fifo.pth")
@@ -337,7 +337,7 @@ def test_an_idle_interpreter_with_only_a_pth_naming_a_checkout_is_asked(installs
 def test_primary_install_rule():
     """The server with the lowest pid names the primary install; with no server, the only
     install; with several and no server, none, and facts say why."""
-    from fleetctl.probes.facts import SEVERAL, primary
+    from fleetctl.probes.facts.host import SEVERAL, primary
     a, b = {"id": "host:/a/sglang"}, {"id": "host:/b/sglang"}
     servers = [{"pid": 40, "install": "host:/b/sglang"}, {"pid": 7, "install": "host:/a/sglang"},
                {"pid": 3, "install": None}]
@@ -524,7 +524,7 @@ def test_a_server_behind_a_launcher_is_one_server_on_the_envs_install(installs, 
 
 
 def test_the_last_of_a_repeated_option_wins_as_with_argparse():
-    from fleetctl.probes import procs, topology
+    from fleetctl.probes.facts import procs, topology
     argv = ["/v/bin/python", "-m", "sglang.launch_server", "--port", "30000", "--tp", "2", "--port=30001"]
     assert (topology.option(argv, "--port"), topology.option(argv, "--tp-size", "--tp"), topology.option(argv, "--host")) == \
         ("30001", "2", None)

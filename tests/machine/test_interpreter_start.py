@@ -25,7 +25,7 @@ PYENV = Path("/root/.pyenv/versions")
 TOOLS = ("sh", "readlink", "stat", "sed", "head", "id", "grep", "rm", "cat", "mkdir")
 # the facts probe re-run as an install's interpreter runs it: where `import sglang` resolves, and
 # under which interpreter (locate.locate's "python": {path, version}); nothing else is read
-WHO = probes.bundle("facts", {"locate": []})
+WHO = probes.bundle("facts.host", {"locate": []})
 
 
 def pyenv(version: str) -> Path:

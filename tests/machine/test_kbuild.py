@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import kbuild
+from fleetctl.probes.kernel import kbuild
 
 NOBODY = 65534
 

@@ -23,7 +23,7 @@ import torch
 
 from conftest import kernel_variant
 from fleetctl.engine.kernelpkg import load_package
-from fleetctl.probes import kbuild
+from fleetctl.probes.kernel import kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 ARCH = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import result, scancache
+from fleetctl.probes import result
+from fleetctl.probes.facts import scancache
 
 
 NOBODY = 65534
@@ -108,7 +109,7 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     for p in nobody_home.rglob("*"):
         os.chown(p, NOBODY, NOBODY)
     # the callsites probe after the code cache: a bundle made here, as probes.bundle makes one
-    mods = [*probes.modules_for("scancache"), "callsites"]
+    mods = [*probes.modules_for("facts.scancache"), "callsites"]
     doc = json.dumps({"modules": [[m, probes.source(m)] for m in mods], "main": "callsites",
                       "params": {"location": str(pkg)}, "wrapper": probes.WRAPPER,
                       "code_key": probes.sources_sha256(mods)}).encode()
@@ -142,5 +143,5 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     # nothing, so no second build's code is kept
     assert untimed(run_probe_as_nobody(nobody_home, doc, PYTHONOPTIMIZE="2")) == untimed(real)
     assert len(list(cdir.glob("code-*.marshal"))) == 1 and kept.read_bytes().split(b"\n", 1)[0] == head
-    cleared = run_probe_as_nobody(nobody_home, probes.bundle("scancache", {"action": "clear"}))
+    cleared = run_probe_as_nobody(nobody_home, probes.bundle("facts.scancache", {"action": "clear"}))
     assert cleared["removed"] >= 1 and not list(cdir.glob("code-*"))  # `fleetctl cache clear` takes it too

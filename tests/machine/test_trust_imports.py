@@ -117,7 +117,7 @@ def test_the_dispatch_bench_probe_never_starts_the_benchmark_over_such_a_path(tm
     theirs = Path(tempfile.mkdtemp(prefix="fc-theirs-", dir="/tmp"))
     try:
         os.chown(theirs, NOBODY, NOBODY)
-        code = ("import json, sys; sys.path.insert(0, %r); from fleetctl.probes import dispatchbench; sys.path.append(%r)\n"
+        code = ("import json, sys; sys.path.insert(0, %r); from fleetctl.probes.kernel import dispatchbench; sys.path.append(%r)\n"
                 "try:\n    print(json.dumps(dispatchbench.main(%r)))\nexcept RuntimeError as e:\n    print('REFUSED', e)\n"
                 % (str(AGENT), str(theirs), {"src_dir": str(src), "script": "bench.py", "request": {}, "deadline_s": 30}))
         out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fleetctl.probes.routecheck import FLUSH_WAIT_S
+from fleetctl.probes.traffic.routecheck import FLUSH_WAIT_S
 from test_verify_route_hook import call_args, hook, pytestmark, render, routed_args, state  # noqa: F401
 
 SINKS = torch.zeros(8)

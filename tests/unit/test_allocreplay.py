@@ -1,4 +1,4 @@
-"""The allocator replay's pure pieces (probes/allocreplay.py, cli/report.py replay_line, cli/options.py
+"""The allocator replay's pure pieces (probes/traffic/allocreplay.py, report/terminal.py replay_line, cli/options.py
 replay_trace): the seeded trace, the figures of a run, the trace's checks, where each release keeps
 its allocator classes (held against a second, regex reading of the wheels' files), which files the
 replay would run, the stub import of a release file, the server's max_total_num_tokens over real
@@ -18,9 +18,9 @@ import zipfile
 import pytest
 
 from fleetctl.cli.options import replay_trace
-from fleetctl.cli.report import replay_line
+from fleetctl.report.terminal import replay_line
 from fleetctl.errors import UsageError
-from fleetctl.probes import allocreplay
+from fleetctl.probes.traffic import allocreplay
 from fleetctl.wheels import ensure_wheel
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]

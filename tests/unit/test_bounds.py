@@ -14,7 +14,7 @@ import pytest
 
 from fleetctl.connection import OutputTooLarge
 from fleetctl.connection.base import OUTPUT_MAX, OutputBuffer
-from fleetctl.probes import smoke
+from fleetctl.probes.traffic import smoke
 
 GIB = 1 << 30
 

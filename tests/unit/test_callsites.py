@@ -1,4 +1,4 @@
-"""The remote AST scanner (fleetctl.probes.callsites) on real SGLang releases and on synthetic trees.
+"""The remote AST scanner (fleetctl.probes.facts.callsites) on real SGLang releases and on synthetic trees.
 
 Real facts below were read by hand from the unpacked wheels; an independent, deliberately
 plain AST reading (every file, ast.walk, no substring filter, no scopes) must agree with the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import callsites
+from fleetctl.probes.facts import callsites
 from fleetctl.wheels import ensure_wheel
 from oracles import independent
 

@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from fleetctl.probes import change, ledger
+from fleetctl.probes.change import actions as change, ledger
 
 TEXT = "verify_fwd = None\n"
 

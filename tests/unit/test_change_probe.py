@@ -21,7 +21,9 @@ import pytest
 
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change, ledger, record, safefs
+from fleetctl.probes import safefs
+from fleetctl.probes.change import actions as change, ledger
+from fleetctl.probes.facts import drift as record
 from sites import ledger_consistent
 from fleetctl.wheels import ensure_wheel
 
@@ -239,7 +241,7 @@ CHILD_S = 600
 # runs the probe with the params on stdin; SIGKILLs it at the first rename onto argv[1]
 KILLER = """
 import json, os, signal, sys
-from fleetctl.probes import change
+from fleetctl.probes.change import actions as change
 params = json.load(sys.stdin)
 real = os.replace
 def replace(src, dst, **dir_fds):
@@ -278,7 +280,7 @@ def test_recover_after_kill_mid_apply(site):
 
 UNDO_KILLER = """
 import json, os, signal, sys
-from fleetctl.probes import change
+from fleetctl.probes.change import actions as change
 params = json.load(sys.stdin)
 second = params["files"][1]["path"]
 real, seen = os.replace, []

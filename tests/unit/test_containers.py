@@ -13,7 +13,8 @@ import pytest
 from fleetctl.engine import containers
 from fleetctl.connection import command
 from fleetctl.errors import HostFailed
-from fleetctl.probes import containers as probe, enter
+from fleetctl.probes import enter
+from fleetctl.probes.facts import containers as probe
 
 CID = "4f" * 32
 IMG = "9a" * 32

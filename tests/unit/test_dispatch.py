@@ -14,11 +14,13 @@ import pytest
 from rich.console import Console
 
 from fleetctl import config
-from fleetctl.cli.report import render_deploy, render_status
+from fleetctl.report.terminal import render_deploy, render_status
 from fleetctl.engine import deploy, dispatch
 from fleetctl.engine.context import HostResult
 from fleetctl.errors import HostFailed, UsageError
-from fleetctl.probes import change, kbuild, verifyroute
+from fleetctl.probes.change import actions as change
+from fleetctl.probes.facts import verifyroute
+from fleetctl.probes.kernel import kbuild
 
 KEY = "1a2b3c4d5e6f" + "0" * 52
 
@@ -107,7 +109,7 @@ def test_same_routing_ignores_when_and_why_but_nothing_that_routes():
 
 def _as_the_hook_reads_it(tmp_path, table: dict, key: str = KEY):
     """(all, {shape: max_batch}, why nothing routes) of `table` written as deploy writes it
-    (dispatch.text), read by the hook's own `_table` (probes/verifyroute.py holds its text)."""
+    (dispatch.text), read by the hook's own `_table` (probes/facts/verifyroute.py holds its text)."""
     path = tmp_path / dispatch.FILE
     path.write_text(dispatch.text(table))
     return verifyroute._table(str(path), key)

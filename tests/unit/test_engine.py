@@ -25,9 +25,9 @@ from fleetctl.engine.context import HostResult
 from fleetctl.engine.fleet import Fleet, exit_code, parse_serial
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import ledger as ledger_probe
-from fleetctl.probes import procs as procs_probe
-from fleetctl.probes import smoke as smoke_probe
+from fleetctl.probes.change import ledger as ledger_probe
+from fleetctl.probes.facts import procs as procs_probe
+from fleetctl.probes.traffic import smoke as smoke_probe
 from fleetctl.engine.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 

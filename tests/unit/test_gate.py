@@ -14,7 +14,7 @@ from fleetctl.vocab import GateStatus
 
 
 def server(port=30000, ids=(1, 2, 3), e2e=1.0, client=2.0, ok=True, error=None, host="127.0.0.1"):
-    """One server's smoke result as fleetctl.probes.smoke returns it (only the fields the gate reads)."""
+    """One server's smoke result as fleetctl.probes.traffic.smoke returns it (only the fields the gate reads)."""
     return {"host": host, "port": port, "ok": ok, "error": error, "output_ids": list(ids),
             "e2e_latency_s": e2e, "latency_s": client}
 

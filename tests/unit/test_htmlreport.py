@@ -1,4 +1,4 @@
-"""The HTML fleet report (cli.htmlpage, cli.svgchart) from the recorded lab sequence
+"""The HTML fleet report (report/html.py, report/svg.py) from the recorded lab sequence
 (tests/golden/history/): the page loads nothing and runs nothing (CSP meta, no script, no
 external reference), host text is escaped and its control characters shown, the charts have one
 point per measurement and per change, and the overview shows each host's latest cell."""
@@ -15,7 +15,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from fleetctl.cli import htmlpage
+from fleetctl.report import html as htmlpage
 from fleetctl.history.model import HostRecord
 from report_runs import recorded_runs, write_store
 

@@ -1,7 +1,7 @@
-"""kbuild's preflight reads the GPUs as the facts probe does (probes/gpus.py ARGS and parse):
+"""kbuild's preflight reads the GPUs as the facts probe does (probes/facts/gpus.py ARGS and parse):
 a lost GPU is reported and refuses the build, not read as a healthy card or a CPU host. The
 nvidia-smi here is a stand-in (this machine has no GPU) printing what nvidia-smi prints with one
-GPU lost (probes/gpus.py cites the shapes)."""
+GPU lost (probes/facts/gpus.py cites the shapes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from fleetctl.probes import gpus, kbuild
+from fleetctl.probes.facts import gpus
+from fleetctl.probes.kernel import kbuild
 
 HEALTHY = "0, 00000000:17:00.0, NVIDIA H200, 143771, 570.86.15, 9.0"
 # both spellings drivers print (NVIDIA/nvidia-container-toolkit#69 and #846: "GPU0000:65:00.0";

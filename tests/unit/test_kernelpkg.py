@@ -19,7 +19,7 @@ from fleetctl.errors import ParseError
 from fleetctl.engine.deploy import preflight_key
 from fleetctl.engine.kernelpkg import TritonBackend, build_key, load_package
 from fleetctl.errors import HostFailed
-from fleetctl.probes import kbuild
+from fleetctl.probes.kernel import kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 GOOD = (KERNELS / "verify_attention" / "kernel.yaml").read_text()
@@ -239,7 +239,7 @@ def test_results_do_not_enter_the_build_key(kroot):
 def test_preflight_through_the_probe_wrapper():
     """The probe as the host runs it: bundle on stdin to `python -c WRAPPER`."""
     r = subprocess.run(probes.command(sys.executable),
-                       input=probes.bundle("kbuild", {"action": "preflight", "backends": ["cpu", "cuda"]}),
+                       input=probes.bundle("kernel.kbuild", {"action": "preflight", "backends": ["cpu", "cuda"]}),
                        capture_output=True, timeout=120)
     out = probes.parse_output(r.stdout, r.stderr, r.returncode)
     import torch

@@ -20,11 +20,16 @@ LAYERS = {
     "inventory": 2,
     "connection": 3,
     "engine": 4,
-    "lab": 5, "collection": 5, "history": 5,
+    "lab": 5, "collection": 5, "history": 5, "report": 5,
     "cli": 6,
     "__init__": 0, "data": 0,
 }
 LAB_IMPORTERS = {"fleetctl.cli.lab"}
+# probes/ has rooms of its own, layered the same way: the runtime at its top (the bundler, result,
+# trust, safefs, redact, enter) under facts/ (read-only), under traffic/, kernel/ and change/
+# (which send requests, build or write, reading facts to do so). None of the upper three imports
+# another.
+PROBE_LAYERS = {"": 0, "facts": 1, "traffic": 2, "kernel": 2, "change": 2}
 
 
 def module_name(path: Path) -> str:
@@ -118,6 +123,19 @@ def test_probes_import_only_probes_and_the_lab_only_from_its_cli_commands():
     g = graph()
     assert sorted(f"{m} -> {t}" for m, ts in g.items() if room(m) == "probes" for t in ts if room(t) != "probes") == []
     assert {m for m, ts in g.items() if any(room(t) == "lab" for t in ts) and room(m) != "lab"} <= LAB_IMPORTERS
+
+
+def probe_room(module: str) -> str:
+    parts = module.split(".")  # fleetctl.probes[.room].module
+    return parts[2] if len(parts) > 3 or module.endswith(tuple(f".{r}" for r in PROBE_LAYERS if r)) else ""
+
+
+def test_probe_rooms_import_down_and_never_sideways():
+    g = graph()
+    edges = [(probe_room(m), probe_room(t), f"{m} -> {t}") for m, ts in g.items() if room(m) == "probes"
+             for t in ts if room(t) == "probes"]
+    assert {probe_room(m) for m in modules() if room(m) == "probes"} <= set(PROBE_LAYERS)
+    assert sorted(e for a, b, e in edges if a != b and PROBE_LAYERS[b] >= PROBE_LAYERS[a]) == []
 
 
 @pytest.mark.parametrize("g,want", [

@@ -18,7 +18,7 @@ import pytest
 
 from fleetctl.engine import load as gate
 from fleetctl.engine.load import LoadOptions, compare_load, load_options
-from fleetctl.probes import load
+from fleetctl.probes.traffic import load
 from fleetctl.vocab import GateStatus
 from fleetctl.wheels import ensure_wheel
 from oracles import release_file
@@ -196,7 +196,7 @@ def test_a_client_never_outlives_the_probe_that_watches_it(tmp_path):
     (PR_SET_PDEATHSIG), though no deadline fired."""
     pidfile = tmp_path / "client.pid"
     client = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    probe = (f"from fleetctl.probes import load; import sys; "
+    probe = (f"from fleetctl.probes.traffic import load; import sys; "
              f"load.run_client([sys.executable, '-c', {client!r}], {{}}, {str(tmp_path)!r}, 60)")
     p = subprocess.Popen([sys.executable, "-c", probe], env={"PYTHONPATH": os.environ["PYTHONPATH"]})
     end = time.monotonic() + 30

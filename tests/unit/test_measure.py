@@ -1,4 +1,4 @@
-"""engine/measure.py (the measured dispatch table) and probes/serverinfo.py, on hand-made figures: the
+"""engine/measure.py (the measured dispatch table) and probes/traffic/serverinfo.py, on hand-made figures: the
 per-rank shapes from /server_info and config.json, the >= 1.1x-at-every-prefix choice, measured_table over
 fake probe answers (every failure a source "none" table, never an exception), and the config.json reader's
 refusals. No GPU here: the CUDA timing itself (dispatch_bench.py) is not run by these tests."""
@@ -13,7 +13,7 @@ import pytest
 
 from fleetctl.engine import measure
 from fleetctl.errors import ProbeFailed
-from fleetctl.probes import serverinfo
+from fleetctl.probes.traffic import serverinfo
 
 INFO = {"tp_size": 1, "dp_size": 1, "enable_dp_attention": False, "speculative_algorithm": "EAGLE",
         "speculative_num_draft_tokens": 4, "speculative_eagle_topk": 1, "page_size": 1, "kv_cache_dtype": "auto",
@@ -163,7 +163,7 @@ def info_answer():
 
 
 def test_measured_table():
-    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    ctx = Ctx({"traffic.serverinfo": info_answer(), "kernel.dispatchbench": bench_answer()})
     t = measure.measured_table(ctx, "/opt/py/bin/python3", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["schema"] == "fleetctl-dispatch/1" and t["source"] == "measured" and t["build"] == "k1"
     assert t["backend"] == "cuda" and t["all"] is False and t["route"] is None
@@ -171,7 +171,7 @@ def test_measured_table():
                              "speedup": [1.5, 1.2]}]
     assert t["measured"]["prefixes"] == [1024, 4096] and t["measured"]["min_speedup"] == 1.1
     bench = ctx.calls[1][1]
-    assert ctx.calls[1][0] == "dispatchbench" and ctx.calls[1][2] == "/opt/py/bin/python3"
+    assert ctx.calls[1][0] == "kernel.dispatchbench" and ctx.calls[1][2] == "/opt/py/bin/python3"
     assert bench["src_dir"] == "/var/lib/fleetctl-kernels/verify_attention/k1/src"
     assert bench["request"]["module"] == MODULE and bench["request"]["device"] == "cuda"
     assert bench["request"]["shapes"][0]["batches"] == [1, 2, 4, 8] and bench["request"]["prefixes"] == [1024, 4096]
@@ -180,32 +180,32 @@ def test_measured_table():
 
 
 @pytest.mark.parametrize("answers, said", [
-    ({"serverinfo": ProbeFailed("boom")}, "not measured: ProbeFailed: boom"),
-    ({"serverinfo": {"servers": [], "refused": []}}, "no shape to measure"),
-    ({"dispatchbench": bench_answer(device="cpu", graphs=False)}, "only CUDA-graph timings"),
-    ({"dispatchbench": bench_answer(graphs=False)}, "answered device 'cuda', graphs False: only CUDA-graph timings"),
-    ({"dispatchbench": bench_answer(ok=False, error="RuntimeError: torch sees no CUDA device")}, "no CUDA device"),
-    ({"dispatchbench": {"ok": False, "rc": -9, "timed_out": True, "answer": None}}, "timed out"),
+    ({"traffic.serverinfo": ProbeFailed("boom")}, "not measured: ProbeFailed: boom"),
+    ({"traffic.serverinfo": {"servers": [], "refused": []}}, "no shape to measure"),
+    ({"kernel.dispatchbench": bench_answer(device="cpu", graphs=False)}, "only CUDA-graph timings"),
+    ({"kernel.dispatchbench": bench_answer(graphs=False)}, "answered device 'cuda', graphs False: only CUDA-graph timings"),
+    ({"kernel.dispatchbench": bench_answer(ok=False, error="RuntimeError: torch sees no CUDA device")}, "no CUDA device"),
+    ({"kernel.dispatchbench": {"ok": False, "rc": -9, "timed_out": True, "answer": None}}, "timed out"),
 ])
 def test_failures_give_source_none(answers, said):
-    ctx = Ctx(dict({"serverinfo": info_answer(), "dispatchbench": bench_answer()}, **answers))
+    ctx = Ctx(dict({"traffic.serverinfo": info_answer(), "kernel.dispatchbench": bench_answer()}, **answers))
     t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["source"] == "none" and t["entries"] == [] and said in t["why"], t["why"]
 
 
 def test_the_hosts_deadline_bounds_the_benchmark():
-    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    ctx = Ctx({"traffic.serverinfo": info_answer(), "kernel.dispatchbench": bench_answer()})
     ctx.remaining = lambda: 500.0
     measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert ctx.calls[1][1]["request"]["deadline_s"] == 500.0 - measure.RESERVE_S - 2 * measure.BENCH_SLACK_S
-    ctx = Ctx({"serverinfo": info_answer(), "dispatchbench": bench_answer()})
+    ctx = Ctx({"traffic.serverinfo": info_answer(), "kernel.dispatchbench": bench_answer()})
     ctx.remaining = lambda: 350.0
     t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert t["source"] == "none" and "350 s left" in t["why"] and len(ctx.calls) == 1
 
 
 def test_why_is_one_line():
-    ctx = Ctx({"serverinfo": ProbeFailed("probe failed on the host:\nTraceback\n  line 1")})
+    ctx = Ctx({"traffic.serverinfo": ProbeFailed("probe failed on the host:\nTraceback\n  line 1")})
     t = measure.measured_table(ctx, "/p", PKG, MODULE, "k1", "cuda", FACTS)
     assert "\n" not in t["why"] and "Traceback line 1" in t["why"]
 

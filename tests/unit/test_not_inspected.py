@@ -9,7 +9,7 @@ import pytest
 from fleetctl.engine.apply import host_side, no_install_reason, select_installs
 from fleetctl.engine.gather import not_inspected
 from fleetctl.errors import HostFailed
-from fleetctl.probes import facts as facts_probe
+from fleetctl.probes.facts import host as facts_probe
 from fleetctl.vocab import InstallStatus
 
 HOST_INSTALL = {"id": "host:/opt/sglang/venv/lib/python3.11/site-packages/sglang", "servers": [], "scan": None,

@@ -182,8 +182,8 @@ def test_hand_edit_after_apply_is_refused(pb):
 @pytest.mark.releases
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.10"])
 def test_plan_from_the_inspect_probe_findings(pb, tmp_path, version):
-    """The real inspect probe (probes/callsites.py) on the release's files gives the same plan."""
-    from fleetctl.probes.callsites import scan
+    """The real inspect probe (probes/facts/callsites.py) on the release's files gives the same plan."""
+    from fleetctl.probes.facts.callsites import scan
 
     files = release_files(version)
     for rel, text in files.items():
@@ -321,7 +321,7 @@ def test_a_stray_key_outside_the_install_is_refused(pb, where):
 
 
 def test_a_source_that_is_not_utf8_is_refused(pb):
-    """The probe sends None for a file that is not UTF-8 (probes/facts.py): refused, not a crash."""
+    """The probe sends None for a file that is not UTF-8 (probes/facts/host.py): refused, not a crash."""
     facts, findings, sources = host_inputs({"sglang/a.py": "need_sort = a or b\n"})
     sources["sglang/a.py"] = None
     plan = plan_host(pb, "h", {}, facts, findings, sources)

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from fleetctl import probes
-from fleetctl.probes import procs, redact
+from fleetctl.probes import redact
+from fleetctl.probes.facts import procs
 
 
 @pytest.mark.parametrize("name", ["--api-key", "--admin-api-key", "--hf-token", "HF_TOKEN", "OPENAI_APIKEY",
@@ -62,7 +63,7 @@ def test_text_redacts_commands_and_output_lines():
 def test_the_smoke_probe_redacts_its_offline_command_and_output_on_the_host():
     """Through the real bundle (redact loaded before smoke), as on a host."""
     params = {"offline_cmd": "HF_TOKEN=hf_secret sh -c 'echo api_key=sk-out; echo fine'"}
-    doc = probes.bundle("smoke", params)
+    doc = probes.bundle("traffic.smoke", params)
     p = subprocess.run(probes.command(sys.executable), input=doc, capture_output=True, timeout=60)
     out = probes.parse_output(p.stdout, p.stderr, p.returncode)["offline"]
     assert out["cmd"] == "HF_TOKEN=<redacted> sh -c 'echo api_key=<redacted>; echo fine'"

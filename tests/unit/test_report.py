@@ -7,8 +7,9 @@ import io
 from rich.console import Console
 
 from fleetctl.engine.context import HostResult
-from fleetctl.cli.report import (coalesce, host_list, render_deploy, render_handlers, render_inspect, render_status,
-                                 render_validate)
+from fleetctl.report.gates import render_validate
+from fleetctl.report.terminal import render_deploy, render_handlers, render_inspect, render_status
+from fleetctl.report.text import coalesce, host_list
 
 
 def test_coalesce_groups_equal_values_in_first_seen_order():
@@ -135,7 +136,7 @@ def test_status_shows_the_space_the_state_dir_uses_and_the_unscanned_files():
     assert "backups 3.0 MiB, kernel builds 80.0 MiB (state dir 83.0 MiB)" in text
     [h2] = [line for line in text.splitlines() if "h2" in line]
     assert "?" in h2 and "MiB" not in h2  # a host that did not say is not shown as 0
-    from fleetctl.cli.report import _install_line
+    from fleetctl.report.terminal import _install_line
     line = _install_line({"sglang": {"version": "0.5.2", "install": "wheel", "package_dir": "/v/sglang"},
                           "scan": {"error": None, "parse_errors": [{"file": "sglang/srt/layers", "error": "x"}]}})
     assert line == "0.5.2 wheel /v/sglang (1 not scanned: see --json scan.parse_errors)"
@@ -171,7 +172,7 @@ def test_deploy_check_mode_says_what_would_happen_and_what_is_active_now():
 def test_a_table_title_from_host_data_has_its_escapes_visible():
     """`history show`'s tables are titled with recorded text: a terminal escape in a title is shown
     as \\x1b, not sent to the terminal (red-team review of issue 37, L5)."""
-    from fleetctl.cli.report import table
+    from fleetctl.report.text import table
 
     out = io.StringIO()
     table("run \x1b[2J[bold]x[/]", ["a column wider than the title"], [["1"]], Console(file=out, width=200, color_system=None))

@@ -1,4 +1,4 @@
-"""The route check probe (probes/routecheck.py) against a tiny SGLang-shaped HTTP server on
+"""The route check probe (probes/traffic/routecheck.py) against a tiny SGLang-shaped HTTP server on
 loopback (real sockets) and routing evidence in temp directories (real files, real /proc): what it
 sends, what it reads from /generate and /server_info, the long prompt, and every way an evidence
 file is refused (a link, another owner, a writable directory, too big, not the hook's fields, a
@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from fleetctl import probes
-from fleetctl.probes import routecheck
+from fleetctl.probes.traffic import routecheck
 
 UID = os.getuid()
 
@@ -360,7 +360,7 @@ def test_the_bundle_runs_as_on_a_host_sends_the_api_key_and_returns_no_secret(ev
               "evidence_dir": ev, "health_timeout": 10, "flush_wait_s": 0.2, "max_new_tokens": 4}
     try:
         r = subprocess.run([sys.executable, "-S", "-c", probes.WRAPPER],
-                           input=json.dumps(probes.document("routecheck", params)).encode(),
+                           input=json.dumps(probes.document("traffic.routecheck", params)).encode(),
                            capture_output=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
         out = probes.parse_output(r.stdout, r.stderr, r.returncode)
     finally:

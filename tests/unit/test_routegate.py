@@ -1,5 +1,5 @@
 """The route gate's control side (engine/routegate.py): its checks over recorded and hand-built
-route check answers (probes/routecheck.py shapes), the baseline that refuses a host, where the
+route check answers (probes/traffic/routecheck.py shapes), the baseline that refuses a host, where the
 playbook asks for it, and its place in the change engine (baseline before the write, the gate
 after the smoke gate passed, its failure a rollback)."""
 
@@ -20,7 +20,7 @@ from fleetctl.engine.context import HostContext, HostResult
 from fleetctl.engine.gate import GateResult
 from fleetctl.engine.routegate import RouteOptions, compare_route, expected_ranks, route_problems
 from fleetctl.errors import HostFailed
-from fleetctl.probes import routecheck
+from fleetctl.probes.traffic import routecheck
 from fleetctl.vocab import GateStatus, HostStatus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -378,7 +378,7 @@ def test_the_report_shows_each_check(tmp_path):
 
     from rich.console import Console
 
-    from fleetctl.cli import report
+    from fleetctl.report import gates as report
     data = {"route_gate": {**compare_route(BASE, answer(server(after=[entry(7)]))).to_dict()}}
     out = io.StringIO()
     report.render_route_gate([HostResult("here", "local", HostStatus.FAILED, data=data),

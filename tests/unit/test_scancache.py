@@ -1,4 +1,4 @@
-"""The scan cache (probes/scancache.py) and the cached scan (probes/callsites.py) on real SGLang
+"""The scan cache (probes/facts/scancache.py) and the cached scan (probes/facts/callsites.py) on real SGLang
 releases and on synthetic trees, run here as the probe runs on a host (issue 18)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes import callsites, scancache
+from fleetctl.probes.facts import callsites, scancache
 from fleetctl.wheels import ensure_wheel
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
@@ -149,7 +149,7 @@ def test_the_interpreter_record_is_written_once_and_only_for_a_trusted_interpret
 def test_an_inventory_interpreter_is_never_recorded(tmp_path):
     """The trust probe checks an inventory interpreter under the PATH search's one: were the
     inventory's recorded, that check would start under the very interpreter it checks."""
-    from fleetctl.probes import facts
+    from fleetctl.probes.facts import host as facts
     s = scancache.Store("k1", str(tmp_path / "c"))
     facts.record_interpreter(s, {"python": "/opt/venv/bin/python"})
     assert not (tmp_path / "c" / scancache.INTERPRETER).exists()
@@ -190,9 +190,9 @@ def test_a_warm_locate_starts_no_interpreter_until_what_it_depends_on_changes(tm
     """facts.located keeps an interpreter's locate answer with the identities it depends on: a warm
     run answers from the store; a checkout's version.py rewritten sends it to the interpreter again."""
     from fleetctl import probes
-    from fleetctl.probes import facts
+    from fleetctl.probes.facts import host as facts
 
-    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts", {})).decode(),
+    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts.host", {})).decode(),
                         raising=False)
     monkeypatch.setattr(facts, "FLEETCTL_WRAPPER", probes.WRAPPER, raising=False)
     work = tmp_path / "work"

@@ -1,5 +1,5 @@
 """A server's parallel layout read from its command line, and the GPUs SGLang puts its schedulers
-on (probes/topology.py), for command lines of the shapes SGLang's docs and real deployments use:
+on (probes/facts/topology.py), for command lines of the shapes SGLang's docs and real deployments use:
 DP attention, pipeline parallelism, multi-node tensor parallelism. Each expected list is written
 out, and also computed by SGLang's own rank arithmetic executed from the release wheels
 (`_calculate_rank_ranges` of 0.5.10's entrypoints/engine.py, `compute_local_gpu_id` of 0.5.23's
@@ -24,11 +24,11 @@ from typing import Tuple
 import pytest
 from rich.console import Console
 
-from fleetctl.cli.report import render_apply
+from fleetctl.report.terminal import render_apply
 from fleetctl.engine.context import HostResult
 from fleetctl.engine.validate import RANK0_ABSENT, SmokeOptions, gate, gate_note, smoke_problems
 from fleetctl.inventory import Host
-from fleetctl.probes import procs, topology
+from fleetctl.probes.facts import procs, topology
 from fleetctl.vocab import HostStatus
 from oracles import release_file
 

@@ -19,7 +19,7 @@ import zipfile
 import pytest
 
 from fleetctl.lab import standin
-from fleetctl.probes.smoke import wait_healthy
+from fleetctl.probes.traffic.smoke import wait_healthy
 from fleetctl.wheels import ensure_wheel
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]

@@ -1,4 +1,4 @@
-"""The systemd services that run SGLang (probes/units.py): `systemctl show` output and unit files
+"""The systemd services that run SGLang (probes/facts/units.py): `systemctl show` output and unit files
 read into what each service starts, and the SGLang interpreter found in a service's command line."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from fleetctl.probes import units
+from fleetctl.probes.facts import units
 
 # `systemctl show --no-pager -pId -pExecStart -pWorkingDirectory -pUser -pEnvironment -- A B C` as
 # systemd prints it (systemctl-show.c: "{ path=%s ; argv[]=%s ; ignore_errors=%s ; ... }", argv

@@ -1,5 +1,5 @@
 """route-verify-attention on the real triton_backend.py of six SGLang releases: the anchor finding
-(probes/verifyroute.py), the playbook's plan through the real planner (the hook module created,
+(probes/facts/verifyroute.py), the playbook's plan through the real planner (the hook module created,
 its import and the guard inserted), a second plan that changes nothing, the refusals (an anchor
 found twice or never, no deployed kernel, a build the hook would not trust, a server that is not
 on triton), the change applied and rolled back by the change probe, and each release's real
@@ -29,7 +29,8 @@ import pytest
 
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine.playbook import load_playbook
-from fleetctl.probes import change, verifyroute
+from fleetctl.probes.change import actions as change
+from fleetctl.probes.facts import verifyroute
 from fleetctl.vocab import PlanStatus
 from fleetctl.wheels import ensure_wheel
 

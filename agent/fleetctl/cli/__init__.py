@@ -68,7 +68,7 @@ def _run() -> int:
         err.print("aborted")
         return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
     except FleetctlError as e:
-        from .report import text
+        from ..report.text import text
 
         err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
         return e.exit_code

@@ -49,8 +49,8 @@ def inspect(opts: FleetOptions, pattern: Pattern,
     from functools import partial
 
     from ..engine.gather import inspect_job
-    from ..probes.allocreplay import DEADLINE_S
-    from .report import inspect_document
+    from ..probes.traffic.allocreplay import DEADLINE_S
+    from ..report.document import inspect_document
 
     trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
     hosts = opts.select(pattern)
@@ -69,7 +69,7 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file:
     from ..errors import EXIT_PARSE
     from ..connection import Session
     from ..connection.describe import describe
-    from .report import render_hosts
+    from ..report.terminal import render_hosts
 
     selected = load_inventory(inventory, vault_password_file, ask_vault_pass).select(pattern)
     with Session(settings(connect_timeout, False, ssh_config, connection)) as session:
@@ -190,7 +190,7 @@ def apply(opts: FleetOptions,
     from ..engine.fleet import parse_serial
     from ..paths import find_playbook
     from ..engine.playbook import load_playbook
-    from .report import render_apply, render_handlers
+    from ..report.terminal import render_apply, render_handlers
 
     if not 0 <= max_fail_percentage <= 100:
         raise UsageError("--max-fail-percentage must be between 0 and 100")
@@ -365,26 +365,27 @@ def deploy_kernel(opts: FleetOptions,
 
 def renderer(command: str, doc: dict, diff: bool = False):
     """How `command` (its words: "inspect", "deploy kernel", ...) prints its results: a function
-    (results, console) made of cli.report's renderers, given the rest of its `--json` document
+    (results, console) made of the report room's renderers, given the rest of its `--json` document
     (`doc`: check, patches) and whether an apply prints its diffs. The commands print with it,
     and `history show` prints a recorded run again with it. Raises KeyError for another command."""
-    from . import report
+    from ..report import gates, terminal
+    from ..report.text import text
 
-    own = {"inspect": report.render_inspect, "validate": report.render_validate, "rollback": report.render_rollback,
-           "recover": report.render_recover, "status": report.render_status,
-           "cache clear": report.render_cache_clear, "deploy kernel": report.render_deploy,
-           "apply": lambda rs, console: report.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}
+    own = {"inspect": terminal.render_inspect, "validate": gates.render_validate, "rollback": terminal.render_rollback,
+           "recover": terminal.render_recover, "status": terminal.render_status,
+           "cache clear": terminal.render_cache_clear, "deploy kernel": terminal.render_deploy,
+           "apply": lambda rs, console: terminal.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}
     first = own[command]
 
     def render(results, console) -> None:
         first(results, console)
         if command == "validate":
-            report.render_load(results, console)
+            gates.render_load(results, console)
         if command in ("apply", "deploy kernel"):
-            report.render_load_gate(results, console)
-            report.render_route_gate(results, console)
+            gates.render_load_gate(results, console)
+            gates.render_route_gate(results, console)
         for p in doc.get("patches") or []:
-            console.print(report.text(f"patch written: {p}"))
+            console.print(text(f"patch written: {p}"))
 
     return render
 
@@ -408,7 +409,8 @@ def _finish(results, json_out: bool, render, hosts: list[dict] | None = None, **
 def _render(results, render, change_id: str | None = None) -> None:
     """`render(results, out)`, the change id when there is one, and the recap line. A report that
     cannot be rendered is said so in one line; the change id and the recap follow it anyway."""
-    from .report import render_lasts, render_status_line, text
+    from ..report.terminal import render_lasts, render_status_line
+    from ..report.text import text
 
     try:
         render(results, out)

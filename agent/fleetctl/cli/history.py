@@ -23,7 +23,7 @@ from ..history.model import RunRecord, RunState
 from ..history.store import Store
 from ..vocab import HostStatus
 from .console import err, out
-from .report import table, text
+from ..report.text import table, text
 from .options import HistoryOpt, JsonOut
 
 app = typer.Typer(no_args_is_help=True, help=(

@@ -18,7 +18,7 @@ from ..history.store import Store
 from .console import err
 from .history import age_s
 from .options import HistoryOpt
-from .report import text
+from ..report.text import text
 
 app = typer.Typer()
 # The runs a report shows without --runs: the newest ones (the page of a long history would be
@@ -68,7 +68,7 @@ def report(output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE"
     validation, from the latest run that read each), a timeline of the changes, and each run (the
     newest --runs) with its hosts, gate checks, load-gate charts and diffs. It loads nothing from
     the network and needs no script."""
-    from .htmlpage import render  # with report's renderers: loaded only for this command
+    from ..report.html import render  # with report's renderers: loaded only for this command
 
     cutoff = time.time() - age_s(since, "--since") if since is not None else None
     store = Store.open(history, readonly=True)

@@ -46,7 +46,7 @@ def lab_down(lab_id: LabId = 0) -> None:
 def lab_status(lab_id: LabId = 0) -> None:
     """Show the lab's hosts, addresses, releases, sshd state and faults."""
     from .. import lab
-    from .report import table
+    from ..report.text import table
 
     rows = lab.lab_status(lab_id=lab_id)
     for r in rows:

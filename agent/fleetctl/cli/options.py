@@ -79,7 +79,7 @@ KernelsDir = Annotated[Optional[str], typer.Option("--kernels-dir", envvar="FLEE
     "Directory of kernel packages to find NAME in (default: the ones fleetctl ships); "
     "else $FLEETCTL_KERNELS_DIR."))]
 
-# inspect --allocator-replay and its trace (probes/allocreplay.py; DEFAULTS there for what is not given)
+# inspect --allocator-replay and its trace (probes/traffic/allocreplay.py; DEFAULTS there for what is not given)
 AllocatorReplay = Annotated[bool, typer.Option("--allocator-replay", help=(
     "Replay each install's own KV allocator on the host's CPU (its torch; no server touched) through a seeded "
     "continuous-batching trace, with need_sort False and True: how fragmented prefill allocations get."))]
@@ -104,7 +104,7 @@ def replay_trace(allocator_replay: bool, pool: int | None, concurrency: int | No
     the probe's DEFAULTS then), or None without --allocator-replay. Raises UsageError (exit 5)
     for a range that is not A:B, a value out of range (probes/allocreplay.check_trace), or a
     trace option given without --allocator-replay."""
-    from ..probes import allocreplay
+    from ..probes.traffic import allocreplay
 
     given = {"pool": pool, "concurrency": concurrency, "input": input_range, "output": output_range,
              "aborts": aborts, "seed": seed, "requests": requests}
@@ -125,7 +125,7 @@ def replay_trace(allocator_replay: bool, pool: int | None, concurrency: int | No
         raise UsageError(why)
     return given
 
-# Validation under load (engine/load.py, probes/load.py): validate --load, and the load gate of
+# Validation under load (engine/load.py, probes/traffic/load.py): validate --load, and the load gate of
 # apply and deploy kernel (--gate load[:PROFILE], or a playbook's load step) with its tolerances.
 LoadOpt = Annotated[Optional[str], typer.Option("--load", metavar="PROFILE", help=(
     "After the smoke decode, run SGLang's own benchmark client (the server's install and interpreter) "

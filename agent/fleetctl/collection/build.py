@@ -2,8 +2,9 @@
 
 The collection lives in the checkout at `ansible_collections/fleetctl/sglang/` (galaxy.yml,
 meta/, plugins/modules, plugins/action: committed). Its `plugins/module_utils/` is generated here,
-never committed: a verbatim copy of every probe in `agent/fleetctl/probes/` (the probes import
-each other explicitly, `from . import redact`, which Ansible's module bundler follows), the probe
+never committed: a verbatim copy of every probe in `agent/fleetctl/probes/`, its rooms as packages (the
+probes import each other explicitly, `from . import procs`, `from .. import redact`, which Ansible's
+module bundler follows), the probe
 bundle format (`probes/__init__.py` as `probe_bundle.py`, so the facts probe can re-run its own
 module payload under an install's interpreter) and `pins.py` (the fleetctl version and the hash of
 the probes the collection was built from; the action plugins refuse a controller whose fleetctl
@@ -36,13 +37,18 @@ def source_dir() -> Path:
 
 
 def probe_files() -> dict[str, str]:
-    """{module_utils file name: text} of the probes, in name order; probes/__init__.py becomes
-    probe_bundle.py."""
-    pkg = resources.files("fleetctl.probes")
+    """{module_utils path (POSIX, relative): text} of the probes, every room included, in path
+    order; probes/__init__.py becomes probe_bundle.py, a room's __init__.py stays its package's."""
     out = {}
-    for f in sorted(pkg.iterdir(), key=lambda p: p.name):
-        if f.name.endswith(".py"):
-            out["probe_bundle.py" if f.name == "__init__.py" else f.name] = f.read_text()
+
+    def walk(d, prefix: str) -> None:
+        for f in sorted(d.iterdir(), key=lambda p: p.name):
+            if f.is_dir() and f.name != "__pycache__":
+                walk(f, f"{prefix}{f.name}/")
+            elif f.name.endswith(".py"):
+                out["probe_bundle.py" if not prefix and f.name == "__init__.py" else prefix + f.name] = f.read_text()
+
+    walk(resources.files("fleetctl.probes"), "")
     return out
 
 
@@ -73,11 +79,10 @@ def build(dest: Path | None = None) -> Path:
             shutil.rmtree(root)
         shutil.copytree(src, root, ignore=shutil.ignore_patterns("__pycache__", "module_utils", "tests/output"))
     mu = root / "plugins" / "module_utils"
-    mu.mkdir(parents=True, exist_ok=True)
-    for old in mu.glob("*.py"):
-        old.unlink()
+    shutil.rmtree(mu, ignore_errors=True)
     for name, text in probe_files().items():
         origin = "__init__.py" if name == "probe_bundle.py" else name
+        (mu / name).parent.mkdir(parents=True, exist_ok=True)
         (mu / name).write_text(GENERATED_HEADER % origin + text)
     (mu / "pins.py").write_text(GENERATED_HEADER % "*" + pins_text())
     return root

@@ -38,7 +38,7 @@ LOCK = "fleetctl.sglang.lock"
 LEASE_FACT = "fleetctl_lease"
 LEASE_S = 300  # the lock module's default lease_s: what a lease lasts from its last renewal (seconds)
 AUTO_HOLDER = "ansible-playbook (fleetctl.sglang)"  # the holder of a lease a plugin took because the play held none
-OFFLINE_TIMEOUT_S = 600  # the smoke probe's default offline_timeout (probes/smoke.py main)
+OFFLINE_TIMEOUT_S = 600  # the smoke probe's default offline_timeout (probes/traffic/smoke.py main)
 
 
 def check_pins(version: str, probe_sha256: str) -> None:

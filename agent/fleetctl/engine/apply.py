@@ -38,7 +38,8 @@ from .patches import exportable
 from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
-from ..probes import redact, topology
+from ..probes import redact
+from ..probes.facts import topology
 from .validate import Rank0
 from ..vocab import HostStatus, PlanStatus
 
@@ -124,7 +125,7 @@ def no_install_reason(g: dict) -> str | None:
 
 def _findings(inst: dict) -> dict:
     """The findings a plan reads of install `inst`: its scan's, and verify_attention_route
-    (probes/verifyroute.py; None when it was not scanned), whose files join "files"."""
+    (probes/facts/verifyroute.py; None when it was not scanned), whose files join "files"."""
     route = inst.get("verify_attention_route")
     return {"allocator_call_sites": inst["allocator_call_sites"], "need_sort_origins": inst["need_sort_origins"],
             "verify_attention_route": route,

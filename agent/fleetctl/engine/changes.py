@@ -17,7 +17,7 @@ write, whether to smoke-test). This module is *how*, the same for both (as pyinf
                                      -> load gate (the same load run, compared with its baseline)
     settle                           ledger "applied", or rollback (byte-identical) + handlers again
 
-Everything that runs on the host is an action of the `change` probe (probes/change.py) sent
+Everything that runs on the host is an action of the `change` probe (probes/change/actions.py) sent
 through the connection, or an operator's own handler command (inventory `fleetctl_restart_cmd`,
 a playbook handler) built by connection.command.operator_argv. A change stays "pending" until it
 is validated, so a run killed at any point leaves a pending entry that the next run undoes
@@ -80,11 +80,11 @@ def new_change_id(label: str) -> str:
 
 def change_probe(ctx: HostContext, action: str, state_dir: str = STATE_DIR, python: str | None = None,
                  **params) -> dict:
-    """Run one action of probes/change.py (apply, commit, rollback, recover, status, compile) on
+    """Run one action of probes/change/actions.py (apply, commit, rollback, recover, status, compile) on
     the host, with `python` (default: the inventory's or the first on PATH). Returns the
     action's answer; a refusal ({"ok": false}) raises HostFailed "ACTION: error".
     Raises ProbeFailed, RemoteTimeout, Unreachable."""
-    res = ctx.probe("change", {"action": action, "state_dir": state_dir, **params}, python=python)
+    res = ctx.probe("change.actions", {"action": action, "state_dir": state_dir, **params}, python=python)
     if not res.get("ok", False):
         raise HostFailed(f"{action}: {res.get('error')}")
     return res
@@ -163,7 +163,7 @@ class Recovery(NamedTuple):
 
 
 def recover(ctx: HostContext, state_dir: str = STATE_DIR) -> Recovery:
-    """Undo changes a killed run left pending (probes/change.py `recover`); when there were any,
+    """Undo changes a killed run left pending (probes/change/actions.py `recover`); when there were any,
     run the restart handler (the killed run may have restarted SGLang on the changed files)."""
     recovered = change_probe(ctx, "recover", state_dir)["recovered"]
     return Recovery(recovered, run_handlers(ctx, restart_handlers(ctx)) if recovered else [])
@@ -198,7 +198,7 @@ def change_job(state_dir: str, work: Callable[[HostContext, Recovery], HostResul
 class Change:
     """One change to one host, as data (what apply and deploy hand to `execute`).
 
-    files: probes/change.py apply entries ({"path", "pre_sha256", "post_sha256", "new_text"} or
+    files: probes/change/actions.py apply entries ({"path", "pre_sha256", "post_sha256", "new_text"} or
     {"path", "kind": "link", "pre_target", "post_target"}); label: the ledger's "playbook" field;
     handlers: [{"name", "command", "wait_for_health_s"?}] run after the write and after a rollback;
     checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;

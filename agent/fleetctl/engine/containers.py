@@ -1,6 +1,6 @@
 """Installs in containers: how fleetctl enters a container, names its install, and says what lasts.
 
-The facts probe on the host lists the containers SGLang servers run in (probes/containers.py:
+The facts probe on the host lists the containers SGLang servers run in (probes/facts/containers.py:
 which processes in other mount namespaces are containers', by their cgroups; runtime, container
 id, name, image, image id, the host's pid). Each container is entered (`enter`) by the runtime's
 own exec when its CLI is on the host (it applies the container's user, cgroup, seccomp and LSM
@@ -27,7 +27,7 @@ from dataclasses import replace
 from ..connection.command import CONTAINER_EXECS, container_entry
 from ..connection.container import ContainerConnection
 from ..errors import HostFailed
-from ..probes.containers import RUNTIME_CLI
+from ..probes.facts.containers import RUNTIME_CLI
 from .context import HostContext
 
 LASTS = "lasts until the container is recreated (the change is in the container's writable layer, not its image)"

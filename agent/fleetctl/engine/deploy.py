@@ -3,7 +3,7 @@ then the activation (the `current` link and the dispatch table) as a change thro
 engine (changes.py), the same one playbooks use.
 
 Per host, under the host's lock: recover a change a killed run left pending -> facts (the
-interpreter that runs SGLang, which has torch) -> preflight (probes/kbuild.py: GPU arch, nvcc,
+interpreter that runs SGLang, which has torch) -> preflight (probes/kernel/kbuild.py: GPU arch, nvcc,
 torch CUDA, triton, ninja; the backend: --backend, else `triton` on a GPU host whose SGLang
 interpreter imports triton, `cuda` on other GPU hosts, `cpu` without a GPU) -> build key
 (kernelpkg.build_key) -> if the build is published (`PUBLIC/NAME/<key>/PASSED`, PUBLIC =
@@ -39,7 +39,7 @@ from .context import HostContext, HostResult
 from .fleet import Fleet
 from .gather import gather, not_inspected
 from ..inventory import Host
-from ..probes.verifyroute import HOOK
+from ..probes.facts.verifyroute import HOOK
 from .kernelpkg import KernelPackage, build_key
 from .load import load_options
 from .measure import measured_table
@@ -89,7 +89,7 @@ class DeployData(TypedDict, total=False):
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
-    return ctx.probe("kbuild", params, python=python, timeout=timeout)
+    return ctx.probe("kernel.kbuild", params, python=python, timeout=timeout)
 
 
 def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
@@ -144,7 +144,7 @@ def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], p
                    arch: str | None, bdir: str, current: str | None, max_jobs: int, build_timeout: float,
                    data: DeployData) -> None:
     """Upload, build, test and mark PASSED one build dir: `upload(src_dir)` puts the package
-    there, `kbuild(action, timeout, **params)` runs one probes/kbuild.py action on the host with
+    there, `kbuild(action, timeout, **params)` runs one probes/kernel/kbuild.py action on the host with
     the SGLang interpreter (`timeout`: seconds, None for the default). Sets data["build"],
     data["test"]. Raises HostFailed (build or test failed: nothing activated)."""
     src, build = f"{bdir}/src", f"{bdir}/build"

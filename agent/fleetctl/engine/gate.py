@@ -1,7 +1,7 @@
 """The validation gate: compare a host's smoke decode after a change with its baseline.
 
 Pure logic on the control side. Inputs are results of the smoke probe
-(`fleetctl.probes.smoke.main`): {"servers": [per-server result], "refused": [servers nothing was
+(`fleetctl.probes.traffic.smoke.main`): {"servers": [per-server result], "refused": [servers nothing was
 sent to], "offline": result or None}.
 The gate passes when, for every server, the greedy `output_ids` are identical and the median
 latency is within `latency_tolerance` x baseline, and the offline check (if any) exits 0.
@@ -58,7 +58,7 @@ def _latency(b: dict, a: dict) -> tuple[str, float, float]:
 
 
 def refusal(r: dict) -> str:
-    """One refused server of a smoke result ({pid, host, port, reason}: probes/targets.py) as
+    """One refused server of a smoke result ({pid, host, port, reason}: probes/facts/targets.py) as
     text: "pid N (claims HOST:PORT): reason", or the reason alone for the inventory's choice."""
     if r.get("pid") is None:
         return r["reason"]

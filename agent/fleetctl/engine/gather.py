@@ -3,7 +3,7 @@
 One round trip per host: the `facts` probe, bundled with its helpers, runs on the host's own
 interpreter, finds the servers and the installs they run from (each asked of its own interpreter),
 and returns facts, installs, and the primary install's allocator call sites and need_sort
-origins (see probes/facts.py, probes/procs.py, probes/locate.py, probes/callsites.py).
+origins (see probes/facts/host.py, probes/facts/procs.py, probes/facts/locate.py, probes/facts/callsites.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     "scan"} (the last three of the primary install; + "sources": {file relative to the install's
     location: text} of files with need_sort origins, per install and for the primary, when
     `with_sources`; no call sites or origins when not `scan`). `cache`: use and refresh the
-    host's scan cache (probes/scancache.py; False: rescan every file). Containers whose servers
+    host's scan cache (probes/facts/scancache.py; False: rescan every file). Containers whose servers
     the host shows (facts.containers) are entered (containers.how_to_enter) and their installs
     and servers added (containers.adopt); one that cannot be entered keeps the reason in its
     facts.containers entry ("error"). On a context inside a container, only that container's
@@ -35,9 +35,9 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
     Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, whose
     site files the facts probe refused to start it with: probes/trust.py untrusted)."""
-    key = probes.sources_sha256(probes.modules_for("facts")) if cache else None
+    key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
-        inner = ctx.probe("facts", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
+        inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
                                     "cache_key": key, "inside": True})
         if inner.get("refused"):
             raise HostFailed(inner["refused"])
@@ -46,7 +46,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     params = {"python": inventory_python(ctx), "scan": scan, "with_sources": with_sources, "cache_key": key}
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
-    g = ctx.probe("facts", params)
+    g = ctx.probe("facts.host", params)
     refused = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
                if c.get("reason") == "inventory" and c.get("skipped")]
     if refused:
@@ -134,7 +134,7 @@ def not_inspected(g: dict) -> list[dict]:
     """What gathered facts `g` saw of SGLang but did not inspect, each {"id" (None when not
     known), "status": "not_inspected", "reason", "python", "servers": [pid], "units", "user",
     "root" (a container's, or absent)}: the facts probe's own (installs whose interpreter was
-    refused or did not answer: probes/facts.py discover), then each container or foreign process
+    refused or did not answer: probes/facts/host.py discover), then each container or foreign process
     gather() did not enter, or failed to enter (facts.containers "note" / "error"). A container
     nothing was asked to enter (no "entered_with": the collection enters none) is left out."""
     out = list(g.get("not_inspected") or [])
@@ -168,7 +168,7 @@ def inspect_job(ctx: HostContext, cache: bool = True, replay: dict | None = None
 
 
 def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
-    """Replay each host install's own KV allocator with need_sort False and True (probes/allocreplay.py,
+    """Replay each host install's own KV allocator with need_sort False and True (probes/traffic/allocreplay.py,
     under the install's interpreter, its deadline the host's time left, at most
     allocreplay.DEADLINE_S seconds), trace parameters `trace` (allocreplay.DEFAULTS' keys; pool
     None: the install's servers' max_total_num_tokens, asked by the probe with the inventory's
@@ -176,7 +176,7 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
     [runs] and "allocator_replay_info": {status ("replayed", "no_need_sort", "failed",
     "not_run"), reason, classes, trace, stubbed, torch, elapsed_s}; a replay that fails is that
     install's reason, never the host's failure. Raises RemoteTimeout, Unreachable."""
-    from ..probes import allocreplay
+    from ..probes.traffic import allocreplay
 
     port = ctx.host.sglang_port
     for inst in g.get("installs", []):
@@ -202,7 +202,7 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
                   "host": ctx.host.sglang_host if port is not None else None,
                   "api_key": ctx.host.sglang_api_key, "deadline_s": deadline}
         try:
-            res = ctx.probe("allocreplay", params, python=inst["python"]["path"],
+            res = ctx.probe("traffic.allocreplay", params, python=inst["python"]["path"],
                             timeout=deadline + PROBE_SLACK_S)
         except (ProbeFailed, HostFailed) as e:
             info.update(status="failed", reason=f"the replay probe failed: {e}")
@@ -225,9 +225,9 @@ def install_context(ctx: HostContext, install: str | None) -> tuple[HostContext,
 
 
 def cache_clear_job(ctx: HostContext) -> HostResult:
-    """The `cache clear` job: empty the host's scan cache directory (probes/scancache.py main).
+    """The `cache clear` job: empty the host's scan cache directory (probes/facts/scancache.py main).
     data: {cache: {path, removed (files), error}}."""
-    res = ctx.probe("scancache", {"action": "clear"})
+    res = ctx.probe("facts.scancache", {"action": "clear"})
     status = HostStatus.FAILED if res.get("error") else HostStatus.CHANGED if res["removed"] else HostStatus.OK
     return ctx.result(status, res.get("error"), data={"cache": res})
 

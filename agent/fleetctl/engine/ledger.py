@@ -1,5 +1,5 @@
 """The ledger commands: `fleetctl rollback`, `recover` and `status`, each a host job over the
-host's ledger (probes/ledger.py, read and written by the probes/change.py actions through
+host's ledger (probes/change/ledger.py, read and written by the probes/change/actions.py actions through
 changes.change_probe) and the change engine's lock and
 recovery (changes.change_job). Each job's result data is a TypedDict beside it.
 """
@@ -30,7 +30,7 @@ class RollbackData(TypedDict, total=False):
 
 
 class RecoverData(TypedDict):
-    """`recover` data: recovered (probes/change.py recover entries), handlers."""
+    """`recover` data: recovered (probes/change/actions.py recover entries), handlers."""
 
     recovered: list
     handlers: list
@@ -105,7 +105,7 @@ def recover_job(state_dir: str = STATE_DIR):
     """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
     SGLang when there were any) and apply nothing. Changed when it undid something, ok when
     nothing was pending, failed when a file had unknown content and was left alone (ledger
-    "failed"). Result data: recovered (probes/change.py recover entries), handlers."""
+    "failed"). Result data: recovered (probes/change/actions.py recover entries), handlers."""
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
         failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
@@ -121,7 +121,7 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
     """The `fleetctl status` job: ledger summary and drift for one host, per install (`install`:
     only that one, and only its changes): applied changes whose files no longer carry them;
     files modified outside fleetctl with no ledger entry to explain them, judged against the
-    distribution's RECORD for a wheel, and against git (probes/gittree.py: run as the tree's
+    distribution's RECORD for a wheel, and against git (probes/facts/gittree.py: run as the tree's
     owner) for an editable install or checkout in a git work tree (a tree without `.git` is
     judged by the ledger alone). On the host, container installs are left to `--install ID`
     (their ledgers are inside them), and a host copy of a container change record whose
@@ -140,7 +140,7 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
         explained = {p for c in res["changes"] if c["state"] in (ChangeState.APPLIED, ChangeState.PENDING)
                      for p in c["files"]} - {d["path"] for d in res["drift"]}
         trees = [i["sglang"]["location"] for i in installs if i["sglang"]["install"] != "wheel"]
-        git = ctx.probe("gittree", {"locations": trees})["trees"] if trees else {}
+        git = ctx.probe("facts.gittree", {"locations": trees})["trees"] if trees else {}
         res["installs"], res["modified"] = [], []
         for i in installs:
             sg = i["sglang"]

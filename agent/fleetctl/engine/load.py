@@ -1,6 +1,6 @@
 """Validation under load: the settings, the load probe's run on a host, and the load gate.
 
-The load probe (probes/load.py) runs SGLang's own benchmark client on the host, from each
+The load probe (probes/traffic/load.py) runs SGLang's own benchmark client on the host, from each
 server's own install, against the servers the target rule picks (the same ones the smoke decode
 talks to). This module is the control side:
 
@@ -27,7 +27,7 @@ from ..connection import RemoteTimeout
 from .context import HostContext
 from ..errors import HostFailed
 from .gate import Check, GateResult, refusal
-from ..probes.load import CLIENT_KINDS, PROFILES
+from ..probes.traffic.load import CLIENT_KINDS, PROFILES
 from ..vocab import GateStatus
 
 # Seconds one load probe needs beyond its clients' deadlines (connect, bundle, facts, health).
@@ -142,7 +142,7 @@ def run_load(ctx: HostContext, targets: list[dict], facts: dict, opts: LoadOptio
              installs: list[dict] | None = None, reserve: float = 0.0) -> dict:
     """Run the load probe on the host against the smoke decode's `targets` of the servers of
     `facts` (load_targets) and the inventory's fleetctl_sglang_port / _host: {"servers": [per
-    server: probes/load.py main], "refused": [...], "profile": opts.profile}. Each client run's
+    server: probes/traffic/load.py main], "refused": [...], "profile": opts.profile}. Each client run's
     deadline is opts.timeout_s, cut to share what the host's deadline leaves after `reserve`
     seconds; a server gets up to `health_timeout` (60 s at most) seconds to answer /health.
     Raises RemoteTimeout (no time left for a run), ProbeFailed, Unreachable."""
@@ -159,7 +159,7 @@ def run_load(ctx: HostContext, targets: list[dict], facts: dict, opts: LoadOptio
               "profile": opts.profile, "given": opts.given, "client": opts.client, "timeout": per_run,
               "health_timeout": health, "api_key": ctx.host.sglang_api_key, "in_container": ctx.container is not None}
     python = ((facts or {}).get("python") or {}).get("path")
-    res = ctx.probe("load", params, python=python, timeout=budget)
+    res = ctx.probe("traffic.load", params, python=python, timeout=budget)
     res["profile"] = opts.profile
     return res
 

@@ -6,8 +6,8 @@ with why saying what failed); the pure parts, unit-tested:
   shapes_for(server_infos, configs) -> the shapes to measure (one per distinct per-rank shape)
   choose(measurements, min_speedup) -> (entries, measured shapes with their speedups)
 
-Host side: probes/serverinfo.py (each server's /server_info over loopback and config.json under its
-model_path) and probes/dispatchbench.py (kernels/verify_attention/dispatch_bench.py run by the SGLang
+Host side: probes/traffic/serverinfo.py (each server's /server_info over loopback and config.json under its
+model_path) and probes/kernel/dispatchbench.py (kernels/verify_attention/dispatch_bench.py run by the SGLang
 interpreter in a fresh process, killed at its deadline). What this module was checked on: a machine
 with no GPU (the pure functions, and measured_table against fake probe answers); the CUDA timing itself
 runs only on GPU hosts.
@@ -179,7 +179,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
     """The dispatch table of build `key` of `backend` (its module `module_path` on the host, PASSED's, in BUILD/build/
     beside BUILD/src where dispatch_bench.py was uploaded) measured on the host of `ctx` with the SGLang
     interpreter `python`: the servers of `facts` (gather's: "servers") asked for their shapes
-    (probes/serverinfo.py), then probes/dispatchbench.py under a deadline. Source "measured" (entries only
+    (probes/traffic/serverinfo.py), then probes/kernel/dispatchbench.py under a deadline. Source "measured" (entries only
     where choose() enables them; measured: {prefixes, min_speedup, shapes, device}), or source "none" with
     why saying what failed: no servers, no shape, a probe failure or timeout, no CUDA device, a CPU answer.
     Never raises for a measurement problem (FleetctlError, OSError, ValueError, KeyError, TypeError)."""
@@ -191,7 +191,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
         servers = smoke_targets(ctx.host, facts, SmokeOptions(), inside=ctx.container is not None)
         if not servers:
             return none("no SGLang server on the host: no shape to measure")
-        info = ctx.probe("serverinfo", {"servers": servers, "port": ctx.host.sglang_port,
+        info = ctx.probe("traffic.serverinfo", {"servers": servers, "port": ctx.host.sglang_port,
                                         "host": ctx.host.sglang_host if ctx.host.sglang_port is not None else None,
                                         "api_key": ctx.host.sglang_api_key}, python=python, timeout=120)
         got = [s for s in info.get("servers") or [] if isinstance(s, dict)]
@@ -211,7 +211,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
         bdir = posixpath.dirname(posixpath.dirname(module_path))
         req = {"module": module_path, "device": "cuda", "prefixes": prefixes, "shapes": shapes, "iters": 20,
                "deadline_s": deadline_s}
-        res = ctx.probe("dispatchbench", {"src_dir": posixpath.join(bdir, "src"), "script": BENCH, "request": req,
+        res = ctx.probe("kernel.dispatchbench", {"src_dir": posixpath.join(bdir, "src"), "script": BENCH, "request": req,
                                           "deadline_s": deadline_s + BENCH_SLACK_S},
                         python=python, timeout=deadline_s + 2 * BENCH_SLACK_S)
     except (FleetctlError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:

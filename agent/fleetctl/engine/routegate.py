@@ -1,6 +1,6 @@
 """The route gate: proof that a routed kernel serves every rank and changes no token.
 
-The route check probe (probes/routecheck.py) runs on the host right before a change (the
+The route check probe (probes/traffic/routecheck.py) runs on the host right before a change (the
 baseline) and again after its restart handler and smoke gate; this module is the control side:
 
     RouteOptions                   the gate's settings (Change.route, engine/changes.py)
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from ..config import PUBLIC_KERNELS_DIR, REQUEST_TIMEOUT_S
 from ..connection import RemoteTimeout
 from ..errors import HostFailed
-from ..probes import routecheck
+from ..probes.traffic import routecheck
 from ..vocab import GateStatus
 from .context import HostContext
 from .gate import Check, GateResult, refusal
@@ -88,7 +88,7 @@ def run_route(ctx: HostContext, targets: list[dict], facts: dict, opts: RouteOpt
               "request_timeout": REQUEST_TIMEOUT_S, "max_new_tokens": opts.max_new_tokens,
               "long_tokens": opts.long_tokens}
     python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("routecheck", params, python=python, timeout=budget)
+    return ctx.probe("traffic.routecheck", params, python=python, timeout=budget)
 
 
 def route_problems(res: dict, opts: RouteOptions | None = None) -> list[str]:

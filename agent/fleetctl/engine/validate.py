@@ -1,14 +1,14 @@
 """Smoke decode on the host itself: which servers to try, running the probe, the validate job.
 
-The smoke probe (probes/smoke.py) runs on the host because the inference port is usually not
+The smoke probe (probes/traffic/smoke.py) runs on the host because the inference port is usually not
 reachable from the operator's machine. The servers are those the facts probe identified (of the
 install being validated); the probe decodes only their own listening sockets, on loopback or an
-address of the host, and refuses, by name, any other (probes/targets.py, review N6). The
+address of the host, and refuses, by name, any other (probes/facts/targets.py, review N6). The
 inventory's `fleetctl_sglang_port` / `fleetctl_sglang_host` select among those sockets. An
 offline smoke command may come from the inventory (`fleetctl_smoke_cmd`) or a playbook.
 
 A non-zero-rank node of a multi-node server (`--node-rank 1` and above) serves only /health
-(probes/smoke.py): the probe checks its health only. Its decode is rank 0's, on another host: a
+(probes/traffic/smoke.py): the probe checks its health only. Its decode is rank 0's, on another host: a
 change gated on rank 0 (Rank0, given by the apply run when rank 0 is one of its hosts) decodes
 there before and after, and the gate compares those decodes; without one, the gate is the node's
 /health alone and says so (RANK0_ABSENT).
@@ -27,7 +27,8 @@ from .gate import Check, GateResult, compare, refusal
 from .gather import find_install, gather, install_context, install_facts, not_inspected
 from .load import LoadOptions, load_problems, run_load
 from ..inventory import Host
-from ..probes import redact, topology
+from ..probes import redact
+from ..probes.facts import topology
 from ..vocab import GateStatus, HostStatus
 
 # The smoke probe and the redaction it applies to what it returns.
@@ -71,7 +72,7 @@ def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions, inside: bo
 def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None,
           reserve: float = 0.0, servers: bool = True, offline: bool = True) -> dict:
     """Run the smoke probe on the host: {"servers": [...], "refused": [...], "offline": ... | None}
-    (see probes/smoke.py) on the servers of `facts` (smoke_targets) and the inventory's
+    (see probes/traffic/smoke.py) on the servers of `facts` (smoke_targets) and the inventory's
     fleetctl_sglang_port / _host. `reserve`: seconds of the host's deadline to leave unused (for
     a rollback); the health wait is cut to fit. `servers`: False runs only the offline command;
     `offline`: False runs none (a decode on rank 0's host for another host's gate).
@@ -91,7 +92,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
     params["offline_timeout"] = budget - 5
     python = ((facts or {}).get("python") or {}).get("path")
-    res = ctx.probe("smoke", params, python=python, timeout=budget)
+    res = ctx.probe("traffic.smoke", params, python=python, timeout=budget)
     # what each server says it serves (its /model_info) may carry a URL's secrets (review N11)
     for s in res.get("servers") if isinstance(res.get("servers"), list) else []:
         if isinstance(s, dict) and isinstance(s.get("model_path"), str):
@@ -237,12 +238,12 @@ def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> GateRes
 
 
 class ValidateData(TypedDict):
-    """`validate` data: the smoke probe's answer (probes/smoke.py): servers, one entry per server
+    """`validate` data: the smoke probe's answer (probes/traffic/smoke.py): servers, one entry per server
     decoded ({pid, host, port, model_path, version, stand_in, health_wait_s, ok, error,
     output_ids, ids_consistent, latency_s, e2e_latency_s, tokens_per_s, runs}; seconds), refused
     (the servers nothing was sent to: {pid, host, port (what each claimed), reason}), and
     offline (the offline check's {cmd, ok, returncode, timed_out, tail} or None); with --load,
-    load (engine/load.run_load: {"servers": [per server: probes/load.py], "refused", "profile"})."""
+    load (engine/load.run_load: {"servers": [per server: probes/traffic/load.py], "refused", "profile"})."""
 
     servers: list
     refused: list
@@ -251,7 +252,7 @@ class ValidateData(TypedDict):
 
 
 def server_problems(res: dict) -> list[str]:
-    """What failed in a smoke result's servers (probes/smoke.py): ["HOST:PORT: error"], or, when
+    """What failed in a smoke result's servers (probes/traffic/smoke.py): ["HOST:PORT: error"], or, when
     no server was decoded and some were refused, ["no server to smoke-test (nothing sent):
     <each refusal>"]: a refused server fails the host only when none is left to decode."""
     bad = [f"{s['host']}:{s['port']}: {s['error']}" for s in res["servers"] if not s["ok"]]
@@ -261,7 +262,7 @@ def server_problems(res: dict) -> list[str]:
 
 
 def smoke_problems(res: dict) -> list[str]:
-    """What failed in a smoke result ({"servers", "refused", "offline"}: probes/smoke.py; and
+    """What failed in a smoke result ({"servers", "refused", "offline"}: probes/traffic/smoke.py; and
     "rank0", rank 0's decodes for a non-zero-rank node: rank0_problems): server_problems, then
     "offline check 'CMD' failed (exit N[, timed out]): last lines", then rank 0's."""
     bad = server_problems(res)

@@ -1,6 +1,6 @@
 """The shapes of the run history: what one recorded run and one host's result in it are.
 
-The store (store.py) writes and reads these; `fleetctl history` and the HTML report (cli/htmlpage.py)
+The store (store.py) writes and reads these; `fleetctl history` and the HTML report (report/html.py)
 only read them. A host's `doc` is exactly its entry in the command's `--json` document
 (`engine.context.HostResult.to_json()`, redacted with `probes.redact` before it is stored), and a
 run's `doc` the rest of that document (change_id, kernel, check, ...), so `history show` renders a

@@ -9,7 +9,7 @@ included, which the hosts redacted already) with `redact.text`, argument lists (
 `redact.argv`. Before that, every occurrence of each secret value the command handed over
 (`secrets`: the inventory's vault values and what was rendered from them, become and vault
 passwords, API-key vars) is replaced by redact.REDACTED in every string, keys and the command
-line included, whatever quoted it (as probes.load.scrub does with a server's API key); record
+line included, whatever quoted it (as probes.traffic.load.scrub does with a server's API key); record
 never reads the inventory itself. Option values that are files (--vault-password-file) are paths, stored as given;
 their contents are never read here.
 

@@ -1,12 +1,18 @@
 """Remote probes: stdlib-only Python modules sent over SSH stdin to the host's own interpreter.
 
-A probe module defines `main(params: dict) -> dict` and imports the probes it uses as
-`from . import x` (the one style: it works in the bundle on the host, in this package, and in
-the Ansible collection's module_utils, whose bundler follows it). `modules_for()` reads those
+The probes live in rooms of one idea each: the runtime at the top (this bundler, result, trust,
+safefs, redact, enter), `facts/` (what a host has), `traffic/` (requests to running servers),
+`kernel/` (kernel builds) and `change/` (the change actions and the ledger). A probe is named by
+its dotted path under probes/ ("facts.host", "traffic.smoke", "safefs"). A probe module that runs
+as a bundle's main defines `main(params: dict) -> dict`, and imports the probes it uses as modules
+of a package, relatively: `from . import x` (its own room), `from .. import x` (the runtime),
+`from ..room import x` (another room); those forms work in the bundle on the host, in this package,
+and in the Ansible collection's module_utils, whose bundler follows them. `modules_for()` reads those
 imports and gives a probe's bundle in load order; `bundle()` packs those modules with the
 parameters into one JSON document (zlib-compressed); `WRAPPER` (run as `python -c WRAPPER`)
-reads it from stdin, loads each module in order as PACKAGE.<name> into `sys.modules` (so
-`from . import x` finds the ones loaded before it), calls the main module's `main(params)` and
+reads it from stdin, loads each module in order as PACKAGE.<name> into `sys.modules`, making the
+sub-room packages on the way (so `from . import x` and `from ..facts import x` find the ones loaded
+before it), calls the main module's `main(params)` and
 prints the JSON result after a marker line (result.py). Nothing is written to the host to do this.
 The probes need Python 3.8+: WRAPPER itself parses on any Python (2.7 too) and, first of all, exits
 TOO_OLD_EXIT on one older than 3.8, before it reads the bundle, so the start (`command`) can go on
@@ -31,11 +37,11 @@ from typing import Sequence
 
 from . import result, trust
 
-# The package a bundle's modules are loaded into on the host (WRAPPER): facts is
-# sys.modules["fleetctl_probes.facts"] there.
+# The package a bundle's modules are loaded into on the host (WRAPPER): facts/host.py is
+# sys.modules["fleetctl_probes.facts.host"] there.
 PACKAGE = "fleetctl_probes"
 # The probe whose CodeCache keeps the compiled modules loaded after it (see WRAPPER).
-CODE_CACHE = "scancache"
+CODE_CACHE = "facts.scancache"
 
 # Exit status of WRAPPER under a Python older than 3.8, and of a start that found no interpreter
 # new enough (NO_PYTHON on stderr says which it tried).
@@ -54,15 +60,24 @@ try:
     data = sys.stdin.buffer.read()
     raw = (data if data[:1] == b"{" else zlib.decompress(data)).decode("utf-8")
     b = json.loads(raw)
-    pkg = types.ModuleType(PACKAGE)
-    pkg.__path__ = []
-    sys.modules[PACKAGE] = pkg
+    def package(full):
+        p = sys.modules.get(full)
+        if p is None:
+            p = sys.modules[full] = types.ModuleType(full)
+            p.__path__ = []
+            head, _, tail = full.rpartition(".")
+            if head:
+                setattr(package(head), tail, p)
+        return p
+    package(PACKAGE)
     kept = None
     for name, src in b["modules"]:
-        m = types.ModuleType(PACKAGE + "." + name)
-        m.__dict__.update(__package__=PACKAGE, FLEETCTL_BUNDLE=raw, FLEETCTL_WRAPPER=b["wrapper"])
-        sys.modules[m.__name__] = m
-        setattr(pkg, name, m)
+        full = PACKAGE + "." + name
+        head, _, tail = full.rpartition(".")
+        m = types.ModuleType(full)
+        m.__dict__.update(__package__=head, FLEETCTL_BUNDLE=raw, FLEETCTL_WRAPPER=b["wrapper"])
+        sys.modules[full] = m
+        setattr(package(head), tail, m)
         code = kept and kept.get(name)
         if code is None:
             code = compile(src, "<fleetctl probe %s>" % name, "exec")
@@ -73,7 +88,7 @@ try:
             kept = m.CodeCache(b["code_key"])
     if kept:
         kept.save()
-    out = getattr(pkg, b["main"]).main(b["params"])
+    out = sys.modules[PACKAGE + "." + b["main"]].main(b["params"])
 except BaseException:
     import traceback
     out = {"__probe_error__": traceback.format_exc()}
@@ -88,10 +103,10 @@ class ProbeError(Exception):
 
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
-    """The source text of probe module `name` (e.g. "facts"), the file beside this one read
+    """The source text of probe module `name` (e.g. "facts.host": facts/host.py), the file under this one's directory read
     through this module's loader (a directory, or the zip Ansible runs the collection's
     module_utils from). Raises OSError (FileNotFoundError) when there is no such probe."""
-    return __loader__.get_data(os.path.join(os.path.dirname(__file__), f"{name}.py")).decode("utf-8")
+    return __loader__.get_data(os.path.join(os.path.dirname(__file__), *name.split(".")) + ".py").decode("utf-8")
 
 
 # A relative import statement: from a line's start (after its indentation) to the line's end, or
@@ -101,23 +116,29 @@ RELATIVE = re.compile(r"^[ \t]*from[ \t]+\.[^\n(]*(?:\([^)]*\)|[^\n]*)", re.M)
 
 @lru_cache(maxsize=None)
 def imports(name: str) -> tuple[str, ...]:
-    """The probes that probe `name` imports (`from . import x`, at any depth of its source), in
-    source order, each statement read with `ast`. Only the statements RELATIVE finds are parsed,
-    not the whole source (a whole facts bundle's ast costs ~50 ms of every command);
-    tests/unit/test_probe_bundles.py checks the reading equals a whole-source `ast.walk` for every
-    probe. Raises ValueError for a relative import of another form (`from .x import y`,
-    `from .. import x`, one split by a backslash): probes import each other one way only."""
+    """The probes that probe `name` imports (`from . import x`, `from .. import x`, `from ..room
+    import x`, at any depth of its source), as probe names, in source order, each statement read
+    with `ast`. Only the statements RELATIVE finds are parsed, not the whole source (a whole facts
+    bundle's ast costs ~50 ms of every command); tests/unit/test_probe_bundles.py checks the reading
+    equals a whole-source `ast.walk` for every probe. Raises ValueError for a relative import of
+    another form (`from .x import y`: a name out of a module; one above probes/; one split by a
+    backslash): probes import each other as modules of a package, one way only."""
     found = []
     text = source(name)
+    here = name.split(".")[:-1]
     for m in RELATIVE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         try:
             node = ast.parse(m.group(0).strip()).body[0]
         except SyntaxError:
             node = None
-        if not isinstance(node, ast.ImportFrom) or node.level != 1 or node.module:
-            raise ValueError(f"probe {name} line {line}: probes import each other as `from . import x`")
-        found += [a.name for a in node.names if a.name not in found]
+        room = None
+        if isinstance(node, ast.ImportFrom) and 1 <= node.level <= len(here) + 1:
+            room = here[:len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+        if room is None or len(room) > 1 or (node.module and node.level != 2):
+            raise ValueError(f"probe {name} line {line}: probes import each other as `from . import x`, "
+                             "`from .. import x` or `from ..room import x`")
+        found += [n for n in (".".join(room + [a.name]) for a in node.names) if n not in found]
     return tuple(found)
 
 
@@ -152,7 +173,7 @@ def _load_order(main: str) -> tuple[str, ...]:
 
 def sources_sha256(modules: list[str]) -> str:
     """sha256 (hex) of the sources of probe `modules` in order: the key of a host's scan cache,
-    which a change to any bundled module invalidates (probes/scancache.py)."""
+    which a change to any bundled module invalidates (probes/facts/scancache.py)."""
     h = hashlib.sha256()
     for m in modules:
         h.update(m.encode() + b"\0" + source(m).encode() + b"\0")

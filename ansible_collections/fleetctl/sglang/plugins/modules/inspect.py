@@ -85,7 +85,8 @@ import json
 import sys
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import facts, probe_bundle
+from ansible_collections.fleetctl.sglang.plugins.module_utils import probe_bundle
+from ansible_collections.fleetctl.sglang.plugins.module_utils.facts import host as facts
 
 
 def own_payload(params):
@@ -93,7 +94,7 @@ def own_payload(params):
     under an install's interpreter): the facts probe's module_utils, which Ansible packed into
     this module's payload because facts imports them (`from . import x`), in load order
     (probe_bundle.document)."""
-    return json.dumps(probe_bundle.document("facts", params))
+    return json.dumps(probe_bundle.document("facts.host", params))
 
 
 def main():

@@ -174,7 +174,8 @@ import subprocess
 from ansible.module_utils.basic import AnsibleModule
 # kbuild is imported so that Ansible's module bundler packs it, and the probes it imports, into
 # this module's payload: under() sends their sources (probe_bundle.document)
-from ansible_collections.fleetctl.sglang.plugins.module_utils import kbuild, probe_bundle, safefs  # noqa: F401
+from ansible_collections.fleetctl.sglang.plugins.module_utils import probe_bundle, safefs
+from ansible_collections.fleetctl.sglang.plugins.module_utils.kernel import kbuild  # noqa: F401
 
 
 def under(python, action, params, timeout):
@@ -182,7 +183,7 @@ def under(python, action, params, timeout):
     serves SGLang: builds and tests use its torch), killed after `timeout` seconds (builds and
     tests enforce their own deadline_s inside it). Raises probe_bundle.ProbeError (no result, or
     the deadline passed)."""
-    doc = probe_bundle.document("kbuild", dict(params, action=action))
+    doc = probe_bundle.document("kernel.kbuild", dict(params, action=action))
     try:
         r = subprocess.run([python, "-c", probe_bundle.WRAPPER], input=json.dumps(doc).encode(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)

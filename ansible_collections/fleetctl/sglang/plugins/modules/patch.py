@@ -120,7 +120,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import change, ledger
+from ansible_collections.fleetctl.sglang.plugins.module_utils.change import actions as change, ledger
 
 
 def run(module, action, **params):

@@ -98,7 +98,7 @@ validation:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import smoke
+from ansible_collections.fleetctl.sglang.plugins.module_utils.traffic import smoke
 
 
 def main():

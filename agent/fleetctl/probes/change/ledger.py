@@ -17,7 +17,7 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
   backups/<change_id>/<path>      the original bytes of every file the change writes.
   kernels/<name>/<key>            private kernel builds (src/, build/, PASSED), built and tested
                                   here; deploy publishes a passed one to PUBLIC/<name>/<key>
-                                  (/var/lib/fleetctl-kernels, root 0755: probes/kbuild.py publish),
+                                  (/var/lib/fleetctl-kernels, root 0755: probes/kernel/kbuild.py publish),
                                   where the active link PUBLIC/<name>/current and the dispatch
                                   table PUBLIC/<name>/dispatch.json live (one ledger change, its
                                   root PUBLIC/<name>; deploy and the Ansible collection's kernel
@@ -35,7 +35,7 @@ import re
 import stat
 import time
 
-from . import safefs
+from .. import safefs
 
 STATE_DIR = "/var/lib/fleetctl"
 # Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).

@@ -12,7 +12,8 @@ import re
 import stat
 import time
 
-from . import safefs, scancache
+from . import scancache
+from .. import safefs
 
 # The RECORD hash cache: entries of files changed this recently are not kept (their ctime cannot
 # yet tell a later rewrite; as callsites.RACY_S); its cache key names the format.

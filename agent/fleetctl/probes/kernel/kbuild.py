@@ -34,7 +34,8 @@ import subprocess
 import sys
 import time
 
-from . import gpus, safefs, torchver, trust
+from .. import safefs, trust
+from ..facts import gpus, torchver
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
 MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11, 8), "9.0": (11, 8),

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 from markupsafe import Markup
 
-from .report import visible
+from .text import visible
 
 # The load gate's gated metrics (engine/load.GATED, SGLang's result names), their labels, units
 # and which way is better.

@@ -18,7 +18,8 @@ schedulers, under the CUDA_VISIBLE_DEVICES it started with: topology.gpu_ids).
 
 import os
 
-from . import listeners, redact, topology
+from . import listeners, topology
+from .. import redact
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")

@@ -28,7 +28,7 @@ import stat
 import sys
 import types
 
-from . import safefs
+from .. import safefs
 
 STATE_DIR = "/var/lib/fleetctl"  # the ledger's state dir (ledger.STATE_DIR)
 FORMAT = 1

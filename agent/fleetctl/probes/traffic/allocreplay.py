@@ -51,7 +51,8 @@ import traceback
 import urllib.error
 import urllib.request
 
-from . import result, targets, trust
+from .. import result, trust
+from ..facts import targets
 
 TOKEN, PAGED = "TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"
 # the allocator package of releases that split it (0.5.23: base.py, token.py, paged.py): its

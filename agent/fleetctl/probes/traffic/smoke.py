@@ -32,7 +32,8 @@ import time
 import urllib.error
 import urllib.request
 
-from . import redact, targets, topology
+from .. import redact
+from ..facts import targets, topology
 
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]

@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, locate, procs, result, scancache, torchver, trust, units, verifyroute
+from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
+from .. import result, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from . import safefs, trust
+from .. import safefs, trust
 
 TAIL_BYTES = 4000
 MAX_ANSWER = 8 << 20

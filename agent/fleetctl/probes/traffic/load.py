@@ -48,7 +48,8 @@ import time
 import urllib.error
 import urllib.request
 
-from . import redact, smoke, trust
+from . import smoke
+from .. import redact, trust
 
 # Workload profiles: concurrency, num_prompts, input_len, output_len (tokens); None: sized (workload).
 PROFILES = {

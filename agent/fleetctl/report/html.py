@@ -6,7 +6,7 @@ contacted).
                     validation x last run: each cell the latest recorded run that carries it
                     (inspect or status; status; validate), with its time and run
     render(runs, generated_at, since, source, total)  the page: the overview, a timeline of the
-                    changes (svgchart.timeline), the load gates' charts (svgchart.gate_bars), then
+                    changes (svg.timeline), the load gates' charts (svg.gate_bars), then
                     each run (newest first) with its hosts, gate checks and diffs
 
 One run's odd data never fails the page: a figure that is not a finite number is "not measured",
@@ -17,7 +17,7 @@ that says so and names `fleetctl history show RUN`. Each string shown is cut to 
 The page is a Jinja2 template (templates/fleet-report.html.j2) with autoescape on, and every
 value it prints first passes through report.visible (`finalize`): host text is HTML-escaped and
 its control characters (terminal escapes included) are shown as \\xNN, never interpreted. The
-only markup that is not escaped is the SVG svgchart builds, itself escaped by ElementTree. The
+only markup that is not escaped is the SVG svg.py builds, itself escaped by ElementTree. The
 CSS is inline, there is no script, and a Content-Security-Policy meta (default-src 'none', the
 style element allowed by its sha256) makes the browser refuse any load from the network.
 """
@@ -37,8 +37,8 @@ from markupsafe import Markup
 
 from ..history.model import HostRecord, RunRecord
 from ..vocab import ChangeState
-from . import svgchart as svg
-from .report import coalesce, visible
+from . import svg
+from .text import coalesce, visible
 
 # Commands whose host results are changes (the timeline), unless run in check mode.
 CHANGING = ("apply", "deploy kernel", "rollback", "recover")
@@ -291,7 +291,7 @@ def _run_view(run: RunRecord) -> dict:
 
 
 def _shown(value: Any) -> Any:
-    """Jinja's finalize: every printed value but svgchart's markup and the run sections through
+    """Jinja's finalize: every printed value but svg.py's markup and the run sections through
     clip (None: '')."""
     return value if isinstance(value, Markup) else clip(value)
 
@@ -316,10 +316,10 @@ def _section(run: RunRecord) -> Markup:
         return macros.broken_section(run, clip(f"{type(e).__name__}: {e}", run.run_id))
 
 
-_ENV = Environment(loader=PackageLoader("fleetctl.cli", "templates"), autoescape=True, finalize=_shown,
+_ENV = Environment(loader=PackageLoader("fleetctl.report", "templates"), autoescape=True, finalize=_shown,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 _ENV.filters["when"] = when
-CSS = (files("fleetctl.cli") / "templates" / "fleet-report.css").read_text()
+CSS = (files("fleetctl.report") / "templates" / "fleet-report.css").read_text()
 
 
 def csp() -> str:

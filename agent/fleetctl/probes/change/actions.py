@@ -6,7 +6,7 @@ lock for the whole apply/rollback; this module does no locking.
 
 State lives in `state_dir` (param, default ledger.STATE_DIR): the ledger and the backups (see
 ledger.py); files are read and written with safefs (no link followed, atomic replacement),
-confined to the change's root; status reports RECORD drift (record.py).
+confined to the change's root; status reports RECORD drift (drift.py).
 Every action returns {"ok": true, ...} or {"ok": false, "error": "..."} (a refusal changes nothing).
 """
 
@@ -16,7 +16,9 @@ import json
 import os
 import stat
 
-from . import ledger, record, safefs
+from . import ledger
+from .. import safefs
+from ..facts import drift
 
 # where deploy publishes kernel builds, their `current` links and dispatch tables: the host-side
 # copy of the control side's config.PUBLIC_KERNELS_DIR (tests/unit/test_dispatch.py checks they agree)
@@ -325,7 +327,7 @@ def status(params, state_dir):
     (a JSON object), None when there is none, {"error": why} when it is a link, not a regular
     file, over DISPATCH_MAX_BYTES or not a JSON object}; space: ledger.space_used().
     """
-    summary, drift, explained = [], [], {}
+    summary, drifted, explained = [], [], {}
     entries = list(ledger.changes(state_dir).items())
     for i, (cid, e) in enumerate(entries):
         summary.append({"change_id": cid, "playbook": e.get("playbook"), "install": e.get("install"),
@@ -347,12 +349,12 @@ def status(params, state_dir):
             if cur == f["after_sha256"]:
                 explained[os.path.realpath(f["path"])] = f["after_sha256"]
             elif cur == f["before_sha256"]:
-                drift.append({"change_id": cid, "path": f["path"], "problem": "drift: reverted or reinstalled"})
+                drifted.append({"change_id": cid, "path": f["path"], "problem": "drift: reverted or reinstalled"})
             else:
-                drift.append({"change_id": cid, "path": f["path"], "problem": "drift: edited since the apply"})
+                drifted.append({"change_id": cid, "path": f["path"], "problem": "drift: edited since the apply"})
     modified, err = (None, None)
     if params.get("location"):
-        modified, err = record.problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
+        modified, err = drift.problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
     public = os.path.abspath(params.get("public_dir") or PUBLIC_DIR)
     kernels, tables = {}, {}
     for c in sorted(glob.glob(os.path.join(glob.escape(public), "*", "current"))):
@@ -360,7 +362,7 @@ def status(params, state_dir):
         if _package_link(c):
             kernels[name] = os.readlink(c)
             tables[name] = _dispatch(os.path.join(os.path.dirname(c), DISPATCH))
-    return {"ok": True, "changes": summary, "drift": drift, "modified": modified, "record_error": err,
+    return {"ok": True, "changes": summary, "drift": drifted, "modified": modified, "record_error": err,
             "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
 
 

@@ -1,7 +1,7 @@
 """Remote probe helper: which servers fleetctl's HTTP probes talk to, and on which socket (review N6).
 
 The one rule for every probe that sends a request, and the inventory's API key with it, to an
-SGLang server on this host (the smoke decode today: probes/smoke.py). A target is a listening
+SGLang server on this host (the smoke decode today: probes/traffic/smoke.py). A target is a listening
 socket of a server the facts probe identified: its inode is in /proc/PID/fd of the server or of
 one of its descendants (a router's DP workers, SGLang's scheduler processes), looked up in the
 server's own network namespace (listeners.py), and it is reached on loopback or on an address of

@@ -30,7 +30,8 @@ import shutil
 import stat
 import subprocess
 
-from . import enter, procs
+from . import procs
+from .. import enter
 
 # cgroup path pattern -> runtime (the first that matches wins)
 _SCOPES = [

@@ -20,7 +20,9 @@ Stdlib only (Python 3.8+). Never raises for a server's or a file's faults: they 
 import json
 import os
 
-from . import safefs, smoke, targets
+from . import smoke
+from .. import safefs
+from ..facts import targets
 
 MAX_CONFIG = 1 << 20     # bytes of config.json read at most
 MAX_INT = 1 << 20

@@ -1,19 +1,13 @@
-"""Rendering results: the inspect JSON document and Rich tables, identical hosts coalesced.
+"""Terminal tables for inspect, apply, deploy, status, rollback: identical hosts coalesced.
 
 Hosts whose findings are identical are gathered into one block with their host list (as clubak
-gathers identical output); columns whose values differ between blocks are highlighted.
-
-Every string a host or an inventory supplies reaches Rich through `text()`: never parsed as
-markup, control characters shown as escapes (security review M5). A host's data of an odd shape
-becomes a "malformed" cell, never a crash that loses the report.
+gathers identical output); columns whose values differ between blocks are highlighted. Every
+host string goes through `text.text()`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
-from typing import Any, Callable, Iterable
 
 from rich.console import Console
 from rich.table import Table
@@ -23,76 +17,7 @@ from ..engine.context import HostResult
 from ..engine.dispatch import describe
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
-
-# C0 controls but tab and newline, DEL, C1 controls, and the Unicode bidi and zero-width format
-# characters that reorder or hide text on a terminal, and lone surrogates (no UTF-8 encodes them).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
-
-
-def visible(value: Any) -> str:
-    """`value` as a string (None: "") with each control character shown as \\xNN / \\uNNNN, and each
-    lone surrogate (an undecodable byte of a file name, as os.fsdecode gives it) as \\udcNN."""
-    s = "" if value is None else str(value)
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", s)
-
-
-def text(value: Any, style: str | None = None) -> Text:
-    """A table cell or message built from host or inventory data: plain text (no markup), control
-    characters visible (see visible)."""
-    return Text(visible(value), style=style)
-
-
-def _tolerant(build: Callable[[], Any], columns: int) -> Any:
-    """build(), or, when the host's data has an odd shape, `columns` cells: the first says so."""
-    try:
-        return build()
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
-        return ["malformed data from the host: " + visible(f"{type(e).__name__}: {e}")] + [""] * (columns - 1)
-
-
-STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus.SKIPPED: "cyan",
-                HostStatus.FAILED: "red", HostStatus.UNREACHABLE: "magenta", HostStatus.NOT_ATTEMPTED: "dim"}
-
-
-def inspect_document(results: list[HostResult]) -> dict:
-    """The `inspect --json` document: {"hosts": [{host, address, status, error, elapsed_s, facts,
-    installs, not_inspected, allocator_call_sites, need_sort_origins, scan, timing}]}; lists are
-    complete, never truncated. `installs`: [{id, python, sglang, torch, servers (pids),
-    allocator_call_sites, need_sort_origins, scan}] (README, "installs"); `not_inspected`: the
-    installs seen but not inspected, [{id, status "not_inspected", reason, python, servers,
-    units, user}] (engine/gather.not_inspected); the top-level call sites, origins and scan
-    are the primary install's. `timing`: where the host's time went (fleet.HostContext.timing:
-    connect_s, probes, upload_bytes, remote_s, parse_s)."""
-    hosts = []
-    for r in results:
-        d = r.data or {}
-        hosts.append({
-            "host": r.host, "address": r.address, "status": r.status, "error": r.error,
-            "elapsed_s": r.elapsed_s, "facts": d.get("facts"),
-            "installs": [{k: v for k, v in i.items() if k != "sources"} for i in d.get("installs", [])],
-            "not_inspected": d.get("not_inspected", []),
-            "allocator_call_sites": d.get("allocator_call_sites", []),
-            "need_sort_origins": d.get("need_sort_origins", []),
-            "scan": d.get("scan"),
-            "timing": d.get("timing"),
-        })
-    return {"hosts": hosts}
-
-
-def coalesce(items: Iterable[tuple[str, Any]]) -> list[tuple[list[str], Any]]:
-    """Group (host, value) pairs with equal values: [([hosts], value)], first-seen order."""
-    groups: dict[str, tuple[list[str], Any]] = {}
-    for host, value in items:
-        key = json.dumps(value, sort_keys=True, default=str)
-        groups.setdefault(key, ([], value))[0].append(host)
-    return list(groups.values())
-
-
-def host_list(hosts: list[str], limit: int = 6) -> str:
-    """'a, b, c' or 'a, b, c … (+N more: 12 hosts)'; the count is always given when shortened."""
-    if len(hosts) <= limit:
-        return ", ".join(hosts)
-    return f"{', '.join(hosts[:limit])} … (+{len(hosts) - limit} more; {len(hosts)} hosts)"
+from .text import STATUS_STYLE, tolerant, coalesce, host_list, table, text, visible
 
 
 def _install_line(i: dict) -> str:
@@ -226,7 +151,7 @@ def render_allocator_replay(results: list[HostResult], console: Console) -> None
     """The allocator replay's answer per install (replay_line), identical hosts coalesced; nothing
     when no install was replayed (inspect without --allocator-replay)."""
     def line(i: dict) -> str:
-        return _tolerant(lambda: [replay_line(i["allocator_replay_info"], i.get("allocator_replay") or [])], 1)[0]
+        return tolerant(lambda: [replay_line(i["allocator_replay_info"], i.get("allocator_replay") or [])], 1)[0]
 
     rows = [(r.host, (f"{(i.get('sglang') or {}).get('version')} {(i.get('sglang') or {}).get('package_dir')}", line(i)))
             for r in results for i in r.data.get("installs", []) if "allocator_replay_info" in i]
@@ -294,17 +219,6 @@ def render_status_line(results: list[HostResult], console: Console) -> None:
     console.print(line)
 
 
-def table(title: str, columns: list[str], rows: list[list[Any]], console: Console,
-          style_of: Callable[[str, Any], str | None] | None = None) -> None:
-    """Print a simple table (one row per item; cells stringified)."""
-    t = Table(title=text(title), title_justify="left")
-    for c in columns:
-        t.add_column(c, overflow="fold")
-    for row in rows:
-        t.add_row(*[text(v, style=style_of(c, v) if style_of else None) for c, v in zip(columns, row)])
-    console.print(t)
-
-
 def render_rollback(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of a rollback: which change, how many files or links were restored."""
     t = Table(title="rollback", title_justify="left")
@@ -322,7 +236,7 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
             return f"restored {len(d.get('files') or [])} file(s)/link(s) byte-identical{forced}"
 
         t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), text(d.get("change_id")),
-                  *map(text, _tolerant(lambda detail=detail: [detail()], 1)))
+                  *map(text, tolerant(lambda detail=detail: [detail()], 1)))
     console.print(t)
 
 
@@ -341,46 +255,7 @@ def render_recover(results: list[HostResult], console: Console) -> None:
             files = "\n".join(f"{f['path']}: {f['action']}" for c in done for f in c.get("files") or [])
             return [changes, files or r.error or ""]
 
-        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, _tolerant(cells, 2)))
-    console.print(t)
-
-
-def render_validate(results: list[HostResult], console: Console) -> None:
-    """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s; a row per
-    refused target (data["refused"]: a process that claimed a server's port it does not hold,
-    which was sent nothing)."""
-    t = Table(title="fleetctl validate", title_justify="left")
-    for c in ("host", "status", "server", "health wait", "tokens", "median latency", "tokens/s", "detail"):
-        t.add_column(c, overflow="fold")
-    for r in results:
-        servers = (r.data or {}).get("servers") or [None]
-        for s in servers:
-            status = text(r.status, style=STATUS_STYLE.get(r.status))
-            if s is None:
-                t.add_row(text(r.host), status, "", "", "", "", "", text(r.error))
-                continue
-
-            def cells(s=s):
-                lat = s.get("e2e_latency_s") or s.get("latency_s")
-                only = f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""
-                return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
-                        f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
-                        " ".join(map(str, s.get("output_ids") or [])),
-                        f"{lat * 1000:.1f} ms" if lat else "",
-                        f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
-                        "; ".join(x for x in (only, s.get("error")) if x)]
-
-            t.add_row(text(r.host), status, *map(text, _tolerant(cells, 6)))
-        for f in (r.data or {}).get("refused") or []:  # not smoke-tested, nothing sent (review N6)
-            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
-                      *map(text, _tolerant(lambda f=f: [f"refused: pid {f.get('pid')} {f.get('host')}:{f.get('port')}",
-                                                        "", "", "", "", f.get("reason") or ""], 6)))
-        off = (r.data or {}).get("offline")
-        if off:
-            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
-                      *map(text, _tolerant(lambda off=off: [
-                          f"offline: {off['cmd']}", "", "", f"{off['duration_s']:.1f}s", "",
-                          " | ".join(map(str, off["tail"][-2:]))], 6)))
+        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, tolerant(cells, 2)))
     console.print(t)
 
 
@@ -466,7 +341,7 @@ def render_status(results: list[HostResult], console: Console) -> None:
                     "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none",
                     _space(d.get("space"))]
 
-        t.add_row(text(r.host), *map(text, _tolerant(cells, 6)))
+        t.add_row(text(r.host), *map(text, tolerant(cells, 6)))
     console.print(t)
     render_problems(results, console)
 
@@ -531,124 +406,3 @@ def render_cache_clear(results: list[HostResult], console: Console) -> None:
           lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)
 
 
-def _num(v: Any, unit: str = "") -> str:
-    """A figure as shown in the load tables ('' when absent)."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return ""
-    return f"{v:.0f}{unit}" if isinstance(v, int) or abs(v) >= 100 else f"{v:.2f}{unit}"
-
-
-def _workload(w: dict | None) -> str:
-    if not w:
-        return ""
-    pool = f"; {w['demand_tokens']} tokens in flight vs pool {w['pool_tokens']}" if w.get("pool_tokens") else ""
-    return (f"{w['profile']}: {w['concurrency']} in flight, {w['num_prompts']} requests, "
-            f"in<={w['input_len']} out<={w['output_len']} tokens{pool}")
-
-
-def render_load(results: list[HostResult], console: Console) -> None:
-    """`validate --load`: per host and server, SGLang's own benchmark client's figures (SGLang's
-    result names: completed of requested, output_throughput, median/p99 TTFT, p99 ITL, p99 E2E
-    latency), the client and workload, and why a server's run failed or did not run (and the
-    servers sent nothing: refused, or skipped as non-zero-rank nodes); nothing when no host ran one."""
-    rows = []
-    for r in results:
-        load = (r.data or {}).get("load")
-        if not load:
-            continue
-        if load.get("not_run"):
-            rows.append([r.host, r.status, "", "", "", "", "", "", "", f"load: not run: {load['not_run']}"])
-        for s in load.get("servers") or []:
-
-            def cells(s=s):
-                m = s.get("load") or {}
-                detail = f"load: not run: {s['not_run']}" if s.get("not_run") else (s.get("error") or "")
-                return [f"{s['host']}:{s['port']}", f"{s.get('client') or ''}\n{_workload(s.get('workload'))}",
-                        f"{m['completed']} of {m['requested']}" if m else "",
-                        _num(m.get("output_throughput")), f"{_num(m.get('median_ttft_ms'))} / {_num(m.get('p99_ttft_ms'))}"
-                        if m else "", _num(m.get("p99_itl_ms")), _num(m.get("p99_e2e_latency_ms")), detail]
-
-            rows.append([r.host, r.status, *_tolerant(cells, 8)])
-        for k in (load.get("skipped") or []) + (load.get("refused") or []):  # nothing was sent to these
-            rows.append([r.host, r.status, f"{k.get('host')}:{k.get('port')}", "", "", "", "", "", "",
-                         f"{'skipped' if 'node_rank' in k else 'refused'}: {k.get('reason')}"])
-    if rows:
-        table("load: SGLang's own benchmark client", ["host", "status", "server", "client and workload", "completed",
-                                                      "output tok/s", "TTFT p50 / p99 ms", "ITL p99 ms",
-                                                      "E2E p99 ms", "detail"], rows, console,
-              lambda c, v: STATUS_STYLE.get(v) if c == "status" else None)
-
-
-def render_load_gate(results: list[HostResult], console: Console) -> None:
-    """The load gate of each host that ran one (data["load_gate"]: engine/load.load_gate): per
-    server, the baseline taken right before the change and the run after its restart side by
-    side (SGLang's result names), the change (after / baseline), each gated metric's limit and
-    verdict; then the output throughput ratio per server (a kernel's speedup). A gate that was
-    skipped says why in one line."""
-    for r in results:
-        gate = (r.data or {}).get("load_gate")
-        if not gate:
-            continue
-        if not gate.get("servers"):
-            console.print(text(f"{r.host}: load gate {gate.get('status')}"))
-            continue
-
-        def build(r=r, gate=gate):
-            from ..engine.load import SHOWN
-
-            verdicts = {(c["target"], c["name"]): c for c in gate.get("checks") or []}
-            names = {"output_throughput": "load-throughput", "p99_itl_ms": "load-itl", "p99_ttft_ms": "load-ttft",
-                     "failed": "load-errors"}
-            rows, speed = [], []
-            for row in gate["servers"]:
-                base, after, limits = row.get("baseline") or {}, row.get("after") or {}, row.get("limits") or {}
-                for key in SHOWN:
-                    b, a = base.get(key), after.get(key)
-                    if b is None and a is None:
-                        continue
-                    ratio = f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
-                    check = verdicts.get((row["target"], names.get(key)))
-                    verdict = "" if check is None else ("ok" if check["passed"] else "BREACH")
-                    rows.append([row["target"], key, _num(b), _num(a), ratio, _num(limits.get(key)), verdict])
-                b, a = base.get("output_throughput"), after.get("output_throughput")
-                if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
-                    speed.append(f"{row['target']} {a / b:.2f}x")
-            for c in gate.get("checks") or []:
-                if not c["passed"] and c["name"] in ("load-baseline", "load-run"):
-                    rows.append([c["target"], c["name"], "", "", "", "", c["detail"]])
-            return rows, speed
-
-        try:
-            rows, speed = build()
-        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
-            console.print(text(f"{r.host}: malformed load gate data: {type(e).__name__}: {e}", style="red"))
-            continue
-        twice = " (the mean of 2 baselines; tolerances widened by their spread)" if gate.get("repeat") == 2 else ""
-        table(f"{r.host}: load gate {gate.get('status')}, profile {gate.get('profile')}: baseline right before the "
-              f"change vs after its restart{twice}", ["server", "metric", "baseline", "after", "after/baseline",
-                                                      "limit", "verdict"], rows, console,
-              lambda c, v: "red" if v == "BREACH" else ("green" if v == "ok" else None))
-        if speed:
-            console.print(text(f"{r.host}: output throughput after/baseline (the change's speedup): {', '.join(speed)}"))
-
-
-def render_route_gate(results: list[HostResult], console: Console) -> None:
-    """The route gate of each host that ran one (data["route_gate"]: engine/routegate.route_gate):
-    one row per check (ranks, tokens, logprobs, long prompt, accept length) per server, its verdict
-    and detail (both sides' values, the pids and their fallbacks when a rank did not route). A gate
-    that did not run (not restarted) says so in one line."""
-    for r in results:
-        gate = (r.data or {}).get("route_gate")
-        if not gate:
-            continue
-        if not gate.get("checks"):
-            console.print(text(f"{r.host}: route gate {gate.get('status')}"))
-            continue
-        try:
-            rows = [[c["target"], c["name"], "ok" if c["passed"] else "FAILED", c["detail"]] for c in gate["checks"]]
-        except (KeyError, TypeError) as e:
-            console.print(text(f"{r.host}: malformed route gate data: {type(e).__name__}: {e}", style="red"))
-            continue
-        table(f"{r.host}: route gate {gate.get('status')}: the routed kernel against the baseline right before the "
-              "change", ["server", "check", "verdict", "detail"], rows, console,
-              lambda c, v: "red" if v == "FAILED" else ("green" if v == "ok" else None))

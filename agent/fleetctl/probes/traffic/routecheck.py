@@ -50,7 +50,9 @@ import os
 import stat
 import time
 
-from . import listeners, redact, safefs, smoke
+from . import smoke
+from .. import redact, safefs
+from ..facts import listeners
 
 FLUSH_WAIT_S = 1.0  # seconds after the last request before the evidence is read again
 MAX_EVIDENCE = 64 << 10  # bytes of one evidence file read at most

@@ -1,0 +1,1 @@
+"""The change actions on a host (apply, rollback, commit, recover, status) and their ledger."""
