@@ -72,7 +72,7 @@ for entry in "${ANSIBLE_VENVS[@]}"; do
     fi
 done
 
-# The real uv and pipx, pinned, for tests/fleet/test_fleet_installs_turn3.py (SGLang installed as
+# The real uv and pipx, pinned, for tests/fleet/test_fleet_installs_user_tools.py (SGLang installed as
 # its docs and these tools put it: `uv tool install`, `pipx install`, `uv venv` + `uv pip install`,
 # each run by a local user on a lab host), with the pip wheel pipx's shared venv upgrades to
 # (offline there): `pip install --target` into <cache>/venvs/install-tools, which any user can run.

@@ -21,6 +21,7 @@ import yaml
 
 from conftest import kernel_variant
 from fleetctl.wheels import cache_dir
+from helpers.ledger import over_ssh as ledger
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,14 +104,6 @@ def sha(lab, host: str, path: str) -> str:
     r = lab.ssh(host, f"sha256sum {path}")
     assert r.returncode == 0, r.stderr
     return r.stdout.split()[0]
-
-
-def ledger(lab, host: str) -> dict[str, str]:
-    """{change id: its last state} in the host's ledger, read over SSH (the CLI's reading of it
-    is checked where it matters, with `fleetctl status`)."""
-    r = lab.ssh(host, "cat /var/lib/fleetctl/ledger.jsonl 2>/dev/null || true")
-    assert r.returncode == 0, r.stderr
-    return {e["change_id"]: e["state"] for e in map(json.loads, r.stdout.splitlines())}
 
 
 @pytest.fixture(scope="module")

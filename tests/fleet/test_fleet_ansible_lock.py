@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.ledger import over_ssh as ledger
 
 BIN = Path(sys.executable).parent
 
@@ -58,13 +59,6 @@ class Ansible:
 @pytest.fixture(scope="module")
 def ansible(lab, tmp_path_factory) -> Ansible:
     return Ansible(lab, tmp_path_factory.mktemp("ansible-lock"))
-
-
-def ledger(lab, host: str) -> dict[str, str]:
-    """{change id: its last state} in the host's ledger, read over SSH."""
-    r = lab.ssh(host, "cat /var/lib/fleetctl/ledger.jsonl 2>/dev/null || true")
-    assert r.returncode == 0, r.stderr
-    return {e["change_id"]: e["state"] for e in map(json.loads, r.stdout.splitlines())}
 
 
 NO_LOCK_PLAY = """

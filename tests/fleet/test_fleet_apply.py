@@ -28,6 +28,7 @@ from fleetctl.connection import LockBusy
 from fleetctl.wheels import ensure_wheel
 from fleetctl.vocab import HostStatus
 from oracles import apply_diff
+from helpers.ledger import over_ssh as ledger_states
 
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
@@ -191,15 +192,6 @@ def test_second_concurrent_run_fails_fast(server_lab, monkeypatch):
     assert took < 30
     r, doc, hosts = apply_json(server_lab, "lab-03", "--yes")  # the lock went with its holder
     assert hosts["lab-03"]["status"] == "changed", hosts["lab-03"]["error"]
-
-
-def ledger_states(lab, host):
-    r = lab.ssh(host, "cat /var/lib/fleetctl/ledger.jsonl 2>/dev/null || true")
-    last = {}
-    for line in r.stdout.splitlines():
-        e = json.loads(line)
-        last[e["change_id"]] = e["state"]
-    return last
 
 
 def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):

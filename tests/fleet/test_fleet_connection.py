@@ -16,12 +16,12 @@ import time
 import pytest
 
 from conftest import write_ssh_config
-from fleetctl import lab as labmod
 from fleetctl.connection import RemoteTimeout, Settings, Unreachable
 from fleetctl.engine.fleet import Fleet
 from fleetctl.inventory import load
 from fleetctl.wheels import ensure_wheel
 from fleetctl.vocab import HostStatus
+from helpers.ledger import from_lab as ledger
 
 CA_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"  # case 01's CA (not a real one)
 KEEPALIVE = "Host *\n  ServerAliveInterval 1\n  ServerAliveCountMax 2\n"
@@ -164,17 +164,6 @@ def test_run_timeout_ends_a_run_of_hung_hosts(lab):
 # ------------------------------------------------------------------ a cut during validation
 
 REL = "sglang/srt/mem_cache/kv_cache_configurator.py"
-
-
-def ledger(server_lab, host: str) -> dict[str, str]:
-    """change id -> last state, read from the control side (the host's private /var/lib/fleetctl)."""
-    path = (server_lab.state_dir / "hosts" / host / labmod.PRIVATE_DIRS["/var/lib/fleetctl"] / "ledger.jsonl")
-    states: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            states[e["change_id"]] = e["state"]
-    return states
 
 
 def installed_sha(server_lab, host: str) -> str:

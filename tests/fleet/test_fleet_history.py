@@ -30,6 +30,7 @@ from fleetctl import lab as labmod
 from fleetctl.history.model import RunState
 from fleetctl.history.store import Store
 from report_runs import stored_bytes
+from helpers.lab import standin_wrapper
 
 PORT = 30051
 HOME = "/opt/fleetctl-history"  # root's, 0755: the stand-in's import path must be trusted
@@ -37,16 +38,7 @@ PYTHON = "/opt/sglang/venv/bin/python"
 SERVER = f"{HOME}/fleetctl-standin/server.py"
 # A second stand-in on lab-03 whose command line carries --api-key (as in test_fleet_redaction):
 # the wrapper passes the stand-in only the options it knows.
-WRAPPER = """\
-import argparse, sys
-sys.path.insert(0, "/opt/fleetctl-standin")
-import server
-p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-for o in ("--host", "--port", "--model-path"):
-    p.add_argument(o)
-known, _ = p.parse_known_args()
-server.main([w for k, v in vars(known).items() for w in ("--" + k.replace("_", "-"), v)])
-"""
+WRAPPER = standin_wrapper(("--host", "--port", "--model-path"))
 
 
 @dataclass

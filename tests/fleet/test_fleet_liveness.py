@@ -5,7 +5,6 @@ tied to the lock's holder. (Keepalives noticing a cut link, both kinds: test_fle
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -15,21 +14,11 @@ import pytest
 import yaml
 
 from conftest import write_ssh_config
-from fleetctl import lab as labmod
+from helpers.ledger import from_lab as ledger
 
 INTERVAL_S, COUNT = 2, 2
 KEEPALIVE = f"Host *\n  ServerAliveInterval {INTERVAL_S}\n  ServerAliveCountMax {COUNT}\n"
 HOST = "lab-04"
-
-
-def ledger(server_lab, host: str) -> dict[str, str]:
-    path = server_lab.state_dir / "hosts" / host / labmod.PRIVATE_DIRS["/var/lib/fleetctl"] / "ledger.jsonl"
-    states: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            states[e["change_id"]] = e["state"]
-    return states
 
 
 def run_processes(server_lab, host: str, before: set[int]) -> dict[int, str]:

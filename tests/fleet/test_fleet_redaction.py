@@ -12,6 +12,7 @@ import secrets
 import shlex
 
 import yaml
+from helpers.lab import standin_wrapper
 
 HOST = "lab-03"
 HOME = "/opt/fleetctl-n11"  # root's, 0755: the stand-in's import path must be trusted
@@ -21,16 +22,7 @@ SERVER = f"{HOME}/fleetctl-standin/server.py"
 # The lab's STAND-IN server (not SGLang: a lab host has no GPU), started through a script that
 # procs takes for it (a fleetctl-standin/server.py) and that gives it only the options it knows:
 # the rest of the command line is there to be read from /proc.
-WRAPPER = """\
-import argparse, sys
-sys.path.insert(0, "/opt/fleetctl-standin")
-import server
-p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-for o in ("--host", "--port", "--model-path", "--behavior"):
-    p.add_argument(o)
-known, _ = p.parse_known_args()
-server.main([w for k, v in vars(known).items() for w in ("--" + k.replace("_", "-"), v)])
-"""
+WRAPPER = standin_wrapper(("--host", "--port", "--model-path", "--behavior"))
 
 
 def test_each_secret_form_is_redacted_in_inspect_and_validate(server_lab, tmp_path):

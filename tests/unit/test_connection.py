@@ -23,28 +23,14 @@ from fleetctl.connection.local import LocalConnection
 from fleetctl.errors import InventoryError
 from fleetctl.engine.fleet import Fleet
 from fleetctl.vocab import HostStatus
+from helpers.lab import local_host
+from helpers.proc import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # The two keys of case 01 (generated for the case with ssh-keygen; not real hosts' keys).
 NODE01 = "AAAAC3NzaC1lZDI1NTE5AAAAIB/R2EBNwSNgM01ZxqKmqKH3/HY4aKPrWNIZZ8vUBvYh"
 CA = "AAAAC3NzaC1lZDI1NTE5AAAAIKtZZipMIFKufYYiG98eBzugs9Xw6YwLoWhGGtpp7Rrn"
-
-
-def local_host(tmp_path: Path, name: str = "here", **hostvars) -> inventory.Host:
-    """A one-host inventory on disk with ansible_connection: local, loaded as fleetctl loads it."""
-    lines = "".join(f"      {k}: {json.dumps(v)}\n" for k, v in hostvars.items())
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"all:\n  hosts:\n    {name}:\n      ansible_connection: local\n{lines}")
-    return inventory.load(path).select(name)[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # ------------------------------------------------------------------ the command builder

@@ -30,6 +30,8 @@ from fleetctl.probes.facts import procs as procs_probe
 from fleetctl.probes.traffic import smoke as smoke_probe
 from fleetctl.engine.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
+from helpers import ledger as ledger_of
+from helpers.lab import local_host
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "agent" / "fleetctl"
@@ -86,13 +88,6 @@ def test_control_signals_are_result_fields_and_json_keeps_its_keys():
 
 # ------------------------------------------------------------------ the engine on a local host
 
-def local_host(tmp_path: Path, **hostvars) -> inventory.Host:
-    lines = "".join(f"      {k}: {json.dumps(v)}\n" for k, v in hostvars.items())
-    path = tmp_path / "hosts.yaml"
-    path.write_text(f"all:\n  hosts:\n    here:\n      ansible_connection: local\n{lines}")
-    return inventory.load(path).select("here")[0]
-
-
 def sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
@@ -101,11 +96,6 @@ def write_change(path: Path, new: str, cid: str, facts: dict, **kw) -> Change:
     old = path.read_bytes()
     return Change(cid, "test", [{"path": str(path), "pre_sha256": sha(old), "post_sha256": sha(new.encode()),
                                  "new_text": new}], facts, str(path.parent), smoke=False, **kw)
-
-
-def ledger_state(state: Path, cid: str) -> str:
-    lines = [json.loads(x) for x in (state / "ledger.jsonl").read_text().splitlines()]
-    return [e for e in lines if e["change_id"] == cid][-1]["state"]
 
 
 def run_one(host, job):
@@ -128,7 +118,7 @@ def test_a_change_that_passes_its_checks_is_applied_and_its_handler_runs(tmp_pat
     assert (r.status, r.error, r.data["change_id"]) == (HostStatus.CHANGED, None, "c-ok")
     assert r.data["validation"] == {"status": "skipped (no server)"}
     assert target.read_text() == "X = 2\n" and marker.read_text() == "ran\n"
-    assert ledger_state(state, "c-ok") == ChangeState.APPLIED
+    assert ledger_of.in_dir(state)["c-ok"] == ChangeState.APPLIED
 
 
 def test_a_change_whose_checks_fail_is_rolled_back_byte_identical(tmp_path):
@@ -146,7 +136,7 @@ def test_a_change_whose_checks_fail_is_rolled_back_byte_identical(tmp_path):
     r = run_one(host, change_job(str(state), work))
     assert r.status == HostStatus.FAILED and r.error == "rolled back: mod.py:1: does not parse"
     assert r.data["rolled_back"] is True and target.read_bytes() == original
-    assert ledger_state(state, "c-bad") == ChangeState.ROLLED_BACK
+    assert ledger_of.in_dir(state)["c-bad"] == ChangeState.ROLLED_BACK
 
 
 def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_path):
@@ -163,11 +153,11 @@ def test_a_pending_change_is_recovered_first_and_the_restart_handler_runs(tmp_pa
         return ctx.result(HostStatus.OK)
 
     run_one(host, killed)
-    assert target.read_text() == "X = 2\n" and ledger_state(state, "c-killed") == ChangeState.PENDING
+    assert target.read_text() == "X = 2\n" and ledger_of.in_dir(state)["c-killed"] == ChangeState.PENDING
     r = run_one(host, rollback_job(None, False, str(state)))
     assert (r.status, r.data["change_id"]) == (HostStatus.CHANGED, "c-killed")
     assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"
-    assert ledger_state(state, "c-killed") == ChangeState.ROLLED_BACK
+    assert ledger_of.in_dir(state)["c-killed"] == ChangeState.ROLLED_BACK
 
 
 def test_change_jobs_tell_the_fan_out_what_stopping_them_leaves_behind(tmp_path):
@@ -267,7 +257,7 @@ def test_recover_command_undoes_a_pending_change_and_applies_nothing(tmp_path):
     r = run_one(host, recover_job(str(state)))
     assert (r.status, [c["change_id"] for c in r.data["recovered"]]) == (HostStatus.CHANGED, ["c-pending"])
     assert target.read_text() == "X = 1\n" and marker.read_text() == "ran\n"
-    assert ledger_state(state, "c-pending") == ChangeState.ROLLED_BACK
+    assert ledger_of.in_dir(state)["c-pending"] == ChangeState.ROLLED_BACK
     again = run_one(host, recover_job(str(state)))
     assert (again.status, again.data["recovered"]) == (HostStatus.OK, [])
     assert marker.read_text() == "ran\n"  # nothing pending: no restart

@@ -22,6 +22,7 @@ from fleetctl.probes.traffic import load
 from fleetctl.vocab import GateStatus
 from fleetctl.wheels import ensure_wheel
 from oracles import release_file
+from helpers.proc import alive_pids
 
 RESULTS = Path(__file__).resolve().parent.parent / "golden" / "load-results"
 RELEASES = ("0.4.6.post5", "0.5.2", "0.5.10", "0.5.23")
@@ -156,18 +157,6 @@ def test_the_runner_runs_the_servers_install_as_python_m_would(tmp_path):
     assert r.returncode == 3 and "not to the server's install " + other in r.stderr and "ran" not in r.stdout
 
 
-def _alive(pids):
-    out = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.append(pid)
-    return out
-
-
 def test_a_client_that_hangs_is_killed_at_the_deadline_with_its_group(tmp_path):
     script = textwrap.dedent(f"""
         import os, subprocess, sys, time
@@ -182,9 +171,9 @@ def test_a_client_that_hangs_is_killed_at_the_deadline_with_its_group(tmp_path):
     assert ran["tail"] == ["sk-TAIL api_key=<redacted>"]  # its output, redacted
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     end = time.monotonic() + 5
-    while _alive(pids) and time.monotonic() < end:
+    while alive_pids(pids) and time.monotonic() < end:
         time.sleep(0.1)
-    assert _alive(pids) == []
+    assert alive_pids(pids) == []
     again = tmp_path / "again"
     again.mkdir()
     ran = load.run_client([sys.executable, "-c", "import sys; print('done'); sys.exit(4)"], {}, str(again), 30)
@@ -203,13 +192,13 @@ def test_a_client_never_outlives_the_probe_that_watches_it(tmp_path):
     while not pidfile.exists() and time.monotonic() < end:
         time.sleep(0.05)
     pid = int(pidfile.read_text())
-    assert _alive([pid]) == [pid]
+    assert alive_pids([pid]) == [pid]
     p.kill()
     p.wait()
     end = time.monotonic() + 5
-    while _alive([pid]) and time.monotonic() < end:
+    while alive_pids([pid]) and time.monotonic() < end:
         time.sleep(0.05)
-    assert _alive([pid]) == []
+    assert alive_pids([pid]) == []
 
 
 # ---- the result line, per release ----------------------------------------------------------------

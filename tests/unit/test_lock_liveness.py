@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import inventory
 from fleetctl.connection import LockBusy, Session, Settings
 from fleetctl.connection import command
 from fleetctl.lab.base import alive
+from helpers.lab import local_host
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 
@@ -42,12 +42,6 @@ CONTROLLER = textwrap.dedent("""
     print(json.dumps({"beat_s": conn.lock_beat_s()}), flush=True)
     time.sleep(600)
 """)
-
-
-def local_host(tmp_path: Path) -> inventory.Host:
-    path = tmp_path / "here.yaml"
-    path.write_text("all:\n  hosts:\n    here:\n      ansible_connection: local\n")
-    return inventory.load(path).select("here")[0]
 
 
 def start_controller(tmp_path: Path, slack: int) -> tuple[subprocess.Popen, int, int]:

@@ -6,7 +6,6 @@ import copy
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +17,10 @@ from fleetctl.engine import gate
 from fleetctl.lab import standin
 from fleetctl.probes.facts import procs
 from fleetctl.probes.traffic import smoke
+from helpers.proc import alive, free_port, wait_listening
 
 BEHAVIORS = {"normal": {}, "shift": {"token_shift": 3}, "slow": {"slowdown": 4.0},
              "never": {"never_healthy": True}, "short": {"truncate_tokens": 8}}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PID_OF = {}  # port -> pid of the stand-in listening there (the `ports` fixture's)
@@ -84,8 +78,7 @@ def test_probe_waits_through_startup(tmp_path):
     try:
         # the probe finds a server by the sockets its process listens on: wait for the bind (a
         # loaded machine can take a second to start Python), not for /health
-        while socket.socket().connect_ex(("127.0.0.1", port)) and time.monotonic() - t0 < 30:
-            time.sleep(0.05)
+        assert wait_listening(port)
         s = probe(port, proc.pid, repeat=1, health_timeout=60)["servers"][0]
     finally:
         proc.terminate()
@@ -135,15 +128,6 @@ def test_offline_timeout_kills_process_group(tmp_path):
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(child)  # the backgrounded grandchild died with the group
-
-
-def alive(pid):
-    """Running and not a zombie (a killed orphan may wait a while for init to reap it)."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_gate_passes_same_tokens(ports, baseline):

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 from fleetctl.lab import standin
 from fleetctl.probes.traffic.smoke import wait_healthy
 from fleetctl.wheels import ensure_wheel
+from helpers.proc import alive, free_port
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY16 = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -29,12 +29,6 @@ BEHAVIORS = {"normal": {}, "shift": {"token_shift": 1}, "never": {"never_healthy
 SRC_FILES = ["sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py",
              "sglang/srt/managers/tokenizer_manager.py", "sglang/srt/managers/schedule_batch.py",
              "sglang/srt/sampling/sampling_params.py", "sglang/srt/entrypoints/openai/protocol.py"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(port, path, body=None, timeout=30):
@@ -282,15 +276,6 @@ def test_restart_sh_in_a_copied_dir(tmp_path):
         while alive(last) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(last)
-
-
-def alive(pid):
-    """Running and not a zombie."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def load_server_module():

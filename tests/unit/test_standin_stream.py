@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import pytest
 from fleetctl.lab import standin
 from fleetctl.probes.traffic.smoke import wait_healthy
 from fleetctl.wheels import ensure_wheel
+from helpers.proc import free_port
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -36,12 +36,6 @@ BEHAVIORS = {"normal": {}, "fail": {"fail_every": 2}, "contended": {"contention_
              "reload": {}}
 SRC = {"io_struct": "sglang/srt/managers/io_struct.py", "protocol": "sglang/srt/entrypoints/openai/protocol.py",
        "scheduler": "sglang/srt/managers/scheduler.py", "http_server": "sglang/srt/entrypoints/http_server.py"}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

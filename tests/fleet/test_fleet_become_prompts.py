@@ -1,4 +1,4 @@
-"""Become through real sshd, round 3 (issue 32): a sudo that asks in its own words is reported
+"""Become through real sshd, its prompts and flags (issue 32): a sudo that asks in its own words is reported
 within seconds with those words (case 01, `Password for USER@REALM: `; then a one-time code's
 `Verification code: `), a PAM stack that asks a second question after the password is reported
 as OTP, not supported; ansible_become_flags with a login shell (-i) or a shell (-s), whose shell

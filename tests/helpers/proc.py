@@ -1,0 +1,41 @@
+"""Processes and ports: whether a pid runs, a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs and is not a zombie (a killed orphan may wait a while for init to reap
+    it): state from /proc/PID/stat, the field after the ")" that ends the command name (proc(5))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def alive_pids(pids) -> list[int]:
+    """The pids of `pids` (an iterable of ints) that run (`alive`), in their order."""
+    return [p for p in pids if alive(p)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick; free until someone
+    else binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout: float = 30.0) -> bool:
+    """Wait until something accepts TCP connections on 127.0.0.1:port; False after `timeout`
+    seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
