@@ -221,7 +221,7 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
         # the first run (after the write) restarts nothing; the rollback's run stops the server
         handler = {"name": "restart sglang",
                    "command": f"if [ -e {marker} ]; then kill {server.pid}; fi; touch {marker}"}
-        opts = ChangeOptions(smoke=SmokeOptions(health_timeout=3, repeat=1), state_dir=str(state))
+        opts = ChangeOptions(smoke=SmokeOptions(health_timeout=2, repeat=1), state_dir=str(state))
 
         def work(ctx, rec):
             res = HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK)
@@ -238,7 +238,7 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
         server.wait(10)
     assert r.status == HostStatus.FAILED and r.data.get("rolled_back") is True, r.error
     assert r.error.startswith("rolled back: a check failed; after the rollback the server is not healthy: "
-                              f"127.0.0.1:{port}: health deadline exceeded after 3 s"), r.error
+                              f"127.0.0.1:{port}: health deadline exceeded after 2 s"), r.error
     [after] = r.data["after_rollback"]
     assert (after["port"], after["ok"]) == (port, False)
     assert target.read_text() == "X = 1\n"

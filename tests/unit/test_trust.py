@@ -67,15 +67,17 @@ def test_a_trusted_interpreter_runs(tmp_path):
 
 def test_sigterm_is_handled_as_ctrl_c_and_exits_143(tmp_path):
     """SIGTERM mid-run (review L8): the host in progress finishes, the next is not started."""
-    slow = tmp_path / "slowpy"
-    slow.write_text(f"#!/bin/sh\nsleep 4\nexec {sys.executable} \"$@\"\n")
+    slow, started = tmp_path / "slowpy", tmp_path / "started"
+    slow.write_text(f"#!/bin/sh\ntouch {started}\nsleep 1.5\nexec {sys.executable} \"$@\"\n")
     slow.chmod(0o755)
     inv = tmp_path / "hosts.yaml"
     inv.write_text("all:\n  hosts:\n" + "".join(
         f"    {h}:\n      ansible_connection: local\n      fleetctl_python: {slow}\n" for h in ("a", "b")))
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "-i", str(inv), "--forks", "1",
                           "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2)
+    end = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < end:  # host a is in progress
+        time.sleep(0.02)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 143, (out[-2000:], err[-2000:])
