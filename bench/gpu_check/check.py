@@ -334,10 +334,10 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
     checks = {"status_ok": d.get("status") in ("ok", "changed")}
     sys.path.insert(0, str(ROOT / "agent"))
     from fleetctl.engine.kernelpkg import build_key, load_package
-    from fleetctl.probes.kernel import kbuild
+    from fleetctl.probes.kernel import preflight
     from fleetctl.probes.change.ledger import STATE_DIR
 
-    facts = kbuild.gather_facts()
+    facts = preflight.gather_facts()
     torch_f, nvcc_f = facts.get("torch") or {}, facts.get("nvcc") or {}
     pkg = load_package(ROOT / "kernels", "verify_attention")
     want_arch = None if cpu else "9.0"

@@ -212,7 +212,7 @@ def test_failing_validation_switches_back(server_lab, deployed, tmp_path):
 
 def cold(d: Path) -> None:
     """Make the variant's source one no compiler cache has seen (ccache, which torch puts before
-    the compiler, with kbuild's CCACHE_BASEDIR: probes/kernel/kbuild.py _cache_base): a definition, not
+    the compiler, with kbuild's CCACHE_BASEDIR: probes/kernel/build.py _cache_base): a definition, not
     a comment, so the preprocessed text differs too, and its build really compiles."""
     cpp = d / "csrc" / "verify_attention_cpu.cpp"
     cpp.write_text(cpp.read_text() + f'\n[[maybe_unused]] static const char fleetctl_cold_build[] = "{uuid.uuid4()}";\n')

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.probes.kernel import kbuild
+from fleetctl.probes.kernel import kbuild, proc
 
 NOBODY = 65534
 
@@ -108,7 +108,7 @@ def test_builds_run_with_a_path_no_other_user_can_write(tmp_path, monkeypatch):
     os.chown(theirs, 65534, 65534)
     monkeypatch.setenv("PATH", os.pathsep.join([str(shared), ".", "", str(group), str(theirs), str(safe),
                                                 str(tmp_path / "missing"), "/usr/bin"]))
-    assert kbuild._search_path(str(venv_bin / "python")).split(os.pathsep) == [str(venv_bin), str(safe), "/usr/bin"]
+    assert proc.search_path(str(venv_bin / "python")).split(os.pathsep) == [str(venv_bin), str(safe), "/usr/bin"]
 
 
 TINY = """#include <Python.h>

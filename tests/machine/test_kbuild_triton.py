@@ -23,7 +23,7 @@ import torch
 
 from conftest import kernel_variant
 from fleetctl.engine.kernelpkg import load_package
-from fleetctl.probes.kernel import kbuild
+from fleetctl.probes.kernel import build, kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 ARCH = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0"
@@ -96,7 +96,7 @@ def test_failing_triton_build_returns_log_tail(tmp_path):
 
 
 def test_the_triton_builds_module_leaves_sys_path_as_it_found_it(tmp_path, monkeypatch):
-    """The written BUILD_DIR/NAME.py (kbuild._TRITON_MODULE) puts the uploaded package's dir on
+    """The written BUILD_DIR/NAME.py (build._TRITON_MODULE) puts the uploaded package's dir on
     sys.path only while the package's module loads (its sibling imports work), never after: in
     SGLang's process it would shadow top-level modules."""
     src = tmp_path / "src"
@@ -108,7 +108,7 @@ def test_the_triton_builds_module_leaves_sys_path_as_it_found_it(tmp_path, monke
     args = {"arch": 90, "out_dir": str(tmp_path / "build" / "kernels"), "src_dir": str(src), "load": "load",
             "module_name": "tv_for_path_test", "module": str(src / "tv_for_path_test.py")}
     (tmp_path / "build").mkdir()
-    path = kbuild._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_path_test.py"}, args)
+    path = build._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_path_test.py"}, args)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = list(sys.path)
     spec = importlib.util.spec_from_file_location("verify_attention_triton_path_test", path)
@@ -136,7 +136,7 @@ def test_the_triton_builds_module_works_from_its_published_copy(tmp_path, monkey
     (bdir / "build" / "kernels" / "manifest.json").write_text("{}\n")
     args = {"arch": 90, "out_dir": str(bdir / "build" / "kernels"), "src_dir": str(src), "load": "load",
             "module_name": "tv_for_publish_test", "module": str(src / "tv_for_publish_test.py")}
-    path = kbuild._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_publish_test.py"}, args)
+    path = build._write_triton_module({"name": "verify_attention_triton", "module": "tv_for_publish_test.py"}, args)
     (bdir / "PASSED").write_text(path + "\n")
     public = tmp_path / "public"
     r = kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(public / "verify_attention" / key)))

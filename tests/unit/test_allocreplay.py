@@ -1,9 +1,9 @@
-"""The allocator replay's pure pieces (probes/traffic/allocreplay.py, report/terminal.py replay_line, cli/options.py
-replay_trace): the seeded trace, the figures of a run, the trace's checks, where each release keeps
-its allocator classes (held against a second, regex reading of the wheels' files), which files the
-replay would run, the stub import of a release file, the server's max_total_num_tokens over real
-HTTP on loopback, and the report's one line. The replay itself (torch, the lab's releases) is
-tests/fleet/test_fleet_allocator_replay.py."""
+"""The allocator replay's pure pieces (probes/traffic/allocreplay.py and replaychild.py,
+report/terminal.py replay_line, cli/options.py replay_trace): the seeded trace, the figures of a
+run, the trace's checks, where each release keeps its allocator classes (held against a second,
+regex reading of the wheels' files), which files the replay would run, the stub import of a release
+file, the server's max_total_num_tokens over real HTTP on loopback, and the report's one line. The
+replay itself (torch, the lab's releases) is tests/fleet/test_fleet_allocator_replay.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from fleetctl.cli.options import replay_trace
 from fleetctl.report.terminal import replay_line
 from fleetctl.errors import UsageError
-from fleetctl.probes.traffic import allocreplay
+from fleetctl.probes.traffic import allocreplay, replaychild
 from fleetctl.wheels import ensure_wheel
 
 RELEASES = ["0.4.6.post5", "0.5.2", "0.5.10", "0.5.23"]
@@ -47,11 +47,11 @@ def test_the_trace_is_its_seeds_and_stays_in_its_ranges():
 
 def test_the_figures_of_a_run():
     runs = [1] * 50 + list(range(2, 52))  # 100 prefills, half of them contiguous
-    assert allocreplay.summary(runs) == {"prefills": 100, "runs_per_alloc_mean": (50 + sum(range(2, 52))) / 100,
+    assert replaychild.summary(runs) == {"prefills": 100, "runs_per_alloc_mean": (50 + sum(range(2, 52))) / 100,
                                          "runs_per_alloc_p99": 50, "contiguous_share": 0.5}
-    assert allocreplay.summary([7]) == {"prefills": 1, "runs_per_alloc_mean": 7, "runs_per_alloc_p99": 7,
+    assert replaychild.summary([7]) == {"prefills": 1, "runs_per_alloc_mean": 7, "runs_per_alloc_p99": 7,
                                         "contiguous_share": 0}
-    assert allocreplay.summary([]) == {"prefills": 0, "runs_per_alloc_mean": None, "runs_per_alloc_p99": None,
+    assert replaychild.summary([]) == {"prefills": 0, "runs_per_alloc_mean": None, "runs_per_alloc_p99": None,
                                        "contiguous_share": None}
 
 
@@ -215,7 +215,7 @@ def finder():
     made = []
 
     def install(sources):
-        f = allocreplay.ReleaseFinder(sources, [])
+        f = replaychild.ReleaseFinder(sources, [])
         sys.meta_path.insert(0, f)
         made.append(f)
         return f
@@ -236,7 +236,7 @@ def test_a_release_file_loads_with_triton_and_the_other_sglang_modules_stubbed(f
     a = m.Alloc()
     assert not a.debug and a.dumps is json.dumps  # a stub is false; the standard library is the real one
     assert m.Alloc.__mro__ == (m.Alloc, object)  # a stubbed base class is object
-    assert isinstance(m.kernel, allocreplay.Stub) and isinstance(m.tuned, allocreplay.Stub)
+    assert isinstance(m.kernel, replaychild.Stub) and isinstance(m.tuned, replaychild.Stub)
     assert list(m.next_power_of_2(5)) == []
     assert sorted(set(f.stubbed)) == ["sglang", "sglang.srt", "sglang.srt.mem_cache", "sglang.srt.mem_cache.memory_pool",
                                       "sglang.srt.utils", "triton", "triton.language"]
@@ -249,8 +249,8 @@ def test_a_file_that_needs_a_module_neither_installed_nor_stubbed_says_which_fil
     with pytest.raises(ImportError) as e:
         importlib.import_module("sglang.srt.mem_cache.allocator")
     files = {"sglang/srt/mem_cache/allocator.py": "sglang.srt.mem_cache.allocator"}
-    assert allocreplay._where(e.value, files) == "sglang/srt/mem_cache/allocator.py line 2"
-    assert allocreplay._said(e.value) == ("ModuleNotFoundError: No module named 'torch_not_here_either' (neither "
+    assert replaychild._where(e.value, files) == "sglang/srt/mem_cache/allocator.py line 2"
+    assert replaychild._said(e.value) == ("ModuleNotFoundError: No module named 'torch_not_here_either' (neither "
                                           "installed nor stubbed: the replay stubs only sglang and triton modules)")
 
 

@@ -20,7 +20,7 @@ from fleetctl.engine.context import HostResult
 from fleetctl.errors import HostFailed, UsageError
 from fleetctl.probes.change import actions as change
 from fleetctl.probes.facts import verifyroute
-from fleetctl.probes.kernel import kbuild
+from fleetctl.probes.kernel import state as kernel_state
 
 KEY = "1a2b3c4d5e6f" + "0" * 52
 
@@ -173,22 +173,22 @@ def test_kbuild_state_reads_the_published_tree(tmp_path):
     hook = tmp_path / "fleetctl_verify.py"
     params = {"link": str(pkg / "current"), "build_dir": str(private), "public_dir": str(pkg / KEY),
               "table": str(pkg / "dispatch.json"), "hook": str(hook)}
-    assert kbuild.state(params) == {"current": KEY, "passed": False, "published": False, "table": None, "hooked": False}
+    assert kernel_state.state(params) == {"current": KEY, "passed": False, "published": False, "table": None, "hooked": False}
     (pkg / KEY / "PASSED").write_text("x\n")
     (pkg / "dispatch.json").write_text('{"a": 1}\n')
     hook.write_text("")
-    got = kbuild.state(params)
+    got = kernel_state.state(params)
     assert (got["published"], got["hooked"]) == (True, True)
     assert got["table"] == {"sha256": hashlib.sha256(b'{"a": 1}\n').hexdigest(), "text": '{"a": 1}\n'}
     (pkg / "dispatch.json").unlink()
     os.symlink(str(tmp_path / "elsewhere.json"), pkg / "dispatch.json")
-    assert "dispatch.json is a symlink, not a regular file" in kbuild.state(params)["table"]["error"]
+    assert "dispatch.json is a symlink, not a regular file" in kernel_state.state(params)["table"]["error"]
     (pkg / "dispatch.json").unlink()
-    (pkg / "dispatch.json").write_bytes(b" " * (kbuild.TABLE_MAX_BYTES + 1))
-    assert f"over {kbuild.TABLE_MAX_BYTES} bytes" in kbuild.state(params)["table"]["error"]
-    assert kbuild.state(dict(params, hook=None))["hooked"] is False
+    (pkg / "dispatch.json").write_bytes(b" " * (kernel_state.TABLE_MAX_BYTES + 1))
+    assert f"over {kernel_state.TABLE_MAX_BYTES} bytes" in kernel_state.state(params)["table"]["error"]
+    assert kernel_state.state(dict(params, hook=None))["hooked"] is False
     # a call that asks for the link and the private build only: only those
-    assert kbuild.state({"link": params["link"], "build_dir": str(private)}) == {"current": KEY, "passed": False}
+    assert kernel_state.state({"link": params["link"], "build_dir": str(private)}) == {"current": KEY, "passed": False}
 
 
 def test_a_table_on_the_host_that_is_no_json_object_is_no_table():

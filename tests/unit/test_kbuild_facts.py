@@ -10,7 +10,7 @@ import os
 import pytest
 
 from fleetctl.probes.facts import gpus
-from fleetctl.probes.kernel import kbuild
+from fleetctl.probes.kernel import preflight
 
 HEALTHY = "0, 00000000:17:00.0, NVIDIA H200, 143771, 570.86.15, 9.0"
 # both spellings drivers print (NVIDIA/nvidia-container-toolkit#69 and #846: "GPU0000:65:00.0";
@@ -30,18 +30,18 @@ def fake_smi(tmp_path, stdout: str, code: int) -> None:
 def test_a_lost_gpu_is_reported_and_refuses_the_build(tmp_path, monkeypatch, code, lost):
     fake_smi(tmp_path, f"{HEALTHY}\n{lost}", code)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    facts = kbuild.gather_facts()
+    facts = preflight.gather_facts()
     assert facts["gpus"] == [{"name": "NVIDIA H200", "compute_cap": "9.0"}]
     assert [e["pci_bus_id"] for e in facts["gpu_errors"]] == ["0000:18:00.0"]
     assert facts["gpu_error"].startswith("1 of 2 GPUs lost: 0000:18:00.0")
-    refusals = kbuild.decide(facts, ["cuda", "cpu"])["refusals"]
+    refusals = preflight.decide(facts, ["cuda", "cpu"])["refusals"]
     assert any(r.startswith("cannot read the GPUs: 1 of 2 GPUs lost") for r in refusals), refusals
 
 
 def test_healthy_gpus_give_their_arch(tmp_path, monkeypatch):
     fake_smi(tmp_path, HEALTHY, 0)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    facts = kbuild.gather_facts()
+    facts = preflight.gather_facts()
     assert (facts["gpus"], facts["gpu_errors"], facts["gpu_error"]) == (
         [{"name": "NVIDIA H200", "compute_cap": "9.0"}], [], None)
-    assert kbuild.decide(facts, ["cuda"])["arch"] == "9.0"
+    assert preflight.decide(facts, ["cuda"])["arch"] == "9.0"

@@ -19,7 +19,7 @@ from fleetctl.errors import ParseError
 from fleetctl.engine.deploy import preflight_key
 from fleetctl.engine.kernelpkg import TritonBackend, build_key, load_package
 from fleetctl.errors import HostFailed
-from fleetctl.probes.kernel import kbuild
+from fleetctl.probes.kernel import preflight
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 GOOD = (KERNELS / "verify_attention" / "kernel.yaml").read_text()
@@ -195,7 +195,7 @@ def test_triton_build_key_is_torch_triton_arch_and_sources(kroot):
 
 
 def _pre(backend, arch="9.0", torch="2.8.0+cu128", cuda="12.8", nvcc="12.8", triton="3.6.0"):
-    """A kbuild preflight answer (kbuild.preflight's shape) that chose `backend`."""
+    """A kbuild preflight answer (preflight.preflight's shape) that chose `backend`."""
     return {"backend": backend, "choice": backend, "why": "test", "arch": arch, "refusals": [],
             "facts": {"torch": {"version": torch, "cuda": cuda}, "nvcc": nvcc and {"version": nvcc},
                       "triton": triton and {"version": triton, "path": "x"}}}
@@ -294,7 +294,7 @@ def _facts(gpus=(), torch_cuda="12.8", nvcc="12.8", ninja="/usr/bin/ninja", trit
     (_facts(["9.0"]), ["cpu"], None, "9.0", ["package has no cuda backend"]),
 ])
 def test_preflight_decisions(facts, backends, want_backend, want_arch, fragments):
-    got = kbuild.decide(facts, backends)
+    got = preflight.decide(facts, backends)
     assert (got["backend"], got["arch"]) == (want_backend, want_arch)
     assert len(got["refusals"]) == len(fragments)
     for fragment in fragments:
@@ -340,7 +340,7 @@ def test_backend_choice(facts, backends, forced, want, why, fragments):
     """Which backend preflight takes, why, and what it refuses: triton on a GPU host of one
     supported arch whose (SGLang's) interpreter imports triton and whose torch is a CUDA build,
     else cuda; cpu without a GPU; --backend overrides and is refused where it cannot build or test."""
-    got = kbuild.decide(facts, backends, forced)
+    got = preflight.decide(facts, backends, forced)
     assert (got["backend"], got["choice"], got["arch"], got["why"]) == (*want, why)
     assert got["refusals"] == fragments if fragments == [NO_DEVICE] else len(got["refusals"]) == len(fragments)
     for fragment in fragments:

@@ -280,7 +280,8 @@ def test_a_restarted_server_is_followed_to_its_successor(tmp_path):
     the new process, and only because it holds the port."""
     home = tmp_path / "fleetctl-standin"
     home.mkdir()
-    shutil.copy(standin.SERVER, home / "server.py")
+    for f in standin.FILES:
+        shutil.copy(f, home / f.name)
     port = free_port()
 
     def start(**env):

@@ -2,7 +2,6 @@
 in the real SGLang 0.5.23 wheel (0.5.10 for the ServerArgs dataclass behind /server_info)."""
 
 import ast
-import importlib.util
 import json
 import os
 import shutil
@@ -137,7 +136,7 @@ def test_generate_shapes_are_sglangs(servers, sglang):
     assert len(out["output_ids"]) == meta["completion_tokens"] == 16
     assert meta["prompt_tokens"] == len(PROMPT) and 0 < meta["e2e_latency"] < 10
     # what the stand-in accepts is named as in GenerateReqInput / SamplingParams
-    server = load_server_module()
+    server = standin.load()
     assert server.GENERATE_KEYS <= class_fields(sglang["io_struct"], "GenerateReqInput")
     assert server.SAMPLING_KEYS <= class_fields(sglang["sampling_params"], "SamplingParams")
     assert server.COMPLETION_KEYS - {"ignore_eos", "stop_token_ids", "min_tokens"} <= \
@@ -203,16 +202,16 @@ def test_deterministic_and_token_shift(servers):
 
 
 def test_kv_cache_decode_equals_full_recompute():
-    server = load_server_module()
+    mod = standin.load(standin.ENGINE)
     import torch
-    engine = server.Engine(0, {})
+    engine = mod.Engine(0, {})
     ids, finish, _ = engine.generate(PROMPT, GREEDY16)
     seq = list(PROMPT)
     with torch.inference_mode():
         for _ in range(16):  # the whole sequence again each time, in fresh slots of a fresh pool
-            pool = server.KVPool(torch, len(seq))
+            pool = mod.KVPool(torch, len(seq))
             logits = engine.model(torch.tensor(seq), torch.arange(len(seq)), pool,
-                                  server.Step(torch.empty(0, dtype=torch.int64), pool.alloc(len(seq))))
+                                  mod.Step(torch.empty(0, dtype=torch.int64), pool.alloc(len(seq))))
             seq.append(int(logits[-1].argmax()))
     assert seq[len(PROMPT):] == ids and finish == {"type": "length", "length": 16}
     assert len(engine.pool.free_slots) == engine.pool.size  # every slot back in the free list
@@ -276,11 +275,3 @@ def test_restart_sh_in_a_copied_dir(tmp_path):
         while alive(last) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(last)
-
-
-def load_server_module():
-    """server.py imported by path, as the lab hosts run it (not as part of fleetctl)."""
-    spec = importlib.util.spec_from_file_location("standin_server", standin.SERVER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

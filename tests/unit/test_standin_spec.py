@@ -1,4 +1,4 @@
-"""The lab stand-in's speculative decoding, KV pool and logprobs (agent/fleetctl/lab/standin/server.py):
+"""The lab stand-in's speculative decoding, KV pool and logprobs (agent/fleetctl/lab/standin/engine.py):
 greedy speculation is lossless (the same tokens as plain decoding, a 4,200-token prompt included),
 the STANDALONE draft is accepted, the verify's attention goes through an installed
 sglang/srt/layers/attention/fleetctl_verify.py found by path and called with SGLang's
@@ -9,7 +9,6 @@ tokens), and the logprobs are those of the rows that picked the tokens."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import textwrap
 
 import pytest
@@ -53,21 +52,18 @@ def verify_fwd(**kw):
 
 
 @pytest.fixture(scope="module")
-def server():
-    spec = importlib.util.spec_from_file_location("standin_server_spec", standin.SERVER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def engine():
+    return standin.load(standin.ENGINE)
 
 
 @pytest.fixture(scope="module")
-def plain(server):
+def plain(engine):
     """Plain greedy output_ids and logprob info of SHORT and LONG."""
-    e = server.Engine(0, {})
+    e = engine.Engine(0, {})
     return {name: e.generate(p, GREEDY, logprobs={"top": 2, "start": -1}) for name, p in (("short", SHORT), ("long", LONG))}
 
 
-def installed_hook(tmp_path, monkeypatch, server, mode):
+def installed_hook(tmp_path, monkeypatch, engine, mode):
     """A fake SGLang install on sys.path holding the hook (mode: "serve", "decline", "swapped",
     "first_row");
     load_verify_hook's answer for the Triton backend."""
@@ -77,12 +73,12 @@ def installed_hook(tmp_path, monkeypatch, server, mode):
     (d / "srt" / "layers" / "attention" / "fleetctl_verify.py").write_text(textwrap.dedent(HOOK.format(mode=mode)))
     monkeypatch.syspath_prepend(str(tmp_path / mode))
     importlib.invalidate_caches()
-    return server.load_verify_hook("triton")
+    return engine.load_verify_hook("triton")
 
 
 @pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
-def test_speculation_is_lossless_on_a_long_prompt_too(server, plain, algorithm):
-    spec = server.Engine(0, {}, draft_tokens=4, algorithm=algorithm)
+def test_speculation_is_lossless_on_a_long_prompt_too(engine, plain, algorithm):
+    spec = engine.Engine(0, {}, draft_tokens=4, algorithm=algorithm)
     for name, prompt in (("short", SHORT), ("long", LONG)):
         ids, finish, info = spec.generate(prompt, GREEDY, logprobs={"top": 2, "start": -1})
         assert ids == plain[name][0] and finish == plain[name][1], (algorithm, name)
@@ -93,23 +89,24 @@ def test_speculation_is_lossless_on_a_long_prompt_too(server, plain, algorithm):
     assert spec.pool.calls["verify_own"] > 0 and spec.pool.calls["verify_hook"] == 0
 
 
-def test_the_standalone_draft_is_accepted_and_reported_as_sglang_does(server):
-    spec = server.Engine(0, {}, draft_tokens=4, algorithm="STANDALONE")
+def test_the_standalone_draft_is_accepted_and_reported_as_sglang_does(engine):
+    spec = engine.Engine(0, {}, draft_tokens=4, algorithm="STANDALONE")
     ids, finish, info = spec.generate(LONG, GREEDY)
-    meta = server.out_dict("r", LONG, ids, finish, info)["meta_info"]
+    out_dict = standin.load().out_dict  # server.py's: the metrics as SGLang reports them
+    meta = out_dict("r", LONG, ids, finish, info)["meta_info"]
     assert meta["spec_verify_ct"] < meta["completion_tokens"] == 24  # drafts were accepted
     assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
     assert meta["spec_num_proposed_drafts"] == 3 * meta["spec_verify_ct"]
     assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / meta["spec_num_proposed_drafts"])
-    plain_meta = server.out_dict("r", LONG, ids, finish, server.Engine(0, {}).generate(LONG, GREEDY)[2])["meta_info"]
+    plain_meta = out_dict("r", LONG, ids, finish, engine.Engine(0, {}).generate(LONG, GREEDY)[2])["meta_info"]
     assert "spec_verify_ct" not in plain_meta  # SGLang adds them only for a verified request
 
 
-def test_verify_goes_through_the_installed_hook_with_sglangs_keywords(server, plain, tmp_path, monkeypatch):
-    fwd, said = installed_hook(tmp_path, monkeypatch, server, "serve")
+def test_verify_goes_through_the_installed_hook_with_sglangs_keywords(engine, plain, tmp_path, monkeypatch):
+    fwd, said = installed_hook(tmp_path, monkeypatch, engine, "serve")
     assert fwd is not None and "fleetctl_verify.py" in said
     calls = fwd.__globals__["CALLS"]
-    spec = server.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
+    spec = engine.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
     for name, prompt in (("short", SHORT), ("long", LONG)):
         assert spec.generate(prompt, GREEDY)[0] == plain[name][0], name
     assert spec.pool.calls["verify_own"] == 0 and spec.pool.calls["verify_hook"] == len(calls) > 0
@@ -121,44 +118,44 @@ def test_verify_goes_through_the_installed_hook_with_sglangs_keywords(server, pl
     assert (kw["is_causal"], kw["max_len_extend"], kw["logit_cap"], kw["page_size"]) == (True, 4, 0.0, 1)
 
 
-def test_the_verify_mask_is_the_drafts_chain_and_its_rows_are_used(server, plain, tmp_path, monkeypatch):
-    fwd, _ = installed_hook(tmp_path, monkeypatch, server, "serve")
-    spec = server.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
+def test_the_verify_mask_is_the_drafts_chain_and_its_rows_are_used(engine, plain, tmp_path, monkeypatch):
+    fwd, _ = installed_hook(tmp_path, monkeypatch, engine, "serve")
+    spec = engine.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
     spec.generate(SHORT, GREEDY)
     import torch
     for P, T, mask in fwd.__globals__["MASKS"]:
         assert mask.shape == (T * (P + T),)
         m = mask.view(T, P + T)
         assert m[:, :P].all() and torch.equal(m[:, P:], torch.ones(T, T, dtype=torch.bool).tril()), (P, T, m)
-    bad, _ = installed_hook(tmp_path, monkeypatch, server, "first_row")
-    spec = server.Engine(0, {}, draft_tokens=4, verify=bad, algorithm="STANDALONE")
+    bad, _ = installed_hook(tmp_path, monkeypatch, engine, "first_row")
+    spec = engine.Engine(0, {}, draft_tokens=4, verify=bad, algorithm="STANDALONE")
     assert spec.generate(LONG, GREEDY)[0] != plain["long"][0]  # rows past the first feed the tokens
 
 
-def test_a_hook_that_declines_leaves_the_verify_to_the_stand_in(server, plain, tmp_path, monkeypatch):
-    fwd, _ = installed_hook(tmp_path, monkeypatch, server, "decline")
-    spec = server.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
+def test_a_hook_that_declines_leaves_the_verify_to_the_stand_in(engine, plain, tmp_path, monkeypatch):
+    fwd, _ = installed_hook(tmp_path, monkeypatch, engine, "decline")
+    spec = engine.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
     assert spec.generate(SHORT, GREEDY)[0] == plain["short"][0]
     assert spec.pool.calls["verify_hook"] == 0 and spec.pool.calls["verify_own"] == len(fwd.__globals__["CALLS"]) > 0
 
 
-def test_a_hook_with_the_wrong_head_mapping_changes_the_tokens(server, plain, tmp_path, monkeypatch):
-    fwd, _ = installed_hook(tmp_path, monkeypatch, server, "swapped")
-    spec = server.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
+def test_a_hook_with_the_wrong_head_mapping_changes_the_tokens(engine, plain, tmp_path, monkeypatch):
+    fwd, _ = installed_hook(tmp_path, monkeypatch, engine, "swapped")
+    spec = engine.Engine(0, {}, draft_tokens=4, verify=fwd, algorithm="STANDALONE")
     assert spec.generate(SHORT, GREEDY)[0] != plain["short"][0]
 
 
-def test_no_hook_without_the_triton_backend_or_the_file(server, tmp_path, monkeypatch):
-    assert server.load_verify_hook("flashinfer")[0] is None and server.load_verify_hook(None)[0] is None
+def test_no_hook_without_the_triton_backend_or_the_file(engine, tmp_path, monkeypatch):
+    assert engine.load_verify_hook("flashinfer")[0] is None and engine.load_verify_hook(None)[0] is None
     (tmp_path / "sglang").mkdir()
     (tmp_path / "sglang" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    fwd, said = server.load_verify_hook("triton")
+    fwd, said = engine.load_verify_hook("triton")
     assert fwd is None and "fleetctl_verify.py" in said and "own verify attention" in said
 
 
-def test_logprobs_are_the_picking_rows(server, plain):
+def test_logprobs_are_the_picking_rows(engine, plain):
     ids, _, info = plain["short"]
     for token, lp, top in zip(ids, info["output_token_logprobs"], info["output_top_logprobs"]):
         assert lp[1] == token and lp[2] is None and len(top) == 2

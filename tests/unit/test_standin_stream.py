@@ -122,8 +122,8 @@ def test_stream_events_are_sglangs(servers):
     plain = json.loads(data)
     assert status == 200 and plain["output_ids"] == last["output_ids"] and plain["text"] == last["text"]
     # the text a client reads is the server's decode of the ids so far, at every event
-    server = load_server_module()
-    assert all(c["text"] == server.decode(c["output_ids"]) for c in chunks)
+    engine = standin.load(standin.ENGINE)
+    assert all(c["text"] == engine.decode(c["output_ids"]) for c in chunks)
 
 
 def test_stream_text_prompt_and_refusals(servers):
@@ -143,7 +143,7 @@ def test_stream_text_prompt_and_refusals(servers):
 def test_error_after_the_stream_began_is_an_error_event(servers):
     """As SGLang's stream_results: HTTP 200, then {"error": {...}} and [DONE] (a ValueError raised
     by the engine once the response started: here the context length)."""
-    server = load_server_module()
+    server = standin.load()
     port = servers["normal"][0]
     evs = stream(port, {"input_ids": [1] * (server.CONTEXT - 8), "sampling_params": GREEDY, **CLIENT_KEYS})
     assert len(evs) == 2 and evs[1] == "[DONE]"
@@ -153,7 +153,7 @@ def test_error_after_the_stream_began_is_an_error_event(servers):
 
 
 def test_off_keys_and_routes_are_sglangs(servers, sglang):
-    server = load_server_module()
+    server = standin.load()
     assert set(server.OFF_KEYS) | set(server.LOGPROB_KEYS) <= class_fields(sglang["io_struct"], "GenerateReqInput")
     port = servers["normal"][0]
     status, _, data = request(port, "GET", "/v1/models")
@@ -181,10 +181,10 @@ def test_off_keys_and_routes_are_sglangs(servers, sglang):
 
 def test_tokenizer_is_the_servers_byte_encoding():
     """transformers' AutoTokenizer loads the shipped directory offline, as the clients do, and it
-    encodes and decodes as server.py does: id i = byte i, 256 <eos>, 257..511 special. Run in an
+    encodes and decodes as engine.py does: id i = byte i, 256 <eos>, 257..511 special. Run in an
     interpreter of its own, as the clients run: in this one, a test that imported ansible-core has
     patched sys.intern, which torch (imported by transformers) cannot take."""
-    server = load_server_module()
+    server, engine = standin.load(), standin.load(standin.ENGINE)
     texts = ["Hello, world", "héllo wörld ✓", " two  spaces\n"]
     ids = [72, 105, 256, 300, 511, 195, 169, 33]
     script = ("import json, sys\nfrom transformers import AutoTokenizer\n"
@@ -197,9 +197,9 @@ def test_tokenizer_is_the_servers_byte_encoding():
                        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.splitlines()[-1])
-    assert (got["vocab_size"], got["len"], got["eos"]) == (256, server.VOCAB, server.EOS)
-    assert got["encoded"] == [server.encode(t) for t in texts]
-    assert got["decoded"] == server.decode(ids) == "Hié!"
+    assert (got["vocab_size"], got["len"], got["eos"]) == (256, engine.VOCAB, engine.EOS)
+    assert got["encoded"] == [engine.encode(t) for t in texts]
+    assert got["decoded"] == engine.decode(ids) == "Hié!"
 
 
 def test_fail_every_counts_streamed_requests_only(servers):
@@ -273,11 +273,3 @@ def wait_for(cond, timeout=10.0):
     while not cond():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
-
-
-def load_server_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("standin_server", standin.SERVER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod

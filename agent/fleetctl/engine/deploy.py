@@ -3,7 +3,7 @@ then the activation (the `current` link and the dispatch table) as a change thro
 engine (changes.py), the same one playbooks use.
 
 Per host, under the host's lock: recover a change a killed run left pending -> facts (the
-interpreter that runs SGLang, which has torch) -> preflight (probes/kernel/kbuild.py: GPU arch, nvcc,
+interpreter that runs SGLang, which has torch) -> preflight (probes/kernel/preflight.py: GPU arch, nvcc,
 torch CUDA, triton, ninja; the backend: --backend, else `triton` on a GPU host whose SGLang
 interpreter imports triton, `cuda` on other GPU hosts, `cpu` without a GPU) -> build key
 (kernelpkg.build_key) -> if the build is published (`PUBLIC/NAME/<key>/PASSED`, PUBLIC =

@@ -1,23 +1,13 @@
 """fleetctl SGLang STAND-IN server for the lab. This is not SGLang.
 
 A lab host has no GPU and no model, so this stand-in answers SGLang's HTTP API with the same
-request and response fields, backed by a tiny decoder-only transformer in torch (seeded
-weights, CPU): tokens are deterministic and latency is real. Its attention is grouped-query (4
-query heads, 2 KV heads of head dim 64: a shape the verify_attention kernel's CPU backend serves)
-over a paged KV pool in SGLang's layout (KVPool: per-layer k_buffer / v_buffer [slots, 2, 64], slot
-0 the dummy, a free list), context 8,192 tokens.
-
-Speculative decoding (`--speculative-algorithm NGRAM`: a prompt-lookup draft; `STANDALONE`: a
-draft model, here this model's first block and head; `--speculative-num-draft-tokens T`, default
-4) is greedy and lossless: a target-verify step over [last token, T-1 drafts] accepts the drafts
-the target agrees with, plus its own next token. With `--attention-backend triton` the verify's
-attention goes through the installed SGLang's `fleetctl_verify.verify_fwd` (what fleetctl's
-route-verify-attention playbook creates), loaded by file path and called with the keywords
-SGLang's Triton backend passes to extend_attention_fwd (KVPool.verify_args); where that file is
-absent, or verify_fwd answers False, the stand-in's own attention runs. meta_info then carries
-SGLang's speculative metrics (spec_verify_ct, spec_accept_length, ...), and with
-return_logprob its logprob keys (Engine._logprobs). Every answer that describes the server says `"stand_in": true`, and every
-log line starts with "fleetctl stand-in".
+request and response fields, backed by engine.py beside this file (a tiny decoder-only
+transformer in torch over a paged KV pool in SGLang's layout, greedy speculative decoding with
+SGLang's target-verify hook: see its docstring): tokens are deterministic and latency is real.
+With speculation, meta_info carries SGLang's speculative metrics (spec_verify_ct,
+spec_accept_length, ...: out_dict), and with return_logprob its logprob keys. Every answer
+that describes the server says `"stand_in": true`, and every log line starts with "fleetctl
+stand-in".
 
 Shapes follow the installed SGLang releases (0.5.23, cross-checked with 0.5.10):
 - routes `/health`, `/health_generate` (503 while starting), `/generate`, `/server_info`,
@@ -74,9 +64,9 @@ and every other path with FastAPI's 404 {"detail": "Not Found"}, with no API key
 
 The tokenizer SGLang's Python benchmark clients load (`--tokenizer`, or /model_info's
 `tokenizer_path`) is `tokenizer/` beside this file: byte-level, id i = byte i, 256 `<eos>`,
-257..511 reserved special tokens, the same as encode/decode here.
+257..511 reserved special tokens, the same as engine.py's encode/decode.
 
-Stdlib + torch only; never imports fleetctl (it is copied alone onto lab hosts).
+Stdlib + torch only; never imports fleetctl (it is copied with engine.py onto lab hosts).
 Usage: python server.py --host 127.0.0.1 --port 30000 --model-path fleetctl-standin/tiny
 """
 
@@ -94,15 +84,15 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+if __package__:  # imported as fleetctl.lab.standin.server
+    from .engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+else:  # the script (python server.py, the sglang_router launcher's workers): engine.py is beside it, on sys.path
+    from engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
 log = logging.getLogger("fleetctl-standin")
 
-VOCAB, DIM, LAYERS, CONTEXT = 512, 256, 2, 8192
-# grouped-query attention of a shape the verify_attention kernel's CPU backend serves
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
-EOS = 256  # ids 0..255 are bytes; 256.. are special ids (EOS) and never decode to text
-SPECIAL_PENALTY = 6.0  # subtracted from the logits of the reserved ids 257.. (3.0 still left 16% of 160 tokens special)
 BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens",
                  "contention_ms", "fail_every"}
 MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; at least CONTEXT + 16
@@ -121,9 +111,6 @@ SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "ignore_eos"
 COMPLETION_KEYS = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "stream",
                    "ignore_eos", "stop_token_ids", "min_tokens"}
 
-
-class BadRequest(ValueError):
-    """A request the stand-in refuses with HTTP 400 (SGLang answers such with 400 too)."""
 
 
 class Injected(RuntimeError):
@@ -144,360 +131,6 @@ def load_behavior(path):
                          % (path, sorted(BEHAVIOR_KEYS), b))
     return b
 
-
-def encode(text):
-    """Byte-level "tokenizer": UTF-8 bytes are the token ids 0..255."""
-    return list(text.encode("utf-8"))
-
-
-def decode(ids):
-    """Inverse of encode; special ids (>= 256) decode to nothing, as with skip_special_tokens."""
-    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def build_model(seed):
-    """The tiny decoder-only transformer (seeded weights): LAYERS blocks of grouped-query attention
-    (HEADS query heads, KV_HEADS KV heads of HEAD_DIM) reading and writing a KVPool, for CPU
-    inference. forward(ids, positions, pool, step) -> logits [t, VOCAB]."""
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-            self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
-            self.kv = nn.Linear(DIM, 2 * KV_HEADS * HEAD_DIM)
-            self.proj = nn.Linear(HEADS * HEAD_DIM, DIM)
-            self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
-
-        def forward(self, x, layer, pool, step):
-            t = x.shape[0]
-            h = self.ln1(x)
-            q = self.q(h).view(t, HEADS, HEAD_DIM)
-            k, v = self.kv(h).view(t, 2, KV_HEADS, HEAD_DIM).unbind(1)
-            a = pool.attend(layer, q, k.contiguous(), v.contiguous(), step)
-            x = x + self.proj(a.reshape(t, HEADS * HEAD_DIM))
-            return x + self.mlp(self.ln2(x))
-
-    class TinyLM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(CONTEXT, DIM)
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-            # reserved special ids (257..) rare, as a trained model makes them: random weights put
-            # half the logits' mass above the bytes, and a short completion of special ids only
-            # decodes to no text (bench_serving counts such a stream failed)
-            prior = torch.zeros(VOCAB)
-            prior[EOS + 1:] = -SPECIAL_PENALTY
-            self.register_buffer("prior", prior)
-
-        def logits(self, x):
-            return self.head(self.norm(x)) + self.prior
-
-        def forward(self, ids, positions, pool, step):
-            """ids, positions: LongTensor[t]; step: Step (the slots of the prefix and of these tokens)."""
-            x = self.tok(ids) + self.pos(positions)
-            for i, block in enumerate(self.blocks):
-                x = block(x, i, pool, step)
-            return self.logits(x)
-
-        def early_exit(self, ids, positions, pool, step):
-            """The draft model of STANDALONE speculation here: the first block and the head only
-            (an early exit of this model, as LayerSkip-style self-speculation drafts); its KV is the
-            target's first layer's, which it writes to step.slots."""
-            return self.logits(self.blocks[0](self.tok(ids) + self.pos(positions), 0, pool, step))
-
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    return TinyLM().eval()
-
-
-class Step:
-    """One forward step of one request: `prefix` (LongTensor of the KV slots already holding the
-    context, req_to_token[req, :P]), `slots` (LongTensor of the slots these t tokens' K/V go to,
-    SGLang's out_cache_loc), `verify` (a target-verify step: its attention goes through the hook)."""
-
-    def __init__(self, prefix, slots, verify=False):
-        self.prefix, self.slots, self.verify = prefix, slots, verify
-
-
-class KVPool:
-    """The KV cache in SGLang's layout: per layer k_buffer / v_buffer [size + 1, KV_HEADS, HEAD_DIM]
-    (MHATokenToKVPool, sglang/srt/mem_cache/memory_pool.py; slot 0 is the dummy slot padded
-    requests write to, never handed out: TokenToKVPoolAllocator, mem_cache/allocator.py), and a free
-    list of slots. One request runs at a time here (Engine.lock), so the allocator needs no lock.
-
-    attend(layer, q, k, v, step) writes k, v to step.slots and returns the attention output
-    [t, HEADS, HEAD_DIM] of q over the prefix and these tokens (causal): for a target-verify step
-    through `verify` (the installed SGLang's fleetctl_verify.verify_fwd, called as its Triton
-    backend calls extend_attention_fwd) when it serves the call, else (and for every other step)
-    its own attention. `calls` counts {"verify_hook", "verify_own"} target-verify attention calls."""
-
-    def __init__(self, torch, size, verify=None):
-        self.torch, self.size, self.verify = torch, size, verify
-        shape = (size + 1, KV_HEADS, HEAD_DIM)
-        self.k = [torch.zeros(shape) for _ in range(LAYERS)]
-        self.v = [torch.zeros(shape) for _ in range(LAYERS)]
-        self.free_slots = list(range(size, 0, -1))  # pop() hands out the lowest slot first
-        self.calls = {"verify_hook": 0, "verify_own": 0}
-
-    def alloc(self, n):
-        """n free slots (LongTensor), or BadRequest when the pool has fewer."""
-        if n > len(self.free_slots):
-            raise BadRequest("KV pool exhausted: %d slots asked, %d free" % (n, len(self.free_slots)))
-        return self.torch.tensor([self.free_slots.pop() for _ in range(n)], dtype=self.torch.int64)
-
-    def release(self, slots):
-        """Give `slots` (LongTensor or list) back to the free list."""
-        self.free_slots.extend(int(s) for s in reversed(list(slots)))
-
-    def attend(self, layer, q, k, v, step):
-        torch = self.torch
-        kb, vb = self.k[layer], self.v[layer]
-        kb[step.slots], vb[step.slots] = k, v  # SGLang writes the new tokens' K/V before attention
-        t, P = q.shape[0], step.prefix.numel()
-        if step.verify and self.verify is not None:
-            o = torch.empty_like(q)
-            if self.verify(**self.verify_args(q, k, v, o, kb, vb, step.prefix, t)):
-                self.calls["verify_hook"] += 1
-                return o
-        if step.verify:
-            self.calls["verify_own"] += 1
-        idx = torch.cat([step.prefix, step.slots])
-        keys = kb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)  # query head h reads KV head h // G
-        vals = vb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask)
-        return o.transpose(0, 1)
-
-    def verify_args(self, q, k, v, o, kb, vb, prefix, t):
-        """extend_attention_fwd's keywords as SGLang's Triton backend passes them in target verify
-        (0.5.23 sglang/srt/layers/attention/triton_backend.py forward_extend and
-        init_forward_metadata's target-verify branch: qo_indptr int32 [0, T], kv_indptr int32
-        [0, P], kv_indices int64 the prefix slots, a bool custom_mask of T x (P + T) per request (the
-        chain: every prefix column, the drafts causal), mask_indptr int64, max_len_extend T)."""
-        torch = self.torch
-        P = prefix.numel()
-        mask = torch.ones(t, P + t, dtype=torch.bool)
-        mask[:, P:] = torch.ones(t, t, dtype=torch.bool).tril()
-        return {"q_extend": q, "k_extend": k, "v_extend": v, "o_extend": o, "k_buffer": kb, "v_buffer": vb,
-                "qo_indptr": torch.tensor([0, t], dtype=torch.int32),
-                "kv_indptr": torch.tensor([0, P], dtype=torch.int32), "kv_indices": prefix,
-                "custom_mask": mask.flatten(), "is_causal": True,
-                "mask_indptr": torch.tensor([0, t * (P + t)], dtype=torch.int64), "max_len_extend": t,
-                "k_scale": 1.0, "v_scale": 1.0, "sm_scale": HEAD_DIM ** -0.5, "logit_cap": 0.0,
-                "page_size": 1}
-
-
-def load_verify_hook(attention_backend):
-    """fleetctl_verify.verify_fwd of the SGLang installed beside this interpreter, loaded by file
-    path (sglang/srt/layers/attention/fleetctl_verify.py, found with importlib.util.find_spec,
-    which does not import sglang: `import sglang` fails in the lab's no-deps venvs), when the
-    server runs the Triton attention backend (the only one whose target verify SGLang routes
-    there) and the file exists. Returns (verify_fwd or None, what was found, for the log)."""
-    import importlib.util
-    if attention_backend != "triton":
-        return None, "attention backend %s: own verify attention" % (attention_backend or "unset")
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return None, "no sglang installed: own verify attention"
-    path = os.path.join(list(spec.submodule_search_locations)[0], "srt", "layers", "attention", "fleetctl_verify.py")
-    if not os.path.isfile(path):
-        return None, "no %s: own verify attention" % path
-    hook_spec = importlib.util.spec_from_file_location("fleetctl_verify", path)
-    mod = importlib.util.module_from_spec(hook_spec)
-    hook_spec.loader.exec_module(mod)
-    fwd = getattr(mod, "verify_fwd", None)
-    return fwd, ("verify attention through %s" % path if fwd is not None
-                 else "%s loaded, its verify_fwd is None (see its warning): own verify attention" % path)
-
-
-def lookup_draft(context, width, max_ngram=3):
-    """Prompt-lookup draft (SGLang's NGRAM speculative algorithm drafts from the context the same
-    way): the `width` tokens that followed the latest earlier occurrence of the context's last
-    n-gram (n from max_ngram down to 1), padded with the last token to exactly `width`."""
-    n_ctx = len(context)
-    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
-        tail = context[n_ctx - n:]
-        for start in range(n_ctx - n - 1, -1, -1):
-            if context[start:start + n] == tail:
-                follow = context[start + n:start + n + width]
-                return follow + [context[-1]] * (width - len(follow))
-    return [context[-1]] * width
-
-
-class Engine:
-    """One model, one request at a time (a lock plays the scheduler); `inflight` counts the
-    requests that have arrived and not finished, the one decoding and those waiting. `draft_tokens`:
-    speculative decoding's T (None: plain decoding), `verify`: the hook (load_verify_hook)."""
-
-    def __init__(self, seed, behavior, pool_size=CONTEXT, draft_tokens=None, verify=None, algorithm="NGRAM"):
-        import torch
-        self.torch = torch
-        self.model = build_model(seed)
-        self.pool = KVPool(torch, max(pool_size, CONTEXT + 16), verify)
-        self.draft_tokens, self.algorithm = draft_tokens, algorithm
-        self.behavior = behavior
-        self.lock = threading.Lock()
-        self.inflight = 0
-        self.count_lock = threading.Lock()
-
-    def generate(self, prompt, sp, on_token=None, logprobs=None):
-        """Decode for one prompt. prompt: token ids; sp: sampling params dict (SamplingParams names);
-        on_token(output_ids so far), if given, is called after each token (a stream's writer);
-        logprobs: None, or {"top": N, "start": logprob_start_len} to fill in (see _logprobs).
-
-        Returns (output_ids, finish_reason dict, info: {"spec_verify_ct", "spec_num_correct_drafts",
-        and with logprobs the meta_info logprob keys}). Raises BadRequest on invalid input, and what
-        on_token raises (a client gone: OSError).
-        """
-        with self.count_lock:
-            self.inflight += 1
-        try:
-            return self._generate(prompt, sp, on_token, logprobs)
-        finally:
-            with self.count_lock:
-                self.inflight -= 1
-
-    def _pick(self, row, temperature, gen, shift):
-        torch = self.torch
-        if temperature < 1e-5:
-            nxt = int(row.argmax())
-        else:
-            nxt = int(torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=gen))
-        return (nxt + shift) % VOCAB
-
-    def _generate(self, prompt, sp, on_token, logprobs):
-        torch = self.torch
-        if not prompt or any(not isinstance(i, int) or not 0 <= i < VOCAB for i in prompt):
-            raise BadRequest("input_ids must be a non-empty list of ints in [0, %d)" % VOCAB)
-        max_new = sp.get("max_new_tokens", 128)
-        if max_new is None or max_new < 0:
-            raise BadRequest("max_new_tokens must be a non-negative int")
-        if len(prompt) + max_new > CONTEXT:
-            raise BadRequest("Requested token count exceeds the model's maximum context length "
-                             "of %d tokens" % CONTEXT)
-        temperature = sp.get("temperature", 1.0)
-        temperature = 1.0 if temperature is None else float(temperature)
-        stops = set(sp.get("stop_token_ids") or ()) | {EOS}
-        gen = torch.Generator().manual_seed(sp.get("sampling_seed") or 0)
-        b = self.behavior
-        shift = int(b.get("token_shift", 0))
-        slowdown = float(b.get("slowdown", 1.0))
-        delay_s = float(b.get("delay_ms", 0)) / 1000.0
-        contention_s = float(b.get("contention_ms", 0)) / 1000.0
-        truncate = b.get("truncate_tokens")
-        # speculative only for greedy requests (a sampled one decodes plainly here)
-        T = self.draft_tokens if self.draft_tokens and temperature < 1e-5 else None
-        out, rows, info = [], [], {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "draft_tokens": T}
-        finish = {"type": "length", "length": max_new}
-        held = []  # slots of the context (req_to_token's row)
-        with self.lock, torch.inference_mode():
-            try:
-                pending = []  # tokens decided and not yet emitted (a verify step decides several)
-                while len(out) < max_new:
-                    t0 = time.perf_counter()
-                    if not pending:
-                        pending, lp_rows = self._advance(prompt, out, held, T, temperature, gen, shift, info)
-                        rows_pending = list(lp_rows)
-                    nxt = pending.pop(0)
-                    rows.append(rows_pending.pop(0))
-                    out.append(nxt)
-                    if slowdown > 1.0:
-                        time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
-                    if delay_s > 0:
-                        time.sleep(delay_s)
-                    if contention_s > 0 and self.inflight > 1:
-                        time.sleep(contention_s * (self.inflight - 1))
-                    if truncate is not None and len(out) >= truncate:
-                        finish = {"type": "stop", "matched": EOS}
-                        break
-                    if (nxt in stops and not sp.get("ignore_eos", False)
-                            and len(out) >= sp.get("min_new_tokens", 0)):
-                        finish = {"type": "stop", "matched": nxt}
-                        break
-                    if on_token is not None and len(out) < max_new:
-                        on_token(out)
-                if logprobs is not None:
-                    info.update(self._logprobs(prompt, out, rows, logprobs))
-            finally:
-                self.pool.release(held)
-                held.clear()
-        return out, finish, info
-
-    def _advance(self, prompt, out, held, T, temperature, gen, shift, info):
-        """One forward step for the request: the prefill (nothing decoded yet), a plain decode
-        step, or with T a target-verify step over [last token, T-1 prompt-lookup drafts] with greedy
-        acceptance. `held` (the context's slots) grows by the tokens whose K/V are now cached.
-        Returns (the tokens it decided, in order; their logit rows, for logprobs)."""
-        torch = self.torch
-        pool = self.pool
-        if not out:  # prefill: the prompt's K/V, the first token from its last row
-            slots = pool.alloc(len(prompt))
-            held.extend(slots.tolist())
-            logits = self.model(torch.tensor(prompt), torch.arange(len(prompt)), pool,
-                                Step(torch.empty(0, dtype=torch.int64), slots))
-            self.prefill_logits = logits
-            return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
-        context = prompt + out
-        n = len(context) - 1  # the last token's K/V is not cached yet
-        prefix = torch.tensor(held, dtype=torch.int64)
-        if T is None or n + T > CONTEXT:
-            slots = pool.alloc(1)
-            held.extend(slots.tolist())
-            logits = self.model(torch.tensor(out[-1:]), torch.tensor([n]), pool, Step(prefix, slots))
-            return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
-        slots = pool.alloc(T)
-        if self.algorithm == "NGRAM":
-            drafts = lookup_draft(context, T - 1)
-        else:  # STANDALONE: T-1 greedy steps of the early-exit draft, its layer-0 K/V in the verify's slots
-            drafts = []
-            for j in range(T - 1):
-                row = self.model.early_exit(torch.tensor((out[-1:] + drafts)[-1:]), torch.tensor([n + j]), pool,
-                                            Step(torch.cat([prefix, slots[:j]]), slots[j:j + 1]))
-                drafts.append((int(row[-1].argmax()) + shift) % VOCAB)
-        logits = self.model(torch.tensor(out[-1:] + drafts), torch.arange(n, n + T), pool,
-                            Step(prefix, slots, verify=True))
-        targets = [(int(i) + shift) % VOCAB for i in logits.argmax(-1)]
-        accepted = 0
-        while accepted < T - 1 and drafts[accepted] == targets[accepted]:
-            accepted += 1
-        held.extend(slots[:accepted + 1].tolist())  # the last token and the accepted drafts
-        pool.release(slots[accepted + 1:])
-        info["spec_verify_ct"] += 1
-        info["spec_num_correct_drafts"] += accepted
-        return targets[:accepted + 1], [logits[i] for i in range(accepted + 1)]
-
-    def _logprobs(self, prompt, out, rows, want):
-        """SGLang's meta_info logprob keys (0.5.23 tokenizer_manager.py detokenize_logprob_tokens,
-        :3098-3116: (logprob, token_id, None) tuples without return_text_in_logprobs;
-        detokenize_top_logprobs_tokens :3118-3135): output_token_logprobs (the log-softmax of the
-        row that picked each output token), output_top_logprobs (the top N of each row, when
-        top_logprobs_num N > 0), input_token_logprobs / input_top_logprobs from logprob_start_len
-        (-1: the last prompt token only), the first prompt token's logprob None."""
-        torch = self.torch
-        top = int(want.get("top") or 0)
-        start = want.get("start", -1)
-        start = len(prompt) - 1 if start is None or start < 0 else min(int(start), len(prompt) - 1)
-        out_lp = [torch.log_softmax(r.double(), -1) for r in rows]
-        meta = {"output_token_logprobs": [[float(lp[i]), i, None] for lp, i in zip(out_lp, out)],
-                "output_token_logprobs_length": len(out)}
-        pre = torch.log_softmax(self.prefill_logits.double(), -1)  # row j predicts prompt[j + 1]
-        meta["input_token_logprobs"] = [[None if j == 0 else float(pre[j - 1][prompt[j]]), prompt[j], None]
-                                        for j in range(start, len(prompt))]
-        if top > 0:
-            def topk(lp):
-                v, i = lp.topk(min(top, VOCAB))
-                return [[float(a), int(b), None] for a, b in zip(v, i)]
-            meta["output_top_logprobs"] = [topk(lp) for lp in out_lp]
-            meta["input_top_logprobs"] = [None if j == 0 else topk(pre[j - 1]) for j in range(start, len(prompt))]
-        return meta
 
 
 class StandIn:

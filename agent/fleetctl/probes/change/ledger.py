@@ -17,7 +17,7 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
   backups/<change_id>/<path>      the original bytes of every file the change writes.
   kernels/<name>/<key>            private kernel builds (src/, build/, PASSED), built and tested
                                   here; deploy publishes a passed one to PUBLIC/<name>/<key>
-                                  (/var/lib/fleetctl-kernels, root 0755: probes/kernel/kbuild.py publish),
+                                  (/var/lib/fleetctl-kernels, root 0755: probes/kernel/publish.py),
                                   where the active link PUBLIC/<name>/current and the dispatch
                                   table PUBLIC/<name>/dispatch.json live (one ledger change, its
                                   root PUBLIC/<name>; deploy and the Ansible collection's kernel

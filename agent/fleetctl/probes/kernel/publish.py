@@ -1,0 +1,325 @@
+"""The kbuild probe's publish action (stdlib only, Python 3.8+): a build that passed its reference
+test copied from the private state dir to PUBLIC/NAME/<key> (root, 0755/0644, no links), where an
+unprivileged server process can read it, and PUBLIC/route-evidence/<uid> made for the servers'
+route hook; every path reached from / without following a link."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from .. import safefs
+
+
+_DIR = safefs.OPEN_DIR
+EVIDENCE = "route-evidence"  # PUBLIC/route-evidence: the hook's routing evidence, one dir per server euid
+
+
+class _Refused(Exception):
+    """publish() will not publish (a link in the build, a foreign directory, ...): the message says why."""
+
+
+def publish(params: dict) -> dict:
+    """Publish a build that passed its reference test where the server process can read it.
+
+    params: {build_dir: the private build STATE/kernels/NAME/<key> (src/, build/, PASSED),
+    public_dir: PUBLIC/NAME/<key>}. PUBLIC (public_dir's grandparent) and PUBLIC/NAME are made
+    root 0755 when missing and must be root's and writable by nobody else; every path is
+    reached from / without following a link. When public_dir/PASSED exists the copy is reused
+    (published copies are never changed), after checking that everything in it is root's, not
+    group/other-writable and no link. Else src/ and build/ are copied into
+    PUBLIC/NAME/.<key>.<random> (files root:root 0644, 0755 where the owner may execute; dirs
+    0755; a symbolic link, FIFO, socket or device anywhere refuses the publish), PASSED written
+    there naming the module at its published path (the private PASSED's path with build_dir
+    replaced by public_dir), everything fsynced, then renamed to public_dir. Stale .<key>.*
+    directories of a killed publish are removed first. Also makes PUBLIC/route-evidence (root,
+    01777; an existing one that is not a root-owned directory refuses) and in it
+    route-evidence/<uid> for root and the effective uid of each of params["server_pids"] (the
+    servers': _evidence_dirs). Owner root:root when run as root (as on the hosts), else the
+    running user's.
+    Returns {"ok": true, "published": public_dir, "module_path": the published module,
+    "reused": bool, "evidence_dir"} or {"ok": false, "error": why} (nothing published)."""
+    bdir = os.path.normpath(os.path.abspath(params["build_dir"]))
+    pdir = os.path.normpath(params["public_dir"])
+    pkg_dir, key = os.path.split(pdir)
+    public, name = os.path.split(pkg_dir)
+    if not os.path.isabs(pdir) or key.startswith(".") or not key or not name:
+        return {"ok": False, "error": "public_dir %r is not an absolute PUBLIC/NAME/KEY" % params["public_dir"]}
+    try:
+        top = _open_path(os.path.dirname(public))
+        try:
+            pub = _subdir(top, os.path.basename(public), 0o755, public)
+        finally:
+            os.close(top)
+        try:
+            ev = _subdir(pub, EVIDENCE, 0o1777, os.path.join(public, EVIDENCE), shared=True)
+            try:
+                _evidence_dirs(ev, _evidence_uids(params.get("server_pids")), os.path.join(public, EVIDENCE))
+            finally:
+                os.close(ev)
+            nfd = _subdir(pub, name, 0o755, pkg_dir)
+        finally:
+            os.close(pub)
+        try:
+            reused, module = _publish_into(nfd, bdir, pdir, key)
+        finally:
+            os.close(nfd)
+    except (_Refused, OSError, UnicodeDecodeError) as e:
+        return {"ok": False, "error": "not published: %s" % e}
+    return {"ok": True, "published": pdir, "module_path": module, "reused": reused,
+            "evidence_dir": os.path.join(public, EVIDENCE)}
+
+
+def _evidence_uids(pids) -> list:
+    """0 and the effective uid (/proc/PID/status `Uid:`, its second number: the one the hook writes
+    under) of each of `pids` (the servers') still running."""
+    uids = {0}
+    for pid in pids or []:
+        if type(pid) is not int or pid < 1:
+            continue
+        try:
+            with open("/proc/%d/status" % pid) as f:
+                line = next((x for x in f.read(16384).splitlines() if x.startswith("Uid:")), "")
+            uids.add(int(line.split()[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(uids)
+
+
+EVIDENCE_TRIES = 3  # route-evidence/<uid> made again at most this often when someone else keeps making it
+
+
+def _evidence_dirs(ev: int, uids: list, path: str) -> None:
+    """route-evidence/<uid> (in open directory `ev`, its path `path`) for each of `uids`: a
+    directory of that uid, mode 0755. One that is not (a link, a file, another owner's, writable
+    by others: anyone may make an entry in the 01777 route-evidence first, and the hook and the
+    route check refuse such a directory) is removed with all in it and made again, so no local
+    user can keep a server's evidence from being written. Raises _Refused when another user makes
+    it again each time, OSError."""
+    for uid in uids:
+        name = str(uid)
+        for _ in range(EVIDENCE_TRIES):
+            st = safefs.lstat(ev, name)
+            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+                break
+            if st is not None:
+                safefs.rmtree(ev, name)
+            try:
+                os.mkdir(name, 0o700, dir_fd=ev)
+            except FileExistsError:
+                continue  # made by someone else meanwhile: judged again
+            fd = os.open(name, _DIR, dir_fd=ev)
+            try:
+                if os.geteuid() == 0:
+                    os.fchown(fd, uid, -1)
+                os.fchmod(fd, 0o755)
+            finally:
+                os.close(fd)
+            break
+        else:
+            raise _Refused("%s/%s is made by another user again each time" % (path, name))
+
+
+def _published_module(nfd: int, key: str, pdir: str) -> str:
+    """The module path the published copy `key` (in `nfd`) records in PASSED, after
+    _check_published; _Refused when it is not a path inside the copy."""
+    _check_published(nfd, key, pdir)
+    fd = os.open(key, _DIR, dir_fd=nfd)
+    try:
+        pfd = os.open("PASSED", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        module = os.read(pfd, 1 << 16).decode("utf-8").strip()
+    finally:
+        os.close(pfd)
+    if not module.startswith(pdir + "/"):
+        raise _Refused("%s/PASSED names %s, not a module inside it" % (pdir, module))
+    return module
+
+
+def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
+    """publish()'s copy into the package dir (open descriptor `nfd`): (reused, published module path)."""
+    for entry in os.listdir(nfd):
+        if entry.startswith("." + key + "."):
+            safefs.rmtree(nfd, entry)
+    if safefs.lstat(nfd, key) is not None:
+        if _lstat_in(nfd, key, "PASSED") is not None:
+            return True, _published_module(nfd, key, pdir)
+        safefs.rmtree(nfd, key)  # never published (no PASSED): a leftover nobody trusted
+    with open(os.path.join(bdir, "PASSED")) as f:
+        private_module = f.read().strip()
+    if not private_module.startswith(bdir + "/"):
+        raise _Refused("%s/PASSED names %s, not a module inside the build" % (bdir, private_module))
+    module = pdir + private_module[len(bdir):]
+    tmp = ".%s.%s" % (key, os.urandom(8).hex())
+    os.mkdir(tmp, 0o700, dir_fd=nfd)
+    try:
+        tfd = os.open(tmp, _DIR, dir_fd=nfd)
+        try:
+            sfd = os.open(bdir, _DIR)
+            try:
+                for part in ("src", "build"):
+                    os.mkdir(part, 0o700, dir_fd=tfd)
+                    s, d = os.open(part, _DIR, dir_fd=sfd), os.open(part, _DIR, dir_fd=tfd)
+                    try:
+                        _copy_tree(s, d, os.path.join(bdir, part))
+                        _own(d, 0o755)
+                    finally:
+                        os.close(s)
+                        os.close(d)
+            finally:
+                os.close(sfd)
+            fd = os.open("PASSED", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=tfd)
+            try:
+                os.write(fd, (module + "\n").encode("utf-8"))
+                _own(fd, 0o644)
+            finally:
+                os.close(fd)
+            _own(tfd, 0o755)
+        finally:
+            os.close(tfd)
+        try:
+            os.rename(tmp, key, src_dir_fd=nfd, dst_dir_fd=nfd)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or _lstat_in(nfd, key, "PASSED") is None:
+                raise
+            safefs.rmtree(nfd, tmp)  # published meanwhile: theirs is reused
+            return True, _published_module(nfd, key, pdir)
+        os.fsync(nfd)
+    except BaseException:
+        if safefs.lstat(nfd, tmp) is not None:
+            safefs.rmtree(nfd, tmp)
+        raise
+    return False, module
+
+
+def _own(fd: int, mode: int) -> None:
+    """Give open file or directory `fd` to root:root (when running as root) with `mode`, fsynced."""
+    if os.geteuid() == 0:
+        os.fchown(fd, 0, 0)
+    os.fchmod(fd, mode)  # after fchown, which may clear set-id bits
+    os.fsync(fd)
+
+
+def _copy_tree(sfd: int, dfd: int, where: str) -> None:
+    """Copy directory `sfd`'s entries into the empty directory `dfd` (publish()'s modes and owner);
+    `where`: the source's path, for messages. Raises _Refused for anything but a regular file or a
+    directory (a symbolic link above all)."""
+    for entry in sorted(os.listdir(sfd)):
+        path = os.path.join(where, entry)
+        st = os.stat(entry, dir_fd=sfd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise _Refused("%s is a symbolic link: a published build holds none" % path)
+        if stat.S_ISDIR(st.st_mode):
+            os.mkdir(entry, 0o700, dir_fd=dfd)
+            s, d = os.open(entry, _DIR, dir_fd=sfd), os.open(entry, _DIR, dir_fd=dfd)
+            try:
+                _copy_tree(s, d, path)
+                _own(d, 0o755)
+            finally:
+                os.close(s)
+                os.close(d)
+        elif stat.S_ISREG(st.st_mode):
+            s = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=sfd)
+            try:
+                if (os.fstat(s).st_ino, os.fstat(s).st_dev) != (st.st_ino, st.st_dev):
+                    raise _Refused("%s changed while being copied" % path)
+                d = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                            dir_fd=dfd)
+                try:
+                    while True:
+                        chunk = os.read(s, 1 << 20)
+                        if not chunk:
+                            break
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(d, view):]
+                    _own(d, 0o755 if st.st_mode & stat.S_IXUSR else 0o644)
+                finally:
+                    os.close(d)
+            finally:
+                os.close(s)
+        else:
+            raise _Refused("%s is not a regular file or directory (mode %o): not published" % (path, st.st_mode))
+    os.fsync(dfd)
+
+
+def _check_published(nfd: int, key: str, pdir: str) -> None:
+    """Raise _Refused unless the published copy `key` in `nfd` and everything in it is a
+    directory or regular file of root's (this euid's) that no group or other may write."""
+    def walk(dfd, where):
+        for entry in os.listdir(dfd):
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+            _trusted(st, os.path.join(where, entry))
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(entry, _DIR, dir_fd=dfd)
+                try:
+                    walk(sub, os.path.join(where, entry))
+                finally:
+                    os.close(sub)
+    _trusted(os.stat(key, dir_fd=nfd, follow_symlinks=False), pdir)
+    fd = os.open(key, _DIR, dir_fd=nfd)
+    try:
+        walk(fd, pdir)
+    finally:
+        os.close(fd)
+
+
+def _trusted(st, path: str) -> None:
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        kind = "symbolic link" if stat.S_ISLNK(st.st_mode) else "special file"
+        raise _Refused("%s in the published build is a %s" % (path, kind))
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise _Refused("%s in the published build is owned by uid %d or writable by others (mode %o): "
+                       "not reusing it" % (path, st.st_uid, stat.S_IMODE(st.st_mode)))
+
+
+def _open_path(path: str) -> int:
+    """A descriptor of existing directory `path` (absolute), reached from / one component at a
+    time without following a link (safefs.open_dir; _Refused names the component that is one)."""
+    try:
+        return safefs.open_dir(path)
+    except safefs.UnsafePath as e:
+        raise _Refused(str(e))
+
+
+def _subdir(dfd: int, name: str, mode: int, path: str, shared: bool = False) -> int:
+    """A descriptor of directory `name` in `dfd` (its path `path`), made root's with `mode` when
+    missing. An existing one must be a directory (never a link) of root's (this euid's); unless
+    `shared` (route-evidence: 01777 by design, its mode set) no group or other may write it."""
+    try:
+        os.mkdir(name, mode, dir_fd=dfd)
+        fd = os.open(name, _DIR, dir_fd=dfd)
+        _own(fd, mode)
+        os.fsync(dfd)
+        return fd
+    except FileExistsError:
+        pass
+    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _Refused("%s is not a directory (%s)" % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                                                       else "mode %o" % st.st_mode))
+    if st.st_uid != os.geteuid():
+        raise _Refused("%s is owned by uid %d, not root: not publishing there" % (path, st.st_uid))
+    if not shared and st.st_mode & 0o022:
+        raise _Refused("%s is writable by group or others (mode %o): not publishing there"
+                       % (path, stat.S_IMODE(st.st_mode)))
+    fd = os.open(name, _DIR, dir_fd=dfd)
+    if shared and stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+    return fd
+
+
+def _lstat_in(dfd: int, name: str, inner: str):
+    """lstat of `inner` in directory `name` of `dfd` (None when either is missing or `name` is no directory)."""
+    try:
+        fd = os.open(name, _DIR, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        return safefs.lstat(fd, inner)
+    finally:
+        os.close(fd)
