@@ -1,12 +1,15 @@
-"""Hosts for tests: a local one loaded as fleetctl loads an inventory, and the lab's stand-in
-started through a wrapper that passes it only the options it knows."""
+"""Hosts for tests: a local one loaded as fleetctl loads an inventory; the lab's stand-in imported
+by path (as a host runs it), or started through a wrapper that passes it only the options it knows."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from fleetctl import inventory
+from fleetctl.lab import standin
 
 
 def local_host(tmp_path: Path, name: str = "here", **hostvars) -> inventory.Host:
@@ -32,3 +35,18 @@ def standin_wrapper(options: tuple[str, ...]) -> str:
             "    p.add_argument(o)\n"
             "known, _ = p.parse_known_args()\n"
             "server.main([w for k, v in vars(known).items() for w in (\"--\" + k.replace(\"_\", \"-\"), v)])\n")
+
+
+def load_standin(path: Path = standin.SERVER):
+    """The stand-in's server.py or engine.py (a path in standin.DIR) imported by path as a module
+    of its own, not as part of fleetctl: as a lab host runs it, with standin.DIR first on sys.path
+    while it is imported (where server.py finds engine.py). Returns the module; raises what its
+    import raises."""
+    sys.path.insert(0, str(standin.DIR))
+    try:
+        spec = importlib.util.spec_from_file_location("fleetctl_standin_" + path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(standin.DIR))
+    return mod

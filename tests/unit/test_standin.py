@@ -20,6 +20,7 @@ from fleetctl.lab import standin
 from fleetctl.probes.traffic.smoke import wait_healthy
 from fleetctl.wheels import ensure_wheel
 from helpers.proc import alive, free_port
+from helpers.lab import load_standin
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY16 = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -136,7 +137,7 @@ def test_generate_shapes_are_sglangs(servers, sglang):
     assert len(out["output_ids"]) == meta["completion_tokens"] == 16
     assert meta["prompt_tokens"] == len(PROMPT) and 0 < meta["e2e_latency"] < 10
     # what the stand-in accepts is named as in GenerateReqInput / SamplingParams
-    server = standin.load()
+    server = load_standin()
     assert server.GENERATE_KEYS <= class_fields(sglang["io_struct"], "GenerateReqInput")
     assert server.SAMPLING_KEYS <= class_fields(sglang["sampling_params"], "SamplingParams")
     assert server.COMPLETION_KEYS - {"ignore_eos", "stop_token_ids", "min_tokens"} <= \
@@ -202,7 +203,7 @@ def test_deterministic_and_token_shift(servers):
 
 
 def test_kv_cache_decode_equals_full_recompute():
-    mod = standin.load(standin.ENGINE)
+    mod = load_standin(standin.ENGINE)
     import torch
     engine = mod.Engine(0, {})
     ids, finish, _ = engine.generate(PROMPT, GREEDY16)

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from fleetctl.lab import standin
+from helpers.lab import load_standin
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 SHORT = list(b"hello world, hello world, ")
@@ -53,7 +54,7 @@ def verify_fwd(**kw):
 
 @pytest.fixture(scope="module")
 def engine():
-    return standin.load(standin.ENGINE)
+    return load_standin(standin.ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_speculation_is_lossless_on_a_long_prompt_too(engine, plain, algorithm):
 def test_the_standalone_draft_is_accepted_and_reported_as_sglang_does(engine):
     spec = engine.Engine(0, {}, draft_tokens=4, algorithm="STANDALONE")
     ids, finish, info = spec.generate(LONG, GREEDY)
-    out_dict = standin.load().out_dict  # server.py's: the metrics as SGLang reports them
+    out_dict = load_standin().out_dict  # server.py's: the metrics as SGLang reports them
     meta = out_dict("r", LONG, ids, finish, info)["meta_info"]
     assert meta["spec_verify_ct"] < meta["completion_tokens"] == 24  # drafts were accepted
     assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])

@@ -22,6 +22,7 @@ from fleetctl.lab import standin
 from fleetctl.probes.traffic.smoke import wait_healthy
 from fleetctl.wheels import ensure_wheel
 from helpers.proc import free_port
+from helpers.lab import load_standin
 
 PROMPT = [1, 306, 263, 450, 338, 310, 278, 322]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -122,7 +123,7 @@ def test_stream_events_are_sglangs(servers):
     plain = json.loads(data)
     assert status == 200 and plain["output_ids"] == last["output_ids"] and plain["text"] == last["text"]
     # the text a client reads is the server's decode of the ids so far, at every event
-    engine = standin.load(standin.ENGINE)
+    engine = load_standin(standin.ENGINE)
     assert all(c["text"] == engine.decode(c["output_ids"]) for c in chunks)
 
 
@@ -143,7 +144,7 @@ def test_stream_text_prompt_and_refusals(servers):
 def test_error_after_the_stream_began_is_an_error_event(servers):
     """As SGLang's stream_results: HTTP 200, then {"error": {...}} and [DONE] (a ValueError raised
     by the engine once the response started: here the context length)."""
-    server = standin.load()
+    server = load_standin()
     port = servers["normal"][0]
     evs = stream(port, {"input_ids": [1] * (server.CONTEXT - 8), "sampling_params": GREEDY, **CLIENT_KEYS})
     assert len(evs) == 2 and evs[1] == "[DONE]"
@@ -153,7 +154,7 @@ def test_error_after_the_stream_began_is_an_error_event(servers):
 
 
 def test_off_keys_and_routes_are_sglangs(servers, sglang):
-    server = standin.load()
+    server = load_standin()
     assert set(server.OFF_KEYS) | set(server.LOGPROB_KEYS) <= class_fields(sglang["io_struct"], "GenerateReqInput")
     port = servers["normal"][0]
     status, _, data = request(port, "GET", "/v1/models")
@@ -184,7 +185,7 @@ def test_tokenizer_is_the_servers_byte_encoding():
     encodes and decodes as engine.py does: id i = byte i, 256 <eos>, 257..511 special. Run in an
     interpreter of its own, as the clients run: in this one, a test that imported ansible-core has
     patched sys.intern, which torch (imported by transformers) cannot take."""
-    server, engine = standin.load(), standin.load(standin.ENGINE)
+    server, engine = load_standin(), load_standin(standin.ENGINE)
     texts = ["Hello, world", "héllo wörld ✓", " two  spaces\n"]
     ids = [72, 105, 256, 300, 511, 195, 169, 33]
     script = ("import json, sys\nfrom transformers import AutoTokenizer\n"

@@ -3,13 +3,12 @@ it is not SGLang and says so everywhere).
 
 This package only locates the files: the lab copies the whole directory to
 /opt/fleetctl-standin/ on each host and runs `restart.sh` there; tests start `server.py`
-directly with `start_local`, or import it with `load`. server.py and engine.py never import
+directly with `start_local` (tests/helpers/lab.py imports it by path). server.py and engine.py never import
 fleetctl: server.py, run as a script, imports engine.py from its own directory.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -38,16 +37,3 @@ def start_local(port: int, behavior: dict | None = None, workdir: Path | None = 
             [python, str(SERVER), "--host", host, "--port", str(port), "--behavior", str(bfile)],
             stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT)
 
-
-def load(path: Path = SERVER):
-    """server.py or engine.py (a path in DIR) imported by path as a module of its own, not as part
-    of fleetctl: as a lab host runs it, with DIR first on sys.path while it is imported (where
-    server.py finds engine.py). Returns the module; raises what its import raises."""
-    sys.path.insert(0, str(DIR))
-    try:
-        spec = importlib.util.spec_from_file_location("fleetctl_standin_" + path.stem, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(DIR))
-    return mod
