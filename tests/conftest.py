@@ -14,8 +14,9 @@ tests/unit that uses either is a usage error, and so is a test in tests/fleet th
 The fixtures: `lab` and `server_lab` (one lab each for the whole run, made by `running_lab`, which
 the modules' own labs and test_lab's own use too), and `cpu_kernel` (the run's one CPU build of
 verify_attention). Beside this file: sites.py (a plugin: the change probe's test site, shared by
-tests/unit and tests/machine), oracles.py (the second readings the rooms share) and
-count_checks.py (the suite's counts of tests and checks, for tests/TIMINGS.md).
+tests/unit and tests/machine), oracles.py (the second readings the rooms share), probe_cases.py
+(the recorded fact cases under tests/unit/probes/) and count_checks.py (the suite's counts of tests
+and checks, for tests/TIMINGS.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One table of the numbers and names fleetctl runs by: port, paths, deadlines, inventory vars.
+"""One table of the numbers and names fleetctl runs by: port, paths, deadlines, inventory vars,
+connection kinds.
 
 Nothing else in the control side spells these. The host-side probes keep their own copies of
 the few they need (`probes/ledger.STATE_DIR`, `probes/procs.DEFAULT_PORT`); tests/unit/test_engine.py
@@ -12,10 +13,6 @@ from dataclasses import dataclass
 
 # SGLang's ServerArgs.port default (sglang/srt/server_args.py): used for a discovered server
 # started without --port, and as the default of --port.
-# ansible_connection values fleetctl reaches hosts with, each -> the connection kind that serves
-# it (connection.session.Session.connect); `ssh` and `smart` are Ansible's names for its OpenSSH
-# connection, `paramiko_ssh` for its paramiko one.
-CONNECTIONS = {"paramiko": "paramiko", "paramiko_ssh": "paramiko", "ssh": "ssh", "smart": "ssh", "local": "local"}
 DEFAULT_SGLANG_PORT = 30000
 # Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/ (private builds), the lock.
 STATE_DIR = "/var/lib/fleetctl"
@@ -57,11 +54,19 @@ def deploy_job_timeout(build_timeout: float, health_timeout: float) -> float:
 
 @dataclass(frozen=True)
 class HostVar:
-    """One inventory var fleetctl reads: its name, its type (str, "port" or float) and meaning."""
+    """One inventory var fleetctl reads: its name, its type (str, "port", "args": a command-line
+    fragment split as a shell would, float or bool) and meaning; `aliases`: the other names
+    Ansible reads it by, the last of `names` set winning (ansible/config/manager.py, _loop_entries)."""
 
     name: str
     type: object
     description: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """name, then aliases: the order in which a later one set wins."""
+        return (self.name, *self.aliases)
 
 
 PYTHON = HostVar("fleetctl_python", str, "interpreter that runs SGLang (after ansible_python_interpreter)")
@@ -82,3 +87,44 @@ CONTAINER_EXEC = HostVar("fleetctl_container_exec", str, "how to enter container
 HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY,
              CONTAINER_EXEC)
 DEFAULT_SGLANG_HOST = "127.0.0.1"
+
+
+# ---- connection kinds: how hosts are reached -------------------------------------------------
+
+# The vars `ssh -G` is given for a host (connection/resolve.py, resolve_host), as Ansible's ssh and
+# paramiko connections read them.
+ADDRESS = HostVar("ansible_host", str, "where to connect (default: the inventory name)", ("ansible_ssh_host",))
+PORT = HostVar("ansible_port", "port", "SSH port (default: ssh_config's)", ("ansible_ssh_port",))
+USER = HostVar("ansible_user", str, "SSH user (default: ssh_config's)", ("ansible_ssh_user",))
+KEY_FILE = HostVar("ansible_private_key_file", str, "SSH identity file, `~` expanded",
+                   ("ansible_ssh_private_key_file",))
+SSH_COMMON_ARGS = HostVar("ansible_ssh_common_args", "args", "extra arguments of every ssh, scp and sftp command "
+                          "line (a bastion: `-o ProxyJump=...`, `-J`, `-F FILE`)")
+SSH_EXTRA_ARGS = HostVar("ansible_ssh_extra_args", "args", "extra arguments of the ssh command line only")
+SSH_VARS = (ADDRESS, PORT, USER, KEY_FILE, SSH_COMMON_ARGS, SSH_EXTRA_ARGS)
+
+
+@dataclass(frozen=True)
+class ConnectionKind:
+    """One way of reaching hosts. `names`: the ansible_connection values that pick it (Ansible's
+    names for it); `cls`: "module:Class" of the fleetctl.connection module that serves it (imported
+    when a host needs it: a local-only run imports no paramiko); `vars`: the inventory vars it reads;
+    `ssh`: its hosts are reached where OpenSSH's `ssh -G` resolves them (`fleetctl hosts` shows it)."""
+
+    names: tuple[str, ...]
+    cls: str
+    vars: tuple[HostVar, ...]
+    ssh: bool
+
+
+# Every connection kind; adding one is a connection module and a row here. `ssh` and `smart` are
+# Ansible's names for its OpenSSH connection, `paramiko_ssh` for its paramiko one.
+CONNECTION_KINDS = (
+    ConnectionKind(("paramiko", "paramiko_ssh"), "paramiko_ssh:ParamikoConnection", SSH_VARS, ssh=True),
+    ConnectionKind(("ssh", "smart"), "openssh:OpenSSHConnection", SSH_VARS, ssh=True),
+    ConnectionKind(("local",), "local:LocalConnection", (), ssh=False),
+)
+# ansible_connection values fleetctl reaches hosts with, each -> its kind (connection.session.Session.connect).
+CONNECTIONS = {name: kind for kind in CONNECTION_KINDS for name in kind.names}
+# every connection kind's vars, each once
+CONNECTION_VARS = tuple(dict.fromkeys(v for kind in CONNECTION_KINDS for v in kind.vars))

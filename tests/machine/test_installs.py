@@ -2,7 +2,8 @@
 SGLang is (asked of each interpreter), servers behind launcher wrappers, lost GPUs, and apply,
 status, rollback per install (`--install`) through the local connection.
 
-Cases 11 (nvidia-smi with a lost GPU), 12 (editable install) and 14 (servers behind launchers).
+Cases 11 (nvidia-smi with a lost GPU: run here; what each nvidia-smi answer reads as is in the
+recorded cases, tests/unit/probes/gpus/), 12 (editable install) and 14 (servers behind launchers).
 What cannot exist here is a stand-in, named as one: the `sglang` package built below is a
 STAND-IN (a few files with real-shaped allocator call sites; its `launch_server` only sleeps,
 since there is no GPU and no model), and `nvidia-smi` is a stand-in script on PATH that answers
@@ -72,27 +73,6 @@ def test_case11_lost_gpu_keeps_the_healthy_ones_and_names_the_lost_one(tmp_path,
                        "memory_total_mib": 81559, "driver": "570.133.20", "compute_cap": "9.0"}
     assert errors == [{"index": None, "pci_bus_id": "0000:18:00.0", "error": LOST}]
     assert reason.startswith("1 of 4 GPUs lost: 0000:18:00.0 (") and LOST in reason
-
-
-def test_case11_nvml_failure_reason_comes_from_stdout(tmp_path, monkeypatch):
-    lines = ["Failed to initialize NVML: Driver/library version mismatch", "NVML library version: 570.133"]
-    rows, errors, reason = run_nvidia_smi(tmp_path, monkeypatch, lines, [], 18)
-    assert (rows, errors) == ([], [])
-    assert reason == ("nvidia-smi failed (exit 18): Failed to initialize NVML: Driver/library version mismatch"
-                      " | NVML library version: 570.133")
-
-
-def test_case11_not_available_values_are_null(tmp_path, monkeypatch):
-    gb10 = {"index": "0", "pci.bus_id": "0000000F:01:00.0", "name": "NVIDIA GB10", "memory.total": "[N/A]",
-            "driver_version": "580.95.05", "compute_cap": "12.1"}
-    rows, errors, reason = run_nvidia_smi(tmp_path, monkeypatch, [], [gb10], 0)
-    assert rows == [{"index": 0, "pci_bus_id": "0000000F:01:00.0", "name": "NVIDIA GB10",
-                     "memory_total_mib": None, "driver": "580.95.05", "compute_cap": "12.1"}]
-    assert (errors, reason) == ([], None)
-
-
-def test_a_failure_with_empty_output_still_says_why(tmp_path, monkeypatch):
-    assert run_nvidia_smi(tmp_path, monkeypatch, [], [], 9) == ([], [], "nvidia-smi failed (exit 9): no output")
 
 
 # ---- installs built for real: stand-in sglang projects, venvs, pip ------------------------

@@ -72,6 +72,26 @@ def test_dash_c_is_the_kind_of_hosts_whose_inventory_sets_none(tmp_path):
     assert isinstance(Session(Settings(connection="smart")).connect(hosts["b"]), OpenSSHConnection)
 
 
+def test_every_name_of_the_kinds_table_connects_with_its_rows_class(tmp_path):
+    """config.CONNECTION_KINDS is the one list of kinds: each ansible_connection name gives its
+    row's class (an unopened Connection), and the inventory reads each row's vars (templated,
+    checked at load)."""
+    from fleetctl import config
+    from fleetctl.connection import Connection
+    session = Session(Settings(ssh_config=write_empty(tmp_path)))
+    for name, kind in config.CONNECTIONS.items():
+        conn = session.connect(inventory.Host("h", {"ansible_connection": name}, ()))
+        assert isinstance(conn, Connection) and f"{type(conn).__module__}:{type(conn).__name__}" == \
+            f"fleetctl.connection.{kind.cls}", name
+    path = tmp_path / "hosts.yaml"
+    path.write_text("all:\n  vars:\n    p: 2022\n  hosts:\n    a:\n      ansible_ssh_port: '{{ p }}'\n"
+                    "    b:\n      ansible_ssh_extra_args: \"-o 'x\"\n")
+    with pytest.raises(InventoryError, match=f"{path}:8: ansible_ssh_extra_args .* cannot be split"):
+        inventory.load(path)
+    path.write_text(path.read_text().replace("\"-o 'x\"", "-v"))
+    assert inventory.load(path).select("a")[0].port == 2022
+
+
 def write_empty(tmp_path: Path) -> Path:
     p = tmp_path / "empty_ssh_config"
     p.write_text("")

@@ -1,34 +1,33 @@
 """kbuild's preflight reads the GPUs as the facts probe does (probes/facts/gpus.py ARGS and parse):
 a lost GPU is reported and refuses the build, not read as a healthy card or a CPU host. The
-nvidia-smi here is a stand-in (this machine has no GPU) printing what nvidia-smi prints with one
-GPU lost (probes/facts/gpus.py cites the shapes)."""
+nvidia-smi here is a stand-in (this machine has no GPU) printing a recorded answer of
+tests/unit/probes/gpus/ (one H200, and the same with a lost GPU in both spellings drivers print)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 
 import pytest
 
 from fleetctl.probes.facts import gpus
 from fleetctl.probes.kernel import preflight
-
-HEALTHY = "0, 00000000:17:00.0, NVIDIA H200, 143771, 570.86.15, 9.0"
-# both spellings drivers print (NVIDIA/nvidia-container-toolkit#69 and #846: "GPU0000:65:00.0";
-# NVIDIA/open-gpu-kernel-modules#387: "GPU 0000:0B:00.0")
-LOST = ["Unable to determine the device handle for GPU0000:18:00.0: Unknown Error",
-        "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"]
+from probe_cases import case, text
 
 
-def fake_smi(tmp_path, stdout: str, code: int) -> None:
+def fake_smi(tmp_path, name: str) -> None:
+    """nvidia-smi answering the probe's query with the recorded case `name`'s stdout and exit code."""
+    c = case("gpus", name)
+    (tmp_path / "stdout").write_text(text(c["stdout"]))
     smi = tmp_path / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\n[ \"$1\" = '{gpus.ARGS[0]}' ] || exit 9\nprintf '%s\\n' '{stdout}'\nexit {code}\n")
+    smi.write_text(f"#!/bin/sh\n[ \"$1\" = '{gpus.ARGS[0]}' ] || exit 9\ncat {shlex.quote(str(tmp_path / 'stdout'))}\n"
+                   f"exit {c['exit_code']}\n")
     smi.chmod(0o755)
 
 
-@pytest.mark.parametrize("lost", LOST, ids=["no-space", "space"])
-@pytest.mark.parametrize("code", [0, 15])
-def test_a_lost_gpu_is_reported_and_refuses_the_build(tmp_path, monkeypatch, code, lost):
-    fake_smi(tmp_path, f"{HEALTHY}\n{lost}", code)
+@pytest.mark.parametrize("name", ["lost-gpu-no-space-exit-15", "lost-gpu-space-exit-0"])
+def test_a_lost_gpu_is_reported_and_refuses_the_build(tmp_path, monkeypatch, name):
+    fake_smi(tmp_path, name)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     facts = preflight.gather_facts()
     assert facts["gpus"] == [{"name": "NVIDIA H200", "compute_cap": "9.0"}]
@@ -39,7 +38,7 @@ def test_a_lost_gpu_is_reported_and_refuses_the_build(tmp_path, monkeypatch, cod
 
 
 def test_healthy_gpus_give_their_arch(tmp_path, monkeypatch):
-    fake_smi(tmp_path, HEALTHY, 0)
+    fake_smi(tmp_path, "h200-healthy")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     facts = preflight.gather_facts()
     assert (facts["gpus"], facts["gpu_errors"], facts["gpu_error"]) == (

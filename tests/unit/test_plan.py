@@ -14,7 +14,8 @@ import zipfile
 
 import pytest
 
-from fleetctl.engine.plan import one_line, plan_host, reinspect_problems
+from fleetctl.engine.plan import plan_host, reinspect_problems
+from fleetctl.engine.tasks.work import one_line
 from fleetctl.engine.playbook import load_playbook
 from fleetctl.wheels import ensure_wheel
 from oracles import PLAYBOOK, apply_diff, host_inputs

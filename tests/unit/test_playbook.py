@@ -11,8 +11,9 @@ import pytest
 
 from fleetctl.errors import EXIT_PARSE, ParseError
 from fleetctl.engine.plan import plan_host
-from fleetctl.engine import playbook
-from fleetctl.engine.playbook import TemplateRefused, load_playbook
+from fleetctl.engine import reader
+from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.reader import TemplateRefused
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -238,8 +239,8 @@ def test_a_dotfile_of_the_playbook_directory_is_never_read(tmp_path):
     (tmp_path / ".ssh").mkdir(mode=0o700)
     (tmp_path / ".ssh" / "id_test").write_text("PRIVATE-KEY-MATERIAL\n")
     with pytest.raises(TemplateRefused, match=r"\.ssh is a hidden name"):
-        playbook._read_inside(str(tmp_path), ".ssh/id_test")
+        reader.read_inside(str(tmp_path), ".ssh/id_test")
     (tmp_path / "templates").mkdir()
     (tmp_path / "templates" / ".env").write_text("TOKEN=x\n")
     with pytest.raises(TemplateRefused, match=r"\.env is a hidden name"):
-        playbook._read_inside(str(tmp_path), "templates/.env")
+        reader.read_inside(str(tmp_path), "templates/.env")

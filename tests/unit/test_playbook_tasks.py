@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import CreateTask, InsertTask, load_playbook
+from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.tasks.create import CreateTask
+from fleetctl.engine.tasks.insert import InsertTask
 from fleetctl.errors import ParseError
 
 PB = textwrap.dedent("""\

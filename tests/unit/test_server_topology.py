@@ -1,7 +1,8 @@
 """A server's parallel layout read from its command line, and the GPUs SGLang puts its schedulers
 on (probes/facts/topology.py), for command lines of the shapes SGLang's docs and real deployments use:
-DP attention, pipeline parallelism, multi-node tensor parallelism. Each expected list is written
-out, and also computed by SGLang's own rank arithmetic executed from the release wheels
+DP attention, pipeline parallelism, multi-node tensor parallelism. Each command line and its expected
+layout and GPUs is a recorded case (tests/unit/probes/topology/, test_fact_fixtures.py); here its
+GPUs are also computed by SGLang's own rank arithmetic executed from the release wheels
 (`_calculate_rank_ranges` of 0.5.10's entrypoints/engine.py, `compute_local_gpu_id` of 0.5.23's
 weight_cache/protocol.py, and the data parallel offset `launch_dp_schedulers` adds, evaluated from
 each release's data_parallel_controller.py). The facts probe's reading of running processes
@@ -31,6 +32,7 @@ from fleetctl.inventory import Host
 from fleetctl.probes.facts import procs, topology
 from fleetctl.vocab import HostStatus
 from oracles import release_file
+from probe_cases import case, cases
 
 ENGINE = "sglang/srt/entrypoints/engine.py"
 PROTOCOL = "sglang/srt/weight_cache/protocol.py"
@@ -78,63 +80,34 @@ def sglang_ordinals(layout: dict, version: str = "0.5.23") -> list[int]:
     return list(dict.fromkeys(out))
 
 
-def layout_of(cmd: str) -> dict:
-    return topology.read(cmd.split())
+def layout_of(name: str) -> dict:
+    """The layout of the recorded topology case `name` (tests/unit/probes/topology/)."""
+    return topology.read(case("topology", name)["argv"])
 
 
-def test_dp_attention_takes_the_tp_groups_gpus_once():
-    # SGLang's DeepSeek V3 doc: one 8-GPU node, DP attention over the TP group
-    one = layout_of("python3 -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V3 --tp 8 --dp 8 "
-                    "--enable-dp-attention --trust-remote-code")
-    assert (one["tp_size"], one["dp_size"], one["enable_dp_attention"]) == (8, 8, True)
-    assert topology.gpu_ordinals(one) == sglang_ordinals(one) == list(range(8))  # not tp x dp = 64
-    # 0.5.23's spelling of the same layout, and the same under a CUDA_VISIBLE_DEVICES of UUIDs
-    new = layout_of("sglang serve --model-path /models/v3 --tp-size 8 --attn-dp-size 8")
-    assert (new["dp_size"], new["enable_dp_attention"]) == (8, True)
-    uuids = ",".join(f"GPU-{i:04d}" for i in range(8, 16))
-    assert topology.gpu_ids(new, uuids) == [f"GPU-{i:04d}" for i in range(8, 16)]
-    # DP attention over two nodes (2 x 8 x H200): each node's 8 GPUs, with --base-gpu-id
-    node1 = layout_of(f"python -m sglang.launch_server --model-path /models/r1 --tp 16 --dp 16 --enable-dp-attention "
-                      f"--nnodes 2 --node-rank 1 --dist-init-addr {ADDR}")
-    assert topology.gpu_ordinals(node1) == sglang_ordinals(node1) == list(range(8))
-    # plain data parallel replicas: one TP group each, side by side
-    dp = layout_of("python -m sglang.launch_server --model-path m --tp 2 --dp-size 2 --base-gpu-id 4")
-    assert topology.gpu_ids(dp, None) == ["4", "5", "6", "7"] == [str(n) for n in sglang_ordinals(dp)]
+@pytest.mark.parametrize("name", [n for n in cases("topology") if case("topology", n)["fact"]["gpu_ids"]])
+def test_each_recorded_layouts_gpus_are_the_ones_sglangs_own_code_gives(name):
+    """Every recorded command line of a layout SGLang runs (DP attention, pipeline stages, DP
+    replicas, multi-node TP; test_fact_fixtures.py checks what each reads as): the device
+    ordinals are the ones SGLang's own rank arithmetic gives its schedulers."""
+    layout = layout_of(name)
+    assert topology.gpu_ordinals(layout) == sglang_ordinals(layout)
 
 
-def test_pipeline_stages_take_consecutive_gpus_and_dp_replicas_skip_them():
-    pp = layout_of("python -m sglang.launch_server --model-path meta-llama/Llama-3.1-70B --pp-size 2 --tp-size 4")
-    assert (pp["pp_size"], pp["tp_size"]) == (2, 4)
-    assert topology.gpu_ordinals(pp) == sglang_ordinals(pp) == list(range(8))
-    # two nodes, one stage each: node 1 holds stage 1 on its own GPUs 0..7
-    stage1 = layout_of(f"python -m sglang.launch_server --model-path m --pp 2 --tp 8 --nnodes 2 --node-rank 1 "
-                       f"--dist-init-addr {ADDR}")
-    assert topology.gpu_ordinals(stage1) == sglang_ordinals(stage1) == list(range(8))
+def test_dp_replicas_of_pipeline_stages_overlapped_before_0_5_3():
     # DP x PP: each replica skips tp x pp GPUs (0.5.3 on); 0.5.2 skipped only tp, putting
     # replica 0's stage 1 and replica 1's stage 0 on one GPU (sglang#8963), as its code says
-    both = layout_of("python -m sglang.launch_server --model-path m --dp 2 --pp 2")
+    both = layout_of("dp-2-pp-2")
     assert topology.gpu_ordinals(both) == sglang_ordinals(both, "0.5.10") == [0, 1, 2, 3]
     assert sglang_ordinals(both, "0.5.2") == [0, 1, 2]
-    stepped = layout_of("python -m sglang.launch_server --model-path m --tp 2 --gpu-id-step 2 --base-gpu-id 1")
-    assert topology.gpu_ordinals(stepped) == sglang_ordinals(stepped) == [1, 3]
 
 
-def test_multi_node_tp_gives_each_node_its_share_and_names_the_deployment():
-    # case 11: rank 1 of a 2-node TP 16 server (its rank 0 named with the old alias and = form)
-    rank1 = layout_of(f"python -m sglang.launch_server --model-path /models/r1 --tp 16 --nnodes 2 --node-rank 1 "
-                      f"--dist-init-addr {ADDR} --port 30000")
-    rank0 = layout_of("python -m sglang.launch_server --model-path /models/r1 --tensor-parallel-size=16 --nnodes=2 "
-                      "--node-rank=0 --nccl-init-addr=192.0.2.1:05000")
+def test_the_nodes_of_one_multi_node_deployment_name_it_alike():
+    # case 11: rank 1 of a 2-node TP 16 server, and its rank 0 named with the old alias and = form
+    rank1, rank0 = layout_of("tp-16-two-nodes-rank-1-short-visible"), layout_of("tp-16-two-nodes-rank-0-old-spelling")
     assert (rank1["node_rank"], rank1["nnodes"], rank1["dist_init_addr"]) == (1, 2, ADDR)
-    assert topology.gpu_ordinals(rank1) == sglang_ordinals(rank1) == list(range(8))  # not 0..15
-    assert topology.gpu_ordinals(rank0) == sglang_ordinals(rank0) == list(range(8))
     assert topology.deployment(rank1) == topology.deployment(rank0) == "192.0.2.1:5000/2"
-    assert topology.deployment(layout_of("python -m sglang.launch_server --tp 8")) is None
-    # a CUDA_VISIBLE_DEVICES shorter than the node's share: the missing ordinals are None
-    assert topology.gpu_ids(rank1, "3,2,1,0") == ["3", "2", "1", "0", None, None, None, None]
-    # a layout SGLang refuses (tp x pp not a multiple of nnodes, a rank outside nnodes) takes none
-    assert topology.gpu_ordinals(layout_of("x --tp 3 --nnodes 2 --node-rank 1")) == []
-    assert topology.gpu_ordinals(layout_of("x --tp 16 --nnodes 2 --node-rank 2")) == []
+    assert topology.deployment(layout_of("deepseek-v3-dp-attention")) is None
 
 
 def test_server_info_keeps_only_layout_keys_of_the_right_type():

@@ -1,5 +1,6 @@
-"""Which sockets fleetctl's HTTP probes talk to (review N6): the reading of /proc/net/tcp, tcp6,
-fib_trie and if_inet6 text recorded on a real x86-64 host, and the selection rule on it."""
+"""Which sockets fleetctl's HTTP probes talk to (review N6): the selection rule on the sockets and
+addresses of /proc/net/tcp, tcp6, fib_trie and if_inet6 recorded on a real x86-64 host (their
+reading: tests/unit/probes/listeners/x86-64-one-process.json, test_fact_fixtures.py)."""
 
 import os
 import socket
@@ -9,83 +10,14 @@ import pytest
 from fleetctl.engine.validate import SmokeOptions, smoke_targets
 from fleetctl.inventory import Host
 from fleetctl.probes.facts import listeners, procs, targets
+from probe_cases import case
 
-# /proc/net/tcp and tcp6 of one process that listened on 0.0.0.0:30000, 127.0.0.1:30001,
-# 10.213.7.2:30002 (an address of the host), 10.213.7.250:30003 (not one: IP_FREEBIND), [::]:30004,
-# [::1]:30005, [::ffff:127.0.0.1]:30006 and [fd00::2]:30007, with one connection each to 30001 and
-# [::1]:30005 (state 01, ESTABLISHED), recorded as the kernel printed them (trailing blanks cut).
-TCP = """\
-  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:7531 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500038 1 000000003da37c39 100 0 0 10 0
-   2: FA07D50A:7533 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500040 1 00000000a7761cdb 100 0 0 10 0
-   3: 00000000:7530 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500037 1 00000000e49b9445 100 0 0 10 0
-   4: 0207D50A:7532 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500039 1 00000000f9267549 100 0 0 10 0
-  83: 0100007F:7531 0100007F:912E 01 00000000:00000000 00:00000000 00000000     0        0 3500046 1 0000000055c52741 20 0 0 10 -1
- 156: 0100007F:912E 0100007F:7531 01 00000000:00000000 00:00000000 00000000     0        0 3500045 2 000000002af91a96 20 0 0 10 -1
-"""
-TCP6 = """\
-  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0000000000000000FFFF00000100007F:7536 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500043 1 0000000048ac8475 100 0 0 10 0
-   1: 00000000000000000000000001000000:7535 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500042 1 00000000f79356ec 100 0 0 10 0
-   2: 00000000000000000000000000000000:7534 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500041 1 0000000025c507ad 100 0 0 10 0
-   3: 000000FD000000000000000002000000:7537 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 3500044 1 00000000b77cd9b7 100 0 0 10 0
-   4: 00000000000000000000000001000000:CD78 00000000000000000000000001000000:7535 01 00000000:00000000 00:00000000 00000000     0        0 3500047 2 0000000099ffb7b3 20 0 0 10 -1
-   5: 00000000000000000000000001000000:7535 00000000000000000000000001000000:CD78 01 00000000:00000000 00:00000000 00000000     0        0 3500048 1 00000000458a76a6 20 0 0 10 -1
-"""
-# the same host's /proc/net/fib_trie (its Main table; Local repeats it) and /proc/net/if_inet6
-FIB_TRIE = """\
-Main:
-  +-- 0.0.0.0/0 3 0 5
-     |-- 0.0.0.0
-        /0 universe UNICAST
-     +-- 127.0.0.0/8 2 0 2
-        +-- 127.0.0.0/31 1 0 0
-           |-- 127.0.0.0
-              /8 host LOCAL
-           |-- 127.0.0.1
-              /32 host LOCAL
-        |-- 127.255.255.255
-           /32 link BROADCAST
-     +-- 10.213.7.0/24 2 0 2
-        +-- 10.213.7.0/30 2 0 2
-           |-- 10.213.7.0
-              /24 link UNICAST
-           |-- 10.213.7.2
-              /32 host LOCAL
-        |-- 10.213.7.255
-           /32 link BROADCAST
-"""
-IF_INET6 = """\
-00000000000000000000000000000001 01 80 10 80       lo
-fd000000000000000000000000000002 04 40 00 82     eth0
-fe8000000000000000fc00fffe000001 04 40 20 80     eth0
-"""
-LISTENING = {3500037: ("0.0.0.0", 30000), 3500038: ("127.0.0.1", 30001), 3500039: ("10.213.7.2", 30002),
-             3500040: ("10.213.7.250", 30003), 3500041: ("::", 30004), 3500042: ("::1", 30005),
-             3500043: ("::ffff:127.0.0.1", 30006), 3500044: ("fd00::2", 30007)}
-LOCAL = {"127.0.0.1", "10.213.7.2", "::1", "fd00::2", "fe80::fc:ff:fe00:1"}
-
-
-def test_tcp_and_tcp6_lines_are_read_as_the_kernel_wrote_them():
-    rows = listeners.parse_tcp(TCP, "little") + listeners.parse_tcp(TCP6, "little")
-    assert {inode: (addr, port) for inode, addr, port, state in rows if state == listeners.TCP_LISTEN} == LISTENING
-    established = sorted((addr, port) for _, addr, port, state in rows if state == 0x01)
-    assert established == [("127.0.0.1", 30001), ("127.0.0.1", 37166), ("::1", 30005), ("::1", 52600)]
-    # a big-endian host prints each 32-bit word in network order: the same socket reads the same
-    assert listeners.parse_tcp("hdr\n 0: 7F000001:7531 00000000:0000 0A 0:0 0:0 0 0 0 7 1\n", "big") == [
-        (7, "127.0.0.1", 30001, listeners.TCP_LISTEN)]
-
-
-def test_short_or_garbled_lines_are_skipped_not_raised():
-    assert listeners.parse_tcp("", "little") == []
-    assert listeners.parse_tcp("header only\n", "little") == []
-    garbled = "hdr\n 0: 0100007F:7531 00000000:0000 0A\n 1: zz:qq 0:0 0A 0 0 0 0 0 9\n"
-    assert listeners.parse_tcp(garbled, "little") == []
-
-
-def test_local_addresses_come_from_fib_trie_and_if_inet6():
-    assert listeners.parse_fib_trie(FIB_TRIE) == {"127.0.0.1", "10.213.7.2"}
-    assert listeners.parse_if_inet6(IF_INET6) == {"::1", "fd00::2", "fe80::fc:ff:fe00:1"}
+# one process that listened on 0.0.0.0:30000, 127.0.0.1:30001, 10.213.7.2:30002 (an address of
+# the host), 10.213.7.250:30003 (not one: IP_FREEBIND), [::]:30004, [::1]:30005,
+# [::ffff:127.0.0.1]:30006 and [fd00::2]:30007: {inode: (address, port)}, and the host's addresses
+RECORDED = case("listeners", "x86-64-one-process")["fact"]
+LISTENING = {inode: (addr, port) for inode, addr, port in RECORDED["listening"]}
+LOCAL = set(RECORDED["local_addresses"])
 
 
 def test_this_processs_own_listening_sockets_are_read_from_proc():

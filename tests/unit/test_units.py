@@ -1,5 +1,7 @@
-"""The systemd services that run SGLang (probes/facts/units.py): `systemctl show` output and unit files
-read into what each service starts, and the SGLang interpreter found in a service's command line."""
+"""The systemd services that run SGLang (probes/facts/units.py): the SGLang interpreter found in a
+service's command line, and the services read from unit files or from `systemctl show`. How
+`systemctl show` output and unit files read is in the recorded cases (tests/unit/probes/units/,
+test_fact_fixtures.py), whose texts these tests lay out."""
 
 from __future__ import annotations
 
@@ -7,99 +9,12 @@ import os
 import shlex
 
 from fleetctl.probes.facts import units
+from probe_cases import case, text
 
-# `systemctl show --no-pager -pId -pExecStart -pWorkingDirectory -pUser -pEnvironment -- A B C` as
-# systemd prints it (systemctl-show.c: "{ path=%s ; argv[]=%s ; ignore_errors=%s ; ... }", argv
-# joined with spaces; the D-Bus WorkingDirectory's `!` for a `-` in the unit file): this machine
-# has no running systemd, so the text is laid out from systemd's own format strings
-SHOW = """\
-Id=sglang.service
-ExecStart={ path=/opt/sglang-env/bin/python ; argv[]=/opt/sglang-env/bin/python -m sglang.launch_server \
---model /models/gpt-oss-120b --port 30000 --tp 4 ; ignore_errors=no ; start_time=[Mon 2026-11-30 10:00:01 UTC] ; \
-stop_time=[n/a] ; pid=4242 ; code=(null) ; status=0/0 }
-WorkingDirectory=!/opt/sglang
-User=llm
-Environment=PYTHONPATH=/opt/sglang/extra:rel CUDA_VISIBLE_DEVICES=0,1,2,3
-
-Id=uv-sglang.service
-ExecStart={ path=/usr/local/bin/uv ; argv[]=uv run --project /srv/llm python -m sglang.launch_server --port 30001 \
-; ignore_errors=no ; start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }
-WorkingDirectory=/srv/llm
-User=
-Environment=
-
-Id=cron.service
-ExecStart={ path=/usr/sbin/cron ; argv[]=/usr/sbin/cron -f $EXTRA_OPTS ; ignore_errors=no ; start_time=[n/a] ; \
-stop_time=[n/a] ; pid=812 ; code=(null) ; status=0/0 }
-WorkingDirectory=
-User=
-Environment=
-"""
-
-# the public SGLang unit of case 09, hardened as systemd.exec(5) allows
-UNIT = """\
-# /etc/systemd/system/sglang.service
-[Unit]
-Description=SGLang server
-After=network-online.target
-
-[Service]
-User=llm
-WorkingDirectory=/opt/sglang
-Environment="PYTHONPATH=/opt/sglang/extra" HF_HOME=/var/cache/hf
-ExecStart=/opt/sglang-env/bin/python -m sglang.launch_server \\
-    --model /models/gpt-oss-120b --port 30000 --tp 4
-PrivateTmp=yes
-ProtectSystem=strict
-ReadWritePaths=/var/cache/hf
-; a comment
-[Install]
-WantedBy=multi-user.target
-ExecStart=/usr/bin/false
-"""
-# a drop-in that replaces the command (an empty ExecStart= first, as systemd requires)
-DROP_IN = """\
-[Service]
-ExecStart=
-ExecStart=-/opt/sglang-env/bin/python -m sglang.launch_server --port 30002 --tp-size 2
-Environment=
-Environment=PYTHONPATH=/opt/pp
-"""
-
-
-def test_systemctl_show_is_read_per_unit():
-    assert units.parse_show(SHOW) == [
-        {"unit": "sglang.service",
-         "exec_start": [["/opt/sglang-env/bin/python", "-m", "sglang.launch_server", "--model",
-                         "/models/gpt-oss-120b", "--port", "30000", "--tp", "4"]],
-         "cwd": "/opt/sglang", "user": "llm",
-         "environment": {"PYTHONPATH": "/opt/sglang/extra:rel", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}},
-        {"unit": "uv-sglang.service",
-         # the program systemd resolved stands for argv[0]
-         "exec_start": [["/usr/local/bin/uv", "run", "--project", "/srv/llm", "python", "-m",
-                         "sglang.launch_server", "--port", "30001"]],
-         "cwd": "/srv/llm", "user": None, "environment": {}},
-        {"unit": "cron.service", "exec_start": [["/usr/sbin/cron", "-f", "$EXTRA_OPTS"]], "cwd": None, "user": None,
-         "environment": {}},
-    ]
-    assert units.parse_show("garbage\n\nExecStart=not a struct\n") == []
-
-
-def test_a_unit_file_and_its_drop_in_are_read_as_systemd_reads_them():
-    alone = units.parse_unit([UNIT])
-    assert alone == {"exec_start": [["/opt/sglang-env/bin/python", "-m", "sglang.launch_server", "--model",
-                                     "/models/gpt-oss-120b", "--port", "30000", "--tp", "4"]],
-                     "cwd": "/opt/sglang", "user": "llm",
-                     "environment": {"PYTHONPATH": "/opt/sglang/extra", "HF_HOME": "/var/cache/hf"}}
-    both = units.parse_unit([UNIT, DROP_IN])
-    assert both["exec_start"] == [["/opt/sglang-env/bin/python", "-m", "sglang.launch_server", "--port", "30002",
-                                   "--tp-size", "2"]]
-    assert both["environment"] == {"PYTHONPATH": "/opt/pp"}
-    # `@` names the program apart from its argv[0]; broken quoting is no command
-    at = units.parse_unit(["[Service]\nExecStart=@/usr/bin/python3 sglang-server -m sglang.launch_server\n"
-                           "ExecStart=/usr/bin/python3 'unbalanced\nWorkingDirectory=-/srv/x\n"])
-    assert at["exec_start"] == [["/usr/bin/python3", "-m", "sglang.launch_server"]]
-    assert at["cwd"] == "/srv/x"
+# `systemctl show` of sglang.service, uv-sglang.service and cron.service
+SHOW = text(case("units", "systemctl-show-three-units")["stdout"])
+# case 09's public SGLang unit, and a drop-in that replaces its command
+UNIT, DROP_IN = (text(lines) for lines in case("units", "unit-file-and-drop-in")["files"].values())
 
 
 def test_the_sglang_interpreter_is_found_in_a_service_command_line(tmp_path):

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from .. import config
 from ..connection import Session, Settings
 from ..connection.describe import describe
 from ..errors import InventoryError
@@ -49,9 +50,7 @@ from ..inventory.templates import InEncryptedFile, Templar, Unsafe, Vaulted, is_
 BECOME_PASSWORDS = ("ansible_become_password", "ansible_become_pass", "ansible_sudo_pass")
 # The vars `ssh -G` is given for a host (connection/resolve.py, resolve_host; session.kind_for):
 # what the export adds from its answer derives from their values.
-CONNECTION_VARS = ("ansible_connection", "ansible_host", "ansible_ssh_host", "ansible_port", "ansible_ssh_port",
-                   "ansible_user", "ansible_ssh_user", "ansible_private_key_file", "ansible_ssh_private_key_file",
-                   "ansible_ssh_common_args", "ansible_ssh_extra_args")
+CONNECTION_VARS = ("ansible_connection", *(n for v in config.SSH_VARS for n in v.names))
 # Why a var is not written as fleetctl rendered it (the notes on stderr and atop the YAML).
 VAULTED = "left vaulted (`!vault`, for Ansible to decrypt with its vault secret)"
 UNRENDERED = ("written unrendered, as the inventory wrote them (their rendered values come from vault "

@@ -4,7 +4,9 @@ that makes them.
 
 Kinds: `paramiko` (the default; also `paramiko_ssh`), `ssh` (also `smart`: the system OpenSSH
 client, over a ControlMaster) and `local` (this machine); a container connection (container.py)
-wraps a host's connection and prefixes every command with the container's entry. Every SSH kind
+wraps a host's connection and prefixes every command with the container's entry. The kinds are
+one table, config.CONNECTION_KINDS (names, class, inventory vars): a new kind is a module here and
+a row there. Every SSH kind
 reaches what OpenSSH's `ssh -G` resolves (resolve.py). Everything above this package runs argv
 lists through `Connection.run`, uploads with `put_bytes` and locks with `hold_lock`; nothing
 above it imports paramiko or builds a command line.

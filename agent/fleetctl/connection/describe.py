@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from .session import Session, kind_for
+from ..config import CONNECTIONS
 from ..errors import FleetctlError
 from ..inventory import Host
 
@@ -27,7 +28,7 @@ def describe(host: Host, session: Session) -> dict:
     doc = {"host": host.name, "connection": kind, "address": host.address, "port": None,
            "user": host.user, "identity_files": [], "jump": [], "proxy_command": None, "host_key_name": None,
            "known_hosts": [], "known_hosts_lines": [], "error": None}
-    if kind == "local":
+    if not CONNECTIONS[kind].ssh:
         doc["address"] = "localhost"
         return doc
     from . import knownhosts

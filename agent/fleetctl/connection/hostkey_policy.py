@@ -22,6 +22,7 @@ import logging
 import re
 from pathlib import Path
 
+from ..config import SSH_COMMON_ARGS, SSH_EXTRA_ARGS
 from ..errors import SshConfigError
 
 log = logging.getLogger("fleetctl")
@@ -31,7 +32,7 @@ log = logging.getLogger("fleetctl")
 SOURCES = {k.lower(): k for k in ("UserKnownHostsFile", "GlobalKnownHostsFile", "KnownHostsCommand",
                                   "HostKeyAlias", "CheckHostIP", "VerifyHostKeyDNS")}
 # The inventory vars whose words go on ssh's command line (Ansible's ssh connection).
-ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args")
+ARGS_VARS = (SSH_COMMON_ARGS.name, SSH_EXTRA_ARGS.name)
 # ssh(1)'s options that take an argument (OpenSSH 9.2 ssh.c getopt string
 # "1246ab:c:e:fgi:kl:m:no:p:qstvxAB:CD:E:F:GI:J:KL:MNO:P:Q:R:S:TVw:W:XYy").
 _WITH_ARGUMENT = frozenset("bceilmopBDEFIJLOPQRSwW")

@@ -12,6 +12,7 @@ the whole run and closes it last.
 from __future__ import annotations
 
 import threading
+from importlib import import_module
 
 from ..config import CONNECTIONS
 from .base import Connection, Settings
@@ -58,19 +59,11 @@ class Session:
         return self._shared("control_files", lambda: ControlFiles(self.settings.ssh_config, self.settings.accept_new))
 
     def connect(self, host) -> Connection:
-        """A new, unopened connection to `host` of the kind its `ansible_connection` names
-        (config.CONNECTIONS; the inventory loader has already refused other names, naming the
-        file and line). paramiko
-        is imported only for an SSH host."""
-        kind = CONNECTIONS[kind_for(host, self.settings)]
-        if kind == "local":
-            from .local import LocalConnection
-            return LocalConnection(host, self)
-        if kind == "ssh":
-            from .openssh import OpenSSHConnection
-            return OpenSSHConnection(host, self)
-        from .paramiko_ssh import ParamikoConnection
-        return ParamikoConnection(host, self)
+        """A new, unopened connection to `host` of the kind its `ansible_connection` names: the
+        class config.CONNECTIONS gives for it, imported now (paramiko only for an SSH host). The
+        inventory loader has already refused other names, naming the file and line."""
+        module, _, name = CONNECTIONS[kind_for(host, self.settings)].cls.partition(":")
+        return getattr(import_module(f"{__package__}.{module}"), name)(host, self)
 
     def close(self) -> None:
         """End the run's shared state: the OpenSSH masters still open (bastions included) and

@@ -9,21 +9,10 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
       - that: "facts.sglang is not none"    # Jinja2 expression over host vars, facts, findings
         reason: "sglang is not installed"   # a template -> status skipped, "not applicable: <reason>"
         refuse: true                        # optional: status failed with the reason instead
-    tasks:                                  # required, at least one; each has one of
-      - name: ...                           # edit_expressions, create_file, insert_text
-        create_file:                        # a new file of the install, rendered (pre-image: absent;
-          path: "{{ findings.x.file }}"     # rollback deletes it); one already there with the
-          template: templates/x/new.py.j2   # rendered text is "already applied", any other refused
-        insert_text:                        # text inserted before a line of an install's file:
-          site: "findings.x.guard"          # an expression giving {file, line, present}: present is
-          template: templates/x/guard.j2    # the text already there (== the rendered: applied; else
-          marker: "fleetctl x"              # refused), rendered unstripped, holding the marker
-        edit_expressions:                   # replace the value span of selected inspect findings
-          findings: need_sort_origins       # key of the inspect findings holding the sites
-          when: "not finding.literal"       # which findings to change (expression over `finding`)
-          value: templates/x/value.py.j2    # renders the new Python expression
-          comment: templates/x/comment.j2   # renders the one-line trailing comment
-          marker: "fleetctl x:"             # text in that comment that marks an applied edit
+    tasks:                                  # required, at least one
+      - name: ...                           # required
+        create_file: {...}                  # exactly one task kind: a key of engine/tasks.TASKS
+                                            # (the kind's module gives its mapping's keys)
         notify: [restart sglang]            # handlers to run when this task changes something
     handlers:                               # optional
       - name: restart sglang
@@ -43,14 +32,8 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
                                             # but `when`; at most one, after a smoke step
     on_failure: rollback                    # rollback (default) | keep
 
-Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined: a playbook
-from a colleague cannot run code on the control machine (no `__class__`/`__globals__` walks, no
-calls that mutate); an undefined variable or a sandbox violation raises ParseError naming the
-template file and line. The playbook file and every template, `{% include %}`, `{% import %}` and
-`{% extends %}` included, are read by PlaybookLoader only: from regular files inside the
-playbook's directory, reached without a symbolic link, in directories and files that belong to
-the operator (euid) or root and that only their owner can write (review N8: a template linked to
-/root/.ssh/id_ed25519 would otherwise go into handler commands, comments and diffs). Render context:
+The playbook and its templates are read as engine/reader.py says (sandboxed Jinja2, files only
+from inside the playbook's directory, owned by the operator or root). Render context:
 the host's inventory vars at top level, plus `host` (inventory name), `facts`, `findings`
 and, in per-site templates, `finding` (one inspect finding plus `expr_one_line`).
 """
@@ -59,157 +42,18 @@ from __future__ import annotations
 
 import errno
 import os
-import shlex
-import stat
 from dataclasses import dataclass, field
-from typing import Any
 
 import jinja2
-import jinja2.sandbox
 import yaml
 
 from ..errors import ParseError
 from .load import SETTINGS as LOAD_SETTINGS, load_options
+from .reader import Expr, Reader, Snippet, TemplateRefused, environment, read_inside
+from .tasks import TASKS, Task
 
 VALIDATE_STEPS = ("compile", "reinspect", "smoke", "load", "route")
-TASK_KINDS = ("edit_expressions", "create_file", "insert_text")
 ON_FAILURE = ("rollback", "keep")
-
-
-class TemplateRefused(Exception):
-    """A playbook file or template that PlaybookLoader will not read; the message says which
-    and why (not a TemplateNotFound, which `{% include ... ignore missing %}` would skip)."""
-
-
-def _owned(st: os.stat_result, path: str, kind: str = "") -> None:
-    """Raise TemplateRefused unless `st` (of `path`; `kind` names it in the message) belongs to
-    the operator (euid) or root and only its owner can write it: what fleetctl renders and sends
-    to hosts is then the text the operator read."""
-    euid = os.geteuid()
-    if st.st_uid not in (0, euid):
-        raise TemplateRefused(f"{kind}{path} is owned by uid {st.st_uid}, not by you (uid {euid}) or root: its "
-                              "owner could change the playbook after you read it; copy the playbook into a directory "
-                              "of yours")
-    if st.st_mode & 0o022:
-        raise TemplateRefused(f"{kind}{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
-                              f"they could change the playbook after you read it; chmod go-w {path}")
-
-
-def _read_inside(directory: str, name: str, what: str = "template") -> tuple[str, str]:
-    """(text, path) of `name` ("a/b.j2": "/"-separated, relative; `what` it is, for messages)
-    read from inside `directory`. Each component is opened relative to the one before with
-    O_NOFOLLOW, so no symbolic link is followed and nothing outside `directory` is reached;
-    `directory`, each directory on the way and the file must pass _owned; the file must be a
-    regular UTF-8 file; no component may start with "." (a playbook saved in a home directory
-    must not reach .ssh/ or .git/). `directory` itself is opened as the operator named it. Raises
-    jinja2.TemplateNotFound when nothing has that name, TemplateRefused (saying which component,
-    and why) for anything else."""
-    pieces = [p for p in name.split("/") if p not in ("", ".")]
-    if not pieces or ".." in pieces:
-        raise TemplateRefused(f"{what} {name!r} is not a path inside the playbook directory {directory}")
-    hidden = [p for p in pieces if p.startswith(".")]
-    if hidden:  # .ssh/, .git/config, .env, .vault_pass: a playbook saved in a home directory must not reach them
-        raise TemplateRefused(f"{what} {name!r}: {hidden[0]} is a hidden name: fleetctl reads no dotfile or "
-                              "dot-directory of the playbook's directory")
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise TemplateRefused(f"cannot open the playbook directory {directory}: {e.strerror}") from None
-    where = directory
-    try:
-        _owned(os.fstat(fd), directory, "the playbook directory ")
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            where = os.path.join(where, piece)
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
-            try:
-                nfd = os.open(piece, flags, dir_fd=fd)
-            except OSError as e:
-                if e.errno == errno.ENOENT:
-                    raise jinja2.TemplateNotFound(name) from None
-                if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and stat.S_ISLNK(
-                        os.stat(piece, dir_fd=fd, follow_symlinks=False).st_mode)):
-                    raise TemplateRefused(
-                        f"{what} {name!r}: {where} is a symbolic link (to {os.readlink(piece, dir_fd=fd)}): fleetctl "
-                        "reads a playbook and its templates only from regular files inside the playbook's directory, "
-                        "reached without links; copy the file in") from None
-                raise TemplateRefused(f"{what} {name!r}: cannot open {where}: {e.strerror}") from None
-            os.close(fd)
-            fd = nfd
-            st = os.fstat(fd)
-            if last and not stat.S_ISREG(st.st_mode):
-                raise TemplateRefused(f"{what} {name!r}: {where} is not a regular file")
-            _owned(st, where)
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
-            data = f.read()
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    try:
-        return data.decode("utf-8"), where
-    except UnicodeDecodeError as e:
-        raise TemplateRefused(f"{what} {name!r}: {where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-class PlaybookLoader(jinja2.BaseLoader):
-    """Jinja2's loader for a playbook's templates: _read_inside(directory, name). Templates are
-    read once (never reloaded from a changed file)."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-
-    def get_source(self, environment: jinja2.Environment, template: str) -> tuple[str, str, None]:
-        text, path = _read_inside(self.directory, template)
-        return text, path, None
-
-
-def _where(exc: BaseException, filename: str | None) -> int | None:
-    """The template line of the innermost traceback frame that belongs to `filename`."""
-    line, tb = None, exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == filename:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return line
-
-
-@dataclass
-class Snippet:
-    """A Jinja2 template (file or inline YAML string) that renders to text; `where` is "file:line"."""
-
-    template: jinja2.Template
-    where: str
-
-    def render(self, ctx: dict[str, Any], strip: bool = True) -> str:
-        """Render with `ctx`, stripped (unless not `strip`). Raises ParseError "file:line:
-        message" on any template error."""
-        try:
-            text = self.template.render(ctx)
-            return text.strip() if strip else text
-        except Exception as e:  # noqa: BLE001 - every template failure is the playbook's fault
-            line = _where(e, self.template.filename)
-            if self.template.filename and self.template.filename != "<template>" and line:
-                where = f"{self.template.filename}:{line}"
-            else:
-                where = self.where
-            raise ParseError(f"{where}: {getattr(e, 'message', None) or e}") from None
-
-
-@dataclass
-class Expr:
-    """A Jinja2 expression from the playbook (`when`, `that`); `where` is "file:line"."""
-
-    source: str
-    where: str
-    fn: Any
-
-    def __call__(self, ctx: dict[str, Any]) -> Any:
-        """Evaluate with `ctx`. Raises ParseError "file:line: message" (undefined names included)."""
-        try:
-            return self.fn(**ctx)
-        except Exception as e:  # noqa: BLE001
-            raise ParseError(f"{self.where}: {self.source!r}: {getattr(e, 'message', None) or e}") from None
 
 
 @dataclass
@@ -217,40 +61,6 @@ class Requirement:
     that: Expr
     reason: Snippet
     refuse: bool = False
-
-
-@dataclass
-class CreateTask:
-    """Create a file of the install (`path`, rendered) from `template`; see the module docstring."""
-
-    name: str
-    path: Snippet
-    template: Snippet
-    notify: list[str]
-
-
-@dataclass
-class InsertTask:
-    """Insert `template`'s text (unstripped) before the line the `site` expression names."""
-
-    name: str
-    site: Expr
-    template: Snippet
-    marker: str
-    notify: list[str]
-
-
-@dataclass
-class EditTask:
-    """Replace the value expression of each selected finding; see the module docstring."""
-
-    name: str
-    findings: str
-    when: Expr
-    value: Snippet
-    comment: Snippet
-    marker: str
-    notify: list[str]
 
 
 @dataclass
@@ -278,96 +88,17 @@ class Playbook:
     description: str
     path: str
     requires: list[Requirement]
-    tasks: list[EditTask | CreateTask | InsertTask]
+    tasks: list[Task]
     handlers: dict[str, Handler]
     validate: list[ValidateStep]
     on_failure: str
     env: jinja2.Environment = field(repr=False)
 
 
-class _Reader:
-    """Turns yaml nodes into checked values; every error names file:line."""
-
-    def __init__(self, path: str, env: jinja2.Environment):
-        self.path, self.env = path, env
-        self.construct = yaml.constructor.SafeConstructor()
-
-    def where(self, node: yaml.Node) -> str:
-        return f"{self.path}:{node.start_mark.line + 1}"
-
-    def err(self, node: yaml.Node, msg: str) -> ParseError:
-        return ParseError(f"{self.where(node)}: {msg}")
-
-    def mapping(self, node, what, required=(), optional=()) -> dict[str, yaml.Node]:
-        if not isinstance(node, yaml.MappingNode):
-            raise self.err(node, f"{what} must be a mapping")
-        out: dict[str, yaml.Node] = {}
-        for k, v in node.value:
-            key = k.value if isinstance(k, yaml.ScalarNode) else None
-            if key not in (*required, *optional):
-                raise self.err(k, f"unknown key {key!r} in {what} (known: {', '.join((*required, *optional))})")
-            if key in out:
-                raise self.err(k, f"duplicate key {key!r} in {what}")
-            out[key] = v
-        missing = [k for k in required if k not in out]
-        if missing:
-            raise self.err(node, f"{what} lacks {', '.join(missing)}")
-        return out
-
-    def seq(self, node, what) -> list[yaml.Node]:
-        if not isinstance(node, yaml.SequenceNode):
-            raise self.err(node, f"{what} must be a list")
-        return node.value
-
-    def scalar(self, node, what, kind):
-        value = self.construct.construct_object(node, deep=True) if isinstance(node, yaml.ScalarNode) else node
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self.err(node, f"{what} must be {'a string' if kind is str else 'an integer'}")
-        if kind is str and not value.strip():
-            raise self.err(node, f"{what} must not be empty")
-        return value
-
-    def expr(self, node, what) -> Expr:
-        src = self.scalar(node, what, str)
-        try:
-            fn = self.env.compile_expression(src, undefined_to_none=False)
-        except jinja2.TemplateSyntaxError as e:
-            raise self.err(node, f"{what}: bad expression {src!r}: {e.message}") from None
-        return Expr(src, self.where(node), fn)
-
-    def inline(self, node, what) -> Snippet:
-        src = self.scalar(node, what, str)
-        try:
-            return Snippet(self.env.from_string(src), self.where(node))
-        except jinja2.TemplateSyntaxError as e:
-            raise self.err(node, f"{what}: bad template {src!r}: {e.message}") from None
-
-    def template_file(self, node, what) -> Snippet:
-        name = self.scalar(node, what, str)
-        try:
-            t = self.env.get_template(name)
-        except jinja2.TemplateNotFound:
-            raise self.err(node, f"{what}: no template {name!r} next to the playbook") from None
-        except TemplateRefused as e:
-            raise self.err(node, f"{what}: {e}") from None
-        except jinja2.TemplateSyntaxError as e:
-            raise ParseError(f"{e.filename}:{e.lineno}: {e.message}") from None
-        return Snippet(t, self.where(node))
-
-
-def _environment(directory: str) -> jinja2.Environment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        loader=PlaybookLoader(directory), undefined=jinja2.StrictUndefined,
-        autoescape=False, keep_trailing_newline=False)
-    env.tests["identifier"] = lambda v: isinstance(v, str) and v.isidentifier()
-    env.filters["quote"] = shlex.quote  # for values templated into handler or smoke commands
-    return env
-
-
 def load_playbook(path: str | os.PathLike) -> Playbook:
     """Load and check a playbook YAML file (schema in the module docstring).
 
-    The file and its templates are read by PlaybookLoader's rules (the module docstring);
+    The file and its templates are read by PlaybookLoader's rules (engine/reader.py);
     templates are resolved relative to the playbook's directory and syntax-checked now.
     Raises ParseError "file:line: what" (exit 4) for bad YAML, unknown or missing keys, wrong
     types, bad Jinja2 syntax, missing or refused templates (a symlink, outside the directory, a
@@ -377,7 +108,7 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        text, _ = _read_inside(directory, os.path.basename(path), "playbook")
+        text, _ = read_inside(directory, os.path.basename(path), "playbook")
     except jinja2.TemplateNotFound:
         raise ParseError(f"{path}: cannot read playbook: {os.strerror(errno.ENOENT)}") from None
     except TemplateRefused as e:
@@ -390,8 +121,8 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
         raise ParseError(f"{path}{line}: bad YAML: {getattr(e, 'problem', None) or e}") from None
     if root is None:
         raise ParseError(f"{path}:1: empty playbook")
-    env = _environment(directory)
-    r = _Reader(path, env)
+    env = environment(directory)
+    r = Reader(path, env)
     top = r.mapping(root, "playbook", required=("name", "tasks"),
                     optional=("description", "requires", "handlers", "validate", "on_failure"))
 
@@ -416,33 +147,17 @@ def load_playbook(path: str | os.PathLike) -> Playbook:
 
     tasks = []
     for n in r.seq(top["tasks"], "tasks"):
-        m = r.mapping(n, "task", required=("name",), optional=("notify",) + TASK_KINDS)
-        kinds = [k for k in TASK_KINDS if k in m]
+        m = r.mapping(n, "task", required=("name",), optional=("notify", *TASKS))
+        kinds = [k for k in TASKS if k in m]
         if len(kinds) != 1:
-            raise r.err(n, f"a task has one of {', '.join(TASK_KINDS)}")
+            raise r.err(n, f"a task has one of {', '.join(TASKS)}")
         notify = []
         for h in r.seq(m["notify"], "notify") if "notify" in m else []:
             hname = r.scalar(h, "notify entry", str)
             if hname not in handlers:
                 raise r.err(h, f"notify names no handler: {hname!r}")
             notify.append(hname)
-        name = r.scalar(m["name"], "task name", str)
-        if kinds[0] == "create_file":
-            c = r.mapping(m["create_file"], "create_file", required=("path", "template"))
-            tasks.append(CreateTask(name, r.inline(c["path"], "path"), r.template_file(c["template"], "template"),
-                                    notify))
-            continue
-        if kinds[0] == "insert_text":
-            c = r.mapping(m["insert_text"], "insert_text", required=("site", "template", "marker"))
-            tasks.append(InsertTask(name, r.expr(c["site"], "site"), r.template_file(c["template"], "template"),
-                                    r.scalar(c["marker"], "marker", str), notify))
-            continue
-        e = r.mapping(m["edit_expressions"], "edit_expressions",
-                      required=("findings", "when", "value", "comment", "marker"))
-        tasks.append(EditTask(
-            name, r.scalar(e["findings"], "findings", str),
-            r.expr(e["when"], "when"), r.template_file(e["value"], "value"),
-            r.template_file(e["comment"], "comment"), r.scalar(e["marker"], "marker", str), notify))
+        tasks.append(TASKS[kinds[0]].read(r, m[kinds[0]], r.scalar(m["name"], "task name", str), notify))
     if not tasks:
         raise r.err(top["tasks"], "tasks must not be empty")
 

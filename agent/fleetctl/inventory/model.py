@@ -22,10 +22,10 @@ from ..probes import redact
 from . import patterns
 from .templates import Templar, Vaulted, as_bool, is_template, needed
 
-# Connection vars given as a command-line fragment (Ansible's ssh connection, ssh_common_args /
-# ssh_extra_args): split as a shell would, so a quoting mistake is found at load.
-_ARGS_VARS = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_become_flags")
-_PORT_VARS = ("ansible_port", "ansible_ssh_port")
+# Vars given as a command-line fragment (Ansible's ssh connection, ssh_common_args /
+# ssh_extra_args; become_flags): split as a shell would, so a quoting mistake is found at load.
+_ARGS_VARS = (*(n for v in config.CONNECTION_VARS if v.type == "args" for n in v.names), "ansible_become_flags")
+_PORT_VARS = tuple(n for v in config.CONNECTION_VARS if v.type == "port" for n in v.names)
 # Become (privilege escalation) vars, as Ansible's sudo become plugin reads them
 # (ansible/plugins/become/sudo.py: become_user, become_exe, become_flags, become_pass and its aliases).
 _BECOME_PASSWORD_VARS = ("ansible_become_password", "ansible_become_pass", "ansible_sudo_pass")
@@ -33,8 +33,7 @@ _BECOME_STR_VARS = ("ansible_become_user", "ansible_become_exe", "ansible_become
                     *_BECOME_PASSWORD_VARS)
 # The only become method fleetctl runs (Ansible's default).
 BECOME_METHODS = ("sudo",)
-_STR_VARS = ("ansible_host", "ansible_ssh_host", "ansible_user", "ansible_ssh_user",
-             "ansible_private_key_file", "ansible_ssh_private_key_file",
+_STR_VARS = (*(n for v in config.CONNECTION_VARS if v.type is str for n in v.names),
              "ansible_python_interpreter", "ansible_connection", *_ARGS_VARS, *_BECOME_STR_VARS,
              *(v.name for v in config.HOST_VARS if v.type is str))
 # How an error ends when a vault value or file is met and no secret was given.
@@ -111,23 +110,23 @@ class Host:
     @property
     def address(self) -> str:
         """Where to connect: ansible_host (or the older ansible_ssh_host), else the name."""
-        return str(_last(self.vars, "ansible_host", "ansible_ssh_host") or self.name)
+        return str(_last(self.vars, *config.ADDRESS.names) or self.name)
 
     @property
     def port(self) -> int | None:
         """SSH port from ansible_port (or ansible_ssh_port, or a `name:port` key); None: ssh_config's."""
-        port = _last(self.vars, *_PORT_VARS)
+        port = _last(self.vars, *config.PORT.names)
         return None if port is None else int(port)
 
     @property
     def user(self) -> str | None:
         """SSH user from ansible_user (or ansible_ssh_user); None: ssh_config's."""
-        return _last(self.vars, "ansible_user", "ansible_ssh_user")
+        return _last(self.vars, *config.USER.names)
 
     @property
     def key_file(self) -> str | None:
         """ansible_ssh_private_key_file (or ansible_private_key_file), `~` expanded; None: none set."""
-        path = _last(self.vars, "ansible_private_key_file", "ansible_ssh_private_key_file")
+        path = _last(self.vars, *config.KEY_FILE.names)
         return os.path.expanduser(path) if path else None
 
     @property
@@ -136,14 +135,14 @@ class Host:
         extra arguments for every ssh, scp and sftp command line of Ansible's ssh connection, where
         Ansible users name a bastion (`-o ProxyCommand=...`, `-o ProxyJump=...`, `-J`, `-F FILE`;
         Ansible FAQ, jump hosts). () when unset."""
-        return tuple(shlex.split(self.vars.get("ansible_ssh_common_args") or ""))
+        return tuple(shlex.split(self.vars.get(config.SSH_COMMON_ARGS.name) or ""))
 
     @property
     def ssh_extra_args(self) -> tuple[str, ...]:
         """ansible_ssh_extra_args, templated and split as a shell would (checked at load): extra
         arguments for the ssh command line only (Ansible's ssh connection, ssh_extra_args). ()
         when unset."""
-        return tuple(shlex.split(self.vars.get("ansible_ssh_extra_args") or ""))
+        return tuple(shlex.split(self.vars.get(config.SSH_EXTRA_ARGS.name) or ""))
 
     @property
     def become(self) -> bool:

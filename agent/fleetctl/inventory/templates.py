@@ -28,11 +28,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from .. import config
 from ..errors import InventoryError
 
-# Names of the vars fleetctl reads; everything else is left as the inventory wrote it.
-_NEEDED = ("ansible_host", "ansible_port", "ansible_user", "ansible_connection",
-           "ansible_python_interpreter", "ansible_private_key_file")
+# Names of the vars fleetctl reads (every connection kind's among them); everything else is left
+# as the inventory wrote it.
+_NEEDED = ("ansible_connection", "ansible_python_interpreter", *(n for v in config.CONNECTION_VARS for n in v.names))
 _NEEDED_PREFIXES = ("ansible_ssh_", "ansible_become", "fleetctl_")
 _MARKERS = ("{{", "{%", "{#")
 _HINT = ("fleetctl renders plain Jinja2 with only Ansible's default/d, bool, int, quote and "

@@ -96,11 +96,17 @@ def local_addresses(pid="self"):
             | parse_if_inet6(_read("/proc/%s/net/if_inet6" % pid)))
 
 
+def parse_listening(texts, byteorder=sys.byteorder):
+    """[(inode, address, port)] of every socket in state LISTEN in the /proc/net/tcp and tcp6
+    texts `texts`, in their order (parse_tcp)."""
+    return [(inode, addr, port) for text in texts
+            for inode, addr, port, state in parse_tcp(text, byteorder) if state == TCP_LISTEN]
+
+
 def listening(pid="self"):
     """[(inode, address, port)] of every TCP socket in state LISTEN in process `pid`'s network
-    namespace (its /proc/PID/net/tcp, then tcp6)."""
-    return [(inode, addr, port) for name in ("tcp", "tcp6")
-            for inode, addr, port, state in parse_tcp(_read("/proc/%s/net/%s" % (pid, name))) if state == TCP_LISTEN]
+    namespace (its /proc/PID/net/tcp, then tcp6: parse_listening)."""
+    return parse_listening(_read("/proc/%s/net/%s" % (pid, name)) for name in ("tcp", "tcp6"))
 
 
 def socket_inodes(pid):

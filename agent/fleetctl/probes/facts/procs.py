@@ -37,13 +37,18 @@ def read(path, mode="r"):
         return None
 
 
-def cmdline(pid):
-    """Process `pid`'s argv from /proc/PID/cmdline (each item at most MAX_ARG characters), None
-    when it cannot be read or is empty (a kernel thread, a zombie)."""
-    raw = read("/proc/%d/cmdline" % pid, "rb")
+def parse_cmdline(raw):
+    """The argv of /proc/PID/cmdline bytes `raw` (NUL-separated; each item at most MAX_ARG
+    characters), None when it is empty or None (a kernel thread, a zombie, unreadable)."""
     if not raw:
         return None
     return [a.decode("utf-8", "replace")[:MAX_ARG] for a in raw.rstrip(b"\0").split(b"\0")]
+
+
+def cmdline(pid):
+    """Process `pid`'s argv from /proc/PID/cmdline (parse_cmdline), None when it cannot be read
+    or is empty."""
+    return parse_cmdline(read("/proc/%d/cmdline" % pid, "rb"))
 
 
 def python_program(argv):
@@ -107,10 +112,10 @@ def _is_python(pid):
     return os.path.basename(exe).replace(" (deleted)", "").startswith("python")
 
 
-def environ(pid, names):
-    """{name: value} of the variables `names` in /proc/PID/environ (the environment the process
-    started with); only these are read, so no secret of the process leaves the host."""
-    raw = read("/proc/%d/environ" % pid, "rb") or b""
+def parse_environ(raw, names):
+    """{name: value} of the variables `names` in /proc/PID/environ bytes `raw` (NUL-separated
+    NAME=VALUE; values at most MAX_ARG characters); only these are read, so no secret of the
+    process leaves the host."""
     out = {}
     for item in raw.split(b"\0"):
         k, sep, v = item.partition(b"=")
@@ -118,6 +123,12 @@ def environ(pid, names):
         if sep and key in names:
             out[key] = v.decode("utf-8", "replace")[:MAX_ARG]
     return out
+
+
+def environ(pid, names):
+    """{name: value} of the variables `names` in /proc/PID/environ (the environment the process
+    started with: parse_environ); {} when it cannot be read."""
+    return parse_environ(read("/proc/%d/environ" % pid, "rb") or b"", names)
 
 
 def _proc_table(host_view):
@@ -170,17 +181,22 @@ def interpreter(pid, argv):
     return exe
 
 
-def service_unit(pid):
-    """The systemd service process `pid` runs in: the `NAME.service` its cgroup path ends in
-    under /system.slice (/proc/PID/cgroup: the unified hierarchy's line, else name=systemd's;
-    systemd.special(7)), or None. A label for reports: what the process is trusted with is
-    containers.classify's."""
-    lines = (read("/proc/%d/cgroup" % pid) or "").splitlines()
+def parse_cgroup(text):
+    """The systemd service of /proc/PID/cgroup text: the `NAME.service` its cgroup path ends in
+    under /system.slice (the unified hierarchy's `0::` line, else name=systemd's; cgroups(7),
+    systemd.special(7)), or None."""
+    lines = text.splitlines()
     for line in [ln for ln in lines if ln.startswith("0::")] + [ln for ln in lines if ":name=systemd:" in ln]:
         parts = line.split(":", 2)[2].split("/")
         if len(parts) > 2 and parts[1] == "system.slice" and parts[-1].endswith(".service"):
             return parts[-1][:MAX_ARG]
     return None
+
+
+def service_unit(pid):
+    """The systemd service process `pid` runs in (parse_cgroup of its /proc/PID/cgroup), or None.
+    A label for reports: what the process is trusted with is containers.classify's."""
+    return parse_cgroup(read("/proc/%d/cgroup" % pid) or "")
 
 
 def _cwd(pid):
@@ -215,6 +231,23 @@ def _listening_ports(pids):
     return {pid: sorted({port for _, _, port, _ in held}) for pid, held in listeners.held(pids).items()}
 
 
+def server_fields(argv, env, unit):
+    """What a server's own argv, environment and service say of it: {argv (redacted), kind
+    (server_kind), port, host, model_path (redacted), unit, the layout (topology.KEYS:
+    topology.read), cuda_visible_devices (None: unset), gpu_ids (topology.gpu_ids)}. `env`:
+    {CUDA_VISIBLE_DEVICES: value} when set (parse_environ); `unit`: parse_cgroup's. Flags per
+    sglang/srt/server_args.py (--port default 30000, --host, --model-path)."""
+    port = topology.option(argv, "--port")
+    layout = topology.read(argv)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    return {"argv": redact.argv(argv), "kind": server_kind(argv),
+            "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
+            "host": redact.text(topology.option(argv, "--host") or "127.0.0.1"),
+            "model_path": redact.text(topology.option(argv, "--model-path", "--model")), "unit": unit,
+            **{k: layout[k] for k in topology.KEYS},
+            "cuda_visible_devices": visible, "gpu_ids": topology.gpu_ids(layout, visible)}
+
+
 def _ancestors(pid, table):
     seen, p = [], table[pid][1]
     while p in table and p not in seen and p > 1:
@@ -236,7 +269,7 @@ def find_servers(host_view=lambda pid: False):
     `import_path`: see import_path(); `processes`: the server's `sglang::` titled descendants;
     `workers`: a router's Python children that listen on TCP ports (its DP workers; not its
     multiprocessing resource tracker), and servers started below this one, with their ports.
-    Flags per sglang/srt/server_args.py (--port default 30000, --host, --model-path; the layout's: topology).
+    The fields from the server's own argv, environment and cgroup are server_fields'.
     Secrets in argv, model_path and host (--api-key, tokens, headers, URL passwords, signed-URL
     parameters) are redacted here, before they leave the host (redact.py)."""
     table, others = _proc_table(host_view)
@@ -250,23 +283,15 @@ def find_servers(host_view=lambda pid: False):
     servers = []
     for pid in sorted(tops):
         argv = table[pid][0]
-        kind = server_kind(argv)
-        port = topology.option(argv, "--port")
-        layout = topology.read(argv)
-        visible = environ(pid, {"CUDA_VISIBLE_DEVICES"}).get("CUDA_VISIBLE_DEVICES")
+        own = server_fields(argv, environ(pid, {"CUDA_VISIBLE_DEVICES"}), service_unit(pid))
         kids = sorted(below.get(pid, []))
-        children = [p for p in kids if kind == "router" and table[p][1] == pid and _is_python(p)]
+        children = [p for p in kids if own["kind"] == "router" and table[p][1] == pid and _is_python(p)]
         ports = _listening_ports(set(children) | (set(kids) & cands))
         workers = [p for p in kids if p in cands or (p in children and ports[p])]
+        head = {k: own.pop(k) for k in ("argv", "kind", "port", "host", "model_path")}
         servers.append({
-            "pid": pid, "argv": redact.argv(argv), "kind": kind,
-            "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
-            "host": redact.text(topology.option(argv, "--host") or "127.0.0.1"),
-            "model_path": redact.text(topology.option(argv, "--model-path", "--model")),
-            "python": interpreter(pid, argv), "cwd": _cwd(pid), "import_path": import_path(pid, argv),
-            "unit": service_unit(pid),
-            **{k: layout[k] for k in topology.KEYS},
-            "cuda_visible_devices": visible, "gpu_ids": topology.gpu_ids(layout, visible),
+            "pid": pid, **head,
+            "python": interpreter(pid, argv), "cwd": _cwd(pid), "import_path": import_path(pid, argv), **own,
             "workers": [{"pid": p, "ports": ports[p]} for p in workers],
             "processes": sum(1 for p in kids if table[p][0][:1] and table[p][0][0].startswith("sglang::")),
         })

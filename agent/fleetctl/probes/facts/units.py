@@ -239,6 +239,11 @@ def server_python(argv, cwd=None, depth=0):
     return None
 
 
+def show_argv(systemctl, names):
+    """The command line asking `systemctl` (its path) for PROPERTIES of the services `names`."""
+    return [systemctl, "show", "--no-pager"] + ["-p" + p for p in PROPERTIES] + ["--"] + names
+
+
 def _show(names, systemctl):
     """parse_show of `systemctl show` for service `names` (`systemctl`: see services), or None
     when there is none to ask, or it fails or hangs (the unit files are read instead)."""
@@ -246,9 +251,9 @@ def _show(names, systemctl):
         systemctl = shutil.which("systemctl") if os.path.isdir("/run/systemd/system") else None
     if not names or not systemctl:
         return None
-    argv = [systemctl, "show", "--no-pager"] + ["-p" + p for p in PROPERTIES] + ["--"] + names
     try:
-        r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=SHOW_TIMEOUT_S)
+        r = subprocess.run(show_argv(systemctl, names), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           timeout=SHOW_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return parse_show(r.stdout[:1 << 22].decode("utf-8", "replace")) if r.returncode == 0 else None
