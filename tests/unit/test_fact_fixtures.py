@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fleetctl.probes.facts import gpus, listeners, procs, topology, units
-from probe_cases import ROOT, case, cases, items, text
+from helpers.probe_cases import ROOT, case, cases, items, text
 
 
 def _gpus(c: dict):

@@ -12,7 +12,7 @@ import pytest
 
 from fleetctl.probes.facts import gpus
 from fleetctl.probes.kernel import preflight
-from probe_cases import case, text
+from helpers.probe_cases import case, text
 
 
 def fake_smi(tmp_path, name: str) -> None:

@@ -32,7 +32,7 @@ from fleetctl.inventory import Host
 from fleetctl.probes.facts import procs, topology
 from fleetctl.vocab import HostStatus
 from oracles import release_file
-from probe_cases import case, cases
+from helpers.probe_cases import case, cases
 
 ENGINE = "sglang/srt/entrypoints/engine.py"
 PROTOCOL = "sglang/srt/weight_cache/protocol.py"

@@ -10,7 +10,7 @@ import pytest
 from fleetctl.engine.validate import SmokeOptions, smoke_targets
 from fleetctl.inventory import Host
 from fleetctl.probes.facts import listeners, procs, targets
-from probe_cases import case
+from helpers.probe_cases import case
 
 # one process that listened on 0.0.0.0:30000, 127.0.0.1:30001, 10.213.7.2:30002 (an address of
 # the host), 10.213.7.250:30003 (not one: IP_FREEBIND), [::]:30004, [::1]:30005,

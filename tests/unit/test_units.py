@@ -9,7 +9,7 @@ import os
 import shlex
 
 from fleetctl.probes.facts import units
-from probe_cases import case, text
+from helpers.probe_cases import case, text
 
 # `systemctl show` of sglang.service, uv-sglang.service and cron.service
 SHOW = text(case("units", "systemctl-show-three-units")["stdout"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent / "unit" / "probes"
+ROOT = Path(__file__).resolve().parents[1] / "unit" / "probes"
 
 
 def cases(fact: str) -> list[str]:
