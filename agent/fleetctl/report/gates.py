@@ -179,8 +179,9 @@ def render_route_gate(results: list[HostResult], console: Console) -> None:
 
 
 # The gates a change passes, in the order they run: each one's result key (the gate's name:
-# engine/gates), its label, and the table it prints after the command's own (None: the smoke
-# gate's verdict is a column of the apply and deploy tables).
+# engine/gates), its label (the HTML report's summary line), and the table it prints after the
+# command's own (None: none of its own; the smoke gate's verdict is a column of the apply and
+# deploy tables).
 GATES = (("validation", "validation", None),
          ("load_gate", "load gate", render_load_gate),
          ("route_gate", "route gate", render_route_gate))
