@@ -59,12 +59,13 @@ class InstallStatus(_Word):
 
 
 class GateStatus(_Word):
-    """The validation verdict of a change ("validation": {"status": ...} in results)."""
+    """A gate's verdict on a change ("validation", "load_gate", "route_gate": {"status": ...} in
+    results); a skipped gate says why in its "reason" beside it (engine/gates: NO_SERVER,
+    NOT_RESTARTED), shown as "skipped (REASON)"."""
 
     PASSED = "passed"
     FAILED = "failed"
-    SKIPPED = "skipped (no server)"
-    NOT_RESTARTED = "skipped (not restarted: no fleetctl_restart_cmd)"
+    SKIPPED = "skipped"
 
 
 class ChangeState(_Word):

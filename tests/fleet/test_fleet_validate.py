@@ -79,7 +79,7 @@ def test_apply_on_hosts_without_server_reports_validation_skipped_or_uses_offlin
         hosts = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
         assert r.returncode == 2
         assert hosts["lab-04"]["status"] == "changed"
-        assert hosts["lab-04"]["validation"] == {"status": "skipped (no server)"}
+        assert hosts["lab-04"]["validation"] == {"status": "skipped", "reason": "no server"}
         # the offline check already fails before the change: the host is refused, nothing written (M8)
         assert hosts["lab-03"]["status"] == "failed" and "rolled_back" not in hosts["lab-03"]
         assert hosts["lab-03"]["error"] == ("baseline smoke failed: not changing this host: offline check "

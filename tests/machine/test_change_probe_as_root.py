@@ -229,8 +229,7 @@ def test_the_engine_keeps_a_validated_change_whose_commit_finds_the_disk_full(tm
                    f"      fleetctl_restart_cmd: {json.dumps(f'echo ran >> {restarted}')}\n")
     host = inventory.load(inv).select("here")[0]
     opts = ChangeOptions(smoke=SmokeOptions(), state_dir=str(state))
-    change = Change("c-full", "test", files, {}, str(tmp_path / "site"), smoke=False,
-                    checks=lambda: _fill(disk) or [])
+    change = Change("c-full", "test", files, {}, str(tmp_path / "site"), checks=lambda: _fill(disk) or [])
 
     def work(ctx, recovery):
         return execute(ctx, HostResult(ctx.host.name, ctx.conn.address, HostStatus.OK), change, opts)

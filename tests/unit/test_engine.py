@@ -28,6 +28,7 @@ from fleetctl.engine.playbook import load_playbook
 from fleetctl.probes.change import ledger as ledger_probe
 from fleetctl.probes.facts import procs as procs_probe
 from fleetctl.probes.traffic import smoke as smoke_probe
+from fleetctl.engine.gates.smoke import SmokeGate
 from fleetctl.engine.validate import SmokeOptions
 from fleetctl.vocab import ChangeState, GateStatus, HostStatus, PlanStatus
 from helpers import ledger as ledger_of
@@ -41,7 +42,8 @@ PKG = ROOT / "agent" / "fleetctl"
 
 def test_the_words_are_the_ones_json_always_had():
     assert [s.value for s in HostStatus] == ["ok", "changed", "skipped", "failed", "unreachable", "not attempted"]
-    assert json.dumps([HostStatus.NOT_ATTEMPTED, GateStatus.SKIPPED]) == '["not attempted", "skipped (no server)"]'
+    assert json.dumps([HostStatus.NOT_ATTEMPTED, GateStatus.SKIPPED]) == '["not attempted", "skipped"]'
+    assert [s.value for s in GateStatus] == ["passed", "failed", "skipped"]  # words; a skipped gate's reason beside
     assert f"{HostStatus.CHANGED}={1}" == "changed=1" and str(ChangeState.ROLLED_BACK) == "rolled-back"
     assert {PlanStatus(p).host_status for p in ("change", "ok", "skipped", "failed")} == \
         {HostStatus.CHANGED, HostStatus.OK, HostStatus.SKIPPED, HostStatus.FAILED}
@@ -95,7 +97,7 @@ def sha(b: bytes) -> str:
 def write_change(path: Path, new: str, cid: str, facts: dict, **kw) -> Change:
     old = path.read_bytes()
     return Change(cid, "test", [{"path": str(path), "pre_sha256": sha(old), "post_sha256": sha(new.encode()),
-                                 "new_text": new}], facts, str(path.parent), smoke=False, **kw)
+                                 "new_text": new}], facts, str(path.parent), **kw)
 
 
 def run_one(host, job):
@@ -116,7 +118,7 @@ def test_a_change_that_passes_its_checks_is_applied_and_its_handler_runs(tmp_pat
 
     r = run_one(host, change_job(str(state), work))
     assert (r.status, r.error, r.data["change_id"]) == (HostStatus.CHANGED, None, "c-ok")
-    assert r.data["validation"] == {"status": "skipped (no server)"}
+    assert r.data["validation"] == {"status": "skipped", "reason": "no server"}
     assert target.read_text() == "X = 2\n" and marker.read_text() == "ran\n"
     assert ledger_of.in_dir(state)["c-ok"] == ChangeState.APPLIED
 
@@ -228,7 +230,7 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
             change = write_change(target, "X = 2\n", "c-l13", {"servers": [{"pid": server.pid, "port": port}]},
                                   handlers=[handler],
                                   checks=lambda: ["a check failed"])
-            change.smoke = True
+            change.gates = [SmokeGate()]
             return execute(ctx, res, change, opts)
 
         with Fleet(Settings(), forks=1, timeout=300) as fleet:  # the baseline keeps the 120 s rollback reserve

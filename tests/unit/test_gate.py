@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetctl.engine import gate
+from fleetctl.engine.gates import smoke as gate
 from fleetctl.vocab import GateStatus
 
 
@@ -126,12 +126,15 @@ def test_passing_message_lists_every_check():
                            "127.0.0.1:30000 latency passed: median e2e_latency 1.0000 s vs baseline 1.0000 s "
                            "(1.00x, within 1.25x)")
     assert res.to_dict()["status"] == "passed" and len(res.to_dict()["checks"]) == 2
+    # the shape the golden outputs hold ("validation" of apply and deploy): a reason only when skipped
+    assert list(res.to_dict()) == ["status", "checks", "message", "token_drift"]
 
 
 def test_skipped_offline_and_missing_offline():
     empty = result()
     skipped = gate.compare(empty, empty)
     assert skipped.status == GateStatus.SKIPPED and skipped.skipped and not skipped.passed and not skipped.failed
+    assert skipped.reason == "no server" and list(skipped.to_dict())[:2] == ["status", "reason"]
     assert skipped.message == "validation: skipped (no server and no offline check)" and skipped.checks == []
     ok = {"ok": True, "cmd": "true", "returncode": 0, "duration_s": 0.1, "tail": ["fine"]}
     res = gate.compare(result(offline=ok), result(offline=ok))

@@ -30,6 +30,12 @@ LAB_IMPORTERS = {"fleetctl.cli.lab"}
 # (which send requests, build or write, reading facts to do so). None of the upper three imports
 # another.
 PROBE_LAYERS = {"": 0, "facts": 1, "traffic": 2, "kernel": 2, "change": 2}
+# engine/ has one sub-room, gates/ (the validation gates: the Gate protocol and its smoke, load and
+# route gates). Its modules use the engine modules below it (context, validate, load, ...); of the
+# engine's own modules only the change engine and the two commands that arm gates import it, and
+# it imports none of those three.
+GATES = "fleetctl.engine.gates"
+GATE_USERS = {"fleetctl.engine.changes", "fleetctl.engine.apply", "fleetctl.engine.deploy"}
 
 
 def module_name(path: Path) -> str:
@@ -136,6 +142,29 @@ def test_probe_rooms_import_down_and_never_sideways():
              for t in ts if room(t) == "probes"]
     assert {probe_room(m) for m in modules() if room(m) == "probes"} <= set(PROBE_LAYERS)
     assert sorted(e for a, b, e in edges if a != b and PROBE_LAYERS[b] >= PROBE_LAYERS[a]) == []
+
+
+def in_gates(module: str) -> bool:
+    return module == GATES or module.startswith(GATES + ".")
+
+
+def gate_arrows(g: dict[str, set[str]]) -> list[str]:
+    """The imports that break the engine's gates rule (GATES, GATE_USERS): an engine module other
+    than GATE_USERS that imports gates/, and gates/ importing one of GATE_USERS."""
+    engine = {m for m in g if room(m) == "engine"}
+    return sorted([f"{m} -> {t}" for m in engine - GATE_USERS if not in_gates(m) for t in g[m] if in_gates(t)]
+                  + [f"{m} -> {t}" for m in engine if in_gates(m) for t in g[m] if t in GATE_USERS])
+
+
+def test_only_the_change_engine_and_its_commands_import_the_gates_and_the_gates_import_neither():
+    g = graph()
+    assert {GATES, GATES + ".smoke", GATES + ".load", GATES + ".route"} <= set(g)
+    assert gate_arrows(g) == []
+    # the rule catches both directions
+    assert gate_arrows({"fleetctl.engine.measure": {GATES + ".smoke"}, GATES + ".route": {"fleetctl.engine.deploy"},
+                        "fleetctl.engine.apply": {GATES}, GATES: set(), GATES + ".smoke": set(),
+                        "fleetctl.engine.deploy": set()}) == [
+        f"{GATES}.route -> fleetctl.engine.deploy", f"fleetctl.engine.measure -> {GATES}.smoke"]
 
 
 @pytest.mark.parametrize("g,want", [

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from fleetctl.engine import load as gate
-from fleetctl.engine.load import LoadOptions, compare_load, load_options
+from fleetctl.engine.gates.load import compare_load
+from fleetctl.engine.load import LoadOptions, load_options
+from fleetctl.engine.validate import load_problems
 from fleetctl.probes.traffic import load
 from fleetctl.vocab import GateStatus
 from fleetctl.wheels import ensure_wheel
@@ -371,9 +373,9 @@ def test_a_gate_that_asked_for_load_fails_closed():
     assert compare_load([{"servers": []}], {"servers": []}, LoadOptions())[0].status == GateStatus.SKIPPED
     gone = run(output_throughput=None)
     assert verdict(gone)[0]["load-throughput"] is False
-    assert gate.load_problems(nr) == ["load 127.0.0.1:30000: not run: no SGLang benchmark client runs here: x"]
-    assert gate.load_problems(run(failed=2, completed=6)) == ["load 127.0.0.1:30000: 2 of 8 requests failed"]
-    assert gate.load_problems({"servers": [], "refused": [{"pid": 3, "host": "0.0.0.0", "port": 1, "reason": "r"}]}) == [
+    assert load_problems(nr) == ["load 127.0.0.1:30000: not run: no SGLang benchmark client runs here: x"]
+    assert load_problems(run(failed=2, completed=6)) == ["load 127.0.0.1:30000: 2 of 8 requests failed"]
+    assert load_problems({"servers": [], "refused": [{"pid": 3, "host": "0.0.0.0", "port": 1, "reason": "r"}]}) == [
         "no server to load (nothing sent): pid 3 (claims 0.0.0.0:1): r"]
 
 

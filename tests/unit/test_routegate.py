@@ -1,7 +1,8 @@
-"""The route gate's control side (engine/routegate.py): its checks over recorded and hand-built
-route check answers (probes/traffic/routecheck.py shapes), the baseline that refuses a host, where the
-playbook asks for it, and its place in the change engine (baseline before the write, the gate
-after the smoke gate passed, its failure a rollback)."""
+"""The route gate's control side (engine/gates/route.py): its checks over recorded and hand-built
+route check answers (probes/traffic/routecheck.py shapes), the build the evidence must show (the
+one just activated, of the package deployed), the baseline that refuses a host, where the
+playbook and deploy ask for it, and its place in the change engine (baseline before the write,
+the gate after the smoke gate passed, its failure a rollback)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from pathlib import Path
 import pytest
 
 from fleetctl import inventory
-from fleetctl.engine import changes, routegate
+from fleetctl.engine import changes
 from fleetctl.engine.changes import Change, ChangeOptions, execute
 from fleetctl.engine.context import HostContext, HostResult
-from fleetctl.engine.gate import GateResult
-from fleetctl.engine.routegate import RouteOptions, compare_route, expected_ranks, route_problems
+from fleetctl.engine.gates import GateResult
+from fleetctl.engine.gates import route as routegate
+from fleetctl.engine.gates import smoke as smokegate
+from fleetctl.engine.gates.route import RouteGate, RouteOptions, compare_route, expected_ranks, route_problems
+from fleetctl.engine.gates.smoke import SmokeGate
 from fleetctl.errors import HostFailed
 from fleetctl.probes.traffic import routecheck
 from fleetctl.vocab import GateStatus, HostStatus
@@ -26,6 +30,9 @@ from fleetctl.vocab import GateStatus, HostStatus
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "route"
 N = 6
+KEY = "1a2b3c4d5e6f" + "0" * 52  # the build key just activated
+GATE = RouteGate("verify_attention", KEY)
+BUILD = GATE.build  # what the hook names as its "build": PUBLIC/verify_attention/KEY
 
 
 def prompt(name, ids=None, lps=None, gaps=None, verify=3, tokens=None, chars=100, error=None):
@@ -39,8 +46,8 @@ def prompt(name, ids=None, lps=None, gaps=None, verify=3, tokens=None, chars=100
             "error": error}
 
 
-def rec(pid, eager=0, captured=(), start=1000, fallbacks=None):
-    return {"pid": pid, "uid": 0, "start_time": start, "build": "/p/k", "module": "/p/k/build/m.so",
+def rec(pid, eager=0, captured=(), start=1000, fallbacks=None, build=BUILD):
+    return {"pid": pid, "uid": 0, "start_time": start, "build": build, "module": f"{build}/build/m.so",
             "captured": list(captured), "captured_total": len(captured), "eager_routed": eager,
             "fallbacks": fallbacks or {}, "written": 1.0, "trigger": "eager"}
 
@@ -69,8 +76,8 @@ def answer(*servers, refused=()):
 BASE = answer(server(before=[entry(7, state="missing")], after=[entry(7, state="missing")]))
 
 
-def verdict(after, base=BASE, **opts) -> tuple[dict, GateResult]:
-    r = compare_route(base, after, RouteOptions(**opts))
+def verdict(after, base=BASE, build=BUILD, **opts) -> tuple[dict, GateResult]:
+    r = compare_route(base, after, RouteOptions(**opts), build=build)
     return {c.name: c for c in r.checks}, r
 
 
@@ -184,6 +191,36 @@ def test_a_capture_of_the_servers_draft_width_counts_as_routed():
     assert verdict(answer(server(before=[], after=[entry(7, captured=zero)])))[1].failed
 
 
+def test_evidence_of_another_kernel_package_or_another_build_fails_the_ranks():
+    """The gate is given the package and build key just activated: a rank whose evidence names
+    another package's build (a second kernel package deployed on a host the verify_attention hook
+    routes) or another build of the same package (the one active before) counts for nothing,
+    however much it routed."""
+    routed_va = answer(server(after=[entry(7, eager=8)]))  # the hook routed verify_attention's KEY
+    assert verdict(routed_va)[1].passed
+    other_pkg = RouteGate("paged_attention", "9f" * 32)
+    c, r = verdict(routed_va, build=other_pkg.build)
+    assert r.failed and not c["ranks"].passed and "0 of 1 expected ranks" in c["ranks"].detail
+    assert (f"pid 7 serves build {BUILD}, not /var/lib/fleetctl-kernels/paged_attention/{'9f' * 32} "
+            "(eager_routed 0 -> 8)") in c["ranks"].detail
+    assert all(x.passed for n, x in c.items() if n != "ranks")  # the tokens are the same: only the build tells
+    previous = RouteGate("verify_attention", "0" * 64)
+    c, r = verdict(routed_va, build=previous.build)
+    assert r.failed and f"pid 7 serves build {BUILD}, not {previous.build}" in c["ranks"].detail
+    # two ranks, one of them still on the previous build (a process the restart did not replace)
+    mixed = answer(server(info={"tp_size": 2}, before=[entry(7), entry(8)],
+                          after=[entry(7, eager=4), entry(8, eager=4, build=previous.build)]))
+    c, r = verdict(mixed)
+    assert r.failed and "1 of 2 expected ranks" in c["ranks"].detail and f"pid 8 serves build {previous.build}" in \
+        c["ranks"].detail
+    # a rank that did not route and names another build says why it counts for nothing, with its fallbacks
+    idle = answer(server(after=[entry(7, eager=0, build=previous.build, fallbacks={"shape not enabled": 3})]))
+    assert "(fallbacks 'shape not enabled' x3)" in verdict(idle)[0]["ranks"].detail
+    # no build active when the change was planned: nothing it routes can be checked
+    c, r = verdict(routed_va, build=RouteGate("verify_attention", None).build)
+    assert r.failed and "no build of the routed kernel was active" in c["ranks"].detail
+
+
 def test_expected_ranks_follow_the_parallel_layout():
     assert expected_ranks({"tp_size": 2, "pp_size": 1, "dp_size": 2, "enable_dp_attention": False, "nnodes": 1}) == 4
     assert expected_ranks({"tp_size": 2, "pp_size": 1, "dp_size": 2, "enable_dp_attention": True, "nnodes": 1}) == 2
@@ -241,7 +278,8 @@ def test_a_missing_or_failed_side_is_one_check():
     assert r.failed and list(c) == ["server"] and "missing after the change" in c["server"].detail
     c, r = verdict(answer(server(ok=False, error="fox: /generate answered HTTP 500", info=None)))
     assert r.failed and "route run" in c and "HTTP 500" in c["route run"].detail
-    assert compare_route(answer(), answer()).status == GateStatus.SKIPPED
+    skipped = compare_route(answer(), answer(), build=BUILD)
+    assert (skipped.status, skipped.reason) == (GateStatus.SKIPPED, "no server")
 
 
 def test_a_failing_baseline_is_named_and_refuses_the_host():
@@ -258,14 +296,16 @@ def test_a_failing_baseline_is_named_and_refuses_the_host():
 def test_recorded_probe_answers_pass_and_a_broken_kernels_fail():
     """Answers recorded from the route check probe (main) against test_routecheck.Fake, a speculating
     SGLang-shaped server whose hook evidence grows per request, and one whose tokens shift from
-    position 5 (tests/golden/route; ports set to 30000)."""
+    position 5 (tests/golden/route; ports set to 30000), their hook evidence naming build k of
+    package x."""
     base = json.loads((GOLDEN / "baseline.json").read_text())
     routed = json.loads((GOLDEN / "routed.json").read_text())
     broken = json.loads((GOLDEN / "broken.json").read_text())
     assert route_problems(base) == []
-    c, r = verdict(routed, base)
+    c, r = verdict(routed, base, build=RouteGate("x", "k").build)
     assert r.passed, r.message
-    c, r = verdict(broken, base)
+    assert verdict(routed, base, build=RouteGate("x", "k2").build)[1].failed  # another build than the one recorded
+    c, r = verdict(broken, base, build=RouteGate("x", "k").build)
     assert r.failed and not c["tokens"].passed and "differ" in c["tokens"].detail
 
 
@@ -314,21 +354,22 @@ class Probe:
 
         smoke_res = {"servers": [{"host": "127.0.0.1", "port": 30000, "ok": True}], "refused": [], "offline": None}
         monkeypatch.setattr(changes, "change_probe", change_probe)
-        monkeypatch.setattr(changes, "smoke", lambda *a, **k: smoke_res)
-        monkeypatch.setattr(changes, "smoke_problems", lambda res: [])
+        monkeypatch.setattr(smokegate, "smoke", lambda *a, **k: smoke_res)
+        monkeypatch.setattr(changes, "smoke", lambda *a, **k: smoke_res)  # the health check after a rollback
+        monkeypatch.setattr(smokegate, "smoke_problems", lambda res: [])
         monkeypatch.setattr(changes, "run_handlers", lambda ctx, hs: [{"name": h["name"], "exit_code": 0} for h in hs])
-        monkeypatch.setattr(changes, "gate", lambda *a: GateResult(GateStatus.PASSED if smoke_ok else GateStatus.FAILED,
-                                                                  message="" if smoke_ok else "tokens differ"))
+        monkeypatch.setattr(smokegate, "gate", lambda *a: GateResult(GateStatus.PASSED if smoke_ok else GateStatus.FAILED,
+                                                                    message="" if smoke_ok else "tokens differ"))
         monkeypatch.setattr(routegate, "run_route", run_route)
 
 
-def run_change(tmp_path, route=RouteOptions()):
+def run_change(tmp_path, route=GATE, handlers=({"name": "restart sglang", "command": "true"},)):
     (tmp_path / "hosts.yaml").write_text("all:\n  hosts:\n    here:\n      ansible_connection: local\n")
     host = inventory.load(tmp_path / "hosts.yaml").select("here")[0]
     ctx = HostContext(host, None, time.monotonic() + 600)
     facts = {"servers": [{"pid": 7, "port": 30000, "host": "127.0.0.1", "python": "/usr/bin/python3"}]}
-    change = Change("c1", "route-verify-attention", [], facts, "/x", [{"name": "restart sglang", "command": "true"}],
-                    route=route)
+    change = Change("c1", "route-verify-attention", [], facts, "/x", list(handlers),
+                    gates=[SmokeGate()] + ([route] if route is not None else []))
     return execute(ctx, HostResult("here", "local", HostStatus.OK), change, ChangeOptions())
 
 
@@ -338,6 +379,10 @@ def test_the_engine_takes_the_baseline_before_the_write_and_commits_a_passing_ga
     assert (r.status, p.actions, p.routes) == (HostStatus.CHANGED, ["apply", "commit"], 2)
     assert r.data["route_gate"]["status"] == "passed" and r.data["route_gate"]["runs"]["after"]["servers"]
     assert {c["name"] for c in r.data["route_gate"]["checks"]} == set(routegate.CHECKS)
+    # the shape of the golden outputs' "route_gate": the options as they were, no reason when it ran
+    assert list(r.data["route_gate"]) == ["status", "checks", "message", "token_drift", "options", "runs"]
+    assert list(r.data["route_gate"]["options"]) == ["max_new_tokens", "long_tokens", "logprob_tolerance",
+                                                     "near_tie", "accept_tolerance", "health_timeout"]
 
 
 def test_the_engine_rolls_back_a_failing_gate(tmp_path, monkeypatch):
@@ -347,6 +392,22 @@ def test_the_engine_rolls_back_a_failing_gate(tmp_path, monkeypatch):
     assert (r.status, p.actions) == (HostStatus.FAILED, ["apply", "rollback"])
     assert r.error.startswith("rolled back: route gate failed: 127.0.0.1:30000 ranks FAILED: 0 of 1 expected ranks")
     assert r.data["rolled_back"] is True and r.data["route_gate"]["status"] == "failed"
+
+
+def test_a_second_kernel_package_on_a_hooked_host_fails_its_route_gate_and_is_rolled_back(tmp_path, monkeypatch):
+    """Deploy arms the route gate of the package it activates on a host whose install has the hook
+    (kbuild state's "hooked"); the hook routes verify_attention's build, so the evidence after the
+    restart names that build, not the new package's: the gate fails and the activation is put back."""
+    from fleetctl.engine.deploy import DeployOptions, deploy_gates
+
+    other_key = "9f" * 32
+    gates = deploy_gates("paged_attention", other_key, True, DeployOptions())
+    assert [g.name for g in gates] == ["validation", "route_gate"] and gates[1] == RouteGate("paged_attention", other_key)
+    assert [g.name for g in deploy_gates("paged_attention", other_key, False, DeployOptions())] == ["validation"]
+    p = Probe(monkeypatch, [BASE, answer(server())])  # the hook routed verify_attention's build (BUILD)
+    r = run_change(tmp_path, route=gates[1])
+    assert (r.status, p.actions, r.data["route_gate"]["status"]) == (HostStatus.FAILED, ["apply", "rollback"], "failed")
+    assert f"pid 7 serves build {BUILD}, not /var/lib/fleetctl-kernels/paged_attention/{other_key}" in r.error
 
 
 def test_the_engine_refuses_a_host_whose_baseline_fails_and_writes_nothing(tmp_path, monkeypatch):
@@ -367,10 +428,31 @@ def test_no_route_gate_after_a_failed_smoke_gate_nor_without_the_step(tmp_path, 
     assert (r.status, p.routes) == (HostStatus.CHANGED, 0) and "route_gate" not in r.data
 
 
-def test_apply_asks_for_the_gate_where_the_plan_has_the_step():
-    from fleetctl.engine import apply
-    src = (ROOT / "agent" / "fleetctl" / "engine" / "apply.py").read_text()
-    assert 'route=RouteOptions() if "route" in steps else None' in src and apply.RouteOptions is RouteOptions
+def test_a_change_that_restarts_nothing_skips_every_server_gate_by_one_rule(tmp_path, monkeypatch):
+    """No handler: the baselines were taken (a failing one would have refused the host), then
+    every gate that judges a server says skipped (not restarted) and nothing is run after the write."""
+    p = Probe(monkeypatch, [BASE])
+    r = run_change(tmp_path, handlers=())
+    assert (r.status, p.actions, p.routes) == (HostStatus.CHANGED, ["apply", "commit"], 1)
+    not_restarted = {"status": "skipped", "reason": "not restarted: no fleetctl_restart_cmd"}
+    assert r.data["validation"] == r.data["route_gate"] == not_restarted
+
+
+def test_apply_arms_the_gates_of_the_plans_steps_with_the_build_the_hook_routes():
+    """The playbook's route step gates the build the verify_attention_route finding's `current`
+    names (the install's, read when the change was planned); the smoke step its own offline command."""
+    from types import SimpleNamespace
+
+    from fleetctl.engine.apply import change_gates
+    from fleetctl.engine.playbook import load_playbook
+
+    pb = load_playbook(ROOT / "playbooks" / "route-verify-attention.yaml")
+    plan = SimpleNamespace(validate=[{"step": "compile"}, {"step": "smoke", "offline": "true"}, {"step": "route"}])
+    inst = {"verify_attention_route": {"kernel": {"active": True, "current": KEY}}}
+    gates = change_gates(pb, plan, inst, ChangeOptions())
+    assert gates == [SmokeGate("true", []), RouteGate("verify_attention", KEY)] and gates[1].build == BUILD
+    plan.validate = [{"step": "smoke"}]
+    assert change_gates(pb, plan, inst, ChangeOptions()) == [SmokeGate()]
 
 
 def test_the_report_shows_each_check(tmp_path):
@@ -379,7 +461,7 @@ def test_the_report_shows_each_check(tmp_path):
     from rich.console import Console
 
     from fleetctl.report import gates as report
-    data = {"route_gate": {**compare_route(BASE, answer(server(after=[entry(7)]))).to_dict()}}
+    data = {"route_gate": {**compare_route(BASE, answer(server(after=[entry(7)])), build=BUILD).to_dict()}}
     out = io.StringIO()
     report.render_route_gate([HostResult("here", "local", HostStatus.FAILED, data=data),
                               HostResult("other", "x", HostStatus.CHANGED, data={"route_gate": {"status": "skipped"}})],

@@ -7,7 +7,7 @@ GPUs are also computed by SGLang's own rank arithmetic executed from the release
 weight_cache/protocol.py, and the data parallel offset `launch_dp_schedulers` adds, evaluated from
 each release's data_parallel_controller.py). The facts probe's reading of running processes
 (procs.find_servers) is checked on real processes with those command lines; the gate of a
-non-zero-rank node (engine/validate.gate) on smoke results of its shapes, and how the apply table
+non-zero-rank node (engine/gates/smoke.gate) on smoke results of its shapes, and how the apply table
 says it."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from rich.console import Console
 
 from fleetctl.report.terminal import render_apply
 from fleetctl.engine.context import HostResult
-from fleetctl.engine.validate import RANK0_ABSENT, SmokeOptions, gate, gate_note, smoke_problems
+from fleetctl.engine.gates.smoke import gate, gate_note
+from fleetctl.engine.validate import RANK0_ABSENT, SmokeOptions, smoke_problems
 from fleetctl.inventory import Host
 from fleetctl.probes.facts import procs, topology
 from fleetctl.vocab import HostStatus
@@ -163,7 +164,7 @@ def test_the_facts_probe_reads_each_kind_from_running_servers(running):
     assert got["rank1"]["gpu_ids"] == [str(n) for n in range(8)]
 
 
-# ---- the gate of a non-zero-rank node (engine/validate.gate), on smoke results of their shapes
+# ---- the gate of a non-zero-rank node (engine/gates/smoke.gate), on smoke results of their shapes
 
 def decoded(ids=(5, 6, 7), e2e=0.01, host="127.0.0.1"):
     """A decoded server's smoke result (probes/smoke.smoke_server), the fields the gate reads."""

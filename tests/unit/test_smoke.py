@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from fleetctl.engine import gate
+from fleetctl.engine.gates import smoke as gate
 from fleetctl.lab import standin
 from fleetctl.probes.facts import procs
 from fleetctl.probes.traffic import smoke
@@ -170,8 +170,9 @@ def test_gate_skipped_without_server_is_not_passed():
     empty = smoke.main({})
     res = gate.compare(empty, empty)
     assert res.skipped and not res.passed and not res.failed
-    assert res.status == "skipped (no server)"
-    assert res.to_dict()["status"] == "skipped (no server)"
+    assert (res.status, res.reason) == ("skipped", "no server")
+    assert res.to_dict() == {"status": "skipped", "reason": "no server", "checks": [],
+                             "message": "validation: skipped (no server and no offline check)", "token_drift": False}
 
 
 def test_gate_offline_only():

@@ -333,7 +333,7 @@ def deploy_kernel(opts: FleetOptions,
     publish it, activate it and its dispatch table (--route) atomically, validate (with --gate
     load, also under load: the report shows the speedup), and switch back on failure."""
     from ..engine.deploy import DeployOptions, run_deploy
-    from ..engine.dispatch import parse_route
+    from ..engine.dispatch import RouteError, parse_route
     from ..engine.kernelpkg import BACKENDS, load_package
     from ..paths import project_dir
 
@@ -342,7 +342,10 @@ def deploy_kernel(opts: FleetOptions,
     if backend not in (None, *BACKENDS):
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     _positive(build_timeout=build_timeout, timeout=opts.timeout)
-    routes = parse_route(route)
+    try:
+        routes = parse_route(route)
+    except RouteError as e:  # the engine's reason; the flag is the CLI's to name
+        raise UsageError(f"--route {e}" if e.spec is not None else f"--route: {e}") from None
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     load_gate, load_given, lo = _gate_load(
         gate, None, concurrency=load_concurrency, num_prompts=load_prompts, input_len=load_input_len,
@@ -382,8 +385,7 @@ def renderer(command: str, doc: dict, diff: bool = False):
         if command == "validate":
             gates.render_load(results, console)
         if command in ("apply", "deploy kernel"):
-            gates.render_load_gate(results, console)
-            gates.render_route_gate(results, console)
+            gates.render_gates(results, console)
         for p in doc.get("patches") or []:
             console.print(text(f"patch written: {p}"))
 

@@ -125,8 +125,9 @@ def replay_trace(allocator_replay: bool, pool: int | None, concurrency: int | No
         raise UsageError(why)
     return given
 
-# Validation under load (engine/load.py, probes/traffic/load.py): validate --load, and the load gate of
-# apply and deploy kernel (--gate load[:PROFILE], or a playbook's load step) with its tolerances.
+# Validation under load (engine/load.py, probes/traffic/load.py): validate --load, and the load gate
+# (engine/gates/load.py) of apply and deploy kernel (--gate load[:PROFILE], or a playbook's load step)
+# with its tolerances.
 LoadOpt = Annotated[Optional[str], typer.Option("--load", metavar="PROFILE", help=(
     "After the smoke decode, run SGLang's own benchmark client (the server's install and interpreter) "
     "against each server: smoke (seconds), steady, or pressure (sized from the server's max_total_num_tokens)."))]

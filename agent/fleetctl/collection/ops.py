@@ -5,7 +5,7 @@ module, then call in here to turn Ansible's task vars into a fleetctl `Host`, pl
 fleetctl's own planner and the playbook's templates (apply.plan_installs, the same code as
 `fleetctl apply`), shape the plan into the change module's argument and the result into
 Ansible's (changed, diff as fleetctl's own unified diffs), and gate a smoke decode against a
-baseline (validate.gate), and keep the play's lease on fleetctl's host lock (the lock module,
+baseline (engine/gates/smoke.gate), and keep the play's lease on fleetctl's host lock (the lock module,
 run through the plugin's own `run`). Running modules stays in the plugins.
 """
 
@@ -30,7 +30,8 @@ from ..engine.kernelpkg import KernelPackage, load_package
 from ..paths import find_playbook, project_dir
 from ..engine.playbook import Playbook, load_playbook
 from ..engine.plan import HostPlan
-from ..engine.validate import SmokeOptions, gate, smoke_targets
+from ..engine.gates.smoke import gate
+from ..engine.validate import SmokeOptions, smoke_targets
 from ..vocab import PlanStatus
 
 LOCK = "fleetctl.sglang.lock"
@@ -175,7 +176,7 @@ def settle_lease(run: Callable[[str, dict], dict], fact: dict, failed: bool, pen
 
 
 def gate_verdict(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> dict:
-    """The validation gate of `after` against `baseline` (validate.gate): its to_dict(), with
+    """The validation gate of `after` against `baseline` (gates.smoke.gate): its to_dict(), with
     "failed" (bool) and "message"."""
     verdict = gate(host, baseline, after, opts)
     return {**verdict.to_dict(), "failed": verdict.failed, "message": verdict.message}
@@ -211,8 +212,8 @@ def kernel_route(route: Any) -> str | list[str] | None:
         raise UsageError(f"route: expected all or a list of {dispatch.SHAPE_FORM}, not {route!r}")
     try:
         return dispatch.parse_route(specs)
-    except UsageError as e:
-        raise UsageError("route: " + str(e).removeprefix("--route").lstrip(": ")) from None  # the task's, not the CLI's
+    except dispatch.RouteError as e:
+        raise UsageError(f"route: {e}") from None  # the task's argument, as the CLI names its flag
 
 
 def kernel_table(pkg: KernelPackage, key: str, backend: str, route: str | list[str] | None) -> dict:

@@ -5,9 +5,9 @@ data); how a change is written, validated, committed or rolled back is the chang
 (changes.py), the same for kernel deploys. Per host, under the host's lock: recover a change a
 killed run left pending -> gather facts with sources -> plan each selected install (every
 install a server runs from, or --install ID) -> (the plans must be the ones the operator
-confirmed) -> per install, changes.execute: baseline smoke, write ("pending"), handlers, checks
-(compile, reinspect), smoke gate, load gate (when the playbook or --gate load asks), route gate
-(the playbook's route step: engine/routegate.py) -> "applied",
+confirmed) -> per install, changes.execute with the plan's gates (change_gates): baselines, write
+("pending"), handlers, checks (compile, reinspect), smoke gate, load gate (when the playbook or
+--gate load asks), route gate (the playbook's route step: engine/gates/route.py) -> "applied",
 or rollback to the byte-identical originals (and then the installs changed before it in this run
 are rolled back too).
 
@@ -25,21 +25,25 @@ from typing import Callable, TypedDict
 
 from ..connection import Connection
 
-from .changes import Change, ChangeOptions, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
+from .changes import Change, ChangeOptions, FileWrite, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
 from ..config import CHECK_TIMEOUT_S, RESTART_CMD
 from ..errors import HostFailed
 from .context import HostContext, HostResult
 from .fleet import Fleet, parse_serial
 from .containers import LASTS
 from .gather import find_install, gather, install_errors, install_facts, not_inspected
+from .gates import Gate
+from .gates.load import LoadGate
+from .gates.route import RouteGate
+from .gates.smoke import SmokeGate
 from .load import LoadOptions, load_options
-from .routegate import RouteOptions
 from .patches import exportable
 from ..inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
 from .playbook import Playbook
 from ..probes import redact
 from ..probes.facts import topology
+from ..probes.facts.verifyroute import PACKAGE as ROUTED_PACKAGE
 from .validate import Rank0
 from ..vocab import HostStatus, PlanStatus
 
@@ -352,6 +356,27 @@ def change_load(playbook: Playbook, steps: set[str], opts: ChangeOptions) -> Loa
     return load_options(declared or {}, opts.load_settings)
 
 
+def change_gates(playbook: Playbook, plan: HostPlan, inst: dict | None, opts: ChangeOptions,
+                 rank0: list[Rank0] | None = None) -> list[Gate]:
+    """The gates of a change planned as `plan` for install `inst`, in the order they run: the
+    smoke gate (the plan's smoke step: its offline command; `rank0`, where the host's non-zero-rank
+    nodes are decoded), the load gate (change_load), the route gate (the route step: the build
+    the route-verify-attention hook routes, the verify_attention_route finding's package and the
+    key its `current` names). Raises ValueError (change_load)."""
+    steps = {v["step"] for v in plan.validate}
+    gates: list[Gate] = []
+    if "smoke" in steps:
+        gates.append(SmokeGate(next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
+                               list(rank0 or [])))
+    load = change_load(playbook, steps, opts)
+    if load is not None:
+        gates.append(LoadGate(load))
+    if "route" in steps:
+        kernel = ((inst or {}).get("verify_attention_route") or {}).get("kernel") or {}
+        gates.append(RouteGate(ROUTED_PACKAGE, kernel.get("current")))
+    return gates
+
+
 def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict | None, plan: HostPlan,
             opts: ChangeOptions, rank0s: Rank0s | None = None) -> Change:
     facts = install_facts(g, inst)
@@ -366,16 +391,14 @@ def _change(ctx: HostContext, playbook: Playbook, cid: str, g: dict, inst: dict 
                                           _vars(ctx))
         return problems
 
+    rank0 = rank0s.for_host(ctx.host, facts) if rank0s is not None and ctx.container is None else []
     return Change(
         cid, playbook.name,
-        [{"path": f.path, "pre_sha256": f.pre_sha256, "post_sha256": f.post_sha256, "new_text": f.new_text}
+        [FileWrite(path=f.path, pre_sha256=f.pre_sha256, post_sha256=f.post_sha256, new_text=f.new_text)
          for f in plan.files],
         facts, facts["sglang"].get("package_dir") or facts["sglang"]["location"], plan.handlers, checks,
-        smoke="smoke" in steps,
-        offline=next((v.get("offline") for v in plan.validate if v["step"] == "smoke"), None),
-        rollback=playbook.on_failure == "rollback", install=plan.install, load=change_load(playbook, steps, opts),
-        rank0=rank0s.for_host(ctx.host, facts) if rank0s is not None and ctx.container is None else [],
-        route=RouteOptions() if "route" in steps else None)
+        change_gates(playbook, plan, inst, opts, rank0), rollback=playbook.on_failure == "rollback",
+        install=plan.install)
 
 
 def _apply(ctx: HostContext, rec: Recovery, playbook: Playbook, change_id: str, opts: ApplyOptions,

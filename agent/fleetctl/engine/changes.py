@@ -2,19 +2,18 @@
 
 `apply.py` (playbooks) and `deploy.py` (kernel packages) decide *what* to change, as data: a
 `Change` (ledger entries for files or links, the handlers to notify, the checks to run after the
-write, whether to smoke-test). This module is *how*, the same for both (as pyinfra's
+write, the gates to pass: engine/gates). This module is *how*, the same for both (as pyinfra's
 `api/operation.py` runs what `operations/` yield):
 
     change_job(state_dir, work)      the host's lock (flock on the host, held over the connection
                                      for the whole job) -> recover -> work(ctx, recovery)
     recover                          undo changes a killed run left "pending"; restart SGLang
-    execute(ctx, result, change)     baseline smoke (a failing one refuses the host), the load
-                                     gate's baseline (engine/load.py; likewise) -> write,
-                                     ledger "pending" -> validate_change
+    execute(ctx, result, change)     each gate's baseline (gates.take_baselines: one that fails
+                                     refuses the host) -> write, ledger "pending" -> validate_change
                                      -> settle; a connection lost from the write on -> put_back
     put_back                         one reconnect, then finish by the ledger's state (roll back)
-    validate_change                  handlers -> checks -> smoke gate against the baseline
-                                     -> load gate (the same load run, compared with its baseline)
+    validate_change                  handlers -> checks -> the gates, in order, each against its
+                                     baseline (gates.judge)
     settle                           ledger "applied", or rollback (byte-identical) + handlers again
 
 Everything that runs on the host is an action of the `change` probe (probes/change/actions.py) sent
@@ -31,7 +30,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple, TypedDict, Union
 
 from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
 from ..connection import LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
@@ -40,12 +39,10 @@ from .context import HostContext, HostResult
 from . import containers
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
-from .load import LoadOptions, load_baselines, load_gate
-from .routegate import RouteOptions, route_baseline, route_gate
+from .gates import SMOKE, Gate, GateRun, judge, take_baselines
 from ..probes import redact
-from .validate import (Rank0, SmokeOptions, gate, gate_note, rank0_smoke, server_problems, smoke, smoke_problems,
-                       smoke_targets)
-from ..vocab import ChangeState, GateStatus, HostStatus
+from .validate import SmokeOptions, server_problems, smoke, smoke_targets
+from ..vocab import ChangeState, HostStatus
 
 RESTART_HANDLER = "restart sglang"
 # What Ctrl-C and the run deadline say about a host stopped while a change job was in progress.
@@ -194,92 +191,83 @@ def change_job(state_dir: str, work: Callable[[HostContext, Recovery], HostResul
 
 # ---- one change: write, validate, settle ---------------------------------------------------
 
+class FileWrite(TypedDict):
+    """A file a change writes (probes/change/actions.py `apply`): its new text, over the content
+    of sha256 `pre_sha256` (None: the file must not exist), giving `post_sha256`."""
+
+    path: str
+    pre_sha256: str | None
+    post_sha256: str
+    new_text: str
+
+
+class LinkSwap(TypedDict):
+    """A symbolic link a change points from `pre_target` (None: no link there) to `post_target`."""
+
+    path: str
+    kind: Literal["link"]
+    pre_target: str | None
+    post_target: str
+
+
+ApplyEntry = Union[FileWrite, LinkSwap]
+
+
 @dataclass
 class Change:
     """One change to one host, as data (what apply and deploy hand to `execute`).
 
-    files: probes/change/actions.py apply entries ({"path", "pre_sha256", "post_sha256", "new_text"} or
-    {"path", "kind": "link", "pre_target", "post_target"}); label: the ledger's "playbook" field;
-    handlers: [{"name", "command", "wait_for_health_s"?}] run after the write and after a rollback;
-    checks: () -> [problem] run after the handlers; smoke: take a baseline and gate on it;
-    offline: an offline smoke command (None: the host's fleetctl_smoke_cmd); facts: the host's
-    facts (interpreter, servers); rollback: False keeps a change that fails validation
-    (playbook on_failure: keep); install: the install id the ledger entry is for; root: the
-    directory every file must lie in (links resolved; the install's package directory, or the
-    kernels dir), on a network file system only when the host's fleetctl_shared_tree says so;
-    load: the load gate's settings (engine/load.py), None for no load gate; rank0: where the
-    host's non-zero-rank nodes are decoded (validate.Rank0: rank 0 on another host of the run;
-    none: their gate is their /health alone, validate.RANK0_ABSENT); route: the route gate's
-    settings (engine/routegate.py: its baseline before the write, the gate after the smoke and
-    load gates passed), None for no route gate."""
+    files: the change probe's apply entries (FileWrite, LinkSwap); label: the ledger's
+    "playbook" field; handlers: [{"name", "command", "wait_for_health_s"?}] run after the write
+    and after a rollback; checks: () -> [problem] run after the handlers; gates: the gates to
+    pass after them (engine/gates: each takes its baseline before the write and judges after
+    the checks, in this order; the smoke gate first); facts: the host's facts (interpreter,
+    servers); rollback: False keeps a change that fails validation (playbook on_failure: keep);
+    install: the install id the ledger entry is for; root: the directory every file must lie in
+    (links resolved; the install's package directory, or the kernels dir), on a network file
+    system only when the host's fleetctl_shared_tree says so."""
 
     change_id: str
     label: str
-    files: list[dict]
+    files: list[ApplyEntry]
     facts: dict
     root: str
     handlers: list[dict] = field(default_factory=list)
     checks: Callable[[], list[str]] = lambda: []
-    smoke: bool = True
-    offline: str | None = None
+    gates: list[Gate] = field(default_factory=list)
     rollback: bool = True
     install: str | None = None
-    load: LoadOptions | None = None
-    rank0: list[Rank0] = field(default_factory=list)
-    route: RouteOptions | None = None
 
-
-def _with_rank0(ctx: HostContext, res: dict, change: Change, opts: SmokeOptions) -> dict:
-    """Smoke result `res` of the host with change.rank0's decodes added as "rank0"
-    (validate.rank0_smoke, each leaving ROLLBACK_RESERVE_S of the host's deadline)."""
-    if change.rank0:
-        res["rank0"] = [rank0_smoke(ctx, r0, opts, reserve=ROLLBACK_RESERVE_S) for r0 in change.rank0]
-    return res
+    @property
+    def smoke_gated(self) -> bool:
+        """Whether the change has the smoke gate (then a rollback's restart is followed by a health check)."""
+        return any(g.name == SMOKE for g in self.gates)
 
 
 def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions) -> HostResult:
-    """Write `change` and see it through: baseline smoke decode (when change.smoke), with
-    change.load the load gate's baseline (engine/load.load_baselines: a baseline that fails or
-    cannot run refuses the host), with change.route the route gate's baseline (engine/routegate.
-    route_baseline: likewise), the write (pre-image hashes checked, backups, atomic; ledger
-    "pending"), then validation and settling (validate_change, settle). A connection lost from
-    the write on is put right by put_back. Returns `result` with status changed, or failed with
-    the reason (rolled back unless change.rollback is False). Sets result.data["change_id"],
-    ["handlers"], ["validation"], ["load_gate"], ["route_gate"], ["rolled_back"]. The baseline of a non-zero-rank
-    node (which serves only /health) is its health, and rank 0's decode on its own host where
-    change.rank0 names it (a rank 0 that fails refuses the host too). Raises HostFailed (a
-    refused write or baseline: nothing changed), Unreachable (see put_back)."""
-    baseline = (_with_rank0(ctx, smoke(ctx, change.facts, opts.smoke, change.offline, reserve=ROLLBACK_RESERVE_S),
-                            change, opts.smoke)
-                if change.smoke else None)
-    refuse_failing_baseline(baseline)
-    loaded = (load_baselines(ctx, smoke_targets(ctx.host, change.facts, opts.smoke, inside=ctx.container is not None),
-                             change.facts, change.load, opts.smoke.health_timeout, reserve=ROLLBACK_RESERVE_S)
-              if change.load is not None and baseline is not None and baseline["servers"] else None)
-    routed = (route_baseline(ctx, smoke_targets(ctx.host, change.facts, opts.smoke, inside=ctx.container is not None),
-                             change.facts, change.route, opts.smoke.health_timeout, reserve=ROLLBACK_RESERVE_S)
-              if change.route is not None and baseline is not None and baseline["servers"] else None)
+    """Write `change` and see it through: each of change.gates takes its baseline
+    (gates.take_baselines, on the servers of change.facts: validate.smoke_targets; a baseline
+    that fails or cannot run refuses the host), the write (pre-image hashes checked, backups,
+    atomic; ledger "pending"), then validation and settling (validate_change, settle). A
+    connection lost from the write on is put right by put_back. Returns `result` with status
+    changed, or failed with the reason (rolled back unless change.rollback is False). Sets
+    result.data["change_id"], ["handlers"], each gate's entry (its name: "validation",
+    "load_gate", "route_gate"), ["rolled_back"]. Raises HostFailed (a refused write or
+    baseline: nothing changed), Unreachable (see put_back)."""
+    inside = ctx.container is not None
+    targets = smoke_targets(ctx.host, change.facts, opts.smoke, inside=inside) if change.gates else []
+    run = GateRun(change.facts, targets, opts.smoke)
+    armed = take_baselines(ctx, change.gates, run)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
                      operator=opts.operator, files=change.files, root=change.root,
                      shared_tree=ctx.host.shared_tree, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
-        problems = validate_change(ctx, result, change, opts.smoke, baseline, loaded, routed)
+        problems = validate_change(ctx, result, change, run, armed)
         return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
-
-
-def refuse_failing_baseline(baseline: dict | None) -> None:
-    """Raise HostFailed ("baseline smoke failed: not changing this host: <why>") when a server
-    or the offline check already fails before the change (a 401 from an --api-key server, a
-    server that is down): a change could only fail its gate and cost two restarts."""
-    if baseline is None:
-        return
-    bad = smoke_problems(baseline)
-    if bad:
-        raise HostFailed("baseline smoke failed: not changing this host: " + "; ".join(bad))
 
 
 def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOptions,
@@ -337,19 +325,16 @@ def relock(ctx: HostContext, state_dir: str):
             time.sleep(1.0)
 
 
-def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_opts: SmokeOptions,
-                    baseline: dict | None, loaded: list[dict] | None = None,
-                    routed: dict | None = None) -> list[str]:
+def validate_change(ctx: HostContext, result: HostResult, change: Change, run: GateRun,
+                    armed: list[tuple[Gate, object]]) -> list[str]:
     """After a change is written: run its handlers, `change.checks()` (-> [problem]), then the
-    smoke gate against `baseline`, then, when it passed and there are load baselines
-    (`loaded`: load_baselines), the same load run and the load gate (engine/load.load_gate),
-    then, when those passed and there is a route baseline (`routed`: routegate.route_baseline),
-    the route gate (engine/routegate.route_gate).
-    Returns the problems; any error on the way (a handler that fails, a deadline, a probe
-    crash) is a problem too, so the caller always settles the change. Smoke waits and load
-    runs leave ROLLBACK_RESERVE_S of the host's deadline for the rollback. Raises only
-    Unreachable. Sets result.data["handlers"], ["validation"] (with "gate": validate.gate_note,
-    when the host has non-zero-rank nodes), ["load_gate"] and ["route_gate"]."""
+    gates with a baseline (`armed`: gates.take_baselines), in order, each against its baseline
+    (gates.judge: until one fails; with no handler, the one rule for a server not restarted),
+    with the health wait the handlers ask for (their longest wait_for_health_s, when over
+    run.smoke's). Returns the problems; any error on the way (a handler that fails, a deadline,
+    a probe crash) is a problem too, so the caller always settles the change. Probe runs leave
+    run.reserve seconds of the host's deadline for the rollback. Raises only Unreachable. Sets
+    result.data["handlers"] and each judged gate's entry."""
     problems: list[str] = []
     handlers = change.handlers
     try:
@@ -357,45 +342,10 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, smoke_
         problems += change.checks()
         if problems:
             return problems
-        if baseline is None or (not baseline["servers"] and baseline["offline"] is None):
-            result.data["validation"] = {"status": GateStatus.SKIPPED}
-            return problems
-        if baseline["servers"] and not handlers:
-            # without a restart the server still runs the old code: its decode proves nothing
-            result.data["validation"] = {"status": GateStatus.NOT_RESTARTED}
-            if loaded is not None:
-                result.data["load_gate"] = {"status": GateStatus.NOT_RESTARTED}
-                loaded = None
-            if routed is not None:
-                result.data["route_gate"] = {"status": GateStatus.NOT_RESTARTED}
-                routed = None
-            if baseline["offline"] is None:
-                return problems
-            baseline = {"servers": [], "offline": baseline["offline"]}
         # a restart handler may ask for a longer health wait (a real server reloads its weights)
         waits = [h.get("wait_for_health_s") or 0 for h in handlers]
-        after_opts = replace(smoke_opts, health_timeout=max([smoke_opts.health_timeout, *waits]))
-        after = smoke(ctx, change.facts, after_opts, change.offline, reserve=ROLLBACK_RESERVE_S,
-                      servers=bool(baseline["servers"]))
-        if baseline.get("rank0") is not None:
-            after = _with_rank0(ctx, after, change, after_opts)
-        verdict = gate(ctx.host, baseline, after, smoke_opts)
-        result.data["validation"] = verdict.to_dict()
-        note = gate_note(baseline)
-        if note:  # how the non-zero-rank nodes were gated (through rank 0, or /health alone)
-            result.data["validation"]["gate"] = note
-        if verdict.failed:
-            problems.append(f"validation failed: {verdict.message}")
-        elif loaded is not None:
-            targets = smoke_targets(ctx.host, change.facts, after_opts, inside=ctx.container is not None)
-            result.data["load_gate"], failed = load_gate(ctx, targets, change.facts, change.load,
-                                                         after_opts.health_timeout, loaded, reserve=ROLLBACK_RESERVE_S)
-            problems += failed
-        if routed is not None and not problems:
-            targets = smoke_targets(ctx.host, change.facts, after_opts, inside=ctx.container is not None)
-            result.data["route_gate"], failed = route_gate(ctx, targets, change.facts, change.route,
-                                                           after_opts.health_timeout, routed, reserve=ROLLBACK_RESERVE_S)
-            problems += failed
+        after = replace(run, smoke=replace(run.smoke, health_timeout=max([run.smoke.health_timeout, *waits])))
+        problems += judge(ctx, result, armed, after, restarted=bool(handlers))
     except Unreachable:
         raise  # nothing more can be done now; the change stays pending and the next run undoes it
     except Exception as e:  # noqa: BLE001 - every other failure must still lead to the rollback
@@ -408,7 +358,7 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     """Finish a pending change: commit it ("applied") when there are no problems; else roll it
     back (byte-identical) and run its handlers again, or, without change.rollback, commit it and
     mark the host failed. A rollback whose handlers restarted a server is followed by the
-    health wait and one smoke decode (`smoke_opts`, when change.smoke): result.data
+    health wait and one smoke decode (`smoke_opts`, when change.smoke_gated): result.data
     ["after_rollback"], and the reason says when the server did not come back (review L13).
     Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
     deadline is still put back. A commit the host's full state dir made take another way (the
@@ -423,7 +373,7 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
             ran = run_handlers(ctx, change.handlers)
         except HostFailed as e:
             ran, reason = [], reason + f"; after the rollback: {e}"
-        if ran and change.smoke and smoke_opts is not None:
+        if ran and change.smoke_gated and smoke_opts is not None:
             reason += _health_after_rollback(ctx, result, change, smoke_opts)
         result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True

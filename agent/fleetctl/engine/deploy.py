@@ -16,8 +16,10 @@ cuda and triton), mark PASSED -> publish (kbuild `publish`: a root-owned 0755/06
 (engine/dispatch.py: --route as the operator gave it; else measured on a GPU host,
 engine/measure.py; else "none") -> changes.execute: `PUBLIC/NAME/current` swapped to `<key>`
 and `PUBLIC/NAME/dispatch.json` written, one ledger change ("pending"; root PUBLIC/NAME) ->
-restart handler -> smoke gate (and, with --gate load, the load gate: SGLang's own benchmark
-client before and after, engine/load.py) -> "applied", or link and table are put back. The
+restart handler -> the gates (deploy_gates: the smoke gate; with --gate load, the load gate:
+SGLang's own benchmark client before and after; on an install with the route hook, the route
+gate: the build just activated must be the one routed) -> "applied", or link and table are put
+back. The
 same key with a table that routes the same (dispatch.same_routing) is nothing to do; the same
 key with another table writes only the table.
 """
@@ -30,8 +32,12 @@ import posixpath
 from dataclasses import dataclass
 from typing import Callable, TypedDict
 
-from .changes import Change, ChangeOptions, Recovery, change_job, execute, new_change_id, restart_handlers
-from .routegate import RouteOptions
+from .changes import (ApplyEntry, Change, ChangeOptions, FileWrite, LinkSwap, Recovery, change_job, execute,
+                      new_change_id, restart_handlers)
+from .gates import Gate
+from .gates.load import LoadGate
+from .gates.route import RouteGate
+from .gates.smoke import SmokeGate
 from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, PUBLIC_KERNELS_DIR, TEST_DEADLINE_S
 from . import dispatch
 from ..errors import HostFailed
@@ -193,7 +199,7 @@ def public_paths(name: str, key: str, public: str = PUBLIC_KERNELS_DIR) -> dict[
     return {"root": root, "build": f"{root}/{key}", "link": f"{root}/current", "table": f"{root}/{dispatch.FILE}"}
 
 
-def table_item(path: str, on_host: dict | None, table: dict) -> dict:
+def table_item(path: str, on_host: dict | None, table: dict) -> FileWrite:
     """The change probe's file item that writes `table` (dispatch.text) to `path`, over what
     the kbuild state action read there (`on_host`: None when absent, {"sha256", "text"}).
     Raises HostFailed when the state action could not read it ({"error"}: a link, not a
@@ -201,16 +207,16 @@ def table_item(path: str, on_host: dict | None, table: dict) -> dict:
     if on_host is not None and "error" in on_host:
         raise HostFailed(f"the dispatch table is not replaced: {on_host['error']}")
     new = dispatch.text(table)
-    return {"path": path, "pre_sha256": on_host["sha256"] if on_host else None,
-            "post_sha256": hashlib.sha256(new.encode("utf-8")).hexdigest(), "new_text": new}
+    return FileWrite(path=path, pre_sha256=on_host["sha256"] if on_host else None,
+                     post_sha256=hashlib.sha256(new.encode("utf-8")).hexdigest(), new_text=new)
 
 
-def activation(link: str, current: str | None, key: str, table: dict | None = None) -> list[dict]:
+def activation(link: str, current: str | None, key: str, table: FileWrite | None = None) -> list[ApplyEntry]:
     """The change probe's files of an activation: `link` swapped from `current` (None: no link) to
     `key` (left out when `table` is given and `current` is `key` already), then `table` (a
     table_item) when given: link and table are one change, rolled back together."""
-    files = [] if table is not None and current == key else [
-        {"path": link, "kind": "link", "pre_target": current, "post_target": key}]
+    files: list[ApplyEntry] = [] if table is not None and current == key else [
+        LinkSwap(path=link, kind="link", pre_target=current, post_target=key)]
     return files + ([table] if table is not None else [])
 
 
@@ -266,6 +272,19 @@ def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tup
     return facts, pre, key, state
 
 
+def deploy_gates(name: str, key: str, hooked: bool, opts: DeployOptions) -> list[Gate]:
+    """The gates of the activation of package `name`'s build `key`, in the order they run: the
+    smoke gate; the load gate with --gate load (opts.load_settings); the route gate where the
+    install has the route hook (`hooked`: kbuild state), which must see this very build routed.
+    Raises ValueError (load.load_options)."""
+    gates: list[Gate] = [SmokeGate()]
+    if opts.load_gate:
+        gates.append(LoadGate(load_options(opts.load_settings)))
+    if hooked:
+        gates.append(RouteGate(name, key))
+    return gates
+
+
 def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str, opts: DeployOptions) -> HostResult:
     facts, pre, key, state = _preflight(ctx, pkg, opts)
     python = facts["python"]["path"]
@@ -294,9 +313,7 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     data["table"] = table
     change = Change(change_id, f"kernel {pkg.name}",
                     activation(pub["link"], current, key, table_item(pub["table"], state["table"], table)), facts,
-                    pub["root"], restart_handlers(ctx),
-                    load=load_options(opts.load_settings) if opts.load_gate else None,
-                    route=RouteOptions() if state["hooked"] else None)
+                    pub["root"], restart_handlers(ctx), gates=deploy_gates(pkg.name, key, state["hooked"], opts))
     execute(ctx, result, change, opts)
     if result.status == HostStatus.FAILED:
         data["table"] = old

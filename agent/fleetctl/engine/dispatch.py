@@ -25,14 +25,23 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import UsageError
-
 SCHEMA = "fleetctl-dispatch/1"
 FILE = "dispatch.json"
 DTYPES = ("float16", "bfloat16", "float32")
 SOURCES = ("operator", "measured", "none")
 NO_GPU = "no GPU to measure on: nothing routes unless --route all or --route SHAPES"
 SHAPE_FORM = "HEAD_DIM:GROUP:DRAFT_TOKENS:DTYPE[:MAX_BATCH]"
+
+
+class RouteError(ValueError):
+    """A route value parse_route refuses. Its text says why, without the option's name (the
+    caller names it: "--route" on the command line, "route" in the collection's kernel task);
+    `spec`: the shape spec (or "all") the text begins with, None when it is about the value as a
+    whole."""
+
+    def __init__(self, why: str, spec: str | None = None):
+        super().__init__(why)
+        self.spec = spec
 
 
 def now() -> str:
@@ -43,23 +52,23 @@ def now() -> str:
 def parse_route(specs: list[str] | None) -> str | list[str] | None:
     """The operator's `--route` values (repeatable, each comma-separated) as the table's "route":
     None (none given), "all", or the shape specs in the order given, each SHAPE_FORM (spaces
-    around commas dropped). Raises UsageError for a spec that is not a shape (parse_shape), "all"
+    around commas dropped). Raises RouteError for a spec that is not a shape (parse_shape), "all"
     beside shapes, an empty spec, or the same (head_dim, group, draft_tokens, dtype) twice."""
     if not specs:
         return None
     parts = [p.strip() for s in specs for p in s.split(",")]
     if any(not p for p in parts):
-        raise UsageError(f"--route: an empty shape in {', '.join(map(repr, specs))}")
+        raise RouteError(f"an empty shape in {', '.join(map(repr, specs))}")
     if "all" in parts:
         if set(parts) != {"all"}:
-            raise UsageError("--route all routes every shape: it cannot be given with shapes")
+            raise RouteError("all routes every shape: it cannot be given with shapes", "all")
         return "all"
     seen: dict[tuple, str] = {}
     for p in parts:
         e = parse_shape(p)
         k = shape_key(e)
         if k in seen:
-            raise UsageError(f"--route {p}: the shape {seen[k]} is given already")
+            raise RouteError(f"{p}: the shape {seen[k]} is given already", p)
         seen[k] = p
     return parts
 
@@ -68,18 +77,18 @@ def parse_shape(spec: str) -> dict:
     """One SHAPE_FORM spec ("64:2:4:float32" or "64:2:4:float32:8") as a table entry
     {"head_dim", "group", "draft_tokens", "dtype", "max_batch" (None: any batch), "speedup": None}.
     head_dim, group (query heads per KV head), draft_tokens and max_batch are positive integers;
-    dtype one of DTYPES. Raises UsageError naming what is wrong."""
+    dtype one of DTYPES. Raises RouteError naming what is wrong."""
     fields = spec.split(":")
     if len(fields) not in (4, 5):
-        raise UsageError(f"--route {spec!r}: expected all or {SHAPE_FORM}")
+        raise RouteError(f"{spec!r}: expected all or {SHAPE_FORM}", spec)
     names = ("head_dim", "group", "draft_tokens")
     nums = {}
     for name, v in zip(names + ("max_batch",), fields[:3] + fields[4:]):
         if not v.isdigit() or int(v) < 1:
-            raise UsageError(f"--route {spec!r}: {name} must be a positive integer, not {v!r}")
+            raise RouteError(f"{spec!r}: {name} must be a positive integer, not {v!r}", spec)
         nums[name] = int(v)
     if fields[3] not in DTYPES:
-        raise UsageError(f"--route {spec!r}: dtype must be one of {', '.join(DTYPES)}, not {fields[3]!r}")
+        raise RouteError(f"{spec!r}: dtype must be one of {', '.join(DTYPES)}, not {fields[3]!r}", spec)
     return {"head_dim": nums["head_dim"], "group": nums["group"], "draft_tokens": nums["draft_tokens"],
             "dtype": fields[3], "max_batch": nums.get("max_batch"), "speedup": None}
 

@@ -25,9 +25,9 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
       - smoke: {offline: "{{ fleetctl_python }} -m sglang.bench_one_batch ..."}   # optional command;
                                             # servers come from inventory vars or discovery
       - load: {profile: pressure}           # the load gate: SGLang's own benchmark client before
-                                            # and after (engine/load.py; settings: load.SETTINGS,
+                                            # and after (engine/gates/load.py; settings: load.SETTINGS,
                                             # e.g. max_throughput_drop: 0.1, repeat: 2); at most one
-      - route                               # the route gate (engine/routegate.py): every rank routed,
+      - route                               # the route gate (engine/gates/route.py): every rank routed,
                                             # tokens and logprobs equal to the baseline's; no settings
                                             # but `when`; at most one, after a smoke step
     on_failure: rollback                    # rollback (default) | keep

@@ -1,4 +1,6 @@
-"""Smoke decode on the host itself: which servers to try, running the probe, the validate job.
+"""Smoke decode on the host itself: which servers to try, running the probe, what failed in its
+answers (and in a load run's), the validate job. The smoke gate that compares two decodes is
+engine/gates/smoke.py.
 
 The smoke probe (probes/traffic/smoke.py) runs on the host because the inference port is usually not
 reachable from the operator's machine. The servers are those the facts probe identified (of the
@@ -10,8 +12,8 @@ offline smoke command may come from the inventory (`fleetctl_smoke_cmd`) or a pl
 A non-zero-rank node of a multi-node server (`--node-rank 1` and above) serves only /health
 (probes/traffic/smoke.py): the probe checks its health only. Its decode is rank 0's, on another host: a
 change gated on rank 0 (Rank0, given by the apply run when rank 0 is one of its hosts) decodes
-there before and after, and the gate compares those decodes; without one, the gate is the node's
-/health alone and says so (RANK0_ABSENT).
+there before and after, and the smoke gate compares those decodes; without one, the gate is the
+node's /health alone and says so (RANK0_ABSENT).
 """
 
 from __future__ import annotations
@@ -23,15 +25,12 @@ from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from ..connection import Connection, RemoteTimeout, Unreachable
 from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
-from .gate import Check, GateResult, compare, refusal
 from .gather import find_install, gather, install_context, install_facts, not_inspected
-from .load import LoadOptions, load_problems, run_load
+from .load import LoadOptions, run_load
 from ..inventory import Host
 from ..probes import redact
 from ..probes.facts import topology
-from ..vocab import GateStatus, HostStatus
-
-# The smoke probe and the redaction it applies to what it returns.
+from ..vocab import HostStatus
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,8 @@ def rank0_smoke(ctx: HostContext, r0: Rank0, opts: SmokeOptions, reserve: float 
     return out
 
 
-def _rank0_label(e: dict) -> str:
+def rank0_label(e: dict) -> str:
+    """"rank 0 on HOST (ADDR)": how a rank 0 entry (rank0_smoke's) is named in problems and checks."""
     return f"rank 0 on {e['host']} ({e['deployment'].rpartition('/')[0]})"
 
 
@@ -158,83 +158,8 @@ def rank0_problems(entries: list[dict]) -> list[str]:
                            f"of {said.get('dist_init_addr')} (nnodes {said.get('nnodes')})")
         if not e.get("servers") and not why:
             why.append("no server decoded")
-        bad += [f"{_rank0_label(e)}: {w}" for w in why]
+        bad += [f"{rank0_label(e)}: {w}" for w in why]
     return bad
-
-
-def _where(baseline: dict, port: int) -> str:
-    """How a non-zero-rank node on `port` is gated: the rank 0 entry standing for it, or RANK0_ABSENT."""
-    e = next((e for e in baseline.get("rank0") or [] if port in e.get("ports", [])), None)
-    return f"decoded through {_rank0_label(e)}" if e else RANK0_ABSENT
-
-
-def gate_note(baseline: dict | None) -> str | None:
-    """How the non-zero-rank nodes of a smoke baseline are gated, for the report: "decoded
-    through rank 0 on HOST (ADDR)" or RANK0_ABSENT, each once ("; "); None when it has none."""
-    notes = [_where(baseline, s["port"]) for s in (baseline or {}).get("servers") or [] if s.get("health_only")]
-    return "; ".join(dict.fromkeys(notes)) or None
-
-
-def _health_checks(baseline: dict, after: dict) -> list[Check]:
-    """The gate's checks of the non-zero-rank nodes (health-only results), paired by host:port."""
-    def only(res):
-        return {(s["host"], s["port"]): s for s in res.get("servers") or [] if s.get("health_only")}
-    bs, as_ = only(baseline), only(after)
-    checks = []
-    for key in list(bs) + [k for k in as_ if k not in bs]:
-        target, b, a = "%s:%s" % key, bs.get(key), as_.get(key)
-        rank = (a or b).get("node_rank")
-        if b is None or a is None:
-            checks.append(Check("server", target, False, "not in the baseline" if b is None else "missing after the change"))
-        elif not b.get("ok"):
-            checks.append(Check("baseline", target, False, f"node rank {rank}: baseline health failed: {b.get('error')}"))
-        elif not a.get("ok"):
-            checks.append(Check("health", target, False, f"node rank {rank}: {a.get('error')}"))
-        else:
-            checks.append(Check("health", target, True, f"node rank {rank}: /health answered 200 "
-                                                        f"({_where(baseline, key[1])})"))
-    return checks
-
-
-def _decoded(res: dict) -> dict:
-    """A smoke result without its non-zero-rank nodes: what gate.compare pairs and compares."""
-    return {**res, "servers": [s for s in res.get("servers") or [] if not s.get("health_only")]}
-
-
-def gate(host: Host, baseline: dict, after: dict, opts: SmokeOptions) -> GateResult:
-    """The validation gate (gate.compare) with these options; the latency slack (seconds) is
-    --latency-slack, else the host's `fleetctl_latency_slack` var, else 0. A non-zero-rank node
-    (a health-only result) passes when its /health answered 200 after the change; each rank 0
-    decoded for one (the smoke results' "rank0": rank0_smoke) is gated as gate.compare gates a
-    server, its checks named "HOST TARGET (rank 0)", and one that could not be smoke-tested
-    after the change fails."""
-    slack = opts.latency_slack_s
-    if slack is None:
-        slack = host.latency_slack
-
-    def judge(b, a):
-        return compare(_decoded(b), _decoded(a), latency_tolerance=opts.latency_tolerance,
-                       allow_token_drift=opts.allow_token_drift, latency_slack_s=slack)
-
-    verdict = judge(baseline, after)
-    extra, drift = _health_checks(baseline, after), verdict.token_drift
-    later = {(e["host"], e["deployment"]): e for e in after.get("rank0") or []}
-    for b in baseline.get("rank0") or []:
-        a, label = later.get((b["host"], b["deployment"])), _rank0_label(b)
-        if a is None or a.get("error"):
-            extra.append(Check("rank0", label, False, "could not be smoke-tested after the change: "
-                                                      + (a["error"] if a else "not run")))
-            continue
-        v = judge(b, a)
-        drift = drift or v.token_drift
-        extra += [Check(c.name, f"{b['host']} {c.target} (rank 0)", c.passed, c.detail) for c in v.checks]
-    if not extra:
-        return verdict
-    checks = verdict.checks + extra
-    failed = [c for c in checks if not c.passed]
-    message = "; ".join("%s %s %s: %s" % (c.target, c.name, "passed" if c.passed else "FAILED", c.detail)
-                        for c in (failed or checks))
-    return GateResult(GateStatus.FAILED if failed else GateStatus.PASSED, checks, message, drift)
 
 
 class ValidateData(TypedDict):
@@ -249,6 +174,14 @@ class ValidateData(TypedDict):
     refused: list
     offline: dict | None
     load: dict  # with --load only
+
+
+def refusal(r: dict) -> str:
+    """One refused server of a probe's answer ({pid, host, port, reason}: probes/facts/targets.py) as
+    text: "pid N (claims HOST:PORT): reason", or the reason alone for the inventory's choice."""
+    if r.get("pid") is None:
+        return r["reason"]
+    return "pid %s (claims %s:%s): %s" % (r["pid"], r["host"], r["port"], r["reason"])
 
 
 def server_problems(res: dict) -> list[str]:
@@ -271,6 +204,21 @@ def smoke_problems(res: dict) -> list[str]:
         bad.append(f"offline check {off['cmd']!r} failed (exit {off['returncode']}"
                    f"{', timed out' if off.get('timed_out') else ''}): {' | '.join(off['tail'][-3:])}")
     return bad + rank0_problems(res.get("rank0") or [])
+
+
+def load_problems(res: dict) -> list[str]:
+    """What failed in a load result (load.run_load): ["load HOST:PORT: not run: WHY"], ["load
+    HOST:PORT: ERROR"] (a request failed, the deadline, no result), or, when no server was
+    loaded and some were refused, ["no server to load (nothing sent): <each refusal>"]."""
+    bad = []
+    for s in res.get("servers") or []:
+        if s.get("not_run"):
+            bad.append(f"load {s['host']}:{s['port']}: not run: {s['not_run']}")
+        elif not s.get("ok"):
+            bad.append(f"load {s['host']}:{s['port']}: {s.get('error') or 'failed'}")
+    if not res.get("servers") and res.get("refused"):
+        bad.append("no server to load (nothing sent): " + "; ".join(map(refusal, res["refused"])))
+    return bad
 
 
 def validate_job(opts: SmokeOptions, install: str | None = None, load: LoadOptions | None = None):

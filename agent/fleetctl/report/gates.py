@@ -1,8 +1,8 @@
 """Terminal tables for the validation gates: the smoke decode, load (bench_serving) and route gate.
 
-Each table reads the result keys the engine's gates write ("validation", "load_gate",
-"route_gate") and shows the baseline beside the change's figure, so a change is judged by what
-it is for.
+Each table reads the result keys the engine's gates write (each gate's name: "validation",
+"load_gate", "route_gate"; GATES lists them) and shows the baseline beside the change's figure,
+so a change is judged by what it is for.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..engine.context import HostResult
-from .text import STATUS_STYLE, tolerant, table, text
+from .text import STATUS_STYLE, gate_status, tolerant, table, text
 
 
 def render_validate(results: list[HostResult], console: Console) -> None:
@@ -104,7 +104,7 @@ def render_load(results: list[HostResult], console: Console) -> None:
 
 
 def render_load_gate(results: list[HostResult], console: Console) -> None:
-    """The load gate of each host that ran one (data["load_gate"]: engine/load.load_gate): per
+    """The load gate of each host that ran one (data["load_gate"]: engine/gates/load.load_gate): per
     server, the baseline taken right before the change and the run after its restart side by
     side (SGLang's result names), the change (after / baseline), each gated metric's limit and
     verdict; then the output throughput ratio per server (a kernel's speedup). A gate that was
@@ -114,11 +114,11 @@ def render_load_gate(results: list[HostResult], console: Console) -> None:
         if not gate:
             continue
         if not gate.get("servers"):
-            console.print(text(f"{r.host}: load gate {gate.get('status')}"))
+            console.print(text(f"{r.host}: load gate {gate_status(gate)}"))
             continue
 
         def build(r=r, gate=gate):
-            from ..engine.load import SHOWN
+            from ..engine.gates.load import SHOWN
 
             verdicts = {(c["target"], c["name"]): c for c in gate.get("checks") or []}
             names = {"output_throughput": "load-throughput", "p99_itl_ms": "load-itl", "p99_ttft_ms": "load-ttft",
@@ -157,7 +157,7 @@ def render_load_gate(results: list[HostResult], console: Console) -> None:
 
 
 def render_route_gate(results: list[HostResult], console: Console) -> None:
-    """The route gate of each host that ran one (data["route_gate"]: engine/routegate.route_gate):
+    """The route gate of each host that ran one (data["route_gate"]: engine/gates/route.route_gate):
     one row per check (ranks, tokens, logprobs, long prompt, accept length) per server, its verdict
     and detail (both sides' values, the pids and their fallbacks when a rank did not route). A gate
     that did not run (not restarted) says so in one line."""
@@ -166,7 +166,7 @@ def render_route_gate(results: list[HostResult], console: Console) -> None:
         if not gate:
             continue
         if not gate.get("checks"):
-            console.print(text(f"{r.host}: route gate {gate.get('status')}"))
+            console.print(text(f"{r.host}: route gate {gate_status(gate)}"))
             continue
         try:
             rows = [[c["target"], c["name"], "ok" if c["passed"] else "FAILED", c["detail"]] for c in gate["checks"]]
@@ -176,3 +176,19 @@ def render_route_gate(results: list[HostResult], console: Console) -> None:
         table(f"{r.host}: route gate {gate.get('status')}: the routed kernel against the baseline right before the "
               "change", ["server", "check", "verdict", "detail"], rows, console,
               lambda c, v: "red" if v == "FAILED" else ("green" if v == "ok" else None))
+
+
+# The gates a change passes, in the order they run: each one's result key (the gate's name:
+# engine/gates), its label (the HTML report's summary line), and the table it prints after the
+# command's own (None: none of its own; the smoke gate's verdict is a column of the apply and
+# deploy tables).
+GATES = (("validation", "validation", None),
+         ("load_gate", "load gate", render_load_gate),
+         ("route_gate", "route gate", render_route_gate))
+
+
+def render_gates(results: list[HostResult], console: Console) -> None:
+    """The tables of the gates of a changing command (apply, deploy kernel), in GATES' order."""
+    for _, _, render in GATES:
+        if render is not None:
+            render(results, console)

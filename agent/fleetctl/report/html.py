@@ -38,7 +38,8 @@ from markupsafe import Markup
 from ..history.model import HostRecord, RunRecord
 from ..vocab import ChangeState
 from . import svg
-from .text import coalesce, visible
+from .gates import GATES
+from .text import coalesce, gate_status, visible
 
 # Commands whose host results are changes (the timeline), unless run in check mode.
 CHANGING = ("apply", "deploy kernel", "rollback", "recover")
@@ -218,12 +219,9 @@ def _detail(command: str, h: HostRecord) -> str:
     if plans:
         parts.append(f"{sum(len(p.get('edits') or []) for p in plans)} edit(s) in "
                      f"{sum(len(p.get('files') or []) for p in plans)} file(s)")
-    v = d.get("validation") or {}
-    if v.get("status"):
-        parts.append(f"validation {v['status']}")
-    for key, label in (("load_gate", "load gate"), ("route_gate", "route gate")):
+    for key, label, _ in GATES:
         if (d.get(key) or {}).get("status"):
-            parts.append(f"{label} {d[key]['status']}")
+            parts.append(f"{label} {gate_status(d[key])}")
     if d.get("build_key"):
         parts.append(f"{d.get('backend') or ''} build {str(d['build_key'])[:12]}"
                      + (" (reused)" if d.get("reused") else ""))
@@ -240,10 +238,10 @@ def _detail(command: str, h: HostRecord) -> str:
 
 
 def _checks(run_id: str, h: HostRecord) -> list[dict]:
-    """The gate checks of a host's result (the smoke gate's, the load gate's, then the route
-    gate's: engine/routegate.CHECKS), each as target, name, passed and detail (None where an
+    """The gate checks of a host's result, gate by gate (GATES: the smoke gate's, the load gate's,
+    then the route gate's: engine/gates/route.CHECKS), each as target, name, passed and detail (None where an
     older record lacks one; detail clipped)."""
-    checks = [c for key in ("validation", "load_gate", "route_gate") for c in (h.doc.get(key) or {}).get("checks") or []]
+    checks = [c for key, _, _ in GATES for c in (h.doc.get(key) or {}).get("checks") or []]
     return [{"target": c.get("target"), "name": c.get("name"), "passed": bool(c.get("passed")),
              "detail": clip(c.get("detail"), run_id)} for c in checks if isinstance(c, dict)]
 

@@ -23,7 +23,7 @@ from markupsafe import Markup
 
 from .text import visible
 
-# The load gate's gated metrics (engine/load.GATED, SGLang's result names), their labels, units
+# The load gate's gated metrics (engine/gates/load.GATED, SGLang's result names), their labels, units
 # and which way is better.
 GATED = (("output_throughput", "output throughput", "tok/s", True),
          ("p99_ttft_ms", "p99 TTFT", "ms", False),
@@ -72,7 +72,7 @@ def gate_bars(target: str, baseline: dict, after: dict, limits: dict, verdicts: 
     """One server's load gate: a panel per gated metric both runs measured, with the baseline's
     bar, the after run's bar (class "ok" or "breach" from `verdicts`, {metric: passed}) and the
     limit as a dashed line. baseline / after: SGLang's result dicts (output_throughput tok/s,
-    p99_ttft_ms and p99_itl_ms ms); limits: {metric: the gate's limit} (engine/load._server_gate).
+    p99_ttft_ms and p99_itl_ms ms); limits: {metric: the gate's limit} (engine/gates/load._server_gate).
     Two points per panel; a metric a run did not measure (see measured) draws no panel, and a
     negative figure draws at 0."""
     shown = [(k, name, unit, higher) for k, name, unit, higher in GATED

@@ -17,7 +17,7 @@ from ..engine.context import HostResult
 from ..engine.dispatch import describe
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
-from .text import STATUS_STYLE, tolerant, coalesce, host_list, table, text, visible
+from .text import STATUS_STYLE, tolerant, coalesce, gate_status, host_list, table, text, visible
 
 
 def _install_line(i: dict) -> str:
@@ -275,7 +275,7 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
     for r in results:
         plan = r.data.get("plan") or {}
         v = r.data.get("validation") or {}
-        val = (v.get("status", "") + (" (token drift allowed)" if v.get("token_drift") else "")
+        val = (gate_status(v) + (" (token drift allowed)" if v.get("token_drift") else "")
                + (f"; gate: {v['gate']}" if v.get("gate") else ""))
         rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
                               val, r.error or r.data.get("skipped_reason") or r.data.get("commit_note") or "")))
@@ -368,7 +368,7 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         routes = (("would write: " if d.get("check") else "") + describe(d["table"], serves)
                   if d.get("table") else d.get("table_note") or "")
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
-                              routes, (d.get("validation") or {}).get("status", ""),
+                              routes, gate_status(d.get("validation") or {}),
                               r.error or d.get("commit_note") or (d.get("why") if d.get("check") else "") or "")))
     for hosts, (status, backend, built, active, routes, val, detail) in coalesce(rows):
         t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),

@@ -45,6 +45,13 @@ def tolerant(build: Callable[[], Any], columns: int) -> Any:
         return ["malformed data from the host: " + visible(f"{type(e).__name__}: {e}")] + [""] * (columns - 1)
 
 
+def gate_status(gate: dict) -> str:
+    """A gate's status as shown (its result entry: engine/gates): the status word, and a skipped
+    gate's reason in brackets ("skipped (no server)"); "" when there is none."""
+    status = str(gate.get("status") or "")
+    return f"{status} ({gate['reason']})" if gate.get("reason") else status
+
+
 STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus.SKIPPED: "cyan",
                 HostStatus.FAILED: "red", HostStatus.UNREACHABLE: "magenta", HostStatus.NOT_ATTEMPTED: "dim"}
 

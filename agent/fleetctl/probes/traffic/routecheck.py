@@ -1,4 +1,4 @@
-"""Remote probe: the route gate's run on one host (engine/routegate.py compares two of them).
+"""Remote probe: the route gate's run on one host (engine/gates/route.py compares two of them).
 
 For each server target (the smoke decode's: targets.pick over the facts probe's servers, the
 inventory's fleetctl_sglang_port / _host), over loopback and with the inventory's API key as the

@@ -1,21 +1,25 @@
-"""The route gate: proof that a routed kernel serves every rank and changes no token.
+"""The route gate: proof that the routed kernel, the build just activated, serves every rank and
+changes no token.
 
 The route check probe (probes/traffic/routecheck.py) runs on the host right before a change (the
-baseline) and again after its restart handler and smoke gate; this module is the control side:
+baseline) and again after its restart handler and the gates before it; this module is the control side:
 
-    RouteOptions                   the gate's settings (Change.route, engine/changes.py)
+    RouteOptions                   the gate's settings (its tolerances)
+    RouteGate                      the change engine's gate (engine/gates): the kernel package and
+                                   build key the evidence must show, and the settings
     run_route                      the probe's run against the smoke decode's targets
     route_problems                 what makes a baseline unusable (it refuses the host: nothing changed)
-    route_baseline / route_gate    the two calls changes.execute and validate_change make
+    route_baseline / route_gate    the two calls RouteGate makes
     compare_route(baseline, after) the checks, pure functions over two probe answers:
 
 - ranks: expected = tp_size x pp_size x (1 with enable_dp_attention, else dp_size) / nnodes of the
   after run's /server_info (SGLang runs one scheduler process per TP x PP rank and DP replica on
   each node: entrypoints/engine.py `_launch_subprocesses`, managers/data_parallel_controller.py);
   that many processes of the server's tree need fresh evidence (the record of that very process)
-  that routed during the check: eager_routed grew between the probe's two reads, or a CUDA-graph
+  of the expected build (its "build": PUBLIC/PACKAGE/KEY, the directory the hook loaded) that
+  routed during the check: eager_routed grew between the probe's two reads, or a CUDA-graph
   captured entry of batch >= 1 for the server's draft width (speculative_num_draft_tokens); a
-  failure names each pid with its state and its fallbacks' reasons.
+  failure names each pid with its state (or the build it serves instead) and its fallbacks' reasons.
 - tokens: each prompt's greedy output_ids equal to the baseline's; at the first divergence, when
   the baseline's top-2 logprobs there are within `near_tie` of each other, it is reported (passed)
   and that prompt's later positions are not compared (they follow another token).
@@ -24,7 +28,7 @@ baseline) and again after its restart handler and smoke gate; this module is the
 - accept length: sum(completion_tokens) / sum(spec_verify_ct) over all prompts within
   `accept_tolerance` (relative) of the baseline's; a server that does not speculate says so.
 
-Checks and the result are gate.Check and gate.GateResult (name, target "host:port", passed, detail).
+Checks and the result are engine/gates' Check and GateResult (name, target "host:port", passed, detail).
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from __future__ import annotations
 import posixpath
 from dataclasses import asdict, dataclass
 
-from ..config import PUBLIC_KERNELS_DIR, REQUEST_TIMEOUT_S
-from ..connection import RemoteTimeout
-from ..errors import HostFailed
-from ..probes.traffic import routecheck
-from ..vocab import GateStatus
-from .context import HostContext
-from .gate import Check, GateResult, refusal
+from ...config import PUBLIC_KERNELS_DIR, REQUEST_TIMEOUT_S
+from ...connection import RemoteTimeout
+from ...errors import HostFailed
+from ...probes.traffic import routecheck
+from ...vocab import GateStatus
+from ..context import HostContext
+from ..validate import refusal
+from . import NO_SERVER, Check, Gate, GateResult, GateRun, decoded, verdict
 
 # Seconds one route check needs beyond its health wait (connect, bundle, four decodes, the flush wait).
 ROUTE_SLACK_S = 30.0
@@ -124,16 +129,45 @@ def route_baseline(ctx: HostContext, targets: list[dict], facts: dict, opts: Rou
 
 
 def route_gate(ctx: HostContext, targets: list[dict], facts: dict, opts: RouteOptions, health_timeout: float,
-               baseline: dict, reserve: float) -> tuple[dict, list[str]]:
+               baseline: dict, reserve: float, build: str | None) -> tuple[dict, list[str]]:
     """The same check as the baseline's after the change's restart handler and smoke gate, and the
-    gate (compare_route): (result data["route_gate"]: {status, checks, message, token_drift,
-    options, runs: {baseline, after}}, [the problem "route gate failed: ..."] or []). Raises
-    RemoteTimeout, ProbeFailed, Unreachable."""
+    gate (compare_route, for `build`): (result data["route_gate"]: {status, checks, message,
+    token_drift, options, runs: {baseline, after}}, [the problem "route gate failed: ..."] or
+    []). Raises RemoteTimeout, ProbeFailed, Unreachable."""
     after = run_route(ctx, targets, facts, opts, health_timeout, reserve=reserve)
-    verdict = compare_route(baseline, after, opts)
-    data = {**verdict.to_dict(), "options": asdict(opts),
+    result = compare_route(baseline, after, opts, build=build)
+    data = {**result.to_dict(), "options": asdict(opts),
             "runs": {"baseline": baseline, "after": after}}
-    return data, ([f"route gate failed: {verdict.message}"] if verdict.failed else [])
+    return data, ([f"route gate failed: {result.message}"] if result.failed else [])
+
+
+@dataclass(frozen=True)
+class RouteGate(Gate):
+    """The route gate of a change (engine/gates Gate): the evidence must show kernel package
+    `package`'s build `key` routed (deploy: the package and the key it just activated; the
+    route-verify-attention playbook's route step: the hook's package and the key its `current`
+    named when the change was planned; None where none was active: the gate fails), with these
+    settings; armed where the smoke gate's baseline decoded a server. Its result data: route_gate's."""
+
+    package: str
+    key: str | None
+    options: RouteOptions = RouteOptions()
+    name = "route_gate"
+
+    @property
+    def build(self) -> str | None:
+        """PUBLIC/PACKAGE/KEY: the build directory the hook names in its evidence (its "build");
+        None without a key."""
+        return posixpath.join(PUBLIC_KERNELS_DIR, self.package, self.key) if self.key else None
+
+    def baseline(self, ctx: HostContext, run: GateRun, taken: dict) -> dict | None:
+        if not decoded(taken):
+            return None
+        return route_baseline(ctx, run.targets, run.facts, self.options, run.smoke.health_timeout, reserve=run.reserve)
+
+    def judge(self, ctx: HostContext, run: GateRun, baseline: dict) -> tuple[dict, list[str]]:
+        return route_gate(ctx, run.targets, run.facts, self.options, run.smoke.health_timeout, baseline,
+                          reserve=run.reserve, build=self.build)
 
 
 # ---- the checks (pure) ---------------------------------------------------------------------
@@ -174,8 +208,13 @@ def _fallbacks(rec: dict | None) -> str:
     return "fallbacks " + ", ".join(f"{k!r} x{v}" for k, v in sorted(rec["fallbacks"].items()))
 
 
-def ranks_check(target: str, after: dict) -> Check:
-    """Every expected rank (expected_ranks) routed during the check (module docstring)."""
+def ranks_check(target: str, after: dict, build: str | None) -> Check:
+    """Every expected rank (expected_ranks) routed `build` (PUBLIC/PACKAGE/KEY) during the check
+    (module docstring); a process whose evidence names another build counts for nothing, and
+    without a build (None: none was active) the check fails."""
+    if build is None:
+        return Check("ranks", target, False, "no build of the routed kernel was active when the change was planned: "
+                                             "nothing it routes can be checked")
     info = after.get("server_info") or {}
     want = expected_ranks(info)
     if want is None:
@@ -184,10 +223,14 @@ def ranks_check(target: str, after: dict) -> Check:
     draft = info.get("speculative_num_draft_tokens")
     routed, other = [], []
     for e in (after.get("evidence") or {}).get("after") or []:
-        how = _routed(e, before.get(e["pid"]), draft) if e.get("state") == "fresh" else None
-        if how:
+        fresh = e.get("state") == "fresh"
+        how = _routed(e, before.get(e["pid"]), draft) if fresh else None
+        if fresh and e["record"].get("build") != build:
+            other.append(f"pid {e['pid']} serves build {e['record'].get('build')}, not {build} "
+                         f"({how or _fallbacks(e['record'])})")
+        elif how:
             routed.append(f"pid {e['pid']} {how}")
-        elif e.get("state") == "fresh":
+        elif fresh:
             other.append(f"pid {e['pid']} did not route during the check (eager_routed "
                          f"{e['record']['eager_routed']}, {len(e['record']['captured'])} captured shapes; "
                          f"{_fallbacks(e['record'])})")
@@ -326,8 +369,10 @@ def accept_check(target: str, baseline: dict, after: dict, opts: RouteOptions) -
                                               f"{'within' if ok else 'over'} {opts.accept_tolerance:.0%}; after {awhy})")
 
 
-def server_checks(target: str, b: dict | None, a: dict | None, opts: RouteOptions, refused: list[dict]) -> list[Check]:
-    """The checks of one server: its baseline entry `b` and after entry `a` (None: missing)."""
+def server_checks(target: str, b: dict | None, a: dict | None, opts: RouteOptions, refused: list[dict],
+                  build: str | None) -> list[Check]:
+    """The checks of one server: its baseline entry `b` and after entry `a` (None: missing); the
+    ranks must have routed `build`."""
     if b is None or a is None:
         why = "; ".join(refusal(r) for r in refused if r.get("port") == (b or a)["port"])
         return [Check("server", target, False, ("not in the baseline" if b is None else "missing after the change")
@@ -336,25 +381,24 @@ def server_checks(target: str, b: dict | None, a: dict | None, opts: RouteOption
         return [Check("baseline", target, False, f"baseline route check failed: {b.get('error')}")]
     if a.get("server_info") is None:
         return [Check("route run", target, False, a.get("error") or "no /server_info after the change")]
-    return [ranks_check(target, a), *token_checks(target, b, a, opts), long_check(target, a, opts),
+    return [ranks_check(target, a, build), *token_checks(target, b, a, opts), long_check(target, a, opts),
             accept_check(target, b, a, opts)]
 
 
-def compare_route(baseline: dict, after: dict, opts: RouteOptions | None = None) -> GateResult:
-    """The route gate for one host: `baseline` and `after` are route check answers (run_route).
-    Servers are paired by (host, port). Returns a GateResult (checks: CHECKS per server, or one
-    "server" / "baseline" / "route run" check when a side is missing or failed) whose message names
-    each failed check; skipped when neither side has a server. Raises KeyError on malformed answers."""
+def compare_route(baseline: dict, after: dict, opts: RouteOptions | None = None, *,
+                  build: str | None) -> GateResult:
+    """The route gate for one host: `baseline` and `after` are route check answers (run_route);
+    `build`: the build directory the evidence must name (RouteGate.build). Servers are paired by
+    (host, port). Returns a GateResult (checks: CHECKS per server, or one "server" / "baseline" /
+    "route run" check when a side is missing or failed) whose message names each failed check;
+    skipped (NO_SERVER) when neither side has a server. Raises KeyError on malformed answers."""
     opts = opts or RouteOptions()
     bs = {(s["host"], s["port"]): s for s in baseline.get("servers") or []}
     as_ = {(s["host"], s["port"]): s for s in after.get("servers") or []}
     if not bs and not as_:
-        return GateResult(GateStatus.SKIPPED, message="route gate: skipped (no server)")
+        return GateResult(GateStatus.SKIPPED, message="route gate: skipped (no server)", reason=NO_SERVER)
     checks = []
     for key in list(bs) + [k for k in as_ if k not in bs]:
         checks += server_checks("%s:%s" % key, bs.get(key), as_.get(key), opts,
-                                (after if key in bs else baseline).get("refused") or [])
-    failed = [c for c in checks if not c.passed]
-    message = "; ".join(f"{c.target} {c.name} {'passed' if c.passed else 'FAILED'}: {c.detail}"
-                        for c in failed or checks)
-    return GateResult(GateStatus.FAILED if failed else GateStatus.PASSED, checks, message)
+                                (after if key in bs else baseline).get("refused") or [], build)
+    return verdict(checks)
