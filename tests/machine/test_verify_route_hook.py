@@ -1,5 +1,6 @@
-"""route-verify-attention's hook module (playbooks/templates/route-verify-attention/fleetctl_verify.py.j2),
-rendered as the playbook renders it and imported, over the run's real CPU build of
+"""route-verify-attention's hook module (playbooks/templates/route-verify-attention/fleetctl_verify.py.j2:
+the body fleetctl_verify.py beside it, then probes/buildtrust.py), rendered as the playbook renders it
+and imported, over the run's real CPU build of
 kernels/verify_attention (conftest's `cpu_kernel`) laid out as a deploy lays it out
 (PUBLIC/verify_attention/{<key>/{PASSED, build/}, `current` -> <key>, dispatch.json}):
 routed calls against SGLang 0.5.23's own extend_attention_fwd (bench/gpu_check/carried, run under

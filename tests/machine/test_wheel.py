@@ -46,6 +46,8 @@ def test_the_wheel_holds_every_module_and_the_package_data(wheel):
     files = package_files()
     assert {f for f in files if f.endswith(".py")} and not files - names, sorted(files - names)
     for want in ("fleetctl/data/playbooks/defrag-tier0.yaml", "fleetctl/data/playbooks/templates/defrag-tier0/value.py.j2",
+                 # the route hook's body: plain Python, package data all the same (its template includes it)
+                 "fleetctl/data/playbooks/templates/route-verify-attention/fleetctl_verify.py",
                  "fleetctl/data/kernels/verify_attention/kernel.yaml",
                  "fleetctl/data/kernels/verify_attention/csrc/verify_attention.cu",
                  "fleetctl/lab/standin/restart.sh"):

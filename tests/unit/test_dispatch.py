@@ -18,6 +18,7 @@ from fleetctl.report.terminal import render_deploy, render_status
 from fleetctl.engine import deploy, dispatch
 from fleetctl.engine.context import HostResult
 from fleetctl.errors import EXIT_OPTIONS, HostFailed
+from fleetctl.probes import buildtrust
 from fleetctl.probes.change import actions as change
 from fleetctl.probes.facts import verifyroute
 from fleetctl.probes.kernel import state as kernel_state
@@ -134,10 +135,10 @@ def test_same_routing_ignores_when_and_why_but_nothing_that_routes():
 
 def _as_the_hook_reads_it(tmp_path, table: dict, key: str = KEY):
     """(all, {shape: max_batch}, why nothing routes) of `table` written as deploy writes it
-    (dispatch.text), read by the hook's own `_table` (probes/facts/verifyroute.py holds its text)."""
+    (dispatch.text), read by the hook's own reader (probes/buildtrust.py's table: the finding's too)."""
     path = tmp_path / dispatch.FILE
     path.write_text(dispatch.text(table))
-    return verifyroute._table(str(path), key)
+    return buildtrust.table(str(path), key)
 
 
 def test_the_hook_reads_the_tables_deploy_writes(tmp_path):

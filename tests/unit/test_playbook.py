@@ -7,8 +7,10 @@ import os
 import textwrap
 from pathlib import Path
 
+import jinja2
 import pytest
 
+from fleetctl import probes
 from fleetctl.errors import EXIT_PARSE, ParseError
 from fleetctl.engine.plan import plan_host
 from fleetctl.engine import reader
@@ -244,3 +246,21 @@ def test_a_dotfile_of_the_playbook_directory_is_never_read(tmp_path):
     (tmp_path / "templates" / ".env").write_text("TOKEN=x\n")
     with pytest.raises(TemplateRefused, match=r"\.env is a hidden name"):
         reader.read_inside(str(tmp_path), "templates/.env")
+
+
+def test_a_fleetctl_probe_is_the_one_text_read_from_outside_the_playbook_directory(tmp_path):
+    """`fleetctl:probes/NAME.py` is probe NAME's source as the bundler ships it (whatever the
+    playbook's directory holds); a name of any other form after that prefix is refused, and one
+    that names no probe is not found."""
+    loader = reader.PlaybookLoader(str(tmp_path))
+    (tmp_path / "fleetctl:probes").mkdir()
+    (tmp_path / "fleetctl:probes" / "buildtrust.py").write_text("not fleetctl's\n")
+    text, path, _ = loader.get_source(None, "fleetctl:probes/buildtrust.py")
+    assert text == probes.source("buildtrust") and path == str(Path(probes.__file__).parent / "buildtrust.py")
+    assert loader.get_source(None, "fleetctl:probes/facts/verifyroute.py")[0] == probes.source("facts.verifyroute")
+    for name in ("fleetctl:probes/../config.py", "fleetctl:probes//etc/passwd.py", "fleetctl:probes/a/b/c.py",
+                 "fleetctl:probes/buildtrust", "fleetctl:probes/buildtrust.j2", "fleetctl:probes/.x.py"):
+        with pytest.raises(TemplateRefused, match="names a probe module of fleetctl's"):
+            loader.get_source(None, name)
+    with pytest.raises(jinja2.TemplateNotFound):
+        loader.get_source(None, "fleetctl:probes/nosuch.py")

@@ -2,7 +2,7 @@
 
 The table lives beside the active link, `PUBLIC/NAME/dispatch.json` (config.PUBLIC_KERNELS_DIR),
 written by `fleetctl deploy kernel` as one change with the `current` link (engine/deploy.py), read
-by the hook (playbooks/templates/route-verify-attention/fleetctl_verify.py.j2), the finding
+by the hook (playbooks/templates/route-verify-attention/fleetctl_verify.py), the finding
 (probes/facts/verifyroute.py) and `fleetctl status` (describe). Its shape (docs: issue 34's design,
 section 2):
 
@@ -17,7 +17,7 @@ section 2):
 
 A call routes only when the table's build is the key `current` names and `all` is true or an
 entry matches (head_dim, group, draft_tokens, dtype) with batch <= max_batch (None: any): the
-hook's rule, read by its `_table` (the same text as probes/facts/verifyroute.py's).
+hook's rule, read by probes/buildtrust.py's `table` (the hook and the finding run that one text).
 """
 
 from __future__ import annotations

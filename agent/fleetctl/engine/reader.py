@@ -9,13 +9,17 @@ template file and line. The playbook file and every template, `{% include %}`, `
 `{% extends %}` included, are read by PlaybookLoader only: from regular files inside the
 playbook's directory, reached without a symbolic link, in directories and files that belong to
 the operator (euid) or root and that only their owner can write (review N8: a template linked to
-/root/.ssh/id_ed25519 would otherwise go into handler commands, comments and diffs).
+/root/.ssh/id_ed25519 would otherwise go into handler commands, comments and diffs). One other
+name reads fleetctl's own shipped text, never a file of the operator's: `fleetctl:probes/NAME.py`
+is probe NAME's source as the bundler sends it to hosts (route-verify-attention's hook includes
+`fleetctl:probes/buildtrust.py`, the trust walk its finding runs).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shlex
 import stat
 from dataclasses import dataclass
@@ -25,7 +29,12 @@ import jinja2
 import jinja2.sandbox
 import yaml
 
+from .. import probes
 from ..errors import ParseError
+
+# The template names of fleetctl's own probe modules: SHIPPED + "buildtrust.py", + "facts/host.py".
+SHIPPED = "fleetctl:probes/"
+_PROBE_FILE = re.compile(r"(?:[a-z_][a-z0-9_]*/)?[a-z_][a-z0-9_]*\.py")
 
 
 class TemplateRefused(Exception):
@@ -104,15 +113,30 @@ def read_inside(directory: str, name: str, what: str = "template") -> tuple[str,
         raise TemplateRefused(f"{what} {name!r}: {where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _shipped(name: str) -> tuple[str, str]:
+    """(text, path) of fleetctl's probe module that template name `name` (SHIPPED + "room/x.py")
+    names: probes.source's text, the one the bundler sends to hosts. Raises TemplateRefused for
+    a name of another form, jinja2.TemplateNotFound when fleetctl has no such probe."""
+    rel = name[len(SHIPPED):]
+    if not _PROBE_FILE.fullmatch(rel):
+        raise TemplateRefused(f"template {name!r}: {SHIPPED}... names a probe module of fleetctl's, "
+                              f"{SHIPPED}NAME.py or {SHIPPED}ROOM/NAME.py")
+    try:
+        text = probes.source(rel[:-3].replace("/", "."))
+    except OSError:
+        raise jinja2.TemplateNotFound(name) from None
+    return text, os.path.join(os.path.dirname(probes.__file__), rel)
+
+
 class PlaybookLoader(jinja2.BaseLoader):
-    """Jinja2's loader for a playbook's templates: read_inside(directory, name). Templates are
-    read once (never reloaded from a changed file)."""
+    """Jinja2's loader for a playbook's templates: read_inside(directory, name), or _shipped(name)
+    for a name starting with SHIPPED. Templates are read once (never reloaded from a changed file)."""
 
     def __init__(self, directory: str):
         self.directory = directory
 
     def get_source(self, environment: jinja2.Environment, template: str) -> tuple[str, str, None]:
-        text, path = read_inside(self.directory, template)
+        text, path = _shipped(template) if template.startswith(SHIPPED) else read_inside(self.directory, template)
         return text, path, None
 
 

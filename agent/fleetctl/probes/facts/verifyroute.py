@@ -25,15 +25,15 @@ release the playbook was never shown is judged by what its code says:
 - the signature: `extend_attention_fwd`'s parameters in the module the backend imports it
   from; each argument of the anchor is named by it (positional ones by position), so each
   release's scale and logit cap are passed under their own names. Refused unless those names
-  include all of NEEDED (the 13 the hook cannot serve a call without: a release that renamed
-  max_len_extend, or an extend call that leaves one out, is refused, not guarded).
+  include all of buildtrust.NEEDED (the 13 the hook cannot serve a call without: a release that
+  renamed max_len_extend, or an extend call that leaves one out, is refused, not guarded).
 - the kernel: the published build PUBLIC/verify_attention/current names (PUBLIC_DIR, the
-  control side's config.PUBLIC_KERNELS_DIR), trusted by the hook's own trust walk (_walk, _check:
-  the same text as the hook template's, which tests compare), its PASSED (the module path), the
-  build's record of the torch it was made with (build/build.ninja, torch.utils.cpp_extension's,
-  for the cpu and cuda builds; build/kernels/manifest.json for the triton build) and
-  PUBLIC/verify_attention/dispatch.json read as the hook reads it (_table); whether the install's
-  torch is that torch.
+  control side's config.PUBLIC_KERNELS_DIR), trusted by the hook's own trust walk
+  (buildtrust.walk: the hook's template includes that module's text), its PASSED (the module
+  path), the build's record of the torch it was made with (build/build.ninja,
+  torch.utils.cpp_extension's, for the cpu and cuda builds; build/kernels/manifest.json for the
+  triton build) and PUBLIC/verify_attention/dispatch.json read as the hook reads it
+  (buildtrust.table); whether the install's torch is that torch.
 - the servers of the install: each one's uid and the attention backend its command line names.
 
 route() returns {"file", "hook_file", "anchor" (None when refused), "refused" (why, or None),
@@ -48,8 +48,8 @@ import hashlib
 import json
 import os
 import re
-import stat
 
+from .. import buildtrust
 from . import callsites, topology
 
 BACKEND = "sglang/srt/layers/attention/triton_backend.py"
@@ -62,9 +62,6 @@ PACKAGE = "verify_attention"
 # where deploy publishes builds (root 0755, world-readable): the host-side copy of the control
 # side's config.PUBLIC_KERNELS_DIR (tests/unit/test_verifyroute.py checks they agree)
 PUBLIC_DIR = "/var/lib/fleetctl-kernels"
-# the keywords the hook (fleetctl_verify.py's verify_fwd, its _NEEDED) cannot serve a call without
-NEEDED = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr", "kv_indptr",
-          "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend")
 # torch.utils.cpp_extension's build.ninja names the torch headers it compiled against
 _TORCH_INCLUDE = re.compile(r"-isystem\s+(\S+)/include/torch/csrc/api/include(?:\s|$)")
 _ARCH = re.compile(r"arch=compute_(\d+)")
@@ -343,7 +340,7 @@ def anchor(location, text):
     prev = body[body.index(cls) - 1] if body.index(cls) > 0 else None
     imported = _present(src, prev, _is_import)
     named = _named(src, call, drop, sig)
-    missing = [n for n in NEEDED if n not in [name for name, _ in named]]
+    missing = [n for n in buildtrust.NEEDED if n not in [name for name, _ in named]]
     if missing:
         raise Refused("%s:%d: the extend call does not pass %s under the names the hook needs (%s, %s:%d, names "
                       "its parameters %s)" % (BACKEND, call.lineno, ", ".join(missing), KERNEL_NAME, sig["file"],
@@ -359,103 +356,6 @@ def anchor(location, text):
     }
 
 
-# ---- the trust walk and the table: the same text as the hook's (templates/route-verify-attention/
-# fleetctl_verify.py.j2; tests compare them), so kernel.active never says yes where the hook refuses
-_OWNERS = (0,)  # who may own each path of the trust walk: root
-_SCHEMA = "fleetctl-dispatch/1"
-_DTYPES = ("float16", "bfloat16", "float32")
-
-
-class _Untrusted(Exception):
-    """The build is not one this process may load; the message says why."""
-
-
-def _check(path, top):
-    """Raise _Untrusted unless `path` (absolute; lstat'ed, so a symbolic link is one) belongs to
-    root (_OWNERS) and only root may write it; a root-owned sticky directory strictly above `top`
-    may be writable by others (no one else can rename what root made in it)."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise _Untrusted("%s is a symbolic link" % path)
-    if st.st_uid not in _OWNERS:
-        raise _Untrusted("%s belongs to uid %d, not root" % (path, st.st_uid))
-    above = top.startswith(path.rstrip("/") + "/")
-    if st.st_mode & 0o022 and not (above and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
-        raise _Untrusted("%s is writable by group or others (mode %o)" % (path, stat.S_IMODE(st.st_mode)))
-
-
-def _walk(link):
-    """The trust walk over the build `link` (PUBLIC/verify_attention/current) names: every path
-    component from / to the package directory PUBLIC/verify_attention, the build directory and
-    everything in it (never through a link), and the package's dispatch.json when it is there
-    (a regular file), each _check'ed; `current` names a directory beside it and PASSED's module
-    lies in that build's build/. Returns (key, build dir, module path, dispatch.json's path:
-    there or not). Raises _Untrusted (why), OSError."""
-    pkg = os.path.dirname(link)
-    done = ""
-    for part in [p for p in pkg.split("/") if p]:
-        done += "/" + part
-        _check(done, pkg)
-    try:
-        key = os.readlink(link)
-    except OSError as e:
-        raise _Untrusted("%s: %s: run `fleetctl deploy kernel verify_attention HOST` first" % (link, e.strerror))
-    if "/" in key or key in (".", ".."):
-        raise _Untrusted("%s points at %s, not at a build beside it" % (link, key))
-    bdir = os.path.join(pkg, key)
-    if not os.path.lexists(bdir):
-        raise _Untrusted("%s points at %s, which is not there" % (link, key))
-    _check(bdir, pkg)
-    for d, dirs, files in os.walk(bdir):  # the build's own files, never through a link (_check refuses one)
-        for name in [""] + dirs + files:
-            _check(os.path.join(d, name) if name else d, pkg)
-    with open(os.path.join(bdir, "PASSED")) as f:
-        module = f.read().strip()
-    if os.path.dirname(module) != os.path.join(bdir, "build") or not os.path.isfile(module):
-        raise _Untrusted("PASSED of %s names %s, not a module in %s/build" % (bdir, module, bdir))
-    table = os.path.join(pkg, "dispatch.json")
-    if os.path.lexists(table):
-        _check(table, pkg)
-        if not stat.S_ISREG(os.lstat(table).st_mode):
-            raise _Untrusted("%s is not a regular file" % table)
-    return key, bdir, module, table
-
-
-def _table(path, key):
-    """What the dispatch table at `path` routes for build `key` (the one `current` names): (all:
-    bool, {(head_dim, group, draft_tokens, dtype): max_batch, None for any batch}, why nothing
-    routes, or None). Nothing routes without a table, from one that is not fleetctl-dispatch/1
-    or cannot be read, from another build's, or from one enabling no shape. Never raises."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        return False, {}, "there is no dispatch table %s" % path
-    except (OSError, ValueError) as e:
-        return False, {}, "the dispatch table %s cannot be read: %s: %s" % (path, type(e).__name__, e)
-    if not isinstance(doc, dict) or doc.get("schema") != _SCHEMA:
-        return False, {}, "%s is not a %s table" % (path, _SCHEMA)
-    if doc.get("build") != key:
-        return False, {}, "%s is the table of build %s, and current names %s" % (path, doc.get("build"), key)
-    entries = doc.get("entries")
-    if type(doc.get("all")) is not bool or not isinstance(entries, list):
-        return False, {}, "%s: its all is not true or false, or its entries not a list" % path
-    shapes = {}
-    for e in entries:
-        v = [e.get(n) if isinstance(e, dict) else None for n in ("head_dim", "group", "draft_tokens", "max_batch")]
-        if not (all(type(n) is int and n >= 1 for n in v[:3]) and (v[3] is None or type(v[3]) is int and v[3] >= 1)
-                and e.get("dtype") in _DTYPES):
-            return False, {}, "%s: entry %s is not {head_dim, group, draft_tokens: int >= 1, dtype: %s, max_batch: " \
-                "int >= 1 or null}" % (path, json.dumps(e), " | ".join(_DTYPES))
-        shape = (v[0], v[1], v[2], e["dtype"])
-        had = shapes.get(shape, 0)
-        shapes[shape] = None if had is None or v[3] is None else max(had, v[3])
-    if not doc["all"] and not shapes:
-        return False, {}, "%s enables no shape (source %s: %s)" % (path, doc.get("source"), doc.get("why"))
-    return doc["all"], shapes, None
-# ---- end of the text shared with the hook
-
-
 def kernel(public_dir, torch_version):
     """The published verify_attention build as this install's hook would load it: {"active":
     bool, "reason" (why not, or None), "link" (PUBLIC/verify_attention/current), "current" (its
@@ -466,8 +366,8 @@ def kernel(public_dir, torch_version):
     key is current's), "shapes" (["HEAD_DIM:GROUP:DRAFT_TOKENS:DTYPE[:MAX_BATCH]"] the hook
     routes), "routes" (anything at all), "why_not" (why nothing routes, or None), "why" (the
     table's own line)}, or None without a build)}.
-    "active" needs the hook's trust walk (_walk) to pass, as this probe's user (root: the hook's
-    rule is about owners and modes, not who reads), and the build's torch to be `torch_version`
+    "active" needs the hook's trust walk (buildtrust.walk) to pass, as this probe's user (root:
+    the hook's rule is about owners and modes, not who reads), and the build's torch to be `torch_version`
     (the install's, from facts; which torch install that is, the hook checks in the server's own
     process). A table that routes nothing leaves "active" true: the route gate fails it."""
     pkg = os.path.join(public_dir, PACKAGE)
@@ -483,10 +383,10 @@ def kernel(public_dir, torch_version):
     except OSError:
         pass
     try:
-        key, bdir, module, table = _walk(link)
-    except (_Untrusted, OSError) as e:
+        key, bdir, module, table = buildtrust.walk(link)
+    except (buildtrust.Untrusted, OSError) as e:
         out["reason"] = "the published build is not one the hook would load: %s: run `fleetctl deploy kernel %s " \
-            "HOST` again" % (e if isinstance(e, _Untrusted) else "%s: %s" % (type(e).__name__, e), PACKAGE)
+            "HOST` again" % (e if isinstance(e, buildtrust.Untrusted) else "%s: %s" % (type(e).__name__, e), PACKAGE)
         return out
     out.update(build_dir=bdir, module_path=module)
     name = os.path.basename(module).split(".")[0]
@@ -503,7 +403,7 @@ def kernel(public_dir, torch_version):
 
 def _summary(path, key):
     """(the dispatch table at `path` as read or None, kernel()'s "table" of it for build `key`)."""
-    every, shapes, why_not = _table(path, key)
+    every, shapes, why_not = buildtrust.table(path, key)
     try:
         doc = json.loads(callsites.read_source(path)[0].decode("utf-8"))
     except (OSError, ValueError):

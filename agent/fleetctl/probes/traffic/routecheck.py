@@ -28,7 +28,7 @@ token_id, text)] per position], `spec_verify_ct` when the server speculates (0.5
 With return_logprob and the default logprob_start_len -1, SGLang computes input logprobs for
 the last prompt token only (0.4.6.post5 scheduler.py:1003-1005, 0.5.23 scheduler.py:3260-3268).
 
-Routing evidence (the hook: playbooks/templates/route-verify-attention/fleetctl_verify.py.j2):
+Routing evidence (the hook: playbooks/templates/route-verify-attention/fleetctl_verify.py):
 EVIDENCE_DIR/<uid>/<pid>.json, one JSON object per process (pid, uid, start_time, build, module,
 captured, eager_routed, fallbacks, written, trigger). Everything read from the host is hostile
 and bounded: the directory is reached from / without following a link (safefs.open_dir), `<uid>`
