@@ -69,16 +69,16 @@ EOF
 # hours.) Space-separated mutmut name patterns (fnmatch):
 #   patterns   host patterns: inventory/patterns.py (select/_split/_match; not the YAML parser)
 #   plan       the edit and the diff the operator approves: _edit_file, the comment position
-#              (_Source.line_end_after), the pre-image check (_checked_source), one_line
-#   gate       all of it
+#              (tasks/work.py: Source.line_end_after), the pre-image check (checked_source), one_line
+#   gate       the smoke gate (engine/gates/smoke.py), all of it
 #   change     apply and what it undoes on failure (_undo_written, _restore), and recover
 #   safefs     the writes that cannot be redirected: atomic_write, open_dir, confine
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [patterns]='fleetctl.inventory.patterns.*'
-    [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.plan.xǁ_Sourceǁline_end_after__*
-            fleetctl.engine.plan.x__checked_source__* fleetctl.engine.plan.x_one_line__*'
-    [gate]='fleetctl.engine.gate.*'
+    [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.tasks.work.xǁSourceǁline_end_after__*
+            fleetctl.engine.tasks.work.x_checked_source__* fleetctl.engine.tasks.work.x_one_line__*'
+    [gate]='fleetctl.engine.gates.smoke.*'
     [change]='fleetctl.probes.change.actions.x_apply__* fleetctl.probes.change.actions.x__undo_written__*
               fleetctl.probes.change.actions.x__restore__* fleetctl.probes.change.actions.x_recover__*'
     [safefs]='fleetctl.probes.safefs.x_atomic_write__* fleetctl.probes.safefs.x_open_dir__*

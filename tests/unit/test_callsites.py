@@ -166,12 +166,15 @@ def test_output_is_json_and_sorted(tmp_path, capfd):
         assert keys == sorted(keys) and len(keys) > 5
 
 
-@pytest.mark.parametrize("probe", sorted(p.name for p in Path(callsites.__file__).parent.glob("*.py")
+PROBES = Path(callsites.__file__).parents[1]  # agent/fleetctl/probes: every room
+
+
+@pytest.mark.parametrize("probe", sorted(str(p.relative_to(PROBES)) for p in PROBES.rglob("*.py")
                                           if p.name != "__init__.py"))
 def test_probe_is_stdlib_py38(probe):
-    """Every probe module parses as Python 3.8 and imports only the stdlib and other probes
-    (`from . import x`); none prints (stdout carries the result)."""
-    src = (Path(callsites.__file__).parent / probe).read_text()
+    """Every probe module, in every room of probes/, parses as Python 3.8 and imports only the
+    stdlib and other probes (`from . import x`); none prints (stdout carries the result)."""
+    src = (PROBES / probe).read_text()
     tree = ast.parse(src, feature_version=(3, 8))
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}

@@ -166,7 +166,6 @@ class Connection(ABC):
     """A connection to one inventory host. Subclasses implement open, close, address and
     _start; run, put_bytes and hold_lock are the same for every kind."""
 
-    kind = "?"
     # words every command starts with over there (a container connection's entry; none on a host)
     prefix: tuple[str, ...] = ()
     # whether a probe's interpreter is checked by the command that starts it (root runs it:

@@ -20,7 +20,6 @@ class ContainerConnection(Connection):
     """`outer` (the host's open connection) entered by `entry` (a command.container_entry
     prefix), with `python` the container's interpreter (None: python3 on its PATH)."""
 
-    kind = "container"
     # the interpreter in the container is the container's own (/proc/PID/exe's name, resolved
     # inside), run with no more power than the container's process has (the runtime's exec, or
     # probes/enter.py): started directly, checked inside by the facts probe (no shell there)

@@ -115,7 +115,6 @@ class LocalProcess(Process):
 class LocalConnection(Connection):
     """This machine, as the user fleetctl runs as."""
 
-    kind = "local"
 
     @property
     def address(self) -> str:

@@ -190,7 +190,6 @@ class OpenSSHProcess(LocalProcess):
 class OpenSSHConnection(Connection):
     """One host through the system `ssh`, over a ControlMaster this connection opens."""
 
-    kind = "ssh"
 
     def __init__(self, host, session):
         super().__init__(host, session)

@@ -147,7 +147,6 @@ class ParamikoConnection(Connection):
     for its address with the inventory's ansible_user / ansible_port /
     ansible_ssh_private_key_file given as `-o` options (they win, as in Ansible)."""
 
-    kind = "paramiko"
 
     def __init__(self, host, session):
         super().__init__(host, session)
