@@ -76,8 +76,8 @@ EOF
 #   callsites  the AST walk and what it records: _walk, _scan_source, _call_site, _origin
 declare -A SCOPE=(
     [patterns]='fleetctl.inventory.patterns.*'
-    [plan]='fleetctl.engine.plan.x__edit_file__* fleetctl.engine.tasks.work.xǁSourceǁline_end_after__*
-            fleetctl.engine.tasks.work.x_checked_source__* fleetctl.engine.tasks.work.x_one_line__*'
+    [plan]='fleetctl.engine.playbooks.plan.x__edit_file__* fleetctl.engine.playbooks.tasks.work.xǁSourceǁline_end_after__*
+            fleetctl.engine.playbooks.tasks.work.x_checked_source__* fleetctl.engine.playbooks.tasks.work.x_one_line__*'
     [gate]='fleetctl.engine.gates.smoke.*'
     [change]='fleetctl.probes.change.actions.x_apply__* fleetctl.probes.change.actions.x__undo_written__*
               fleetctl.probes.change.actions.x__restore__* fleetctl.probes.change.actions.x_recover__*'

@@ -311,7 +311,7 @@ def cpu_kernel(tmp_path_factory):
     where it is installed, as torch does). Returns (package, killed build's result, pids of
     its process group still alive 10 s later, the real build's result); the module is
     result["module_path"], and a copy of its directory serves bench/gpu_check.sh as --build-dir."""
-    from fleetctl.engine.kernelpkg import load_package
+    from fleetctl.engine.kernels.package import load_package
     from fleetctl.probes.kernel import kbuild
 
     pkg = load_package(KERNELS_DIR, "verify_attention")

@@ -63,7 +63,7 @@ _TAIL_FIGURE = re.compile(r"^((?:[^:]*\((?:ms|s|req/s|tok/s)\)|Concurrency)[^:]*
 # the HTML report's text: its times ("2026-12-05 20:52:34Z", a timeline tick "12-05 20:52:16"),
 # durations ("0.82 s") and figures ("13.15 ms", "646 tok/s")
 _PAGE_TIME = re.compile(r"\b(?:\d{4}-)?\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?Z?")
-_PAGE_FIGURE = re.compile(r"(?<![\d.])\d+(?:\.\d{2})? (s|ms|tok/s)\b")  # as svgchart.figure writes them
+_PAGE_FIGURE = re.compile(r"(?<![\d.])\d+(?:\.\d{2})? (s|ms|tok/s)\b")  # as report/svg.py figure writes them
 
 
 def _volatile(key: str, value, parent: str = "") -> bool:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes.change import actions as change, ledger
 from oracles import PLAYBOOK, host_inputs, release_file
 

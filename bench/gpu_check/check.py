@@ -333,7 +333,7 @@ def stage1(cpu: bool, deploy_here: bool, out: Path, log) -> tuple[str, dict]:
     data["deploy"]["test"] = {k: test.get(k) for k in ("ok", "device", "seed", "failures")}
     checks = {"status_ok": d.get("status") in ("ok", "changed")}
     sys.path.insert(0, str(ROOT / "agent"))
-    from fleetctl.engine.kernelpkg import build_key, load_package
+    from fleetctl.engine.kernels.package import build_key, load_package
     from fleetctl.probes.kernel import preflight
     from fleetctl.probes.change.ledger import STATE_DIR
 

@@ -51,7 +51,7 @@ def shape(cpu: bool) -> dict:
 def render_hook(link: str) -> str:
     """The hook module's text, rendered by fleetctl's playbook loader (the playbook's own template)."""
     sys.path.insert(0, str(ROOT / "agent"))
-    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.engine.playbooks.model import load_playbook
 
     pb = load_playbook(ROOT / "playbooks" / "route-verify-attention.yaml")
     tpl = next(t for t in pb.tasks if t.name == "the hook module").template

@@ -15,15 +15,15 @@ import zipfile
 
 import pytest
 
-from fleetctl.engine.apply import _findings
+from fleetctl.engine.playbooks.apply import _findings
 from fleetctl.engine.changes import change_probe
 from fleetctl.engine.fleet import Fleet
 from fleetctl.errors import HostFailed
 from fleetctl.engine.gather import gather
 from fleetctl.inventory import load
 from fleetctl.paths import find_playbook
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.connection import LockBusy
 from fleetctl.wheels import ensure_wheel
 from fleetctl.vocab import HostStatus

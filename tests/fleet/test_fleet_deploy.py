@@ -16,8 +16,8 @@ import pytest
 
 from conftest import become_inventory, host_outcomes, kernel_variant
 from fleetctl import lab as labmod
-from fleetctl.engine.dispatch import text as dispatch_text
-from fleetctl.engine.kernelpkg import load_package
+from fleetctl.engine.kernels.dispatch import text as dispatch_text
+from fleetctl.engine.kernels.package import load_package
 from fleetctl.probes.facts import torchver
 
 

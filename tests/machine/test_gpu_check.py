@@ -296,7 +296,7 @@ def test_route_stage_fails_when_the_table_routes_another_shape(build_dir, monkey
 def test_dispatch_bench_cpu_plumbing(build_dir):
     """kernels/verify_attention/dispatch_bench.py with "device": "cpu" (the plumbing check: eager calls of the
     CPU build against reference.py): every point timed and agreeing, and the answer says it is no CUDA-graph
-    measurement, so engine/measure.py enables nothing from it. The CUDA path needs a GPU host."""
+    measurement, so engine/kernels/measure.py enables nothing from it. The CUDA path needs a GPU host."""
     req = {"module": str(Path(build_dir) / "verify_attention_cpu.so"), "device": "cpu", "prefixes": [16, 64],
            "shapes": [{"head_dim": 64, "group": 2, "draft_tokens": 4, "dtype": d, "q_heads": 4, "kv_heads": 2,
                        "topk": k, "batches": [1, 2]} for d, k in (("float32", 1), ("bfloat16", 4))]}

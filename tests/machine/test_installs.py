@@ -544,9 +544,9 @@ def local(tmp_path, installs):
 
 
 def apply_to(local, install: str, **opts):
-    from fleetctl.engine.apply import ApplyOptions, check_then_apply
+    from fleetctl.engine.playbooks.apply import ApplyOptions, check_then_apply
     from fleetctl.paths import find_playbook
-    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.engine.playbooks.model import load_playbook
     fleet, hosts, state = local
     pb = load_playbook(find_playbook("defrag-tier0", None))
     out = check_then_apply(fleet, hosts, pb, ApplyOptions(install=install, state_dir=state, **opts), lambda *a: None)
@@ -562,8 +562,8 @@ def sha(path: Path) -> str:
 def test_the_apply_pass_writes_only_the_plan_it_was_shown(installs, local):
     """The apply pass is bound to the check pass's plans (HostPlan post-images): a file that
     changes between the plan shown and the write fails the host, and nothing is written."""
-    from fleetctl.engine.apply import ApplyOptions, check_then_apply
-    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.engine.playbooks.apply import ApplyOptions, check_then_apply
+    from fleetctl.engine.playbooks.model import load_playbook
     from fleetctl.paths import find_playbook
     fleet, hosts, state = local
     checkout = installs["checkout"]
@@ -654,7 +654,7 @@ def test_export_patch_for_a_checkout_names_what_it_was_checked_against(installs,
     """Pre-images equal to the release wheel (--pristine-dir): `<playbook>-sglang-<version>.patch`
     checked against that wheel; after a local commit changes a pre-image: a `-<hash8>` name,
     checked against what fleetctl read. Either applies with patch -p1 where it says."""
-    from fleetctl.engine.patches import write_patches
+    from fleetctl.engine.playbooks.patches import write_patches
     checkout = installs["checkout"]
     iid = f"host:{checkout / 'sglang'}"
     runner = checkout / RUNNER

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import kernel_variant
-from fleetctl.engine.kernelpkg import load_package
+from fleetctl.engine.kernels.package import load_package
 from fleetctl.probes.kernel import build, kbuild
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"

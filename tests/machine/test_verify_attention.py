@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import missing
-from fleetctl.engine.kernelpkg import load_package
+from fleetctl.engine.kernels.package import load_package
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 PKG = load_package(KERNELS, "verify_attention")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleetctl.engine.kernelpkg import load_package
+from fleetctl.engine.kernels.package import load_package
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = load_package(ROOT / "kernels", "verify_attention")

@@ -129,7 +129,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402  (the script above needs none of the test-only imports)
 
 from conftest import missing  # noqa: E402
-from fleetctl.engine.kernelpkg import load_package  # noqa: E402
+from fleetctl.engine.kernels.package import load_package  # noqa: E402
 
 PKG = load_package(ROOT / "kernels", "verify_attention")
 TOLERANCES = {k: list(v) for k, v in PKG.tolerances.items()}

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fleetctl.engine.kernelpkg import load_package
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.kernels.package import load_package
+from fleetctl.engine.playbooks.model import load_playbook
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "bench" / "gpu_check"
@@ -61,7 +61,7 @@ ENTRIES = [{"head_dim": 64, "group": g, "draft_tokens": t, "dtype": d, "max_batc
 
 
 def table(entries, every=False, build="k1") -> str:
-    """A dispatch.json (engine/dispatch.py's schema) for `build`."""
+    """A dispatch.json (engine/kernels/dispatch.py's schema) for `build`."""
     return json.dumps({"schema": "fleetctl-dispatch/1", "kernel": "verify_attention", "build": build,
                        "backend": "cpu", "source": "measured", "all": every, "entries": entries,
                        "why": "a test's table"})

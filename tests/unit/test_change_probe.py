@@ -1,6 +1,6 @@
 """The host-side change probe on temp copies of real SGLang files: apply, rollback, recover, status.
 
-Plans come from the real planner (fleetctl.engine.plan) on real release sources; state_dir points
+Plans come from the real planner (fleetctl.engine.playbooks.plan) on real release sources; state_dir points
 into tmp_path so nothing touches /var/lib/fleetctl.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes import safefs
 from fleetctl.probes.change import actions as change, ledger
 from fleetctl.probes.facts import drift as record

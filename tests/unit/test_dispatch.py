@@ -1,4 +1,4 @@
-"""The dispatch table (engine/dispatch.py): --route parsing, the operator and none tables, their
+"""The dispatch table (engine/kernels/dispatch.py): --route parsing, the operator and none tables, their
 canonical text, what counts as the same routing, the tables as the hook reads them, status's one line; deploy's
 activation files (link and table as one change); the kbuild state action and the change
 probe's status reading the published tree (no root, no SSH)."""
@@ -15,7 +15,7 @@ from rich.console import Console
 
 from fleetctl import config
 from fleetctl.report.terminal import render_deploy, render_status
-from fleetctl.engine import deploy, dispatch
+from fleetctl.engine.kernels import deploy, dispatch
 from fleetctl.engine.context import HostResult
 from fleetctl.errors import EXIT_OPTIONS, HostFailed
 from fleetctl.probes import buildtrust

@@ -24,7 +24,7 @@ from fleetctl.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_OPTIONS, EXIT_PARSE,
 from fleetctl.engine.context import HostResult
 from fleetctl.engine.fleet import Fleet, exit_code, parse_serial
 from fleetctl.paths import find_playbook, project_dir, shipped_dir
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes.change import ledger as ledger_probe
 from fleetctl.probes.facts import procs as procs_probe
 from fleetctl.probes.traffic import smoke as smoke_probe

@@ -312,7 +312,7 @@ def test_recorded_probe_answers_pass_and_a_broken_kernels_fail():
 # ---- where it is asked for, and its place in the change engine --------------------------------
 
 def test_the_playbook_step_and_the_shipped_playbook(tmp_path):
-    from fleetctl.engine.playbook import VALIDATE_STEPS, load_playbook
+    from fleetctl.engine.playbooks.model import VALIDATE_STEPS, load_playbook
     from fleetctl.errors import ParseError
 
     assert "route" in VALIDATE_STEPS
@@ -398,7 +398,7 @@ def test_a_second_kernel_package_on_a_hooked_host_fails_its_route_gate_and_is_ro
     """Deploy arms the route gate of the package it activates on a host whose install has the hook
     (kbuild state's "hooked"); the hook routes verify_attention's build, so the evidence after the
     restart names that build, not the new package's: the gate fails and the activation is put back."""
-    from fleetctl.engine.deploy import DeployOptions, deploy_gates
+    from fleetctl.engine.kernels.deploy import DeployOptions, deploy_gates
 
     other_key = "9f" * 32
     gates = deploy_gates("paged_attention", other_key, True, DeployOptions())
@@ -443,8 +443,8 @@ def test_apply_arms_the_gates_of_the_plans_steps_with_the_build_the_hook_routes(
     names (the install's, read when the change was planned); the smoke step its own offline command."""
     from types import SimpleNamespace
 
-    from fleetctl.engine.apply import change_gates
-    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.engine.playbooks.apply import change_gates
+    from fleetctl.engine.playbooks.model import load_playbook
 
     pb = load_playbook(ROOT / "playbooks" / "route-verify-attention.yaml")
     plan = SimpleNamespace(validate=[{"step": "compile"}, {"step": "smoke", "offline": "true"}, {"step": "route"}])

@@ -15,7 +15,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from fleetctl.report import html as htmlpage
+from fleetctl.report import html as report_html
 from fleetctl.history.model import HostRecord
 from report_runs import recorded_runs, write_store
 
@@ -62,7 +62,7 @@ def runs():
 
 @pytest.fixture(scope="module")
 def page(runs):
-    return Page(htmlpage.render(runs, NOW, "7d", "/x/history.sqlite"))
+    return Page(report_html.render(runs, NOW, "7d", "/x/history.sqlite"))
 
 
 def by_name(runs, suffix):
@@ -108,7 +108,7 @@ def test_host_text_is_escaped_and_its_control_characters_shown(runs):
     status.hosts[1] = dataclasses.replace(h, host=HOSTILE, error=HOSTILE)
     apply = by_name(bad, "-06")
     apply.hosts[0].doc["plan"]["files"][0]["diff"] = HOSTILE + "\n"
-    html = htmlpage.render(bad, NOW)
+    html = report_html.render(bad, NOW)
     parsed = Page(html)
     assert not parsed.all("img") and not parsed.all("script"), "host text made no element"
     assert "\x1b" not in html, "no raw terminal escape reaches the page"
@@ -141,7 +141,7 @@ def test_load_gate_charts_have_a_bar_per_run_and_metric(runs, page):
 
 def test_the_timeline_has_a_point_per_change_made(runs, page):
     dots = page.all("circle", "point")
-    made = [(h.host, h.status) for r in runs if r.command in htmlpage.CHANGING and not r.doc.get("check")
+    made = [(h.host, h.status) for r in runs if r.command in report_html.CHANGING and not r.doc.get("check")
             for h in r.hosts]
     # the apply, the kernel's deploy, its rollback, a recover that found nothing pending
     assert made == [("lab-01", "changed"), ("lab-02", "failed"), ("lab-03", "skipped"), ("lab-01", "changed"),
@@ -150,8 +150,8 @@ def test_the_timeline_has_a_point_per_change_made(runs, page):
 
 
 def test_the_overview_shows_each_hosts_latest_cell(runs):
-    rows = {host: cells for host, cells, _ in htmlpage.overview(runs)}
-    titles = [c[0] for c in htmlpage.COLUMNS]
+    rows = {host: cells for host, cells, _ in report_html.overview(runs)}
+    titles = [c[0] for c in report_html.COLUMNS]
     lab01 = dict(zip(titles, rows["lab-01"]))
     assert lab01["SGLang installs"].run_id.endswith("-15")  # the last status, after the last inspect
     assert lab01["SGLang installs"].lines == ["0.5.2 wheel host:/opt/sglang/venv/lib/python3.11/site-packages/sglang"]
@@ -160,14 +160,14 @@ def test_the_overview_shows_each_hosts_latest_cell(runs):
     assert lab01["applied changes"].lines == [f"{defrag} (defrag-tier0)"]  # the kernel was rolled back (-13)
     assert lab01["active kernels"].lines == ["none"]
     kernel = by_name(runs, "-09").hosts[0].doc["build_key"]
-    older = dict(zip(titles, {h: c for h, c, _ in htmlpage.overview(runs[:14])}["lab-01"]))  # before its rollback
+    older = dict(zip(titles, {h: c for h, c, _ in report_html.overview(runs[:14])}["lab-01"]))  # before its rollback
     assert older["active kernels"].lines == [f"verify_attention {kernel[:12]}"]
     assert older["active kernels"].run_id.endswith("-11")
     assert lab01["drift"].status == "failed" and "edited since the apply" in lab01["drift"].lines[0]
     assert lab01["last validation"].run_id.endswith("-10") and "load smoke: 4 of 4" in lab01["last validation"].lines[1]
     shuffled = runs[:]
     random.Random(1).shuffle(shuffled)
-    assert htmlpage.overview(shuffled) == htmlpage.overview(runs), "by start time, not by the list's order"
+    assert report_html.overview(shuffled) == report_html.overview(runs), "by start time, not by the list's order"
 
 
 def test_a_later_run_without_the_data_keeps_the_older_cell(runs):
@@ -175,7 +175,7 @@ def test_a_later_run_without_the_data_keeps_the_older_cell(runs):
     down = dataclasses.replace(status, run_id="later", started_at=status.started_at + 3600, ended_at=None,
                                hosts=[HostRecord("lab-02", "10.213.33.12", "unreachable", "connect timed out", 2.0,
                                                  {"host": "lab-02", "status": "unreachable"})])
-    rows = {host: (cells, last) for host, cells, last in htmlpage.overview(runs + [down])}
+    rows = {host: (cells, last) for host, cells, last in report_html.overview(runs + [down])}
     cells, last = rows["lab-02"]
     assert cells[1].run_id == status.run_id and cells[1].lines == ["none"]
     assert (last.run_id, last.status) == ("later", "unreachable")
@@ -190,18 +190,18 @@ def test_a_report_from_the_store_is_the_report_of_its_runs(runs, tmp_path):
         stored = store.runs()
     finally:
         store.close()
-    assert htmlpage.render(stored, NOW) == htmlpage.render(runs, NOW)
+    assert report_html.render(stored, NOW) == report_html.render(runs, NOW)
 
 
 def test_no_runs_still_renders():
-    page = Page(htmlpage.render([], NOW, "7d"))
+    page = Page(report_html.render([], NOW, "7d"))
     text = "".join(page.text)
     assert "No runs recorded in the last 7d." in text and "No change was made" in text
     assert not page.all("svg")
 
 
 def test_the_page_is_deterministic(runs):
-    assert htmlpage.render(runs, NOW) == htmlpage.render(copy.deepcopy(runs), NOW)
+    assert report_html.render(runs, NOW) == report_html.render(copy.deepcopy(runs), NOW)
 
 
 def test_the_command_writes_the_report_of_the_history_file(runs, tmp_path):
@@ -249,7 +249,7 @@ def test_odd_host_data_renders_what_it_has(runs, tmp_path):
     validate.hosts[0].doc["servers"][0]["e2e_latency_s"] = 10 ** 400
     bad.append(dataclasses.replace(by_name(bad, "-01"), run_id="null-doc", doc=None,
                                    started_at=max(r.started_at for r in bad) + 1))
-    html = htmlpage.render(bad, NOW)
+    html = report_html.render(bad, NOW)
     page = Page(html)
     assert [a["data-run"] for a in page.all("section", "run")][0] == "null-doc"
     text = "".join(page.text)
@@ -274,16 +274,16 @@ def test_a_run_the_template_cannot_show_is_named_and_the_rest_shown(runs, monkey
     bad = copy.deepcopy(runs)
     apply = by_name(bad, "-06")
     apply.hosts[0] = dataclasses.replace(apply.hosts[0], elapsed_s="soon")
-    assert '<td>not measured</td>' in htmlpage.render(bad, NOW)
-    diffs = htmlpage._diffs
+    assert '<td>not measured</td>' in report_html.render(bad, NOW)
+    diffs = report_html._diffs
 
     def breaks(run):
         if run.run_id == apply.run_id:
             raise RuntimeError("a shape no reader knows")
         return diffs(run)
 
-    monkeypatch.setattr(htmlpage, "_diffs", breaks)
-    page = Page(htmlpage.render(bad, NOW))
+    monkeypatch.setattr(report_html, "_diffs", breaks)
+    page = Page(report_html.render(bad, NOW))
     assert [a["data-run"] for a in page.all("section", "run")] == [r.run_id for r in reversed(bad)]
     text = "".join(page.text)
     assert f"run {apply.run_id}: its record could not be shown" in text
@@ -298,12 +298,12 @@ def test_non_finite_and_negative_figures_draw_no_bar(runs):
     row["baseline"].update(output_throughput=float("nan"), p99_ttft_ms=-5.0, p99_itl_ms=1e308)
     row["after"].update(output_throughput=12.0, p99_ttft_ms=float("inf"), p99_itl_ms=2.0)
     row["limits"].update(p99_itl_ms=float("-inf"))
-    html = htmlpage.render(bad, NOW)
+    html = report_html.render(bad, NOW)
     svg = html[html.index('<h2 id="gates">'):html.index('<h2 id="runs">')]
     assert "nan" not in svg.lower() and "inf" not in svg.lower()
     bars = [b for b in Page(svg).all("rect", "point")]
     assert len(bars) == 2 + 6  # lab-01: only p99 ITL is measured by both runs; lab-02 in full
-    assert all(float(b["height"]) >= 0 and float(b["y"]) <= htmlpage.svg.PANEL_H for b in bars)
+    assert all(float(b["height"]) >= 0 and float(b["y"]) <= report_html.svg.PANEL_H for b in bars)
     assert "1e+308 ms" in svg and not re.search(r"[0-9]{20}", svg)
 
 
@@ -314,11 +314,11 @@ def test_long_host_strings_are_cut_with_a_pointer_to_the_run(runs):
     apply = by_name(bad, "-06")
     apply.hosts[1] = dataclasses.replace(apply.hosts[1], error="E" * 2_000_000)
     apply.hosts[0].doc["plan"]["files"][0]["diff"] = "+" + "D" * 2_000_000 + "\n"
-    html = htmlpage.render(bad, NOW)
+    html = report_html.render(bad, NOW)
     assert len(html) < 300_000
     text = "".join(Page(html).text)
     assert f"more characters; fleetctl history show {apply.run_id}" in text
-    assert "E" * htmlpage.CAP not in text and "E" * 1000 in text
+    assert "E" * report_html.CAP not in text and "E" * 1000 in text
 
 
 def test_the_report_goes_to_stdout_a_device_or_a_fifo_without_replacing_it(runs, tmp_path):

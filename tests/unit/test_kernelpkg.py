@@ -16,8 +16,8 @@ import pytest
 
 from fleetctl import probes
 from fleetctl.errors import ParseError
-from fleetctl.engine.deploy import preflight_key
-from fleetctl.engine.kernelpkg import TritonBackend, build_key, load_package
+from fleetctl.engine.kernels.deploy import preflight_key
+from fleetctl.engine.kernels.package import TritonBackend, build_key, load_package
 from fleetctl.errors import HostFailed
 from fleetctl.probes.kernel import preflight
 

@@ -407,9 +407,9 @@ def playbook(tmp_path: Path, settings: str) -> Path:
 
 
 def test_a_playbook_declares_the_load_gate_and_its_settings_are_checked_at_load(tmp_path):
-    from fleetctl.engine.apply import change_load
+    from fleetctl.engine.playbooks.apply import change_load
     from fleetctl.engine.changes import ChangeOptions
-    from fleetctl.engine.playbook import load_playbook
+    from fleetctl.engine.playbooks.model import load_playbook
     from fleetctl.errors import ParseError
 
     shipped = load_playbook(Path(__file__).resolve().parents[2] / "playbooks" / "defrag-tier0.yaml")

@@ -1,4 +1,4 @@
-"""engine/measure.py (the measured dispatch table) and probes/traffic/serverinfo.py, on hand-made figures: the
+"""engine/kernels/measure.py (the measured dispatch table) and probes/traffic/serverinfo.py, on hand-made figures: the
 per-rank shapes from /server_info and config.json, the >= 1.1x-at-every-prefix choice, measured_table over
 fake probe answers (every failure a source "none" table, never an exception), and the config.json reader's
 refusals. No GPU here: the CUDA timing itself (dispatch_bench.py) is not run by these tests."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleetctl.engine import measure
+from fleetctl.engine.kernels import measure
 from fleetctl.errors import ProbeFailed
 from fleetctl.probes.traffic import serverinfo
 

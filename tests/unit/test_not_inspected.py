@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetctl.engine.apply import host_side, no_install_reason, select_installs
+from fleetctl.engine.playbooks.apply import host_side, no_install_reason, select_installs
 from fleetctl.engine.gather import not_inspected
 from fleetctl.errors import HostFailed
 from fleetctl.probes.facts import host as facts_probe

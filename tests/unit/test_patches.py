@@ -1,4 +1,4 @@
-"""`apply --export-patch` (engine/patches.py) on a check result as check_job gives it, with what a
+"""`apply --export-patch` (engine/playbooks/patches.py) on a check result as check_job gives it, with what a
 hostile host can put in it (security review N2): paths outside the install, a version or an
 install id that is not what it says, and a link planted in the export directory. Each test
 asserts on every file under its tmp_path (the temporary copy `patch` runs in is made there)."""
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fleetctl.engine.context import HostResult
-from fleetctl.engine.patches import ExportError, check_patch, groups, write_patches
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.patches import ExportError, check_patch, groups, write_patches
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.vocab import HostStatus
 from oracles import PLAYBOOK, host_inputs
 

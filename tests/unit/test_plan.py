@@ -14,9 +14,9 @@ import zipfile
 
 import pytest
 
-from fleetctl.engine.plan import plan_host, reinspect_problems
-from fleetctl.engine.tasks.work import one_line
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.plan import plan_host, reinspect_problems
+from fleetctl.engine.playbooks.tasks.work import one_line
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.wheels import ensure_wheel
 from oracles import PLAYBOOK, apply_diff, host_inputs
 

@@ -12,10 +12,10 @@ import pytest
 
 from fleetctl import probes
 from fleetctl.errors import EXIT_PARSE, ParseError
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine import reader
-from fleetctl.engine.playbook import load_playbook
-from fleetctl.engine.reader import TemplateRefused
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks import reader
+from fleetctl.engine.playbooks.model import load_playbook
+from fleetctl.engine.playbooks.reader import TemplateRefused
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
-from fleetctl.engine.tasks.create import CreateTask
-from fleetctl.engine.tasks.insert import InsertTask
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
+from fleetctl.engine.playbooks.tasks.create import CreateTask
+from fleetctl.engine.playbooks.tasks.insert import InsertTask
 from fleetctl.errors import ParseError
 
 PB = textwrap.dedent("""\

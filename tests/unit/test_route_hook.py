@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes import buildtrust
 from fleetctl.probes.facts import verifyroute
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.engine.plan import plan_host
-from fleetctl.engine.playbook import load_playbook
+from fleetctl.engine.playbooks.plan import plan_host
+from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes import buildtrust
 from fleetctl.probes.change import actions as change
 from fleetctl.probes.facts import verifyroute
@@ -496,7 +496,7 @@ def test_a_guard_changed_by_hand_is_refused(tmp_path):
 def test_reinspect_after_the_apply_finds_the_change_in_place(tmp_path):
     """What the gate's reinspect step does after the write: the same plan re-made from the host's
     fresh files has nothing left to do and every planned file has its post-image."""
-    from fleetctl.engine.plan import reinspect_problems
+    from fleetctl.engine.playbooks.plan import reinspect_problems
 
     loc = install(tmp_path, "0.5.23")
     state = deployed(tmp_path, location=loc)

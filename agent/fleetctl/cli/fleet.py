@@ -186,10 +186,10 @@ def apply(opts: FleetOptions,
 
     A check pass always comes first; only the hosts it finds to change are then applied, in
     --serial batches (so a canary batch is made of hosts that really change)."""
-    from ..engine.apply import ApplyOptions, check_then_apply
+    from ..engine.playbooks.apply import ApplyOptions, check_then_apply
     from ..engine.fleet import parse_serial
     from ..paths import find_playbook
-    from ..engine.playbook import load_playbook
+    from ..engine.playbooks.model import load_playbook
     from ..report.terminal import render_apply, render_handlers
 
     if not 0 <= max_fail_percentage <= 100:
@@ -229,7 +229,7 @@ def apply(opts: FleetOptions,
     cid = outcome.change_id
     patches = []
     if export_patch is not None:
-        from ..engine.patches import write_patches
+        from ..engine.playbooks.patches import write_patches
         patches = [str(p) for p in write_patches(outcome.results, pb.name, export_patch, pristine_dir)]
         for r in outcome.results:
             r.data.pop("texts", None)
@@ -332,9 +332,9 @@ def deploy_kernel(opts: FleetOptions,
     """Build kernels/NAME on each host for its GPU arch (or CPU), test it against its reference,
     publish it, activate it and its dispatch table (--route) atomically, validate (with --gate
     load, also under load: the report shows the speedup), and switch back on failure."""
-    from ..engine.deploy import DeployOptions, run_deploy
-    from ..engine.dispatch import RouteError, parse_route
-    from ..engine.kernelpkg import BACKENDS, load_package
+    from ..engine.kernels.deploy import DeployOptions, run_deploy
+    from ..engine.kernels.dispatch import RouteError, parse_route
+    from ..engine.kernels.package import BACKENDS, load_package
     from ..paths import project_dir
 
     if max_jobs < 1:

@@ -1,4 +1,4 @@
-"""`fleetctl report -o fleet.html`: the HTML fleet report (htmlpage), written from the run history
+"""`fleetctl report -o fleet.html`: the HTML fleet report (report/html.py), written from the run history
 alone (history.store): no host is contacted, and the command is not itself recorded."""
 
 from __future__ import annotations

@@ -19,17 +19,17 @@ import math
 
 from .. import __version__
 from . import build
-from ..engine.apply import host_side, install_change_id, plan_installs, reinspect_install
+from ..engine.playbooks.apply import host_side, install_change_id, plan_installs, reinspect_install
 from ..engine.changes import new_change_id
-from ..engine import dispatch
-from ..engine.deploy import activation
+from ..engine.kernels import dispatch
+from ..engine.kernels.deploy import activation
 from ..errors import HostFailed, UsageError
 from ..inventory import Host
 from ..inventory.templates import needed
-from ..engine.kernelpkg import KernelPackage, load_package
+from ..engine.kernels.package import KernelPackage, load_package
 from ..paths import find_playbook, project_dir
-from ..engine.playbook import Playbook, load_playbook
-from ..engine.plan import HostPlan
+from ..engine.playbooks.model import Playbook, load_playbook
+from ..engine.playbooks.plan import HostPlan
 from ..engine.gates.smoke import gate
 from ..engine.validate import SmokeOptions, smoke_targets
 from ..vocab import PlanStatus

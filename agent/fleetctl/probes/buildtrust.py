@@ -16,7 +16,7 @@ globals beside the hook's own (tests/unit/test_route_hook.py checks that none is
 - walk(link): the trust walk over the build `link` (PUBLIC/verify_attention/current) names;
   check(path, top) for each path on it; Untrusted says why not.
 - table(path, key): what PUBLIC/verify_attention/dispatch.json (schema SCHEMA, written by
-  `fleetctl deploy kernel`, engine/dispatch.py) routes for build `key`.
+  `fleetctl deploy kernel`, engine/kernels/dispatch.py) routes for build `key`.
 """
 
 import json

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..engine.context import HostResult
-from ..engine.dispatch import describe
+from ..engine.kernels.dispatch import describe
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
 from .text import STATUS_STYLE, tolerant, coalesce, gate_status, host_list, table, text, visible

@@ -84,7 +84,7 @@ def build(params: dict) -> dict:
     params: src_dir (uploaded package), build_dir (staging), name (module name), sources (relative
     to src_dir), cflags, cuda_cflags, ldflags, arch (TORCH_CUDA_ARCH_LIST, None for cpu), max_jobs
     (cap on MAX_JOBS, default 4), deadline_s (default 1800 s, waiting for the lock included),
-    lock_path (default BUILD_DIR.lock). kind "triton" (kernelpkg.TritonBackend's parameters):
+    lock_path (default BUILD_DIR.lock). kind "triton" (engine/kernels/package.py TritonBackend's parameters):
     module (.py relative to src_dir), build, load (its function names) in place of sources and
     flags; the child calls module.build(arch as an int: "9.0" -> 90, BUILD_DIR/kernels), then
     BUILD_DIR/NAME.py is written (_TRITON_MODULE) and is the module_path; "manifest" is what

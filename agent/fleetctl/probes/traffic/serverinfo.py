@@ -1,4 +1,4 @@
-"""Remote probe: each SGLang server's shape facts for the measured dispatch table (engine/measure.py).
+"""Remote probe: each SGLang server's shape facts for the measured dispatch table (engine/kernels/measure.py).
 
 For each server target (targets.pick over the facts probe's servers, the inventory's fleetctl_sglang_port /
 _host: the smoke decode's rule, loopback or this host's own addresses only), with the inventory's API key:

@@ -2,7 +2,7 @@
 # Copyright: (c) 2026, fleetctl maintainers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 """fleetctl.sglang.kernel on the controller: load the package, find the SGLang interpreter (inspect
-module), preflight and build key, then, as `fleetctl deploy kernel` does (engine/deploy.py), build
+module), preflight and build key, then, as `fleetctl deploy kernel` does (engine/kernels/deploy.py), build
 privately (STATE_DIR/kernels/NAME/<key>: transfer, build, test and mark on the host, the kernel
 module's steps, deploy.build_and_test) unless a passed or published build of the key is there,
 publish it (PUBLIC/NAME/<key>, kbuild's publish), and activate the `current` link and the dispatch
@@ -43,7 +43,7 @@ class ActionModule(ActionBase):
             return result
         try:
             from fleetctl.collection import ops
-            from fleetctl.engine import deploy, dispatch
+            from fleetctl.engine.kernels import deploy, dispatch
             from fleetctl.errors import HostFailed, ParseError, UsageError
         except ImportError as e:
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)

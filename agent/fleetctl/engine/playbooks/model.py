@@ -1,6 +1,6 @@
 """Playbooks: YAML files plus Jinja2 templates that say how to change a host, checked on load.
 
-A playbook is data; `fleetctl.engine.plan` turns it and one host's facts and findings into a plan.
+A playbook is data; `fleetctl.engine.playbooks.plan` turns it and one host's facts and findings into a plan.
 Schema (every key is checked; an error names the file and line, ParseError, exit 4):
 
     name: defrag-tier0                      # required
@@ -32,7 +32,7 @@ Schema (every key is checked; an error names the file and line, ParseError, exit
                                             # but `when`; at most one, after a smoke step
     on_failure: rollback                    # rollback (default) | keep
 
-The playbook and its templates are read as engine/reader.py says (sandboxed Jinja2, files only
+The playbook and its templates are read as engine/playbooks/reader.py says (sandboxed Jinja2, files only
 from inside the playbook's directory, owned by the operator or root). Render context:
 the host's inventory vars at top level, plus `host` (inventory name), `facts`, `findings`
 and, in per-site templates, `finding` (one inspect finding plus `expr_one_line`).
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import jinja2
 import yaml
 
-from ..errors import ParseError
-from .load import SETTINGS as LOAD_SETTINGS, load_options
+from ...errors import ParseError
+from ..load import SETTINGS as LOAD_SETTINGS, load_options
 from .reader import Expr, Reader, Snippet, TemplateRefused, environment, read_inside
 from .tasks import TASKS, Task
 
@@ -98,7 +98,7 @@ class Playbook:
 def load_playbook(path: str | os.PathLike) -> Playbook:
     """Load and check a playbook YAML file (schema in the module docstring).
 
-    The file and its templates are read by PlaybookLoader's rules (engine/reader.py);
+    The file and its templates are read by PlaybookLoader's rules (engine/playbooks/reader.py);
     templates are resolved relative to the playbook's directory and syntax-checked now.
     Raises ParseError "file:line: what" (exit 4) for bad YAML, unknown or missing keys, wrong
     types, bad Jinja2 syntax, missing or refused templates (a symlink, outside the directory, a

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from ...hostpaths import package_file
+from ....hostpaths import package_file
 from ..reader import Expr, Reader, Snippet
 from .work import PlanRefused, Source, Work, parse_python
 

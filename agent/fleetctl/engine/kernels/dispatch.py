@@ -1,7 +1,7 @@
 """The dispatch table of a kernel build: which shapes the hook routes to it (pure: no host touched).
 
 The table lives beside the active link, `PUBLIC/NAME/dispatch.json` (config.PUBLIC_KERNELS_DIR),
-written by `fleetctl deploy kernel` as one change with the `current` link (engine/deploy.py), read
+written by `fleetctl deploy kernel` as one change with the `current` link (engine/kernels/deploy.py), read
 by the hook (playbooks/templates/route-verify-attention/fleetctl_verify.py), the finding
 (probes/facts/verifyroute.py) and `fleetctl status` (describe). Its shape (docs: issue 34's design,
 section 2):
@@ -122,7 +122,7 @@ def none_table(kernel: str, build: str, backend: str, why: str = NO_GPU, made: s
 
 def measured_table(kernel: str, build: str, backend: str, entries: list, measured: dict, why: str,
                    made: str | None = None) -> dict:
-    """The table engine/measure.py measured: source "measured", the `entries` it enabled (each
+    """The table engine/kernels/measure.py measured: source "measured", the `entries` it enabled (each
     with its per-prefix "speedup"), `measured` ({prefixes, min_speedup, shapes, device, sglang})."""
     return _table(kernel, build, backend, "measured", None, False, entries, measured, why, made)
 

@@ -17,10 +17,10 @@ import difflib
 import posixpath
 from dataclasses import asdict, dataclass, field
 
-from ..hostpaths import Refused, package_file
-from .playbook import Playbook
+from ...hostpaths import Refused, package_file
+from .model import Playbook
 from .tasks.work import FileChange, PlanRefused, Work, one_line, parse_python, sha256_text
-from ..vocab import PlanStatus
+from ...vocab import PlanStatus
 
 
 @dataclass

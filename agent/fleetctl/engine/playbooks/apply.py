@@ -23,29 +23,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, TypedDict
 
-from ..connection import Connection
+from ...connection import Connection
 
-from .changes import Change, ChangeOptions, FileWrite, Recovery, change_job, change_probe, compile_problems, execute, new_change_id, on_install, pending_ids, restart_handlers, undo_changes
-from ..config import CHECK_TIMEOUT_S, RESTART_CMD
-from ..errors import HostFailed
-from .context import HostContext, HostResult
-from .fleet import Fleet, parse_serial
-from .containers import LASTS
-from .gather import find_install, gather, install_errors, install_facts, not_inspected
-from .gates import Gate
-from .gates.load import LoadGate
-from .gates.route import RouteGate
-from .gates.smoke import SmokeGate
-from .load import LoadOptions, load_options
+from ..changes import (Change, ChangeOptions, FileWrite, Recovery, change_job, change_probe, compile_problems, execute,
+                       new_change_id, on_install, pending_ids, restart_handlers, undo_changes)
+from ...config import CHECK_TIMEOUT_S, RESTART_CMD
+from ...errors import HostFailed
+from ..context import HostContext, HostResult
+from ..fleet import Fleet, parse_serial
+from ..containers import LASTS
+from ..gather import find_install, gather, install_errors, install_facts, not_inspected
+from ..gates import Gate
+from ..gates.load import LoadGate
+from ..gates.route import RouteGate
+from ..gates.smoke import SmokeGate
+from ..load import LoadOptions, load_options
 from .patches import exportable
-from ..inventory import Host
+from ...inventory import Host
 from .plan import HostPlan, plan_host, reinspect_problems
-from .playbook import Playbook
-from ..probes import redact
-from ..probes.facts import topology
-from ..probes.facts.verifyroute import PACKAGE as ROUTED_PACKAGE
-from .validate import Rank0
-from ..vocab import HostStatus, PlanStatus
+from .model import Playbook
+from ...probes import redact
+from ...probes.facts import topology
+from ...probes.facts.verifyroute import PACKAGE as ROUTED_PACKAGE
+from ..validate import Rank0
+from ...vocab import HostStatus, PlanStatus
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A playbook's task kinds: one table, TASKS, from the key a task's YAML names its kind by to the
 dataclass of that kind. Adding a kind is a module here (the dataclass, how it is read, how it is
-planned) and a row in TASKS; the loader (engine/playbook.py) and the planner (engine/plan.py)
+planned) and a row in TASKS; the loader (engine/playbooks/model.py) and the planner (engine/playbooks/plan.py)
 ask nothing else of it.
 
 Each kind's dataclass is a `Task`: it has the task's `name` and `notify` (handler names), is read

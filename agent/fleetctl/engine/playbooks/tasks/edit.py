@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...hostpaths import package_file
+from ....hostpaths import package_file
 from ..reader import Expr, Reader, Snippet
 from .work import ANY_LINE_BREAK, PlanRefused, Work, one_line, parse_python
 

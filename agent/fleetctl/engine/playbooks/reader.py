@@ -1,5 +1,5 @@
 """Reading a playbook: its files, safely, and its YAML nodes as checked values, each error naming
-the file and line (ParseError, exit 4). What a playbook says is engine/playbook.py's; this module
+the file and line (ParseError, exit 4). What a playbook says is engine/playbooks/model.py's; this module
 knows how any of it is read.
 
 Templates render in Jinja2's ImmutableSandboxedEnvironment with StrictUndefined: a playbook
@@ -29,8 +29,8 @@ import jinja2
 import jinja2.sandbox
 import yaml
 
-from .. import probes
-from ..errors import ParseError
+from ... import probes
+from ...errors import ParseError
 
 # The template names of fleetctl's own probe modules: SHIPPED + "buildtrust.py", + "facts/host.py".
 SHIPPED = "fleetctl:probes/"

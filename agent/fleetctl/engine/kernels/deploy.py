@@ -6,15 +6,15 @@ Per host, under the host's lock: recover a change a killed run left pending -> f
 interpreter that runs SGLang, which has torch) -> preflight (probes/kernel/preflight.py: GPU arch, nvcc,
 torch CUDA, triton, ninja; the backend: --backend, else `triton` on a GPU host whose SGLang
 interpreter imports triton, `cuda` on other GPU hosts, `cpu` without a GPU) -> build key
-(kernelpkg.build_key) -> if the build is published (`PUBLIC/NAME/<key>/PASSED`, PUBLIC =
+(package.build_key) -> if the build is published (`PUBLIC/NAME/<key>/PASSED`, PUBLIC =
 config.PUBLIC_KERNELS_DIR) or passed privately (`STATE_DIR/kernels/NAME/<key>/PASSED`) it is
 reused; else upload the package to the private `<key>/src` (sha256 checked after upload), build
 into `<key>/build` (cpu, cuda: torch.utils.cpp_extension; triton: the package's ahead-of-time
 compile for the host's arch), test against the reference in a fresh process (on the device for
 cuda and triton), mark PASSED -> publish (kbuild `publish`: a root-owned 0755/0644 copy at
 `PUBLIC/NAME/<key>`, which an unprivileged server can read) -> the dispatch table
-(engine/dispatch.py: --route as the operator gave it; else measured on a GPU host,
-engine/measure.py; else "none") -> changes.execute: `PUBLIC/NAME/current` swapped to `<key>`
+(engine/kernels/dispatch.py: --route as the operator gave it; else measured on a GPU host,
+engine/kernels/measure.py; else "none") -> changes.execute: `PUBLIC/NAME/current` swapped to `<key>`
 and `PUBLIC/NAME/dispatch.json` written, one ledger change ("pending"; root PUBLIC/NAME) ->
 restart handler -> the gates (deploy_gates: the smoke gate; with --gate load, the load gate:
 SGLang's own benchmark client before and after; on an install with the route hook, the route
@@ -32,31 +32,31 @@ import posixpath
 from dataclasses import dataclass
 from typing import Callable, TypedDict
 
-from .changes import (ApplyEntry, Change, ChangeOptions, FileWrite, LinkSwap, Recovery, change_job, execute,
-                      new_change_id, restart_handlers)
-from .gates import Gate
-from .gates.load import LoadGate
-from .gates.route import RouteGate
-from .gates.smoke import SmokeGate
-from ..config import BUILD_DEADLINE_S, PROBE_SLACK_S, PUBLIC_KERNELS_DIR, TEST_DEADLINE_S
+from ..changes import (ApplyEntry, Change, ChangeOptions, FileWrite, LinkSwap, Recovery, change_job, execute,
+                       new_change_id, restart_handlers)
+from ..gates import Gate
+from ..gates.load import LoadGate
+from ..gates.route import RouteGate
+from ..gates.smoke import SmokeGate
+from ...config import BUILD_DEADLINE_S, PROBE_SLACK_S, PUBLIC_KERNELS_DIR, TEST_DEADLINE_S
 from . import dispatch
-from ..errors import HostFailed
-from .context import HostContext, HostResult
-from .fleet import Fleet
-from .gather import gather, not_inspected
-from ..inventory import Host
-from ..probes.facts.verifyroute import HOOK
-from .kernelpkg import KernelPackage, build_key
-from .load import load_options
+from ...errors import HostFailed
+from ..context import HostContext, HostResult
+from ..fleet import Fleet
+from ..gather import gather, not_inspected
+from ...inventory import Host
+from ...probes.facts.verifyroute import HOOK
+from .package import KernelPackage, build_key
+from ..load import load_options
 from .measure import measured_table
-from ..vocab import HostStatus
+from ...vocab import HostStatus
 
 
 @dataclass
 class DeployOptions(ChangeOptions):
     """max_jobs: cap on parallel compile jobs on the host; build_timeout in seconds; check: check
     mode (preflight and build key only: nothing uploaded, built, locked or activated); backend:
-    the operator's choice of backend (kernelpkg.BACKENDS; None: preflight chooses per host);
+    the operator's choice of backend (package.BACKENDS; None: preflight chooses per host);
     route: the operator's --route as dispatch.parse_route gives it ("all", ["64:2:4:float32:8",
     ...]; None: measured on a GPU host, nothing routed without one)."""
 
@@ -239,7 +239,7 @@ def on_host_table(answer: dict | None) -> dict | None:
 def _table(ctx: HostContext, python: str, pkg: KernelPackage, backend: str, key: str, module_path: str | None,
            facts: dict, opts: DeployOptions) -> dict:
     """The dispatch table a deploy writes: the operator's --route (source "operator"); else on a
-    GPU host (MEASURED_BACKENDS) the one measured there (engine/measure.py's measured_table);
+    GPU host (MEASURED_BACKENDS) the one measured there (engine/kernels/measure.py's measured_table);
     else none_table's."""
     if opts.route is not None:
         return dispatch.operator_table(pkg.name, key, backend, opts.route)

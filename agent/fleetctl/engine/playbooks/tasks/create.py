@@ -14,7 +14,7 @@ import difflib
 import posixpath
 from dataclasses import dataclass
 
-from ...hostpaths import package_file
+from ....hostpaths import package_file
 from ..reader import Reader, Snippet
 from .work import FileChange, PlanRefused, Work, checked_source, parse_python, sha256_text
 

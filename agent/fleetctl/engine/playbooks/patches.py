@@ -32,10 +32,10 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import FleetctlError
-from ..hostpaths import Refused, package_file, printable, release
-from .context import HostResult
-from ..wheels import ensure_wheel
+from ...errors import FleetctlError
+from ...hostpaths import Refused, package_file, printable, release
+from ..context import HostResult
+from ...wheels import ensure_wheel
 
 PATCH_TIMEOUT_S = 60
 

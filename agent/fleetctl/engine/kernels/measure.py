@@ -1,4 +1,4 @@
-"""The measured dispatch table (engine/dispatch.py's schema): on a GPU host, the deployed build
+"""The measured dispatch table (engine/kernels/dispatch.py's schema): on a GPU host, the deployed build
 against the host's own SGLang Triton `extend_attention_fwd`, on the shapes of the models its servers run.
 
 measured_table(ctx, python, pkg, module_path, key, backend, facts) -> the table dict (source "measured", or "none"
@@ -18,7 +18,7 @@ from __future__ import annotations
 import posixpath
 
 from . import dispatch
-from ..errors import FleetctlError
+from ...errors import FleetctlError
 
 MIN_SPEEDUP = 1.1
 PREFIXES = (1024, 4096, 16384)          # tokens of prefix per request, each capped by the server's context
@@ -183,7 +183,7 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
     where choose() enables them; measured: {prefixes, min_speedup, shapes, device}), or source "none" with
     why saying what failed: no servers, no shape, a probe failure or timeout, no CUDA device, a CPU answer.
     Never raises for a measurement problem (FleetctlError, OSError, ValueError, KeyError, TypeError)."""
-    from .validate import SmokeOptions, smoke_targets
+    from ..validate import SmokeOptions, smoke_targets
 
     def none(why):
         return dispatch.none_table(pkg.name, key, backend, why)
