@@ -28,7 +28,7 @@ import pytest
 from fleetctl import probes
 from fleetctl.probes.facts import gpus
 
-PROBES = sorted({*probes.modules_for("facts.host"), "gittree"})
+PROBES = sorted({*probes.modules_for("facts.host"), "facts.gittree"})
 
 # ---- case 11: nvidia-smi with a lost GPU --------------------------------------------------
 

@@ -109,8 +109,8 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     for p in nobody_home.rglob("*"):
         os.chown(p, NOBODY, NOBODY)
     # the callsites probe after the code cache: a bundle made here, as probes.bundle makes one
-    mods = [*probes.modules_for("facts.scancache"), "callsites"]
-    doc = json.dumps({"modules": [[m, probes.source(m)] for m in mods], "main": "callsites",
+    mods = [*probes.modules_for("facts.scancache"), "facts.callsites"]
+    doc = json.dumps({"modules": [[m, probes.source(m)] for m in mods], "main": "facts.callsites",
                       "params": {"location": str(pkg)}, "wrapper": probes.WRAPPER,
                       "code_key": probes.sources_sha256(mods)}).encode()
     real = run_probe_as_nobody(nobody_home, doc)
@@ -119,11 +119,11 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     [kept] = list(cdir.glob("code-*.marshal"))
     head, body = kept.read_bytes().split(b"\n", 1)
     assert json.loads(head)["key"] == probes.sources_sha256(mods)
-    assert sorted(marshal.loads(body)) == ["callsites"]  # scancache (and safefs) are compiled every run
+    assert sorted(marshal.loads(body)) == ["facts.callsites"]  # scancache (and safefs) are compiled every run
 
     def plant(head_bytes: bytes, code=None, owner=NOBODY):
-        code = code or {"callsites": compile("def main(params):\n    return {'from': 'kept code'}\n",
-                                             "<fleetctl probe callsites>", "exec")}
+        code = code or {"facts.callsites": compile("def main(params):\n    return {'from': 'kept code'}\n",
+                                                   "<fleetctl probe facts.callsites>", "exec")}
         kept.write_bytes(head_bytes + b"\n" + marshal.dumps(code))
         os.chown(kept, owner, owner)
 
@@ -131,13 +131,13 @@ def test_probe_modules_are_compiled_once_per_interpreter_build_and_kept(nobody_h
     assert run_probe_as_nobody(nobody_home, doc) == {"from": "kept code"}
     other_build = json.dumps(dict(json.loads(head), build="3.0.0|cpython-30")).encode()
     for planted in (lambda: plant(other_build), lambda: kept.write_bytes(head + b"\n\xff\x00garbage"),
-                    lambda: plant(head, {"callsites": compile("1", "<elsewhere>", "exec")}),
+                    lambda: plant(head, {"facts.callsites": compile("1", "<elsewhere>", "exec")}),
                     lambda: plant(head, owner=0)):
         planted()
         assert untimed(run_probe_as_nobody(nobody_home, doc)) == untimed(real)
     # each refused file was replaced by the run after it: nobody's, this build's, the real module's code
     assert kept.stat().st_uid == NOBODY and kept.read_bytes().split(b"\n", 1)[0] == head
-    assert "scan" in marshal.loads(kept.read_bytes().split(b"\n", 1)[1])["callsites"].co_names  # not the planted main
+    assert "scan" in marshal.loads(kept.read_bytes().split(b"\n", 1)[1])["facts.callsites"].co_names  # not the planted main
     assert untimed(run_probe_as_nobody(nobody_home, doc)) == untimed(real)
     # the probe starts with -I: an environment's PYTHONOPTIMIZE (or any PYTHON* variable) changes
     # nothing, so no second build's code is kept

@@ -135,8 +135,8 @@ def build(params: dict) -> dict:
                     "ldflags": params.get("ldflags") or []}
         with open(log_path, "wb") as log:
             child = subprocess.Popen([python, "-c", script, json.dumps(args)], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT, cwd=build_dir, env=env,
-                                    start_new_session=True, pass_fds=(lock_fd,))
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=build_dir, env=env,
+                                     start_new_session=True, pass_fds=(lock_fd,))
             out["pgid"] = child.pid
             out["rc"], out["timed_out"] = proc.wait(child, deadline)
         if out["rc"] == 0 and os.path.exists(result_path):
@@ -194,7 +194,7 @@ def test(params: dict) -> dict:
            "--device", params["device"], "--reference", params["reference"],
            "--tolerances", json.dumps(params["tolerances"])]
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=src_dir, start_new_session=True)
+                             cwd=src_dir, start_new_session=True)
     try:
         stdout, stderr = child.communicate(timeout=float(params.get("deadline_s", 600)))
         timed_out = False
