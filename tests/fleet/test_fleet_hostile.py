@@ -249,7 +249,7 @@ def test_a_gibibyte_probe_answer_through_sshd_is_cut_at_the_cap(lab, tmp_path, k
     r = json.loads(p.stdout)
     hosts = {h["host"]: h for h in json.loads(r["stdout"])["hosts"]}
     assert r["rc"] == 2 and hosts[HOST]["status"] == "failed", (r["rc"], r["stderr"], hosts[HOST])
-    assert hosts[HOST]["error"].startswith("output over 64 MiB from the facts probe"), hosts[HOST]["error"]
+    assert hosts[HOST]["error"].startswith("output over 64 MiB from the facts.host probe"), hosts[HOST]["error"]
     assert hosts["lab-02"]["status"] == "ok", hosts["lab-02"]["error"]
     assert r["peak"] < OUTPUT_MAX + (200 << 20), r["peak"]
 
