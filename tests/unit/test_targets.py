@@ -165,3 +165,30 @@ def test_smoke_targets_are_the_identified_servers_not_their_argv():
     # every server the probe identifies, on the inventory's port
     named = Host("h", {"fleetctl_sglang_port": 30005}, ())
     assert smoke_targets(named, None, SmokeOptions()) == [{"pid": None, "port": 30005, "host": "127.0.0.1"}]
+
+
+def test_a_socket_that_starts_listening_during_the_scan_is_pending_not_refused(monkeypatch):
+    """Live, the race a restarted server runs with the gate's poll (seen in CI): its socket starts
+    listening after pick() scanned the server's fds. pick() read the namespace's listeners first,
+    so the socket is "not listening yet" (pending, asked again); read after the scan, it would be
+    a listener no identified server holds, refused for good."""
+    real = listeners.held
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+        def held_then_listen(pids, tables=None):
+            found = real(pids, tables)
+            s.listen()
+            return found
+
+        monkeypatch.setattr(listeners, "held", held_then_listen)
+        me = {"pid": os.getpid(), "python": "/usr/bin/python3", "port": port, "host": "127.0.0.1"}
+        picked = targets.pick([me], port=port, host="127.0.0.1")
+        assert picked["refused"] == [] and picked["targets"] == []
+        assert [p["reason"] for p in picked["pending"]] == [
+            f"nothing listens on 127.0.0.1:{port} yet (servers: pid {os.getpid()})"]
+        # asked again, it is this process's socket
+        monkeypatch.setattr(listeners, "held", real)
+        assert targets.pick([me], port=port, host="127.0.0.1")["targets"] == [
+            {"pid": os.getpid(), "host": "127.0.0.1", "port": port, "node_rank": 0}]

@@ -235,6 +235,10 @@ def pick(selectors, port=None, host=None):
         if sel.get("pid") is None and port is None:
             port, host = sel.get("port"), sel.get("host")
     servers = live(selectors)
+    # the namespace's listeners are read before any tree's fds: a socket that starts listening
+    # between the two reads is then "not listening yet" (pending), never a listener that no
+    # identified server holds (refused) as it would be the other way round
+    listening, local = listeners.listening(), listeners.local_addresses()
     kids, tables, ours = listeners.children(), {}, listeners.netns("self")
     for s in servers:
         s["here"], s["elsewhere"] = [], []
@@ -246,7 +250,7 @@ def pick(selectors, port=None, host=None):
                     s["here"].append((inode, address, p))
                 else:
                     s["elsewhere"].append((address, p))
-    picked = select(servers, listeners.listening(), listeners.local_addresses(), port, host)
+    picked = select(servers, listening, local, port, host)
     ranks = {s["pid"]: s.get("node_rank") or 0 for s in servers}
     for t in picked["targets"]:
         t["node_rank"] = ranks.get(t["pid"], 0)
