@@ -74,7 +74,7 @@ def test_probe_ok(baseline):
 def test_probe_waits_through_startup(tmp_path):
     port = free_port()
     t0 = time.monotonic()
-    proc = standin.start_local(port, {"unhealthy_for_s": 3}, tmp_path)
+    proc = standin.start_local(port, {"unhealthy_for_s": 1.5}, tmp_path)
     try:
         # the probe finds a server by the sockets its process listens on: wait for the bind (a
         # loaded machine can take a second to start Python), not for /health
@@ -84,7 +84,7 @@ def test_probe_waits_through_startup(tmp_path):
         proc.terminate()
         proc.wait(10)
     assert s["ok"], s
-    assert time.monotonic() - t0 >= 3 and s["health_wait_s"] > 1.0
+    assert time.monotonic() - t0 >= 1.5 and s["health_wait_s"] > 0.5
 
 
 def test_health_deadline_exceeded(ports):
