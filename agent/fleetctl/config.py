@@ -83,9 +83,11 @@ SGLANG_API_KEY = HostVar("fleetctl_sglang_api_key", str, "the server's --api-key
 CONTAINER_EXEC = HostVar("fleetctl_container_exec", str, "how to enter containers: docker, podman, crictl, "
                          "nsenter (fleetctl's entry, with the container process's uid, gid and no more "
                          "capabilities) or none (never); default: the runtime's CLI when on the host, else none")
+UNPRIVILEGED_USER = HostVar("fleetctl_unprivileged_user", str, "the account an install's code runs as when no "
+                            "server of it runs as another and root owns it (default nobody; never root)")
 
 HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY,
-             CONTAINER_EXEC)
+             CONTAINER_EXEC, UNPRIVILEGED_USER)
 DEFAULT_SGLANG_HOST = "127.0.0.1"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetctl.probes import runas
 from fleetctl.probes.facts import callsites, scancache
 from fleetctl.wheels import ensure_wheel
 
@@ -198,12 +199,13 @@ def test_a_warm_locate_starts_no_interpreter_until_what_it_depends_on_changes(tm
     work = tmp_path / "work"
     make_tree(work, {"__init__.py": "", "version.py": '__version__ = "0.5.23"\n'})
     store = scancache.Store("k", str(tmp_path / "c"))
-    first = facts.located(sys.executable, [str(work)], store)
+    me = runas.account()  # this test's own uid (the unit room runs as nobody)
+    first = facts.located(sys.executable, [str(work)], store, me)
     assert first["sglang"]["version"] == "0.5.23" and first["sglang"]["package_dir"] == str(work / "sglang")
     real_ask, asked = facts.ask, []
     monkeypatch.setattr(facts, "ask", lambda *a: asked.append(a) or real_ask(*a))
-    assert facts.located(sys.executable, [str(work)], store) == first and asked == []
+    assert facts.located(sys.executable, [str(work)], store, me) == first and asked == []
     (work / "sglang/version.py").write_text('__version__ = "0.5.24"\n')
-    assert facts.located(sys.executable, [str(work)], store)["sglang"]["version"] == "0.5.24" and len(asked) == 1
+    assert facts.located(sys.executable, [str(work)], store, me)["sglang"]["version"] == "0.5.24" and len(asked) == 1
 
 

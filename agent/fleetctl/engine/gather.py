@@ -33,24 +33,26 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     facts.containers entry ("error"). On a context inside a container, only that container's
     installs (its own scan cache inside it). `records`: the state dir whose host-side container
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
-    Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, whose
-    site files the facts probe refused to start it with: probes/trust.py untrusted)."""
+    Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, which
+    could not be asked: not executable, no account to ask it as, or it did not answer)."""
     key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
-                                    "cache_key": key, "inside": True})
+                                         "cache_key": key, "inside": True,
+                                         "unprivileged_user": ctx.host.unprivileged_user})
         if inner.get("refused"):
             raise HostFailed(inner["refused"])
         mine = containers.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
-    params = {"python": inventory_python(ctx), "scan": scan, "with_sources": with_sources, "cache_key": key}
+    params = {"python": inventory_python(ctx), "scan": scan, "with_sources": with_sources, "cache_key": key,
+              "unprivileged_user": ctx.host.unprivileged_user}
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts.host", params)
-    refused = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
-               if c.get("reason") == "inventory" and c.get("skipped")]
-    if refused:
-        raise HostFailed(f"interpreter {refused[0]['python']} refused: {refused[0]['skipped']} (fleetctl runs it as root)")
+    failed = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
+              if c.get("reason") == "inventory" and (c.get("skipped") or c.get("error"))]
+    if failed:
+        raise HostFailed(f"interpreter {failed[0]['python']}: {failed[0].get('skipped') or failed[0]['error']}")
     found_all = g["facts"].get("containers", [])
     for found in found_all:
         how, note = containers.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})

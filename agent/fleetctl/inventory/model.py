@@ -241,6 +241,17 @@ class Host:
         return None if key is None else str(key)
 
     @property
+    def unprivileged_user(self) -> str | None:
+        """fleetctl_unprivileged_user: the account an install's code runs as when neither a server
+        of it nor its owner gives one (probes/runas.py account); None: nobody. Raises
+        InventoryError naming the host when it names root."""
+        user = self.vars.get(config.UNPRIVILEGED_USER.name)
+        if user is not None and str(user) in ("root", "0"):
+            raise InventoryError(f"host {self.name}: {config.UNPRIVILEGED_USER.name} is root: fleetctl never runs an "
+                                 "install's code as root; name an unprivileged account (default nobody)")
+        return None if user is None else str(user)
+
+    @property
     def container_exec(self) -> str | None:
         """fleetctl_container_exec: how containers are entered (connection.command.CONTAINER_EXECS);
         None: the runtime's own CLI when it is on the host, else nsenter."""

@@ -11,21 +11,22 @@ Interpreters asked: each running server's own (with its working directory and PY
 inventory's ansible_python_interpreter / fleetctl_python (params["python"]); each systemd service
 that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the local
 users' venvs, `uv tool` and pipx venvs, and servers' project `.venv`s, whose site directories
-hold an sglang distribution. An interpreter is run only after trust.untrusted() clears it (its
-`.pth` files run at start), by this probe, just before it starts it; one it refuses (another
-user's venv, for a root probe) or that does not answer is an install seen but not inspected
-("not_inspected", with the reason), never a host without SGLang.
+hold an sglang distribution. An interpreter is asked as an unprivileged uid (runas: the
+effective uid of a server running from it, else its tree's owner, else `nobody` or the
+inventory's fleetctl_unprivileged_user: its site module runs its `.pth` lines, sitecustomize and
+finders, which are the install's code, never root's); one that cannot be asked so (the account
+cannot read it) or that does not answer is an install seen but not inspected ("not_inspected",
+with the reason and the fix), never a host without SGLang.
 """
 
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 
 from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
-from .. import result, trust
+from .. import result, runas, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -40,6 +41,8 @@ HOME_PYTHONS = [
     (".local/pipx/venvs/*/bin/python", "pipx venv of %s"),
 ]
 LOCATE_TIMEOUT_S = 60  # one interpreter's start + find_spec (site runs every .pth file)
+FIX = ("; give that account read access to the install, or name one that has it in the inventory's "
+       "fleetctl_unprivileged_user (README: what fleetctl needs on a host)")
 SEVERAL = "several installs, no server: see installs"
 NONE_FOUND = "no interpreter with an sglang distribution found"
 NOT_INSPECTED = "not_inspected"  # vocab.InstallStatus.NOT_INSPECTED
@@ -159,23 +162,29 @@ def candidates(params, servers, services=()):
     return out
 
 
-def ask(python, first, timeout=LOCATE_TIMEOUT_S):
-    """Run this probe bundle as `python -I` in / to locate sglang there (see locate.locate):
-    {python, sglang, error, torch}. Raises RuntimeError when it prints no result."""
+def ask(python, first, acct, timeout=LOCATE_TIMEOUT_S):
+    """Run this probe bundle as `python -I` in / as runas.Account `acct` (runas.run) to locate
+    sglang there (see locate.locate): {python, sglang, error, torch, unreadable}. Raises
+    RuntimeError when it cannot start or prints no result (the text says which account tried)."""
     doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
     doc["params"] = {"locate": first}
+    who = "uid %d (%s)" % (acct.uid, acct.why)
     try:
-        r = subprocess.run([python, "-I", "-c", FLEETCTL_WRAPPER], input=json.dumps(doc).encode(),  # noqa: F821
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError("did not answer within %d s" % timeout)
+        r = runas.run([python, "-I", "-c", FLEETCTL_WRAPPER], acct, json.dumps(doc).encode(), timeout)  # noqa: F821
+    except (OSError, runas.NoAccount) as e:
+        raise RuntimeError("%s cannot run it: %s%s" % (who, e, FIX))
+    if r.timed_out:
+        raise RuntimeError("did not answer within %d s (run as %s)" % (timeout, who))
     found = result.after_marker(r.stdout.decode("utf-8", "replace"))
     if found is None:
-        raise RuntimeError("printed no result (exit %d): %s"
-                           % (r.returncode, r.stderr.decode("utf-8", "replace")[-1500:]))
+        raise RuntimeError("printed no result (exit %d, run as %s): %s"
+                           % (r.returncode, who, r.stderr.decode("utf-8", "replace")[-1500:]))
     res = json.loads(found)
     if "__probe_error__" in res:
         raise RuntimeError(res["__probe_error__"][-1500:])
+    if res.get("unreadable"):
+        raise RuntimeError("%s cannot read %s, on its sys.path: the answer would be wrong%s"
+                           % (who, ", ".join(str(e)[:300] for e in res["unreadable"][:4]), FIX))
     return res
 
 
@@ -201,8 +210,13 @@ def _stamp(python, first, package_dir):
     return out
 
 
-def located(python, first, store):
-    """ask(python, first), or its answer kept in `store` (a scancache.Store, or None) while the
+def _who(acct):
+    """{uid, why} of a runas.Account: what an install's entry says it was asked as."""
+    return {"uid": acct.uid, "why": acct.why}
+
+
+def located(python, first, store, acct):
+    """ask(python, first, acct), or its answer kept in `store` (a scancache.Store, or None) while the
     _stamp it was given under still holds: a warm run starts no second interpreter. An answer
     whose sglang has no package directory is never kept. Raises what ask raises."""
     ident = json.dumps([python, list(first)])
@@ -211,7 +225,7 @@ def located(python, first, store):
         res = kept.get("answer")
         if res and kept.get("stamp") == _stamp(python, first, (res.get("sglang") or {}).get("package_dir")):
             return res
-    res = ask(python, first)
+    res = ask(python, first, acct)
     found = res.get("sglang") or {}
     if store is not None and (not found or found.get("package_dir")):
         # an sglang without its package directory (a moved checkout) is asked again each run: what
@@ -237,27 +251,9 @@ def seen_tree(python, first):
     return None
 
 
-def _owner(path):
-    """The user (name, else uid as text) owning the first directory on `path`, from / down (as
-    named, links not followed), that belongs neither to root nor to this euid; None."""
-    euid, parts = os.geteuid(), path.split("/")
-    for i in range(2, len(parts) + 1):
-        try:
-            uid = os.lstat("/".join(parts[:i])).st_uid
-        except OSError:
-            return None
-        if uid not in (0, euid):
-            try:
-                import pwd
-                return pwd.getpwuid(uid).pw_name
-            except (ImportError, KeyError):
-                return str(uid)
-    return None
-
-
-def _not_inspected(cand, why, refused):
-    """A not_inspected entry for candidate `cand` (candidates()) that was not asked (`refused`:
-    trust.untrusted's reason `why`) or did not answer (`why`: the error)."""
+def _not_inspected(cand, why):
+    """A not_inspected entry for candidate `cand` (candidates()) that could not be asked or did
+    not answer (`why`)."""
     tree = seen_tree(cand["python"], cand["first"])
     if cand["pid"] is not None:
         what = "install of server pid %d" % cand["pid"] + (" (systemd unit %s)" % cand["unit"] if cand["unit"] else "")
@@ -265,25 +261,29 @@ def _not_inspected(cand, why, refused):
         what = "install of systemd unit %s" % cand["unit"]
     else:
         what = "install %s (%s)" % (tree or os.path.dirname(os.path.dirname(cand["python"])), cand["reason"])
-    user = _owner(cand["python"]) if refused else None
-    if refused:
-        me = "root" if os.geteuid() == 0 else "uid %d" % os.geteuid()
-        reason = "%s not inspected: %s is not run as %s: %s" % (what, cand["python"], me, why)
-        if user:
-            reason += "; inspect as that user, e.g. ansible_become_user: %s" % user
-    else:
-        reason = "%s not inspected: %s: %s" % (what, cand["python"], why)
-    return {"id": "host:" + tree if tree else None, "status": NOT_INSPECTED, "reason": reason,
-            "python": cand["python"], "servers": [], "units": [], "user": user}
+    return {"id": "host:" + tree if tree else None, "status": NOT_INSPECTED,
+            "reason": "%s not inspected: %s: %s" % (what, cand["python"], why),
+            "python": cand["python"], "servers": [], "units": []}
+
+
+def asker(cand, params):
+    """The runas.Account candidate `cand`'s interpreter is asked as: its server's (cand["pid"]),
+    else its tree's owner (seen_tree, else the interpreter's prefix), else the inventory's
+    fleetctl_unprivileged_user (params["unprivileged_user"]) or nobody. Raises runas.NoAccount."""
+    python = cand["python"]
+    tree = seen_tree(python, cand["first"]) or os.path.dirname(os.path.dirname(python))
+    servers = [cand["pid"]] if cand["pid"] is not None else []
+    return runas.account(servers, tree, params.get("unprivileged_user"))
 
 
 def discover(params, servers, store=None, services=()):
-    """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error}],
+    """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error, asked_as:
+    {uid, why}: the account its interpreter was asked as (asker)}],
     [{python, reason, sglang (version or None), skipped | error}] interpreters considered,
-    [{id, status: NOT_INSPECTED, reason, python, servers: [pid], units: [name], user}] installs
-    seen but not inspected: a server's, a service's (`services`: units.services) or an idle
-    interpreter's (one that may_have_sglang) that trust.untrusted refused (`user`: the owner to
-    inspect it as) or that did not answer; `id` is "host:<package_dir>" read from its site
+    [{id, status: NOT_INSPECTED, reason, python, servers: [pid], units: [name]}] installs seen
+    but not inspected: a server's, a service's (`services`: units.services) or an idle
+    interpreter's (one that may_have_sglang) that could not be asked (no account, or one that
+    cannot read it) or did not answer; `id` is "host:<package_dir>" read from its site
     directories (seen_tree; None when none is found), one entry per tree.
     Sets each server's `install` (its install id, None when its interpreter has no sglang or
     was not asked). `store`: a scancache.Store keeping interpreters' answers (see located), or
@@ -303,22 +303,18 @@ def discover(params, servers, store=None, services=()):
             if not os.access(python, os.X_OK):
                 entry["skipped"] = "not executable"
                 continue
-            why_not = trust.untrusted(python)
-            if why_not:
-                entry["skipped"] = why_not
-                asked[key] = {"refused": why_not}
-            else:
-                try:
-                    asked[key] = located(python, first, store)
-                    entry["sglang"] = (asked[key]["sglang"] or {}).get("version")
-                except (RuntimeError, OSError) as e:
-                    entry["error"] = str(e)
-                    asked[key] = {"failed": str(e)}
+            try:
+                acct = asker(cand, params)
+                asked[key] = dict(located(python, first, store, acct), asked_as=_who(acct))
+                entry["sglang"] = (asked[key]["sglang"] or {}).get("version")
+            except (RuntimeError, OSError, runas.NoAccount) as e:
+                entry["error"] = str(e)
+                asked[key] = {"failed": str(e)}
         res = asked[key]
-        if res and ("refused" in res or "failed" in res):
+        if res and "failed" in res:
             if cand["reason"] == "inventory" or (pid is None and not cand["idle"] and seen_tree(python, first) is None):
                 continue  # the inventory's is the host's failure (gather); a service with no sglang seen
-            e = _not_inspected(cand, res.get("refused") or res["failed"], "refused" in res)
+            e = _not_inspected(cand, res["failed"])
             e = unseen.setdefault(e["id"] or os.path.realpath(python), e)
             if pid is not None:
                 e["servers"].append(pid)
@@ -331,7 +327,8 @@ def discover(params, servers, store=None, services=()):
         iid = "host:" + (sg["package_dir"] or sg["location"])
         same = next((i for i in installs.values() if os.path.realpath(i["id"][5:]) == os.path.realpath(iid[5:])), None)
         inst = same or installs.setdefault(iid, {"id": iid, "python": dict(res["python"], path=python), "sglang": sg,
-                                                 "torch": res["torch"], "servers": [], "error": res["error"]})
+                                                 "torch": res["torch"], "servers": [], "error": res["error"],
+                                                 "asked_as": res["asked_as"]})
         if pid is not None:
             inst["servers"].append(pid)
             next(s for s in servers if s["pid"] == pid)["install"] = inst["id"]

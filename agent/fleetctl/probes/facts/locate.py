@@ -25,6 +25,17 @@ def _same(a, b):
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _denied(entry):
+    """Whether sys.path entry `entry` exists but may not be listed by this process."""
+    try:
+        os.listdir(entry or ".")
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def _url_dir(url):
     """A file:// URL -> local path (PEP 610 direct_url.json), else None."""
     if not url.startswith("file://"):
@@ -80,7 +91,8 @@ def locate(first):
     paths) put at the front of sys.path.
 
     Returns {"python": {path, version}, "sglang": {version, location, package_dir, install} or
-    None, "error": str or None}. `error` is set when an sglang distribution is installed but its
+    None, "error": str or None, "unreadable": [sys.path entries that exist but this process may
+    not list: its uid cannot see what is there, so the answer cannot be trusted]}. `error` is set when an sglang distribution is installed but its
     package directory cannot be found (its `location` is then the distribution's own directory
     and `package_dir` null)."""
     import importlib.util
@@ -102,7 +114,7 @@ def locate(first):
         package_dir = os.path.dirname(origin)
     dist = next(iter(metadata.distributions(name="sglang", path=added + sys.path)), None)
     out = {"python": {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
-           "sglang": None, "error": None}
+           "sglang": None, "error": None, "unreadable": [e for e in added + sys.path if _denied(e)]}
     if package_dir is None:
         if dist is not None:
             location = str(dist.locate_file(""))

@@ -1,0 +1,321 @@
+"""Run an install's code as an unprivileged uid (issue 48; review round 4, R4-1 to R4-3, R4-9).
+
+Stdlib only, Python 3.8+, Linux. The one way a probe starts an install's interpreter with its
+site module, or imports anything of its packages: site.py's `.pth` lines and `sitecustomize`,
+meta-path finders, the packages and everything they import are the install's code, and no list
+of checks covers Python's import system. So that code never runs with more privilege than the
+install's own server already has:
+
+- who, account(): the effective uid (with its gid and groups) of a server that runs from the
+  install, which runs that code already; else the owner of the install's tree when that is not
+  root; else an unprivileged account: `nobody`, or the one the inventory names
+  (fleetctl_unprivileged_user). Never root: NoAccount says why and what to set.
+- how, spawn() and run(): the child sets its real, effective and saved gid, groups and uid to
+  the account's (setresgid(2), setgroups(2), setresuid(2): with every uid non-zero the kernel
+  clears its capabilities), then no_new_privs (prctl(2) PR_SET_NO_NEW_PRIVS: a setuid program it
+  starts gains nothing) and PR_SET_PDEATHSIG (it dies with the probe), each checked by system
+  call before the exec; it runs in its own session and process group, killed whole at its
+  deadline and at its end (what it left behind), with no file descriptor but its three, in `/`,
+  with an environment built from nothing (environment(): the system's PATH; HOME, TMPDIR and
+  TRITON_CACHE_DIR in a private directory of that uid, removed afterwards).
+- what comes back is data: stdout and stderr read to a bound (run(): MAX_OUTPUT bytes, then the
+  group is killed), files read by the caller as hostile (owner checked, no links, bounded).
+
+Where fleetctl itself is not root it cannot drop and need not: the child runs as fleetctl's own
+uid, the rest unchanged.
+"""
+
+import collections
+import os
+import pwd
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+NOBODY = "nobody"
+MAX_OUTPUT = 16 << 20  # bytes of stdout (and of stderr) a child may print before its group is killed
+PRIVATE_PARENT = "/tmp"  # root's sticky directory: no other user can rename what root made in it
+MAX_TREE_ENTRIES = 1 << 20  # what rmtree removes at most under a private directory
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_GET_NO_NEW_PRIVS = 1, 38, 39
+
+Account = collections.namedtuple("Account", "uid gid groups why")
+Account.__doc__ = """Who a child runs as: uid, gid, groups (ints) and why that one (text for reports)."""
+
+Ran = collections.namedtuple("Ran", "returncode stdout stderr timed_out overflow")
+Ran.__doc__ = """A finished child: its exit status (negative: killed by that signal), stdout and
+stderr (bytes, at most MAX_OUTPUT each), whether its deadline killed it, and whether it printed
+more than MAX_OUTPUT (then its group was killed)."""
+
+
+class NoAccount(Exception):
+    """No unprivileged account to run an install's code as: the text says why and what to set."""
+
+
+def ids_of(pid):
+    """(euid, egid, groups) of process `pid`: the effective ids, field 2 of /proc/PID/status's
+    Uid: and Gid: lines (proc(5)), and its Groups:; None when it is gone or unreadable."""
+    ids = {}
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("Uid", "Gid", "Groups"):
+                    ids[k] = [int(x) for x in v.split()]
+    except (OSError, ValueError):
+        return None
+    if len(ids.get("Uid") or ()) < 2 or len(ids.get("Gid") or ()) < 2:
+        return None
+    return ids["Uid"][1], ids["Gid"][1], ids.get("Groups") or []
+
+
+def _user(uid, gid, why):
+    """The Account of uid `uid`: its passwd entry's gid and groups (getgrouplist(3)), or `gid` and
+    no groups when it has none."""
+    try:
+        pw = pwd.getpwuid(uid)
+        return Account(uid, pw.pw_gid, sorted(set(os.getgrouplist(pw.pw_name, pw.pw_gid))), why)
+    except (KeyError, OSError):
+        return Account(uid, gid, [gid], why)
+
+
+def account(servers=(), tree=None, user=None):
+    """The account an install's code runs as (module docstring): `servers`, pids of servers
+    running from the install; `tree`, its package directory (or its interpreter's prefix);
+    `user`, the inventory's fleetctl_unprivileged_user (None: `nobody`). Returns an Account.
+    Raises NoAccount when the account named (or `nobody`) does not exist or is root."""
+    if os.geteuid() != 0:
+        return Account(os.geteuid(), os.getegid(), sorted(set(os.getgroups())), "fleetctl's own uid (not root)")
+    for pid in servers:
+        ids = ids_of(pid)
+        if ids is not None and ids[0] != 0:
+            return Account(ids[0], ids[1], sorted(set(ids[2])), "the effective uid of server pid %d" % pid)
+    if tree:
+        try:
+            st = os.stat(tree)
+        except OSError:
+            st = None
+        if st is not None and st.st_uid != 0:
+            return _user(st.st_uid, st.st_gid, "the owner of %s" % tree)
+    name = user or NOBODY
+    where = "fleetctl_unprivileged_user %s" % name if user else "the unprivileged account %s" % name
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise NoAccount("%s does not exist on this host: set fleetctl_unprivileged_user to an unprivileged "
+                        "account that may read the install" % where)
+    if pw.pw_uid == 0:
+        raise NoAccount("%s is root: fleetctl never runs an install's code as root; name an unprivileged "
+                        "account" % where)
+    return Account(pw.pw_uid, pw.pw_gid, sorted(set(os.getgrouplist(name, pw.pw_gid))), where)
+
+
+def private_dir(acct):
+    """A fresh directory for one child: made by root in PRIVATE_PARENT (mode 0700, a random
+    name), then given to the account. Returns its path; remove it with remove()."""
+    path = tempfile.mkdtemp(prefix="fleetctl-child-", dir=PRIVATE_PARENT)
+    if os.geteuid() == 0:
+        os.chown(path, acct.uid, acct.gid)
+    return path
+
+
+def remove(path):
+    """Remove private directory `path` and what the child left in it, never following a link,
+    iteratively (a deep tree cannot exhaust the stack) and at most MAX_TREE_ENTRIES entries; what
+    is left past that, or busy, stays (the text of the first error is returned, None when all went)."""
+    parent, name = os.path.split(path)
+    try:
+        top = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return str(e)
+    try:
+        return rmtree(top, name)
+    finally:
+        os.close(top)
+
+
+def rmtree(dfd, name, limit=MAX_TREE_ENTRIES):
+    """Remove entry `name` of open directory `dfd` and everything below it, never following a
+    link (a link is removed itself), with an explicit stack of directory fds (no recursion: a
+    deep tree cannot exhaust the stack) and at most `limit` entries. Returns None when all went,
+    else why not (the first error, or the limit)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return str(e)
+    if not _is_dir(st):
+        return _unlink(dfd, name)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    stack, seen = [], 0  # [(parent fd, name, fd, names left)]
+    try:
+        try:
+            fd = os.open(name, flags, dir_fd=dfd)
+            stack.append((dfd, name, fd, os.listdir(fd)))
+            while stack:
+                parent, entry, fd, names = stack[-1]
+                if not names:
+                    stack.pop()
+                    os.close(fd)
+                    os.rmdir(entry, dir_fd=parent)
+                    continue
+                child = names.pop()
+                seen += 1
+                if seen > limit:
+                    return "more than %d entries" % limit
+                if _is_dir(os.stat(child, dir_fd=fd, follow_symlinks=False)):
+                    sub = os.open(child, flags, dir_fd=fd)
+                    stack.append((fd, child, sub, os.listdir(sub)))
+                else:
+                    os.unlink(child, dir_fd=fd)
+        except OSError as e:
+            return str(e)
+    finally:
+        for _, _, fd, _ in stack:
+            os.close(fd)
+    return None
+
+
+def _is_dir(st):
+    return (st.st_mode & 0o170000) == 0o040000
+
+
+def _unlink(dfd, name):
+    try:
+        os.unlink(name, dir_fd=dfd)
+        return None
+    except OSError as e:
+        return str(e)
+
+
+def environment(home, extra=None):
+    """A child's whole environment: PATH = SYSTEM_PATH, HOME = TMPDIR = `home` (its private
+    directory), TRITON_CACHE_DIR = home/triton, LANG and LC_ALL = C.UTF-8, then `extra`."""
+    env = {"PATH": SYSTEM_PATH, "HOME": home, "TMPDIR": home, "TRITON_CACHE_DIR": os.path.join(home, "triton"),
+           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env.update(extra or {})
+    return env
+
+
+def _drop(acct):
+    """preexec_fn of a child: become `acct` (module docstring), checked by system call; a
+    failure raises, which subprocess reports in the parent (SubprocessError), and nothing runs."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    root = os.geteuid() == 0
+
+    def run():
+        if root:
+            os.setgroups(acct.groups)
+            os.setresgid(acct.gid, acct.gid, acct.gid)
+            os.setresuid(acct.uid, acct.uid, acct.uid)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) != 1:
+            raise OSError(ctypes.get_errno(), "no_new_privs could not be set")
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if root and (os.getresuid() != (acct.uid,) * 3 or os.getresgid() != (acct.gid,) * 3 or 0 in os.getresuid()):
+            raise OSError("the child's ids are not %d:%d" % (acct.uid, acct.gid))
+    return run
+
+
+def spawn(argv, acct, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/"):
+    """Start `argv` as `acct` (module docstring) with environment `env` (environment()): a Popen
+    in its own session and process group. Raises NoAccount when `acct` is root while fleetctl is,
+    OSError or subprocess.SubprocessError when it cannot start (the drop failed: nothing ran)."""
+    if os.geteuid() == 0 and acct.uid == 0:
+        raise NoAccount("refusing to run an install's code as root")
+    return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env,
+                            start_new_session=True, close_fds=True, preexec_fn=_drop(acct))
+
+
+def killpg(pgid):
+    """SIGKILL process group `pgid` (a spawned child's); nothing when it is gone."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def finish(proc, deadline):
+    """Wait for spawned `proc` until the monotonic `deadline`, then kill its group; the group is
+    killed at the child's end too (what it left behind), before the child is reaped (while its
+    pid still names the group: waitid(2) WNOWAIT). Returns (returncode, timed_out)."""
+    timed_out, delay = False, 0.01
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.25)
+    killpg(proc.pid)
+    return proc.wait(), timed_out
+
+
+def run(argv, acct, stdin=b"", timeout=60.0, extra_env=None, limit=MAX_OUTPUT):
+    """Run `argv` as `acct` in `/` with a private directory (environment(), `extra_env` added)
+    for at most `timeout` seconds, `stdin` written to it, stdout and stderr read up to `limit`
+    bytes each. Returns a Ran. Raises NoAccount, OSError, subprocess.SubprocessError (it could
+    not start: nothing ran)."""
+    home = private_dir(acct)
+    try:
+        proc = spawn(argv, acct, environment(home, extra_env))
+        deadline = time.monotonic() + timeout
+        out, timed_out, overflow = _pump(proc, stdin, deadline, limit)
+        if timed_out or overflow:
+            killpg(proc.pid)
+        code, late = finish(proc, deadline)
+        return Ran(code, out[0], out[1], timed_out or late, overflow)
+    finally:
+        remove(home)
+
+
+def _pump(proc, data, deadline, limit):
+    """Write `data` to proc's stdin and read its stdout and stderr until both end, the deadline
+    passes or one exceeds `limit`: ([stdout, stderr], timed_out, overflow)."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    for f in bufs:
+        os.set_blocking(f.fileno(), False)
+        sel.register(f, selectors.EVENT_READ)
+    view = memoryview(data)
+    if view:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    timed_out = overflow = False
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(left):
+                f = key.fileobj
+                if f is proc.stdin:
+                    try:
+                        view = view[os.write(f.fileno(), view[:65536]):]
+                    except BrokenPipeError:
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(f)
+                        f.close()
+                    continue
+                chunk = os.read(f.fileno(), 65536)
+                if not chunk:
+                    sel.unregister(f)
+                    continue
+                bufs[f] += chunk
+                if len(bufs[f]) > limit:
+                    overflow = True
+            if overflow:
+                break
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if not f.closed:
+                f.close()
+    return [bytes(bufs[proc.stdout][:limit]), bytes(bufs[proc.stderr][:limit])], timed_out, overflow

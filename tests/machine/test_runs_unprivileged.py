@@ -1,0 +1,89 @@
+"""No host code runs as root (issue 48; review round 4, R4-1 to R4-3): as root, on real trees,
+each child that starts an install's interpreter or imports its packages runs as the account
+probes/runas.py chooses, with no_new_privs and no capabilities; an install whose site module,
+`.pth` directory and a dependency's editable finder record the uid they run as (helpers/
+hostile_install.py) never records uid 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from fleetctl import probes
+from fleetctl.probes import runas
+from helpers import hostile_install
+
+NOBODY = hostile_install.NOBODY
+SHOW = ("import json, os\n"
+        "s = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
+        "print(json.dumps({'uid': os.getresuid(), 'gid': os.getresgid(), 'groups': os.getgroups(),"
+        " 'caps': [s[k].strip() for k in ('CapInh', 'CapPrm', 'CapEff', 'CapAmb')], 'nnp': s['NoNewPrivs'].strip()}))\n")
+
+
+@pytest.fixture
+def top():
+    d = Path(tempfile.mkdtemp(prefix="fc-unpriv-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    subprocess.run(["rm", "-rf", "--one-file-system", str(d)], check=True)
+
+
+def test_the_child_holds_the_accounts_ids_no_capability_and_no_new_privs():
+    acct = runas.account()
+    assert (acct.uid, acct.why) == (NOBODY, "the unprivileged account nobody")
+    r = runas.run(["/usr/bin/python3", "-I", "-S", "-c", SHOW], acct, timeout=30)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["uid"] == [NOBODY] * 3 and got["gid"] == [acct.gid] * 3 and set(got["groups"]) <= {acct.gid}
+    assert got["caps"] == ["0000000000000000"] * 4 and got["nnp"] == "1"
+
+
+def test_the_account_is_the_servers_effective_uid_else_the_owners_else_nobody_never_root(top):
+    # a server whose real uid is root and effective uid is not (a setuid launcher): its euid
+    server = subprocess.Popen(["setpriv", f"--euid={NOBODY}", "sleep", "60"])
+    try:
+        deadline = __import__("time").monotonic() + 10
+        while runas.ids_of(server.pid)[0] != NOBODY:
+            assert __import__("time").monotonic() < deadline
+        acct = runas.account([server.pid], "/", None)
+        assert (acct.uid, acct.why) == (NOBODY, f"the effective uid of server pid {server.pid}")
+    finally:
+        server.kill()
+        server.wait()
+    # a root server: the tree's owner when that is not root
+    tree = top / "tree"
+    tree.mkdir()
+    os.chown(tree, 4242, 4243)
+    assert runas.account([os.getpid()], str(tree)) == runas.Account(4242, 4243, [4243], f"the owner of {tree}")
+    os.chown(tree, 0, 0)
+    assert runas.account([os.getpid()], str(tree)).why == "the unprivileged account nobody"
+    assert runas.account((), str(tree), "nobody").why == "fleetctl_unprivileged_user nobody"
+    with pytest.raises(runas.NoAccount, match="fleetctl_unprivileged_user root is root"):
+        runas.account((), str(tree), "root")
+    with pytest.raises(runas.NoAccount, match="fleetctl_unprivileged_user fc-no-such-user does not exist"):
+        runas.account((), str(tree), "fc-no-such-user")
+    with pytest.raises(runas.NoAccount, match="as root"):
+        runas.spawn(["true"], runas.Account(0, 0, [], "x"), {})
+
+
+def test_inspect_asks_the_install_as_nobody_and_its_site_code_never_runs_as_root(top):
+    """R4-1 and R4-2 for the facts probe: a root-owned venv whose `.pth` names uid 65534's
+    directory (its sitecustomize runs at every start) and maps numpy to 65534's checkout; the
+    facts probe, as root, asks it as nobody: it is inspected, and every line its code wrote says
+    a uid other than 0."""
+    install = hostile_install.make(top)
+    params = {"python": install["python"], "scan": False, "with_sources": False}
+    r = hostile_install.in_root_view([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts.host", params))
+    out = probes.parse_output(r.stdout, r.stderr, r.returncode)
+    lines = hostile_install.marks(install)
+    assert lines and all(" uid 0 " not in line and not line.endswith(" euid 0") for line in lines), lines
+    assert any(line.startswith("sitecustomize ") for line in lines) and any(line.startswith("numpy finder ") for line in lines)
+    [inst] = [i for i in out["installs"] if i["python"]["path"] == install["python"]]
+    assert inst["sglang"]["version"] == "0.5.23" and inst["sglang"]["package_dir"] == install["tree"]
+    assert inst["asked_as"] == {"uid": NOBODY, "why": "the unprivileged account nobody"}
