@@ -8,8 +8,8 @@ site-packages, all root's, hold:
   65534, which holds a `sitecustomize.py`: site.py imports it after every `.pth`;
 - a setuptools-shaped editable finder for `numpy` (a `.pth` import line, the finder module)
   mapping it to uid 65534's checkout: R4-2's dependency of a dependency;
-- a STAND-IN `sglang` 0.5.23 (a dist-info and a package, not SGLang) that imports numpy, and a
-  STAND-IN `torch` 2.13.0 that does too.
+- a STAND-IN `sglang` 0.5.23 (a dist-info and a package, not SGLang, with the 0.5.23 wheel's own
+  allocator/ package) that imports numpy, and a STAND-IN `torch` 2.13.0 that does too.
 Each records "WHAT uid EUID" in MARKS (a 0666 file): whatever fleetctl does with the install,
 no line may say uid 0.
 
@@ -25,11 +25,14 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 from fleetctl.lab.host import root_binds
+from fleetctl.wheels import ensure_wheel
 
 NOBODY = 65534
+ALLOCATOR = "sglang/srt/mem_cache/allocator/"
 RECORD = ("import os\n"
           "with open({marks!r}, 'a') as f:\n"
           "    f.write('%s uid %d euid %d\\n' % ({what!r}, os.getuid(), os.geteuid()))\n")
@@ -85,6 +88,8 @@ def make(top: Path) -> dict:
         dist.mkdir()
         (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (dist / "RECORD").write_text(f"{name}/__init__.py,,\n{name}/version.py,,\n")
+    with zipfile.ZipFile(ensure_wheel("0.5.23")) as z:  # the release's own allocator, for the replay
+        z.extractall(site, [n for n in z.namelist() if n.startswith(ALLOCATOR) and n.endswith(".py")])
     return {"python": str(venv / "bin" / "python"), "site": str(site), "marks": str(marks), "tree": str(site / "sglang")}
 
 

@@ -87,3 +87,19 @@ def test_inspect_asks_the_install_as_nobody_and_its_site_code_never_runs_as_root
     [inst] = [i for i in out["installs"] if i["python"]["path"] == install["python"]]
     assert inst["sglang"]["version"] == "0.5.23" and inst["sglang"]["package_dir"] == install["tree"]
     assert inst["asked_as"] == {"uid": NOBODY, "why": "the unprivileged account nobody"}
+
+
+def test_the_allocator_replay_imports_the_install_as_nobody(top):
+    """R4-3: `inspect --allocator-replay`'s child imports the install's torch (here a stand-in
+    that imports numpy through 65534's finder): as nobody, and the replay says so."""
+    install = hostile_install.make(top)
+    site = Path(install["site"])
+    params = {"package_dir": install["tree"], "location": str(site), "trace": {"pool": 65536, "requests": 20},
+              "servers": [], "deadline_s": 60}
+    r = hostile_install.in_root_view([install["python"], "-I", "-S", "-c", probes.WRAPPER],
+                                     input=probes.bundle("traffic.allocreplay", params))
+    out = probes.parse_output(r.stdout, r.stderr, r.returncode)
+    assert out["ran_as"] == {"uid": NOBODY, "why": "the unprivileged account nobody"}, out
+    lines = hostile_install.marks(install)
+    assert {line.split(" uid ")[0] for line in lines} >= {"sitecustomize", "numpy finder", "torch", "numpy"}, lines
+    assert all(line.endswith(f"uid {NOBODY} euid {NOBODY}") for line in lines), lines

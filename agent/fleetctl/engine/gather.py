@@ -183,7 +183,7 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
     port = ctx.host.sglang_port
     for inst in g.get("installs", []):
         info = {"status": "not_run", "reason": None, "classes": [], "trace": None, "stubbed": [], "torch": None,
-                "elapsed_s": None}
+                "elapsed_s": None, "ran_as": None}
         inst["allocator_replay"], inst["allocator_replay_info"] = [], info
         if not inst["id"].startswith("host:"):
             info["reason"] = "an install in a container: the replay runs on the host's own installs"
@@ -202,7 +202,8 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
         params = {"package_dir": inst["sglang"]["package_dir"], "location": inst["sglang"]["location"],
                   "trace": trace, "servers": servers, "port": port,
                   "host": ctx.host.sglang_host if port is not None else None,
-                  "api_key": ctx.host.sglang_api_key, "deadline_s": deadline}
+                  "api_key": ctx.host.sglang_api_key, "deadline_s": deadline,
+                  "unprivileged_user": ctx.host.unprivileged_user}
         try:
             res = ctx.probe("traffic.allocreplay", params, python=inst["python"]["path"],
                             timeout=deadline + PROBE_SLACK_S)

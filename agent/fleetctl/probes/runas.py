@@ -200,14 +200,20 @@ def environment(home, extra=None):
     return env
 
 
-def _drop(acct):
-    """preexec_fn of a child: become `acct` (module docstring), checked by system call; a
+def _drop(acct, nice=0, rlimits=None):
+    """preexec_fn of a child: `nice` added to its priority and `rlimits` ({resource.RLIMIT_*:
+    soft and hard limit}) set, then become `acct` (module docstring), checked by system call; a
     failure raises, which subprocess reports in the parent (SubprocessError), and nothing runs."""
     import ctypes
+    import resource
     libc = ctypes.CDLL(None, use_errno=True)
     root = os.geteuid() == 0
 
     def run():
+        if nice:
+            os.nice(nice)
+        for which, value in (rlimits or {}).items():
+            resource.setrlimit(which, (value, value))
         if root:
             os.setgroups(acct.groups)
             os.setresgid(acct.gid, acct.gid, acct.gid)
@@ -220,14 +226,15 @@ def _drop(acct):
     return run
 
 
-def spawn(argv, acct, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/"):
+def spawn(argv, acct, env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/",
+          nice=0, rlimits=None):
     """Start `argv` as `acct` (module docstring) with environment `env` (environment()): a Popen
-    in its own session and process group. Raises NoAccount when `acct` is root while fleetctl is,
+    in its own session and process group (`nice`, `rlimits`: see _drop). Raises NoAccount when `acct` is root while fleetctl is,
     OSError or subprocess.SubprocessError when it cannot start (the drop failed: nothing ran)."""
     if os.geteuid() == 0 and acct.uid == 0:
         raise NoAccount("refusing to run an install's code as root")
     return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, env=env,
-                            start_new_session=True, close_fds=True, preexec_fn=_drop(acct))
+                            start_new_session=True, close_fds=True, preexec_fn=_drop(acct, nice, rlimits))
 
 
 def killpg(pgid):
@@ -254,18 +261,16 @@ def finish(proc, deadline):
     return proc.wait(), timed_out
 
 
-def run(argv, acct, stdin=b"", timeout=60.0, extra_env=None, limit=MAX_OUTPUT):
+def run(argv, acct, stdin=b"", timeout=60.0, extra_env=None, limit=MAX_OUTPUT, nice=0, rlimits=None):
     """Run `argv` as `acct` in `/` with a private directory (environment(), `extra_env` added)
     for at most `timeout` seconds, `stdin` written to it, stdout and stderr read up to `limit`
-    bytes each. Returns a Ran. Raises NoAccount, OSError, subprocess.SubprocessError (it could
-    not start: nothing ran)."""
+    bytes each (`nice`, `rlimits`: see _drop). Returns a Ran. Raises NoAccount, OSError,
+    subprocess.SubprocessError (it could not start: nothing ran)."""
     home = private_dir(acct)
     try:
-        proc = spawn(argv, acct, environment(home, extra_env))
+        proc = spawn(argv, acct, environment(home, extra_env), nice=nice, rlimits=rlimits)
         deadline = time.monotonic() + timeout
         out, timed_out, overflow = _pump(proc, stdin, deadline, limit)
-        if timed_out or overflow:
-            killpg(proc.pid)
         code, late = finish(proc, deadline)
         return Ran(code, out[0], out[1], timed_out or late, overflow)
     finally:
@@ -274,7 +279,7 @@ def run(argv, acct, stdin=b"", timeout=60.0, extra_env=None, limit=MAX_OUTPUT):
 
 def _pump(proc, data, deadline, limit):
     """Write `data` to proc's stdin and read its stdout and stderr until both end, the deadline
-    passes or one exceeds `limit`: ([stdout, stderr], timed_out, overflow)."""
+    passes or one exceeds `limit` (then its group is killed): ([stdout, stderr], timed_out, overflow)."""
     sel = selectors.DefaultSelector()
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     for f in bufs:
@@ -313,6 +318,8 @@ def _pump(proc, data, deadline, limit):
                     overflow = True
             if overflow:
                 break
+        if timed_out or overflow:
+            killpg(proc.pid)  # before its pipes close: it dies of the kill, not of a broken pipe
     finally:
         sel.close()
         for f in (proc.stdin, proc.stdout, proc.stderr):

@@ -9,9 +9,10 @@ and paged_allocator.py of older ones), refuses files another user could have wri
 would run as the probing user: trust's rule), sizes the pool (the server's own
 max_total_num_tokens from its /server_info, asked through the target rule, when no pool is
 given), makes the trace (make_trace) and runs the replay in a child: the install's interpreter,
-cleared by trust.untrusted with its site module (its torch is the install's), as `python -I -c
-WRAPPER` with this probe's own bundle (action "replay"), in its own session at nice 10, under
-RLIMIT_AS and RLIMIT_CPU, killed with its whole group at a deadline. No server is touched by the
+started with its site module (its torch is the install's) as an unprivileged uid (runas: the
+install's server's, else its owner, else nobody; never root), as `python -I -c WRAPPER` with this
+probe's own bundle (action "replay"), in its own session at nice 10, under RLIMIT_AS and
+RLIMIT_CPU, killed with its whole group at a deadline. No server is touched by the
 replay: it runs the allocator classes alone, on "cpu".
 
 The child (replaychild.py: replay) loads the release's files from the text the probe read, stubs
@@ -27,7 +28,6 @@ import json
 import os
 import random
 import resource
-import signal
 import stat
 import subprocess
 import sys
@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .. import result, trust
+from .. import result, runas
 from ..facts import targets
 from . import replaychild
 
@@ -64,18 +64,19 @@ def main(params):
     DEFAULTS'), concurrency, input [lo, hi], output [lo, hi], aborts (a share), seed, requests,
     page_size} (DEFAULTS fill what is missing), "servers": the install's servers as targets.live
     selectors ([{pid, python, port, host}]), "port", "host", "api_key" (for /server_info, never
-    returned), "deadline_s", "memory_bytes"}.
+    returned), "deadline_s", "memory_bytes", "unprivileged_user" (the inventory's; runas.account)}.
     Returns {"status": "replayed" | "no_need_sort" | "failed", "reason": why not replayed (None when
     replayed), "classes": find_classes' answer, "trace": the parameters used with "pool_source"
     (None for a release without need_sort), "runs": [run, ...] (replaychild.drive's: token then
     paged, need_sort False then True), "stubbed": the stub modules the files imported, "torch": its
-    version, "elapsed_s": seconds}. Never raises for the release's code: what went wrong is the
+    version, "elapsed_s": seconds, "ran_as": {uid, why}: the account the replay ran as (runas.account),
+    None when it was not started}. Never raises for the release's code: what went wrong is the
     reason."""
     if params.get("action") == "replay":
         return replaychild.replay(params)
     t0 = time.monotonic()
     out = {"status": "failed", "reason": None, "classes": [], "trace": None, "runs": [], "stubbed": [],
-           "torch": None, "elapsed_s": None}
+           "torch": None, "elapsed_s": None, "ran_as": None}
     try:
         _prepare(params, out)
     finally:
@@ -118,15 +119,18 @@ def _prepare(params, out):
                     return
                 sources[name] = [path, text]
     python = sys.executable
-    why = trust.untrusted(python)
-    if why:
-        out["reason"] = "interpreter %s refused: %s (fleetctl runs it as root)" % (python, why)
+    try:
+        acct = runas.account([s["pid"] for s in params.get("servers") or [] if s.get("pid")], package_dir,
+                             params.get("unprivileged_user"))
+    except runas.NoAccount as e:
+        out["reason"] = "the replay imports the install's code, never as root: %s" % e
         return
+    out["ran_as"] = {"uid": acct.uid, "why": acct.why}
     child = {"action": "replay", "sources": sources, "trace": make_trace(trace), "pool": trace["pool"],
              "concurrency": trace["concurrency"], "page_size": trace["page_size"],
              "classes": [{k: c[k] for k in ("kind", "class", "module")} for c in classes]}
     deadline = float(params.get("deadline_s") or DEADLINE_S)
-    got, why = run_child(python, child, deadline, int(params.get("memory_bytes") or MEMORY_BYTES))
+    got, why = run_child(python, child, deadline, int(params.get("memory_bytes") or MEMORY_BYTES), acct)
     if why:
         out["reason"] = why
         return
@@ -350,41 +354,31 @@ def _max_total_num_tokens(host, port, api_key):
     return None, why
 
 
-def run_child(python, child, deadline_s, memory_bytes):
+def run_child(python, child, deadline_s, memory_bytes, acct):
     """Run this probe's bundle under `python -I` (with its site: the install's torch) with params
-    `child`, in its own session, nice 10, RLIMIT_AS `memory_bytes` and RLIMIT_CPU the deadline,
-    killed with its group after `deadline_s` seconds. Returns (its result, None) or (None, why)."""
+    `child`, as runas.Account `acct` (runas.run: its own session, an environment from nothing),
+    nice 10, RLIMIT_AS `memory_bytes` and RLIMIT_CPU the deadline, killed with its group after
+    `deadline_s` seconds. Returns (its result, None) or (None, why)."""
     doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
     doc["params"] = dict(child, deadline_s=deadline_s)
     cpu = int(deadline_s) + 1
-
-    def limits():
-        os.nice(10)
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LC_ALL": "C", "OMP_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen([python, "-I", "-c", FLEETCTL_WRAPPER], stdin=subprocess.PIPE,  # noqa: F821
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", env=env,
-                            start_new_session=True, preexec_fn=limits)
+    who = "uid %d (%s)" % (acct.uid, acct.why)
     try:
-        stdout, stderr = proc.communicate(json.dumps(doc).encode(), timeout=deadline_s + 5)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
+        ran = runas.run([python, "-I", "-c", FLEETCTL_WRAPPER], acct, json.dumps(doc).encode(),  # noqa: F821
+                        deadline_s + 5, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, nice=10,
+                        rlimits={resource.RLIMIT_AS: memory_bytes, resource.RLIMIT_CPU: cpu})
+    except (OSError, subprocess.SubprocessError, runas.NoAccount) as e:
+        return None, "the replay could not start as %s: %s" % (who, e)
+    if ran.timed_out:
         return None, "the replay passed its deadline of %.0f s and was killed: give fewer --requests or a smaller --pool" \
             % deadline_s
-    found = result.after_marker(stdout.decode("utf-8", "replace"))
-    tail = stderr.decode("utf-8", "replace").strip()[-1500:]
-    if proc.returncode < 0:
+    found = result.after_marker(ran.stdout.decode("utf-8", "replace"))
+    tail = ran.stderr.decode("utf-8", "replace").strip()[-1500:]
+    if ran.returncode < 0:
         return None, "the replay was killed by signal %d (its limits: %d s of CPU, %d MiB of memory): %s" % (
-            -proc.returncode, cpu, memory_bytes >> 20, tail or "no output")
+            -ran.returncode, cpu, memory_bytes >> 20, tail or "no output")
     if found is None:
-        return None, "the replay printed no result (exit %d): %s" % (proc.returncode, tail or "no output")
+        return None, "the replay printed no result (exit %d, run as %s): %s" % (ran.returncode, who, tail or "no output")
     got = json.loads(found)
     if "__probe_error__" in got:
         return None, "the replay failed: %s" % got["__probe_error__"].strip()[-1500:]
