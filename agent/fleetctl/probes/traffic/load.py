@@ -23,10 +23,11 @@ server's own install with that server's own interpreter, never a client of fleet
   loopback (the client's `requests` honours http_proxy), the server's HF cache locations (its
   /proc/PID/environ) so that a Hub id resolves offline, and the API key as OPENAI_API_KEY only
   (never in argv: SGLang's clients send it as `Authorization: Bearer`).
-- Who runs it: a client is SGLang code from the server's install, so it runs as the server's own
-  user (uid, gid and groups from /proc/PID/status) when that is not root: it can do nothing the
-  server cannot. A root server's client runs as root only when its interpreter and package
-  directory pass the trust rule (trust.untrusted and owned_chain); else `not_run` says why.
+- Who runs it: a client is SGLang code from the server's install, so it never runs as root
+  (runas.account: the server's effective uid, gid and groups when that is not root, else the
+  install's owner, else nobody or the inventory's fleetctl_unprivileged_user; the entry's
+  `ran_as` says which); an account that cannot read what the client needs (the model's
+  tokenizer under a root-only directory) fails the run with the client's own error.
 - The answer: the client's result line (SGLang's own key names, the same in every release:
   0.4.6 bench_serving.py:1398-1434, 0.5.2 :1864-1887, 0.5.10 :1564-1591, 0.5.23
   benchmark/serving.py:1855-1907) read back by `parse_result`: its numbers, plus `requested`
@@ -40,16 +41,14 @@ import math
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 from . import smoke
-from .. import redact, trust
+from .. import redact, runas
 
 # Workload profiles: concurrency, num_prompts, input_len, output_len (tokens); None: sized (workload).
 PROFILES = {
@@ -64,7 +63,6 @@ PROMPTS_PER_SLOT = 4  # pressure: num_prompts = this x concurrency
 MAX_CONCURRENCY = 1024
 READY_CHECK_S = 30  # --ready-check-timeout-sec (0.5.10+): the probe already waited for /health
 KILL_AFTER_S = 5  # `timeout -k` grace inside a container
-PR_SET_PDEATHSIG = 1  # prctl(2)
 TAIL_LINES = 20
 MAX_RESULT = 16 << 20  # bytes of a result file read at most
 MAX_ERRORS = 3
@@ -200,16 +198,16 @@ def client_argv(python, location, package_dir, client, have, w, host, port, mode
     return list(timeout_prefix) + [python, "-I", "-c", RUNNER, location, package_dir, client["module"]] + args
 
 
-def client_env(home, server_env, api_key=None, path=None):
-    """The client's whole environment (nothing inherited): PATH, HOME and TMPDIR `home` (the
-    private temp directory), offline Hub (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE), no proxy and
-    NO_PROXY for loopback, the server's HF cache variables from `server_env` (its environment, a
-    dict; HF_HOME defaults to the server's HOME/.cache/huggingface) and OPENAI_API_KEY when
-    there is a key."""
-    env = {"PATH": path or "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
+def client_env(home, server_env, api_key=None):
+    """The client's whole environment (nothing inherited): runas.environment(home) (the system's
+    PATH; HOME, TMPDIR and TRITON_CACHE_DIR in the private directory `home`), offline Hub
+    (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE), no proxy and NO_PROXY for loopback, the server's HF
+    cache variables from `server_env` (its environment, a dict; HF_HOME defaults to the server's
+    HOME/.cache/huggingface) and OPENAI_API_KEY when there is a key."""
+    env = runas.environment(home, {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+        "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"})
     for k in HF_CACHE_VARS:
         if server_env.get(k):
             env[k] = server_env[k]
@@ -276,22 +274,6 @@ def parse_result(text, requested):
     return {"load": load, "errors": errors[:MAX_ERRORS], "server_info": redact_info(info) if isinstance(info, dict) else None}
 
 
-def _status(pid):
-    """(uid, gid, groups) of process `pid` (the real ids, /proc/PID/status), or None when gone."""
-    ids = {}
-    try:
-        with open("/proc/%d/status" % pid) as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("Uid", "Gid", "Groups"):
-                    ids[k] = [int(x) for x in v.split()]
-    except (OSError, ValueError):
-        return None
-    if not ids.get("Uid") or not ids.get("Gid"):
-        return None
-    return ids["Uid"][0], ids["Gid"][0], ids.get("Groups") or []
-
-
 def _environ(pid):
     """The environment of process `pid` as a dict ({} when unreadable); only names are trusted."""
     try:
@@ -305,26 +287,6 @@ def _environ(pid):
         if sep:
             out[k.decode("utf-8", "replace")] = v.decode("utf-8", "replace")
     return out
-
-
-def owned_chain(path):
-    """Why root must not run code from directory `path`, or None: it and every directory above
-    it must belong to root (or this user) and be writable by nobody else, a root-owned sticky
-    directory (/tmp) above it excepted (trust.py's rule for what an interpreter loads)."""
-    euid, here = os.geteuid(), os.path.realpath(path)
-    first = True
-    while True:
-        try:
-            st = os.stat(here)
-        except OSError as e:
-            return "cannot stat %s: %s" % (here, e.strerror)
-        if st.st_uid not in (0, euid):
-            return "%s belongs to uid %d" % (here, st.st_uid)
-        if st.st_mode & 0o022 and (first or not (st.st_uid == 0 and st.st_mode & stat.S_ISVTX)):
-            return "%s is writable by group or others" % here
-        if here == "/":
-            return None
-        here, first = os.path.dirname(here), False
 
 
 def _get(base, path, api_key, timeout):
@@ -375,44 +337,18 @@ def _read_result(path, uid=None):
     return data.decode("utf-8", "replace")
 
 
-def _preexec(ids):
-    """preexec_fn: become uid/gid/groups `ids` (the server's user) when given, then ask the
-    kernel for SIGKILL should this probe die first (PR_SET_PDEATHSIG, set after the credentials
-    change, which clears it): the client never outlives the probe that watches its deadline."""
-    def run():
-        if ids:
-            os.setgroups(ids[2])
-            os.setgid(ids[1])
-            os.setuid(ids[0])
-        try:
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # no libc prctl here: the deadline's killpg still holds
-            pass
-    return run
-
-
-def run_client(argv, env, cwd, deadline_s, ids=None):
-    """Run `argv` in its own session and process group (stdin /dev/null, stdout and stderr to a
-    log file this probe creates in `cwd` before the client starts, as uid/gid/groups `ids` when
-    given), killing the whole group with SIGKILL after `deadline_s` seconds. Returns
-    {returncode, timed_out, duration_s, tail (last lines of its output, redacted)}."""
+def run_client(argv, env, cwd, deadline_s, acct):
+    """Run `argv` as runas.Account `acct` (runas.spawn: its own session and process group,
+    no_new_privs; stdin /dev/null, stdout and stderr to a log file this probe creates in `cwd`
+    before the client starts), killing the whole group with SIGKILL after `deadline_s` seconds
+    and at its end. Returns {returncode, timed_out, duration_s, tail (last lines of its output,
+    redacted)}. Raises OSError, subprocess.SubprocessError (it could not start)."""
     t0 = time.monotonic()
     log = os.open(os.path.join(cwd, "client.log"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-                             start_new_session=True, preexec_fn=_preexec(ids), close_fds=True)
-        timed_out = False
-        try:
-            p.wait(timeout=max(0.1, deadline_s))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # at the deadline, and whatever the client left in its group
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
-        return {"returncode": p.returncode, "timed_out": timed_out, "duration_s": round(time.monotonic() - t0, 3),
+        p = runas.spawn(argv, acct, env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        returncode, timed_out = runas.finish(p, t0 + max(0.1, deadline_s))
+        return {"returncode": returncode, "timed_out": timed_out, "duration_s": round(time.monotonic() - t0, 3),
                 "tail": _tail(log)}
     finally:
         os.close(log)
@@ -425,33 +361,17 @@ def _import_failed(tail):
 def _entry(t):
     return {"pid": t["pid"], "host": t["host"], "port": t["port"], "ok": False, "error": None, "not_run": None,
             "client": None, "tried": [], "workload": None, "load": None, "errors": [], "server_info": None,
-            "returncode": None, "timed_out": False, "duration_s": None, "tail": []}
+            "returncode": None, "timed_out": False, "duration_s": None, "tail": [], "ran_as": None}
 
 
-def _runs_as(pid, python, pkg):
-    """(the uid, gid and groups the client runs as: the server's user when this probe is root and
-    the server is not, else None: this probe's own; why it must not run, or None)."""
-    ids = _status(pid)
-    if ids is None:
-        return None, "server pid %s is gone" % pid
-    if os.geteuid() == 0 and ids[0] != 0:
-        return ids, None
-    why = trust.untrusted(python) or owned_chain(pkg)
-    if why:
-        return None, "interpreter %s with %s refused: %s (fleetctl would run it as root)" % (python, pkg, why)
-    return None, None
-
-
-def _attempt(c, t, sel, w, facts, params, end, ids):
-    """One run of client `c` against target `t` until the monotonic deadline `end`, as `ids`:
-    ({returncode, timed_out, duration_s, tail}, the result file's text or None), or (None, why)
-    when its argv cannot be built (a flag it lacks)."""
+def _attempt(c, t, sel, w, facts, params, end, acct):
+    """One run of client `c` against target `t` until the monotonic deadline `end`, as
+    runas.Account `acct`: ({returncode, timed_out, duration_s, tail}, the result file's text or
+    None), or (None, why) when its argv cannot be built (a flag it lacks) or it cannot start."""
     python, pkg = sel["python"], sel["package_dir"]
     timeout = shutil.which("timeout") if params.get("in_container") else None
-    tmp = tempfile.mkdtemp(prefix="fleetctl-load-")
+    tmp = runas.private_dir(acct)
     try:
-        if ids:
-            os.chown(tmp, ids[0], ids[1])
         result_file = os.path.join(tmp, "result.jsonl")
         left = max(1.0, end - time.monotonic())
         try:
@@ -462,16 +382,18 @@ def _attempt(c, t, sel, w, facts, params, end, ids):
                                facts["tokenizer_path"], result_file, sel.get("version"), prefix)
         except (OSError, ValueError) as e:
             return None, str(e)
-        ran = run_client(argv, client_env(tmp, _environ(t["pid"]), params.get("api_key"), os.environ.get("PATH")),
-                         tmp, left, ids)
         try:
-            text = None if ran["timed_out"] else _read_result(result_file, ids[0] if ids else None)
+            ran = run_client(argv, client_env(tmp, _environ(t["pid"]), params.get("api_key")), tmp, left, acct)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, "cannot start as uid %d (%s): %s" % (acct.uid, acct.why, e)
+        try:
+            text = None if ran["timed_out"] else _read_result(result_file, acct.uid)
         except ValueError as e:
             ran["tail"].append(str(e))
             text = None
         return ran, text
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        runas.remove(tmp)
 
 
 def _settle(out, ran, text, w, deadline_s):
@@ -518,13 +440,15 @@ def load_server(t, sel, params, deadline_s):
     if not facts["model_path"]:
         out["not_run"] = "the server names no model_path (/model_info): the client cannot be told what to load"
         return out
-    ids, why = _runs_as(t["pid"], python, pkg)
-    if why:
-        out["not_run"] = why
+    try:
+        acct = runas.account([t["pid"]], pkg, params.get("unprivileged_user"))
+    except runas.NoAccount as e:
+        out["not_run"] = "the client is the install's code, never run as root: %s" % e
         return out
+    out["ran_as"] = {"uid": acct.uid, "why": acct.why}
     kind = params.get("client") or "auto"
     for c in clients(pkg, kind):
-        ran, text = _attempt(c, t, sel, w, facts, params, end, ids)
+        ran, text = _attempt(c, t, sel, w, facts, params, end, acct)
         if ran is None:
             out["tried"].append({"client": c["module"], "why": text})
             continue
@@ -565,10 +489,11 @@ def main(params):
     run, 300), health_timeout (seconds to wait for a server to listen and answer /health, 60),
     api_key (sent to the targets only, as OPENAI_API_KEY in the client's environment; never
     returned), in_container (this probe runs inside a container: the client also runs under
-    `timeout -k`).
+    `timeout -k`), unprivileged_user (the inventory's: runas.account).
     Returns {"servers": [{pid, host, port, ok, error, not_run, client, tried: [{client, why}],
     workload, load: {SGLang's result keys, requested, failed} or None, errors, server_info
-    (redacted), returncode, timed_out, duration_s (seconds), tail}], "refused": [{pid, host,
+    (redacted), returncode, timed_out, duration_s (seconds), tail, ran_as: {uid, why} the account
+    the client ran as}], "refused": [{pid, host,
     port, reason}] (nothing was sent to them), "skipped": [{pid, host, port, node_rank, reason}]
     (non-zero-rank nodes of a multi-node server: nothing was sent to them)}."""
     smoke.API_KEY = params.get("api_key")
