@@ -86,8 +86,12 @@ CONTAINER_EXEC = HostVar("fleetctl_container_exec", str, "how to enter container
 UNPRIVILEGED_USER = HostVar("fleetctl_unprivileged_user", str, "the account an install's code runs as when no "
                             "server of it runs as another and root owns it (default nobody; never root)")
 
+SERVER_USER = HostVar("fleetctl_server_user", str, "the account SGLang servers run as, when not root or a systemd "
+                      "service (default: the owner of each server's interpreter environment); other processes "
+                      "get no request and no API key")
+
 HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY,
-             CONTAINER_EXEC, UNPRIVILEGED_USER)
+             CONTAINER_EXEC, UNPRIVILEGED_USER, SERVER_USER)
 DEFAULT_SGLANG_HOST = "127.0.0.1"
 
 

@@ -22,12 +22,13 @@ from fleetctl.vocab import HostStatus
 
 
 def venv(tmp_path: Path) -> Path:
-    """A venv-shaped prefix whose bin/python is this interpreter, with one site directory."""
+    """A venv whose bin/python is this interpreter (pyvenv.cfg's home: its directory), with one site directory."""
     prefix = tmp_path / "venv"
     (prefix / "bin").mkdir(parents=True)
     (prefix / "bin" / "python").symlink_to(sys.executable)
     site = prefix / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
     site.mkdir(parents=True)
+    (prefix / "pyvenv.cfg").write_text(f"home = {Path(sys.executable).parent}\ninclude-system-site-packages = false\n")
     return prefix
 
 
@@ -39,21 +40,39 @@ def inspect_with(tmp_path: Path, python: Path):
         return fleet.run([host], lambda ctx: ctx.result(HostStatus.OK, data=gather(ctx, scan=False)))[0]
 
 
-@pytest.mark.parametrize("plant", ["pth", "sitecustomize", "site-dir", "bin"])
-def test_an_interpreter_others_can_change_is_refused_before_it_runs(tmp_path, plant):
+@pytest.mark.parametrize("plant", ["pth", "sitecustomize", "site-dir"])
+def test_site_code_others_can_change_runs_only_as_the_asking_account(tmp_path, plant):
+    """Issue 48: what an interpreter's site module runs (a `.pth` line, sitecustomize, a site
+    directory anyone may write into) is the install's code: the facts probe no longer judges it,
+    it asks the interpreter as runas.account's uid (this test's own, unprivileged; as root:
+    tests/machine/test_runs_unprivileged.py), and the answer says which."""
     prefix = venv(tmp_path)
     site = next((prefix / "lib").glob("python*/site-packages"))
     marker = tmp_path / "ran"
-    code = f"import os; open({str(marker)!r}, 'w')\n"
-    target = {"pth": site / "zz.pth", "sitecustomize": site / "sitecustomize.py", "site-dir": site,
-              "bin": prefix / "bin"}[plant]
-    if plant in ("pth", "sitecustomize"):
+    code = f"import os; open({str(marker)!r}, 'w').write(str(os.geteuid()))\n"
+    target = {"pth": site / "zz.pth", "sitecustomize": site / "sitecustomize.py", "site-dir": site}[plant]
+    if plant == "sitecustomize":
         target.write_text(code)
     else:
-        (site / "zz.pth").write_text(code)
+        (site / "zz.pth").write_text("import os; " + code)
     os.chmod(target, 0o777 if target.is_dir() else 0o666)
     r = inspect_with(tmp_path, prefix / "bin" / "python")
-    assert (r.status, r.error) == ("failed", f"interpreter {prefix}/bin/python refused: {target} is writable by "
+    assert r.status == "ok", r.error
+    assert marker.read_text() == str(os.geteuid()) != "0"
+    [asked] = [c for c in r.data["facts"]["interpreter_discovery"]["considered"] if c["reason"] == "inventory"]
+    assert "error" not in asked and "skipped" not in asked
+
+
+def test_an_interpreter_whose_directory_others_can_change_is_refused_before_it_runs(tmp_path):
+    """The probe itself runs as root under the inventory's interpreter (`python -I -S`, GUARD):
+    a bin/ directory others may write is refused before anything starts."""
+    prefix = venv(tmp_path)
+    marker = tmp_path / "ran"
+    site = next((prefix / "lib").glob("python*/site-packages"))
+    (site / "zz.pth").write_text(f"import os; open({str(marker)!r}, 'w')\n")
+    os.chmod(prefix / "bin", 0o777)
+    r = inspect_with(tmp_path, prefix / "bin" / "python")
+    assert (r.status, r.error) == ("failed", f"interpreter {prefix}/bin/python refused: {prefix / 'bin'} is writable by "
                                              "group or others (fleetctl runs it as root)")
     assert not marker.exists()  # the interpreter never started
 

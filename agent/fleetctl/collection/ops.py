@@ -125,7 +125,8 @@ def smoke_params(host: Host, facts: dict | None, opts: SmokeOptions, offline_cmd
     command (the task's, else the host's fleetctl_smoke_cmd) and the servers' API key."""
     return {"servers": smoke_targets(host, facts, opts), "health_timeout": opts.health_timeout,
             "repeat": opts.repeat, "request_timeout": request_timeout,
-            "offline_cmd": offline_cmd or host.smoke_cmd, "api_key": host.sglang_api_key}
+            "offline_cmd": offline_cmd or host.smoke_cmd, "api_key": host.sglang_api_key,
+            "server_user": host.server_user}
 
 
 def smoke_bound_s(params: dict) -> float:

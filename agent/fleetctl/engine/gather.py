@@ -19,6 +19,9 @@ from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
 from ..vocab import HostStatus, InstallStatus
 
+# what a restarted server's successor must share with it (probes/facts/targets.py live): its
+# effective uid, and its systemd service or its parent; the facts of each server carry them
+SUCCESSION = ("uid", "unit", "ppid")
 
 
 def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, records: str | None = None,
@@ -192,7 +195,8 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
             info["reason"] = "its package directory was not found"
             continue
         servers = [{"pid": s["pid"], "python": s.get("python"), "port": int(s.get("port") or DEFAULT_SGLANG_PORT),
-                    "host": s.get("host") or "127.0.0.1"} for s in g["facts"].get("servers", [])
+                    "host": s.get("host") or "127.0.0.1", **{k: s[k] for k in SUCCESSION if s.get(k) is not None}}
+                   for s in g["facts"].get("servers", [])
                    if s.get("install") == inst["id"] and s.get("pid") is not None]
         deadline = min(allocreplay.DEADLINE_S, ctx.remaining() - 5)
         if deadline < 10:
@@ -202,7 +206,7 @@ def allocator_replay(ctx: HostContext, g: dict, trace: dict) -> None:
         params = {"package_dir": inst["sglang"]["package_dir"], "location": inst["sglang"]["location"],
                   "trace": trace, "servers": servers, "port": port,
                   "host": ctx.host.sglang_host if port is not None else None,
-                  "api_key": ctx.host.sglang_api_key, "deadline_s": deadline,
+                  "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user, "deadline_s": deadline,
                   "unprivileged_user": ctx.host.unprivileged_user}
         try:
             res = ctx.probe("traffic.allocreplay", params, python=inst["python"]["path"],

@@ -143,7 +143,8 @@ def run_load(ctx: HostContext, targets: list[dict], facts: dict, opts: LoadOptio
         raise RemoteTimeout(f"no time left for a load run ({budget:.0f} s before the host deadline)")
     params = {"servers": selectors, "port": port, "host": ctx.host.sglang_host if port is not None else None,
               "profile": opts.profile, "given": opts.given, "client": opts.client, "timeout": per_run,
-              "health_timeout": health, "api_key": ctx.host.sglang_api_key, "in_container": ctx.container is not None,
+              "health_timeout": health, "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user,
+              "in_container": ctx.container is not None,
               "unprivileged_user": ctx.host.unprivileged_user}
     python = ((facts or {}).get("python") or {}).get("path")
     res = ctx.probe("traffic.load", params, python=python, timeout=budget)

@@ -25,7 +25,7 @@ from ..config import DEFAULT_SGLANG_PORT, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S
 from ..connection import Connection, RemoteTimeout, Unreachable
 from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
-from .gather import find_install, gather, install_context, install_facts, not_inspected
+from .gather import SUCCESSION, find_install, gather, install_context, install_facts, not_inspected
 from .load import LoadOptions, run_load
 from ..inventory import Host
 from ..probes import redact
@@ -49,8 +49,9 @@ class SmokeOptions:
 
 def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions, inside: bool = False) -> list[dict]:
     """The smoke probe's `servers` (probes/targets.live): each server in `facts` as the facts
-    probe identified it, [{pid, python, port, host}] (python: its interpreter; port and host:
-    what its argv claims, the port opts.port when it gives none), pid as the probe sees it (`inside` a
+    probe identified it, [{pid, python, port, host, uid, unit, ppid}] (python: its interpreter; port
+    and host: what its argv claims, the port opts.port when it gives none; uid, unit, ppid when the
+    facts have them: SUCCESSION), pid as the probe sees it (`inside` a
     container: pid_in_container; a server with no pid there is left out). facts None (the
     caller gathered none: the collection's smoke action, when the inventory names the port):
     [{"pid": None, "port", "host"}], every server the probe identifies on the host, on the
@@ -62,7 +63,7 @@ def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions, inside: bo
     for s in facts.get("servers", []):
         pid = s.get("pid_in_container") if inside else s.get("pid")
         t = {"pid": pid, "python": s.get("python"), "port": int(s.get("port") or opts.port),
-             "host": s.get("host") or "127.0.0.1"}
+             "host": s.get("host") or "127.0.0.1", **{k: s[k] for k in SUCCESSION if s.get(k) is not None}}
         if pid is not None and t not in named:
             named.append(t)
     return named
@@ -82,7 +83,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
               "port": port, "host": ctx.host.sglang_host if port is not None else None,
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
               "offline_cmd": (offline_cmd or ctx.host.smoke_cmd) if offline else None,
-              "api_key": ctx.host.sglang_api_key}
+              "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user}
     if not params["servers"] and port is None and not params["offline_cmd"]:
         return {"servers": [], "refused": [], "offline": None}
     budget = ctx.remaining() - reserve

@@ -252,6 +252,13 @@ class Host:
         return None if user is None else str(user)
 
     @property
+    def server_user(self) -> str | None:
+        """fleetctl_server_user: the account SGLang servers run as (probes/facts/targets.py
+        owner_refusal: other processes get no request and no API key); None: not set."""
+        user = self.vars.get(config.SERVER_USER.name)
+        return None if user is None else str(user)
+
+    @property
     def container_exec(self) -> str | None:
         """fleetctl_container_exec: how containers are entered (connection.command.CONTAINER_EXECS);
         None: the runtime's own CLI when it is on the host, else nsenter."""

@@ -89,7 +89,8 @@ def run_route(ctx: HostContext, targets: list[dict], facts: dict, opts: RouteOpt
     if health < MIN_HEALTH_S:
         raise RemoteTimeout(f"no time left for the route check ({budget:.0f} s before the host deadline)")
     params = {"servers": targets, "port": port, "host": ctx.host.sglang_host if port is not None else None,
-              "api_key": ctx.host.sglang_api_key, "evidence_dir": evidence_dir(), "health_timeout": health,
+              "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user,
+              "evidence_dir": evidence_dir(), "health_timeout": health,
               "request_timeout": REQUEST_TIMEOUT_S, "max_new_tokens": opts.max_new_tokens,
               "long_tokens": opts.long_tokens}
     python = ((facts or {}).get("python") or {}).get("path")

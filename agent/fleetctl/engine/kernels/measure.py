@@ -193,7 +193,8 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
             return none("no SGLang server on the host: no shape to measure")
         info = ctx.probe("traffic.serverinfo", {"servers": servers, "port": ctx.host.sglang_port,
                                         "host": ctx.host.sglang_host if ctx.host.sglang_port is not None else None,
-                                        "api_key": ctx.host.sglang_api_key}, python=python, timeout=120)
+                                        "api_key": ctx.host.sglang_api_key,
+                                        "server_user": ctx.host.server_user}, python=python, timeout=120)
         got = [s for s in info.get("servers") or [] if isinstance(s, dict)]
         shapes, why = shapes_and_why([s.get("server_info") for s in got], [s.get("config") for s in got])
         why += ["%s:%s: %s" % (s.get("host"), s.get("port"), s["error"]) for s in got if s.get("error")]

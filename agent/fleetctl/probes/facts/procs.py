@@ -19,7 +19,7 @@ schedulers, under the CUDA_VISIBLE_DEVICES it started with: topology.gpu_ids).
 import os
 
 from . import listeners, topology
-from .. import redact
+from .. import redact, runas
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
@@ -260,7 +260,8 @@ def find_servers(host_view=lambda pid: False):
     """Running SGLang servers in this mount namespace (and in the others that `host_view(pid)`
     reads as the host's: containers.host_view, system services), one per process tree.
 
-    Returns ([{pid, argv, kind, port, host, model_path, tp_size, dp_size, pp_size,
+    Returns ([{pid, argv, kind, port, host, uid (its effective uid: runas.ids_of; None when it
+    exited meanwhile), ppid, model_path, tp_size, dp_size, pp_size,
     enable_dp_attention, nnodes, node_rank, dist_init_addr, base_gpu_id, gpu_id_step (the layout:
     topology.read), python, cwd, import_path, unit (service_unit), cuda_visible_devices (None:
     unset), gpu_ids (topology.gpu_ids: the devices its schedulers run on, as the host names them),
@@ -289,8 +290,9 @@ def find_servers(host_view=lambda pid: False):
         ports = _listening_ports(set(children) | (set(kids) & cands))
         workers = [p for p in kids if p in cands or (p in children and ports[p])]
         head = {k: own.pop(k) for k in ("argv", "kind", "port", "host", "model_path")}
+        ids = runas.ids_of(pid)
         servers.append({
-            "pid": pid, **head,
+            "pid": pid, **head, "uid": ids[0] if ids else None, "ppid": table[pid][1],
             "python": interpreter(pid, argv), "cwd": _cwd(pid), "import_path": import_path(pid, argv), **own,
             "workers": [{"pid": p, "ports": ports[p]} for p in workers],
             "processes": sum(1 for p in kids if table[p][0][:1] and table[p][0][0].startswith("sglang::")),

@@ -19,9 +19,14 @@ it only says which of the server's own sockets to use, never where to connect.
   asks again until its deadline. A server whose pid is gone is followed to its successor: a
   server identified now as the facts probe identifies them (procs.find_servers, with system
   services in their own mount namespaces: containers.host_view) with the same interpreter that
-  claims the same port, which is how a gate finds the server a restart replaced (a restart
-  keeps those; it may change the environment and working directory the server starts from, so
-  its import path).
+  claims the same port, the same effective uid, and the same systemd service or (outside one)
+  the same parent, which is how a gate finds the server a restart replaced (a restart keeps
+  those; it may change the environment and working directory the server starts from, so its
+  import path).
+- A server is identified by its owner as well as its socket (review R4-4): its effective uid is
+  root's, the inventory's fleetctl_server_user's, or (that not set) the owner of its
+  interpreter's environment, or it runs in a system service (owner_refusal). Any other process,
+  however server-shaped its argv and its own its socket, is refused: no request, no API key.
 
 Each refusal names the process (pid), what it claimed (host, port) and why; nothing is sent to it.
 Each target carries the node rank its process's command line gives (topology.read): a server of
@@ -30,8 +35,10 @@ rank 1 and above is a non-zero-rank node of a multi-node deployment, whose port 
 """
 
 import ipaddress
+import os
 
 from . import containers, listeners, procs, topology
+from .. import runas
 
 NOT_IDENTIFIED = "the listener of a process that is no identified server"
 GONE = "pid %d exited and no server of the same interpreter on its port has taken its place"
@@ -199,6 +206,48 @@ def _node_rank(pid):
     return topology.read(procs.cmdline(pid) or [])["node_rank"]
 
 
+def owner_refusal(pid, python, server_user=None):
+    """Why server `pid` (its interpreter `python`) gets no request from fleetctl, or None: a
+    server is identified by its owner as well as its socket (review R4-4). Its effective uid
+    (runas.ids_of) must be root's or this probe's own (a probe not run as root: what that uid
+    runs is its own already); or the inventory's fleetctl_server_user's (`server_user`, its
+    uid, -1 for an account this host lacks, None: not set); or, when that is not set, the owner of the interpreter's environment
+    (the directory above its bin/: the install's owner); or it runs in a system service
+    (procs.service_unit: systemd put it there, as that unit's User=)."""
+    ids = runas.ids_of(pid)
+    if ids is None:
+        return "pid %d exited" % pid
+    uid = ids[0]
+    if uid in (0, os.geteuid(), server_user) or procs.service_unit(pid):
+        return None
+    owner = None
+    if server_user is None and python and os.path.isabs(python):
+        try:
+            owner = os.stat(os.path.dirname(os.path.dirname(python))).st_uid
+        except OSError:
+            owner = None
+        if owner == uid:
+            return None
+    return ("pid %d runs as uid %d: not root, %s, and in no system service: not a server of this host's "
+            "(fleetctl sends it nothing; name the servers' account in fleetctl_server_user)"
+            % (pid, uid, "not fleetctl_server_user's" if server_user is not None else
+               "not the owner of its interpreter's environment (%s)" % ("uid %d" % owner if owner is not None
+                                                                        else "unknown")))
+
+
+def _succeeds(s, sel):
+    """Whether identified server `s` may be taken as the successor of gone selector `sel`: the
+    same interpreter and claimed port, and the same effective uid, and the same systemd service
+    or (outside one) the same parent, as far as `sel` says them (engine/gather.py SUCCESSION)."""
+    if sel.get("python") is None or (s["python"], s["port"]) != (sel["python"], int(sel.get("port") or procs.DEFAULT_PORT)):
+        return False
+    if sel.get("uid") is not None and s.get("uid") != sel["uid"]:
+        return False
+    if sel.get("unit") is not None:
+        return s.get("unit") == sel["unit"]
+    return sel.get("ppid") is None or s.get("ppid") == sel["ppid"]
+
+
 def live(selectors):
     """The servers `selectors` name, now: [{pid, port, host, node_rank, gone}] (port, host, node_rank:
     what each one's command line claims, node_rank as topology.read reads it).
@@ -213,28 +262,45 @@ def live(selectors):
         pid = sel.get("pid")
         port = int(sel.get("port") or procs.DEFAULT_PORT)
         if pid is not None and _alive(pid):
-            now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "node_rank": _node_rank(pid)}]
+            now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "node_rank": _node_rank(pid),
+                    "python": sel.get("python")}]
         else:
             if found is None:
                 found = procs.find_servers(containers.host_view)[0]
-            now = [{"pid": s["pid"], "port": s["port"], "host": s["host"], "node_rank": s["node_rank"]} for s in found
-                   if pid is None or (sel.get("python") is not None and s["pid"] not in given
-                                      and (s["python"], s["port"]) == (sel["python"], port))]
+            now = [{"pid": s["pid"], "port": s["port"], "host": s["host"], "node_rank": s["node_rank"],
+                    "python": s["python"]} for s in found
+                   if pid is None or (s["pid"] not in given and _succeeds(s, sel))]
             if pid is not None and not now:
                 now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "gone": GONE % pid}]
         out += [s for s in now if s["pid"] not in {o["pid"] for o in out}]
     return out
 
 
-def pick(selectors, port=None, host=None):
+def pick(selectors, port=None, host=None, server_user=None):
     """The targets of `selectors` (live()) as select() decides them on this host's /proc now.
     `port`, `host`: the inventory's choice; a {"pid": None} selector may carry it instead (for
-    callers that pass only selectors: the collection's smoke module). Returns select()'s answer,
-    each target with the node rank its server's command line gives (live(): "node_rank")."""
+    callers that pass only selectors: the collection's smoke module). `server_user`: the
+    inventory's fleetctl_server_user, an account name (owner_refusal; one this host lacks
+    matches no process). A live server whose owner
+    owner_refusal refuses is refused, and its sockets are no identified server's. Returns
+    select()'s answer, each target with the node rank its server's command line gives (live():
+    "node_rank")."""
     for sel in selectors:
         if sel.get("pid") is None and port is None:
             port, host = sel.get("port"), sel.get("host")
-    servers = live(selectors)
+    if server_user is not None:
+        try:
+            import pwd
+            server_user = pwd.getpwnam(server_user).pw_uid
+        except KeyError:
+            server_user = -1  # an account this host lacks: nobody's servers but root's and services'
+    servers, owners = [], []
+    for s in live(selectors):
+        why = None if s.get("gone") else owner_refusal(s["pid"], s.get("python"), server_user)
+        if why:
+            owners.append({"pid": s["pid"], "host": s["host"], "port": s["port"], "reason": why})
+        else:
+            servers.append(s)
     # the namespace's listeners are read before any tree's fds: a socket that starts listening
     # between the two reads is then "not listening yet" (pending), never a listener that no
     # identified server holds (refused) as it would be the other way round
@@ -251,6 +317,7 @@ def pick(selectors, port=None, host=None):
                 else:
                     s["elsewhere"].append((address, p))
     picked = select(servers, listening, local, port, host)
+    picked["refused"][:0] = owners
     ranks = {s["pid"]: s.get("node_rank") or 0 for s in servers}
     for t in picked["targets"]:
         t["node_rank"] = ranks.get(t["pid"], 0)

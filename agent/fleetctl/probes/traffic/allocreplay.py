@@ -103,7 +103,7 @@ def _prepare(params, out):
     trace["pool_source"] = "--pool"
     if (params.get("trace") or {}).get("pool") is None:
         trace["pool"], trace["pool_source"] = server_pool(params.get("servers") or [], params.get("port"), params.get("host"),
-                                                          params.get("api_key"))
+                                                          params.get("api_key"), params.get("server_user"))
     out["trace"] = trace
     bad = check_trace(trace)
     if bad:
@@ -312,15 +312,15 @@ def make_trace(trace):
     return out
 
 
-def server_pool(selectors, port, host, api_key):
+def server_pool(selectors, port, host, api_key, server_user=None):
     """(pool, source) for a replay given no pool: the first of the install's servers that states
     max_total_num_tokens in its /server_info (or /get_server_info before 0.5), asked through the
-    target rule (targets.pick: only a server's own socket on this host; the API key as a bearer
-    token), source "max_total_num_tokens of server pid P at H:P"; else DEFAULTS' pool, source
+    target rule (targets.pick: only a server's own socket on this host, of an owner it accepts
+    (`server_user`); the API key as a bearer token), source "max_total_num_tokens of server pid P at H:P"; else DEFAULTS' pool, source
     "default; " and why."""
     why = "no server runs from this install"
     if selectors:
-        picked = targets.pick(selectors, port, host)
+        picked = targets.pick(selectors, port, host, server_user)
         why = "; ".join("pid %s: %s" % (r["pid"], r["reason"]) for r in picked["refused"] + picked["pending"]) or why
         for t in picked["targets"]:
             label = "server pid %s at %s:%d" % (t["pid"], t["host"], t["port"])

@@ -499,7 +499,8 @@ def main(params):
     smoke.API_KEY = params.get("api_key")
     selectors = params.get("servers") or []
     health_timeout = float(params.get("health_timeout", 60))
-    picked, waited = smoke.choose(selectors, params.get("port"), params.get("host"), health_timeout)
+    picked, waited = smoke.choose(selectors, params.get("port"), params.get("host"), health_timeout,
+                                  params.get("server_user"))
     servers, skipped = [], []
     for t in picked["targets"]:
         if (t.get("node_rank") or 0) >= 1:  # a non-zero-rank node's port serves /health only (targets.py)

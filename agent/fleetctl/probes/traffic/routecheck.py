@@ -451,7 +451,8 @@ def main(params):
     smoke.API_KEY = params.get("api_key")
     health_timeout = float(params.get("health_timeout", 60))
     directory = params["evidence_dir"]
-    picked, waited = smoke.choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout)
+    picked, waited = smoke.choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout,
+                                  params.get("server_user"))
     servers = []
     for t in picked["targets"]:
         servers.append(route_server(t, directory, health_timeout=max(0.0, health_timeout - waited),

@@ -98,7 +98,7 @@ def main(params):
     error}], "refused": targets' refusals}."""
     smoke.API_KEY = params.get("api_key")
     timeout = float(params.get("request_timeout", 30))
-    picked = targets.pick(params.get("servers") or [], params.get("port"), params.get("host"))
+    picked = targets.pick(params.get("servers") or [], params.get("port"), params.get("host"), params.get("server_user"))
     out = []
     for t in picked["targets"]:
         if t.get("node_rank"):

@@ -132,14 +132,14 @@ def _server_facts(base, timeout):
     return facts
 
 
-def choose(selectors, port, host, deadline_s):
-    """targets.pick(selectors, port, host), asked again (0.1 s doubling to 2 s) while a server is
-    pending (not listening yet), for at most deadline_s seconds. Returns (its last answer,
-    seconds spent)."""
+def choose(selectors, port, host, deadline_s, server_user=None):
+    """targets.pick(selectors, port, host, server_user), asked again (0.1 s doubling to 2 s) while
+    a server is pending (not listening yet), for at most deadline_s seconds. Returns (its last
+    answer, seconds spent)."""
     t0 = time.monotonic()
     delay = 0.1
     while True:
-        picked = targets.pick(selectors, port, host)
+        picked = targets.pick(selectors, port, host, server_user)
         left = deadline_s - (time.monotonic() - t0)
         if not picked["pending"] or left <= 0:
             return picked, time.monotonic() - t0
@@ -261,7 +261,8 @@ def main(params):
     global API_KEY
     API_KEY = params.get("api_key")
     health_timeout = float(params.get("health_timeout", 600))
-    picked, waited = choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout)
+    picked, waited = choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout,
+                            params.get("server_user"))
     servers = []
     for t in picked["targets"]:
         servers.append(smoke_server(t["host"], t["port"], health_timeout=max(0.0, health_timeout - waited),
