@@ -193,9 +193,9 @@ def test_a_warm_locate_starts_no_interpreter_until_what_it_depends_on_changes(tm
     from fleetctl import probes
     from fleetctl.probes.facts import host as facts
 
-    monkeypatch.setattr(facts, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts.host", {})).decode(),
+    monkeypatch.setattr(runas, "FLEETCTL_BUNDLE", zlib.decompress(probes.bundle("facts.host", {})).decode(),
                         raising=False)
-    monkeypatch.setattr(facts, "FLEETCTL_WRAPPER", probes.WRAPPER, raising=False)
+    monkeypatch.setattr(runas, "FLEETCTL_WRAPPER", probes.WRAPPER, raising=False)
     work = tmp_path / "work"
     make_tree(work, {"__init__.py": "", "version.py": '__version__ = "0.5.23"\n'})
     store = scancache.Store("k", str(tmp_path / "c"))

@@ -26,6 +26,7 @@ uid, the rest unchanged.
 """
 
 import collections
+import json
 import os
 import pwd
 import selectors
@@ -33,6 +34,8 @@ import signal
 import subprocess
 import tempfile
 import time
+
+from . import result
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NOBODY = "nobody"
@@ -326,3 +329,31 @@ def _pump(proc, data, deadline, limit):
             if not f.closed:
                 f.close()
     return [bytes(bufs[proc.stdout][:limit]), bytes(bufs[proc.stderr][:limit])], timed_out, overflow
+
+
+def rerun(python, params, acct, timeout, extra_env=None, nice=0, rlimits=None):
+    """This probe's own bundle (FLEETCTL_BUNDLE, set by the probe wrapper) run again with
+    `params` under `python -I` (its site module: the install's code) as `acct`, by run() with
+    `timeout`, `extra_env`, `nice` and `rlimits`. Returns (its result, a dict, or None; why not,
+    None when it answered: "did not answer within N s", "printed no result (exit N): ...",
+    or the probe's own error; the Ran). Raises NoAccount, OSError, subprocess.SubprocessError
+    (it could not start: nothing ran)."""
+    doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
+    doc["params"] = params
+    ran = run([python, "-I", "-c", FLEETCTL_WRAPPER], acct, json.dumps(doc).encode(), timeout,  # noqa: F821
+              extra_env, nice=nice, rlimits=rlimits)
+    tail = ran.stderr.decode("utf-8", "replace").strip()[-1500:]
+    if ran.timed_out:
+        return None, "did not answer within %.0f s" % timeout, ran
+    found = result.after_marker(ran.stdout.decode("utf-8", "replace"))
+    if found is None:
+        return None, "printed no result (exit %d): %s" % (ran.returncode, tail or "no output"), ran
+    try:
+        got = json.loads(found)
+    except (ValueError, RecursionError):
+        return None, "printed a result that is not JSON (exit %d)" % ran.returncode, ran
+    if not isinstance(got, dict):
+        return None, "printed a result that is not an object (exit %d)" % ran.returncode, ran
+    if "__probe_error__" in got:
+        return None, str(got["__probe_error__"]).strip()[-1500:], ran
+    return got, None, ran

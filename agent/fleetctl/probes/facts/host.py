@@ -22,11 +22,12 @@ with the reason and the fix), never a host without SGLang.
 import glob
 import json
 import os
+import subprocess
 import sys
 import time
 
 from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
-from .. import result, runas, trust
+from .. import runas, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -163,25 +164,17 @@ def candidates(params, servers, services=()):
 
 
 def ask(python, first, acct, timeout=LOCATE_TIMEOUT_S):
-    """Run this probe bundle as `python -I` in / as runas.Account `acct` (runas.run) to locate
-    sglang there (see locate.locate): {python, sglang, error, torch, unreadable}. Raises
-    RuntimeError when it cannot start or prints no result (the text says which account tried)."""
-    doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
-    doc["params"] = {"locate": first}
+    """This probe bundle re-run as `python -I` in / as runas.Account `acct` (runas.rerun) to
+    locate sglang there (see locate.locate): {python, sglang, error, torch, unreadable}. Raises
+    RuntimeError when it cannot start, does not answer or cannot see its sys.path (the text says
+    which account tried)."""
     who = "uid %d (%s)" % (acct.uid, acct.why)
     try:
-        r = runas.run([python, "-I", "-c", FLEETCTL_WRAPPER], acct, json.dumps(doc).encode(), timeout)  # noqa: F821
-    except (OSError, runas.NoAccount) as e:
+        res, why, _ = runas.rerun(python, {"locate": first}, acct, timeout)
+    except (OSError, subprocess.SubprocessError, runas.NoAccount) as e:
         raise RuntimeError("%s cannot run it: %s%s" % (who, e, FIX))
-    if r.timed_out:
-        raise RuntimeError("did not answer within %d s (run as %s)" % (timeout, who))
-    found = result.after_marker(r.stdout.decode("utf-8", "replace"))
-    if found is None:
-        raise RuntimeError("printed no result (exit %d, run as %s): %s"
-                           % (r.returncode, who, r.stderr.decode("utf-8", "replace")[-1500:]))
-    res = json.loads(found)
-    if "__probe_error__" in res:
-        raise RuntimeError(res["__probe_error__"][-1500:])
+    if why:
+        raise RuntimeError("%s (run as %s)" % (why, who))
     if res.get("unreadable"):
         raise RuntimeError("%s cannot read %s, on its sys.path: the answer would be wrong%s"
                            % (who, ", ".join(str(e)[:300] for e in res["unreadable"][:4]), FIX))

@@ -35,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .. import result, runas
+from .. import runas
 from ..facts import targets
 from . import replaychild
 
@@ -355,31 +355,24 @@ def _max_total_num_tokens(host, port, api_key):
 
 
 def run_child(python, child, deadline_s, memory_bytes, acct):
-    """Run this probe's bundle under `python -I` (with its site: the install's torch) with params
-    `child`, as runas.Account `acct` (runas.run: its own session, an environment from nothing),
-    nice 10, RLIMIT_AS `memory_bytes` and RLIMIT_CPU the deadline, killed with its group after
-    `deadline_s` seconds. Returns (its result, None) or (None, why)."""
-    doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
-    doc["params"] = dict(child, deadline_s=deadline_s)
+    """This probe's bundle re-run under `python -I` (with its site: the install's torch) with
+    params `child` as runas.Account `acct` (runas.rerun: its own session, an environment from
+    nothing), nice 10, RLIMIT_AS `memory_bytes` and RLIMIT_CPU the deadline, killed with its
+    group after `deadline_s` seconds. Returns (its result, None) or (None, why)."""
     cpu = int(deadline_s) + 1
     who = "uid %d (%s)" % (acct.uid, acct.why)
     try:
-        ran = runas.run([python, "-I", "-c", FLEETCTL_WRAPPER], acct, json.dumps(doc).encode(),  # noqa: F821
-                        deadline_s + 5, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, nice=10,
-                        rlimits={resource.RLIMIT_AS: memory_bytes, resource.RLIMIT_CPU: cpu})
+        got, why, ran = runas.rerun(python, dict(child, deadline_s=deadline_s), acct, deadline_s + 5,
+                                    {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, nice=10,
+                                    rlimits={resource.RLIMIT_AS: memory_bytes, resource.RLIMIT_CPU: cpu})
     except (OSError, subprocess.SubprocessError, runas.NoAccount) as e:
         return None, "the replay could not start as %s: %s" % (who, e)
     if ran.timed_out:
         return None, "the replay passed its deadline of %.0f s and was killed: give fewer --requests or a smaller --pool" \
             % deadline_s
-    found = result.after_marker(ran.stdout.decode("utf-8", "replace"))
-    tail = ran.stderr.decode("utf-8", "replace").strip()[-1500:]
     if ran.returncode < 0:
         return None, "the replay was killed by signal %d (its limits: %d s of CPU, %d MiB of memory): %s" % (
-            -ran.returncode, cpu, memory_bytes >> 20, tail or "no output")
-    if found is None:
-        return None, "the replay printed no result (exit %d, run as %s): %s" % (ran.returncode, who, tail or "no output")
-    got = json.loads(found)
-    if "__probe_error__" in got:
-        return None, "the replay failed: %s" % got["__probe_error__"].strip()[-1500:]
+            -ran.returncode, cpu, memory_bytes >> 20, ran.stderr.decode("utf-8", "replace").strip()[-1500:] or "no output")
+    if why:
+        return None, "the replay (run as %s) %s" % (who, why)
     return got, None
