@@ -132,7 +132,8 @@ def test_a_missing_prefix_disagreeing_outputs_or_error_is_not_met():
 
 class Ctx:
     def __init__(self, answers):
-        self.host = SimpleNamespace(sglang_port=None, sglang_host=None, sglang_api_key=None, server_user=None)
+        self.host = SimpleNamespace(sglang_port=None, sglang_host=None, sglang_api_key=None, server_user=None,
+                                    unprivileged_user=None)
         self.container = None
         self.answers, self.calls = answers, []
 

@@ -208,8 +208,9 @@ def _bundle(main: str, params_json: str) -> bytes:
 # Every probe starts with `python -I -S`: no site module, so no site-packages on sys.path and no
 # `.pth` file or sitecustomize run (site was a sixth of a warm facts probe's CPU, 0.05 of 0.30 s
 # on a 0.5.23 host, bench/results/NOTES.md; a host's `.pth` files are code a stdlib probe has no
-# reason to run). A probe that needs the install's packages (kbuild: torch) checks the site
-# module's files (trust.untrusted) and then runs site.main() itself.
+# reason to run). What needs the install's packages (the facts probe's locate, kbuild's preflight,
+# build and test, the replay, the load client, the dispatch benchmark) runs in a child as an
+# unprivileged uid (runas.py): the install's code never runs as root.
 #
 # Every start goes through trust.GUARD: an interpreter is checked by the same command that then
 # runs it, or refused with REFUSED on stderr and exit 126 (parse_output raises Untrusted).

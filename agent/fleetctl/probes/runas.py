@@ -273,16 +273,17 @@ def run(argv, acct, stdin=b"", timeout=60.0, extra_env=None, limit=MAX_OUTPUT, n
     try:
         proc = spawn(argv, acct, environment(home, extra_env), nice=nice, rlimits=rlimits)
         deadline = time.monotonic() + timeout
-        out, timed_out, overflow = _pump(proc, stdin, deadline, limit)
+        out, timed_out, overflow = collect(proc, stdin, deadline, limit)
         code, late = finish(proc, deadline)
         return Ran(code, out[0], out[1], timed_out or late, overflow)
     finally:
         remove(home)
 
 
-def _pump(proc, data, deadline, limit):
-    """Write `data` to proc's stdin and read its stdout and stderr until both end, the deadline
-    passes or one exceeds `limit` (then its group is killed): ([stdout, stderr], timed_out, overflow)."""
+def collect(proc, data, deadline, limit=MAX_OUTPUT):
+    """Write `data` to spawned proc's stdin (closed after it) and read its stdout and stderr until
+    both end, the monotonic `deadline` passes or one exceeds `limit` bytes (then its group is
+    killed): ([stdout, stderr], timed_out, overflow). The child is not reaped: finish() next."""
     sel = selectors.DefaultSelector()
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     for f in bufs:

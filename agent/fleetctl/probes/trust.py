@@ -1,25 +1,26 @@
-"""Whether root may run an interpreter (review M6, N7, N10): the rule, and its two checks.
+"""Whether root may run an interpreter with `-I -S` (review M6, N7, N10): the rule, and its two checks.
 
-Stdlib only (Python 3.8+). Everything an interpreter runs when it starts must belong to root
-(or the probing user) and be writable by nobody else, and so must every directory above it up
-to `/`: who can write a directory can replace what is in it, so a root-owned venv under a
-directory another user owns is theirs to swap (a directory writable by others passes only when
-it is root's and sticky, as /tmp: nobody can replace another's entry there).
+Stdlib only (Python 3.8+). Root starts an interpreter only without its site module (every probe:
+`python -I -S`), and only when everything that start reads belongs to root (or the probing user)
+and is writable by nobody else, and so is every directory above it up to `/`: who can write a
+directory can replace what is in it, so a root-owned venv under a directory another user owns is
+theirs to swap (a directory writable by others passes only when it is root's and sticky, as
+/tmp: nobody can replace another's entry there). What an install's site module runs (`.pth`
+lines, sitecustomize, finders) and its packages are never judged here: they run only as an
+unprivileged uid (runas.py, issue 48), which made the site-file and import-tree walks of
+earlier rounds (untrusted(site=True), untrusted_imports) redundant; they are gone.
 
-- `untrusted(python)`, in Python, for an interpreter started with its site module (the facts
-  probe asking an install's interpreter, the kernel build): the interpreter, its bin/ directory,
-  prefix and pyvenv.cfg, and each site directory with its `.pth`, sitecustomize and
-  usercustomize files (site.py executes `.pth` import lines at start), each with its ancestors.
-- `GUARD`, in POSIX sh (probes.command), for every probe's start with `python -S` (no site):
-  the interpreter as named and as resolved, pyvenv.cfg and every ancestor directory, checked by
-  `stat` in the same command that then execs it, never cached: what the check saw is what runs,
-  since only root (or this user) could change it in between. tests/machine/test_trust_rule.py
-  checks the two agree on the same trees.
+- `untrusted(python)`, in Python (the facts probe inside a container, the interpreter record of
+  scancache).
+- `GUARD`, in POSIX sh (probes.command), for every probe's start: the interpreter as named and
+  as resolved, pyvenv.cfg and every ancestor directory, checked by `stat` in the same command
+  that then execs it, never cached: what the check saw is what runs, since only root (or this
+  user) could change it in between. tests/machine/test_trust_rule.py checks the two agree on
+  the same trees.
 """
 
 import glob
 import os
-import sys
 
 
 class _Refused(Exception):
@@ -112,25 +113,15 @@ def start_paths(python):
     return paths, strict
 
 
-def untrusted(python, site=True):
-    """Why `python` (an absolute path) must not be run as root by fleetctl, or None: see the
-    module docstring and start_paths; `site`: also what its site module runs (each site
-    directory with its `.pth`, sitecustomize and usercustomize files; False: only what
-    `python -I -S` runs, GUARD's rule)."""
+def untrusted(python):
+    """Why `python` (an absolute path) must not be run as root by fleetctl with `-I -S`, or None:
+    see the module docstring and start_paths (GUARD's rule, in Python)."""
     if not os.path.isabs(python):
         return "%s is not an absolute path" % python
     if "\n" in python:
         return "the interpreter path holds a newline"
     try:
         paths, strict = start_paths(python)
-        if site:
-            for d in site_dirs(python):
-                found = [d] + sorted(glob.glob(os.path.join(glob.escape(d), "*.pth")))
-                found += [p for p in (os.path.join(d, n) for n in ("sitecustomize.py", "usercustomize.py"))
-                          if os.path.lexists(p)]
-                for p in found:
-                    _walk(p, paths)
-                    paths.append(p)
     except _Refused as e:
         return str(e)
     except OSError as e:
@@ -143,88 +134,6 @@ def untrusted(python, site=True):
             except OSError as e:
                 return "cannot stat %s: %s" % (path, e.strerror)
             why = _judge(path, st, euid, sticky_ok)
-            if why:
-                return why
-    return None
-
-
-MAX_TREE_ENTRIES = 200000  # entries of one package tree judged at most (torch holds about 20,000)
-
-
-def untrusted_imports(names):
-    """Why root must not import the top-level packages `names` (e.g. ("sglang", "triton",
-    "torch")) in a child of this interpreter, or None; called in the interpreter itself once
-    site.main() ran (after untrusted(): what site ran is root's). A `.pth` path line or an
-    editable install's finder (PEP 660) can put another user's checkout on the import path
-    with every file site reads root's, so this judges what those imports would load: every
-    directory of sys.path that exists (and each directory consulted resolving it), and each
-    package's own tree as importlib.util.find_spec places it (its submodule_search_locations,
-    or its file), every entry in it (a link by its owner, then its target, in the tree or out)
-    by _judge's rule without the sticky exception. A package that is not installed is not
-    judged (its import fails in the child). Nothing is imported: find_spec of a top-level name
-    runs no package code."""
-    import importlib.util
-
-    euid = os.geteuid()
-    try:
-        for entry in sys.path:
-            if not entry or not os.path.exists(entry):
-                continue
-            consulted = []
-            real = _walk(os.path.abspath(entry), consulted)
-            for path, sticky_ok in [(d, True) for d in consulted] + [(real, False)]:
-                why = _judge(path, os.stat(path), euid, sticky_ok)
-                if why:
-                    return "%s (on sys.path as %s)" % (why, entry)
-        for name in names:
-            try:
-                spec = importlib.util.find_spec(name)
-            except (ImportError, ValueError):
-                spec = None
-            if spec is None:
-                continue
-            roots = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
-            for root in roots:
-                why = _judge_tree(root, euid)
-                if why:
-                    return "%s (package %s)" % (why, name)
-    except _Refused as e:
-        return str(e)
-    except OSError as e:
-        return "cannot judge what the import would load: %s" % e
-    return None
-
-
-def _judge_tree(root, euid):
-    """Why the directory or file `root` (with the directories consulted resolving it), or anything
-    in it, is unsafe for root to import, or None. Raises _Refused, OSError."""
-    consulted = []
-    real = _walk(root, consulted)
-    for d in consulted:
-        why = _judge(d, os.stat(d), euid, True)
-        if why:
-            return why
-    if not os.path.isdir(real):  # a single-module package (NAME.py, NAME.so)
-        return _judge(real, os.stat(real), euid, False)
-    seen = 0
-    for d, dirs, files in os.walk(real):  # links are not followed: each is judged below
-        for name in [""] + dirs + files:
-            path = os.path.join(d, name) if name else d
-            seen += 1
-            if seen > MAX_TREE_ENTRIES:
-                raise _Refused("%s holds over %d entries: not judged" % (root, MAX_TREE_ENTRIES))
-            st = os.lstat(path)
-            if not os.path.islink(path):
-                why = _judge(path, st, euid, False)
-            elif st.st_uid not in (0, euid):
-                why = "the link %s belongs to uid %d" % (path, st.st_uid)
-            else:
-                hops = []
-                target = _walk(path, hops)
-                why = next((w for w in (_judge(h, os.stat(h), euid, True) for h in hops) if w), None)
-                if why is None and os.path.exists(target):
-                    why = _judge(target, os.stat(target), euid, False)
-                why = why and "%s (resolving the link %s)" % (why, path)
             if why:
                 return why
     return None

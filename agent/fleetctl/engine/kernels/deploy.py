@@ -72,7 +72,7 @@ class DeployData(TypedDict, total=False):
     arch (compute capability "9.0", or None), build_key (sha256 hex), previous (the build key
     active before, or None), recovered (changes a killed run left pending), refusals
     (preflight's, for backends it refused), reused (a PASSED build of the key was already
-    there), build ({ok, seconds, log_path, timed_out, removed_stale_lock}), test (the reference
+    there), build ({ok, seconds, log_path, timed_out, ran_as}), test (the reference
     test's result); the change engine adds change_id, handlers, validation. In
     check mode: check (True) and would_build instead of recovered, build and test."""
 
@@ -95,7 +95,15 @@ class DeployData(TypedDict, total=False):
 
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
-    return ctx.probe("kernel.kbuild", params, python=python, timeout=timeout)
+    """One probes/kernel/kbuild.py action on the host under `python`, with the inventory's
+    fleetctl_unprivileged_user (whom its children run as, with params' server_pids: build.account)."""
+    return ctx.probe("kernel.kbuild", {**params, "unprivileged_user": ctx.host.unprivileged_user}, python=python,
+                     timeout=timeout)
+
+
+def _server_pids(facts: dict) -> list[int]:
+    """The pids of the servers in `facts` (the install's: the builds run as their uid)."""
+    return [s["pid"] for s in facts.get("servers") or [] if isinstance(s.get("pid"), int)]
 
 
 def _upload(ctx: HostContext, pkg: KernelPackage, src_dir: str) -> None:
@@ -157,7 +165,7 @@ def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], p
     upload(src)
     b = kbuild("build", build_timeout + PROBE_SLACK_S, src_dir=src, build_dir=build, arch=arch,
                deadline_s=build_timeout, max_jobs=max_jobs, **pkg.build_params(backend))
-    data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "removed_stale_lock")}
+    data["build"] = {k: b.get(k) for k in ("ok", "seconds", "log_path", "timed_out", "ran_as")}
     if not b["ok"]:
         raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
                          f"log {b['log_path']}:\n{b['log_tail']}")
@@ -262,7 +270,8 @@ def _preflight(ctx: HostContext, pkg: KernelPackage, opts: DeployOptions) -> tup
     if blocked:
         raise HostFailed("; ".join(blocked))
     python = facts["python"]["path"]
-    pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends), backend=opts.backend)
+    pre = _kbuild(ctx, python, action="preflight", backends=sorted(pkg.backends), backend=opts.backend,
+                  server_pids=_server_pids(facts))
     key = preflight_key(pkg, pre)
     bdir = private_dir(opts.state_dir, pkg.name, key)
     pub = public_paths(pkg.name, key)
@@ -297,11 +306,12 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
                         "reused": state["passed"] or state["published"], "hooked": state["hooked"]}
     result = ctx.result(HostStatus.OK, data=data)
     if not data["reused"]:
-        build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action, **p),
+        build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action,
+                                                            server_pids=_server_pids(facts), **p),
                        lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, current, opts.max_jobs,
                        opts.build_timeout, data)
     published = _kbuild(ctx, python, action="publish", build_dir=bdir, public_dir=pub["build"],
-                        server_pids=[s["pid"] for s in facts.get("servers") or [] if isinstance(s.get("pid"), int)])
+                        server_pids=_server_pids(facts))
     if not published["ok"]:
         raise HostFailed(f"{published['error']} (active build stays {current or 'none'})")
     data["published"] = published["published"]

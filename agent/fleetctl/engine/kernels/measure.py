@@ -8,7 +8,7 @@ with why saying what failed); the pure parts, unit-tested:
 
 Host side: probes/traffic/serverinfo.py (each server's /server_info over loopback and config.json under its
 model_path) and probes/kernel/dispatchbench.py (kernels/verify_attention/dispatch_bench.py run by the SGLang
-interpreter in a fresh process, killed at its deadline). What this module was checked on: a machine
+interpreter in a fresh process as an unprivileged uid, killed at its deadline). What this module was checked on: a machine
 with no GPU (the pure functions, and measured_table against fake probe answers); the CUDA timing itself
 runs only on GPU hosts.
 """
@@ -213,7 +213,9 @@ def measured_table(ctx, python: str, pkg, module_path: str, key: str, backend: s
         req = {"module": module_path, "device": "cuda", "prefixes": prefixes, "shapes": shapes, "iters": 20,
                "deadline_s": deadline_s}
         res = ctx.probe("kernel.dispatchbench", {"src_dir": posixpath.join(bdir, "src"), "script": BENCH, "request": req,
-                                          "deadline_s": deadline_s + BENCH_SLACK_S},
+                                                 "deadline_s": deadline_s + BENCH_SLACK_S,
+                                                 "server_pids": [s["pid"] for s in servers if isinstance(s.get("pid"), int)],
+                                                 "unprivileged_user": ctx.host.unprivileged_user},
                         python=python, timeout=deadline_s + 2 * BENCH_SLACK_S)
     except (FleetctlError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return none("not measured: %s: %s" % (type(e).__name__, str(e)[:400]))

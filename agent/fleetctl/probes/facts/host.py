@@ -403,7 +403,7 @@ def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
     cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache), inside
     (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
-    there, site files aside: the probe runs with -S); or
+    there: the probe runs with -S); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
     Returns {"facts", "installs", "not_inspected" (discover), "allocator_call_sites",
     "need_sort_origins", "scan", ["sources"]}, the last four (and facts.sglang/python/torch) of
@@ -414,7 +414,7 @@ def main(params):
         res["torch"] = torchver.installed()
         return res
     if params.get("inside"):
-        why = trust.untrusted(sys.executable, site=False)
+        why = trust.untrusted(sys.executable)
         if why:  # checked inside, as the container's user: its own files, planted by nobody else
             return {"refused": "interpreter %s in the container refused: %s" % (sys.executable, why)}
     servers, others = procs.find_servers(containers.host_view)

@@ -8,8 +8,8 @@ drop-in's, names `sglang`. What the service runs is what systemd says
 (`systemctl show -p Id,ExecStart,WorkingDirectory,User,Environment` when systemd is the running
 init, sd_booted(3): /run/systemd/system exists), else what the unit files say, read here
 (systemd.service(5) ExecStart=, systemd.exec(5) WorkingDirectory=, User=, Environment=). Nothing
-a unit names is run: each interpreter is handed to the facts probe, which asks it only when
-trust.untrusted clears it. Strings from the host are bounded (MAX_UNIT_BYTES, procs.MAX_ARG).
+a unit names is run here: each interpreter is handed to the facts probe, which asks it as an
+unprivileged uid (runas). Strings from the host are bounded (MAX_UNIT_BYTES, procs.MAX_ARG).
 """
 
 import glob

@@ -1,20 +1,35 @@
-"""The kbuild probe's build and test actions (stdlib only, Python 3.8+), each in a child process of
-this interpreter (the install's: its torch and triton, imported by the children only).
-  build  in its own process group, under an flock and a deadline, into an explicit build
-         directory: torch.utils.cpp_extension.load (cpu, cuda), or the package's triton module's
+"""The kbuild probe's build and test actions (stdlib only, Python 3.8+): each runs its child, the
+install's interpreter importing its torch and triton, as an unprivileged uid (runas.account:
+the install's server's, else its owner, else nobody or fleetctl_unprivileged_user; never root),
+in a private directory of that uid (runas.private_dir) holding a root-made copy of what it needs.
+  build  in its own process group, under an flock and a deadline, into WORK/build:
+         torch.utils.cpp_extension.load (cpu, cuda), or the package's triton module's
          build(arch, out_dir) (the ahead-of-time compile: no GPU, no nvcc); the log is kept in
-         BUILD_DIR/build.log.
-  test   the package's test module against the built module in a fresh process."""
+         BUILD_DIR.log. What the child made is data: root copies WORK/build into BUILD_DIR
+         only after checking it (regular files and directories only, no link, MAX_BUILD_ENTRIES
+         entries and MAX_BUILD_BYTES at most; root's files, 0644/0755).
+  test   the package's test module against a copy of the built module, in a fresh process."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
 
+from .. import runas
 from . import proc
+
+MAX_BUILD_ENTRIES = 100_000  # files and directories a build may leave
+MAX_BUILD_BYTES = 8 << 30  # bytes a build may leave (a CUDA extension with its objects: some 100 MiB)
+MAX_RESULT = 1 << 20  # bytes of the child's result file
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Refused(Exception):
+    """What a child left is not copied (a link, a device, too much): the message says why."""
 
 
 _BUILD = r"""
@@ -78,79 +93,253 @@ def __getattr__(attr):
 '''
 
 
+def account(params: dict):
+    """The runas.Account a build's or a test's child runs as: params["server_pids"] (the servers
+    running from the install), this interpreter's prefix (the install's tree, its owner),
+    params["unprivileged_user"]. Raises runas.NoAccount."""
+    return runas.account(params.get("server_pids") or [], sys.prefix, params.get("unprivileged_user"))
+
+
+def child_env(work: str, extra: dict) -> dict:
+    """A child's environment: runas.environment(work) with PATH the interpreter's bin directory
+    (a venv's ninja) before the system's, CUDA_HOME and CUDA_PATH as this probe has them (where
+    root says CUDA is: torch's _find_cuda_home), then `extra`."""
+    env = runas.environment(work, {"PATH": os.path.dirname(os.path.abspath(sys.executable)) + ":" + runas.SYSTEM_PATH})
+    for k in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(k):
+            env[k] = os.environ[k]
+    env.update(extra)
+    return env
+
+
 def build(params: dict) -> dict:
-    """Build an extension with torch.utils.cpp_extension.load, or a triton build, in a child process.
+    """Build an extension with torch.utils.cpp_extension.load, or a triton build, in a child
+    process run as account(params), in a private directory WORK (runas.private_dir) holding a
+    copy of src_dir (WORK/src) and the build (WORK/build), copied back into build_dir checked.
 
     params: src_dir (uploaded package), build_dir (staging), name (module name), sources (relative
     to src_dir), cflags, cuda_cflags, ldflags, arch (TORCH_CUDA_ARCH_LIST, None for cpu), max_jobs
     (cap on MAX_JOBS, default 4), deadline_s (default 1800 s, waiting for the lock included),
-    lock_path (default BUILD_DIR.lock). kind "triton" (engine/kernels/package.py TritonBackend's parameters):
-    module (.py relative to src_dir), build, load (its function names) in place of sources and
-    flags; the child calls module.build(arch as an int: "9.0" -> 90, BUILD_DIR/kernels), then
-    BUILD_DIR/NAME.py is written (_TRITON_MODULE) and is the module_path; "manifest" is what
-    build returned.
-    An flock on lock_path serialises builds; under it torch's own `lock` file in build_dir, which a
-    killed build leaves behind (torch then waits forever), is removed. The child's environment:
-    MAX_JOBS, PATH (proc.search_path), and CCACHE_BASEDIR (_cache_base) unless already set. At the
-    deadline the child's whole process group is killed. Returns {"ok", "module_path", "log_path",
-    "log_tail" (failure only), "rc", "timed_out", "seconds", "removed_stale_lock", "pgid"}.
+    lock_path (default BUILD_DIR.lock), cache_dir (default CACHE_DIR: ccache's directory per uid
+    below it, kept between builds), server_pids, unprivileged_user (account). kind "triton"
+    (engine/kernels/package.py TritonBackend's parameters): module (.py relative to src_dir),
+    build, load (its function names) in place of sources and flags; the child calls
+    module.build(arch as an int: "9.0" -> 90, WORK/build/kernels), then BUILD_DIR/NAME.py is
+    written by root (_TRITON_MODULE) and is the module_path; "manifest" is what build returned.
+    An flock on lock_path serialises builds. The child's environment: child_env with MAX_JOBS,
+    CCACHE_DIR, CCACHE_BASEDIR (WORK: the same sources under another build key hit the cache).
+    At the deadline the child's whole process group is killed. Returns {"ok", "module_path",
+    "log_path", "log_tail" (failure only), "rc", "timed_out", "seconds", "pgid", "ran_as"}.
     """
     start = time.monotonic()
     deadline = start + float(params.get("deadline_s", 1800))
-    python = sys.executable
     build_dir = os.path.abspath(params["build_dir"])
     os.makedirs(build_dir, exist_ok=True)
-    log_path = os.path.join(build_dir, "build.log")
-    result_path = os.path.join(build_dir, "build-result.json")
+    log_path = build_dir + ".log"  # beside the build, which is replaced by the child's checked copy
     out = {"ok": False, "module_path": None, "log_path": log_path, "log_tail": None, "rc": None,
-           "timed_out": False, "seconds": 0.0, "removed_stale_lock": False, "pgid": None}
+           "timed_out": False, "seconds": 0.0, "pgid": None, "ran_as": None}
     lock_path = params.get("lock_path") or build_dir + ".lock"
     lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    work = None
     try:
         if not proc.flock(lock_fd, deadline):
             out.update(timed_out=True, log_tail="another build held %s until the deadline" % lock_path)
             return out
-        torch_lock = os.path.join(build_dir, "lock")
-        if os.path.lexists(torch_lock):
-            os.unlink(torch_lock)
-            out["removed_stale_lock"] = True
-        if os.path.exists(result_path):
-            os.unlink(result_path)
+        acct = account(params)
+        out["ran_as"] = {"uid": acct.uid, "why": acct.why}
+        work = runas.private_dir(acct)
+        wsrc, wbuild = os.path.join(work, "src"), os.path.join(work, "build")
+        copy_tree(os.path.abspath(params["src_dir"]), work, "src")
+        os.mkdir(wbuild, 0o755)
+        if os.geteuid() == 0:
+            os.chown(wbuild, acct.uid, acct.gid)
+        result_path = os.path.join(work, "build-result.json")
         jobs = max(1, min(int(params.get("max_jobs", 4)), os.cpu_count() or 1))
-        env = dict(os.environ, MAX_JOBS=str(jobs), PATH=proc.search_path(python))
-        base = _cache_base(params["src_dir"], build_dir)
-        if base and "CCACHE_BASEDIR" not in env:
-            env["CCACHE_BASEDIR"] = base
-        env.pop("TORCH_CUDA_ARCH_LIST", None)
+        extra = {"MAX_JOBS": str(jobs), "CCACHE_BASEDIR": work,
+                 "CCACHE_DIR": cache_dir(params.get("cache_dir") or CACHE_DIR, acct)}
         if params.get("arch"):
-            env["TORCH_CUDA_ARCH_LIST"] = params["arch"]
-        src_dir = os.path.abspath(params["src_dir"])
+            extra["TORCH_CUDA_ARCH_LIST"] = params["arch"]
         if params.get("kind") == "triton":
-            script, args = _TRITON_BUILD, _triton_args(params, src_dir, build_dir, result_path)
+            script, args = _TRITON_BUILD, _triton_args(params, wsrc, wbuild, result_path)
         else:
             script = _BUILD
-            args = {"name": params["name"], "build_dir": build_dir, "result": result_path,
-                    "sources": [os.path.join(src_dir, s) for s in params["sources"]],
+            args = {"name": params["name"], "build_dir": wbuild, "result": result_path,
+                    "sources": [os.path.join(wsrc, x) for x in params["sources"]],
                     "cflags": params.get("cflags") or [], "cuda_cflags": params.get("cuda_cflags") or [],
                     "ldflags": params.get("ldflags") or []}
         with open(log_path, "wb") as log:
-            child = subprocess.Popen([python, "-c", script, json.dumps(args)], stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, cwd=build_dir, env=env,
-                                     start_new_session=True, pass_fds=(lock_fd,))
+            child = runas.spawn([sys.executable, "-c", script, json.dumps(args)], acct, child_env(work, extra),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=wbuild)
             out["pgid"] = child.pid
-            out["rc"], out["timed_out"] = proc.wait(child, deadline)
-        if out["rc"] == 0 and os.path.exists(result_path):
-            with open(result_path) as f:
-                done = json.load(f)
-            if params.get("kind") == "triton":
-                out["manifest"], done["module_path"] = done["manifest"], _write_triton_module(params, args)
-            out["module_path"], out["ok"] = done["module_path"], True
-        else:
+            out["rc"], out["timed_out"] = runas.finish(child, deadline)
+        done = _result(result_path, acct.uid) if out["rc"] == 0 else None
+        if done is None:
             out["log_tail"] = proc.tail(log_path)
+            return out
+        out["module_path"] = _inside(done.get("module_path"), wbuild, build_dir) if params.get("kind") != "triton" else None
+        replace_tree(work, "build", build_dir)
+        if params.get("kind") == "triton":
+            out["manifest"] = done.get("manifest")
+            out["module_path"] = _write_triton_module(params, _triton_args(params, os.path.abspath(params["src_dir"]),
+                                                                           build_dir, result_path))
+        out["ok"] = out["module_path"] is not None
+        if not out["ok"]:
+            out["log_tail"] = "the build named no module inside its build directory: %r" % (done.get("module_path"),)
+        return out
+    except (Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
+        out["log_tail"] = "%s%s" % (out["log_tail"] + "\n" if out["log_tail"] else "", e)
         return out
     finally:
         os.close(lock_fd)
+        if work:
+            runas.remove(work)
         out["seconds"] = round(time.monotonic() - start, 3)
+
+
+CACHE_DIR = "/var/cache/fleetctl-kbuild"  # ccache's directories, one per account (cache_dir)
+
+
+def cache_dir(root: str, acct) -> str:
+    """ROOT/<uid>: `acct`'s ccache directory, kept between builds: ROOT made root's 0755 when
+    missing, <uid> made the account's 0700 when missing; an existing one must be a directory (no
+    link) of that uid. Raises Refused, OSError."""
+    os.makedirs(root, 0o755, exist_ok=True)
+    top = os.open(root, _DIR)
+    try:
+        name = str(acct.uid)
+        try:
+            os.mkdir(name, 0o700, dir_fd=top)
+            if os.geteuid() == 0:
+                os.chown(name, acct.uid, acct.gid, dir_fd=top, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        st = os.stat(name, dir_fd=top, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != acct.uid:
+            raise Refused("%s/%s is not a directory of uid %d: no ccache for its builds" % (root, name, acct.uid))
+    finally:
+        os.close(top)
+    return os.path.join(root, name)
+
+
+def _result(path: str, uid: int):
+    """The child's result file (JSON object) at `path`, read as hostile: no link, a regular file
+    of `uid`, MAX_RESULT bytes at most; None when it is not so."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            return None
+        data = f.read(MAX_RESULT + 1)
+    try:
+        doc = json.loads(data.decode("utf-8")) if len(data) <= MAX_RESULT else None
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _inside(path, work_build: str, build_dir: str):
+    """`path` (what the child named) as the same file under `build_dir`, when it lies inside
+    `work_build` (no `..`); else None."""
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return None
+    norm = os.path.normpath(path)
+    if not norm.startswith(work_build + "/") or ".." in norm.split("/"):
+        return None
+    return build_dir + norm[len(work_build):]
+
+
+def copy_tree(src: str, into: str, name: str, limits=None) -> None:
+    """Copy directory `src` as `into`/`name` (which must not exist): directories and regular files
+    only, root's (this euid's) with 0755 / 0644 (0755 where the owner may execute), never
+    following a link on either side (every name opened relative to its directory's descriptor,
+    O_NOFOLLOW, files created O_EXCL), at most MAX_BUILD_ENTRIES entries and MAX_BUILD_BYTES
+    (`limits`: [entries, bytes] left, shared by one copy). Iterative. Raises Refused, OSError."""
+    limits = limits if limits is not None else [MAX_BUILD_ENTRIES, MAX_BUILD_BYTES]
+    top = os.open(into, _DIR)
+    try:
+        os.mkdir(name, 0o700, dir_fd=top)
+        stack = [(os.open(src, _DIR), os.open(name, _DIR, dir_fd=top), src, iter(sorted(os.listdir(src))))]
+    finally:
+        os.close(top)
+    try:
+        while stack:
+            sfd, dfd, where, names = stack[-1]
+            entry = next(names, None)
+            if entry is None:
+                stack.pop()
+                _own(dfd, 0o755)
+                os.close(sfd)
+                os.close(dfd)
+                continue
+            limits[0] -= 1
+            if limits[0] < 0:
+                raise Refused("%s: more than %d entries" % (src, MAX_BUILD_ENTRIES))
+            path = os.path.join(where, entry)
+            st = os.stat(entry, dir_fd=sfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(entry, 0o700, dir_fd=dfd)
+                sub = os.open(entry, _DIR, dir_fd=sfd)
+                stack.append((sub, os.open(entry, _DIR, dir_fd=dfd), path, iter(sorted(os.listdir(sub)))))
+            elif stat.S_ISREG(st.st_mode):
+                _copy_file(sfd, dfd, entry, st, path, limits)
+            else:
+                raise Refused("%s is %s: not copied" % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode)
+                                                        else "not a regular file or directory"))
+    finally:
+        for sfd, dfd, _, _ in stack:
+            os.close(sfd)
+            os.close(dfd)
+
+
+def _copy_file(sfd: int, dfd: int, entry: str, st, path: str, limits: list) -> None:
+    s = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=sfd)
+    try:
+        if (os.fstat(s).st_ino, os.fstat(s).st_dev) != (st.st_ino, st.st_dev):
+            raise Refused("%s changed while being copied" % path)
+        d = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            while True:
+                chunk = os.read(s, 1 << 20)
+                if not chunk:
+                    break
+                limits[1] -= len(chunk)
+                if limits[1] < 0:
+                    raise Refused("%s: more than %d bytes" % (path, MAX_BUILD_BYTES))
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(d, view):]
+            _own(d, 0o755 if st.st_mode & stat.S_IXUSR else 0o644)
+        finally:
+            os.close(d)
+    finally:
+        os.close(s)
+
+
+def _own(fd: int, mode: int) -> None:
+    """Open file or directory `fd` made root:root (when running as root) with `mode`."""
+    if os.geteuid() == 0:
+        os.fchown(fd, 0, 0)
+    os.fchmod(fd, mode)
+
+
+def replace_tree(work: str, name: str, dest: str) -> None:
+    """`dest` (root's) replaced by a checked copy (copy_tree) of `work`/`name`: copied beside it
+    as .NAME.<random>, the old one removed, the copy renamed into place. Raises Refused, OSError."""
+    parent, leaf = os.path.split(dest)
+    tmp = ".%s.%s" % (leaf, os.urandom(6).hex())
+    copy_tree(os.path.join(work, name), parent, tmp)
+    pfd = os.open(parent, _DIR)
+    try:
+        why = runas.rmtree(pfd, leaf)
+        if why:
+            runas.rmtree(pfd, tmp)
+            raise Refused("cannot replace %s: %s" % (dest, why))
+        os.rename(tmp, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
+    finally:
+        os.close(pfd)
 
 
 def _triton_args(params: dict, src_dir: str, build_dir: str, result_path: str) -> dict:
@@ -180,44 +369,48 @@ def _write_triton_module(params: dict, args: dict) -> str:
 
 
 def test(params: dict) -> dict:
-    """Run the package's test module on a built module in a fresh process.
+    """Run the package's test module on a built module in a fresh process, as account(params), in
+    a private directory holding root's copies of the package (WORK/src) and of the module's build
+    directory (WORK/build).
 
     params: src_dir, module_path, test (relative to src_dir), reference ("file.py:func"),
-    tolerances ({dtype: [atol, rtol]}), device ("cpu"/"cuda"), deadline_s (default 600 s).
-    The test prints one JSON line and exits 0 when it passes. Returns {"ok", "rc", "timed_out",
-    "result" (the test's JSON or None), "stderr_tail", "seconds"}.
+    tolerances ({dtype: [atol, rtol]}), device ("cpu"/"cuda"), deadline_s (default 600 s),
+    server_pids, unprivileged_user. The test prints one JSON line and exits 0 when it passes.
+    Returns {"ok", "rc", "timed_out", "result" (the test's JSON or None), "stderr_tail",
+    "seconds", "ran_as"}.
     """
     start = time.monotonic()
-    python = sys.executable
-    src_dir = os.path.abspath(params["src_dir"])
-    cmd = [python, os.path.join(src_dir, params["test"]), "--module", params["module_path"],
-           "--device", params["device"], "--reference", params["reference"],
-           "--tolerances", json.dumps(params["tolerances"])]
-    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             cwd=src_dir, start_new_session=True)
+    out = {"ok": False, "rc": None, "timed_out": False, "result": None, "stderr_tail": "", "seconds": 0.0,
+           "ran_as": None}
+    work = None
     try:
-        stdout, stderr = child.communicate(timeout=float(params.get("deadline_s", 600)))
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        proc.killpg(child.pid)
-        stdout, stderr = child.communicate()
-        timed_out = True
+        acct = account(params)
+        out["ran_as"] = {"uid": acct.uid, "why": acct.why}
+        work = runas.private_dir(acct)
+        module_dir, module = os.path.split(os.path.abspath(params["module_path"]))
+        copy_tree(os.path.abspath(params["src_dir"]), work, "src")
+        copy_tree(module_dir, work, "build")
+        wsrc = os.path.join(work, "src")
+        cmd = [sys.executable, os.path.join(wsrc, params["test"]), "--module", os.path.join(work, "build", module),
+               "--device", params["device"], "--reference", params["reference"],
+               "--tolerances", json.dumps(params["tolerances"])]
+        child = runas.spawn(cmd, acct, child_env(work, {}), cwd=wsrc)
+        (stdout, stderr), timed_out, _ = runas.collect(child, b"", time.monotonic() + float(params.get("deadline_s", 600)))
+        out["rc"], late = runas.finish(child, time.monotonic())
+        out["timed_out"] = timed_out or late
+    except (Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
+        out["stderr_tail"] = str(e)
+        return out
+    finally:
+        if work:
+            runas.remove(work)
+        out["seconds"] = round(time.monotonic() - start, 3)
     lines = stdout.decode("utf-8", "replace").strip().splitlines()
     try:
         result = json.loads(lines[-1]) if lines else None
-    except ValueError:
+    except (ValueError, RecursionError):
         result = None
-    ok = child.returncode == 0 and isinstance(result, dict) and result.get("ok") is True
-    return {"ok": ok, "rc": child.returncode, "timed_out": timed_out, "result": result,
-            "stderr_tail": stderr.decode("utf-8", "replace")[-proc.LOG_TAIL_BYTES:],
-            "seconds": round(time.monotonic() - start, 3)}
-
-
-def _cache_base(src_dir: str, build_dir: str) -> str | None:
-    """The directory above both the sources and the build (a build key's directory), or None when
-    only / is. torch.utils.cpp_extension puts ccache (or sccache) before the compiler when it is
-    on PATH (its _wrap_compiler); with CCACHE_BASEDIR there, ccache hashes the sources' paths
-    relative to the build directory (ccache(1), base_dir), so the same sources under another build
-    key compile once: without it every new key's absolute paths miss the cache."""
-    common = os.path.commonpath([os.path.abspath(src_dir), build_dir])
-    return None if common == os.sep else common
+    out.update(ok=out["rc"] == 0 and isinstance(result, dict) and result.get("ok") is True,
+               result=result if isinstance(result, dict) else None,
+               stderr_tail=stderr.decode("utf-8", "replace")[-proc.LOG_TAIL_BYTES:])
+    return out

@@ -11,6 +11,7 @@ import re
 import shutil
 import sys
 
+from .. import runas
 from ..facts import gpus, torchver
 from . import proc
 
@@ -42,7 +43,7 @@ def gather_facts() -> dict:
     {"path", "version"} or None, found as torch finds it (CUDA_HOME/CUDA_PATH, PATH,
     /usr/local/cuda); torch: {"version", "cuda", "path"} from torch/version.py
     (torchver.importable) or None; triton: {"version", "path"} (_triton) or None; ninja: its
-    path (PATH plus the interpreter's bin dir) or None.
+    path (the interpreter's bin dir, then runas.SYSTEM_PATH: the builds' PATH) or None.
     """
     python = sys.executable
     facts = {"python": python, "gpus": [], "gpu_errors": [], "gpu_error": None, "cpu_count": os.cpu_count()}
@@ -54,7 +55,7 @@ def gather_facts() -> dict:
     facts["nvcc"] = _nvcc()
     facts["torch"] = torchver.importable()
     facts["triton"] = _triton()
-    facts["ninja"] = shutil.which("ninja", path=proc.search_path(python))
+    facts["ninja"] = shutil.which("ninja", path=os.path.dirname(os.path.abspath(python)) + ":" + runas.SYSTEM_PATH)
     return facts
 
 
