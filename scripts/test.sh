@@ -38,11 +38,13 @@ status=0
 # tests/unit (as nobody) and tests/machine (as root) share no fixture, port, lab or directory:
 # they run side by side, the machine room's output held until it ends; then tests/fleet. The
 # machine room runs at nice 19: on 2 cores the unit room (the fast path, whose time is printed)
-# then takes the CPU it would take alone, and the machine room the rest and all of it after
+# then takes the CPU it would take alone, and the machine room the rest and all of it after.
+# The machine room runs in scripts/root-view.sh's mount namespace: the uid fleetctl's children
+# drop to can start this machine's Python under /root/.pyenv there (probes/runas.py)
 machine_log=$(mktemp /tmp/fleetctl-machine-tests.XXXXXX.log)
 trap 'rm -f "$machine_log"' EXIT
 start=$(date +%s)
-phase nice -n 19 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/machine "$@" >"$machine_log" 2>&1 &
+phase nice -n 19 bash scripts/root-view.sh "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/machine "$@" >"$machine_log" 2>&1 &
 machine=$!
 phase env PIP_NO_INDEX=1 bash scripts/as-nobody.sh "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/unit "$@" || status=$?
 echo "fast path: tests/unit as nobody (setpriv --reuid=65534 --regid=65534 --clear-groups)" \

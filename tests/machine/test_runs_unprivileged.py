@@ -103,3 +103,38 @@ def test_the_allocator_replay_imports_the_install_as_nobody(top):
     lines = hostile_install.marks(install)
     assert {line.split(" uid ")[0] for line in lines} >= {"sitecustomize", "numpy finder", "torch", "numpy"}, lines
     assert all(line.endswith(f"uid {NOBODY} euid {NOBODY}") for line in lines), lines
+
+
+def test_every_kernel_action_runs_the_installs_code_as_nobody(top):
+    """R4-1 and R4-2 for kbuild (every action, `deploy --check`'s preflight included) and the
+    dispatch measurement: the probe runs as root with `-I -S` (no site) and each child that
+    starts the interpreter with its site or imports torch runs as nobody."""
+    install = hostile_install.make(top)
+    src = top / "pkg"
+    src.mkdir()
+    (src / "test_kernel.py").write_text("import torch\n")
+    (src / "bench.py").write_text("import torch, json\nprint(json.dumps({'ok': True}))\n")
+    (src / "k.cpp").write_text("int k() { return 0; }\n")
+    built = top / "built"
+    built.mkdir()
+    (built / "m.so").write_bytes(b"\x7fELF")
+    src.chmod(0o755)
+
+    def kbuild(main, **params):
+        r = hostile_install.in_root_view([install["python"], "-I", "-S", "-c", probes.WRAPPER],
+                                         input=probes.bundle(main, params))
+        return probes.parse_output(r.stdout, r.stderr, r.returncode)
+
+    pre = kbuild("kernel.kbuild", action="preflight", backends=["cpu"])
+    assert pre["ran_as"]["uid"] == NOBODY and pre["facts"]["torch"]["version"] == "2.13.0", pre
+    b = kbuild("kernel.kbuild", action="build", src_dir=str(src), build_dir=str(top / "b"), name="k",
+               sources=["k.cpp"], deadline_s=60, cache_dir=str(top / "ccache"))
+    assert not b["ok"] and b["ran_as"]["uid"] == NOBODY, b  # the stand-in torch has no cpp_extension
+    t = kbuild("kernel.kbuild", action="test", src_dir=str(src), module_path=str(built / "m.so"), test="test_kernel.py",
+               reference="r.py:f", tolerances={}, device="cpu", deadline_s=60)
+    assert t["ran_as"]["uid"] == NOBODY and t["rc"] == 0, t
+    d = kbuild("kernel.dispatchbench", src_dir=str(src), script="bench.py", request={}, deadline_s=60)
+    assert d["ok"] and d["ran_as"]["uid"] == NOBODY, d
+    lines = hostile_install.marks(install)
+    assert {line.split(" uid ")[0] for line in lines} >= {"sitecustomize", "numpy finder", "torch", "numpy"}, lines
+    assert all(line.endswith(f"uid {NOBODY} euid {NOBODY}") for line in lines), lines
