@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "root-view.sh: needs root (to make a mount namespace)" >&2; exit 2; }
 [ $# -ge 1 ] || { echo "usage: bash scripts/root-view.sh CMD ARG..." >&2; exit 2; }
 PY=${PYTHON:-python3}
+# in such a view already (or on a machine whose /root others may pass through): nothing to do
+if [ "$(( 0$(stat -c %a /root) & 1 ))" = 1 ]; then exec "$@"; fi
 hd=$(mktemp -d /tmp/fleetctl-rootview.XXXXXX)
 # the mount point is only an emptied directory out here: removed with rmdir, never recursively
 trap 'rmdir "$hd/real-root" "$hd" 2>/dev/null || true' EXIT

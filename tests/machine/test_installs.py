@@ -291,12 +291,14 @@ def test_idle_interpreters_are_asked_only_with_an_sglang_distribution(installs, 
     assert not may_have_sglang(str(make_venv(tmp_path / "empty")))
 
 
-def test_an_idle_interpreter_with_only_a_pth_naming_a_checkout_is_asked(installs, tmp_path):
+def test_an_idle_interpreter_with_only_a_pth_naming_a_checkout_is_asked(installs):
     """No distribution at all, only a `.pth` line putting a checkout on sys.path (`conda develop`,
-    or by hand): still an install, so the interpreter is asked, and it finds the checkout. A
-    `.pth` naming a directory without sglang, a FIFO named `.pth` (never opened: it would hang)
-    and a symlinked `.pth` do not count."""
+    or by hand): still an install, so the interpreter is asked (as nobody: under a directory
+    others may enter), and it finds the checkout. A `.pth` naming a directory without sglang, a
+    FIFO named `.pth` (never opened: it would hang) and a symlinked `.pth` do not count."""
     from fleetctl.probes.facts.host import may_have_sglang
+    tmp_path = installs["root"] / "pth-case"
+    tmp_path.mkdir(mode=0o755)
     py = make_venv(tmp_path / "pth")
     sp = Path(site_packages(py))
     os.mkfifo(sp / "a-fifo.pth")
