@@ -97,7 +97,8 @@ class Fake:
 
 def record(pid, **over):
     """An evidence record of live process `pid` as the hook writes it (its docstring + uid)."""
-    rec = {"pid": pid, "uid": UID, "start_time": routecheck.start_time(pid), "build": "/var/lib/fleetctl-kernels/x/k",
+    rec = {"pid": pid, "uid": UID, "start_time": routecheck.start_time(pid), "boot_id": routecheck.boot_id(),
+           "build": "/var/lib/fleetctl-kernels/x/k",
            "module": "/var/lib/fleetctl-kernels/x/k/build/m.so", "captured": [], "eager_routed": 0,
            "fallbacks": {"shape not enabled": 2}, "written": 1.0, "trigger": "eager"}
     rec.update(over)
@@ -156,6 +157,19 @@ def test_a_record_of_another_process_with_the_pid_is_stale(ev, child):
     assert e["state"] == "stale" and "start_time" in e["why"]
     write(ev, child, record(child, uid=UID + 1))
     assert routecheck.read_evidence(ev, child)["state"] == "stale"
+
+
+def test_a_record_of_another_boot_is_stale(ev, child):
+    """Review R4-8: after a reboot a process may have an earlier one's pid and start tick; the
+    record names its boot (and one of a hook that wrote none names no boot)."""
+    assert len(routecheck.boot_id()) == 36
+    write(ev, child, record(child, boot_id="0" * 8 + routecheck.boot_id()[8:]))
+    e = routecheck.read_evidence(ev, child)
+    assert e["state"] == "stale" and "is of boot 00000000" in e["why"], e
+    write(ev, child, record(child, boot_id=None))
+    assert routecheck.read_evidence(ev, child)["state"] == "stale"
+    write(ev, child, record(child))
+    assert routecheck.read_evidence(ev, child)["state"] == "fresh"
 
 
 def test_a_missing_record_and_a_gone_process(ev, child):

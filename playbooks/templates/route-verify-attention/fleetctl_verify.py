@@ -42,6 +42,8 @@ Routing evidence (what the route gate reads): each process's record, PUBLIC/rout
 <pid>.json, one JSON object:
   pid, start_time   this process; start_time is /proc/<pid>/stat's starttime (clock ticks after
                     boot): the pair names one process, a reused pid has another
+  boot_id           /proc/sys/kernel/random/boot_id: a record of an earlier boot, whose pid and
+                    start tick a process of this boot may repeat, names another boot
   uid               this process's effective uid (the directory's owner)
   build, module     the build directory `current` named at import, PASSED's module in it
   captured          [{batch, draft_tokens, head_dim, group, dtype}], sorted: the shapes routed while
@@ -156,6 +158,15 @@ def _import(module):
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return getattr(mod, _ENTRY)
+
+
+def _boot_id():
+    """This boot's id (/proc/sys/kernel/random/boot_id, random(4)), or None when unread."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read(64).strip() or None
+    except OSError:
+        return None
 
 
 def _write_evidence(evidence, pid, record):
@@ -284,8 +295,8 @@ def make(link, torch_version, trust):
                               "trigger": trigger or seen["trigger"]}
                 with open("/proc/self/stat") as f:
                     start = int(f.read().rpartition(")")[2].split()[19])
-                record.update(pid=os.getpid(), start_time=start, uid=os.geteuid(), build=bdir, module=module,
-                              written=time.time())
+                record.update(pid=os.getpid(), start_time=start, boot_id=_boot_id(), uid=os.geteuid(), build=bdir,
+                              module=module, written=time.time())
                 _write_evidence(evidence, os.getpid(), record)
         except Exception as e:  # noqa: BLE001 - evidence is never worth a failed forward
             if not seen["failed"]:

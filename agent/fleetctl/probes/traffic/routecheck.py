@@ -29,15 +29,17 @@ With return_logprob and the default logprob_start_len -1, SGLang computes input 
 the last prompt token only (0.4.6.post5 scheduler.py:1003-1005, 0.5.23 scheduler.py:3260-3268).
 
 Routing evidence (the hook: playbooks/templates/route-verify-attention/fleetctl_verify.py):
-EVIDENCE_DIR/<uid>/<pid>.json, one JSON object per process (pid, uid, start_time, build, module,
-captured, eager_routed, fallbacks, written, trigger). Everything read from the host is hostile
+EVIDENCE_DIR/<uid>/<pid>.json, one JSON object per process (pid, uid, start_time, boot_id, build,
+module, captured, eager_routed, fallbacks, written, trigger). Everything read from the host is hostile
 and bounded: the directory is reached from / without following a link (safefs.open_dir), `<uid>`
 and `<pid>.json` are opened with O_NOFOLLOW (a link is refused, never followed); the directory
-must belong to the process's real uid (/proc/PID/status `Uid:`) and be writable by no one else,
+must belong to the process's effective uid (/proc/PID/status `Uid:`, its second number: the
+hook's geteuid()) and be writable by no one else,
 the file must be a regular file of that uid of at most MAX_EVIDENCE bytes holding a JSON object
-whose fields have the hook's types (strings and lists cut to bounds); its pid, uid and start_time
-must be the live process's (start_time: /proc/PID/stat field 22, clock ticks after boot), else it
-is a stale record (a reused pid, an earlier server) and counts for nothing.
+whose fields have the hook's types (strings and lists cut to bounds); its boot_id must be this
+boot's (review R4-8: a pid and start tick repeat across boots) and its pid, uid and start_time the
+live process's (start_time: /proc/PID/stat field 22, clock ticks after boot), else it is a stale
+record (a reused pid, an earlier server, an earlier boot) and counts for nothing.
 
 Stdlib only (Python 3.8+). Never raises for a server's or a file's faults: they land in `error`
 or in an evidence entry's `state` and `why`.
@@ -51,7 +53,7 @@ import stat
 import time
 
 from . import smoke
-from .. import redact, safefs
+from .. import redact, runas, safefs
 from ..facts import listeners
 
 FLUSH_WAIT_S = 1.0  # seconds after the last request before the evidence is read again
@@ -110,6 +112,12 @@ def _read_proc(path):
         return None
 
 
+def boot_id():
+    """This boot's id: /proc/sys/kernel/random/boot_id (random(4)), or None when unread."""
+    s = (_read_proc("/proc/sys/kernel/random/boot_id") or "").strip()[:64]
+    return s or None
+
+
 def start_time(pid):
     """Process `pid`'s start time: /proc/PID/stat field 22 (clock ticks after boot, proc(5)),
     read after the last `)` (the name may hold any character); None when it cannot be read."""
@@ -118,18 +126,6 @@ def start_time(pid):
         return int(s.rsplit(")", 1)[1].split()[19])
     except (AttributeError, IndexError, ValueError):
         return None
-
-
-def real_uid(pid):
-    """Process `pid`'s real uid: the first number of /proc/PID/status `Uid:`; None when unread."""
-    s = _read_proc("/proc/%d/status" % pid) or ""
-    for line in s.splitlines():
-        if line.startswith("Uid:"):
-            try:
-                return int(line.split()[1])
-            except (IndexError, ValueError):
-                return None
-    return None
 
 
 def process_tree(pid):
@@ -157,12 +153,13 @@ def _str(v, name, limit=MAX_STR):
 
 def sanitize(rec):
     """The fields of evidence record `rec` (parsed JSON) the gate reads, type-checked and cut to
-    bounds: {pid, uid, start_time, build, module, captured: [{batch, draft_tokens, head_dim, group,
+    bounds: {pid, uid, start_time, boot_id, build, module, captured: [{batch, draft_tokens, head_dim, group,
     dtype}], captured_total, eager_routed, fallbacks: {reason: calls}, written, trigger}. Raises
     Bad naming the first field that is missing or of another type."""
     if not isinstance(rec, dict):
         raise Bad("not a JSON object")
     out = {k: _int(rec.get(k), k) for k in ("pid", "uid", "start_time", "eager_routed")}
+    out["boot_id"] = _str(rec.get("boot_id"), "boot_id", 64) if rec.get("boot_id") is not None else None
     out["build"] = _str(rec.get("build"), "build") if rec.get("build") is not None else None
     out["module"] = _str(rec.get("module"), "module") if rec.get("module") is not None else None
     cap = rec.get("captured")
@@ -250,11 +247,13 @@ def read_record(directory, uid, pid):
 
 
 def read_evidence(directory, pid):
-    """The routing evidence of process `pid`: {pid, uid (real, /proc), start_time (/proc), state,
+    """The routing evidence of process `pid`: {pid, uid (effective, runas.ids_of: the uid the hook
+    writes as, review R4-6), start_time (/proc), state,
     why, record}. state: "fresh" (a record of this very process: sanitize()'s fields in record),
     "stale" (a record of another process that had this pid, or of another uid: record kept, not
     counted), "missing", "refused" (read_record, sanitize), "gone" (the process exited)."""
-    uid, st = real_uid(pid), start_time(pid)
+    ids, st = runas.ids_of(pid), start_time(pid)
+    uid = ids[0] if ids else None
     out = {"pid": pid, "uid": uid, "start_time": st, "state": "gone", "why": "the process exited", "record": None}
     if uid is None or st is None:
         return out
@@ -268,6 +267,12 @@ def read_evidence(directory, pid):
         out.update(state="refused", why="%s/%d/%d.json: %s" % (directory, uid, pid, e))
         return out
     out["record"] = rec
+    boot = boot_id()
+    if rec["boot_id"] != boot:
+        out.update(state="stale", why="the record is of boot %s; this is boot %s (a record of an earlier boot, or "
+                                      "of a hook before boot ids: fleetctl apply route-verify-attention writes one "
+                                      "that names it)" % (rec["boot_id"], boot))
+        return out
     if (rec["pid"], rec["uid"], rec["start_time"]) != (pid, uid, st):
         out.update(state="stale", why="the record is of pid %d uid %d start_time %d; this process is uid %d "
                                       "start_time %d" % (rec["pid"], rec["uid"], rec["start_time"], uid, st))
