@@ -29,9 +29,9 @@ def test_the_bundles_are_the_probes_imports_in_load_order():
                                                     "change.actions"]
     assert probes.modules_for("traffic.smoke") == ["redact", "facts.listeners", "facts.topology", "result", "runas",
                                                    "facts.procs", "enter", "facts.containers", "facts.targets", "traffic.smoke"]
-    assert probes.modules_for("kernel.kbuild") == ["trust", "kernel.proc", "kernel.build", "facts.gpus", "facts.torchver",
-                                                   "kernel.preflight", "safefs", "kernel.publish", "kernel.state",
-                                                   "kernel.kbuild"]
+    assert probes.modules_for("kernel.kbuild") == ["result", "safefs", "runas", "kernel.proc", "kernel.build",
+                                                   "facts.gpus", "facts.torchver", "kernel.preflight", "kernel.publish",
+                                                   "kernel.state", "kernel.kbuild"]
     assert probes.modules_for("facts.gittree") == ["facts.gittree"]
     for main in ALL:
         mods = probes.modules_for(main)

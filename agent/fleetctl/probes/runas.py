@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import time
 
-from . import result
+from . import result, safefs
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NOBODY = "nobody"
@@ -358,3 +358,46 @@ def rerun(python, params, acct, timeout, extra_env=None, nice=0, rlimits=None):
     if "__probe_error__" in got:
         return None, str(got["__probe_error__"]).strip()[-1500:], ran
     return got, None, ran
+
+
+def read_as(acct, path, limit):
+    """The bytes of regular file `path` (absolute) as `acct` may read it: in a forked child that
+    becomes `acct` (setgroups, setresgid, setresuid) and reads it with safefs.read_file (reached
+    from / without following a link, at most `limit` bytes); the parent reads the answer from a
+    pipe, bounded. Where fleetctl is not root, read directly. Raises OSError or
+    safefs.UnsafePath with the child's reason."""
+    if os.geteuid() != 0:
+        return safefs.read_file(path, limit)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the read, then _exit
+        try:
+            os.close(r)
+            try:
+                os.setgroups(acct.groups)
+                os.setresgid(acct.gid, acct.gid, acct.gid)
+                os.setresuid(acct.uid, acct.uid, acct.uid)
+                out = b"D" + safefs.read_file(path, limit)
+            except (OSError, safefs.UnsafePath) as e:
+                out = b"E" + str(e).encode("utf-8", "replace")[:2000]
+            view = memoryview(out)
+            while view:
+                view = view[os.write(w, view):]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks, size = [], 0
+    try:
+        while size <= limit + 2048:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    out = b"".join(chunks)
+    if out[:1] == b"D" and len(out) <= limit + 1:
+        return out[1:]
+    raise OSError(out[1:].decode("utf-8", "replace") if out[:1] == b"E" else "the reading child gave no answer")

@@ -48,6 +48,14 @@ def model_dtype(dtype, config: dict) -> str | None:
     return "bfloat16" if said == "bfloat16" else None
 
 
+def _name(value) -> str:
+    """A host's value as the table's `why` may quote it (the table is world-readable, review R4-7):
+    itself when a short name (letters, digits, `_.-`, at most 32), else "(not a name)"."""
+    ok = isinstance(value, str) and 0 < len(value) <= 32 and all(c.isascii() and (c.isalnum() or c in "_.-")
+                                                                  for c in value)
+    return value if ok else "(not a name)"
+
+
 def shape_of(info: dict, config: dict) -> tuple[dict | None, str | None]:
     """(shape, None) or (None, why) of one server: its /server_info (ServerArgs names) and its model's
     config.json (text_config's fields when the top level lacks them: multimodal configs).
@@ -73,7 +81,7 @@ def shape_of(info: dict, config: dict) -> tuple[dict | None, str | None]:
         return None, "the server does not speculate (no speculative_algorithm): no target verify to route"
     backend = info.get("attention_backend")
     if isinstance(backend, str) and backend != "triton":
-        return None, "attention_backend %s: the hook serves the triton backend only" % backend[:32]
+        return None, "attention_backend %s: the hook serves the triton backend only" % _name(backend)
     tp, dp = _int(info.get("tp_size")) or 1, _int(info.get("dp_size")) or 1
     attn_tp = tp // dp if info.get("enable_dp_attention") is True and tp % dp == 0 else tp
     heads, kv = _int(cfg("num_attention_heads")), _int(cfg("num_key_value_heads")) or _int(cfg("num_attention_heads"))
@@ -95,10 +103,11 @@ def shape_of(info: dict, config: dict) -> tuple[dict | None, str | None]:
         return None, "%d query heads per rank are not a group of %d KV heads" % (q_heads, kv_heads)
     dtype = model_dtype(info.get("dtype"), {"torch_dtype": cfg("torch_dtype"), "dtype": cfg("dtype")})
     if dtype is None:
-        return None, "the model's dtype is unknown (dtype %r, torch_dtype %r)" % (info.get("dtype"), cfg("torch_dtype"))
+        return None, "the model's dtype is unknown (/server_info's dtype %s, config.json's torch_dtype %s)" % (
+            _name(info.get("dtype")), _name(cfg("torch_dtype")))
     kvd = info.get("kv_cache_dtype")
     if kvd not in (None, "auto") and DTYPES.get(kvd) != dtype:
-        return None, "kv_cache_dtype %s is not the model's %s: the hook serves one dtype" % (str(kvd)[:32], dtype)
+        return None, "kv_cache_dtype %s is not the model's %s: the hook serves one dtype" % (_name(kvd), dtype)
     cap = _int(info.get("cuda_graph_max_bs")) or _int(info.get("cuda_graph_max_bs_decode")) or DEFAULT_MAX_BATCH
     batches = [b for b in BATCH_BUCKETS if b <= cap] or [1]
     return {"head_dim": head_dim, "group": q_heads // kv_heads, "draft_tokens": T, "dtype": dtype,

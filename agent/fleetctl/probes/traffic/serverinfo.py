@@ -9,10 +9,12 @@ _host: the smoke decode's rule, loopback or this host's own addresses only), wit
    speculative_num_draft_tokens; schedule.py:143 page_size; model.py:51 model_path, :110 context_length,
    :160 dtype, :197 kv_cache_dtype; exec_.py:207 attention_backend, :629 cuda_graph_max_bs_decode),
    each kept only when of its type and range (hostile values dropped to None);
-2. `config.json` under model_path when model_path is an absolute, normalised local directory: reached
-   from / without following a link (safefs.read_file), a regular file of at most MAX_CONFIG bytes (1 MiB),
-   parsed as JSON; CONFIG_KEYS kept when ints in range or dtype strings (of text_config too). A hub id
-   (not a local directory) or a link on the way is not read: the server's error says so.
+2. `config.json` under model_path when model_path is an absolute, normalised local directory, read as
+   the server's own effective uid (runas.read_as, review R4-7): reached from / without following a link
+   (safefs.read_file), a regular file of at most MAX_CONFIG bytes (1 MiB), parsed as JSON; CONFIG_KEYS
+   kept when ints in range or dtype strings (of text_config too). A hub id (not a local directory) or a
+   link on the way is not read: the server's error says so, in fixed words (no host text: it may reach
+   the world-readable dispatch table).
 
 Stdlib only (Python 3.8+). Never raises for a server's or a file's faults: they land in `error`.
 """
@@ -21,7 +23,7 @@ import json
 import os
 
 from . import smoke
-from .. import safefs
+from .. import runas, safefs
 from ..facts import targets
 
 MAX_CONFIG = 1 << 20     # bytes of config.json read at most
@@ -58,22 +60,27 @@ def pick_config(doc):
     return out
 
 
-def read_config(model_path):
-    """(config, None) or (None, why) for config.json in directory model_path (the module docstring)."""
+def read_config(model_path, pid):
+    """(config, None) or (None, why) for config.json in directory model_path (the module docstring),
+    read as server `pid`'s effective uid, gid and groups (runas.read_as: review R4-7; the server
+    reads it so itself). `why` is one of a few fixed phrases: it may reach the world-readable
+    dispatch table, so no text of the host's (a path, an error, a value) is in it."""
     if not isinstance(model_path, str) or not model_path.startswith("/") or os.path.normpath(model_path) != model_path:
-        return None, "model_path %r is not an absolute local directory (a hub id?): config.json not read" % (
-            model_path if not isinstance(model_path, str) else model_path[:200])
-    path = model_path.rstrip("/") + "/config.json"
+        return None, "model_path is not an absolute local directory (a hub id?): config.json not read"
+    ids = runas.ids_of(pid)
+    if ids is None:
+        return None, "the server exited: config.json not read"
     try:
-        data = safefs.read_file(path, MAX_CONFIG)
-    except (OSError, safefs.UnsafePath) as e:
-        return None, "cannot read %s: %s" % (path, e)
+        data = runas.read_as(runas.Account(ids[0], ids[1], ids[2], "server pid %d" % pid),
+                             model_path.rstrip("/") + "/config.json", MAX_CONFIG)
+    except (OSError, safefs.UnsafePath):
+        return None, "config.json not readable as the server's uid (missing, a link on its path, or over 1 MiB)"
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # not JSON, or nested past the parser's depth
-        return None, "%s is not JSON: %s" % (path, str(e)[:200])
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return None, "config.json is not JSON"
     if not isinstance(doc, dict):
-        return None, "%s is not a JSON object" % path
+        return None, "config.json is not a JSON object"
     return pick_config(doc), None
 
 
@@ -107,7 +114,7 @@ def main(params):
         info, why = server_info(base, timeout)
         config = None
         if info is not None:
-            config, why = read_config(info.get("model_path"))
+            config, why = read_config(info.get("model_path"), t["pid"])
         out.append({"pid": t["pid"], "host": t["host"], "port": int(t["port"]), "server_info": info, "config": config,
                     "error": why})
     return {"servers": out, "refused": picked["refused"]}
