@@ -138,3 +138,26 @@ def test_every_kernel_action_runs_the_installs_code_as_nobody(top):
     lines = hostile_install.marks(install)
     assert {line.split(" uid ")[0] for line in lines} >= {"sitecustomize", "numpy finder", "torch", "numpy"}, lines
     assert all(line.endswith(f"uid {NOBODY} euid {NOBODY}") for line in lines), lines
+
+
+def test_config_json_is_read_as_the_servers_uid(top):
+    """R4-7: the dispatch measurement reads a server's config.json as that server's uid: a file
+    only root may read is not read for a nobody server (no existence oracle for its owner)."""
+    from fleetctl.probes.traffic import serverinfo
+    model = top / "model"
+    model.mkdir(mode=0o755)
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 32, "torch_dtype": "bfloat16"}))
+    (model / "config.json").chmod(0o600)
+    server = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "60"])
+    try:
+        deadline = __import__("time").monotonic() + 10
+        while (runas.ids_of(server.pid) or (None,))[0] != NOBODY:
+            assert __import__("time").monotonic() < deadline
+        config, why = serverinfo.read_config(str(model), server.pid)
+        assert config is None and why.startswith("config.json not readable as the server's uid")
+        (model / "config.json").chmod(0o644)
+        config, why = serverinfo.read_config(str(model), server.pid)
+        assert why is None and config["num_attention_heads"] == 32
+    finally:
+        server.kill()
+        server.wait()

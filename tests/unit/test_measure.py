@@ -226,23 +226,29 @@ def test_server_info_values_are_validated():
 
 
 def test_config_json_read_without_links_and_bounded(tmp_path):
+    """Read as the server's uid (this test process stands for the server: runas.read_as; as root,
+    tests/machine/test_runs_unprivileged.py), and said in fixed words: no path, error or value
+    of the host's reaches the world-readable table (review R4-7)."""
+    me = os.getpid()
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(LLAMA8B))
-    assert serverinfo.read_config(str(model)) == (serverinfo.pick_config(LLAMA8B), None)
+    assert serverinfo.read_config(str(model), me) == (serverinfo.pick_config(LLAMA8B), None)
+    unread = "config.json not readable as the server's uid (missing, a link on its path, or over 1 MiB)"
     link = tmp_path / "link"
     link.symlink_to(model)
-    assert serverinfo.read_config(str(link))[0] is None and "symlink" in serverinfo.read_config(str(link))[1]
+    assert serverinfo.read_config(str(link), me) == (None, unread)
     other = tmp_path / "o"
     other.mkdir()
     (other / "config.json").symlink_to(model / "config.json")
-    assert serverinfo.read_config(str(other))[0] is None
+    assert serverinfo.read_config(str(other), me) == (None, unread)
     (model / "config.json").write_text(" " * (serverinfo.MAX_CONFIG + 1))
-    assert "over" in serverinfo.read_config(str(model))[1]
-    assert "hub id" in serverinfo.read_config("meta-llama/Llama-3-8B")[1]
-    assert "not an absolute local directory" in serverinfo.read_config(f"{model}/../m")[1]  # not normalised
+    assert serverinfo.read_config(str(model), me) == (None, unread)
+    assert "hub id" in serverinfo.read_config("meta-llama/Llama-3-8B", me)[1]
+    assert "not an absolute local directory" in serverinfo.read_config(f"{model}/../m", me)[1]  # not normalised
     os.unlink(model / "config.json")
     (model / "config.json").write_text("[1]")
-    assert "not a JSON object" in serverinfo.read_config(str(model))[1]
+    assert serverinfo.read_config(str(model), me)[1] == "config.json is not a JSON object"
     (model / "config.json").write_text("[" * 60000)  # past the parser's depth: said, never raised
-    assert "is not JSON" in serverinfo.read_config(str(model))[1]
+    assert serverinfo.read_config(str(model), me)[1] == "config.json is not JSON"
+    assert str(tmp_path) not in str([serverinfo.read_config(str(p), me) for p in (model, link, other)])

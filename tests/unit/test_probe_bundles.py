@@ -27,8 +27,8 @@ def run(doc: dict, **env) -> dict:
 def test_the_bundles_are_the_probes_imports_in_load_order():
     assert probes.modules_for("change.actions") == ["safefs", "facts.scancache", "change.ledger", "facts.drift",
                                                     "change.actions"]
-    assert probes.modules_for("traffic.smoke") == ["redact", "facts.listeners", "facts.topology", "result", "runas",
-                                                   "facts.procs", "enter", "facts.containers", "facts.targets", "traffic.smoke"]
+    assert probes.modules_for("traffic.smoke") == ["redact", "facts.listeners", "facts.topology", "result", "safefs",
+                                                   "runas", "facts.procs", "enter", "facts.containers", "facts.targets", "traffic.smoke"]
     assert probes.modules_for("kernel.kbuild") == ["result", "safefs", "runas", "kernel.proc", "kernel.build",
                                                    "facts.gpus", "facts.torchver", "kernel.preflight", "kernel.publish",
                                                    "kernel.state", "kernel.kbuild"]
