@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fleetctl.probes import runas
+from fleetctl.probes import runas, safefs
 from helpers.proc import alive
 
 SHOW = ("import json, os, sys\n"
@@ -73,6 +73,8 @@ def test_the_private_directory_goes_however_deep_the_child_made_it(me):
 
 
 def test_rmtree_never_follows_a_link_and_stops_at_its_bound(tmp_path):
+    """safefs.rmtree (runas.remove's): a link inside is removed, not followed; past its bound it
+    stops and says so (review R4-5: a deep or huge tree made by another user)."""
     keep = tmp_path / "keep"
     keep.mkdir()
     (keep / "f").write_text("x")
@@ -83,8 +85,11 @@ def test_rmtree_never_follows_a_link_and_stops_at_its_bound(tmp_path):
         (tree / f"f{i}").write_text("")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert runas.rmtree(fd, "tree", limit=3) == "more than 3 entries"
-        assert runas.rmtree(fd, "tree") is None
+        with pytest.raises(safefs.UnsafePath, match="more than 3 entries"):
+            safefs.rmtree(fd, "tree", limit=3)
+        safefs.rmtree(fd, "tree")
+        with pytest.raises(FileNotFoundError):
+            safefs.rmtree(fd, "tree")
     finally:
         os.close(fd)
     assert not tree.exists() and (keep / "f").read_text() == "x"

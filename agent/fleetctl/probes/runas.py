@@ -41,7 +41,6 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NOBODY = "nobody"
 MAX_OUTPUT = 16 << 20  # bytes of stdout (and of stderr) a child may print before its group is killed
 PRIVATE_PARENT = "/tmp"  # root's sticky directory: no other user can rename what root made in it
-MAX_TREE_ENTRIES = 1 << 20  # what rmtree removes at most under a private directory
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_GET_NO_NEW_PRIVS = 1, 38, 39
 
 Account = collections.namedtuple("Account", "uid gid groups why")
@@ -125,73 +124,23 @@ def private_dir(acct):
 
 
 def remove(path):
-    """Remove private directory `path` and what the child left in it, never following a link,
-    iteratively (a deep tree cannot exhaust the stack) and at most MAX_TREE_ENTRIES entries; what
-    is left past that, or busy, stays (the text of the first error is returned, None when all went)."""
+    """Remove private directory `path` and what the child left in it (safefs.rmtree: never
+    following a link, iteratively, at most safefs.MAX_TREE_ENTRIES entries); what is left past
+    that, or busy, stays. Returns None when all went, else the first error's text."""
     parent, name = os.path.split(path)
     try:
         top = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         return str(e)
     try:
-        return rmtree(top, name)
-    finally:
-        os.close(top)
-
-
-def rmtree(dfd, name, limit=MAX_TREE_ENTRIES):
-    """Remove entry `name` of open directory `dfd` and everything below it, never following a
-    link (a link is removed itself), with an explicit stack of directory fds (no recursion: a
-    deep tree cannot exhaust the stack) and at most `limit` entries. Returns None when all went,
-    else why not (the first error, or the limit)."""
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        safefs.rmtree(top, name)
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except (OSError, safefs.UnsafePath) as e:
         return str(e)
-    if not _is_dir(st):
-        return _unlink(dfd, name)
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    stack, seen = [], 0  # [(parent fd, name, fd, names left)]
-    try:
-        try:
-            fd = os.open(name, flags, dir_fd=dfd)
-            stack.append((dfd, name, fd, os.listdir(fd)))
-            while stack:
-                parent, entry, fd, names = stack[-1]
-                if not names:
-                    stack.pop()
-                    os.close(fd)
-                    os.rmdir(entry, dir_fd=parent)
-                    continue
-                child = names.pop()
-                seen += 1
-                if seen > limit:
-                    return "more than %d entries" % limit
-                if _is_dir(os.stat(child, dir_fd=fd, follow_symlinks=False)):
-                    sub = os.open(child, flags, dir_fd=fd)
-                    stack.append((fd, child, sub, os.listdir(sub)))
-                else:
-                    os.unlink(child, dir_fd=fd)
-        except OSError as e:
-            return str(e)
     finally:
-        for _, _, fd, _ in stack:
-            os.close(fd)
+        os.close(top)
     return None
-
-
-def _is_dir(st):
-    return (st.st_mode & 0o170000) == 0o040000
-
-
-def _unlink(dfd, name):
-    try:
-        os.unlink(name, dir_fd=dfd)
-        return None
-    except OSError as e:
-        return str(e)
 
 
 def environment(home, extra=None):

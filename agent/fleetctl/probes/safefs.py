@@ -384,17 +384,39 @@ def check_pycache(path):
         raise UnsafePath("%s/__pycache__ is a %s" % (os.path.dirname(path), kind_of(st.st_mode)))
 
 
-def rmtree(dfd, name):
-    """Remove directory entry `name` of open directory `dfd` and everything below it, never
-    following a symlink (a link is removed itself)."""
+MAX_TREE_ENTRIES = 1 << 20  # entries rmtree removes at most under one name
+
+
+def rmtree(dfd, name, limit=MAX_TREE_ENTRIES):
+    """Remove entry `name` of open directory `dfd` and everything below it, never following a
+    symlink (a link is removed itself), with an explicit stack of directory fds (no recursion: a
+    tree of any depth cannot exhaust Python's stack, review R4-5) and at most `limit` entries
+    (then UnsafePath: what is left stays). Raises FileNotFoundError when `name` is missing,
+    UnsafePath, OSError."""
     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dfd)
         return
-    sub = os.open(name, OPEN_DIR, dir_fd=dfd)
+    stack, seen = [], 0  # [(parent fd, name, fd, names left)]
     try:
-        for entry in os.listdir(sub):
-            rmtree(sub, entry)
+        fd = os.open(name, OPEN_DIR, dir_fd=dfd)
+        stack.append((dfd, name, fd, os.listdir(fd)))
+        while stack:
+            parent, entry, fd, names = stack[-1]
+            if not names:
+                stack.pop()
+                os.close(fd)
+                os.rmdir(entry, dir_fd=parent)
+                continue
+            child = names.pop()
+            seen += 1
+            if seen > limit:
+                raise UnsafePath("more than %d entries under %s: not all removed" % (limit, name))
+            if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
+                sub = os.open(child, OPEN_DIR, dir_fd=fd)
+                stack.append((fd, child, sub, os.listdir(sub)))
+            else:
+                os.unlink(child, dir_fd=fd)
     finally:
-        os.close(sub)
-    os.rmdir(name, dir_fd=dfd)
+        for _, _, fd, _ in stack:
+            os.close(fd)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from .. import runas
+from .. import runas, safefs
 from . import proc
 
 MAX_BUILD_ENTRIES = 100_000  # files and directories a build may leave
@@ -333,10 +333,13 @@ def replace_tree(work: str, name: str, dest: str) -> None:
     copy_tree(os.path.join(work, name), parent, tmp)
     pfd = os.open(parent, _DIR)
     try:
-        why = runas.rmtree(pfd, leaf)
-        if why:
-            runas.rmtree(pfd, tmp)
-            raise Refused("cannot replace %s: %s" % (dest, why))
+        try:
+            safefs.rmtree(pfd, leaf)
+        except FileNotFoundError:
+            pass  # the first build of this key
+        except (OSError, safefs.UnsafePath) as e:
+            safefs.rmtree(pfd, tmp)
+            raise Refused("cannot replace %s: %s" % (dest, e))
         os.rename(tmp, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
     finally:
         os.close(pfd)

@@ -85,7 +85,7 @@ import json
 import sys
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.fleetctl.sglang.plugins.module_utils import probe_bundle
+from ansible_collections.fleetctl.sglang.plugins.module_utils import probe_bundle, runas
 from ansible_collections.fleetctl.sglang.plugins.module_utils.facts import host as facts
 
 
@@ -106,9 +106,10 @@ def main():
     # the interpreter this module runs under is ansible_python_interpreter: the inventory's, to the facts probe
     params = {"python": module.params["python"] or sys.executable, "scan": module.params["scan"],
               "with_sources": module.params["with_sources"]}
-    # facts.ask re-runs the probe bundle it was loaded from: here, this module's own payload
-    facts.FLEETCTL_BUNDLE = own_payload(params)
-    facts.FLEETCTL_WRAPPER = probe_bundle.WRAPPER
+    # facts.ask re-runs the probe bundle it was loaded from (runas.rerun, as an unprivileged uid):
+    # here, this module's own payload
+    runas.FLEETCTL_BUNDLE = own_payload(params)
+    runas.FLEETCTL_WRAPPER = probe_bundle.WRAPPER
     res = facts.main(params)
     errors = ["%s: %s" % (i["id"], i["scan"]["error"]) for i in res["installs"] if (i.get("scan") or {}).get("error")]
     if errors:
