@@ -17,7 +17,8 @@ DEFAULT_SGLANG_PORT = 30000
 # Where each host keeps fleetctl's state: ledger.jsonl, backups/, kernels/ (private builds), the lock.
 STATE_DIR = "/var/lib/fleetctl"
 # Where each host keeps the published kernel builds the server process reads (root, 0755):
-# NAME/<key>/{src,build,PASSED}, NAME/current -> <key>, NAME/dispatch.json, route-evidence/ (01777).
+# NAME/<key>/{src,build,PASSED}, NAME/current -> <key>, NAME/dispatch.json, route-evidence/<uid>/ (root 0755;
+# each <uid>/ that uid's: probes/evidence.py).
 # probes/change/actions.py, probes/facts/verifyroute.py keep copies (PUBLIC_DIR); tests check they agree.
 PUBLIC_KERNELS_DIR = "/var/lib/fleetctl-kernels"
 

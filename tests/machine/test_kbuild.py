@@ -165,7 +165,8 @@ def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kern
     """kbuild's publish: a real copy of the private build at PUBLIC/NAME/<key>, root:root, dirs
     0755, files 0644 (0755 where the owner may execute), PASSED naming the published module,
     route-evidence 01777; the package's reference test passes on the published module with the
-    private build gone; a second publish reuses the copy and changes nothing in it."""
+    private build gone; a second publish reuses the copy and changes nothing in it. route-evidence
+    is root's 0755 (review R4-5: no other user may make an entry in it)."""
     pkg, _, _, ok = cpu_kernel
     assert ok["ok"], ok["log_tail"]
     key = "k" * 64
@@ -188,7 +189,7 @@ def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kern
         seen += 1
     assert seen > 20
     ev = (public / "route-evidence").lstat()
-    assert (ev.st_uid, stat.S_IMODE(ev.st_mode), stat.S_ISDIR(ev.st_mode)) == (0, 0o1777, True)
+    assert (ev.st_uid, stat.S_IMODE(ev.st_mode), stat.S_ISDIR(ev.st_mode)) == (0, 0o755, True)
     for d in (public, public / "verify_attention"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o755
     shutil.rmtree(bdir)  # the published copy stands alone
@@ -211,8 +212,9 @@ def _fake_build(root: Path, key: str) -> Path:
 
 
 def test_publish_makes_each_servers_evidence_dir_and_takes_back_one_someone_else_made(tmp_path):
-    """route-evidence/<uid> for root and each server's effective uid: one made first by another
-    user (the 01777 directory lets anyone), or a link planted there, is removed and made again."""
+    """route-evidence/<uid> for root and each server's effective uid; a route-evidence left 01777
+    by an earlier release becomes root's 0755 (review R4-5), and what another user made in it
+    meanwhile (a directory of theirs 1100 deep, a link) is removed, never followed, and made again."""
     key, public = "c" * 64, tmp_path / "public"
     bdir = _fake_build(tmp_path, key)
     ev = public / "route-evidence"
@@ -222,6 +224,12 @@ def test_publish_makes_each_servers_evidence_dir_and_takes_back_one_someone_else
     (ev / "0").mkdir()
     (ev / "0" / "1.json").write_text("{}")
     os.chown(ev / "0", NOBODY, NOBODY)  # a local user blocking root's server
+    fd = os.open(ev / "0", os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1100):  # past Python's recursion limit (the review's RecursionError), each by its fd
+        os.mkdir("a", dir_fd=fd)
+        fd, old = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(old)
+    os.close(fd)
     os.symlink("/etc", ev / str(NOBODY))  # and the nobody server's
     server = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sleep", "60"])
     try:
@@ -236,6 +244,7 @@ def test_publish_makes_each_servers_evidence_dir_and_takes_back_one_someone_else
         st = (ev / str(uid)).lstat()
         assert stat.S_ISDIR(st.st_mode) and (st.st_uid, stat.S_IMODE(st.st_mode)) == (uid, 0o755), (uid, st)
     assert list((ev / "0").iterdir()) == []  # what the other user put there went with their directory
+    assert (ev.lstat().st_uid, stat.S_IMODE(ev.lstat().st_mode)) == (0, 0o755)
     assert os.path.isdir("/etc") and os.listdir("/etc")  # the link was removed, never followed
 
 

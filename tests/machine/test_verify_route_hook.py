@@ -83,7 +83,7 @@ def state(tmp_path, cpu_kernel):
         if not p.is_symlink():
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
     (tmp_path / "public" / "route-evidence").mkdir()
-    os.chmod(tmp_path / "public" / "route-evidence", 0o1777)  # as kbuild's publish makes it
+    os.chmod(tmp_path / "public" / "route-evidence", 0o755)  # as kbuild's publish makes it (evidence.py)
     return link
 
 

@@ -186,6 +186,9 @@ def _write_evidence(evidence, pid, record):
             made = True
         except FileExistsError:
             made = False
+        except PermissionError:
+            raise _Refused("%s/%s does not exist: fleetctl makes it for each server uid at deploy and before "
+                           "route-verify-attention's apply" % (evidence, name))
         here = os.path.join(evidence, name)
         if stat.S_ISLNK(os.stat(name, dir_fd=top, follow_symlinks=False).st_mode):
             raise _Refused("%s is a symbolic link" % here)

@@ -1,7 +1,7 @@
 """The kbuild probe's publish action (stdlib only, Python 3.8+): a build that passed its reference
 test copied from the private state dir to PUBLIC/NAME/<key> (root, 0755/0644, no links), where an
 unprivileged server process can read it, and PUBLIC/route-evidence/<uid> made for the servers'
-route hook; every path reached from / without following a link."""
+route hook (evidence.py); every path reached from / without following a link."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import errno
 import os
 import stat
 
-from .. import safefs
+from .. import evidence, safefs
 
 
 _DIR = safefs.OPEN_DIR
-EVIDENCE = "route-evidence"  # PUBLIC/route-evidence: the hook's routing evidence, one dir per server euid
 
 
 class _Refused(Exception):
@@ -34,9 +33,8 @@ def publish(params: dict) -> dict:
     there naming the module at its published path (the private PASSED's path with build_dir
     replaced by public_dir), everything fsynced, then renamed to public_dir. Stale .<key>.*
     directories of a killed publish are removed first. Also makes PUBLIC/route-evidence (root,
-    01777; an existing one that is not a root-owned directory refuses) and in it
-    route-evidence/<uid> for root and the effective uid of each of params["server_pids"] (the
-    servers': _evidence_dirs). Owner root:root when run as root (as on the hosts), else the
+    0755) and in it route-evidence/<uid> for root and the effective uid of each of
+    params["server_pids"] (the servers': evidence.prepare). Owner root:root when run as root (as on the hosts), else the
     running user's.
     Returns {"ok": true, "published": public_dir, "module_path": the published module,
     "reused": bool, "evidence_dir"} or {"ok": false, "error": why} (nothing published)."""
@@ -53,11 +51,7 @@ def publish(params: dict) -> dict:
         finally:
             os.close(top)
         try:
-            ev = _subdir(pub, EVIDENCE, 0o1777, os.path.join(public, EVIDENCE), shared=True)
-            try:
-                _evidence_dirs(ev, _evidence_uids(params.get("server_pids")), os.path.join(public, EVIDENCE))
-            finally:
-                os.close(ev)
+            evidence_dir = evidence.prepare(pub, params.get("server_pids"), public)
             nfd = _subdir(pub, name, 0o755, pkg_dir)
         finally:
             os.close(pub)
@@ -65,60 +59,9 @@ def publish(params: dict) -> dict:
             reused, module = _publish_into(nfd, bdir, pdir, key)
         finally:
             os.close(nfd)
-    except (_Refused, OSError, UnicodeDecodeError) as e:
+    except (_Refused, evidence.Refused, safefs.UnsafePath, OSError, UnicodeDecodeError) as e:
         return {"ok": False, "error": "not published: %s" % e}
-    return {"ok": True, "published": pdir, "module_path": module, "reused": reused,
-            "evidence_dir": os.path.join(public, EVIDENCE)}
-
-
-def _evidence_uids(pids) -> list:
-    """0 and the effective uid (/proc/PID/status `Uid:`, its second number: the one the hook writes
-    under) of each of `pids` (the servers') still running."""
-    uids = {0}
-    for pid in pids or []:
-        if type(pid) is not int or pid < 1:
-            continue
-        try:
-            with open("/proc/%d/status" % pid) as f:
-                line = next((x for x in f.read(16384).splitlines() if x.startswith("Uid:")), "")
-            uids.add(int(line.split()[2]))
-        except (OSError, IndexError, ValueError):
-            continue
-    return sorted(uids)
-
-
-EVIDENCE_TRIES = 3  # route-evidence/<uid> made again at most this often when someone else keeps making it
-
-
-def _evidence_dirs(ev: int, uids: list, path: str) -> None:
-    """route-evidence/<uid> (in open directory `ev`, its path `path`) for each of `uids`: a
-    directory of that uid, mode 0755. One that is not (a link, a file, another owner's, writable
-    by others: anyone may make an entry in the 01777 route-evidence first, and the hook and the
-    route check refuse such a directory) is removed with all in it and made again, so no local
-    user can keep a server's evidence from being written. Raises _Refused when another user makes
-    it again each time, OSError."""
-    for uid in uids:
-        name = str(uid)
-        for _ in range(EVIDENCE_TRIES):
-            st = safefs.lstat(ev, name)
-            if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
-                break
-            if st is not None:
-                safefs.rmtree(ev, name)
-            try:
-                os.mkdir(name, 0o700, dir_fd=ev)
-            except FileExistsError:
-                continue  # made by someone else meanwhile: judged again
-            fd = os.open(name, _DIR, dir_fd=ev)
-            try:
-                if os.geteuid() == 0:
-                    os.fchown(fd, uid, -1)
-                os.fchmod(fd, 0o755)
-            finally:
-                os.close(fd)
-            break
-        else:
-            raise _Refused("%s/%s is made by another user again each time" % (path, name))
+    return {"ok": True, "published": pdir, "module_path": module, "reused": reused, "evidence_dir": evidence_dir}
 
 
 def _published_module(nfd: int, key: str, pdir: str) -> str:
@@ -286,10 +229,10 @@ def _open_path(path: str) -> int:
         raise _Refused(str(e))
 
 
-def _subdir(dfd: int, name: str, mode: int, path: str, shared: bool = False) -> int:
+def _subdir(dfd: int, name: str, mode: int, path: str) -> int:
     """A descriptor of directory `name` in `dfd` (its path `path`), made root's with `mode` when
-    missing. An existing one must be a directory (never a link) of root's (this euid's); unless
-    `shared` (route-evidence: 01777 by design, its mode set) no group or other may write it."""
+    missing. An existing one must be a directory (never a link) of root's (this euid's) that no
+    group or other may write."""
     try:
         os.mkdir(name, mode, dir_fd=dfd)
         fd = os.open(name, _DIR, dir_fd=dfd)
@@ -304,13 +247,10 @@ def _subdir(dfd: int, name: str, mode: int, path: str, shared: bool = False) -> 
                                                        else "mode %o" % st.st_mode))
     if st.st_uid != os.geteuid():
         raise _Refused("%s is owned by uid %d, not root: not publishing there" % (path, st.st_uid))
-    if not shared and st.st_mode & 0o022:
+    if st.st_mode & 0o022:
         raise _Refused("%s is writable by group or others (mode %o): not publishing there"
                        % (path, stat.S_IMODE(st.st_mode)))
-    fd = os.open(name, _DIR, dir_fd=dfd)
-    if shared and stat.S_IMODE(st.st_mode) != mode:
-        os.fchmod(fd, mode)
-    return fd
+    return os.open(name, _DIR, dir_fd=dfd)
 
 
 def _lstat_in(dfd: int, name: str, inner: str):

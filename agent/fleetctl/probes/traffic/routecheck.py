@@ -53,7 +53,7 @@ import stat
 import time
 
 from . import smoke
-from .. import redact, runas, safefs
+from .. import evidence, redact, runas, safefs
 from ..facts import listeners
 
 FLUSH_WAIT_S = 1.0  # seconds after the last request before the evidence is read again
@@ -446,18 +446,39 @@ def route_server(t, directory, health_timeout=60.0, request_timeout=60.0, max_ne
     return res
 
 
+def _prepare_evidence(directory, pids):
+    """As root, make `directory` (PUBLIC/route-evidence) and its directory for each effective uid
+    of `pids` (evidence.prepare: review R4-5), before a change makes the hook write there; where
+    PUBLIC is missing (no kernel published) or cannot be reached safely, nothing: the evidence
+    read says what is missing."""
+    if os.geteuid() != 0:
+        return
+    try:
+        pub = safefs.open_dir(os.path.dirname(directory))
+    except (OSError, safefs.UnsafePath):
+        return
+    try:
+        evidence.prepare(pub, pids, os.path.dirname(directory))
+    except (OSError, safefs.UnsafePath, evidence.Refused):
+        pass
+    finally:
+        os.close(pub)
+
+
 def main(params):
     """Probe entry point. params: servers (targets.live selectors: the smoke decode's), port, host
     (the inventory's choice), api_key (sent as a bearer token to the targets only, never
     returned), evidence_dir (absolute: config.PUBLIC_KERNELS_DIR + "/route-evidence"),
     health_timeout (60 s), request_timeout (60 s), max_new_tokens (24), long_tokens (4096),
-    flush_wait_s (FLUSH_WAIT_S). Returns {"servers": [route_server()], "refused": [targets.select's
+    flush_wait_s (FLUSH_WAIT_S). As root it first makes the evidence directories of the targets'
+    processes (_prepare_evidence). Returns {"servers": [route_server()], "refused": [targets.select's
     refusals: nothing was sent], "evidence_dir"}; a server that never listened: ok false, why in error."""
     smoke.API_KEY = params.get("api_key")
     health_timeout = float(params.get("health_timeout", 60))
     directory = params["evidence_dir"]
     picked, waited = smoke.choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout,
                                   params.get("server_user"))
+    _prepare_evidence(directory, [p for t in picked["targets"] for p in process_tree(t["pid"])])
     servers = []
     for t in picked["targets"]:
         servers.append(route_server(t, directory, health_timeout=max(0.0, health_timeout - waited),
