@@ -31,6 +31,7 @@ import os
 import pwd
 import selectors
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -307,6 +308,24 @@ def rerun(python, params, acct, timeout, extra_env=None, nice=0, rlimits=None):
     if "__probe_error__" in got:
         return None, str(got["__probe_error__"]).strip()[-1500:], ran
     return got, None, ran
+
+
+def read_output(path, uid, limit):
+    """A file a child wrote, read as hostile: opened without following a link or blocking on a
+    FIFO; its bytes when it is a regular file of `uid` of at most `limit` bytes, None when it is
+    missing or not so. Raises ValueError when it is larger."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            return None
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError("%s is over %d bytes" % (path, limit))
+    return data
 
 
 def read_as(acct, path, limit):

@@ -6,8 +6,8 @@ in a private directory of that uid (runas.private_dir) holding a root-made copy 
          torch.utils.cpp_extension.load (cpu, cuda), or the package's triton module's
          build(arch, out_dir) (the ahead-of-time compile: no GPU, no nvcc); the log is kept in
          BUILD_DIR.log. What the child made is data: root copies WORK/build into BUILD_DIR
-         only after checking it (regular files and directories only, no link, MAX_BUILD_ENTRIES
-         entries and MAX_BUILD_BYTES at most; root's files, 0644/0755).
+         only after checking it (copy.py: regular files and directories only, no link, bounded;
+         root's files, 0644/0755).
   test   the package's test module against a copy of the built module, in a fresh process."""
 
 from __future__ import annotations
@@ -20,16 +20,9 @@ import sys
 import time
 
 from .. import runas, safefs
-from . import proc
+from . import copy, proc
 
-MAX_BUILD_ENTRIES = 100_000  # files and directories a build may leave
-MAX_BUILD_BYTES = 8 << 30  # bytes a build may leave (a CUDA extension with its objects: some 100 MiB)
 MAX_RESULT = 1 << 20  # bytes of the child's result file
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class Refused(Exception):
-    """What a child left is not copied (a link, a device, too much): the message says why."""
 
 
 _BUILD = r"""
@@ -149,7 +142,7 @@ def build(params: dict) -> dict:
         out["ran_as"] = {"uid": acct.uid, "why": acct.why}
         work = runas.private_dir(acct)
         wsrc, wbuild = os.path.join(work, "src"), os.path.join(work, "build")
-        copy_tree(os.path.abspath(params["src_dir"]), work, "src")
+        copy_in(params["src_dir"], work, "src")
         os.mkdir(wbuild, 0o755)
         if os.geteuid() == 0:
             os.chown(wbuild, acct.uid, acct.gid)
@@ -186,7 +179,7 @@ def build(params: dict) -> dict:
         if not out["ok"]:
             out["log_tail"] = "the build named no module inside its build directory: %r" % (done.get("module_path"),)
         return out
-    except (Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
+    except (copy.Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
         out["log_tail"] = "%s%s" % (out["log_tail"] + "\n" if out["log_tail"] else "", e)
         return out
     finally:
@@ -202,9 +195,9 @@ CACHE_DIR = "/var/cache/fleetctl-kbuild"  # ccache's directories, one per accoun
 def cache_dir(root: str, acct) -> str:
     """ROOT/<uid>: `acct`'s ccache directory, kept between builds: ROOT made root's 0755 when
     missing, <uid> made the account's 0700 when missing; an existing one must be a directory (no
-    link) of that uid. Raises Refused, OSError."""
+    link) of that uid. Raises copy.Refused, OSError."""
     os.makedirs(root, 0o755, exist_ok=True)
-    top = os.open(root, _DIR)
+    top = os.open(root, copy.DIR)
     try:
         name = str(acct.uid)
         try:
@@ -215,26 +208,18 @@ def cache_dir(root: str, acct) -> str:
             pass
         st = os.stat(name, dir_fd=top, follow_symlinks=False)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != acct.uid:
-            raise Refused("%s/%s is not a directory of uid %d: no ccache for its builds" % (root, name, acct.uid))
+            raise copy.Refused("%s/%s is not a directory of uid %d: no ccache for its builds" % (root, name, acct.uid))
     finally:
         os.close(top)
     return os.path.join(root, name)
 
 
 def _result(path: str, uid: int):
-    """The child's result file (JSON object) at `path`, read as hostile: no link, a regular file
-    of `uid`, MAX_RESULT bytes at most; None when it is not so."""
+    """The child's result file (JSON object) at `path`, read as hostile (runas.read_output: no
+    link, a regular file of `uid`, MAX_RESULT bytes at most); None when it is not so."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-            return None
-        data = f.read(MAX_RESULT + 1)
-    try:
-        doc = json.loads(data.decode("utf-8")) if len(data) <= MAX_RESULT else None
+        data = runas.read_output(path, uid, MAX_RESULT)
+        doc = json.loads(data.decode("utf-8")) if data is not None else None
     except (ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -251,87 +236,25 @@ def _inside(path, work_build: str, build_dir: str):
     return build_dir + norm[len(work_build):]
 
 
-def copy_tree(src: str, into: str, name: str, limits=None) -> None:
-    """Copy directory `src` as `into`/`name` (which must not exist): directories and regular files
-    only, root's (this euid's) with 0755 / 0644 (0755 where the owner may execute), never
-    following a link on either side (every name opened relative to its directory's descriptor,
-    O_NOFOLLOW, files created O_EXCL), at most MAX_BUILD_ENTRIES entries and MAX_BUILD_BYTES
-    (`limits`: [entries, bytes] left, shared by one copy). Iterative. Raises Refused, OSError."""
-    limits = limits if limits is not None else [MAX_BUILD_ENTRIES, MAX_BUILD_BYTES]
-    top = os.open(into, _DIR)
+def copy_in(src: str, into: str, name: str) -> None:
+    """Directory `src` copied as `into`/`name` (copy.tree: root's files, checked, bounded).
+    Raises copy.Refused, OSError."""
+    parent, leaf = os.path.split(os.path.abspath(src))
+    sfd, dfd = os.open(parent, copy.DIR), os.open(into, copy.DIR)
     try:
-        os.mkdir(name, 0o700, dir_fd=top)
-        stack = [(os.open(src, _DIR), os.open(name, _DIR, dir_fd=top), src, iter(sorted(os.listdir(src))))]
+        copy.tree(sfd, leaf, dfd, name, src)
     finally:
-        os.close(top)
-    try:
-        while stack:
-            sfd, dfd, where, names = stack[-1]
-            entry = next(names, None)
-            if entry is None:
-                stack.pop()
-                _own(dfd, 0o755)
-                os.close(sfd)
-                os.close(dfd)
-                continue
-            limits[0] -= 1
-            if limits[0] < 0:
-                raise Refused("%s: more than %d entries" % (src, MAX_BUILD_ENTRIES))
-            path = os.path.join(where, entry)
-            st = os.stat(entry, dir_fd=sfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                os.mkdir(entry, 0o700, dir_fd=dfd)
-                sub = os.open(entry, _DIR, dir_fd=sfd)
-                stack.append((sub, os.open(entry, _DIR, dir_fd=dfd), path, iter(sorted(os.listdir(sub)))))
-            elif stat.S_ISREG(st.st_mode):
-                _copy_file(sfd, dfd, entry, st, path, limits)
-            else:
-                raise Refused("%s is %s: not copied" % (path, "a symbolic link" if stat.S_ISLNK(st.st_mode)
-                                                        else "not a regular file or directory"))
-    finally:
-        for sfd, dfd, _, _ in stack:
-            os.close(sfd)
-            os.close(dfd)
-
-
-def _copy_file(sfd: int, dfd: int, entry: str, st, path: str, limits: list) -> None:
-    s = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=sfd)
-    try:
-        if (os.fstat(s).st_ino, os.fstat(s).st_dev) != (st.st_ino, st.st_dev):
-            raise Refused("%s changed while being copied" % path)
-        d = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            while True:
-                chunk = os.read(s, 1 << 20)
-                if not chunk:
-                    break
-                limits[1] -= len(chunk)
-                if limits[1] < 0:
-                    raise Refused("%s: more than %d bytes" % (path, MAX_BUILD_BYTES))
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(d, view):]
-            _own(d, 0o755 if st.st_mode & stat.S_IXUSR else 0o644)
-        finally:
-            os.close(d)
-    finally:
-        os.close(s)
-
-
-def _own(fd: int, mode: int) -> None:
-    """Open file or directory `fd` made root:root (when running as root) with `mode`."""
-    if os.geteuid() == 0:
-        os.fchown(fd, 0, 0)
-    os.fchmod(fd, mode)
+        os.close(sfd)
+        os.close(dfd)
 
 
 def replace_tree(work: str, name: str, dest: str) -> None:
-    """`dest` (root's) replaced by a checked copy (copy_tree) of `work`/`name`: copied beside it
-    as .NAME.<random>, the old one removed, the copy renamed into place. Raises Refused, OSError."""
+    """`dest` (root's) replaced by a checked copy (copy_in) of `work`/`name`: copied beside it as
+    .NAME.<random>, the old one removed, the copy renamed into place. Raises copy.Refused, OSError."""
     parent, leaf = os.path.split(dest)
     tmp = ".%s.%s" % (leaf, os.urandom(6).hex())
-    copy_tree(os.path.join(work, name), parent, tmp)
-    pfd = os.open(parent, _DIR)
+    copy_in(os.path.join(work, name), parent, tmp)
+    pfd = os.open(parent, copy.DIR)
     try:
         try:
             safefs.rmtree(pfd, leaf)
@@ -339,7 +262,7 @@ def replace_tree(work: str, name: str, dest: str) -> None:
             pass  # the first build of this key
         except (OSError, safefs.UnsafePath) as e:
             safefs.rmtree(pfd, tmp)
-            raise Refused("cannot replace %s: %s" % (dest, e))
+            raise copy.Refused("cannot replace %s: %s" % (dest, e))
         os.rename(tmp, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
     finally:
         os.close(pfd)
@@ -391,8 +314,8 @@ def test(params: dict) -> dict:
         out["ran_as"] = {"uid": acct.uid, "why": acct.why}
         work = runas.private_dir(acct)
         module_dir, module = os.path.split(os.path.abspath(params["module_path"]))
-        copy_tree(os.path.abspath(params["src_dir"]), work, "src")
-        copy_tree(module_dir, work, "build")
+        copy_in(params["src_dir"], work, "src")
+        copy_in(module_dir, work, "build")
         wsrc = os.path.join(work, "src")
         cmd = [sys.executable, os.path.join(wsrc, params["test"]), "--module", os.path.join(work, "build", module),
                "--device", params["device"], "--reference", params["reference"],
@@ -401,7 +324,7 @@ def test(params: dict) -> dict:
         (stdout, stderr), timed_out, _ = runas.collect(child, b"", time.monotonic() + float(params.get("deadline_s", 600)))
         out["rc"], late = runas.finish(child, time.monotonic())
         out["timed_out"] = timed_out or late
-    except (Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
+    except (copy.Refused, runas.NoAccount, OSError, subprocess.SubprocessError) as e:
         out["stderr_tail"] = str(e)
         return out
     finally:

@@ -10,6 +10,7 @@ import os
 import stat
 
 from .. import evidence, safefs
+from . import copy
 
 
 _DIR = safefs.OPEN_DIR
@@ -59,7 +60,7 @@ def publish(params: dict) -> dict:
             reused, module = _publish_into(nfd, bdir, pdir, key)
         finally:
             os.close(nfd)
-    except (_Refused, evidence.Refused, safefs.UnsafePath, OSError, UnicodeDecodeError) as e:
+    except (_Refused, copy.Refused, evidence.Refused, safefs.UnsafePath, OSError, UnicodeDecodeError) as e:
         return {"ok": False, "error": "not published: %s" % e}
     return {"ok": True, "published": pdir, "module_path": module, "reused": reused, "evidence_dir": evidence_dir}
 
@@ -104,14 +105,7 @@ def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
             sfd = os.open(bdir, _DIR)
             try:
                 for part in ("src", "build"):
-                    os.mkdir(part, 0o700, dir_fd=tfd)
-                    s, d = os.open(part, _DIR, dir_fd=sfd), os.open(part, _DIR, dir_fd=tfd)
-                    try:
-                        _copy_tree(s, d, os.path.join(bdir, part))
-                        _own(d, 0o755)
-                    finally:
-                        os.close(s)
-                        os.close(d)
+                    copy.tree(sfd, part, tfd, part, os.path.join(bdir, part), fsync=True)
             finally:
                 os.close(sfd)
             fd = os.open("PASSED", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
@@ -140,54 +134,7 @@ def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
 
 
 def _own(fd: int, mode: int) -> None:
-    """Give open file or directory `fd` to root:root (when running as root) with `mode`, fsynced."""
-    if os.geteuid() == 0:
-        os.fchown(fd, 0, 0)
-    os.fchmod(fd, mode)  # after fchown, which may clear set-id bits
-    os.fsync(fd)
-
-
-def _copy_tree(sfd: int, dfd: int, where: str) -> None:
-    """Copy directory `sfd`'s entries into the empty directory `dfd` (publish()'s modes and owner);
-    `where`: the source's path, for messages. Raises _Refused for anything but a regular file or a
-    directory (a symbolic link above all)."""
-    for entry in sorted(os.listdir(sfd)):
-        path = os.path.join(where, entry)
-        st = os.stat(entry, dir_fd=sfd, follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            raise _Refused("%s is a symbolic link: a published build holds none" % path)
-        if stat.S_ISDIR(st.st_mode):
-            os.mkdir(entry, 0o700, dir_fd=dfd)
-            s, d = os.open(entry, _DIR, dir_fd=sfd), os.open(entry, _DIR, dir_fd=dfd)
-            try:
-                _copy_tree(s, d, path)
-                _own(d, 0o755)
-            finally:
-                os.close(s)
-                os.close(d)
-        elif stat.S_ISREG(st.st_mode):
-            s = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=sfd)
-            try:
-                if (os.fstat(s).st_ino, os.fstat(s).st_dev) != (st.st_ino, st.st_dev):
-                    raise _Refused("%s changed while being copied" % path)
-                d = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                            dir_fd=dfd)
-                try:
-                    while True:
-                        chunk = os.read(s, 1 << 20)
-                        if not chunk:
-                            break
-                        view = memoryview(chunk)
-                        while view:
-                            view = view[os.write(d, view):]
-                    _own(d, 0o755 if st.st_mode & stat.S_IXUSR else 0o644)
-                finally:
-                    os.close(d)
-            finally:
-                os.close(s)
-        else:
-            raise _Refused("%s is not a regular file or directory (mode %o): not published" % (path, st.st_mode))
-    os.fsync(dfd)
+    copy.own(fd, mode, fsync=True)
 
 
 def _check_published(nfd: int, key: str, pdir: str) -> None:

@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import subprocess
 import time
 import urllib.error
@@ -319,21 +318,12 @@ def _tail(fd):
     return [redact.text(line) for line in data.decode("utf-8", "replace").splitlines()[-TAIL_LINES:]]
 
 
-def _read_result(path, uid=None):
-    """The result file's text, read without following a link or blocking on a FIFO (the
-    directory may belong to the server's user, `uid`: the file must be theirs), at most
-    MAX_RESULT bytes; None when absent or not a regular file. Raises ValueError when larger."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+def _read_result(path, uid):
+    """The result file's text (runas.read_output: no link, a regular file of the client's uid
+    `uid`, at most MAX_RESULT bytes); None when absent or not so. Raises ValueError when larger."""
+    data = runas.read_output(path, uid, MAX_RESULT)
+    if data is None:
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
-            return None
-        data = f.read(MAX_RESULT + 1)
-    if len(data) > MAX_RESULT:
-        raise ValueError("the result file is over %d MiB" % (MAX_RESULT >> 20))
     return data.decode("utf-8", "replace")
 
 
