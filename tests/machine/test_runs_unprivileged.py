@@ -161,3 +161,60 @@ def test_config_json_is_read_as_the_servers_uid(top):
     finally:
         server.kill()
         server.wait()
+
+
+SERVER = '''import http.server, json, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"model_path": "/nonexistent/model", "max_total_num_tokens": 4096}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_a_root_servers_load_client_imports_the_install_as_nobody(top):
+    """R4-3 for `validate --load`: a root server (a STAND-IN launch_server answering /health,
+    /server_info and /model_info) of the hostile install; its load client, the install's own
+    bench_serving (a stand-in that imports torch), runs as nobody: every line says so."""
+    from helpers.proc import free_port
+    install = hostile_install.make(top)
+    pkg = Path(install["tree"])
+    (pkg / "launch_server.py").write_text(SERVER)
+    flags = ("backend", "host", "port", "model", "tokenizer", "dataset-name", "num-prompts", "random-input-len",
+             "random-output-len", "random-range-ratio", "request-rate", "max-concurrency", "seed", "warmup-requests",
+             "flush-cache", "disable-tqdm", "output-details", "output-file")
+    (pkg / "bench_serving.py").write_text("import torch\nimport sys\n" + "".join(
+        f'# parser.add_argument("--{f}")\n' for f in flags) + "sys.exit(1)\n")  # SGLang's client's flags, by name
+    port = free_port()
+    server = subprocess.Popen([install["python"], "-m", "sglang.launch_server", "--port", str(port), "--host",
+                               "127.0.0.1"], cwd="/")
+    try:
+        import socket
+        import time
+        deadline = time.monotonic() + 20
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.1)
+        sel = {"pid": server.pid, "python": install["python"], "port": port, "host": "127.0.0.1",
+               "package_dir": str(pkg), "version": "0.5.23"}
+        r = hostile_install.in_root_view([sys.executable, "-c", probes.WRAPPER],
+                                         input=probes.bundle("traffic.load", {"servers": [sel], "timeout": 60,
+                                                                              "health_timeout": 10}))
+        out = probes.parse_output(r.stdout, r.stderr, r.returncode)
+    finally:
+        server.kill()
+        server.wait()
+    [s] = out["servers"]
+    assert s["ran_as"] == {"uid": NOBODY, "why": "the unprivileged account nobody"}, s
+    assert s["client"] == "sglang.bench_serving" and s["returncode"] == 1, json.dumps(s)  # it ran (the stand-in exits 1)
+    lines = hostile_install.marks(install)  # the root server's own (its site ran as root: its doing), the client's
+    client = [line for line in lines if line.startswith("torch ")]  # only the client imports torch
+    assert client and all(line.endswith(f"uid {NOBODY} euid {NOBODY}") for line in client), lines
+    assert f"sitecustomize uid {NOBODY} euid {NOBODY}" in lines, lines
