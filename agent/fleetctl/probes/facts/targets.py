@@ -20,9 +20,9 @@ it only says which of the server's own sockets to use, never where to connect.
   server identified now as the facts probe identifies them (procs.find_servers, with system
   services in their own mount namespaces: containers.host_view) with the same interpreter that
   claims the same port, the same effective uid, and the same systemd service or (outside one)
-  the same parent, which is how a gate finds the server a restart replaced (a restart keeps
-  those; it may change the environment and working directory the server starts from, so its
-  import path).
+  the same parent while it runs (_succeeds), which is how a gate finds the server a restart
+  replaced (a restart keeps those; it may change the environment and working directory the
+  server starts from, so its import path).
 - A server is identified by its owner as well as its socket (review R4-4): its effective uid is
   root's, the inventory's fleetctl_server_user's, or (that not set) the owner of its
   interpreter's environment, or it runs in a system service (owner_refusal). Any other process,
@@ -235,17 +235,40 @@ def owner_refusal(pid, python, server_user=None):
                                                                         else "unknown")))
 
 
+def _parent(pid):
+    """The parent pid of `pid` (/proc/PID/stat field 4, after the name's last `)`), or None."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descends(pid, ancestor):
+    """Whether `ancestor` is `pid`'s parent, grandparent, ... (64 generations at most)."""
+    for _ in range(64):
+        pid = _parent(pid)
+        if not pid:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
 def _succeeds(s, sel):
     """Whether identified server `s` may be taken as the successor of gone selector `sel`: the
-    same interpreter and claimed port, and the same effective uid, and the same systemd service
-    or (outside one) the same parent, as far as `sel` says them (engine/gather.py SUCCESSION)."""
+    same interpreter and claimed port, the same effective uid, and the same systemd service; or,
+    outside one, a descendant of the gone server's parent while that parent runs (a supervisor
+    that restarted it; a launcher such as `timeout` or a shell that exited with its server
+    leaves the uid to decide), as far as `sel` says them (engine/gather.py SUCCESSION)."""
     if sel.get("python") is None or (s["python"], s["port"]) != (sel["python"], int(sel.get("port") or procs.DEFAULT_PORT)):
         return False
     if sel.get("uid") is not None and s.get("uid") != sel["uid"]:
         return False
     if sel.get("unit") is not None:
         return s.get("unit") == sel["unit"]
-    return sel.get("ppid") is None or s.get("ppid") == sel["ppid"]
+    ppid = sel.get("ppid")
+    return ppid is None or not _alive(ppid) or _descends(s["pid"], ppid)
 
 
 def live(selectors):
