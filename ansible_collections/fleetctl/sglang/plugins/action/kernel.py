@@ -49,6 +49,9 @@ class ActionModule(ActionBase):
             return dict(result, failed=True, msg="fleetctl is not importable on the controller: %s" % e)
 
         def step(action, timeout=None, /, **params):  # one kernel module step, under a deadline; a failure ends the task
+            # its children run as the install's servers' uid, else the owner's, else the inventory's
+            # fleetctl_unprivileged_user or nobody (probes/runas.py), as the CLI's deploy runs them
+            params = dict(params, server_pids=servers, unprivileged_user=host.unprivileged_user)
             args_ = {"step": action, "python": python, "params": params}
             if timeout is not None:  # build and test: their own deadline plus slack (deploy.build_and_test)
                 args_["timeout"] = timeout
@@ -66,6 +69,7 @@ class ActionModule(ActionBase):
             if gathered.get("failed"):
                 raise HostFailed("inspect: %s" % gathered.get("msg"))
             python = gathered["facts"]["python"]["path"]
+            servers = [s["pid"] for s in gathered["facts"].get("servers") or [] if isinstance(s.get("pid"), int)]
             pre = step("preflight", backends=sorted(pkg.backends))
             key = deploy.preflight_key(pkg, pre)
             private, pub = deploy.private_dir(state_dir, pkg.name, key), deploy.public_paths(pkg.name, key)
@@ -86,9 +90,7 @@ class ActionModule(ActionBase):
                     step, lambda src: step("upload", src_dir=src, files=ops.transfer(pkg)), pkg,
                     pre["backend"], pre["arch"], private, current, int(args.get("max_jobs", 4)),
                     float(args.get("build_timeout", 1800)), result)
-            published = step("publish", build_dir=private, public_dir=pub["build"],
-                             server_pids=[s["pid"] for s in gathered["facts"].get("servers") or []
-                                          if isinstance(s.get("pid"), int)])
+            published = step("publish", build_dir=private, public_dir=pub["build"])
             if not published["ok"]:
                 raise HostFailed("%s (active build stays %s)" % (published["error"], current or "none"))
             result["published"] = published["published"]

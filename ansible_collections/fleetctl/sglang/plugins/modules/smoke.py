@@ -63,6 +63,12 @@ options:
   api_key:
     description: The servers' API key (default the host's C(fleetctl_sglang_api_key)).
     type: str
+  server_user:
+    description:
+      - The account the servers run as (default the host's C(fleetctl_server_user)); a server whose
+        effective uid is not root's, this one's, its interpreter environment owner's, or a system
+        service's gets no request and no API key.
+    type: str
 attributes:
   check_mode:
     support: full
@@ -109,12 +115,14 @@ def main():
             allow_token_drift=dict(type="bool", default=False), state_dir=dict(type="path", default="/var/lib/fleetctl"),
             servers=dict(type="list", elements="dict"), repeat=dict(type="int", default=3),
             request_timeout=dict(type="float", default=60), api_key=dict(type="str", no_log=True),
+            server_user=dict(type="str"),
         ),
         supports_check_mode=True,
     )
     p = module.params
     res = smoke.main({"servers": p["servers"] or [], "health_timeout": p["health_timeout"], "repeat": p["repeat"],
-                      "request_timeout": p["request_timeout"], "offline_cmd": p["offline_cmd"], "api_key": p["api_key"]})
+                      "request_timeout": p["request_timeout"], "offline_cmd": p["offline_cmd"], "api_key": p["api_key"],
+                      "server_user": p["server_user"]})
     module.exit_json(changed=False, smoke=res)
 
 
