@@ -3,8 +3,8 @@
 
 - a local user's `uv tool install`, `pipx install` and `uv venv` + `uv pip install` project venvs,
   built by that user with the real uv and pipx, one of them running a server: as root each is an
-  install seen but not inspected, saying whose it is (apply, validate and deploy fail the host
-  with that reason); through become as that user each is one install, with the same id;
+  install asked as an unprivileged uid (the server's, the owner's: issue 48); through become as
+  that user each is one install, with the same id;
 - a hardened systemd unit (PrivateTmp=, ProtectSystem=strict: a mount namespace of its own, the
   unit's cgroup /system.slice/NAME.service, its unit file): a host install, changed by default
   apply and rolled back, never called a container;
@@ -113,35 +113,27 @@ def homes(lab):
         shutil.rmtree(tools, ignore_errors=True)
 
 
-def test_as_root_each_users_layout_is_seen_and_not_inspected_with_whose_it_is(lab, homes):
-    """Case 12 as root: every tree the user's uv, pipx and project venvs hold is listed under
-    not_inspected (one id each, the package directory read from its site-packages), saying who
-    owns it and how to inspect it; the server's is the host's reason, never "no sglang"; apply,
-    validate and deploy fail the host with it (exit 2), inspect does not (exit 0)."""
+def test_as_root_each_users_layout_is_inspected_as_its_owner(lab, homes):
+    """Case 12 as root (issue 48): every tree the user's uv, pipx and project venvs hold is an
+    install (one id each, the id the same tree has through become), asked as an unprivileged uid
+    (runas): the server's as the server's own uid, the others as their owner; the server's install
+    is the host's primary, as through become."""
     user, uid, pid, venvs = homes["user"], homes["uid"], homes["pid"], homes["venvs"]
     _, _, hosts = lab.cli_json("inspect", HOST, rc=0)
     h = hosts[HOST]
-    seen = {e["id"]: e for e in h["not_inspected"]}
-    assert sorted(seen) == sorted(f"host:{site(v)}" for v in venvs.values()), h["not_inspected"]
-    for e in seen.values():
-        assert (e["status"], e["user"]) == ("not_inspected", user)
-        assert e["reason"].endswith(f"is not run as root: /home/{user} belongs to uid {uid}; inspect as that user, "
-                                    f"e.g. ansible_become_user: {user}"), e["reason"]
-    server = seen[f"host:{site(venvs['server'])}"]
-    assert server["servers"] == [pid]
-    assert server["reason"].startswith(f"install of server pid {pid} not inspected: {venvs['server']}/bin/python ")
-    assert seen[f"host:{site(venvs['uv tool'])}"]["reason"].startswith(
-        f"install {site(venvs['uv tool'])} (uv tool of /home/{user}) not inspected: ")
-    assert [s["install"] for s in h["facts"]["servers"] if s["pid"] == pid] == [None]
-    assert (h["facts"]["sglang"], h["facts"]["sglang_reason"]) == (None, server["reason"])
-    assert [i["id"] for i in h["installs"]] == [f"host:{site(labbase.VENV)}"]  # root's own venv: inspected
+    assert h["not_inspected"] == []
+    installs = {i["id"]: i for i in h["installs"]}
+    assert set(installs) == {f"host:{site(v)}" for v in [*venvs.values(), labbase.VENV]}, sorted(installs)
+    for name, venv in venvs.items():
+        inst = installs[f"host:{site(venv)}"]
+        assert inst["asked_as"]["uid"] == uid, (name, inst["asked_as"])
+        assert (inst["sglang"]["version"], inst["sglang"]["install"]) == (RELEASE, "wheel")
+    assert installs[f"host:{site(venvs['server'])}"]["asked_as"]["why"] == f"the effective uid of server pid {pid}"
+    assert installs[f"host:{site(venvs['uv tool'])}"]["asked_as"]["why"].startswith("the owner of /home/")
+    assert installs[f"host:{site(labbase.VENV)}"]["asked_as"] == {"uid": 65534, "why": "the unprivileged account nobody"}
+    assert installs[f"host:{site(venvs['server'])}"]["servers"] == [pid]
+    assert h["facts"]["sglang"]["package_dir"] == site(venvs["server"])  # the primary: the server's
 
-    _, _, hosts = lab.cli_json("apply", "defrag-tier0", HOST, "--check", rc=2)
-    assert (hosts[HOST]["status"], hosts[HOST]["error"]) == ("failed", server["reason"])
-    _, _, hosts = lab.cli_json("validate", HOST, rc=2)
-    assert (hosts[HOST]["status"], hosts[HOST]["error"]) == ("failed", server["reason"])
-    _, _, hosts = lab.cli_json("deploy", "kernel", "verify_attention", HOST, "--check", rc=2)
-    assert (hosts[HOST]["status"], hosts[HOST]["error"]) == ("failed", server["reason"])
 
 
 def test_through_become_as_that_user_each_tree_is_one_install_with_the_same_id(lab, homes, tmp_path):

@@ -71,17 +71,18 @@ def broken_head_mapping(d: Path) -> None:
     test.write_text(text.replace(anchor, "SHAPES = [s for s in SHAPES if s[3] == 1]\n" + anchor))
 
 
-def routed_apply_and_rollback(lab, uid: int) -> dict:
-    """Apply route-verify-attention (must pass its route gate), check the evidence of uid `uid` on the
-    host, roll back byte-identical; the apply's host entry."""
+def routed_apply_and_rollback(lab, uid: int, *args) -> dict:
+    """Apply route-verify-attention (must pass its route gate; `args`: more of the CLI's, for the
+    apply and the rollback), check the evidence of uid `uid` on the host, roll back byte-identical;
+    the apply's host entry."""
     backend, hook = verifyroute.BACKEND, verifyroute.HOOK
     pristine = sha(lab, backend)
-    doc, h, _ = applied_under_the_gate(lab)
+    doc, h, _ = applied_under_the_gate(lab, *args)
     pids = json.loads(ok(lab, f"cd {PUBLIC}/route-evidence/{uid} && python3 -c 'import glob, json; "
                               "print(json.dumps({p: json.load(open(p)) for p in glob.glob(\"*.json\")}))'"))
     assert any(e["eager_routed"] > 0 and e["uid"] == uid for e in pids.values()), pids
     assert ok(lab, f"stat -c '%u %a' {PUBLIC}/route-evidence/{uid}").split() == [str(uid), "755"]
-    lab.cli_json("rollback", doc["change_id"], HOST, "--yes", timeout=300, rc=0)
+    lab.cli_json("rollback", doc["change_id"], HOST, "--yes", *args, timeout=300, rc=0)
     assert (sha(lab, backend), sha(lab, hook)) == (pristine, "absent")
     return h
 
@@ -106,10 +107,17 @@ def test_a_wrong_kernel_fails_the_gate_then_an_unprivileged_server_routes(server
         assert "tokens FAILED: output_ids differ" in h["error"] and "route_gate" not in h, h["error"]
         assert h["rolled_back"], h
         assert (sha(lab, verifyroute.BACKEND), sha(lab, verifyroute.HOOK)) == (pristine, "absent")
-        # 2. the good build again, the server as nobody: routed too
+        # 2. the good build again, the server as nobody (from root's venv, outside any service: the
+        # inventory names its account, issue 48's owner rule): routed too
         deploy(lab, "--route", "all")
         serve(lab, f"{NOBODY} {RESTART} {SPECULATIVE}")
         assert ok(lab, "ps -o uid= -p $(cat /opt/fleetctl-standin/server.pid)").strip() == "65534"
-        routed_apply_and_rollback(lab, 65534)
+        served = yaml.safe_load(lab.inventory.read_text())  # serve()'s restart handler in it
+        served["all"]["children"]["lab"]["hosts"][HOST]["fleetctl_server_user"] = "nobody"
+        named = tmp_path / "server-user.yaml"
+        named.write_text(yaml.safe_dump(served))
+        r, _, hosts = apply(lab, rc=2)  # unnamed, it is no server of this host's: nothing is changed
+        assert "runs as uid 65534: not root" in hosts[HOST]["error"], hosts[HOST]["error"]
+        routed_apply_and_rollback(lab, 65534, "-i", str(named))
     finally:
         serve(lab, restart)

@@ -37,10 +37,11 @@ def sha(lab, rel):
     return r.stdout.split()[0]
 
 
-def applied_under_the_gate(lab) -> tuple[dict, dict, dict]:
-    """Apply route-verify-attention, which must change the host and pass the smoke gate and every
-    route gate check: (the run's document, the host's entry, {check name: route gate check})."""
-    r, doc, hosts = apply(lab, rc=0)
+def applied_under_the_gate(lab, *args) -> tuple[dict, dict, dict]:
+    """Apply route-verify-attention (`args`: more of the CLI's), which must change the host and pass
+    the smoke gate and every route gate check: (the run's document, the host's entry, {check name:
+    route gate check})."""
+    r, doc, hosts = apply(lab, *args, rc=0)
     h = hosts[HOST]
     assert h["status"] == "changed", h.get("error")
     assert h["validation"]["status"] == "passed"

@@ -37,7 +37,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     installs (its own scan cache inside it). `records`: the state dir whose host-side container
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
     Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, which
-    could not be asked: not executable, no account to ask it as, or it did not answer)."""
+    is not executable)."""
     key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
@@ -52,10 +52,10 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts.host", params)
-    failed = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
-              if c.get("reason") == "inventory" and (c.get("skipped") or c.get("error"))]
-    if failed:
-        raise HostFailed(f"interpreter {failed[0]['python']}: {failed[0].get('skipped') or failed[0]['error']}")
+    refused = [c for c in g["facts"].get("interpreter_discovery", {}).get("considered", [])
+               if c.get("reason") == "inventory" and c.get("skipped")]
+    if refused:
+        raise HostFailed(f"interpreter {refused[0]['python']}: {refused[0]['skipped']}")
     found_all = g["facts"].get("containers", [])
     for found in found_all:
         how, note = containers.how_to_enter(ctx.host, found, g["facts"].get("runtime_clis") or {})

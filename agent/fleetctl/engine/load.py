@@ -146,7 +146,6 @@ def run_load(ctx: HostContext, targets: list[dict], facts: dict, opts: LoadOptio
               "health_timeout": health, "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user,
               "in_container": ctx.container is not None,
               "unprivileged_user": ctx.host.unprivileged_user}
-    python = ((facts or {}).get("python") or {}).get("path")
-    res = ctx.probe("traffic.load", params, python=python, timeout=budget)
+    res = ctx.probe("traffic.load", params, timeout=budget)  # stdlib: the host's interpreter (validate.smoke)
     res["profile"] = opts.profile
     return res

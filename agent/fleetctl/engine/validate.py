@@ -91,8 +91,9 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
         raise RemoteTimeout(f"no time left for a smoke decode ({budget:.0f} s before the host deadline)")
     params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
     params["offline_timeout"] = budget - 5
-    python = ((facts or {}).get("python") or {}).get("path")
-    res = ctx.probe("traffic.smoke", params, python=python, timeout=budget)
+    # a stdlib probe: the host's interpreter runs it (the install's may be its owner's, which root
+    # never starts: probes/trust.py), a container's its own
+    res = ctx.probe("traffic.smoke", params, timeout=budget)
     # what each server says it serves (its /model_info) may carry a URL's secrets (review N11)
     for s in res.get("servers") if isinstance(res.get("servers"), list) else []:
         if isinstance(s, dict) and isinstance(s.get("model_path"), str):

@@ -8,8 +8,9 @@ install's own server already has:
 
 - who, account(): the effective uid (with its gid and groups) of a server that runs from the
   install, which runs that code already; else the owner of the install's tree when that is not
-  root; else an unprivileged account: `nobody`, or the one the inventory names
-  (fleetctl_unprivileged_user). Never root: NoAccount says why and what to set.
+  root; else an unprivileged account: `nobody` (uid 65534 where no account has that name: a
+  minimal container image), or the one the inventory names (fleetctl_unprivileged_user). Never
+  root: NoAccount says why and what to set.
 - how, spawn() and run(): the child sets its real, effective and saved gid, groups and uid to
   the account's (setresgid(2), setgroups(2), setresuid(2): with every uid non-zero the kernel
   clears its capabilities), then no_new_privs (prctl(2) PR_SET_NO_NEW_PRIVS: a setuid program it
@@ -40,6 +41,7 @@ from . import result, safefs
 
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 NOBODY = "nobody"
+NOBODY_ID = 65534  # the overflow uid and gid nobody has on Linux distributions (the kernel's overflowuid)
 MAX_OUTPUT = 16 << 20  # bytes of stdout (and of stderr) a child may print before its group is killed
 PRIVATE_PARENT = "/tmp"  # root's sticky directory: no other user can rename what root made in it
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_GET_NO_NEW_PRIVS = 1, 38, 39
@@ -107,6 +109,8 @@ def account(servers=(), tree=None, user=None):
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
+        if not user:  # a minimal image (a container's) names no nobody: its conventional uid and gid
+            return Account(NOBODY_ID, NOBODY_ID, [NOBODY_ID], "uid %d (no account named nobody here)" % NOBODY_ID)
         raise NoAccount("%s does not exist on this host: set fleetctl_unprivileged_user to an unprivileged "
                         "account that may read the install" % where)
     if pw.pw_uid == 0:
@@ -286,8 +290,8 @@ def rerun(python, params, acct, timeout, extra_env=None, nice=0, rlimits=None):
     """This probe's own bundle (FLEETCTL_BUNDLE, set by the probe wrapper) run again with
     `params` under `python -I` (its site module: the install's code) as `acct`, by run() with
     `timeout`, `extra_env`, `nice` and `rlimits`. Returns (its result, a dict, or None; why not,
-    None when it answered: "did not answer within N s", "printed no result (exit N): ...",
-    or the probe's own error; the Ran). Raises NoAccount, OSError, subprocess.SubprocessError
+    None when it answered: "did not answer within N s (run as uid U)", "printed no result (exit
+    N, run as uid U): ...", or the probe's own error; the Ran). Raises NoAccount, OSError, subprocess.SubprocessError
     (it could not start: nothing ran)."""
     doc = json.loads(FLEETCTL_BUNDLE)  # noqa: F821 (set by the probe wrapper)
     doc["params"] = params
@@ -295,10 +299,10 @@ def rerun(python, params, acct, timeout, extra_env=None, nice=0, rlimits=None):
               extra_env, nice=nice, rlimits=rlimits)
     tail = ran.stderr.decode("utf-8", "replace").strip()[-1500:]
     if ran.timed_out:
-        return None, "did not answer within %.0f s" % timeout, ran
+        return None, "did not answer within %.0f s (run as uid %d)" % (timeout, acct.uid), ran
     found = result.after_marker(ran.stdout.decode("utf-8", "replace"))
     if found is None:
-        return None, "printed no result (exit %d): %s" % (ran.returncode, tail or "no output"), ran
+        return None, "printed no result (exit %d, run as uid %d): %s" % (ran.returncode, acct.uid, tail or "no output"), ran
     try:
         got = json.loads(found)
     except (ValueError, RecursionError):

@@ -93,8 +93,7 @@ def run_route(ctx: HostContext, targets: list[dict], facts: dict, opts: RouteOpt
               "evidence_dir": evidence_dir(), "health_timeout": health,
               "request_timeout": REQUEST_TIMEOUT_S, "max_new_tokens": opts.max_new_tokens,
               "long_tokens": opts.long_tokens}
-    python = ((facts or {}).get("python") or {}).get("path")
-    return ctx.probe("traffic.routecheck", params, python=python, timeout=budget)
+    return ctx.probe("traffic.routecheck", params, timeout=budget)  # stdlib: the host's interpreter (validate.smoke)
 
 
 def route_problems(res: dict, opts: RouteOptions | None = None) -> list[str]:

@@ -174,7 +174,7 @@ def ask(python, first, acct, timeout=LOCATE_TIMEOUT_S):
     except (OSError, subprocess.SubprocessError, runas.NoAccount) as e:
         raise RuntimeError("%s cannot run it: %s%s" % (who, e, FIX))
     if why:
-        raise RuntimeError("%s (run as %s)" % (why, who))
+        raise RuntimeError(why)
     if res.get("unreadable"):
         raise RuntimeError("%s cannot read %s, on its sys.path: the answer would be wrong%s"
                            % (who, ", ".join(str(e)[:300] for e in res["unreadable"][:4]), FIX))

@@ -374,5 +374,5 @@ def run_child(python, child, deadline_s, memory_bytes, acct):
         return None, "the replay was killed by signal %d (its limits: %d s of CPU, %d MiB of memory): %s" % (
             -ran.returncode, cpu, memory_bytes >> 20, ran.stderr.decode("utf-8", "replace").strip()[-1500:] or "no output")
     if why:
-        return None, "the replay (run as %s) %s" % (who, why)
+        return None, "the replay %s" % why
     return got, None
