@@ -19,7 +19,7 @@ What else differs between two runs, each seen flapping on the lab (tests/fleet/t
   names: every float `*_ms`, `*_throughput`, `duration`, `concurrency`; integer counts such as
   `completed` and `total_output_tokens` are kept) and the same figures in the client's `tail`
   lines (a label with (ms), (s), (req/s), (tok/s), or Concurrency), the client's temp directory
-  (/tmp/fleetctl-load-XXXXXXXX);
+  (/tmp/fleetctl-child-XXXXXXXX: a child's private directory, probes/runas.py);
 - a kernel build: its `seconds` (a float: a ccache hit or a compile), its reference test's `seed`
   (test.seed: os.urandom each run) and so each case's `max_abs_err`, and status's space used by
   kernel builds (space.kernels when not 0: the build's log and objects vary by some bytes);
@@ -56,7 +56,7 @@ _RUN_ID = re.compile(r"\b\d{8}T\d{6}Z-[0-9a-f]{6}\b")
 _PID = re.compile(r"\bpid \d+\b")
 _EVIDENCE = re.compile(r"(route-evidence/\d+/)\d+\.json")
 _LATENCY = re.compile(r"(median \S+ )\d+\.\d+ s vs baseline \d+\.\d+ s \((?:\d+\.\d+|inf)x")
-_LOAD_TMP = re.compile(r"/tmp/fleetctl-load-[a-z0-9_]{8}\b")
+_LOAD_TMP = re.compile(r"/tmp/fleetctl-child-[a-z0-9_]{8}\b")
 # a benchmark client's summary line whose figure is measured: "P99 ITL (ms):      5.27     " (the
 # padding after it: the figure's width)
 _TAIL_FIGURE = re.compile(r"^((?:[^:]*\((?:ms|s|req/s|tok/s)\)|Concurrency)[^:]*:\s+)-?\d+(?:\.\d+)?\s*$")
@@ -105,7 +105,7 @@ def normalise_text(text: str, paths: dict[str, str]) -> str:
     text = _CHANGE_ID.sub("<change-id>", _KEY.sub("<host-key>", text))
     text = _EVIDENCE.sub(r"\1<pid>.json", _PID.sub("pid <pid>", _RUN_ID.sub("<run-id>", text)))
     text = _LATENCY.sub(r"\1<s> s vs baseline <s> s (<ratio>x", text)
-    return _LOAD_TMP.sub("/tmp/fleetctl-load-<tmp>", text)
+    return _LOAD_TMP.sub("/tmp/fleetctl-child-<tmp>", text)
 
 
 def normalise_page(text: str) -> str:
