@@ -142,6 +142,31 @@ def test_a_change_of_a_link_and_a_file_applies_and_rolls_back_both(tmp_path):
     assert os.readlink(link) == "k0" and mod.read_bytes() == old
 
 
+def test_rolling_back_the_last_kernel_activation_removes_the_routing_evidence(tmp_path):
+    """Review R4-5: PUBLIC/route-evidence goes with the last package's `current` link (its first
+    activation rolled back); while a package still has one, it stays."""
+    public, state = tmp_path / "public", tmp_path / "state"
+    (public / "verify_attention").mkdir(parents=True)
+    (public / "other").mkdir()
+    os.symlink("k0", public / "other" / "current")
+    (public / "route-evidence" / "0").mkdir(parents=True)
+    (public / "route-evidence" / "0" / "1.json").write_text("{}")
+
+    def activate(cid, pkg):
+        return change.main({"action": "apply", "change_id": cid, "playbook": "kernel", "operator": "t",
+                            "state_dir": str(state), "root": str(public / pkg),
+                            "files": [{"path": str(public / pkg / "current"), "kind": "link", "pre_target": None,
+                                       "post_target": "k1"}]})
+    assert activate("c1", "verify_attention")["ok"]
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c1"})
+    assert r["ok"] and "evidence_removed" not in r and (public / "route-evidence").is_dir()  # `other` still routes
+    os.unlink(public / "other" / "current")
+    assert activate("c2", "verify_attention")["ok"]
+    r = change.main({"action": "rollback", "state_dir": str(state), "change_id": "c2"})
+    assert r["ok"] and r["evidence_removed"] == str(public / "route-evidence"), r
+    assert not (public / "route-evidence").exists() and not (public / "verify_attention" / "current").exists()
+
+
 def test_rollback_refuses_changed_file_unless_forced(site):
     _, state, params, originals = site
     assert change.main(params)["ok"]

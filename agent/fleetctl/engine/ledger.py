@@ -17,13 +17,14 @@ from .gather import find_install, gather
 
 
 class RollbackData(TypedDict, total=False):
-    """`rollback` data: the change rolled back, its files (paths) and those restored by force;
-    or `nothing` (why there was nothing to roll back); recovered (changes a killed run left
+    """`rollback` data: the change rolled back, its files (paths) and those restored by force,
+    the routing evidence removed with the last kernel change (probes/evidence.py remove); or `nothing` (why there was nothing to roll back); recovered (changes a killed run left
     pending, undone first), handlers (the restart handler's outcome)."""
 
     change_id: str
     files: list
     forced: list
+    evidence_removed: str
     nothing: str
     recovered: list
     handlers: list
@@ -59,7 +60,8 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
     handler. A run that changed several installs recorded "<change_id>.<n>" per install: the
     run's id rolls back all of them (latest first). A change a killed run left pending is undone
     first; when no id was given, that was the rollback asked for. Result data: the probe's answer
-    (change_id, files, forced, or nothing) + recovered, handlers."""
+    (change_id, files, forced, evidence_removed when the last kernel change went, or nothing) +
+    recovered, handlers."""
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
         if rec.changes and not change_id:
@@ -80,6 +82,8 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
             res["change_id"] = change_id or one.get("change_id")
             res["files"] += one.get("files", [])
             res["forced"] += one.get("forced") or []
+            if one.get("evidence_removed"):  # the last kernel change: the routing evidence went with it
+                res["evidence_removed"] = one["evidence_removed"]
         handlers = run_handlers(ctx, restart_handlers(ctx))
         return ctx.result(HostStatus.CHANGED,
                           data={**res, "recovered": rec.changes, "handlers": handlers})

@@ -3,7 +3,9 @@ evidence (stdlib only, Python 3.8+; review R4-5). Root's, mode 0755: no other us
 entry in it, so none can take a server's directory first or plant a deep tree there; in it one
 directory per server effective uid, that uid's, 0755, made by root where root knows the servers'
 pids: kbuild's publish (every deploy) and the route check before a change (every
-route-verify-attention apply and routed deploy). The hook only writes into its own uid's."""
+route-verify-attention apply and routed deploy). The hook only writes into its own uid's. When
+the last kernel change is rolled back (no package's `current` link left), the change probe's
+rollback removes it (remove)."""
 
 import os
 import stat
@@ -67,3 +69,25 @@ def prepare(pub, pids, path):
     finally:
         os.close(ev)
     return here
+
+
+def remove(public):
+    """Remove PUBLIC/route-evidence (`public`: PUBLIC's absolute path) and what is in it, reached
+    from / without following a link (safefs.open_dir, safefs.rmtree: bounded, no link followed):
+    the last kernel change was rolled back, nothing routes any more. Returns its path when it was
+    removed, None when there was none, or "not removed: WHY"."""
+    try:
+        pub = safefs.open_dir(public)
+    except FileNotFoundError:
+        return None
+    except (OSError, safefs.UnsafePath) as e:
+        return "not removed: %s" % e
+    try:
+        safefs.rmtree(pub, EVIDENCE)
+        return os.path.join(public, EVIDENCE)
+    except FileNotFoundError:
+        return None
+    except (OSError, safefs.UnsafePath) as e:
+        return "not removed: %s" % e
+    finally:
+        os.close(pub)

@@ -17,7 +17,7 @@ import os
 import stat
 
 from . import ledger
-from .. import safefs
+from .. import evidence, safefs
 from ..facts import drift
 
 # where deploy publishes kernel builds, their `current` links and dispatch tables: the host-side
@@ -235,7 +235,9 @@ def rollback(params, state_dir):
     after_sha256 or already before_sha256 (force skips that check). Restores in the reverse of
     the apply's order (an edit before the new file it imports). Verifies each restored
     file has before_sha256; records "rolled-back" with the reason, or "failed" with the files
-    restored so far when a restore fails midway (a later rollback finishes the job).
+    restored so far when a restore fails midway (a later rollback finishes the job). When it
+    rolled back a kernel's `current` link and no package of that PUBLIC has one any more, the
+    routing evidence goes too ("evidence_removed": evidence.remove's answer).
     """
     known = ledger.changes(state_dir)
     if params.get("last"):
@@ -271,7 +273,12 @@ def rollback(params, state_dir):
                          % (len(restored), len(entry["files"]), done, e)}
     reason = "; ".join(r for r in (params.get("reason"), moved and "forced over: " + ", ".join(moved)) if r)
     ledger.append(state_dir, entry, ledger.ROLLED_BACK, reason or None)
-    return {"ok": True, "change_id": cid, "files": [f["path"] for f in entry["files"]], "forced": moved}
+    out = {"ok": True, "change_id": cid, "files": [f["path"] for f in entry["files"]], "forced": moved}
+    links = [f["path"] for f in entry["files"] if os.path.basename(f["path"]) == "current"]
+    for public in sorted({os.path.dirname(os.path.dirname(p)) for p in links}):
+        if not any(_package_link(c) for c in glob.glob(os.path.join(glob.escape(public), "*", "current"))):
+            out["evidence_removed"] = evidence.remove(public)  # the last kernel change rolled back (R4-5)
+    return out
 
 
 def recover(params, state_dir):
