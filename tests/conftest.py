@@ -304,6 +304,17 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
+@pytest.fixture
+def open_tmp():
+    """A fresh directory under /tmp that any uid may pass through and read (0755; pytest's own
+    tmp dirs are root-only): where a test puts what a child dropped to nobody reads (probes/runas.py,
+    as a host's published kernel tree is). Removed after."""
+    d = Path(tempfile.mkdtemp(prefix="fleetctl-open-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def cpu_kernel(tmp_path_factory):
     """The run's one CPU build of kernels/verify_attention, made as a host makes it (the kbuild
@@ -311,13 +322,16 @@ def cpu_kernel(tmp_path_factory):
     first a build killed at its 6 s deadline (with a compiler cache of its own, empty: it
     compiles), then the real build in the same directory (through ccache where it is installed,
     as torch does). Returns (package, killed build's result, pids of its process group still
-    alive 10 s later, the real build's result); the module is result["module_path"], and a copy
-    of its directory serves bench/gpu_check.sh as --build-dir."""
+    alive 10 s later, the real build's result); the module is result["module_path"] (under a
+    directory any uid may read, as a published build is: the reference test runs as nobody), and
+    a copy of its directory serves bench/gpu_check.sh as --build-dir."""
     from fleetctl.engine.kernels.package import load_package
     from fleetctl.probes.kernel import kbuild
 
     pkg = load_package(KERNELS_DIR, "verify_attention")
-    build_dir = tmp_path_factory.mktemp("kbuild") / "build"
+    top = Path(tempfile.mkdtemp(prefix="fleetctl-kbuild-", dir="/tmp"))
+    top.chmod(0o755)
+    build_dir = top / "build"
     params = dict(action="build", src_dir=str(pkg.root), build_dir=str(build_dir), arch=None, max_jobs=2,
                   **pkg.build_params("cpu"))
     cold = tempfile.mkdtemp(prefix="fleetctl-cold-ccache-", dir="/tmp")
@@ -331,4 +345,5 @@ def cpu_kernel(tmp_path_factory):
         time.sleep(0.2)
     leftovers = _group_alive(killed["pgid"])
     ok = kbuild.main(dict(params, deadline_s=600))
-    return pkg, killed, leftovers, ok
+    yield pkg, killed, leftovers, ok
+    shutil.rmtree(top, ignore_errors=True)

@@ -42,7 +42,6 @@ def test_build_after_a_killed_build_succeeds_as_nobody_and_root_keeps_a_checked_
     for p in [module.parent, *module.parent.rglob("*")]:
         st = p.lstat()
         assert (st.st_uid, stat.S_ISLNK(st.st_mode), st.st_mode & 0o022) == (0, False, 0), p
-    assert not [p for p in Path("/tmp").glob("fleetctl-child-*") if p.stat().st_uid == NOBODY]  # WORK removed
 
 
 def test_build_waits_for_the_flock_until_its_deadline(cpu_kernel, tmp_path):
@@ -79,9 +78,9 @@ def test_reference_test_passes_on_the_built_module(cpu_kernel):
     assert r["result"]["ok"] and len(r["result"]["cases"]) == 4 * 3 * 2 + 3 and r["result"]["failures"] == []
 
 
-def test_broken_reference_fails_the_test(cpu_kernel, tmp_path):
+def test_broken_reference_fails_the_test(cpu_kernel, open_tmp):
     pkg, _, _, ok = cpu_kernel
-    src = tmp_path / "verify_attention"
+    src = open_tmp / "verify_attention"
     shutil.copytree(pkg.root, src, ignore=shutil.ignore_patterns("__pycache__"))
     ref = src / "reference.py"
     ref.write_text(ref.read_text().replace("* sm_scale\n", "* sm_scale * 1.01\n"))
@@ -90,9 +89,9 @@ def test_broken_reference_fails_the_test(cpu_kernel, tmp_path):
     assert r["result"]["failures"] and not r["result"]["ok"]
 
 
-def test_crashing_test_module_fails_the_test(cpu_kernel, tmp_path):
+def test_crashing_test_module_fails_the_test(cpu_kernel, open_tmp):
     pkg, _, _, ok = cpu_kernel
-    src = tmp_path / "verify_attention"
+    src = open_tmp / "verify_attention"
     shutil.copytree(pkg.root, src, ignore=shutil.ignore_patterns("__pycache__"))
     (src / "test_kernel.py").write_text("raise SystemExit('test module broken')\n")
     r = kbuild.main(_test_params(pkg, src, ok["module_path"]))
@@ -161,7 +160,7 @@ def _publish(bdir: Path, public: Path, key: str) -> dict:
     return kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(public / "verify_attention" / key)))
 
 
-def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kernel, tmp_path):
+def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kernel, tmp_path, open_tmp):
     """kbuild's publish: a real copy of the private build at PUBLIC/NAME/<key>, root:root, dirs
     0755, files 0644 (0755 where the owner may execute), PASSED naming the published module,
     route-evidence 01777; the package's reference test passes on the published module with the
@@ -170,7 +169,7 @@ def test_publish_copies_the_build_root_owned_and_its_module_works_there(cpu_kern
     pkg, _, _, ok = cpu_kernel
     assert ok["ok"], ok["log_tail"]
     key = "k" * 64
-    bdir, public = _private_build(tmp_path, key, pkg, ok), tmp_path / "public"
+    bdir, public = _private_build(tmp_path, key, pkg, ok), open_tmp / "public"
     r = _publish(bdir, public, key)
     pdir = public / "verify_attention" / key
     module = pdir / "build" / Path(ok["module_path"]).name
@@ -281,3 +280,28 @@ def test_publish_refuses_foreign_or_shared_directories_and_a_tampered_copy(tmp_p
     assert r["ok"] and r["reused"] is False, r
     assert sorted(p.name for p in (public / "verify_attention").iterdir()) == [key]
     assert (public / "verify_attention" / key / "PASSED").read_text() == f"{public}/verify_attention/{key}/build/m.so\n"
+
+
+def test_an_untested_build_is_published_without_passed_tested_there_as_nobody_and_marked(cpu_kernel, tmp_path,
+                                                                                        open_tmp):
+    """Issue 48: deploy publishes the new build first without PASSED (nothing activates it), runs
+    the reference test on that root-owned copy as nobody (what is tested is what is activated),
+    then mark writes PASSED in the private build and in the published one."""
+    pkg, _, _, ok = cpu_kernel
+    key = "u" * 64
+    bdir = _private_build(tmp_path, key, pkg, ok)
+    os.unlink(bdir / "PASSED")
+    private_module = str(bdir / "build" / Path(ok["module_path"]).name)
+    public = open_tmp / "public"
+    pdir = public / "verify_attention" / key
+    r = kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(pdir), untested=private_module))
+    assert r["ok"] and not r["reused"] and not (pdir / "PASSED").exists(), r
+    t = kbuild.main(_test_params(pkg, pdir / "src", r["module_path"]))
+    assert t["ok"] and t["ran_as"]["uid"] == NOBODY, t
+    assert kbuild.main(dict(action="mark", build_dir=str(bdir), module_path=private_module, public_dir=str(pdir),
+                            public_module=r["module_path"]))["ok"]
+    assert (pdir / "PASSED").read_text() == r["module_path"] + "\n" and (bdir / "PASSED").is_file()
+    st = (pdir / "PASSED").stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o644)
+    again = kbuild.main(dict(action="publish", build_dir=str(bdir), public_dir=str(pdir)))
+    assert again["ok"] and again["reused"], again  # deploy's publish after the test: the tested copy

@@ -155,12 +155,16 @@ def run_deploy(fleet: Fleet, hosts: list[Host], pkg: KernelPackage,
 
 
 def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], pkg: KernelPackage, backend: str,
-                   arch: str | None, bdir: str, current: str | None, max_jobs: int, build_timeout: float,
+                   arch: str | None, bdir: str, pdir: str, current: str | None, max_jobs: int, build_timeout: float,
                    data: DeployData) -> None:
-    """Upload, build, test and mark PASSED one build dir: `upload(src_dir)` puts the package
-    there, `kbuild(action, timeout, **params)` runs one probes/kernel/kbuild.py action on the host with
-    the SGLang interpreter (`timeout`: seconds, None for the default). Sets data["build"],
-    data["test"]. Raises HostFailed (build or test failed: nothing activated)."""
+    """Upload, build, publish untested, test the published copy and mark PASSED one build:
+    `upload(src_dir)` puts the package there, `kbuild(action, timeout, **params)` runs one
+    probes/kernel/kbuild.py action on the host with the SGLang interpreter (`timeout`: seconds,
+    None for the default); `bdir` the private build dir, `pdir` its published one
+    (PUBLIC/NAME/<key>): the reference test runs on what is activated, as an unprivileged uid
+    that cannot change it (issue 48). Sets data["build"], data["test"]. Raises HostFailed (build,
+    publish or test failed: nothing activated; an untested copy has no PASSED, and the next
+    publish replaces it)."""
     src, build = f"{bdir}/src", f"{bdir}/build"
     upload(src)
     b = kbuild("build", build_timeout + PROBE_SLACK_S, src_dir=src, build_dir=build, arch=arch,
@@ -169,13 +173,16 @@ def build_and_test(kbuild: Callable[..., dict], upload: Callable[[str], None], p
     if not b["ok"]:
         raise HostFailed(f"build failed ({'deadline' if b['timed_out'] else 'exit %s' % b['rc']}); "
                          f"log {b['log_path']}:\n{b['log_tail']}")
-    t = kbuild("test", TEST_DEADLINE_S + PROBE_SLACK_S, src_dir=src, module_path=b["module_path"],
+    p = kbuild("publish", None, build_dir=bdir, public_dir=pdir, untested=b["module_path"])
+    if not p["ok"]:
+        raise HostFailed(f"{p['error']} (active build stays {current or 'none'})")
+    t = kbuild("test", TEST_DEADLINE_S + PROBE_SLACK_S, src_dir=f"{pdir}/src", module_path=p["module_path"],
                deadline_s=TEST_DEADLINE_S, **pkg.test_params(backend))
     data["test"] = t.get("result")
     if not t["ok"]:
         raise HostFailed(f"reference test failed, not activated (active build stays {current or 'none'}): "
                          f"{t.get('result') or t.get('stderr_tail')}")
-    kbuild("mark", None, build_dir=bdir, module_path=b["module_path"])
+    kbuild("mark", None, build_dir=bdir, module_path=b["module_path"], public_dir=pdir, public_module=p["module_path"])
 
 
 def preflight_key(pkg: KernelPackage, pre: dict) -> str:
@@ -308,8 +315,8 @@ def _deploy(ctx: HostContext, rec: Recovery, pkg: KernelPackage, change_id: str,
     if not data["reused"]:
         build_and_test(lambda action, timeout, **p: _kbuild(ctx, python, timeout, action=action,
                                                             server_pids=_server_pids(facts), **p),
-                       lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, current, opts.max_jobs,
-                       opts.build_timeout, data)
+                       lambda src: _upload(ctx, pkg, src), pkg, backend, pre["arch"], bdir, pub["build"], current,
+                       opts.max_jobs, opts.build_timeout, data)
     published = _kbuild(ctx, python, action="publish", build_dir=bdir, public_dir=pub["build"],
                         server_pids=_server_pids(facts))
     if not published["ok"]:

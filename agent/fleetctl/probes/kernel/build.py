@@ -295,9 +295,10 @@ def _write_triton_module(params: dict, args: dict) -> str:
 
 
 def test(params: dict) -> dict:
-    """Run the package's test module on a built module in a fresh process, as account(params), in
-    a private directory holding root's copies of the package (WORK/src) and of the module's build
-    directory (WORK/build).
+    """Run the package's test module on a built module in a fresh process, as account(params),
+    its working directory and HOME a private directory of that uid: the package and the module
+    are read where they are, the build's published copy (publish's `untested`: root's files,
+    world-readable, that the account cannot change), so what is tested is what is activated.
 
     params: src_dir, module_path, test (relative to src_dir), reference ("file.py:func"),
     tolerances ({dtype: [atol, rtol]}), device ("cpu"/"cuda"), deadline_s (default 600 s),
@@ -313,14 +314,11 @@ def test(params: dict) -> dict:
         acct = account(params)
         out["ran_as"] = {"uid": acct.uid, "why": acct.why}
         work = runas.private_dir(acct)
-        module_dir, module = os.path.split(os.path.abspath(params["module_path"]))
-        copy_in(params["src_dir"], work, "src")
-        copy_in(module_dir, work, "build")
-        wsrc = os.path.join(work, "src")
-        cmd = [sys.executable, os.path.join(wsrc, params["test"]), "--module", os.path.join(work, "build", module),
+        src = os.path.abspath(params["src_dir"])
+        cmd = [sys.executable, os.path.join(src, params["test"]), "--module", os.path.abspath(params["module_path"]),
                "--device", params["device"], "--reference", params["reference"],
                "--tolerances", json.dumps(params["tolerances"])]
-        child = runas.spawn(cmd, acct, child_env(work, {}), cwd=wsrc)
+        child = runas.spawn(cmd, acct, child_env(work, {}), cwd=work)
         (stdout, stderr), timed_out, _ = runas.collect(child, b"", time.monotonic() + float(params.get("deadline_s", 600)))
         out["rc"], late = runas.finish(child, time.monotonic())
         out["timed_out"] = timed_out or late

@@ -24,7 +24,9 @@ def publish(params: dict) -> dict:
     """Publish a build that passed its reference test where the server process can read it.
 
     params: {build_dir: the private build STATE/kernels/NAME/<key> (src/, build/, PASSED),
-    public_dir: PUBLIC/NAME/<key>}. PUBLIC (public_dir's grandparent) and PUBLIC/NAME are made
+    public_dir: PUBLIC/NAME/<key>, untested: the module path in build_dir of a build not tested
+    yet (optional: then build_dir has no PASSED, the copy is made without one, and the reference
+    test runs on it, as an unprivileged uid that cannot change it; mark writes PASSED there)}. PUBLIC (public_dir's grandparent) and PUBLIC/NAME are made
     root 0755 when missing and must be root's and writable by nobody else; every path is
     reached from / without following a link. When public_dir/PASSED exists the copy is reused
     (published copies are never changed), after checking that everything in it is root's, not
@@ -57,7 +59,7 @@ def publish(params: dict) -> dict:
         finally:
             os.close(pub)
         try:
-            reused, module = _publish_into(nfd, bdir, pdir, key)
+            reused, module = _publish_into(nfd, bdir, pdir, key, params.get("untested"))
         finally:
             os.close(nfd)
     except (_Refused, copy.Refused, evidence.Refused, safefs.UnsafePath, OSError, UnicodeDecodeError) as e:
@@ -83,8 +85,9 @@ def _published_module(nfd: int, key: str, pdir: str) -> str:
     return module
 
 
-def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
-    """publish()'s copy into the package dir (open descriptor `nfd`): (reused, published module path)."""
+def _publish_into(nfd: int, bdir: str, pdir: str, key: str, untested: str | None = None) -> tuple:
+    """publish()'s copy into the package dir (open descriptor `nfd`): (reused, published module path).
+    `untested`: the private module path of a build not yet tested (no PASSED written; publish())."""
     for entry in os.listdir(nfd):
         if entry.startswith("." + key + "."):
             safefs.rmtree(nfd, entry)
@@ -92,8 +95,11 @@ def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
         if _lstat_in(nfd, key, "PASSED") is not None:
             return True, _published_module(nfd, key, pdir)
         safefs.rmtree(nfd, key)  # never published (no PASSED): a leftover nobody trusted
-    with open(os.path.join(bdir, "PASSED")) as f:
-        private_module = f.read().strip()
+    if untested is None:
+        with open(os.path.join(bdir, "PASSED")) as f:
+            private_module = f.read().strip()
+    else:
+        private_module = os.path.normpath(untested)
     if not private_module.startswith(bdir + "/"):
         raise _Refused("%s/PASSED names %s, not a module inside the build" % (bdir, private_module))
     module = pdir + private_module[len(bdir):]
@@ -108,13 +114,8 @@ def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
                     copy.tree(sfd, part, tfd, part, os.path.join(bdir, part), fsync=True)
             finally:
                 os.close(sfd)
-            fd = os.open("PASSED", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=tfd)
-            try:
-                os.write(fd, (module + "\n").encode("utf-8"))
-                _own(fd, 0o644)
-            finally:
-                os.close(fd)
+            if untested is None:
+                write_passed(tfd, module)
             _own(tfd, 0o755)
         finally:
             os.close(tfd)
@@ -131,6 +132,16 @@ def _publish_into(nfd: int, bdir: str, pdir: str, key: str) -> tuple:
             safefs.rmtree(nfd, tmp)
         raise
     return False, module
+
+
+def write_passed(dfd: int, module: str) -> None:
+    """PASSED (the module path) in open directory `dfd`, created O_EXCL|O_NOFOLLOW, root's 0644, synced."""
+    fd = os.open("PASSED", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        os.write(fd, (module + "\n").encode("utf-8"))
+        _own(fd, 0o644)
+    finally:
+        os.close(fd)
 
 
 def _own(fd: int, mode: int) -> None:

@@ -10,6 +10,7 @@ import os
 import stat
 
 from .. import safefs
+from . import publish
 
 
 def state(params: dict) -> dict:
@@ -58,8 +59,17 @@ def _read_table(path: str):
 
 
 def mark(params: dict) -> dict:
-    """params: {build_dir, module_path}. Write build_dir/PASSED (the module path) atomically.
-    Returns {"ok": true}."""
+    """params: {build_dir, module_path; public_dir, public_module: the build's published copy,
+    tested there (optional)}. Write build_dir/PASSED (the module path) atomically, and
+    public_dir/PASSED (the published module path; publish.write_passed: O_EXCL, root's 0644),
+    public_dir reached from / without following a link. Returns {"ok": true}."""
+    if params.get("public_dir"):
+        dfd = safefs.open_dir(params["public_dir"])
+        try:
+            if safefs.lstat(dfd, "PASSED") is None:
+                publish.write_passed(dfd, params["public_module"])
+        finally:
+            os.close(dfd)
     path = os.path.join(params["build_dir"], "PASSED")
     tmp = "%s.%d.tmp" % (path, os.getpid())
     with open(tmp, "w") as f:

@@ -88,7 +88,7 @@ class ActionModule(ActionBase):
             if not reused:
                 deploy.build_and_test(
                     step, lambda src: step("upload", src_dir=src, files=ops.transfer(pkg)), pkg,
-                    pre["backend"], pre["arch"], private, current, int(args.get("max_jobs", 4)),
+                    pre["backend"], pre["arch"], private, pub["build"], current, int(args.get("max_jobs", 4)),
                     float(args.get("build_timeout", 1800)), result)
             published = step("publish", build_dir=private, public_dir=pub["build"])
             if not published["ok"]:
