@@ -46,8 +46,8 @@ def prepare(pub, pids, path):
         pass
     st = os.stat(EVIDENCE, dir_fd=pub, follow_symlinks=False)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise Refused("%s is not a directory of uid %d (%s)" % (here, os.geteuid(), "a symbolic link"
-                                                                 if stat.S_ISLNK(st.st_mode) else "uid %d" % st.st_uid))
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "uid %d" % st.st_uid
+        raise Refused("%s is not a directory of uid %d (%s)" % (here, os.geteuid(), what))
     ev = os.open(EVIDENCE, safefs.OPEN_DIR, dir_fd=pub)
     try:
         os.fchmod(ev, 0o755)
