@@ -16,6 +16,7 @@ import importlib.util
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,15 +48,21 @@ def two_instantiations(d: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def triton_build(tmp_path_factory):
-    """(package, the key's directory, kbuild's build answer) of one triton build for ARCH."""
-    kernels = KERNELS if torch.cuda.is_available() else kernel_variant(
-        tmp_path_factory.mktemp("kernels"), "two", two_instantiations)
+def triton_build():
+    """(package, the key's directory, kbuild's build answer) of one triton build for ARCH, under a
+    directory any uid may read (the reference test runs as nobody on what it is given, as on a
+    host's published copy)."""
+    top = Path(tempfile.mkdtemp(prefix="fleetctl-triton-", dir="/tmp"))
+    top.chmod(0o755)
+    (top / "kernels").mkdir(mode=0o755)
+    kernels = KERNELS if torch.cuda.is_available() else kernel_variant(top / "kernels", "two", two_instantiations)
     pkg = load_package(kernels, "verify_attention")
-    key_dir = tmp_path_factory.mktemp("triton-key")
+    key_dir = top / "triton-key"
+    key_dir.mkdir(mode=0o755)
     r = kbuild.main(dict(action="build", src_dir=str(pkg.root), build_dir=str(key_dir / "build"), arch=ARCH,
                          deadline_s=900, **pkg.build_params("triton")))
-    return pkg, key_dir, r
+    yield pkg, key_dir, r
+    shutil.rmtree(top, ignore_errors=True)
 
 
 def test_triton_build_compiles_for_the_arch_with_no_gpu_needed(triton_build):
