@@ -27,7 +27,7 @@ import sys
 import time
 
 from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
-from .. import runas, trust
+from .. import bounded, runas, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -401,6 +401,8 @@ def record_interpreter(store, params):
 
 def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
+    deadline_s (the host's seconds left when the probe started, or None: the host tools' limits
+    then hold within it, bounded.host_deadline),
     cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache), inside
     (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
     there: the probe runs with -S); or
@@ -413,6 +415,7 @@ def main(params):
         res = locate.locate(params["locate"])
         res["torch"] = torchver.installed()
         return res
+    bounded.host_deadline(params.get("deadline_s"))
     if params.get("inside"):
         why = trust.untrusted(sys.executable)
         if why:  # checked inside, as the container's user: its own files, planted by nobody else

@@ -1,0 +1,122 @@
+"""A host tool run to a deadline that holds (stdlib only, Python 3.8+): the runner the probes use
+for the host's subsystems (the GPU tool nvidia-smi, a container runtime's inspect, systemctl).
+
+CPython's subprocess.run(timeout=) kills the child at the timeout and then waits for it
+(Lib/subprocess.py run(): `process.kill()` then `process.wait()`); a child in uninterruptible
+sleep (proc(5) state D: nvidia-smi blocked in the driver after an Xid, a read of a hung device or
+a dead network mount) does not die until its kernel call returns, so that wait outlives the
+timeout (NVIDIA/gpu-monitoring-tools#46, leptonai/gpud#117). run() here starts the child in its
+own session (setsid(2): its own process group, out of reach of the terminal's signals), sends the
+group SIGKILL at the deadline, waits GRACE_S more, and then stops waiting: a child still there is
+abandoned (left to the kernel; subprocess reaps it later, Lib/subprocess.py _cleanup) and named
+with its pid and its state read from /proc/PID/stat (proc(5): field 3, "D" uninterruptible
+sleep). The probe's own deadline inside the host's: host_deadline() and limit().
+"""
+
+import collections
+import os
+import signal
+import subprocess
+import time
+
+GRACE_S = 1.0  # after SIGKILL, how long a child is waited for before it is left behind
+RESERVE_S = 5.0  # of the host's deadline, kept for the probe's own work after a tool and its answer
+MIN_S = 1.0  # the least a tool is given, whatever is left of the host's deadline
+STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "T": "stopped", "t": "traced",
+          "Z": "zombie", "X": "dead", "I": "idle"}  # proc(5) /proc/PID/stat field 3
+_HOST = {"end": None}  # time.monotonic() at which this probe's host deadline (less RESERVE_S) ends
+
+# stdout and stderr as text (UTF-8, errors replaced); returncode None when it did not exit in time;
+# error None when it exited in time, else the sentence saying what happened; state: proc(5)'s
+# letter of a child left behind, else None
+Ran = collections.namedtuple("Ran", "stdout stderr returncode error pid state")
+
+
+def host_deadline(seconds):
+    """Set this probe run's host deadline: `seconds` from now (the host's time left when the
+    probe started, params["deadline_s"]); None: none, each tool gets its own limit only."""
+    _HOST["end"] = None if seconds is None else time.monotonic() + float(seconds) - RESERVE_S
+
+
+def limit(cap_s):
+    """Seconds a tool may take now: `cap_s` (its subsystem's own limit), less when the host's
+    deadline (host_deadline) is nearer, never under MIN_S."""
+    if _HOST["end"] is None:
+        return float(cap_s)
+    return max(MIN_S, min(float(cap_s), _HOST["end"] - time.monotonic()))
+
+
+def state(pid):
+    """proc(5)'s state letter of process `pid` (/proc/PID/stat field 3, after the parenthesised
+    command name, which may itself hold ")"), or None when it is gone or unreadable."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = text[text.rfind(")") + 1:].split()
+    return rest[0] if rest else None
+
+
+def describe(name, pid, letter):
+    """"NAME (pid N, state D: uninterruptible sleep)": a process named with its pid and state."""
+    return "%s (pid %d, state %s: %s)" % (name, pid, letter, STATES.get(letter, "unknown"))
+
+
+def stuck(path):
+    """(pid, state letter) of a process in uninterruptible sleep (state D) that runs the program
+    `path` (its argv[0], or argv[1] after an interpreter: a script, by real path), left behind
+    by an earlier run; None when there is none. A tool stuck in the driver is not started again
+    while one is: such calls pile up (NVIDIA/gpu-monitoring-tools#46)."""
+    real = os.path.realpath(path)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or state(int(entry)) != "D":
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                words = f.read().split(b"\0")[:2]
+        except OSError:
+            continue
+        if any(w and os.path.realpath(os.fsdecode(w)) == real for w in words):
+            return int(entry), "D"
+    return None
+
+
+def run(argv, cap_s, name=None):
+    """Run `argv` (no stdin, stdout and stderr captured) for at most limit(cap_s) seconds:
+    a Ran(stdout, stderr, returncode, error, pid, state).
+
+    error is None when the child exited in time (whatever its status); else "NAME did not answer
+    within N s: killed" (it died on SIGKILL within GRACE_S) or "NAME (pid N, state D:
+    uninterruptible sleep) did not answer within N s and did not die on SIGKILL: left behind"
+    (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S). NAME:
+    `name`, else argv[0]'s base name. Raises OSError when the child cannot start
+    (FileNotFoundError: not there)."""
+    name = name or os.path.basename(argv[0])
+    seconds = limit(cap_s)
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=seconds)
+        return Ran(_text(out), _text(err), p.returncode, None, p.pid, None)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # its session's group: a child it started dies with it
+    except OSError:
+        pass
+    try:
+        p.communicate(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass  # a pipe still open: the child, or one that left the group, holds it
+    if p.poll() is not None:
+        return Ran("", "", None, "%s did not answer within %g s: killed" % (name, seconds), p.pid, None)
+    letter = state(p.pid) or "?"
+    for pipe in (p.stdout, p.stderr):
+        pipe.close()
+    return Ran("", "", None, "%s did not answer within %g s and did not die on SIGKILL: left behind"
+               % (describe(name, p.pid, letter), seconds), p.pid, letter)
+
+
+def _text(data):
+    return data.decode("utf-8", "replace")
