@@ -40,22 +40,30 @@ def host_deadline(seconds):
 
 def limit(cap_s):
     """Seconds a tool may take now: `cap_s` (its subsystem's own limit), less when the host's
-    deadline (host_deadline) is nearer, never under MIN_S."""
+    deadline (host_deadline) is nearer, but not under MIN_S for that."""
     if _HOST["end"] is None:
         return float(cap_s)
-    return max(MIN_S, min(float(cap_s), _HOST["end"] - time.monotonic()))
+    return min(float(cap_s), max(MIN_S, _HOST["end"] - time.monotonic()))
 
 
-def state(pid):
-    """proc(5)'s state letter of process `pid` (/proc/PID/stat field 3, after the parenthesised
-    command name, which may itself hold ")"), or None when it is gone or unreadable."""
+def _stat(pid):
+    """(command name, state letter) of process `pid` from /proc/PID/stat (proc(5): field 2, the
+    executable's or script's base name cut to 15 characters, in parentheses that may themselves
+    hold ")"; field 3, the state), or None when it is gone or unreadable. Never its cmdline: that
+    read waits on the process's memory lock, which a process stuck in a driver may hold."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
-            text = f.read().decode("ascii", "replace")
+            text = f.read().decode("utf-8", "replace")
     except OSError:
         return None
     rest = text[text.rfind(")") + 1:].split()
-    return rest[0] if rest else None
+    return (text[text.find("(") + 1:text.rfind(")")], rest[0]) if rest else None
+
+
+def state(pid):
+    """proc(5)'s state letter of process `pid` ("D": uninterruptible sleep), None when it is gone."""
+    found = _stat(pid)
+    return found[1] if found else None
 
 
 def describe(name, pid, letter):
@@ -64,20 +72,14 @@ def describe(name, pid, letter):
 
 
 def stuck(path):
-    """(pid, state letter) of a process in uninterruptible sleep (state D) that runs the program
-    `path` (its argv[0], or argv[1] after an interpreter: a script, by real path), left behind
-    by an earlier run; None when there is none. A tool stuck in the driver is not started again
-    while one is: such calls pile up (NVIDIA/gpu-monitoring-tools#46)."""
-    real = os.path.realpath(path)
+    """(pid, "D") of a process in uninterruptible sleep running the program `path` (by its
+    command name: the base name of `path`), such as one left behind by an earlier run, or None.
+    A tool stuck in the driver is not started again while one is: such calls pile up
+    (NVIDIA/gpu-monitoring-tools#46)."""
+    name = os.path.basename(path)[:15]
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or state(int(entry)) != "D":
-            continue
-        try:
-            with open("/proc/%s/cmdline" % entry, "rb") as f:
-                words = f.read().split(b"\0")[:2]
-        except OSError:
-            continue
-        if any(w and os.path.realpath(os.fsdecode(w)) == real for w in words):
+        found = _stat(int(entry)) if entry.isdigit() else None
+        if found and found == (name, "D"):
             return int(entry), "D"
     return None
 
