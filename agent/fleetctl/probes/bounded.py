@@ -95,7 +95,7 @@ def run(argv, cap_s, name=None):
     `name`, else argv[0]'s base name. Raises OSError when the child cannot start
     (FileNotFoundError: not there)."""
     name = name or os.path.basename(argv[0])
-    seconds = limit(cap_s)
+    seconds = round(limit(cap_s), 1)
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          start_new_session=True)
     try:
