@@ -55,11 +55,11 @@ def stuck_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     thaw = threading.Timer(THAW_AFTER_S, lambda: (group / "freezer.state").write_text("THAWED"))
     thaw.start()
-    bounded.host_deadline(None)
+    bounded.start(None)
     try:
         yield group
     finally:
-        bounded.host_deadline(None)
+        bounded.start(None)
         thaw.cancel()
         (group / "freezer.state").write_text("THAWED")
         end = time.monotonic() + 10
@@ -107,7 +107,7 @@ def test_the_facts_probe_answers_within_the_host_deadline_with_its_other_facts(s
 
 
 def test_the_kernel_preflight_refuses_in_bounded_time_with_the_same_reason(stuck_smi):
-    bounded.host_deadline(bounded.RESERVE_S + 2)  # the kbuild child's own limit (kbuild.PREFLIGHT_TIMEOUT_S) left: 2 s
+    bounded.start(bounded.RESERVE_S + 2)  # the kbuild child's own limit (kbuild.PREFLIGHT_TIMEOUT_S) left: 2 s
     t0 = time.monotonic()
     facts = preflight.gather_facts()
     assert time.monotonic() - t0 < 2 + bounded.GRACE_S + SLACK_S + 5  # + nvcc and torch/triton lookups

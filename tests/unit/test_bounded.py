@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 
 from fleetctl.probes import bounded
-from fleetctl.probes.facts import gpus
+from fleetctl.probes.facts import containers, gpus, units
 
 SLACK_S = 1.5  # a loaded CI machine's scheduling, on top of the limit and bounded.GRACE_S
 
 
 @pytest.fixture(autouse=True)
 def no_host_deadline():
-    bounded.host_deadline(None)
+    bounded.start(None)
     yield
-    bounded.host_deadline(None)
+    bounded.start(None)
 
 
 def timed(fn, *args, **kw):
@@ -59,10 +59,10 @@ def test_a_tool_that_does_not_answer_is_killed_at_its_limit(tmp_path: Path, scri
 
 
 def test_the_host_deadline_shortens_a_tools_limit_never_below_the_minimum():
-    bounded.host_deadline(bounded.RESERVE_S + 2)
+    bounded.start(bounded.RESERVE_S + 2)
     assert 1 < bounded.limit(20) <= 2
     assert bounded.limit(0.5) == 0.5
-    bounded.host_deadline(bounded.RESERVE_S - 10)
+    bounded.start(bounded.RESERVE_S - 10)
     assert bounded.limit(20) == bounded.MIN_S
     r, took = timed(bounded.run, ["sleep", "30"], 20)
     assert took < bounded.MIN_S + bounded.GRACE_S + SLACK_S and "within 1 s" in r.error
@@ -74,22 +74,52 @@ def test_the_state_of_a_process_is_read_from_proc_stat():
     assert bounded.describe("nvidia-smi", 42, "D") == "nvidia-smi (pid 42, state D: uninterruptible sleep)"
 
 
-# STAND-IN nvidia-smi (no GPU here): a GPU query that never answers, ignoring SIGTERM, with a
-# child of its own holding stdout (subprocess.run's timeout waits for that pipe after its kill)
-HANGING_SMI = """#!/bin/sh
+# STAND-IN host tool (systemctl, docker, nvidia-smi): never answers, ignoring SIGTERM, with a
+# child of its own holding stdout
+HANGING_TOOL = """#!/bin/sh
 trap '' TERM
 sleep 60 &
 wait
 """
 
 
+def hanging(tmp_path: Path, name: str, monkeypatch) -> Path:
+    """A hanging stand-in `name` first on PATH; its path."""
+    tool = tmp_path / "bin" / name
+    tool.parent.mkdir(exist_ok=True)
+    tool.write_text(HANGING_TOOL)
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    return tool
+
+
+def test_a_hanging_systemctl_leaves_the_unit_files_read_within_the_host_deadline(tmp_path: Path, monkeypatch):
+    (tmp_path / "units").mkdir()
+    (tmp_path / "units" / "sglang.service").write_text(
+        "[Service]\nExecStart=/opt/sglang/venv/bin/python -m sglang.launch_server --port 30000\n")
+    from_files = units.services(search=(str(tmp_path / "units"),), systemctl=False)
+    assert [u["unit"] for u in from_files] == ["sglang.service"]
+    bounded.start(bounded.RESERVE_S + 1)
+    found, took = timed(units.services, search=(str(tmp_path / "units"),),
+                        systemctl=str(hanging(tmp_path, "systemctl", monkeypatch)))
+    assert took < 1 + bounded.GRACE_S + SLACK_S, took
+    assert found == from_files
+    assert [e.split(" did not answer")[0] for e in bounded.errors()] == ["systemctl"]
+
+
+def test_a_hanging_runtime_inspect_gives_no_fields_within_the_host_deadline(tmp_path: Path, monkeypatch):
+    hanging(tmp_path, "docker", monkeypatch)
+    bounded.start(bounded.RESERVE_S + 1)
+    found, took = timed(containers.inspect, "docker", "0" * 64)
+    assert took < 1 + bounded.GRACE_S + SLACK_S, took
+    assert found == {} and bounded.errors() == ["docker did not answer within 1 s: killed"]
+
+
 def test_a_hanging_nvidia_smi_is_a_reason_within_the_host_deadline(tmp_path: Path, monkeypatch):
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text(HANGING_SMI)
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    bounded.host_deadline(bounded.RESERVE_S + 2)  # the GPU query gets what is left: 2 s, not its 20
+    hanging(tmp_path, "nvidia-smi", monkeypatch)
+    bounded.start(bounded.RESERVE_S + 2)  # the GPU query gets what is left: 2 s, not its 20
     (rows, errors, reason), took = timed(gpus.gpu_facts)
     assert took < 2 + bounded.GRACE_S + SLACK_S, took
     assert (rows, errors) == ([], [])
     assert reason.startswith("nvidia-smi did not answer within ") and reason.endswith(" s: killed"), reason
+    assert bounded.errors() == [reason]

@@ -10,7 +10,8 @@ own session (setsid(2): its own process group, out of reach of the terminal's si
 group SIGKILL at the deadline, waits GRACE_S more, and then stops waiting: a child still there is
 abandoned (left to the kernel; subprocess reaps it later, Lib/subprocess.py _cleanup) and named
 with its pid and its state read from /proc/PID/stat (proc(5): field 3, "D" uninterruptible
-sleep). The probe's own deadline inside the host's: host_deadline() and limit().
+sleep). The probe's own deadline inside the host's, and what did not answer: start(), limit(),
+errors().
 """
 
 import collections
@@ -24,7 +25,8 @@ RESERVE_S = 5.0  # of the host's deadline, kept for the probe's own work after a
 MIN_S = 1.0  # the least a tool is given, whatever is left of the host's deadline
 STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible sleep", "T": "stopped", "t": "traced",
           "Z": "zombie", "X": "dead", "I": "idle"}  # proc(5) /proc/PID/stat field 3
-_HOST = {"end": None}  # time.monotonic() at which this probe's host deadline (less RESERVE_S) ends
+# end: time.monotonic() at which this probe's host deadline (less RESERVE_S) ends; errors: of its run()s
+_HOST = {"end": None, "errors": []}
 
 # stdout and stderr as text (UTF-8, errors replaced); returncode None when it did not exit in time;
 # error None when it exited in time, else the sentence saying what happened; state: proc(5)'s
@@ -32,15 +34,23 @@ _HOST = {"end": None}  # time.monotonic() at which this probe's host deadline (l
 Ran = collections.namedtuple("Ran", "stdout stderr returncode error pid state")
 
 
-def host_deadline(seconds):
-    """Set this probe run's host deadline: `seconds` from now (the host's time left when the
-    probe started, params["deadline_s"]); None: none, each tool gets its own limit only."""
-    _HOST["end"] = None if seconds is None else time.monotonic() + float(seconds) - RESERVE_S
+def start(deadline_s):
+    """A probe run starts: its host deadline set `deadline_s` seconds from now (the host's time
+    left when the probe started, params["deadline_s"]; None: none, each tool gets its own limit
+    only) and its record of the tools that did not answer (errors) emptied."""
+    _HOST["end"] = None if deadline_s is None else time.monotonic() + float(deadline_s) - RESERVE_S
+    _HOST["errors"] = []
+
+
+def errors():
+    """The error sentences (Ran.error) of this probe run's tools that did not answer in time,
+    in order (see start)."""
+    return list(_HOST["errors"])
 
 
 def limit(cap_s):
     """Seconds a tool may take now: `cap_s` (its subsystem's own limit), less when the host's
-    deadline (host_deadline) is nearer, but not under MIN_S for that."""
+    deadline (start) is nearer, but not under MIN_S for that."""
     if _HOST["end"] is None:
         return float(cap_s)
     return min(float(cap_s), max(MIN_S, _HOST["end"] - time.monotonic()))
@@ -91,8 +101,8 @@ def run(argv, cap_s, name=None):
     error is None when the child exited in time (whatever its status); else "NAME did not answer
     within N s: killed" (it died on SIGKILL within GRACE_S) or "NAME (pid N, state D:
     uninterruptible sleep) did not answer within N s and did not die on SIGKILL: left behind"
-    (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S). NAME:
-    `name`, else argv[0]'s base name. Raises OSError when the child cannot start
+    (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S), also
+    kept for errors(). NAME: `name`, else argv[0]'s base name. Raises OSError when the child cannot start
     (FileNotFoundError: not there)."""
     name = name or os.path.basename(argv[0])
     seconds = round(limit(cap_s), 1)
@@ -112,12 +122,15 @@ def run(argv, cap_s, name=None):
     except subprocess.TimeoutExpired:
         pass  # a pipe still open: the child, or one that left the group, holds it
     if p.poll() is not None:
-        return Ran("", "", None, "%s did not answer within %g s: killed" % (name, seconds), p.pid, None)
-    letter = state(p.pid) or "?"
-    for pipe in (p.stdout, p.stderr):
-        pipe.close()
-    return Ran("", "", None, "%s did not answer within %g s and did not die on SIGKILL: left behind"
-               % (describe(name, p.pid, letter), seconds), p.pid, letter)
+        error, letter = "%s did not answer within %g s: killed" % (name, seconds), None
+    else:
+        letter = state(p.pid) or "?"
+        for pipe in (p.stdout, p.stderr):
+            pipe.close()
+        error = "%s did not answer within %g s and did not die on SIGKILL: left behind" % (
+            describe(name, p.pid, letter), seconds)
+    _HOST["errors"].append(error)
+    return Ran("", "", None, error, p.pid, letter)
 
 
 def _text(data):
