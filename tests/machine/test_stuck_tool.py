@@ -82,6 +82,7 @@ def test_a_stuck_nvidia_smi_is_left_behind_named_and_not_started_again(stuck_smi
     assert (rows, errors) == ([], []) and procs_in(stuck_smi) == [r.pid]
     assert reason == (f"nvidia-smi (pid {r.pid}, state D: uninterruptible sleep) from an earlier run is still "
                       "stuck: not started again; the driver is stuck: see dmesg for Xid")
+    assert bounded.errors() == [r.error, reason.split("; ")[0]]
 
 
 def test_the_facts_probe_answers_within_the_host_deadline_with_its_other_facts(stuck_smi, tmp_path):
@@ -104,6 +105,7 @@ def test_the_facts_probe_answers_within_the_host_deadline_with_its_other_facts(s
                                            "within "), facts["gpus_reason"]
     assert facts["gpus_reason"].endswith(" s and did not die on SIGKILL: left behind; the driver is stuck: "
                                          "see dmesg for Xid"), facts["gpus_reason"]
+    assert facts["tool_errors"] == [facts["gpus_reason"].split("; ")[0]]
 
 
 def test_the_kernel_preflight_refuses_in_bounded_time_with_the_same_reason(stuck_smi):
@@ -116,3 +118,26 @@ def test_the_kernel_preflight_refuses_in_bounded_time_with_the_same_reason(stuck
     verdict = preflight.decide(facts, ["cuda", "triton"])
     assert verdict["backend"] is None
     assert f"cannot read the GPUs: {facts['gpu_error']}" in verdict["refusals"]
+
+
+def test_inspect_reports_the_host_ok_with_its_facts_and_the_stuck_gpu_within_its_timeout(stuck_smi, tmp_path):
+    """`fleetctl inspect --json` of this machine (ansible_connection: local) with the stuck GPU
+    tool: the host's deadline reaches the probe (engine/gather.py deadline_s), which answers
+    within it; the host is ok, with its other facts and the GPU's reason."""
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n    g-12:\n      ansible_connection: local\n")
+    timeout = 15
+    env = dict(os.environ, HOME=str(tmp_path))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "inspect", "g-12", "-i", str(inv), "--json",
+                        "--timeout", str(timeout)], capture_output=True, text=True, env=env, timeout=THAW_AFTER_S * 2)
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    [host] = json.loads(r.stdout)["hosts"]
+    assert took < timeout + SLACK_S, (took, host["error"])
+    assert host["status"] == "ok" and host["error"] is None
+    facts = host["facts"]
+    assert facts["hostname"] == os.uname().nodename and facts["python"]["path"] and facts["sglang_reason"]
+    [pid] = procs_in(stuck_smi)
+    assert facts["gpus"] == [] and facts["gpus_reason"].startswith(f"nvidia-smi (pid {pid}, state D: ")
+    assert facts["tool_errors"] == [facts["gpus_reason"].split("; ")[0]]

@@ -101,10 +101,17 @@ def run(argv, cap_s, name=None):
     error is None when the child exited in time (whatever its status); else "NAME did not answer
     within N s: killed" (it died on SIGKILL within GRACE_S) or "NAME (pid N, state D:
     uninterruptible sleep) did not answer within N s and did not die on SIGKILL: left behind"
-    (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S), also
-    kept for errors(). NAME: `name`, else argv[0]'s base name. Raises OSError when the child cannot start
+    (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S), or,
+    when one of argv[0] is stuck already (stuck: it is not started again), "NAME (pid N, state
+    D: ...) from an earlier run is still stuck: not started again"; each also kept for
+    errors(). NAME: `name`, else argv[0]'s base name. Raises OSError when the child cannot start
     (FileNotFoundError: not there)."""
     name = name or os.path.basename(argv[0])
+    held = stuck(argv[0])
+    if held:
+        error = "%s from an earlier run is still stuck: not started again" % describe(name, *held)
+        _HOST["errors"].append(error)
+        return Ran("", "", None, error, held[0], held[1])
     seconds = round(limit(cap_s), 1)
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          start_new_session=True)

@@ -112,14 +112,10 @@ def gpu_facts(smi="nvidia-smi", cap_s=SMI_DEADLINE_S):
     gpu_errors, gpus_reason) as parse says, or ([], [], why) when it is not found, cannot run,
     does not answer in time ("nvidia-smi (pid N, state D: uninterruptible sleep) did not answer
     within 20 s ...; the driver is stuck: see dmesg for Xid"), or one left behind by an earlier
-    run is still stuck (bounded.stuck: it is not started again)."""
+    run is still stuck (it is not started again)."""
     found = shutil.which(smi)
     if not found:
         return [], [], "nvidia-smi not found"
-    held = bounded.stuck(found)
-    if held:
-        return [], [], "%s from an earlier run is still stuck: not started again; %s" % (
-            bounded.describe("nvidia-smi", *held), STUCK_HINT)
     try:
         r = bounded.run([found] + ARGS, cap_s, name="nvidia-smi")
     except OSError as e:  # on PATH but not runnable by this user (a container entered as its user)
