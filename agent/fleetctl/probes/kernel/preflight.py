@@ -11,9 +11,8 @@ import re
 import shutil
 import sys
 
-from .. import runas
+from .. import bounded, runas
 from ..facts import gpus, torchver
-from . import proc
 
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
@@ -21,6 +20,7 @@ MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11,
                      "10.0": (12, 8), "12.0": (12, 8)}
 # Oldest compute capability the triton backend builds for: tl.dot on bf16 needs sm_80 (Ampere).
 TRITON_MIN_ARCH = (8, 0)
+NVCC_S = 30  # `nvcc --version`'s limit (bounded.run)
 
 
 def preflight(params: dict) -> dict:
@@ -164,7 +164,11 @@ def _nvcc():
     candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
     for path in candidates:
         if path and os.access(path, os.X_OK):
-            m = re.search(r"release (\d+\.\d+)", proc.run([path, "--version"]).stdout)
+            try:
+                out = bounded.run([path, "--version"], NVCC_S).stdout  # a CUDA on a dead mount: left behind
+            except OSError:
+                out = ""
+            m = re.search(r"release (\d+\.\d+)", out)
             return {"path": path, "version": m.group(1) if m else None}
     return None
 
