@@ -57,17 +57,20 @@ def limit(cap_s):
 
 
 def _stat(pid):
-    """(command name, state letter) of process `pid` from /proc/PID/stat (proc(5): field 2, the
-    executable's or script's base name cut to 15 characters, in parentheses that may themselves
-    hold ")"; field 3, the state), or None when it is gone or unreadable. Never its cmdline: that
-    read waits on the process's memory lock, which a process stuck in a driver may hold."""
+    """(command name, state letter, start time in seconds after boot) of process `pid` from
+    /proc/PID/stat (proc(5): field 2, the executable's or script's base name cut to 15
+    characters, in parentheses that may themselves hold ")"; field 3, the state; field 22, the
+    start time in clock ticks), or None when it is gone or unreadable. Never its cmdline: that read
+    waits on the process's memory lock, which a process stuck in a driver may hold."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return None
     rest = text[text.rfind(")") + 1:].split()
-    return (text[text.find("(") + 1:text.rfind(")")], rest[0]) if rest else None
+    if len(rest) < 20 or not rest[19].isdigit():
+        return None
+    return text[text.find("(") + 1:text.rfind(")")], rest[0], int(rest[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def state(pid):
@@ -81,15 +84,21 @@ def describe(name, pid, letter):
     return "%s (pid %d, state %s: %s)" % (name, pid, letter, STATES.get(letter, "unknown"))
 
 
-def stuck(path):
+def stuck(path, older_than_s):
     """(pid, "D") of a process in uninterruptible sleep running the program `path` (by its
-    command name: the base name of `path`), such as one left behind by an earlier run, or None.
-    A tool stuck in the driver is not started again while one is: such calls pile up
-    (NVIDIA/gpu-monitoring-tools#46)."""
+    command name: the base name of `path`) for more than `older_than_s` seconds (a run's own
+    limit: a tool that old has not answered, such as one an earlier run left behind; a younger
+    one may be only briefly in the driver), or None. A tool stuck in the driver is not started
+    again while one is: such calls pile up (NVIDIA/gpu-monitoring-tools#46)."""
     name = os.path.basename(path)[:15]
+    try:
+        with open("/proc/uptime") as f:
+            now = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
     for entry in os.listdir("/proc"):
         found = _stat(int(entry)) if entry.isdigit() else None
-        if found and found == (name, "D"):
+        if found and found[:2] == (name, "D") and now - found[2] > older_than_s:
             return int(entry), "D"
     return None
 
@@ -102,17 +111,18 @@ def run(argv, cap_s, name=None):
     within N s: killed" (it died on SIGKILL within GRACE_S) or "NAME (pid N, state D:
     uninterruptible sleep) did not answer within N s and did not die on SIGKILL: left behind"
     (it is abandoned, never waited for: the call returns within limit(cap_s) + GRACE_S), or,
-    when one of argv[0] is stuck already (stuck: it is not started again), "NAME (pid N, state
-    D: ...) from an earlier run is still stuck: not started again"; each also kept for
+    when one of argv[0] has been stuck longer than that limit already (stuck: it is not started
+    again), "NAME (pid N, state D: ...) from an earlier run is still stuck: not started again";
+    each also kept for
     errors(). NAME: `name`, else argv[0]'s base name. Raises OSError when the child cannot start
     (FileNotFoundError: not there)."""
     name = name or os.path.basename(argv[0])
-    held = stuck(argv[0])
+    seconds = round(limit(cap_s), 1)
+    held = stuck(argv[0], seconds)
     if held:
         error = "%s from an earlier run is still stuck: not started again" % describe(name, *held)
         _HOST["errors"].append(error)
         return Ran("", "", None, error, held[0], held[1])
-    seconds = round(limit(cap_s), 1)
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          start_new_session=True)
     try:
