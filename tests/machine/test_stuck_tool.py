@@ -2,8 +2,9 @@
 nvidia-smi stuck in the driver is a process in uninterruptible sleep (state D) that SIGKILL does
 not end, made here with the cgroup v1 freezer (a frozen task shows state D and dies on SIGKILL only
 once thawed; cgroup v2's cgroup.freeze lets SIGKILL through). The GPU query leaves it behind within
-its limit, names its pid and state, starts no second one while it is stuck; the facts probe answers
-within the host's deadline with its other facts; kbuild's preflight refuses with the same reason.
+its limit, names its pid and state, starts no second one while it is stuck; `fleetctl inspect`
+answers within the host's deadline, the host ok with its other facts; kbuild's preflight refuses
+with the same reason.
 The `nvidia-smi` is a STAND-IN (no GPU here): a script that freezes itself before it answers."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import probes
 from fleetctl.probes import bounded
 from fleetctl.probes.facts import gpus
 from fleetctl.probes.kernel import preflight
@@ -88,29 +88,6 @@ def test_a_stuck_nvidia_smi_is_left_behind_named_and_not_started_again(stuck_smi
     assert bounded.errors() == [reason.split("; ")[0]]
 
 
-def test_the_facts_probe_answers_within_the_host_deadline_with_its_other_facts(stuck_smi, tmp_path):
-    deadline = bounded.RESERVE_S + 8
-    params = {"python": None, "scan": False, "with_sources": False, "cache_key": None, "deadline_s": deadline}
-    env = dict(os.environ, HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", probes.WRAPPER], input=probes.bundle("facts.host", params),
-                       capture_output=True, env=env, timeout=THAW_AFTER_S * 2)
-    took = time.monotonic() - t0
-    out = probes.parse_output(r.stdout, r.stderr, r.returncode)
-    assert took < deadline, (took, out["facts"]["gpus_reason"])
-    facts = out["facts"]
-    assert facts["hostname"] == os.uname().nodename and isinstance(facts["servers"], list)
-    assert facts["sglang_reason"] and "considered" in facts["interpreter_discovery"], json.dumps(facts)[:2000]
-    assert facts["runtime_clis"] and facts["servers_in_other_namespaces"] >= 0
-    assert facts["gpus"] == [] and facts["gpu_errors"] == []
-    [pid] = procs_in(stuck_smi)
-    assert facts["gpus_reason"].startswith(f"nvidia-smi (pid {pid}, state D: uninterruptible sleep) did not answer "
-                                           "within "), facts["gpus_reason"]
-    assert facts["gpus_reason"].endswith(" s and did not die on SIGKILL: left behind; the driver is stuck: "
-                                         "see dmesg for Xid"), facts["gpus_reason"]
-    assert facts["tool_errors"] == [facts["gpus_reason"].split("; ")[0]]
-
-
 def test_the_kernel_preflight_refuses_in_bounded_time_with_the_same_reason(stuck_smi):
     bounded.start(bounded.RESERVE_S + 2)  # the kbuild child's own limit (kbuild.PREFLIGHT_TIMEOUT_S) left: 2 s
     t0 = time.monotonic()
@@ -141,6 +118,7 @@ def test_inspect_reports_the_host_ok_with_its_facts_and_the_stuck_gpu_within_its
     assert host["status"] == "ok" and host["error"] is None
     facts = host["facts"]
     assert facts["hostname"] == os.uname().nodename and facts["python"]["path"] and facts["sglang_reason"]
+    assert "considered" in facts["interpreter_discovery"] and facts["runtime_clis"], json.dumps(facts)[:2000]
     [pid] = procs_in(stuck_smi)
     assert facts["gpus"] == [] and facts["gpus_reason"].startswith(f"nvidia-smi (pid {pid}, state D: ")
     assert facts["tool_errors"] == [facts["gpus_reason"].split("; ")[0]]
