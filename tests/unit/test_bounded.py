@@ -48,6 +48,7 @@ def test_a_tool_that_is_not_there_raises_file_not_found():
     "trap '' TERM; while :; do sleep 1; done",  # ignores SIGTERM
     "sleep 30",  # hangs
     "sleep 30 & sleep 30; wait",  # and a child of its own that holds the output pipe
+    "setsid sleep 4 & sleep 30",  # and one that left its process group, holding the pipe past the kill
 ])
 def test_a_tool_that_does_not_answer_is_killed_at_its_limit(tmp_path: Path, script: str):
     pidfile = tmp_path / "pids"

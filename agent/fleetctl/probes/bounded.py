@@ -136,14 +136,13 @@ def run(argv, cap_s, name=None):
         pass
     try:
         p.communicate(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass  # a pipe still open: the child, or one that left the group, holds it
+    except subprocess.TimeoutExpired:  # a pipe still open: the child, or one that left its group, holds it
+        for pipe in (p.stdout, p.stderr):
+            pipe.close()
     if p.poll() is not None:
         error, letter = "%s did not answer within %g s: killed" % (name, seconds), None
     else:
         letter = state(p.pid) or "?"
-        for pipe in (p.stdout, p.stderr):
-            pipe.close()
         error = "%s did not answer within %g s and did not die on SIGKILL: left behind" % (
             describe(name, p.pid, letter), seconds)
     _HOST["errors"].append(error)
