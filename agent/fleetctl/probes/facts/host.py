@@ -401,8 +401,8 @@ def record_interpreter(store, params):
 
 def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
-    deadline_s (the host's seconds left when the probe started, or None: the host tools' limits
-    then hold within it, bounded.start),
+    deadline_s (the host's seconds left when the probe started: the host tools it runs end
+    within it, bounded.start; None: each tool's own limit only),
     cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache), inside
     (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
     there: the probe runs with -S); or
