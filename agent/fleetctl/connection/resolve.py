@@ -61,7 +61,7 @@ _DEFAULTS = {
 # which Debian's /etc/ssh/ssh_config turns on; HostbasedAuthentication) are not among them:
 # paramiko offers only the public keys.
 UNSUPPORTED_BY_PARAMIKO = {
-    "certificatefile": None, "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
+    "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
     "remotecommand": None, "forwardagent": "no", "forwardx11": "no", "tunnel": "false",
     "permitlocalcommand": "no", "proxyusefdpass": "no", "knownhostscommand": None, "revokedhostkeys": None,
     "verifyhostkeydns": "false", "bindaddress": None, "bindinterface": None, "sessiontype": "default",
@@ -149,8 +149,7 @@ class Resolved:
         """The options set here that the paramiko connection cannot honour, as `Keyword value`."""
         out = []
         for key, off in UNSUPPORTED_BY_PARAMIKO.items():
-            values = self.certificate_files if key == "certificatefile" else self.options.get(key, [])
-            out += [f"{key} {v}" for v in values if off is None or str(v).lower() != off]
+            out += [f"{key} {v}" for v in self.options.get(key, []) if off is None or str(v).lower() != off]
         return out
 
 

@@ -1,0 +1,188 @@
+"""Public-key authentication for the paramiko connection, as OpenSSH's client does it: the keys
+`ssh -G` resolved (IdentityFile and the certificate beside each, CertificateFile, the agent at
+IdentityAgent, IdentitiesOnly), offered in OpenSSH's order (pubkey_order.py), each signed where
+OpenSSH signs it (a certificate on disk by the agent that holds its key, an agent's certificate
+by the agent as the agent listed it: paramiko's own AgentKey offers an RSA certificate as the
+plain key, paramiko/paramiko#2437). A refusal names the keys offered and, for a certificate,
+the likely fix (TrustedUserCAKeys, principals, validity).
+
+Where it differs from `ssh -o BatchMode=yes`: a file key that neither the agent holds nor can be
+read without a passphrase is never offered (ssh offers its public half, then cannot sign).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import socket
+from pathlib import Path
+
+from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
+
+from . import pubkey_order
+from .errors import Unreachable
+from .pubkey_order import Offer
+from .resolve import Resolved
+
+log = logging.getLogger("fleetctl")
+
+_OPENSSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----"
+
+
+class _AgentAt(paramiko.agent.AgentSSH):
+    """The SSH agent listening on the unix socket `path` (IdentityAgent), asked within `timeout`
+    seconds. Raises OSError when it cannot be reached."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(path)
+        self._connect(sock)
+
+
+class _AgentSigned(paramiko.AgentKey):
+    """An offer the agent signs: `offer` (a key or certificate blob) is what the server is sent,
+    `signing` the agent's own blob for the private key (the same blob, or the plain key of a
+    certificate on disk)."""
+
+    def __init__(self, agent, offer: bytes, signing: bytes):
+        super().__init__(agent, signing)
+        self.public_blob = paramiko.PublicBlob(pubkey_order.key_type(offer), offer)
+
+    def asbytes(self) -> bytes:  # the agent's blob as listed (AgentKey re-encodes an RSA certificate)
+        return self.blob
+
+
+def public_blob(path: Path) -> bytes | None:
+    """The public key blob of an identity file, found as OpenSSH's sshkey_load_public (authfile.c)
+    finds it: the file as a public key line, else `FILE.pub`, else the public half an
+    openssh-key-v1 private key carries in the clear (a passphrase does not hide it), else the
+    private key read without a passphrase; None when none of these reads."""
+    for candidate in (path, Path(f"{path}.pub")):
+        blob = _public_line(candidate)
+        if blob is not None:
+            return blob
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    if text.lstrip().startswith(_OPENSSH_KEY):
+        body = "".join(line for line in text.strip().splitlines()[1:-1])
+        try:
+            raw = base64.b64decode(body)
+            magic = b"openssh-key-v1\0"
+            if raw.startswith(magic):
+                _, pos = pubkey_order.ssh_strings(raw, len(magic), 3)  # ciphername, kdfname, kdfoptions
+                (pub,), _ = pubkey_order.ssh_strings(raw, pos + 4, 1)  # after nkeys: the first public key
+                return pub[4:]
+        except ValueError:
+            return None
+    try:
+        return paramiko.PKey.from_path(path).asbytes()
+    except (paramiko.SSHException, OSError, ValueError):
+        return None
+
+
+def _public_line(path: Path) -> bytes | None:
+    """The blob of a one-line OpenSSH public key or certificate file (`TYPE BASE64 [comment]`)."""
+    try:
+        if not path.is_file() or path.stat().st_size > 65536:
+            return None
+        words = path.read_text(encoding="ascii", errors="replace").split()
+        blob = base64.b64decode(words[1], validate=True) if len(words) >= 2 else b""
+    except (OSError, ValueError):
+        return None
+    return blob if blob and pubkey_order.key_type(blob) == words[0] else None
+
+
+def _beside(path: Path) -> tuple[str, bytes] | None:
+    """The certificate ssh loads beside identity file `path`: `PATH-cert`, else `PATH-cert.pub`."""
+    for candidate in (Path(f"{path}-cert"), Path(f"{path}-cert.pub")):
+        blob = _public_line(candidate)
+        if blob is not None and pubkey_order.key_type(blob).endswith(pubkey_order.CERT_SUFFIX):
+            return str(candidate), blob
+    return None
+
+
+class OpenSSHAuth:
+    """Public keys as OpenSSH offers them to `r` (pubkey_order.order); `timeout`: seconds to
+    reach the agent. Given to paramiko's SSHClient.connect as its `auth_strategy` (which calls
+    only authenticate()); authenticate() raises Unreachable naming every key refused and, for a
+    certificate, why it likely was."""
+
+    def __init__(self, r: Resolved, timeout: float):
+        self.r = r
+        self.agent = None
+        agent_keys = None
+        if r.identity_agent:
+            try:
+                self.agent = _AgentAt(r.identity_agent, timeout)
+                agent_keys = [(k.blob, k.comment or "agent key") for k in self.agent.get_keys()]
+            except (OSError, paramiko.SSHException) as e:
+                log.warning("fleetctl: %s: agent %s not used (%s)", r.name, r.identity_agent, e)
+        files = []
+        for path in r.identity_files:
+            blob = public_blob(path)
+            if blob is None:
+                log.warning("fleetctl: %s: identity file %s skipped (no public key readable)", r.name, path)
+                continue
+            files.append((str(path), blob, _beside(path)))
+        certs = [(str(p), b) for p in r.certificate_files if (b := _public_line(p)) is not None]
+        self.agent_count = len(agent_keys or ())
+        self.offers = pubkey_order.order(files, certs, agent_keys, r.identities_only)
+
+    def _key(self, offer: Offer):
+        """A paramiko key that offers `offer` and signs with what OpenSSH signs it with, or None
+        (a private key file that cannot be read without a passphrase)."""
+        by = pubkey_order.signer(offer, self.offers)
+        if by.agent and self.agent is not None:
+            return _AgentSigned(self.agent, offer.blob, by.blob)
+        if by.key_file is None:
+            return None
+        try:
+            key = paramiko.PKey.from_path(by.key_file)
+        except (paramiko.SSHException, OSError, ValueError) as e:
+            log.warning("fleetctl: %s: %s not offered: private key %s unreadable (%s)", self.r.name, offer.name,
+                        by.key_file, e)
+            return None
+        key.public_blob = paramiko.PublicBlob(pubkey_order.key_type(offer.blob), offer.blob)
+        return key
+
+    def authenticate(self, transport):
+        """Offer each key in order until the server accepts one. Raises Unreachable when none is
+        accepted, or the server closes the connection first (sshd's MaxAuthTries)."""
+        r, refused = self.r, []
+        for offer in self.offers:
+            key = self._key(offer)
+            if key is None:
+                continue
+            if not transport.is_active():
+                break
+            try:
+                transport.auth_publickey(r.user, key)
+                return
+            except (paramiko.SSHException, EOFError, OSError):  # AuthenticationException among them
+                refused.append(offer)
+        raise Unreachable(self.failure(refused, transport.is_active()))
+
+    def failure(self, refused: list[Offer], open_: bool) -> str:
+        """The message for a login that failed after `refused` were refused (`open_`: the server
+        still had the connection open)."""
+        r = self.r
+        where = f"{r.user}@{r.hostname}:{r.port}"
+        if not refused:
+            agent = ("IdentityAgent none" if not r.identity_agent else
+                     f"no agent answered at {r.identity_agent}" if self.agent is None else
+                     f"IdentitiesOnly yes leaves out the agent's {self.agent_count} keys" if self.agent_count
+                     else f"the agent at {r.identity_agent} holds no keys")
+            return (f"authentication failed: no key to offer to {where} (IdentityFile: "
+                    f"{', '.join(map(str, r.identity_files)) or 'none readable'}; {agent})")
+        names = ", ".join(o.name for o in refused)
+        msg = f"authentication failed: {where} refused the {len(refused)} key(s) offered ({names})"
+        if not open_ and len(refused) < len(self.offers):
+            msg += (f"; it closed the connection after {len(refused)} of {len(self.offers)} keys (sshd's MaxAuthTries, "
+                    "\"Too many authentication failures\"): name the right key as IdentityFile, with "
+                    "IdentitiesOnly yes to keep the agent's other keys back")
+        hint = pubkey_order.refusal_hint(refused, r.user)
+        return msg + (f"; {hint}" if hint else "")
