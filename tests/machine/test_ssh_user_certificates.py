@@ -167,17 +167,17 @@ def _layout(name: str, s: Server, d: Path, agent: Agent) -> tuple[list[str], boo
     raise AssertionError(name)
 
 
-# layout -> (ssh logs in, what fleetctl's refusal must say)
+# layout -> (ssh logs in, what the refusal of fleetctl's paramiko kind says, what its ssh kind's says)
 LAYOUTS = {
-    "rsa_cert_and_key_in_agent": (True, None),
-    "ecdsa_cert_renewed_on_disk": (True, None),
-    "rsa_cert_only_in_agent": (True, None),
-    "certificate_file_no_agent": (True, None),
-    "right_key_behind_seven_agent_keys": (True, None),
-    "identities_only_public_file": (True, None),
-    "principal_not_listed": (False, "lists the principals bob, not 'root'"),
-    "ca_not_trusted": (False, "TrustedUserCAKeys"),
-    "seven_agent_keys_before_the_file": (False, "MaxAuthTries"),
+    "rsa_cert_and_key_in_agent": (True, None, None),
+    "ecdsa_cert_renewed_on_disk": (True, None, None),
+    "rsa_cert_only_in_agent": (True, None, None),
+    "certificate_file_no_agent": (True, None, None),
+    "right_key_behind_seven_agent_keys": (True, None, None),
+    "identities_only_public_file": (True, None, None),
+    "principal_not_listed": (False, "lists the principals bob, not 'root'", "lists the principals bob, not 'root'"),
+    "ca_not_trusted": (False, "TrustedUserCAKeys", "TrustedUserCAKeys"),
+    "seven_agent_keys_before_the_file": (False, "MaxAuthTries", "Too many authentication failures"),
 }
 
 
@@ -198,7 +198,7 @@ def _fleetctl(cfg: Path, kind: str) -> str | None:
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_ssh_and_fleetctl_agree_on_who_logs_in(server, tmp_path, monkeypatch, name):
-    logs_in, said = LAYOUTS[name]
+    logs_in, paramiko_says, ssh_kind_says = LAYOUTS[name]
     agent = Agent(tmp_path)
     try:
         lines, via_env = _layout(name, server, tmp_path, agent)
@@ -215,9 +215,9 @@ def test_ssh_and_fleetctl_agree_on_who_logs_in(server, tmp_path, monkeypatch, na
         assert (ssh.returncode == 0) == logs_in, ssh.stderr
         paramiko_error = _fleetctl(cfg, "paramiko")
         assert (paramiko_error is None) == logs_in, paramiko_error
-        if said:
-            assert said in paramiko_error
+        assert paramiko_says is None or paramiko_says in paramiko_error
         ssh_kind_error = _fleetctl(cfg, "ssh")
         assert (ssh_kind_error is None) == logs_in, ssh_kind_error
+        assert ssh_kind_says is None or ssh_kind_says in ssh_kind_error
     finally:
         agent.stop()

@@ -12,33 +12,46 @@ read without a passphrase is never offered (ssh offers its public half, then can
 
 from __future__ import annotations
 
-import base64
 import logging
 import socket
 from pathlib import Path
 
 from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
 
-from . import pubkey_order
+from . import keyfiles, pubkey_order
 from .errors import Unreachable
 from .pubkey_order import Offer
 from .resolve import Resolved
 
 log = logging.getLogger("fleetctl")
 
-_OPENSSH_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----"
+
+def _private_public(path: Path) -> bytes | None:
+    """The public key of a (PEM) private key file paramiko reads without a passphrase, else None."""
+    try:
+        return paramiko.PKey.from_path(path).asbytes()
+    except (paramiko.SSHException, OSError, ValueError):
+        return None
 
 
 class _AgentAt(paramiko.agent.AgentSSH):
     """The SSH agent listening on the unix socket `path` (IdentityAgent), asked within `timeout`
-    seconds. Raises OSError when it cannot be reached."""
+    seconds. Raises OSError when it cannot be reached, paramiko.SSHException when it does not
+    list its keys."""
 
     def __init__(self, path: str, timeout: float):
         super().__init__()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        sock.connect(path)
-        self._connect(sock)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            self._connect(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def close(self) -> None:
+        self._close()
 
 
 class _AgentSigned(paramiko.AgentKey):
@@ -52,57 +65,6 @@ class _AgentSigned(paramiko.AgentKey):
 
     def asbytes(self) -> bytes:  # the agent's blob as listed (AgentKey re-encodes an RSA certificate)
         return self.blob
-
-
-def public_blob(path: Path) -> bytes | None:
-    """The public key blob of an identity file, found as OpenSSH's sshkey_load_public (authfile.c)
-    finds it: the file as a public key line, else `FILE.pub`, else the public half an
-    openssh-key-v1 private key carries in the clear (a passphrase does not hide it), else the
-    private key read without a passphrase; None when none of these reads."""
-    for candidate in (path, Path(f"{path}.pub")):
-        blob = _public_line(candidate)
-        if blob is not None:
-            return blob
-    try:
-        text = path.read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    if text.lstrip().startswith(_OPENSSH_KEY):
-        body = "".join(line for line in text.strip().splitlines()[1:-1])
-        try:
-            raw = base64.b64decode(body)
-            magic = b"openssh-key-v1\0"
-            if raw.startswith(magic):
-                _, pos = pubkey_order.ssh_strings(raw, len(magic), 3)  # ciphername, kdfname, kdfoptions
-                (pub,), _ = pubkey_order.ssh_strings(raw, pos + 4, 1)  # after nkeys: the first public key
-                return pub[4:]
-        except ValueError:
-            return None
-    try:
-        return paramiko.PKey.from_path(path).asbytes()
-    except (paramiko.SSHException, OSError, ValueError):
-        return None
-
-
-def _public_line(path: Path) -> bytes | None:
-    """The blob of a one-line OpenSSH public key or certificate file (`TYPE BASE64 [comment]`)."""
-    try:
-        if not path.is_file() or path.stat().st_size > 65536:
-            return None
-        words = path.read_text(encoding="ascii", errors="replace").split()
-        blob = base64.b64decode(words[1], validate=True) if len(words) >= 2 else b""
-    except (OSError, ValueError):
-        return None
-    return blob if blob and pubkey_order.key_type(blob) == words[0] else None
-
-
-def _beside(path: Path) -> tuple[str, bytes] | None:
-    """The certificate ssh loads beside identity file `path`: `PATH-cert`, else `PATH-cert.pub`."""
-    for candidate in (Path(f"{path}-cert"), Path(f"{path}-cert.pub")):
-        blob = _public_line(candidate)
-        if blob is not None and pubkey_order.key_type(blob).endswith(pubkey_order.CERT_SUFFIX):
-            return str(candidate), blob
-    return None
 
 
 class OpenSSHAuth:
@@ -121,14 +83,10 @@ class OpenSSHAuth:
                 agent_keys = [(k.blob, k.comment or "agent key") for k in self.agent.get_keys()]
             except (OSError, paramiko.SSHException) as e:
                 log.warning("fleetctl: %s: agent %s not used (%s)", r.name, r.identity_agent, e)
-        files = []
-        for path in r.identity_files:
-            blob = public_blob(path)
-            if blob is None:
-                log.warning("fleetctl: %s: identity file %s skipped (no public key readable)", r.name, path)
-                continue
-            files.append((str(path), blob, _beside(path)))
-        certs = [(str(p), b) for p in r.certificate_files if (b := _public_line(p)) is not None]
+        files, certs = keyfiles.identities(r, _private_public)
+        for path in set(map(str, r.identity_files)) - {f[0] for f in files}:
+            log.warning("fleetctl: %s: identity file %s skipped (no public key readable without a passphrase, "
+                        "and no %s.pub)", r.name, path, path)
         self.agent_count = len(agent_keys or ())
         self.offers = pubkey_order.order(files, certs, agent_keys, r.identities_only)
 
@@ -153,17 +111,21 @@ class OpenSSHAuth:
         """Offer each key in order until the server accepts one. Raises Unreachable when none is
         accepted, or the server closes the connection first (sshd's MaxAuthTries)."""
         r, refused = self.r, []
-        for offer in self.offers:
-            key = self._key(offer)
-            if key is None:
-                continue
-            if not transport.is_active():
-                break
-            try:
-                transport.auth_publickey(r.user, key)
-                return
-            except (paramiko.SSHException, EOFError, OSError):  # AuthenticationException among them
-                refused.append(offer)
+        try:
+            for offer in self.offers:
+                key = self._key(offer)
+                if key is None:
+                    continue
+                if not transport.is_active():
+                    break
+                try:
+                    transport.auth_publickey(r.user, key)
+                    return
+                except (paramiko.SSHException, EOFError, OSError):  # AuthenticationException among them
+                    refused.append(offer)
+        finally:
+            if self.agent is not None:
+                self.agent.close()
         raise Unreachable(self.failure(refused, transport.is_active()))
 
     def failure(self, refused: list[Offer], open_: bool) -> str:
@@ -174,8 +136,8 @@ class OpenSSHAuth:
         if not refused:
             agent = ("IdentityAgent none" if not r.identity_agent else
                      f"no agent answered at {r.identity_agent}" if self.agent is None else
-                     f"IdentitiesOnly yes leaves out the agent's {self.agent_count} keys" if self.agent_count
-                     else f"the agent at {r.identity_agent} holds no keys")
+                     f"the agent at {r.identity_agent} holds no keys" if not self.agent_count else
+                     f"IdentitiesOnly yes keeps back the agent's {self.agent_count} keys")
             return (f"authentication failed: no key to offer to {where} (IdentityFile: "
                     f"{', '.join(map(str, r.identity_files)) or 'none readable'}; {agent})")
         names = ", ".join(o.name for o in refused)
