@@ -1,6 +1,7 @@
 """OpenSSH's key order (sshconnect2.c pubkey_prepare) and certificate reading, pure: the order
-from made-up key blobs, the certificate fields from real ssh-keygen certificates. The same
-against a real sshd and ssh-agent: tests/machine/test_ssh_user_certificates.py."""
+from made-up key blobs, the certificate fields from real ssh-keygen certificates; the key files
+read as ssh reads them (keyfiles.py). The same against a real sshd and ssh-agent:
+tests/machine/test_ssh_user_certificates.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.connection import pubkey_order
+from fleetctl.connection import keyfiles, pubkey_order
 from fleetctl.connection.pubkey_order import Offer, order, signer
+from fleetctl.connection.resolve import Resolver
 
 
 def _s(data: bytes) -> bytes:
@@ -30,6 +32,11 @@ def cert(name: str) -> bytes:
     return (_s(b"ssh-ed25519-cert-v01@openssh.com") + _s(b"nonce") + _s(name.encode().ljust(32, b"."))
             + struct.pack(">QI", 1, 1) + _s(b"id") + _s(_s(b"root")) + struct.pack(">QQ", 0, 2**64 - 1)
             + _s(b"") + _s(b"") + _s(b"") + _s(key("ca")) + _s(b"sig"))
+
+
+def resolved_for(config: Path):
+    """`ssh -G` of host `h` under `config`."""
+    return Resolver(config).resolve("h", time.monotonic() + 10, "h")
 
 
 def names(offers: list[Offer]) -> list[tuple[str, bool]]:
@@ -132,3 +139,30 @@ def test_refusal_hint_names_the_principal_the_expiry_or_the_ca(real):
     hint = pubkey_order.refusal_hint([Offer(key("a"), "a"), c], "root")
     assert "TrustedUserCAKeys" in hint and pubkey_order.cert_info(c.blob).ca in hint and "'a'" not in hint
     assert pubkey_order.refusal_hint([Offer(key("a"), "a")], "root") == ""
+
+
+def test_key_files_read_as_ssh_reads_them(real, tmp_path):
+    """authfile.c sshkey_load_public: a passphrase does not hide an openssh-key-v1 file's public
+    key; an IdentityFile may name the .pub itself; `KEY-cert.pub` beside it is its certificate."""
+    locked = tmp_path / "locked"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True)
+    want = _blob(Path(f"{locked}.pub"))
+    Path(f"{locked}.pub").unlink()
+    assert keyfiles.public_blob(locked, lambda p: None) == want
+    assert keyfiles.public_blob(real / "rsa.pub", lambda p: None) == _blob(real / "rsa.pub")
+    assert keyfiles.public_blob(tmp_path / "absent", lambda p: b"caller's") == b"caller's"
+    assert keyfiles.beside(real / "rsa") == (str(real / "rsa-cert.pub"), _blob(real / "rsa-cert.pub"))
+    assert keyfiles.beside(locked) is None
+    (tmp_path / "garbage-cert.pub").write_text("ssh-ed25519-cert-v01@openssh.com AAAA%%%\n")
+    assert keyfiles.beside(tmp_path / "garbage") is None
+
+
+def test_the_ssh_kind_names_a_refused_certificate_on_disk(real, tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host h\n  User alice\n  IdentityFile {real / 'ed25519'}\n  IdentityFile {real / 'rsa'}\n")
+    r = resolved_for(config)
+    hint = keyfiles.file_certificate_hint(r)
+    assert hint.count("not 'alice'") == 2 and str(real / "rsa-cert.pub") in hint
+    config.write_text(f"Host h\n  User alice\n  IdentityFile {real / 'rsa'}\n  CertificateFile {real / 'ecdsa-cert.pub'}\n")
+    hint = keyfiles.file_certificate_hint(resolved_for(config))
+    assert "ecdsa-cert.pub" in hint and "rsa-cert.pub" not in hint  # CertificateFile: nothing beside keys
