@@ -73,6 +73,15 @@ def test_no_agent_offers_the_files_in_config_order():
     assert names(order(files, [], None, True)) == [("a", False), ("a-cert.pub", False), ("b", False)]
 
 
+def test_pubkey_accepted_algorithms_leaves_out_what_it_does_not_list():
+    rsa = _s(b"ssh-rsa") + _s(b"\x01\x00\x01") + _s(b"n")
+    files = [("rsa", rsa, None), ("a", key("a"), ("a-cert.pub", cert("a")))]
+    assert names(order(files, [], None, False, ("ssh-ed25519",))) == [("a", False)]
+    assert names(order(files, [], None, False, ("rsa-sha2-256", "ssh-ed25519-cert-v01@openssh.com"))) == [
+        ("rsa", False), ("a-cert.pub", False)]
+    assert len(order(files, [], None, False, None)) == 3
+
+
 def test_a_certificate_is_signed_by_the_first_identity_with_its_key():
     files = [("a", key("a"), ("a-cert.pub", cert("a")))]
     in_agent = order(files, [], [(key("a"), "a")], False)

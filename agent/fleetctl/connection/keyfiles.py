@@ -73,6 +73,13 @@ def beside(path: Path) -> tuple[str, bytes] | None:
     return None
 
 
+def accepted(r: Resolved) -> tuple[str, ...] | None:
+    """PubkeyAcceptedAlgorithms as `ssh -G` printed it for `r`, None when it printed none (the
+    fallback reader): for pubkey_order.order."""
+    value = r.options.get("pubkeyacceptedalgorithms")
+    return tuple(value[0].split(",")) if value else None
+
+
 def identities(r: Resolved, private_public: Callable[[Path], bytes | None] = lambda p: None
                ) -> tuple[list[tuple[str, bytes, tuple[str, bytes] | None]], list[tuple[str, bytes]]]:
     """`r`'s identity files and certificate files in the shapes pubkey_order.order takes: each
@@ -90,4 +97,5 @@ def file_certificate_hint(r: Resolved) -> str:
     """pubkey_order.refusal_hint for the certificates ssh offers from files for `r` (""
     when it offers none): for a login the ssh connection kind saw refused."""
     files, certs = identities(r)
-    return pubkey_order.refusal_hint([o for o in pubkey_order.order(files, certs, None, False) if o.is_cert], r.user)
+    offers = pubkey_order.order(files, certs, None, False, accepted(r))
+    return pubkey_order.refusal_hint([o for o in offers if o.is_cert], r.user)

@@ -88,7 +88,7 @@ class OpenSSHAuth:
             log.warning("fleetctl: %s: identity file %s skipped (no public key readable without a passphrase, "
                         "and no %s.pub)", r.name, path, path)
         self.agent_count = len(agent_keys or ())
-        self.offers = pubkey_order.order(files, certs, agent_keys, r.identities_only)
+        self.offers = pubkey_order.order(files, certs, agent_keys, r.identities_only, keyfiles.accepted(r))
 
     def _key(self, offer: Offer):
         """A paramiko key that offers `offer` and signs with what OpenSSH signs it with, or None

@@ -141,16 +141,29 @@ def cert_info(blob: bytes) -> CertInfo | None:
     return CertInfo(kind, key_id[4:].decode("utf-8", "replace"), tuple(names), after, before, f"SHA256:{digest}")
 
 
+def allowed(blob: bytes, accepted: tuple[str, ...] | None) -> bool:
+    """Whether PubkeyAcceptedAlgorithms (`accepted`, as `ssh -G` prints it; None: any) lets ssh
+    offer the key `blob` (sshconnect2.c key_type_allowed_by_config: an RSA key or certificate by
+    any of its signature algorithms)."""
+    if accepted is None:
+        return True
+    name = key_type(blob)
+    rsa = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256"),
+           "ssh-rsa" + CERT_SUFFIX: ("rsa-sha2-512" + CERT_SUFFIX, "rsa-sha2-256" + CERT_SUFFIX)}
+    return name in accepted or any(a in accepted for a in rsa.get(name, ()))
+
+
 def order(identity_files: list[tuple[str, bytes, tuple[str, bytes] | None]],
           certificate_files: list[tuple[str, bytes]], agent: list[tuple[bytes, str]] | None,
-          identities_only: bool) -> list[Offer]:
+          identities_only: bool, accepted: tuple[str, ...] | None = None) -> list[Offer]:
     """The keys OpenSSH offers, in its order (pubkey_prepare, see the module's docstring).
 
     identity_files: each IdentityFile as `ssh -G` lists them, as (path, its public key blob, the
     certificate found beside it as (path, blob) or None). certificate_files: each CertificateFile
     as (path, blob). agent: the agent's keys as (blob, comment) in the agent's order, None for no
-    agent. A certificate that is not a user certificate (a host certificate) is left out, as ssh
-    leaves it out."""
+    agent. accepted: PubkeyAcceptedAlgorithms (see allowed()): a key it does not accept is left
+    out (pubkey_prepare's last filter). A certificate that is not a user certificate (a
+    host certificate) is left out, as ssh leaves it out."""
     def usable(blob: bytes) -> bool:
         info = cert_info(blob) if key_type(blob).endswith(CERT_SUFFIX) else None
         return info is None or info.kind == USER_CERT
@@ -170,7 +183,7 @@ def order(identity_files: list[tuple[str, bytes, tuple[str, bytes] | None]],
             preferred.append(replace(match, agent=True))
         elif not identities_only:
             others.append(Offer(blob, comment, agent=True))
-    return [*preferred, *others, *files]
+    return [o for o in (*preferred, *others, *files) if allowed(o.blob, accepted)]
 
 
 def signer(offer: Offer, offers: list[Offer]) -> Offer:
