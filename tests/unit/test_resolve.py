@@ -292,6 +292,25 @@ def test_paramiko_offers_config_keys_first_and_identities_only_keeps_back_the_ag
         agent.wait()
 
 
+def test_identity_and_certificate_files_and_the_agent_take_environment_variables(tmp_path, monkeypatch):
+    """ssh_config(5) ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile and CertificateFile with
+    `${VAR}` unexpanded, which ssh expands when it loads them; IdentityAgent SSH_AUTH_SOCK (the
+    default) and `$VAR` name the agent by the environment, `none` names none."""
+    for name in ("k", "k-cert.pub"):
+        (tmp_path / name).write_text("x\n")
+    monkeypatch.setenv("FC_KEYS", str(tmp_path))
+    monkeypatch.setenv("SSH_AUTH_SOCK", "/run/agent.sock")
+    r = resolved(case03(tmp_path, "Host h\n  IdentityFile ${FC_KEYS}/k\n  CertificateFile ${FC_KEYS}/k-cert.pub\n"), "h")
+    assert (r.identity_files, r.certificate_files) == ((tmp_path / "k",), (tmp_path / "k-cert.pub",))
+    assert r.identity_agent == "/run/agent.sock"
+    assert resolved(case03(tmp_path, "Host h\n  IdentityAgent none\n"), "h").identity_agent is None
+    monkeypatch.setenv("FC_AGENT", "/run/other.sock")
+    assert resolved(case03(tmp_path, "Host h\n  IdentityAgent $FC_AGENT\n"), "h").identity_agent == "/run/other.sock"
+    monkeypatch.delenv("FC_KEYS")
+    with pytest.raises(SshConfigError, match=r"FC_KEYS\} has no value"):
+        resolved(case03(tmp_path, "Host h\n  IdentityFile ${FC_KEYS}/k\n"), "h")
+
+
 def test_debians_default_ssh_config_is_fine_for_paramiko(tmp_path):
     """Debian's /etc/ssh/ssh_config turns GSSAPIAuthentication on: ssh tries it and falls back to
     public keys, and so must paramiko's resolution not refuse it."""
