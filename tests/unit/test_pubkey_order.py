@@ -99,6 +99,10 @@ def test_made_up_blobs_read_back():
     assert (info.kind, info.key_id, info.principals) == (1, "id", ("root",))
     assert pubkey_order.cert_info(key("a")) is None and pubkey_order.cert_info(cert("a")[:60]) is None
     assert pubkey_order.key_type(b"\0\0") == ""
+    fido = (_s(b"sk-ssh-ed25519-cert-v01@openssh.com") + _s(b"nonce") + _s(b"pk") + _s(b"ssh:")
+            + cert("a")[len(_s(b"ssh-ed25519-cert-v01@openssh.com") + _s(b"nonce") + _s(b"a".ljust(32, b"."))):])
+    assert pubkey_order.plain_key(fido) == _s(b"sk-ssh-ed25519@openssh.com") + _s(b"pk") + _s(b"ssh:")
+    assert pubkey_order.cert_info(fido).principals == ("root",)
 
 
 def _blob(path: Path) -> bytes:

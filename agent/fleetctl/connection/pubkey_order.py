@@ -98,13 +98,22 @@ def key_type(blob: bytes) -> str:
     return raw[4:].decode("ascii", "replace")
 
 
+def _base(name: str) -> str | None:
+    """The plain key type of certificate type `name` (`sk-ssh-ed25519-cert-v01@openssh.com` ->
+    `sk-ssh-ed25519@openssh.com`), None for a type that is no certificate known here."""
+    if not name.endswith(CERT_SUFFIX):
+        return None
+    stem = name[:-len(CERT_SUFFIX)]
+    base = f"{stem}@openssh.com" if f"{stem}@openssh.com" in _KEY_FIELDS else stem
+    return base if base in _KEY_FIELDS else None
+
+
 def plain_key(blob: bytes) -> bytes:
     """The plain public key blob of a certificate (its type without -cert-v01, its key fields
     without the nonce), or `blob` itself when it is no certificate or of a type not known here
     (then it equals only itself)."""
-    name = key_type(blob)
-    base = name[:-len(CERT_SUFFIX)] if name.endswith(CERT_SUFFIX) else None
-    if base not in _KEY_FIELDS:
+    base = _base(key_type(blob))
+    if base is None:
         return blob
     try:
         (_, _nonce), pos = ssh_strings(blob, 0, 2)
@@ -116,9 +125,8 @@ def plain_key(blob: bytes) -> bytes:
 
 def cert_info(blob: bytes) -> CertInfo | None:
     """What the certificate `blob` says; None when it is no certificate this module can read."""
-    name = key_type(blob)
-    base = name[:-len(CERT_SUFFIX)] if name.endswith(CERT_SUFFIX) else None
-    if base not in _KEY_FIELDS:
+    base = _base(key_type(blob))
+    if base is None:
         return None
     try:
         _, pos = ssh_strings(blob, 0, 2 + _KEY_FIELDS[base])
