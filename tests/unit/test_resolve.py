@@ -282,7 +282,11 @@ def test_paramiko_offers_config_keys_first_and_identities_only_keeps_back_the_ag
         base = f"Host h\n  IdentityFile {tmp_path / 'in_file'}\n  IdentityAgent {sock}\n"
 
         def offered(config: str) -> list[tuple[str, bool]]:
-            return [(keys[o.blob], o.agent) for o in OpenSSHAuth(resolved(case03(tmp_path, config), "h"), 5).offers]
+            auth = OpenSSHAuth(resolved(case03(tmp_path, config), "h"), 5)
+            try:
+                return [(keys[o.blob], o.agent) for o in auth.prepare()]
+            finally:
+                auth.close()
 
         assert offered(base) == [("in_file", True), ("agent_only", True)]
         assert offered(base + "  IdentitiesOnly yes\n") == [("in_file", True)]

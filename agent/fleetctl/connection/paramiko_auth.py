@@ -70,16 +70,24 @@ class _AgentSigned(paramiko.AgentKey):
 class OpenSSHAuth:
     """Public keys as OpenSSH offers them to `r` (pubkey_order.order); `timeout`: seconds to
     reach the agent. Given to paramiko's SSHClient.connect as its `auth_strategy` (which calls
-    only authenticate()); authenticate() raises Unreachable naming every key refused and, for a
-    certificate, why it likely was."""
+    only authenticate(), once connected: nothing is read, and no agent reached, before);
+    authenticate() raises Unreachable naming every key refused and, for a certificate, why it
+    likely was."""
 
     def __init__(self, r: Resolved, timeout: float):
-        self.r = r
-        self.agent = None
-        agent_keys = None
+        self.r, self.timeout = r, timeout
+        self.agent: _AgentAt | None = None
+        self.agent_count: int | None = None  # keys the agent listed; None: no agent reached
+        self.offers: list[Offer] = []
+
+    def prepare(self) -> list[Offer]:
+        """Reach the agent (held open until close()) and read the key files: -> self.offers, in
+        OpenSSH's order. An agent that cannot be reached, or an identity file whose public key
+        cannot be read, is left out with a warning, as ssh goes on without them."""
+        r, agent_keys = self.r, None
         if r.identity_agent:
             try:
-                self.agent = _AgentAt(r.identity_agent, timeout)
+                self.agent = _AgentAt(r.identity_agent, self.timeout)
                 agent_keys = [(k.blob, k.comment or "agent key") for k in self.agent.get_keys()]
             except (OSError, paramiko.SSHException) as e:
                 log.warning("fleetctl: %s: agent %s not used (%s)", r.name, r.identity_agent, e)
@@ -87,8 +95,15 @@ class OpenSSHAuth:
         for path in set(map(str, r.identity_files)) - {f[0] for f in files}:
             log.warning("fleetctl: %s: identity file %s skipped (no public key readable without a passphrase, "
                         "and no %s.pub)", r.name, path, path)
-        self.agent_count = len(agent_keys or ())
+        self.agent_count = None if agent_keys is None else len(agent_keys)
         self.offers = pubkey_order.order(files, certs, agent_keys, r.identities_only, keyfiles.accepted(r))
+        return self.offers
+
+    def close(self) -> None:
+        """Let go of the agent (idempotent)."""
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
 
     def _key(self, offer: Offer):
         """A paramiko key that offers `offer` and signs with what OpenSSH signs it with, or None
@@ -112,7 +127,7 @@ class OpenSSHAuth:
         accepted, or the server closes the connection first (sshd's MaxAuthTries)."""
         r, refused = self.r, []
         try:
-            for offer in self.offers:
+            for offer in self.prepare():
                 key = self._key(offer)
                 if key is None:
                     continue
@@ -124,8 +139,7 @@ class OpenSSHAuth:
                 except (paramiko.SSHException, EOFError, OSError):  # AuthenticationException among them
                     refused.append(offer)
         finally:
-            if self.agent is not None:
-                self.agent.close()
+            self.close()
         raise Unreachable(self.failure(refused, transport.is_active()))
 
     def failure(self, refused: list[Offer], open_: bool) -> str:
@@ -135,7 +149,7 @@ class OpenSSHAuth:
         where = f"{r.user}@{r.hostname}:{r.port}"
         if not refused:
             agent = ("IdentityAgent none" if not r.identity_agent else
-                     f"no agent answered at {r.identity_agent}" if self.agent is None else
+                     f"no agent answered at {r.identity_agent}" if self.agent_count is None else
                      f"the agent at {r.identity_agent} holds no keys" if not self.agent_count else
                      f"IdentitiesOnly yes keeps back the agent's {self.agent_count} keys")
             return (f"authentication failed: no key to offer to {where} (IdentityFile: "
