@@ -323,8 +323,8 @@ def _tokens(name: str, options: dict[str, list[str]]) -> dict[str, str]:
 
 def expand(value: str, tokens: dict[str, str], what: str) -> str:
     """`value` with %-tokens and `${VAR}` environment variables replaced (one pass, as OpenSSH's
-    percent_dollar_expand; ssh_config(5), ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile,
-    CertificateFile and UserKnownHostsFile with them unexpanded) and a leading `~` / `~user`
+    percent_dollar_expand; ssh_config(5), ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile
+    and CertificateFile with them unexpanded) and a leading `~` / `~user`
     expanded (passwd database, as ssh's tilde_expand). Raises SshConfigError naming `what` for a
     token OpenSSH does not define or a variable with no value."""
     def one(m: re.Match) -> str:
