@@ -335,7 +335,7 @@ def render_status(results: list[HostResult], console: Console) -> None:
         d = r.data or {}
         if "changes" not in d:  # unreachable or failed before the ledger was read: nothing is known
             unknown = text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
-            rows.append([text(r.host)] + [unknown] * 6)
+            rows.append([text(r.host), unknown] + [text("")] * 5)
             continue
 
         def cells(d=d):

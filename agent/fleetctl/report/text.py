@@ -117,11 +117,14 @@ def _height(heads: list[Text], rows: list[list[Text]], widths: list[int], consol
     return 3 + tall(heads) + sum(map(tall, rows)) + (max(len(rows) - 1, 0) if show_lines else 0)
 
 
-def _blocks_height(rows: list[list[Text]]) -> int:
-    """Lines the block layout of these rows takes, long values unwrapped: a line per row and per
-    non-empty value, one more for a value of several lines."""
-    return sum(1 + sum(len(c.plain.split("\n")) + (c.plain.count("\n") > 0) for c in r[1:] if c.plain.strip())
-               for r in rows)
+def _blocks_height(columns: list[str], rows: list[list[Text]], width: int) -> int:
+    """Lines the block layout of these rows takes at `width` columns: a line per row, and per
+    non-empty value its lines as wrapped (one more for a value of several lines)."""
+    def tall(column: str, cell: Text) -> int:
+        lines = cell.plain.split("\n")
+        head = len(column) + 4 if len(lines) == 1 else 4
+        return sum(-(-max(head + cell_len(ln), 1) // max(width, 1)) for ln in lines) + (len(lines) > 1)
+    return sum(1 + sum(tall(c, v) for c, v in zip(columns[1:], r[1:]) if v.plain.strip()) for r in rows)
 
 
 def grid(title: Any, columns: list[str], rows: list[list[Text]], console: Console, show_lines: bool = False,
@@ -138,7 +141,8 @@ def grid(title: Any, columns: list[str], rows: list[list[Text]], console: Consol
     heads = [Text(c) for c in columns]
     spans = [_span([h] + [r[i] for r in rows if i < len(r)]) for i, h in enumerate(heads)]
     widths = fit(spans, console.width - _frame(len(columns)))
-    if widths is not None and _height(heads, rows, widths, console, show_lines) <= _blocks_height(rows):
+    blocks = _blocks_height(columns, rows, console.width)
+    if widths is not None and _height(heads, rows, widths, console, show_lines) <= blocks:
         t = Table(title=text(title), title_justify="left", show_lines=show_lines)
         for c, w in zip(columns, widths):
             t.add_column(c, width=w, style=styles.get(c), overflow="fold")
