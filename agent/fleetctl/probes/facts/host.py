@@ -454,6 +454,7 @@ def main(params):
         "torch": main_inst["torch"] if main_inst else None,
         "gpus": gpu_rows, "gpu_errors": gpu_errors, "gpus_reason": gpus_reason,
         "servers": servers,
+        "servers_unreadable": procs.unreadable_servers(),
         "servers_in_other_namespaces": len(others),
         "containers": found, "runtime_clis": containers.clis(),
         "tool_errors": bounded.errors(),  # host tools (nvidia-smi, systemctl, a runtime's inspect) that did not answer
