@@ -1,0 +1,5 @@
+"""`python -m fleetctl`: the same as the `fleetctl` command."""
+
+from .cli import main
+
+main()
