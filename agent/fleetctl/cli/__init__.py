@@ -48,7 +48,7 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def root(verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, help=(
+def root(verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, show_default=False, help=(
              "Before the command: -v shows on stderr what each host is dialled as (address, port, user, "
              "connection kind, proxy, identity files) and each connection phase's time; -vv also what "
              "ssh -G resolved. Never secrets."))] = 0,

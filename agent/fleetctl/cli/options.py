@@ -314,7 +314,9 @@ class FleetOptions:
 
     def fleet(self, timeout: float | None = None) -> Fleet:
         """A Fleet with these options; `timeout` (seconds per host's job) replaces --timeout. Its
-        progress goes to stderr, on a terminal and without --json. Raises UsageError (exit 5)."""
+        progress goes to stderr, on a terminal and without --json. The run's record in the
+        history starts here (record.begin), once the options are found good. Raises UsageError
+        (exit 5)."""
         timeout = self.timeout if timeout is None else timeout
         given = settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection, self.ask_become_pass)
         record.secrets([given.become_password] if given.become_password else [])
@@ -322,6 +324,7 @@ class FleetOptions:
                          (self.run_timeout is not None and self.run_timeout <= 0, "--run-timeout must be positive")):
             if bad:
                 raise UsageError(msg)
+        record.begin()
         return Fleet(given, forks=self.forks, timeout=timeout,
                      progress=err.is_terminal and not self.json_out, console=err, run_timeout=self.run_timeout)
 
@@ -334,8 +337,9 @@ def fleet_command(timeout: float | None, after: str = "pattern", before: str | N
     """Give a command the FleetOptions: `command(opts, *own)` becomes a function whose signature,
     for Typer, is the command's own parameters with the FleetOptions fields among them (-i to
     --json after the parameter named `after`, --forks to --run-timeout before the one named
-    `before`, or last), and which records the run's start in the history (history.record;
-    its end is recorded by cli.main) and calls `command` with them gathered into `opts`.
+    `before`, or last), and which arms the run's record in the history (history.record.arm:
+    FleetOptions.fleet begins it; its end is recorded by cli.main) and calls `command` with
+    them gathered into `opts`.
 
     timeout: the --timeout default in seconds; None where the command computes each job's
     timeout itself (its help then says the default is health timeout + 300).
@@ -366,8 +370,8 @@ def fleet_command(timeout: float | None, after: str = "pattern", before: str | N
 
         def run(**given):
             opts = FleetOptions(**{n: given.pop(n) for n in common})
-            if not opts.no_history:
-                record.start(command.__name__.replace("_", " "), opts.history)  # deploy_kernel: "deploy kernel"
+            if not opts.no_history:  # recorded from FleetOptions.fleet on: usage errors before it are no runs
+                record.arm(command.__name__.replace("_", " "), opts.history)  # deploy_kernel: "deploy kernel"
             return command(opts, **given)
 
         run.__name__, run.__qualname__, run.__module__ = command.__name__, command.__qualname__, command.__module__
