@@ -21,6 +21,7 @@ from .options import (
     JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
     VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
 )
+from .options import BecomeOpt, ExtraVarsOpt, LimitOpt, UserOpt, command_line_vars, limited
 from .options import (
     GateOpt, ItlSlackMs, LoadClient, LoadConcurrency, LoadInputLen, LoadOpt, LoadOutputLen, LoadPrompts, LoadRepeat,
     LoadTimeout, MaxItlRise, MaxThroughputDrop, MaxTtftRise, TtftSlackMs, load_settings,
@@ -63,7 +64,8 @@ def inspect(opts: FleetOptions, pattern: Pattern,
 
 
 @app.command()
-def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, limit: LimitOpt = None, user: UserOpt = None,
+          become: BecomeOpt = False, extra_vars: ExtraVarsOpt = None, vault_password_file: VaultPasswordFile = None,
           ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
           connection: ConnectionOpt = None) -> None:
@@ -74,7 +76,8 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file:
     from ..connection.describe import describe
     from ..report.terminal import render_hosts
 
-    selected = load_inventory(inventory, vault_password_file, ask_vault_pass).select(pattern)
+    selected = limited(load_inventory(inventory, vault_password_file, ask_vault_pass,
+                                      cli=command_line_vars(user, become, extra_vars)), pattern, limit)
     with Session(settings(connect_timeout, False, ssh_config, connection)) as session:
         docs = [describe(h, session) for h in selected]
     code = EXIT_PARSE if any(d["error"] for d in docs) else 0
