@@ -23,6 +23,7 @@ import logging
 import os
 import select
 import socket
+import subprocess
 import threading
 import time
 
@@ -45,6 +46,8 @@ POLL_S = 0.01
 # A failure this close to the connect deadline (seconds) is paramiko's own timeout, which it was
 # given as what was left of it: reported as the phase that stalled.
 STALL_SLACK_S = 0.25
+# Seconds a failed connect waits for its ProxyCommand to exit (it closed its stdout as it ended).
+PROXY_EXIT_WAIT_S = 0.5
 
 class _Keepalive(threading.Thread):
     """Every `interval` seconds, a want-reply global request (keepalive@openssh.com, which
@@ -231,12 +234,17 @@ class ParamikoConnection(Connection):
         if t.initial_kex_done and self.phases.current == "kex":
             self.phases.mark("auth")
 
-    def _proxy_failure(self) -> str | None:
-        """errors.proxy_failed for a ProxyCommand that has exited, with its stderr's tail (read
-        without blocking, once: the message is kept); None while it runs, or without one."""
+    def _proxy_failure(self, wait: float = 0.0) -> str | None:
+        """errors.proxy_failed for a ProxyCommand that has exited (waiting up to `wait` seconds
+        for it: its stdout closes just before it exits), with its stderr's tail (read without
+        blocking, once: the message is kept); None while it runs, or without one."""
         p = self._proxy.process if self._proxy is not None else None
-        if self._proxy_said is not None or p is None or p.poll() is None:
+        if self._proxy_said is not None or p is None:
             return self._proxy_said
+        try:
+            p.wait(wait)
+        except subprocess.TimeoutExpired:
+            return None
         said = b""
         try:
             os.set_blocking(p.stderr.fileno(), False)
@@ -268,7 +276,7 @@ class ParamikoConnection(Connection):
         ran out of time, a refused port, an unknown name, else paramiko's words."""
         r = self.resolved
         host, port = (r.hostname, r.port) if r else (self.host.address, self.host.port or 22)
-        said = self._proxy_failure()
+        said = self._proxy_failure(wait=PROXY_EXIT_WAIT_S)
         if said:
             return said
         if isinstance(e, paramiko.AuthenticationException):
