@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl import __version__
-from fleetctl.cli.options import command_line_vars, limited, load_inventory
+from fleetctl.cli import options
 from fleetctl.errors import PatternError, UsageError
 
 ENVELOPE = ("schema_version", "run_id", "exit_code")
@@ -119,6 +119,8 @@ def test_a_refused_port_names_sshd_and_ansible_port(tmp_path):
     assert hosts["closed"]["error"] == (f"connection refused on 127.0.0.1:{port}: is sshd listening there? "
                                         "check ansible_port (or Port in ssh_config) and ansible_host")
     assert "Errno" not in r.stdout
+    quiet = cli("inspect", "all", "-i", str(inv), "--ssh-config", str(cfg), "--json", "--no-history")
+    assert quiet.returncode == 3 and "dialling" not in quiet.stderr  # the trace only with -v
 
 
 def test_a_listener_without_banner_names_the_banner_phase_and_v_shows_each_phase(tmp_path, silent_port):
@@ -149,19 +151,13 @@ def test_a_proxy_command_that_exits_says_its_exit_and_stderr_at_once(tmp_path):
     assert "proxy ProxyCommand sh -c" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_without_v_nothing_is_traced(tmp_path):
-    inv, cfg = inventory(tmp_path, closed={"ansible_host": "127.0.0.1", "ansible_port": closed_port()})
-    r = cli("inspect", "all", "-i", str(inv), "--ssh-config", str(cfg), "--json", "--no-history")
-    assert r.returncode == 3 and "dialling" not in r.stderr
-
-
 # ------------------------------------------------------------------ Ansible's habits
 
 def test_a_comma_list_is_an_inventory_of_those_hosts(tmp_path):
-    loaded = load_inventory("gpu-01,10.0.0.5:2222,[fe80::1]:2200,")
+    loaded = options.load_inventory("gpu-01,10.0.0.5:2222,[fe80::1]:2200,")
     assert [(h.name, h.port) for h in loaded.select("all")] == [("gpu-01", None), ("10.0.0.5", 2222),
                                                                   ("fe80::1", 2200)]
-    assert [h.name for h in load_inventory("only-one,").select("ungrouped")] == ["only-one"]
+    assert [h.name for h in options.load_inventory("only-one,").select("ungrouped")] == ["only-one"]
     r = cli("hosts", "all", "-i", "gpu-01,gpu-02,", "--json")
     assert r.returncode == 0, r.stderr
     assert [h["host"] for h in json.loads(r.stdout)["hosts"]] == ["gpu-01", "gpu-02"]
@@ -172,7 +168,7 @@ def test_u_and_b_are_under_the_inventory_and_e_over_it_as_in_ansible(tmp_path):
                        bare={})
     extra = tmp_path / "extra.yaml"
     extra.write_text("ansible_port: 2202\nfleetctl_sglang_port: 31000\n")
-    hosts = {h.name: h for h in load_inventory(str(inv), cli=command_line_vars(
+    hosts = {h.name: h for h in options.load_inventory(str(inv), cli=options.command_line_vars(
         "ops", True, ["ansible_port=2201 fleetctl_note='a b'", f"@{extra}"])).select("all")}
     # -u / -b: only where the inventory says nothing (Ansible: command-line values lose to any var)
     assert (hosts["own"].user, hosts["own"].become) == ("sglang", False)
@@ -181,8 +177,8 @@ def test_u_and_b_are_under_the_inventory_and_e_over_it_as_in_ansible(tmp_path):
     assert hosts["own"].port == hosts["bare"].port == 2202 and hosts["bare"].sglang_port == 31000
     assert hosts["own"].vars["fleetctl_note"] == "a b"
     assert hosts["own"].where["ansible_port"] == f"-e @{extra} ({extra})"
-    inline = load_inventory(str(inv), cli=command_line_vars(extra_vars=['{"ansible_port": 2203}'])).select("own")
-    assert inline[0].port == 2203
+    inline = options.command_line_vars(extra_vars=['{"ansible_port": 2203}'])
+    assert options.load_inventory(str(inv), cli=inline).select("own")[0].port == 2203
 
 
 @pytest.mark.parametrize("given, said", [
@@ -193,7 +189,7 @@ def test_u_and_b_are_under_the_inventory_and_e_over_it_as_in_ansible(tmp_path):
 ])
 def test_a_bad_extra_var_is_a_usage_error_naming_it(given, said):
     with pytest.raises(UsageError) as e:
-        command_line_vars(extra_vars=[given])
+        options.command_line_vars(extra_vars=[given])
     assert str(e.value).startswith(said), str(e.value)
 
 
@@ -205,11 +201,11 @@ def test_a_bad_extra_var_port_names_the_e_that_set_it(tmp_path):
 
 def test_limit_narrows_the_pattern_and_refuses_when_nothing_is_left(tmp_path):
     inv, _ = inventory(tmp_path, **{f"gpu-0{i}": {} for i in range(1, 5)})
-    loaded = load_inventory(str(inv))
-    assert [h.name for h in limited(loaded, "all", "gpu-02:gpu-03")] == ["gpu-02", "gpu-03"]
-    assert [h.name for h in limited(loaded, "gpu-01:gpu-04", "all:!gpu-01")] == ["gpu-04"]
+    loaded = options.load_inventory(str(inv))
+    assert [h.name for h in options.limited(loaded, "all", "gpu-02:gpu-03")] == ["gpu-02", "gpu-03"]
+    assert [h.name for h in options.limited(loaded, "gpu-01:gpu-04", "all:!gpu-01")] == ["gpu-04"]
     with pytest.raises(PatternError, match="--limit gpu-03: none of the 2 host"):
-        limited(loaded, "gpu-01:gpu-02", "gpu-03")
+        options.limited(loaded, "gpu-01:gpu-02", "gpu-03")
     r = cli("hosts", "all", "-i", str(inv), "-l", "gpu-04", "--json")
     assert [h["host"] for h in json.loads(r.stdout)["hosts"]] == ["gpu-04"]
 
