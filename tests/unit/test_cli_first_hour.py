@@ -121,6 +121,11 @@ def test_a_refused_port_names_sshd_and_ansible_port(tmp_path):
     assert "Errno" not in r.stdout
     quiet = cli("inspect", "all", "-i", str(inv), "--ssh-config", str(cfg), "--json", "--no-history")
     assert quiet.returncode == 3 and "dialling" not in quiet.stderr  # the trace only with -v
+    # the OpenSSH kind keeps ssh's own words and adds the same fix
+    r, hosts, _ = inspect_json(tmp_path, inv, cfg, "-c", "ssh")
+    assert hosts["closed"]["error"].endswith(f"port {port}: Connection refused: is sshd listening there? check "
+                                             "ansible_port (or Port in ssh_config) and ansible_host"), hosts
+    assert f"closed: dialling root@127.0.0.1:{port} over ssh (OpenSSH)" in r.stderr
 
 
 def test_a_listener_without_banner_names_the_banner_phase_and_v_shows_each_phase(tmp_path, silent_port):
