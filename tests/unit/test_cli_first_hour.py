@@ -113,7 +113,7 @@ def test_shell_completion_is_typers_and_completes_commands():
 
 def test_a_refused_port_names_sshd_and_ansible_port(tmp_path):
     port = closed_port()
-    inv, cfg = inventory(tmp_path, closed={"ansible_host": "127.0.0.1", "ansible_port": port})
+    inv, cfg = inventory(tmp_path, closed={"ansible_host": "127.0.0.1", "ansible_port": port, "ansible_user": "fleet"})
     r, hosts, _ = inspect_json(tmp_path, inv, cfg)
     assert r.returncode == 3
     assert hosts["closed"]["error"] == (f"connection refused on 127.0.0.1:{port}: is sshd listening there? "
@@ -125,7 +125,7 @@ def test_a_refused_port_names_sshd_and_ansible_port(tmp_path):
     r, hosts, _ = inspect_json(tmp_path, inv, cfg, "-c", "ssh")
     assert hosts["closed"]["error"].endswith(f"port {port}: Connection refused: is sshd listening there? check "
                                              "ansible_port (or Port in ssh_config) and ansible_host"), hosts
-    assert f"closed: dialling root@127.0.0.1:{port} over ssh (OpenSSH)" in r.stderr
+    assert f"closed: dialling fleet@127.0.0.1:{port} over ssh (OpenSSH)" in r.stderr
 
 
 def test_a_listener_without_banner_names_the_banner_phase_and_v_shows_each_phase(tmp_path, silent_port):
