@@ -147,7 +147,8 @@ def open_master(argv: list[str], destination: str, deadline: float, what: str, c
         raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
     if r.returncode != 0:
         fix = next((f for words, f in _FIXES if words in msg), None)
-        raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}" + (f": {fix}" if fix else ""))
+        raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): "
+                          + (f"{msg.rstrip('.')}: {fix}" if fix else msg))
 
 
 def users_master(path: str) -> str | None:
