@@ -46,12 +46,12 @@ class OutputTooLarge(HostError):
 #
 #   kind                 message
 #   identity file        identity file PATH does not exist: fix ansible_ssh_private_key_file (FILE:LINE)
-#                        (or IdentityFile in ssh_config, when that named it)
+#                        (or IdentityFile in ssh_config, when that named it); then the auth failure's words
 #   port closed          connection refused on HOST:PORT: is sshd listening there? check ansible_port
 #                        (or Port in ssh_config) and ansible_host
 #   no address           cannot resolve HOST (...): check ansible_host (or HostName in ssh_config)
-#   user/auth refused    HOST:PORT refused user USER (tried: identity file P, agent key K):
-#                        check ansible_user and ansible_ssh_private_key_file
+#   user/auth refused    authentication failed: USER@HOST:PORT refused the N key(s) offered (K, ...)
+#                        (paramiko_auth's words): AUTH_FIX
 #   proxy failed         ProxyCommand `CMD` exited N before an SSH session: <stderr tail>: fix
 #                        ProxyCommand in ssh_config
 #   timeout              stalled in the PHASE phase after S s (connect timeout T s): <what that phase
@@ -88,12 +88,9 @@ def unresolvable(host: str, why: str) -> str:
     return f"cannot resolve {host} ({why}): check ansible_host (or HostName in ssh_config)"
 
 
-def auth_refused(user: str, host: str, port: int, tried: list[str]) -> str:
-    """The message for authentication refused for `user` after offering `tried` (each
-    "identity file PATH" or "agent key FINGERPRINT"; empty: nothing to offer)."""
-    offered = f"tried: {', '.join(tried)}" if tried else "no identity file or agent key to offer"
-    return (f"{host}:{port} refused user {user} ({offered}): check ansible_user and "
-            "ansible_ssh_private_key_file (or User / IdentityFile in ssh_config)")
+# The fix a refused login calls for, after the words that name the user and the keys refused
+# (paramiko_auth.OpenSSHAuth.failure, OpenSSH's "Permission denied (publickey)").
+AUTH_FIX = "check ansible_user and ansible_ssh_private_key_file (or User / IdentityFile in ssh_config)"
 
 
 def proxy_failed(command: str, code: int, stderr: str) -> str:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from . import command, keyfiles, trace
 from .base import Connection, OutputBuffer, Process
-from .errors import HostKeyRefused, Unreachable
+from .errors import AUTH_FIX, HostKeyRefused, Unreachable
 from .hostkey_policy import ssh_options, strictness
 from .local import LocalProcess
 from .resolve import passwd_home, split_config_option
@@ -55,8 +55,7 @@ _FIXES = (
     ("Could not resolve hostname", "check ansible_host (or HostName in ssh_config)"),
     ("not accessible: No such file", "fix ansible_ssh_private_key_file (or IdentityFile in ssh_config)"),
     ("no such identity", "fix ansible_ssh_private_key_file (or IdentityFile in ssh_config)"),
-    ("Permission denied (", "check ansible_user and ansible_ssh_private_key_file (or User / IdentityFile in "
-                            "ssh_config)"),
+    ("Permission denied (", AUTH_FIX),
     ("timed out during banner exchange", "the banner phase stalled: sshd stopped or overloaded (MaxStartups), or no "
                                          "SSH server on that port: check ansible_port"),
     ("Connection timed out", "the connect phase stalled: host down, a firewall dropping packets, or the wrong "

@@ -33,9 +33,9 @@ from ..config import KEY_FILE
 from ..errors import SshConfigError
 from . import command, trace
 from .base import Connection, OutputBuffer, Process
-from .paramiko_dial import OpenSSHAuth, dial, fingerprint, proxy_command, verifying_client
-from .errors import (HostKeyRefused, RemoteTimeout, Unreachable, auth_refused, identity_missing, proxy_failed,
-                     refused, stalled, unresolvable)
+from .paramiko_dial import dial, fingerprint, proxy_command, verifying_client
+from .errors import (AUTH_FIX, HostKeyRefused, RemoteTimeout, Unreachable, identity_missing, proxy_failed, refused,
+                     stalled, unresolvable)
 from .resolve import Resolved, hop_chain
 
 # paramiko logs failed handshakes with tracebacks on stderr; fleetctl reports each host's error itself.
@@ -170,7 +170,6 @@ class ParamikoConnection(Connection):
         self._dead: str | None = None
         self._proxy: paramiko.ProxyCommand | None = None
         self._proxy_said: str | None = None
-        self._auth: OpenSSHAuth | None = None
         self.phases = trace.Phases()
 
     @property
@@ -211,8 +210,7 @@ class ParamikoConnection(Connection):
         elif r.proxy_command:
             sock = self._proxy = proxy_command(r)
         self._client = verifying_client(r, self.settings, self.host.name)
-        self._auth = OpenSSHAuth(r, max(0.1, deadline - time.monotonic()))
-        dial(self._client, r, sock, deadline, self._auth)
+        dial(self._client, r, sock, deadline)
 
     def _close_transports(self) -> None:
         if self._client is not None:
@@ -272,15 +270,17 @@ class ParamikoConnection(Connection):
 
     def _failure(self, e: BaseException, deadline: float) -> str:
         """The message for a connect that failed with `e` (errors' table of kinds): the proxy's
-        exit, a missing identity file or the refused user for an auth failure, the phase that
-        ran out of time, a refused port, an unknown name, else paramiko's words."""
+        exit; for an auth failure, a missing identity file first, then paramiko_auth's words
+        (naming the user and the keys refused) and AUTH_FIX; the phase that ran out of time,
+        a refused port, an unknown name, else paramiko's words."""
         r = self.resolved
         host, port = (r.hostname, r.port) if r else (self.host.address, self.host.port or 22)
         said = self._proxy_failure(wait=PROXY_EXIT_WAIT_S)
         if said:
             return said
-        if isinstance(e, paramiko.AuthenticationException):
-            return self._missing_identity() or auth_refused(r.user, host, port, self._auth.offered if self._auth else [])
+        if isinstance(e, (paramiko.AuthenticationException, Unreachable)):
+            missing = self._missing_identity()
+            return f"{missing}; {e}" if missing else f"{e}: {AUTH_FIX}"
         if isinstance(e, socket.timeout) or time.monotonic() >= deadline - STALL_SLACK_S:
             return stalled(self.phases.current or "resolve", self.phases.in_current(),
                            self.settings.connect_timeout, f"{host}:{port}")
@@ -344,7 +344,8 @@ class ParamikoConnection(Connection):
                 f"HOST KEY CHANGED for {e.hostname}: known_hosts has {fingerprint(e.expected_key)}, "
                 f"the host offered {fingerprint(e.key)}. Possible man-in-the-middle; nothing was run. "
                 "If the change is expected, remove the old key (ssh-keygen -R) and retry.")
-        elif isinstance(e, (OSError, EOFError, paramiko.SSHException)):  # AuthenticationException among them
+        elif (isinstance(e, (OSError, EOFError, paramiko.SSHException))  # AuthenticationException among them
+              or type(e) is Unreachable and self.phases.current == "auth"):  # paramiko_auth's refusal
             e = Unreachable(self._failure(e, deadline))
         trace.log.info("%s: not connected in the %s phase: %s (%s)", self.host.name, self.phases.current, e,
                        self.phases.summary())
