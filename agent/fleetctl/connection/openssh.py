@@ -280,11 +280,7 @@ class OpenSSHConnection(Connection):
         h = self.host
         resolved = self._resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
-        proxy = (f"ProxyJump {','.join(map(str, resolved.proxy_jump))}" if resolved.proxy_jump
-                 else f"ProxyCommand {resolved.proxy_command}" if resolved.proxy_command else None)
-        trace.log.info(trace.dialled(h.name, "ssh (OpenSSH)", resolved.user, resolved.hostname, resolved.port, proxy,
-                                     [str(p) for p in resolved.identity_files],
-                                     [str(p) for p in resolved.missing_identity_files], resolved.identity_agent))
+        trace.log.info(trace.dialled(h.name, "ssh (OpenSSH)", resolved))
         trace.log.info("%s: ssh -G %.3f s", h.name, time.monotonic() - started)
         self._first = ssh_options(resolved, self.settings.accept_new, h.name)
         self._user_cp = self._users_control_path(deadline)

@@ -194,11 +194,7 @@ class ParamikoConnection(Connection):
     def _open(self, deadline: float) -> None:
         self.phases.mark("resolve")
         r = self.resolved = self._resolve(deadline)
-        proxy = (f"ProxyJump {','.join(map(str, r.proxy_jump))}" if r.hops
-                 else f"ProxyCommand {r.proxy_command}" if r.proxy_command else None)
-        trace.log.info(trace.dialled(self.host.name, "paramiko", r.user, r.hostname, r.port, proxy,
-                                     [str(p) for p in r.identity_files], [str(p) for p in r.missing_identity_files],
-                                     r.identity_agent))
+        trace.log.info(trace.dialled(self.host.name, "paramiko", r))
         trace.log.debug("%s: ssh -G resolved: %s", self.host.name,
                         "; ".join(f"{k} {' '.join(v)}" for k, v in sorted(r.options.items())))
         self.phases.mark("connect")

@@ -47,14 +47,16 @@ class Phases:
         return ", ".join(f"{p} {b - t:.3f} s" for (p, t), b in zip(self.marks, bounds))
 
 
-def dialled(name: str, kind: str, user: str, hostname: str, port: int, proxy: str | None,
-            identity_files: list[str], missing: list[str], agent: str | None) -> str:
-    """The -v line saying how host `name` is dialled: connection `kind`, user@hostname:port, the
-    proxy (ProxyJump chain or ProxyCommand, None: direct), the identity files offered, those
-    named but missing, and the agent socket."""
-    parts = [f"{name}: dialling {user}@{hostname}:{port} over {kind}", f"proxy {proxy or 'none (direct)'}",
-             "identity files " + (", ".join(identity_files) or "none")]
-    if missing:
-        parts.append("named but missing " + ", ".join(missing))
-    parts.append(f"agent {agent or 'none'}")
+def dialled(name: str, kind: str, r) -> str:
+    """The -v line saying how host `name` is dialled over connection `kind`, from what `ssh -G`
+    resolved (`r`, a resolve.Resolved): user@hostname:port, the proxy (ProxyJump chain or
+    ProxyCommand; none: direct), the identity files offered, those named but missing, and the
+    agent socket."""
+    proxy = (f"ProxyJump {','.join(map(str, r.proxy_jump))}" if r.proxy_jump
+             else f"ProxyCommand {r.proxy_command}" if r.proxy_command else "none (direct)")
+    parts = [f"{name}: dialling {r.user}@{r.hostname}:{r.port} over {kind}", f"proxy {proxy}",
+             "identity files " + (", ".join(map(str, r.identity_files)) or "none")]
+    if r.missing_identity_files:
+        parts.append("named but missing " + ", ".join(map(str, r.missing_identity_files)))
+    parts.append(f"agent {r.identity_agent or 'none'}")
     return "; ".join(parts)
