@@ -21,6 +21,7 @@ from .options import (
     JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
     VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
 )
+from .options import BecomeOpt, ExtraVarsOpt, LimitOpt, UserOpt, command_line_vars, limited
 from .options import (
     GateOpt, ItlSlackMs, LoadClient, LoadConcurrency, LoadInputLen, LoadOpt, LoadOutputLen, LoadPrompts, LoadRepeat,
     LoadTimeout, MaxItlRise, MaxThroughputDrop, MaxTtftRise, TtftSlackMs, load_settings,
@@ -63,7 +64,8 @@ def inspect(opts: FleetOptions, pattern: Pattern,
 
 
 @app.command()
-def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, limit: LimitOpt = None, user: UserOpt = None,
+          become: BecomeOpt = False, extra_vars: ExtraVarsOpt = None, vault_password_file: VaultPasswordFile = None,
           ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
           connection: ConnectionOpt = None) -> None:
@@ -74,14 +76,18 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file:
     from ..connection.describe import describe
     from ..report.terminal import render_hosts
 
-    selected = load_inventory(inventory, vault_password_file, ask_vault_pass).select(pattern)
+    selected = limited(load_inventory(inventory, vault_password_file, ask_vault_pass,
+                                      cli=command_line_vars(user, become, extra_vars)), pattern, limit)
     with Session(settings(connect_timeout, False, ssh_config, connection)) as session:
         docs = [describe(h, session) for h in selected]
+    code = EXIT_PARSE if any(d["error"] for d in docs) else 0
     if json_out:
-        _print_json({"hosts": docs})
+        from ..report.document import envelope
+
+        _print_json(envelope({"hosts": docs}, code, None))
     else:
         render_hosts(docs, out)
-    raise typer.Exit(EXIT_PARSE if any(d["error"] for d in docs) else 0)
+    raise typer.Exit(code)
 
 
 def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
@@ -220,12 +226,12 @@ def apply(opts: FleetOptions,
             render_handlers(plan_results, out)
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
+    try:
+        parse_serial(serial, len(hosts))
+    except ValueError as e:
+        raise UsageError(f"--serial: {e}") from None
     load_budget = lo.budget_s(lo.repeat + 1) if lo else 0
     with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + load_budget) as fleet:
-        try:
-            parse_serial(serial, len(hosts))
-        except ValueError as e:
-            raise UsageError(f"--serial: {e}") from None
         outcome = check_then_apply(fleet, hosts, pb, apply_opts, confirm, check_timeout=opts.timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")
@@ -398,19 +404,22 @@ def renderer(command: str, doc: dict, diff: bool = False, details: bool = False)
 
 
 def _finish(results, json_out: bool, render, hosts: list[dict] | None = None, **doc) -> None:
-    """Print the results (one JSON document: `doc` and "hosts", each result's to_json() unless
-    `hosts` gives the entries; or `_render`), hand that document to the run's history record,
-    and exit with Ansible's code for them."""
+    """Print the results (one JSON document: the envelope (report.document.envelope: schema
+    version, run id, exit code), `doc` and "hosts", each result's to_json() unless `hosts` gives
+    the entries; or `_render`), hand that document to the run's history record, and exit with
+    Ansible's code for them."""
     from ..engine.fleet import exit_code
     from ..history import record
+    from ..report.document import envelope
 
-    document = {**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts}
+    document = envelope({**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts},
+                        exit_code(results), record.current_run_id())
     record.results(document)
     if json_out:
         _print_json(document)
     else:
         _render(results, render, doc.get("change_id"))
-    raise typer.Exit(exit_code(results))
+    raise typer.Exit(document["exit_code"])
 
 
 def _render(results, render, change_id: str | None = None) -> None:

@@ -94,9 +94,19 @@ def dial(client: paramiko.SSHClient, r: Resolved, sock, deadline: float) -> None
                    channel_timeout=left, auth_strategy=OpenSSHAuth(r, left))
 
 
+class _ProxyCommand(paramiko.ProxyCommand):
+    """paramiko's ProxyCommand, whose close() signals the command only while it runs (paramiko's
+    own kills its pid even after it was reaped: ProcessLookupError in paramiko's thread, or a
+    signal to whatever process got that pid since)."""
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.terminate()
+
+
 def proxy_command(r: Resolved):
     """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell)."""
-    return paramiko.ProxyCommand(command.shell_line(["sh", "-c", r.proxy_command]))
+    return _ProxyCommand(command.shell_line(["sh", "-c", r.proxy_command]))
 
 
 class _Jump:

@@ -109,6 +109,8 @@ class Resolved:
     UserKnownHostsFile entries ([] for `none`), then global_known_hosts (read-only pins).
     connect_timeout: seconds or None. server_alive_interval (seconds, 0: not set) /
     server_alive_count_max. options: everything `ssh -G` printed (lower-case keyword -> values).
+    missing_identity_files: the identity files named (by the inventory or ssh_config, not
+    OpenSSH's defaults) that do not exist, expanded, in ssh's order.
     """
 
     name: str
@@ -131,6 +133,7 @@ class Resolved:
     server_alive_count_max: int
     options: dict[str, list[str]] = field(repr=False, compare=False)
     hops: tuple["Resolved", ...] = ()
+    missing_identity_files: tuple[Path, ...] = ()
 
     @property
     def host_key_name(self) -> str:
@@ -361,6 +364,11 @@ def resolved_from(name: str, options: dict[str, list[str]], what: str) -> Resolv
         value = first.get(key, "none")
         return () if value.lower() == "none" else tuple(Path(expand(v, tok, f"{what}: {key}")) for v in value.split())
 
+    defaults = {Path(os.path.expanduser(p)) for p in DEFAULT_IDENTITY_FILES} | {
+        Path(expand(p, tok, what)) for p in DEFAULT_IDENTITY_FILES}
+    named = [Path(expand(v, tok, f"{what}: identityfile")) for v in options.get("identityfile", [])
+             if v.lower() != "none"]
+    missing = tuple(p for p in named if not p.is_file() and p not in defaults)
     agent = first.get("identityagent", "SSH_AUTH_SOCK")
     if agent.lower() == "none":
         agent = None
@@ -388,7 +396,7 @@ def resolved_from(name: str, options: dict[str, list[str]], what: str) -> Resolv
             connect_timeout=None if timeout.lower() == "none" else float(timeout),
             server_alive_interval=float(first.get("serveraliveinterval", "0")),
             server_alive_count_max=int(first.get("serveralivecountmax", "3")),
-            options=options)
+            options=options, missing_identity_files=missing)
     except (KeyError, ValueError) as e:
         raise SshConfigError(f"{what}: cannot read the resolved ssh_config ({type(e).__name__}: {e})") from None
 
