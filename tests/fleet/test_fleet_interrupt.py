@@ -1,0 +1,109 @@
+"""Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group) during a rolling
+apply whose hosts are reached through a ProxyCommand bastion (case turn4/13): real sshd, a real
+`ssh -W` through another lab host, the stand-in servers' validation gate."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers.ledger import over_ssh as ledger_states
+from helpers.proc import alive_pids
+
+SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
+FIRST, NEXT = "lab-02", "lab-03"
+
+
+def tree_digest(lab, host):
+    """sha256 over every installed sglang file's sha256 on the host."""
+    r = lab.ssh(host, f"cd {SITE} && find sglang -type f -name '*.py' | sort | xargs sha256sum | sha256sum")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def pids_naming(text: str) -> list[int]:
+    """Pids of live processes whose command line holds `text` (a path only this test uses)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in cmdline:
+            found.append(int(pid))
+    return alive_pids(found)
+
+
+def terminal_child():
+    """In the child, before exec: SIGINT at its default, as a terminal's foreground job has it (a
+    test run from a background shell inherits it ignored, and Python then never raises
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def proxied(server_lab, tmp_path):
+    """(an inventory of FIRST and NEXT with the lab's vars, an ssh_config whose every host is
+    reached by `ProxyCommand ssh -F JUMP -W %h:%p jump` through lab-01, the JUMP config's path);
+    afterwards, the stand-ins healthy and every change of the lab rolled back."""
+    key = server_lab.state_dir / "client_ed25519"
+    jump = tmp_path / "jump.cfg"
+    jump.write_text(f"Host jump\n  HostName {server_lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
+                    f"  IdentitiesOnly yes\n  UserKnownHostsFile {server_lab.known_hosts}\n  BatchMode yes\n"
+                    "  StrictHostKeyChecking yes\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host *\n  ProxyCommand ssh -F {jump} -W %h:%p jump\n  UserKnownHostsFile {server_lab.known_hosts}\n")
+    hosts = yaml.safe_load(server_lab.inventory.read_text())["all"]["children"]["lab"]["hosts"]
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {h: hosts[h] for h in (FIRST, NEXT)}}}))
+    yield inv, cfg, jump
+    for h in (FIRST, NEXT):
+        if h in server_lab.behaved or not server_lab.server_healthy(h):
+            server_lab.set_behavior(h, {}, restart=True)
+    server_lab.cli_json("rollback", "--last", "all", "--yes", rc=0)
+
+
+@pytest.mark.parametrize("kind", ["paramiko", "ssh"])
+def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(server_lab, proxied,
+                                                                                           kind):
+    """SIGINT to the CLI's whole process group (what a terminal's Ctrl-C does) while the first host
+    of `--serial 1` validates its change: the proxy of that host is in a session of its own, so
+    the host's change completes (validated, applied in its ledger), the next host is not
+    attempted and its tree untouched, the exit status is 130, and no proxy outlives the run.
+    (The ssh kind, whose ssh runs the ProxyCommand, is the case's control.)"""
+    inv, cfg, jump = proxied
+    server_lab.set_behavior(FIRST, {"unhealthy_for_s": 6}, restart=False)
+    before = tree_digest(server_lab, NEXT)
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "-i", str(inv),
+                          "--ssh-config", str(cfg), "-c", kind, "--yes", "--serial", "1", "--json"],
+                         env=server_lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=terminal_child)
+    try:
+        deadline = time.monotonic() + 120
+        while "pending" not in ledger_states(server_lab, FIRST).values():
+            assert time.monotonic() < deadline and p.poll() is None, f"apply never reached {FIRST}"
+            time.sleep(0.3)
+        assert pids_naming(str(jump)), "no ProxyCommand runs while the first host is changed"
+        os.killpg(p.pid, signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130 and "interrupted" in stderr, (p.returncode, stderr[-2000:])
+    doc = json.loads(stdout)
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert hosts[FIRST]["status"] == "changed", hosts[FIRST]["error"]
+    assert hosts[FIRST]["validation"]["status"] == "passed", hosts[FIRST]["validation"]
+    assert ledger_states(server_lab, FIRST)[doc["change_id"]] == "applied"
+    assert hosts[NEXT]["status"] == "not attempted" and "interrupted" in hosts[NEXT]["error"]
+    assert tree_digest(server_lab, NEXT) == before
+    assert pids_naming(str(jump)) == [], "a ProxyCommand outlived the run"
