@@ -1,6 +1,7 @@
 """Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group) during a rolling
 apply whose hosts are reached through a ProxyCommand bastion (case turn4/13): real sshd, a real
-`ssh -W` through another lab host, the stand-in servers' validation gate."""
+`ssh -W` through another lab host; no server, so the restart handler (a sleep) is the window the
+interrupt lands in."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from helpers.proc import alive_pids
 
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 FIRST, NEXT = "lab-02", "lab-03"
+# The handler of FIRST's change: long enough for the interrupt to land in it (/tmp is each lab
+# host's own: lab/base.py PRIVATE_DIRS).
+BEGUN, DONE = "/tmp/fleetctl-test-restart-begun", "/tmp/fleetctl-test-restart-done"
+RESTART = f"touch {BEGUN}; sleep 8; touch {DONE}"
 
 
 def tree_digest(lab, host):
@@ -50,46 +55,45 @@ def terminal_child():
 
 
 @pytest.fixture
-def proxied(server_lab, tmp_path):
-    """(an inventory of FIRST and NEXT with the lab's vars, an ssh_config whose every host is
-    reached by `ProxyCommand ssh -F JUMP -W %h:%p jump` through lab-01, the JUMP config's path);
-    afterwards, the stand-ins healthy and every change of the lab rolled back."""
-    key = server_lab.state_dir / "client_ed25519"
+def proxied(lab, tmp_path):
+    """(an inventory of FIRST and NEXT with the lab's vars and RESTART as their restart command,
+    an ssh_config whose every host is reached by `ProxyCommand ssh -F JUMP -W %h:%p jump`
+    through lab-01, the JUMP config's path); afterwards, every change of the lab rolled back."""
+    key = lab.state_dir / "client_ed25519"
     jump = tmp_path / "jump.cfg"
-    jump.write_text(f"Host jump\n  HostName {server_lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
-                    f"  IdentitiesOnly yes\n  UserKnownHostsFile {server_lab.known_hosts}\n  BatchMode yes\n"
+    jump.write_text(f"Host jump\n  HostName {lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
+                    f"  IdentitiesOnly yes\n  UserKnownHostsFile {lab.known_hosts}\n  BatchMode yes\n"
                     "  StrictHostKeyChecking yes\n")
     cfg = tmp_path / "ssh_config"
-    cfg.write_text(f"Host *\n  ProxyCommand ssh -F {jump} -W %h:%p jump\n  UserKnownHostsFile {server_lab.known_hosts}\n")
-    hosts = yaml.safe_load(server_lab.inventory.read_text())["all"]["children"]["lab"]["hosts"]
+    cfg.write_text(f"Host *\n  ProxyCommand ssh -F {jump} -W %h:%p jump\n  UserKnownHostsFile {lab.known_hosts}\n")
+    hosts = yaml.safe_load(lab.inventory.read_text())["all"]["children"]["lab"]["hosts"]
     inv = tmp_path / "hosts.yaml"
-    inv.write_text(yaml.safe_dump({"all": {"hosts": {h: hosts[h] for h in (FIRST, NEXT)}}}))
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {h: {**hosts[h], "fleetctl_restart_cmd": RESTART}
+                                                     for h in (FIRST, NEXT)}}}))
     yield inv, cfg, jump
     for h in (FIRST, NEXT):
-        if h in server_lab.behaved or not server_lab.server_healthy(h):
-            server_lab.set_behavior(h, {}, restart=True)
-    server_lab.cli_json("rollback", "--last", "all", "--yes", rc=0)
+        lab.ssh(h, f"rm -f {BEGUN} {DONE}")
+    lab.cli_json("rollback", "--last", "all", "--yes", rc=0)
 
 
 @pytest.mark.parametrize("kind", ["paramiko", "ssh"])
-def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(server_lab, proxied,
-                                                                                           kind):
+def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(lab, proxied, kind):
     """SIGINT to the CLI's whole process group (what a terminal's Ctrl-C does) while the first host
-    of `--serial 1` validates its change: the proxy of that host is in a session of its own, so
-    the host's change completes (validated, applied in its ledger), the next host is not
-    attempted and its tree untouched, the exit status is 130, and no proxy outlives the run.
-    (The ssh kind, whose ssh runs the ProxyCommand, is the case's control.)"""
+    of `--serial 1` runs its change's restart handler: the proxy of that host is in a session of
+    its own, so the host's change completes (the handler ran to its end, the change applied in
+    its ledger), the next host is not attempted and its tree untouched, the exit status is 130,
+    and no proxy outlives the run. (The ssh kind, whose ssh runs the ProxyCommand, is the case's
+    control.)"""
     inv, cfg, jump = proxied
-    server_lab.set_behavior(FIRST, {"unhealthy_for_s": 6}, restart=False)
-    before = tree_digest(server_lab, NEXT)
+    before = tree_digest(lab, NEXT)
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "-i", str(inv),
                           "--ssh-config", str(cfg), "-c", kind, "--yes", "--serial", "1", "--json"],
-                         env=server_lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, preexec_fn=terminal_child)
     try:
         deadline = time.monotonic() + 120
-        while "pending" not in ledger_states(server_lab, FIRST).values():
-            assert time.monotonic() < deadline and p.poll() is None, f"apply never reached {FIRST}"
+        while lab.ssh(FIRST, f"test -e {BEGUN}").returncode != 0:
+            assert time.monotonic() < deadline and p.poll() is None, f"apply never reached {FIRST}'s handler"
             time.sleep(0.3)
         assert pids_naming(str(jump)), "no ProxyCommand runs while the first host is changed"
         os.killpg(p.pid, signal.SIGINT)
@@ -102,8 +106,8 @@ def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progr
     doc = json.loads(stdout)
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert hosts[FIRST]["status"] == "changed", hosts[FIRST]["error"]
-    assert hosts[FIRST]["validation"]["status"] == "passed", hosts[FIRST]["validation"]
-    assert ledger_states(server_lab, FIRST)[doc["change_id"]] == "applied"
+    assert lab.ssh(FIRST, f"test -e {DONE}").returncode == 0, "the handler did not run to its end"
+    assert ledger_states(lab, FIRST)[doc["change_id"]] == "applied"
     assert hosts[NEXT]["status"] == "not attempted" and "interrupted" in hosts[NEXT]["error"]
-    assert tree_digest(server_lab, NEXT) == before
+    assert tree_digest(lab, NEXT) == before
     assert pids_naming(str(jump)) == [], "a ProxyCommand outlived the run"
