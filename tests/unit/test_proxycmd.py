@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from fleetctl.connection.proxycmd import ProxyCommand
 from helpers.proc import alive, alive_pids
@@ -87,3 +90,19 @@ def test_ctrl_c_to_the_controllers_group_spares_the_proxy_and_its_exit_ends_it()
             p.wait()
     assert said == "running"
     assert alive_pids([proxy, child]) == [] and _group(proxy) == []
+
+
+def test_a_proxy_that_exits_is_the_connections_end_at_once():
+    """The proxy's EOF is b"" (paramiko's transport: EOFError, the connection's end), with what
+    came before it; silence is socket.timeout after the timeout, as a socket's."""
+    proxy = ProxyCommand(["sh", "-c", "printf ab; exit 0"])
+    proxy.settimeout(5)
+    t0 = time.monotonic()
+    assert proxy.recv(16) == b"ab" and proxy.recv(16) == b""
+    assert time.monotonic() - t0 < 2
+    proxy.close()
+    quiet = ProxyCommand(["cat"])
+    quiet.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        quiet.recv(16)
+    quiet.close()

@@ -10,13 +10,16 @@ the same command starts with setsid(2) (`start_new_session`), so only fleetctl h
 terminal, and fleetctl ends it itself: close() (paramiko's transport closes its socket when the
 connection closes or fails) sends SIGTERM to the proxy's whole process group, SIGKILL when any of
 it is left KILL_AFTER_S later, and reaps it; at exit, every proxy still running is closed so.
+A proxy that exits (its bastion gone) is the connection's end at once (recv).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import select
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -43,6 +46,35 @@ class ProxyCommand(paramiko.ProxyCommand):
         self._closing = threading.Lock()
         with _LIVE_LOCK:
             _LIVE.add(self)
+
+    def recv(self, size: int) -> bytes:
+        """Up to `size` bytes from the proxy's stdout, within the timeout settimeout() set (None:
+        no limit): what came when the time is up (socket.timeout when nothing did), and at the
+        proxy's EOF what came before it, b"" when nothing did, which paramiko's transport takes
+        for the connection's end (Packetizer.read_all: EOFError). paramiko's own recv reads EOF
+        again and again until its timeout and then raises socket.timeout, which the transport
+        retries: a proxy that exited (its bastion gone) was never noticed. Raises
+        ProxyCommandFailure when its stdout cannot be read."""
+        buf = b""
+        start = time.monotonic()
+        fd = self.process.stdout.fileno()
+        try:
+            while len(buf) < size:
+                wait = None if self.timeout is None else self.timeout - (time.monotonic() - start)
+                if wait is not None and wait <= 0:
+                    raise socket.timeout()
+                if select.select([fd], [], [], wait)[0]:
+                    chunk = os.read(fd, size - len(buf))
+                    if not chunk:
+                        break
+                    buf += chunk
+            return buf
+        except socket.timeout:
+            if buf:
+                return buf
+            raise
+        except OSError as e:
+            raise paramiko.ProxyCommandFailure(" ".join(self.cmd), e.strerror) from None
 
     def close(self) -> None:
         """End the proxy's process group: SIGTERM, then SIGKILL to whatever of it is left once
