@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from helpers.ledger import over_ssh as ledger_states
-from helpers.proc import alive_pids
+from helpers.proc import pids_naming
 
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 FIRST, NEXT = "lab-02", "lab-03"
@@ -32,19 +31,6 @@ def tree_digest(lab, host):
     r = lab.ssh(host, f"cd {SITE} && find sglang -type f -name '*.py' | sort | xargs sha256sum | sha256sum")
     assert r.returncode == 0, r.stderr
     return r.stdout.split()[0]
-
-
-def pids_naming(text: str) -> list[int]:
-    """Pids of live processes whose command line holds `text` (a path only this test uses)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if text.encode() in cmdline:
-            found.append(int(pid))
-    return alive_pids(found)
 
 
 def terminal_child():

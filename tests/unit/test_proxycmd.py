@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.connection.proxycmd import ProxyCommand
-from helpers.proc import alive, alive_pids
+from helpers.proc import alive, alive_pids, group_pids
 
 AGENT = str(Path(__file__).resolve().parents[2] / "agent")
 
@@ -37,19 +37,6 @@ CONTROLLER = textwrap.dedent("""
 """)
 
 
-def _group(pgid: int) -> list[int]:
-    """Live pids of process group `pgid`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            found.append(int(pid))
-    return alive_pids(found)
-
-
 def test_close_ends_the_proxys_whole_group_in_its_own_session():
     proxy = ProxyCommand(["sh", "-c", "sleep 300 & echo $!; exec cat"])
     child = int(proxy.process.stdout.readline())
@@ -61,7 +48,7 @@ def test_close_ends_the_proxys_whole_group_in_its_own_session():
     t0 = time.monotonic()
     proxy.close()
     assert time.monotonic() - t0 < 1.5  # cat ends at SIGTERM: no wait for the SIGKILL
-    assert proxy.closed and _group(pid) == [] and not alive(child)
+    assert proxy.closed and group_pids(pid) == [] and not alive(child)
     proxy.close()  # idempotent: nothing signalled once reaped
 
 
@@ -70,7 +57,7 @@ def test_a_proxy_that_ignores_sigterm_is_killed():
     assert proxy.process.stdout.readline() == b"up\n"
     t0 = time.monotonic()
     proxy.close()
-    assert 1.5 < time.monotonic() - t0 < 5 and _group(proxy.process.pid) == []
+    assert 1.5 < time.monotonic() - t0 < 5 and group_pids(proxy.process.pid) == []
 
 
 def test_ctrl_c_to_the_controllers_group_spares_the_proxy_and_its_exit_ends_it():
@@ -89,7 +76,7 @@ def test_ctrl_c_to_the_controllers_group_spares_the_proxy_and_its_exit_ends_it()
             p.kill()
             p.wait()
     assert said == "running"
-    assert alive_pids([proxy, child]) == [] and _group(proxy) == []
+    assert alive_pids([proxy, child]) == [] and group_pids(proxy) == []
 
 
 def test_a_proxy_that_exits_is_the_connections_end_at_once():
