@@ -62,13 +62,17 @@ def proxied(lab, tmp_path):
     lab.cli_json("rollback", "--last", "all", "--yes", rc=0)
 
 
-@pytest.mark.parametrize("kind", ["paramiko", "ssh"])
-def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(lab, proxied, kind):
-    """SIGINT to the CLI's whole process group (what a terminal's Ctrl-C does) while the first host
-    of `--serial 1` runs its change's restart handler: the proxy of that host is in a session of
-    its own, so the host's change completes (the handler ran to its end, the change applied in
-    its ledger), the next host is not attempted and its tree untouched, the exit status is 130,
-    and no proxy outlives the run. (The ssh kind, whose ssh runs the ProxyCommand, is the case's
+@pytest.mark.parametrize("kind, sig, code", [("paramiko", signal.SIGINT, 130), ("ssh", signal.SIGINT, 130),
+                                             ("paramiko", signal.SIGTERM, 143)],
+                         ids=["paramiko-SIGINT", "ssh-SIGINT", "paramiko-SIGTERM"])
+def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(lab, proxied, kind,
+                                                                                           sig, code):
+    """SIGINT to the CLI's whole process group (what a terminal's Ctrl-C does; SIGTERM: what GNU
+    `timeout` or a CI cancel sends it, handled the same) while the first host of `--serial 1`
+    runs its change's restart handler: the proxy of that host is in a session of its own, so the
+    host's change completes (the handler ran to its end, the change applied in its ledger), the
+    next host is not attempted and its tree untouched, the exit status is 130 (143), and no
+    proxy outlives the run. (The ssh kind, whose ssh runs the ProxyCommand, is the case's
     control.)"""
     inv, cfg, jump = proxied
     before = tree_digest(lab, NEXT)
@@ -82,13 +86,13 @@ def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progr
             assert time.monotonic() < deadline and p.poll() is None, f"apply never reached {FIRST}'s handler"
             time.sleep(0.3)
         assert pids_naming(str(jump)), "no ProxyCommand runs while the first host is changed"
-        os.killpg(p.pid, signal.SIGINT)
+        os.killpg(p.pid, sig)
         stdout, stderr = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert p.returncode == 130 and "interrupted" in stderr, (p.returncode, stderr[-2000:])
+    assert p.returncode == code and "interrupted" in stderr, (p.returncode, stderr[-2000:])
     doc = json.loads(stdout)
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert hosts[FIRST]["status"] == "changed", hosts[FIRST]["error"]

@@ -360,16 +360,18 @@ class Connection(ABC):
         frees it. On a host (not in a container), every command this connection runs while the
         lock is held is registered with it, and whatever of them still runs when the lock ends
         is stopped by its process group: nothing of a dead controller's run outlives its lock.
-        Raises LockBusy at once when another run holds it (quoting who and since when), or when
-        it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
+        The lock command's reply, and its holder's, are found by their markers (command.reply):
+        what a login shell's startup files print first is passed over, and named when no marker
+        came. Raises LockBusy at once when another run holds it (quoting who and since when), or
+        when it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
         token = secrets.token_hex(8)
         proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s(), token), hold + timeout,
                                  timeout)
-        end = time.monotonic() + timeout
-        seen = _read_until(proc, command.lock_marker(token), end)
-        if command.reply(seen, command.lock_marker(token)) is not None:
+        end, marker = time.monotonic() + timeout, command.lock_marker(token)
+        seen = _read_until(proc, marker, end)  # by its marker: a login shell may print first
+        if command.reply(seen, marker) is not None:
             if not self.prefix:
                 self._tied = command.lock_groups(state_dir, token)
             return HostLock(proc, self, self.keepalive()[0])
@@ -381,8 +383,9 @@ class Connection(ABC):
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         if code == _LOCK_REFUSED_EXIT:  # the state dir is not this login's: the script said why
             raise LockBusy(f"could not take the lock {state_dir}/lock: {said}")
-        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code}): "
-                       f"the lock command never said it held it; {command.unframed(seen)}"
+        ended = f"exit {code}" if code is not None else "its command still ran"
+        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s ({ended}): "
+                       f"the lock command never said it held it; {command.unframed(seen, marker)}"
                        + (f"; its stderr: {said}" if said else ""))
 
     def lock_beat_s(self) -> int:

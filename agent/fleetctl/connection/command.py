@@ -465,11 +465,12 @@ def reply(stdout: bytes, marker: str) -> bytes | None:
     return None if at < 0 else stdout[at + len(m) + 1:]
 
 
-def unframed(stdout: bytes, limit: int = 200) -> str:
-    """The error's words for a reply whose marker never came: what stdout held instead (at most
-    `limit` characters, escaped), and the usual cause."""
+def unframed(stdout: bytes, marker: str, limit: int = 200) -> str:
+    """The error's words for a reply whose `marker` line never came: what stdout held instead (at
+    most `limit` characters, escaped), and the usual cause."""
     said = stdout.decode("utf-8", "replace").strip()
     held = repr(said[:limit]) + ("..." if len(said) > limit else "") if said else "nothing"
-    return (f"its stdout held {held} and no marker line: the login shell of the SSH user (or of the become "
-            "user, with become_flags -i or -s) printed instead of running the command, or its startup files "
-            "(~/.bashrc, ~/.profile, /etc/profile) stopped it; a banner printed before the command is fine")
+    return (f"its stdout held {held}, and no line {marker}: the login shell of the SSH user (or the become "
+            "user's, with become_flags -i or -s) did not run the command, or one of its startup files "
+            "(~/.bashrc, ~/.profile, /etc/profile) ended or replaced it; what such a file prints before the "
+            "command is fine")
