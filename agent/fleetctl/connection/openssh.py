@@ -16,6 +16,9 @@ for the host (their ControlMaster/ControlPath/ControlPersist: `ssh -O check` ans
 over it instead and it is left running (unless that configuration turns host key checking off); a command's exit status travels in-band on stderr (ssh's own
 255 cannot be told from the command's); close() runs `-O exit` for this host's master, and the
 run's last cleanup (`ControlFiles.close`) for every master left, bastions included.
+Every ssh fleetctl starts (masters, the ProxyCommand a master runs, commands, `-G`, `-O`) is in
+a session of its own (`start_new_session`): a terminal's Ctrl-C reaches fleetctl only, which
+lets the host in progress finish.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class ControlFiles:
             for sock in self.dir.iterdir():
                 if sock.is_socket():
                     subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleetctl-master"],
-                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10, start_new_session=True)
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -142,7 +145,7 @@ def open_master(argv: list[str], destination: str, deadline: float, what: str, c
     if any(t in msg for t in _HOST_KEY_TROUBLE):
         if r.returncode == 0:
             subprocess.run([*argv, "-O", "exit", "--", destination], stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=10)
+                           timeout=10, start_new_session=True)
         raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
     if r.returncode != 0:
         fix = next((f for words, f in _FIXES if words in msg), None)
@@ -322,7 +325,8 @@ class OpenSSHConnection(Connection):
         """The ControlPath of the user's own configuration for this host, expanded (`ssh -G`
         with _user_argv's options; "none" when it sets none)."""
         r = subprocess.run([*self._user_argv("-G", "--", self.host.address)], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+                           capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
+                           start_new_session=True)
         found = [line.split(None, 1)[1] for line in r.stdout.splitlines() if line.startswith("controlpath ")]
         return found[0].strip() if r.returncode == 0 and found else "none"
 
@@ -331,7 +335,7 @@ class OpenSSHConnection(Connection):
         """None if the master `argv` (an ssh command line ending in its destination) names is
         running (`ssh -O check`), else ssh's message."""
         r = subprocess.run([*argv[:-2], "-O", "check", *argv[-2:]], stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=max(1.0, deadline - time.monotonic()))
+                           timeout=max(1.0, deadline - time.monotonic()), start_new_session=True)
         return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
 
     def _start(self, argv: list[str], timeout: float) -> Process:
@@ -349,4 +353,4 @@ class OpenSSHConnection(Connection):
         if self._master:
             self._master = False
             subprocess.run(self._argv("-O", "exit", "--", self.host.address), stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=10)
+                           capture_output=True, timeout=10, start_new_session=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
 
-from . import command, knownhosts
+from . import knownhosts, proxycmd
 from .base import Settings
 from .errors import HostKeyRefused, Unreachable
 from .hostkey_policy import accept_new
@@ -94,19 +94,10 @@ def dial(client: paramiko.SSHClient, r: Resolved, sock, deadline: float) -> None
                    channel_timeout=left, auth_strategy=OpenSSHAuth(r, left))
 
 
-class _ProxyCommand(paramiko.ProxyCommand):
-    """paramiko's ProxyCommand, whose close() signals the command only while it runs (paramiko's
-    own kills its pid even after it was reaped: ProcessLookupError in paramiko's thread, or a
-    signal to whatever process got that pid since)."""
-
-    def close(self):
-        if self.process.poll() is None:
-            self.process.terminate()
-
-
-def proxy_command(r: Resolved):
-    """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell)."""
-    return _ProxyCommand(command.shell_line(["sh", "-c", r.proxy_command]))
+def proxy_command(r: Resolved) -> proxycmd.ProxyCommand:
+    """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell), in
+    a session of its own (proxycmd.py: the terminal's Ctrl-C reaches fleetctl only)."""
+    return proxycmd.ProxyCommand(["sh", "-c", r.proxy_command])
 
 
 class _Jump:

@@ -117,18 +117,12 @@ class ParamikoProcess(Process):
             raise self.conn.lost("during a command")
         return out.value(), err.value(), code
 
-    def readline(self, limit: int, timeout: float) -> bytes:
-        buf = b""
-        self.chan.settimeout(timeout)
+    def read_out(self, limit: int, timeout: float) -> bytes:
+        self.chan.settimeout(max(0.01, timeout))
         try:
-            while b"\n" not in buf and len(buf) < limit:
-                chunk = self.chan.recv(min(256, limit - len(buf)))
-                if not chunk:
-                    break
-                buf += chunk
+            return self.chan.recv(limit)
         except socket.timeout:
-            pass
-        return buf.split(b"\n", 1)[0]
+            return b""
 
     def read_err(self, limit: int, timeout: float) -> bytes:
         self.chan.settimeout(max(0.01, timeout))
