@@ -137,7 +137,7 @@ def inventory_vars_page() -> str:
            "Where a var has other names, the last one set wins, as in Ansible.\n\n",
            "## fleetctl's own (`config.HOST_VARS`)\n\n", head, _var_rows(config.HOST_VARS),
            "\n## Connection kinds (`config.CONNECTION_KINDS`)\n\n",
-           "A host's `ansible_connection` picks its kind (hosts that set none: `-c KIND`, else the first row).\n\n",
+           "A host's `ansible_connection` picks its kind (hosts that set none: `-c KIND`, else `paramiko`).\n\n",
            "| `ansible_connection` | served by | reached through `ssh -G` | vars it reads |\n|---|---|---|---|\n"]
     for kind in config.CONNECTION_KINDS:
         names = ", ".join(f"`{n}`" for n in kind.names)
