@@ -51,7 +51,8 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
     with open(tmp_path / "docs/lab.md", "a") as f:
-        f.write("\nSee [the missing page](guides/no-such-guide.md) and [a lost section](security.md#no-such-section).\n")
+        f.write("\nSee [the missing page](guides/no-such-guide.md) and "
+                "[a lost section](security.md#no-such-section).\n")
     out = _docs("build", "-f", str(tmp_path / "mkdocs.yml"), "-d", str(tmp_path / "site"))
     assert out.returncode != 0
     text = out.stdout + out.stderr
