@@ -9,6 +9,8 @@ writing and exits 1 naming each page that differs).
   CONNECTION_KINDS and their vars).
 - docs/reference/exit-codes.md: the exit codes (fleetctl.errors EXIT_*) and which errors end a
   command with each (every FleetctlError subclass's `exit_code`).
+- docs/reference/json.md: each command's `--json` document as JSON Schema (HostResult's envelope
+  and the job data's TypedDict).
 - docs/reference/formats.md: the playbook and kernel package formats, from the docstrings of the
   modules that read them (engine/playbooks/model.py, engine/kernels/package.py), with the shipped
   files included at build time.
@@ -22,6 +24,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import sys
@@ -191,6 +194,69 @@ def exit_codes_page() -> str:
     return "".join(out)
 
 
+# Each command's `--json` host entries: the job data's TypedDict ("module:Class"), in the order
+# the commands are listed by `fleetctl --help`.
+JSON_DATA = (
+    ("inspect", "fleetctl.engine.gather:InspectData"),
+    ("validate", "fleetctl.engine.validate:ValidateData"),
+    ("apply --check", "fleetctl.engine.playbooks.apply:CheckData"),
+    ("rollback", "fleetctl.engine.ledger:RollbackData"),
+    ("recover", "fleetctl.engine.ledger:RecoverData"),
+    ("status", "fleetctl.engine.ledger:StatusData"),
+    ("deploy kernel", "fleetctl.engine.kernels.deploy:DeployData"),
+)
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+              type(None): "null"}
+
+
+def _schema(hint) -> dict:
+    """The JSON Schema of one Python type hint (str, int, float, bool, list, dict, None, a str enum,
+    a union of those; anything else: {})."""
+    import enum
+    import types
+    import typing
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return {"type": "string", "enum": [m.value for m in hint]}
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_schema(a).get("type") for a in typing.get_args(hint)]
+        return {"type": kinds} if all(isinstance(k, str) for k in kinds) else {}
+    kind = JSON_TYPES.get(origin or hint)
+    return {"type": kind} if kind else {}
+
+
+def json_page() -> str:
+    """docs/reference/json.md: each command's `--json` document as JSON Schema, from HostResult
+    (the envelope of every host entry) and the job data's TypedDict."""
+    import dataclasses
+    import typing
+
+    from fleetctl.engine.context import HostResult
+
+    hints = typing.get_type_hints(HostResult)
+    envelope = {f.name: _schema(hints[f.name]) for f in dataclasses.fields(HostResult) if f.name != "data"}
+    out = [HEADER.format(source="engine/context.py HostResult and the jobs' TypedDicts"),
+           "# The `--json` documents\n\n",
+           "Every command that works on hosts prints, with `--json`, one JSON object on stdout whose "
+           "`hosts` lists one ENTRY per host (`apply` and `deploy kernel` add keys of the whole run beside "
+           "it: `cli/fleet.py`, `_finish`). ", _cell(inspect.getdoc(HostResult.to_json)), " ",
+           _cell(inspect.getdoc(HostResult).split("\n\n")[0]), "\n\n",
+           "Below, per command, the schema of ENTRY (JSON Schema 2020-12): the envelope's keys, then the "
+           "job's own, with the meaning its code gives them. Which keys appear depends on the run "
+           "(check mode, `--load`, a failed host), so none is marked required.\n"]
+    for command, ref in JSON_DATA:
+        module, _, name = ref.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        props = dict(envelope)
+        props.update({k: _schema(v) for k, v in typing.get_type_hints(cls).items()})
+        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": f"fleetctl {command} --json",
+                  "type": "object", "properties": {"hosts": {"type": "array", "items": {
+                      "type": "object", "properties": props}}}}
+        out.append(f"\n## `fleetctl {command} --json`\n\n{_cell(inspect.getdoc(cls))} "
+                   f"(`{module}.{name}`)\n\n```json\n{json.dumps(schema, indent=2)}\n```\n")
+    return "".join(out)
+
+
 def _docstring(rel: str) -> str:
     """The module docstring of `rel` (a path under agent/fleetctl), read with ast (nothing imported)."""
     with open(os.path.join(ROOT, "agent", "fleetctl", rel), encoding="utf-8") as f:
@@ -234,6 +300,7 @@ PAGES = {
     "docs/reference/inventory-vars.md": inventory_vars_page,
     "docs/reference/exit-codes.md": exit_codes_page,
     "docs/reference/formats.md": formats_page,
+    "docs/reference/json.md": json_page,
 }
 
 
