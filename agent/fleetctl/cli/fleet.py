@@ -42,7 +42,10 @@ def inspect(opts: FleetOptions, pattern: Pattern,
                 "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False,
             allocator_replay: AllocatorReplay = False, pool: ReplayPool = None, concurrency: ReplayConcurrency = None,
             input_range: ReplayInput = None, output_range: ReplayOutput = None, aborts: ReplayAborts = None,
-            seed: ReplaySeed = None, requests: ReplayRequests = None) -> None:
+            seed: ReplaySeed = None, requests: ReplayRequests = None,
+            details: Annotated[bool, typer.Option("--details", help=(
+                "The full report: interpreter, every install's path, each call site and need_sort origin "
+                "(without it, one summary row per host)."))] = False) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites; with
     --allocator-replay, each install's own KV allocator replayed with need_sort False and True
     (its --timeout grows by the replay's deadline, 300 s)."""
@@ -56,7 +59,7 @@ def inspect(opts: FleetOptions, pattern: Pattern,
     hosts = opts.select(pattern)
     with opts.fleet(timeout=opts.timeout + DEADLINE_S if trace is not None else None) as fleet:
         results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect")
-    _finish(results, opts.json_out, renderer("inspect", {}), hosts=inspect_document(results)["hosts"])
+    _finish(results, opts.json_out, renderer("inspect", {}, details=details), hosts=inspect_document(results)["hosts"])
 
 
 @app.command()
@@ -366,15 +369,17 @@ def deploy_kernel(opts: FleetOptions,
     _finish(results, opts.json_out, renderer("deploy kernel", doc), **doc)
 
 
-def renderer(command: str, doc: dict, diff: bool = False):
+def renderer(command: str, doc: dict, diff: bool = False, details: bool = False):
     """How `command` (its words: "inspect", "deploy kernel", ...) prints its results: a function
     (results, console) made of the report room's renderers, given the rest of its `--json` document
-    (`doc`: check, patches) and whether an apply prints its diffs. The commands print with it,
+    (`doc`: check, patches), whether an apply prints its diffs and an inspect its details. The
+    commands print with it,
     and `history show` prints a recorded run again with it. Raises KeyError for another command."""
     from ..report import gates, terminal
     from ..report.text import text
 
-    own = {"inspect": terminal.render_inspect, "validate": gates.render_validate, "rollback": terminal.render_rollback,
+    own = {"inspect": lambda rs, console: terminal.render_inspect(rs, console, details=details),
+           "validate": gates.render_validate, "rollback": terminal.render_rollback,
            "recover": terminal.render_recover, "status": terminal.render_status,
            "cache clear": terminal.render_cache_clear, "deploy kernel": terminal.render_deploy,
            "apply": lambda rs, console: terminal.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}

@@ -140,7 +140,7 @@ def show(run: Annotated[str, typer.Argument(help="A run id (or its first charact
         status = HostStatus(h.status) if h.status in {s.value for s in HostStatus} else h.status
         results.append(HostResult(h.host, h.address, status, h.error, h.elapsed_s, data, **flags))
     try:
-        render = renderer(rec.command, rec.doc, diff=True)
+        render = renderer(rec.command, rec.doc, diff=True, details="--details" in rec.argv)
     except KeyError:
         out.print(text(f"note: this fleetctl does not know the command {rec.command} (recorded by fleetctl "
                        f"{rec.version}): its hosts' results only"), highlight=False, soft_wrap=True)

@@ -35,6 +35,8 @@ OUTPUT_MAX = 64 << 20
 TAIL_MAX = 1 << 20
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
+# Exit status of the lock script when the state dir is not this login's (command._LOCK).
+_LOCK_REFUSED_EXIT = 3
 # Bytes of sudo's stderr read at most before the command starts (its prompt, lecture, refusal).
 BECOME_HANDSHAKE_MAX = 8192
 # Characters of sudo's message kept in an error.
@@ -376,6 +378,8 @@ class Connection(ABC):
         if code == _LOCK_BUSY_EXIT:
             who = self._lock_holder(state_dir, line, timeout)
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
+        if code == _LOCK_REFUSED_EXIT:  # the state dir is not this login's: the script said why
+            raise LockBusy(f"could not take the lock {state_dir}/lock: {said}")
         raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})"
                        + (f": {said}" if said else ""))
 

@@ -43,8 +43,11 @@ _UPLOAD = (
 # byte after which the controller counts as gone, $5 the holder (_HOLD), $6 this hold's token (hex).
 # The state dir must be a directory (not a link) of this uid that group and others cannot write
 # (else exit 3, nothing written in it); flock -n fails at once (exit 75) when another run holds it.
+# A login that is not root is told to become root (runas.BECOME_FIX's words).
 _LOCK = ('umask 077 && mkdir -p -m 700 -- "$1" && [ -n "$(find "$1" -maxdepth 0 -type d -user "$(id -u)" ! -perm /022)" ] '
-         '|| { echo "fleetctl: the state dir $1 is not a directory of uid $(id -u) that only it can write: not locked" >&2; '
+         '|| { [ "$(id -u)" = 0 ] || h=" ($(id -un) is not root: set ansible_become: true for this host, and pass -K '
+         'if sudo asks for a password)"; '
+         'echo "fleetctl: the state dir $1 is not a directory of uid $(id -u) that only it can write$h: not locked" >&2; '
          'exit 3; }; exec flock -n -E 75 "$1/lock" sh -c "$5" "$1" "$2" "$3" "$4" "$6"')
 
 # The lock's holder ($0 state dir, $1 who, $2 hold seconds, $3 heartbeat window seconds, $4 the

@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import command
+from . import command, keyfiles
 from .base import Connection, OutputBuffer, Process
 from .errors import HostKeyRefused, Unreachable
 from .hostkey_policy import ssh_options, strictness
@@ -285,8 +285,14 @@ class OpenSSHConnection(Connection):
                     open_master(ssh, hop.host, deadline, f"ProxyJump hop {hop}", self.settings.connect_timeout)
             finally:
                 lock.release()
-        open_master([*self._argv(), *self._keepalive_options()], h.address, deadline, self.address,
-                    self.settings.connect_timeout)
+        try:
+            open_master([*self._argv(), *self._keepalive_options()], h.address, deadline, self.address,
+                        self.settings.connect_timeout)
+        except Unreachable as e:  # a refused certificate on disk: say why (keyfiles.file_certificate_hint)
+            hint = keyfiles.file_certificate_hint(resolved) if "Permission denied" in str(e) else ""
+            if type(e) is not Unreachable or not hint:
+                raise
+            raise Unreachable(f"{e}; {hint}") from None
         self._master = True
         problem = self._check(self._argv("--", h.address), deadline)
         if problem is not None:

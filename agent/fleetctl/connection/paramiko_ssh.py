@@ -1,8 +1,9 @@
 """`ansible_connection: paramiko` (the default): SSH through paramiko, to what OpenSSH resolved.
 
 Where to connect comes from `ssh -G` (resolve.py): HostName, Port, User, only the identity files
-it lists (`look_for_keys` off) and the agent at IdentityAgent (with IdentitiesOnly, only agent
-keys that match an identity file), ProxyJump hops in the order written, ProxyCommand,
+it lists (`look_for_keys` off), the certificates beside them and in CertificateFile, and the agent
+at IdentityAgent, offered in OpenSSH's order (paramiko_auth.py, pubkey_order.py: IdentitiesOnly
+keeps the agent's other keys back), ProxyJump hops in the order written, ProxyCommand,
 HostKeyAlias, UserKnownHostsFile and GlobalKnownHostsFile (from ssh_config only: inventory args
 that set them are refused, hostkey_policy.py), ConnectTimeout, ServerAlive*. An
 option that changes the connection and paramiko cannot honour (resolve.UNSUPPORTED_BY_PARAMIKO)

@@ -61,12 +61,13 @@ _DEFAULTS = {
 # which Debian's /etc/ssh/ssh_config turns on; HostbasedAuthentication) are not among them:
 # paramiko offers only the public keys.
 UNSUPPORTED_BY_PARAMIKO = {
-    "certificatefile": None, "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
+    "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
     "remotecommand": None, "forwardagent": "no", "forwardx11": "no", "tunnel": "false",
     "permitlocalcommand": "no", "proxyusefdpass": "no", "knownhostscommand": None, "revokedhostkeys": None,
     "verifyhostkeydns": "false", "bindaddress": None, "bindinterface": None, "sessiontype": "default",
 }
 _TOKEN = re.compile(r"%(.?)", re.DOTALL)
+_EXPANSION = re.compile(r"%(.?)|\$\{([^}]*)\}", re.DOTALL)  # a token, or ${VAR}
 # The tokens expand() knows (ssh_config(5), TOKENS), and the keywords whose values take them.
 EXPANDED_TOKENS = "%CdhijkLlnpru"
 _TOKEN_KEYWORDS = ("identityfile", "certificatefile", "userknownhostsfile", "identityagent", "controlpath")
@@ -149,8 +150,7 @@ class Resolved:
         """The options set here that the paramiko connection cannot honour, as `Keyword value`."""
         out = []
         for key, off in UNSUPPORTED_BY_PARAMIKO.items():
-            values = self.certificate_files if key == "certificatefile" else self.options.get(key, [])
-            out += [f"{key} {v}" for v in values if off is None or str(v).lower() != off]
+            out += [f"{key} {v}" for v in self.options.get(key, []) if off is None or str(v).lower() != off]
         return out
 
 
@@ -322,14 +322,21 @@ def _tokens(name: str, options: dict[str, list[str]]) -> dict[str, str]:
 
 
 def expand(value: str, tokens: dict[str, str], what: str) -> str:
-    """`value` with %-tokens replaced and a leading `~` / `~user` expanded (passwd database, as
-    ssh's tilde_expand). Raises SshConfigError naming `what` for a token OpenSSH does not define."""
+    """`value` with %-tokens and `${VAR}` environment variables replaced (one pass, as OpenSSH's
+    percent_dollar_expand; ssh_config(5), ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile
+    and CertificateFile with them unexpanded) and a leading `~` / `~user`
+    expanded (passwd database, as ssh's tilde_expand). Raises SshConfigError naming `what` for a
+    token OpenSSH does not define or a variable with no value."""
     def one(m: re.Match) -> str:
+        if m[2] is not None:
+            if m[2] not in os.environ:
+                raise SshConfigError(f"{what}: {value!r}: environment variable ${{{m[2]}}} has no value")
+            return os.environ[m[2]]
         if m[1] not in tokens:
             raise SshConfigError(f"{what}: {value!r}: unknown token %{m[1]}")
         return tokens[m[1]]
 
-    value = _TOKEN.sub(one, value)
+    value = _EXPANSION.sub(one, value)
     if value.startswith("~"):
         head, sep, tail = value[1:].partition("/")
         try:

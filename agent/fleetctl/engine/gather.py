@@ -41,14 +41,16 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
-                                         "cache_key": key, "inside": True,
+                                         "cache_key": key, "inside": True, "deadline_s": ctx.remaining(),
                                          "unprivileged_user": ctx.host.unprivileged_user})
         if inner.get("refused"):
             raise HostFailed(inner["refused"])
         mine = containers.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
+    # deadline_s: the host tools the probe runs (nvidia-smi, systemctl, a runtime's inspect) end
+    # within the host's deadline, a stuck one named in the facts (probes/bounded.py)
     params = {"python": inventory_python(ctx), "scan": scan, "with_sources": with_sources, "cache_key": key,
-              "unprivileged_user": ctx.host.unprivileged_user}
+              "unprivileged_user": ctx.host.unprivileged_user, "deadline_s": ctx.remaining()}
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts.host", params)
