@@ -2,12 +2,11 @@ defrag-tier0 on the lab's host: the plan in check mode, the change under its smo
 ledger, and the byte-identical rollback.
 
   $ fleetctl apply defrag-tier0 all --check
-  check mode: nothing was changed                                
-  ┏━━━━━━━━┳━━━━━━━━━┳━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━┓
-  ┃ hosts  ┃ status  ┃ edits ┃ left alone ┃ validation ┃ detail ┃
-  ┡━━━━━━━━╇━━━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━┩
-  │ lab-01 │ changed │ 4     │ 2          │            │        │
-  └────────┴─────────┴───────┴────────────┴────────────┴────────┘
+  check mode: nothing was changed
+  lab-01
+    status: changed
+    edits: 4
+    left alone: 2
   recap: changed=1 
   $ fleetctl apply defrag-tier0 all --yes --repeat 1
   ──────────────────────────────────────────────────── diff — lab-01 ─────────────────────────────────────────────────────
@@ -50,12 +49,11 @@ ledger, and the byte-identical rollback.
                if _is_npu and (
                    get_exec().kernel.attention_backend == "ascend"
   
-  plan (nothing is changed yet)                                  
-  ┏━━━━━━━━┳━━━━━━━━━┳━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━┓
-  ┃ hosts  ┃ status  ┃ edits ┃ left alone ┃ validation ┃ detail ┃
-  ┡━━━━━━━━╇━━━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━┩
-  │ lab-01 │ changed │ 4     │ 2          │            │        │
-  └────────┴─────────┴───────┴────────────┴────────────┴────────┘
+  plan (nothing is changed yet)
+  lab-01
+    status: changed
+    edits: 4
+    left alone: 2
   handlers run after the change — lab-01:
     restart sglang: /opt/fleetctl-standin/restart.sh
   apply                                                          
@@ -73,18 +71,16 @@ ledger, and the byte-identical rollback.
   >     print(h["host"], "last change:", last["playbook"], last["state"])'
   lab-01 last change: defrag-tier0 applied
   $ fleetctl rollback --last all --yes
-  rollback                                                                                               
-  ┏━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓
-  ┃ host   ┃ status  ┃ change                               ┃ detail                                    ┃
-  ┡━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩
-  │ lab-01 │ changed │ \d{8}T\d{6}Z-defrag-tier0-[0-9a-f]{6} │ restored 1 file\(s\)/link\(s\) byte-identical │ (re)
-  └────────┴─────────┴──────────────────────────────────────┴───────────────────────────────────────────┘
+  rollback
+  lab-01
+    status: changed
+    change: \d{8}T\d{6}Z-defrag-tier0-[0-9a-f]{6} (re)
+    detail: restored 1 file(s)/link(s) byte-identical
   recap: changed=1 
   $ fleetctl apply defrag-tier0 all --check
-  check mode: nothing was changed                                
-  ┏━━━━━━━━┳━━━━━━━━━┳━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━━━━━┳━━━━━━━━┓
-  ┃ hosts  ┃ status  ┃ edits ┃ left alone ┃ validation ┃ detail ┃
-  ┡━━━━━━━━╇━━━━━━━━━╇━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━━━━━╇━━━━━━━━┩
-  │ lab-01 │ changed │ 4     │ 2          │            │        │
-  └────────┴─────────┴───────┴────────────┴────────────┴────────┘
+  check mode: nothing was changed
+  lab-01
+    status: changed
+    edits: 4
+    left alone: 2
   recap: changed=1 
