@@ -43,7 +43,7 @@ HOME_PYTHONS = [
 ]
 LOCATE_TIMEOUT_S = 60  # one interpreter's start + find_spec (site runs every .pth file)
 FIX = ("; give that account read access to the install, or name one that has it in the inventory's "
-       "fleetctl_unprivileged_user (README: what fleetctl needs on a host)")
+       "fleetctl_unprivileged_user (docs/security.md: what fleetctl needs on a host)")
 SEVERAL = "several installs, no server: see installs"
 NONE_FOUND = "no interpreter with an sglang distribution found"
 NOT_INSPECTED = "not_inspected"  # vocab.InstallStatus.NOT_INSPECTED
