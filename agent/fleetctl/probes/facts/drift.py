@@ -8,11 +8,10 @@ safefs.sha256_file (never through a link, never a FIFO or device).
 
 import base64
 import os
-import re
 import stat
 import time
 
-from . import scancache
+from . import distinfo, scancache
 from .. import safefs
 
 # The RECORD hash cache: entries of files changed this recently are not kept (their ctime cannot
@@ -58,14 +57,18 @@ def hashes(paths, state_dir, ident, location):
 def problems(location, dist_name, explained, state_dir):
     """Files of distribution `dist_name` in `location` whose sha256 differs from its RECORD
     (sha256=<urlsafe b64, no padding>), minus files whose hex sha256 is `explained[realpath]`;
-    hashes come through hashes() (cached by file identity in `state_dir`)."""
+    hashes come through hashes() (cached by file identity in `state_dir`). The RECORD is that of
+    the dist-info whose RECORD matches the package's files (distinfo.choose: a stale dist-info an
+    interrupted upgrade left is never the one files are judged by). Returns (problems or None,
+    error or None, warning naming stale or duplicate dist-infos or None)."""
+    import pathlib
     from importlib import metadata
 
-    want = re.sub(r"[-_.]+", "-", dist_name).lower()
-    dist = next((d for d in metadata.distributions(path=[location])
-                 if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == want), None)
-    if dist is None:
-        return None, "no %s distribution in %s" % (dist_name, location)
+    want = distinfo.norm(dist_name)
+    chosen = distinfo.choose(location, dist_name, want.replace("-", "_"))
+    if chosen["path"] is None:
+        return None, chosen["warning"] or "no %s distribution in %s" % (dist_name, location), chosen["warning"]
+    dist = metadata.PathDistribution(pathlib.Path(chosen["path"]))
     out = []
     hashed = [(pp, os.path.realpath(str(dist.locate_file(pp)))) for pp in dist.files or []
               if pp.hash is not None and pp.hash.mode == "sha256"]
@@ -81,4 +84,4 @@ def problems(location, dist_name, explained, state_dir):
         b64 = base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
         if b64 != pp.hash.value and explained.get(path) != cur:
             out.append({"path": path, "problem": "modified outside fleetctl"})
-    return out, None
+    return out, None, chosen["warning"]

@@ -1,0 +1,169 @@
+"""Which of a distribution's dist-info directories in a site directory describes the files that
+are there: the one whose RECORD (PEP 376 / PEP 627) matches the package's own files on disk.
+
+Stdlib only (Python 3.8+), loaded by the facts and change probe bundles. An interrupted upgrade
+or uninstall leaves a second `NAME-VERSION.dist-info` beside the current one, and a failed
+install can leave one that holds only `REQUESTED` (python/importlib_metadata#291, #457,
+python/cpython#100666): importlib.metadata then answers from whichever directory the file system
+lists first (ext4: hash order; tmpfs: newest first), so its version, and its RECORD, can belong
+to no file that imports. Here every candidate is judged by its RECORD's sha256 of the package's
+`version.py` and `__init__.py` (the files that say which release this is and what `import NAME`
+runs), whatever the listing order; the others are named in a warning as stale.
+"""
+
+import base64
+import os
+import re
+
+from .. import safefs
+
+# the package files a RECORD is matched on: the release's own version module and the package's
+# entry point (present in every wheel of sglang and torch)
+KEY_FILES = ("version.py", "__init__.py")
+
+
+def norm(name):
+    """A distribution name as PEP 503 normalises it (`Foo_Bar.baz` -> `foo-bar-baz`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def dist_infos(site, name):
+    """Sorted real paths of the `NAME-VERSION.dist-info` directories of distribution `name` in
+    `site` ([] when it cannot be listed); the name part is what precedes the first `-`
+    (PEP 427 escapes `-` in names as `_`)."""
+    try:
+        entries = os.listdir(site)
+    except OSError:
+        return []
+    return sorted(os.path.realpath(os.path.join(site, e)) for e in entries if e.endswith(".dist-info")
+                  and norm(e[:-len(".dist-info")].split("-", 1)[0]) == norm(name)
+                  and os.path.isdir(os.path.join(site, e)))
+
+
+def _read(path, limit=16 << 20):
+    """Text of regular file `path` (never through a link, never a FIFO), or None."""
+    try:
+        return safefs.read_file(os.path.realpath(path), limit).decode("utf-8", "replace")
+    except (OSError, safefs.UnsafePath):
+        return None
+
+
+def metadata_version(dist):
+    """The `Version:` header of dist-info `dist`'s METADATA, None when it has none."""
+    text = _read(os.path.join(dist, "METADATA"))
+    for line in (text or "").splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line
+        if line.lower().startswith("version:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
+
+
+def record(dist):
+    """{path relative to the site: urlsafe-b64 sha256 or None} of dist-info `dist`'s RECORD;
+    None when it has no RECORD."""
+    text = _read(os.path.join(dist, "RECORD"))
+    if text is None:
+        return None
+    out = {}
+    for line in text.splitlines():
+        parts = line.rsplit(",", 2)
+        if len(parts) == 3:
+            algo, _, value = parts[1].partition("=")
+            out[parts[0].strip('"')] = value if algo == "sha256" and value else None
+    return out
+
+
+def b64_sha256(path):
+    """The RECORD form (urlsafe b64 of the sha256, no padding) of file `path`'s hash; None when
+    it is missing, "<why>" when it is not read (a link, FIFO, device: safefs.sha256_file)."""
+    cur = safefs.sha256_file(os.path.realpath(path))
+    if cur is None or cur.startswith("<"):
+        return cur
+    return base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
+
+
+def judge(site, name, package):
+    """[(dist-info path, its METADATA version or None, why it does not describe the files of
+    package `package` in `site`, None when its RECORD matches them)] for every dist-info of
+    distribution `name` in `site` (dist_infos order)."""
+    found = dist_infos(site, name)
+    disk = dict((f, b64_sha256(os.path.join(site, package, f))) for f in KEY_FILES) if found else {}
+    judged = []
+    for d in found:
+        rec = record(d)
+        version = metadata_version(d)
+        listed = [f for f in KEY_FILES if (rec or {}).get("%s/%s" % (package, f))]
+        if rec is None:
+            why = "no RECORD%s" % ("" if version else ", no METADATA: a leftover of a failed install")
+        elif not listed:
+            why = "its RECORD lists no %s/__init__.py or version.py" % package
+        elif any(rec["%s/%s" % (package, f)] != disk[f] for f in listed):
+            why = "its files are not the installed ones"
+        else:
+            why = None
+        judged.append((d, version, why))
+    return judged
+
+
+def choose(site, name, package):
+    """The dist-info of distribution `name` in site directory `site` whose RECORD matches the
+    files of its top-level package `package` there (KEY_FILES: every one its RECORD lists with a
+    sha256 has that hash on disk, and it lists at least one).
+
+    Returns {"path": that dist-info (the only one when there is just one, matched or not: its
+    drift is then reported file by file), None when there are several and none matches, or
+    none at all; "version": its METADATA version or None; "stale": [{"path", "version", "why"}]
+    the other dist-infos of `name` there; "warning": a sentence naming them all, None when
+    there is only one}. Reads files only (nothing imported)."""
+    judged = judge(site, name, package)
+    out = {"path": None, "version": None, "stale": [], "warning": None}
+    if not judged:
+        return out
+    good = [j for j in judged if j[2] is None]
+    pick = good[0] if good else (judged[0] if len(judged) == 1 else None)
+    if pick is not None:
+        out["path"], out["version"] = pick[0], pick[1]
+    out["stale"] = [{"path": d, "version": v, "why": why or "a second dist-info whose RECORD also matches"}
+                    for d, v, why in judged if pick is None or d != pick[0]]
+    if len(judged) > 1:
+        parts = ["%s (%s)" % (os.path.basename(d), "matches the installed files" if pick and d == pick[0]
+                              else "stale: " + (why or "a second dist-info whose RECORD also matches"))
+                 for d, v, why in judged]
+        out["warning"] = "%d %s dist-infos in %s: %s%s" % (
+            len(judged), name, site, "; ".join(parts),
+            "" if pick else "; none matches the installed files: the version comes from the package's own files")
+    return out
+
+
+def constants(path):
+    """{name: value} of the top-level constant assignments in the Python file at `path`
+    (`__version__ = '2.5.1+cu124'`, `cuda: Optional[str] = '12.4'`), read with ast, never
+    imported (nor through a link); {} when it is missing, unreadable or does not parse."""
+    import ast
+    try:
+        tree = ast.parse(_read(path, 1 << 20) or "")
+    except (SyntaxError, ValueError):
+        return {}
+    out = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+            out[target.id] = node.value.value
+    return out
+
+
+def version_py(package_dir):
+    """`__version__` of <package_dir>/version.py when it is a string constant, else None."""
+    v = constants(os.path.join(package_dir, "version.py")).get("__version__")
+    return v if isinstance(v, str) else None
+
+
+def release(package_dir, name=None):
+    """{"dist": name (default the package's directory name), "version"} of the release whose
+    files are in `package_dir`: its version.py's `__version__`, else the matching dist-info's
+    (choose) version; None when neither says. What the change ledger records per change."""
+    name = name or os.path.basename(package_dir.rstrip("/"))
+    version = version_py(package_dir) or choose(os.path.dirname(package_dir.rstrip("/")), name,
+                                                os.path.basename(package_dir.rstrip("/")))["version"]
+    return {"dist": name, "version": version} if version else None
