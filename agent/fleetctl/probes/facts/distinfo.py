@@ -74,21 +74,28 @@ def record(dist):
     return out
 
 
-def b64_sha256(path):
-    """The RECORD form (urlsafe b64 of the sha256, no padding) of file `path`'s hash; None when
-    it is missing, "<why>" when it is not read (a link, FIFO, device: safefs.sha256_file)."""
-    cur = safefs.sha256_file(os.path.realpath(path))
-    if cur is None or cur.startswith("<"):
-        return cur
-    return base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
+def _sha256s(paths):
+    """{path: safefs.sha256_file(path)}: what judge hashes with when given no cache."""
+    return dict((p, safefs.sha256_file(p)) for p in paths)
 
 
-def judge(site, name, package):
+def b64(hexdigest):
+    """The RECORD form (urlsafe b64, no padding) of a hex sha256; None and "<why>" (a file not
+    read: safefs.sha256_file) as they are."""
+    if hexdigest is None or hexdigest.startswith("<"):
+        return hexdigest
+    return base64.urlsafe_b64encode(bytes.fromhex(hexdigest)).rstrip(b"=").decode()
+
+
+def judge(site, name, package, hashed=_sha256s):
     """[(dist-info path, its METADATA version or None, why it does not describe the files of
     package `package` in `site`, None when its RECORD matches them)] for every dist-info of
-    distribution `name` in `site` (dist_infos order)."""
+    distribution `name` in `site` (dist_infos order). `hashed`: {real path: hex sha256} of real
+    paths (default safefs.sha256_file each; drift passes its cache)."""
     found = dist_infos(site, name)
-    disk = dict((f, b64_sha256(os.path.join(site, package, f))) for f in KEY_FILES) if found else {}
+    paths = dict((f, os.path.realpath(os.path.join(site, package, f))) for f in KEY_FILES)
+    got = hashed(list(paths.values())) if found else {}
+    disk = dict((f, b64(got.get(p))) for f, p in paths.items())
     judged = []
     for d in found:
         rec = record(d)
@@ -106,7 +113,7 @@ def judge(site, name, package):
     return judged
 
 
-def choose(site, name, package):
+def choose(site, name, package, hashed=_sha256s):
     """The dist-info of distribution `name` in site directory `site` whose RECORD matches the
     files of its top-level package `package` there (KEY_FILES: every one its RECORD lists with a
     sha256 has that hash on disk, and it lists at least one).
@@ -115,8 +122,8 @@ def choose(site, name, package):
     drift is then reported file by file), None when there are several and none matches, or
     none at all; "version": its METADATA version or None; "stale": [{"path", "version", "why"}]
     the other dist-infos of `name` there; "warning": a sentence naming them all, None when
-    there is only one}. Reads files only (nothing imported)."""
-    judged = judge(site, name, package)
+    there is only one}. Reads files only (nothing imported); `hashed` as judge's."""
+    judged = judge(site, name, package, hashed)
     out = {"path": None, "version": None, "stale": [], "warning": None}
     if not judged:
         return out

@@ -6,7 +6,6 @@ in STATE_DIR/scan-cache (`record-<sha256>.json`), keyed CACHE_KEY; files are rea
 safefs.sha256_file (never through a link, never a FIFO or device).
 """
 
-import base64
 import os
 import stat
 import time
@@ -61,19 +60,20 @@ def problems(location, dist_name, explained, state_dir):
     the dist-info whose RECORD matches the package's files (distinfo.choose: a stale dist-info an
     interrupted upgrade left is never the one files are judged by). Returns (problems or None,
     error or None, warning naming stale or duplicate dist-infos or None)."""
-    import pathlib
-    from importlib import metadata
-
     want = distinfo.norm(dist_name)
-    chosen = distinfo.choose(location, dist_name, want.replace("-", "_"))
+    package = want.replace("-", "_")
+    # one hashes() call (one cache entry) for the files of every candidate's RECORD and the key
+    # files distinfo.choose matches them on: a warm status reads nothing whose identity held
+    records = [distinfo.record(d) or {} for d in distinfo.dist_infos(location, dist_name)]
+    where = dict((rel, os.path.realpath(os.path.join(location, rel))) for r in records for rel, h in r.items() if h)
+    keys = [os.path.realpath(os.path.join(location, package, f)) for f in distinfo.KEY_FILES]
+    current = hashes(sorted(set(where.values()) | set(keys)), state_dir, "%s|%s" % (location, want), location)
+    chosen = distinfo.choose(location, dist_name, package, lambda paths: dict((p, current.get(p)) for p in paths))
     if chosen["path"] is None:
         return None, chosen["warning"] or "no %s distribution in %s" % (dist_name, location), chosen["warning"]
-    dist = metadata.PathDistribution(pathlib.Path(chosen["path"]))
     out = []
-    hashed = [(pp, os.path.realpath(str(dist.locate_file(pp)))) for pp in dist.files or []
-              if pp.hash is not None and pp.hash.mode == "sha256"]
-    current = hashes([path for _, path in hashed], state_dir, "%s|%s" % (location, want), location)
-    for pp, path in hashed:
+    hashed = [(value, where[rel]) for rel, value in (distinfo.record(chosen["path"]) or {}).items() if value]
+    for value, path in hashed:
         cur = current[path]
         if cur is None:
             out.append({"path": path, "problem": "missing"})
@@ -81,7 +81,6 @@ def problems(location, dist_name, explained, state_dir):
         if cur.startswith("<"):  # a FIFO, device, socket or link: never read
             out.append({"path": path, "problem": "skipped, not read: " + cur[1:-1]})
             continue
-        b64 = base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
-        if b64 != pp.hash.value and explained.get(path) != cur:
+        if distinfo.b64(cur) != value and explained.get(path) != cur:
             out.append({"path": path, "problem": "modified outside fleetctl"})
     return out, None, chosen["warning"]
