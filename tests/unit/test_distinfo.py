@@ -60,8 +60,10 @@ def install(site: Path, version: str, stale: str | None) -> Path:
 
 
 def child(code: str, *path: Path) -> dict:
-    """Run `code` (which prints JSON) in `python -I` with `path` first on sys.path, then agent/."""
-    prelude = f"import json, sys; sys.path[:0] = {[str(p) for p in path] + [AGENT]!r}\n"
+    """Run `code` (which prints JSON) in `python -I` with `path` first on sys.path, then agent/, then
+    the standard library (no site-packages: this machine's own torch stays out of it)."""
+    prelude = (f"import json, sys; sys.path[:] = {[str(p) for p in path] + [AGENT]!r} + "
+               "[p for p in sys.path if not p.endswith('-packages')]\n")
     r = subprocess.run([sys.executable, "-I", "-c", prelude + code], capture_output=True, text=True, timeout=60,
                        cwd="/")
     assert r.returncode == 0, r.stderr
@@ -158,3 +160,12 @@ def test_release_is_what_the_files_are(tmp_path):
     wheel.write_text("\n".join(l for l in wheel.read_text().splitlines() if "version.py" not in l) + "\n")
     assert distinfo.release(str(site / "sglang")) == {"dist": "sglang", "version": "0.5.10"}
     assert distinfo.release(str(tmp_path / "nothing")) is None
+
+
+def test_a_vcs_versioning_version_module_is_read(tmp_path):
+    """sglang 0.5.10 and 0.5.23: version.py imports _version.py (vcs-versioning's), whose constant says it."""
+    site = install(tmp_path / "site", "0.5.23", None)
+    (site / "sglang" / "version.py").write_text("try:\n    from sglang._version import __version__\nexcept ImportError:\n"
+                                                "    __version__ = '0.0.0.dev0'\n")
+    (site / "sglang" / "_version.py").write_text("version: str\n__version__: str\n__version__ = version = '0.5.23'\n")
+    assert distinfo.version_py(str(site / "sglang")) == "0.5.23"

@@ -7,19 +7,24 @@ install can leave one that holds only `REQUESTED` (python/importlib_metadata#291
 python/cpython#100666): importlib.metadata then answers from whichever directory the file system
 lists first (ext4: hash order; tmpfs: newest first), so its version, and its RECORD, can belong
 to no file that imports. Here every candidate is judged by its RECORD's sha256 of the package's
-`version.py` and `__init__.py` (the files that say which release this is and what `import NAME`
-runs), whatever the listing order; the others are named in a warning as stale.
+version modules and `__init__.py` (KEY_FILES: the files that say which release this is and what
+`import NAME` runs), whatever the listing order; the others are named in a warning as stale.
 """
 
 import base64
+import hashlib
 import os
 import re
+import stat
 
 from .. import safefs
 
-# the package files a RECORD is matched on: the release's own version module and the package's
-# entry point (present in every wheel of sglang and torch)
-KEY_FILES = ("version.py", "__init__.py")
+# the package files a RECORD is matched on: the release's own version modules (version.py, and the
+# _version.py setuptools-scm / vcs-versioning writes, which sglang 0.5.10's and 0.5.23's version.py
+# import) and the package's entry point (in every wheel of sglang and torch)
+KEY_FILES = ("version.py", "_version.py", "__init__.py")
+# where a release says its version: a string constant `__version__` at the top of one of these
+VERSION_MODULES = ("version.py", "_version.py")
 
 
 def norm(name):
@@ -40,11 +45,27 @@ def dist_infos(site, name):
                   and os.path.isdir(os.path.join(site, e)))
 
 
+def _bytes(path, limit):
+    """The bytes of regular file `path` (its real path opened with O_NOFOLLOW|O_NONBLOCK: never
+    through a link, never blocking on a FIFO; only search permission is needed on the way, as
+    for any reader of an install's files: /root is 0711 on lab hosts). Raises OSError (missing:
+    FileNotFoundError), ValueError ("not a regular file", "over LIMIT bytes": never read)."""
+    fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError("over %d bytes" % limit)
+    return data
+
+
 def _read(path, limit=16 << 20):
-    """Text of regular file `path` (never through a link, never a FIFO), or None."""
+    """Text of regular file `path` (_bytes), or None."""
     try:
-        return safefs.read_file(os.path.realpath(path), limit).decode("utf-8", "replace")
-    except (OSError, safefs.UnsafePath):
+        return _bytes(path, limit).decode("utf-8", "replace")
+    except (OSError, ValueError):
         return None
 
 
@@ -75,8 +96,17 @@ def record(dist):
 
 
 def _sha256s(paths):
-    """{path: safefs.sha256_file(path)}: what judge hashes with when given no cache."""
-    return dict((p, safefs.sha256_file(p)) for p in paths)
+    """{path: hex sha256 of its bytes (_bytes), None when missing, "<why>" when not read}: what
+    judge hashes with when given no cache (drift passes its cache, whose hashes are safefs's)."""
+    out = {}
+    for p in paths:
+        try:
+            out[p] = hashlib.sha256(_bytes(p, safefs.MAX_FILE_BYTES)).hexdigest()
+        except FileNotFoundError:
+            out[p] = None
+        except (OSError, ValueError) as e:
+            out[p] = "<%s: %s>" % (p, e)
+    return out
 
 
 def b64(hexdigest):
@@ -104,7 +134,7 @@ def judge(site, name, package, hashed=_sha256s):
         if rec is None:
             why = "no RECORD%s" % ("" if version else ", no METADATA: a leftover of a failed install")
         elif not listed:
-            why = "its RECORD lists no %s/__init__.py or version.py" % package
+            why = "its RECORD lists none of %s" % ", ".join("%s/%s" % (package, f) for f in KEY_FILES)
         elif any(rec["%s/%s" % (package, f)] != disk[f] for f in listed):
             why = "its files are not the installed ones"
         else:
@@ -161,14 +191,20 @@ def constants(path):
 
 
 def version_py(package_dir):
-    """`__version__` of <package_dir>/version.py when it is a string constant, else None."""
-    v = constants(os.path.join(package_dir, "version.py")).get("__version__")
-    return v if isinstance(v, str) else None
+    """`__version__` of the package in `package_dir` as its own files say it, read with ast: a
+    string constant at the top of its version.py (sglang 0.4.6.post5, 0.5.2; torch), else of
+    its _version.py (sglang 0.5.10 and 0.5.23's version.py imports it: `__version__ = version =
+    '0.5.10'`, vcs-versioning's); None when neither has one."""
+    for name in VERSION_MODULES:
+        v = constants(os.path.join(package_dir, name)).get("__version__")
+        if isinstance(v, str):
+            return v
+    return None
 
 
 def release(package_dir, name=None):
     """{"dist": name (default the package's directory name), "version"} of the release whose
-    files are in `package_dir`: its version.py's `__version__`, else the matching dist-info's
+    files are in `package_dir`: its own version module's `__version__` (version_py), else the matching dist-info's
     (choose) version; None when neither says. What the change ledger records per change."""
     name = name or os.path.basename(package_dir.rstrip("/"))
     version = version_py(package_dir) or choose(os.path.dirname(package_dir.rstrip("/")), name,

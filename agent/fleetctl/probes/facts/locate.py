@@ -12,8 +12,8 @@ The install kind (README, "installs"): `wheel` (a dist-info beside the package w
 lists its `__init__.py`), `editable` (a dist-info whose `direct_url.json` says
 `dir_info.editable`, or an `sglang.egg-link`, pointing at the found location) or `checkout`
 (anything else: found through the working directory or PYTHONPATH). The version is what the
-package's files are: `sglang/version.py`'s `__version__` (read with ast, never imported), else
-the version of the dist-info whose RECORD matches the files (distinfo.choose); never "the first
+package's files are: `__version__` of `sglang/version.py` or `sglang/_version.py`
+(distinfo.version_py: read with ast, never imported), else the version of the dist-info whose RECORD matches the files (distinfo.choose); never "the first
 dist-info listed", which after an interrupted upgrade can be a stale one (issue 49).
 """
 

@@ -31,7 +31,8 @@ def installed():
     version = found["version"] if isinstance(found["version"], str) else chosen["version"]
     # a torch dist-info on another sys.path entry, with no torch beside it (a venv's leftover over
     # the system torch): importlib.metadata answers from it first
-    elsewhere = ["%s (stale: %s)" % (d, why or "no torch package beside it") for entry in sys.path
+    elsewhere = ["%s (%s)" % (d, "stale: " + why if why else "another torch install, shadowed by this one")
+                 for entry in sys.path
                  if entry and os.path.realpath(entry) != os.path.realpath(site)
                  for d, _, why in distinfo.judge(entry, "torch", "torch")]
     warning = "; ".join(w for w in (chosen["warning"], elsewhere and "torch dist-infos away from torch's own %s: %s"
