@@ -62,12 +62,11 @@ def problems(location, dist_name, explained, state_dir):
     error or None, warning naming stale or duplicate dist-infos or None)."""
     want = distinfo.norm(dist_name)
     package = want.replace("-", "_")
-    # one hashes() call (one cache entry) for the files of every candidate's RECORD and the key
-    # files distinfo.choose matches them on: a warm status reads nothing whose identity held
+    # one hashes() call (one cache entry) for the files of every candidate's RECORD, the key files
+    # distinfo.choose matches them on among them: a warm status reads nothing whose identity held
     records = [distinfo.record(d) or {} for d in distinfo.dist_infos(location, dist_name)]
     where = dict((rel, os.path.realpath(os.path.join(location, rel))) for r in records for rel, h in r.items() if h)
-    keys = [os.path.realpath(os.path.join(location, package, f)) for f in distinfo.KEY_FILES]
-    current = hashes(sorted(set(where.values()) | set(keys)), state_dir, "%s|%s" % (location, want), location)
+    current = hashes(sorted(set(where.values())), state_dir, "%s|%s" % (location, want), location)
     chosen = distinfo.choose(location, dist_name, package, lambda paths: dict((p, current.get(p)) for p in paths))
     if chosen["path"] is None:
         return None, chosen["warning"] or "no %s distribution in %s" % (dist_name, location), chosen["warning"]
