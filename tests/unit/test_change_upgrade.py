@@ -85,7 +85,7 @@ def test_forget_checks_the_tree_removes_the_left_file_and_records_superseded(tmp
     runner = (site / RUNNER).read_text()
     r = actions.main({"action": "forget", "state_dir": state, "change_id": "c1", "reason": "operator"})
     assert r == {"ok": True, "change_id": "c1", "upgraded": {"dist": "sglang", "from": "0.5.10", "to": "0.5.23"},
-                 "removed": [str(site / HOOK)], "left": []}
+                 "removed": [str(site / HOOK)], "left": [], "adopted": []}
     assert not (site / HOOK).exists() and (site / RUNNER).read_text() == runner == sglang_files("0.5.23")[RUNNER]
     entry = ledger.changes(state)["c1"]
     assert entry["state"] == "superseded" and entry["reason"] == (
@@ -105,3 +105,22 @@ def test_a_created_file_edited_since_is_left_and_named(tmp_path):
     (site / HOOK).write_text("# someone's own\n")
     r = actions.main({"action": "forget", "state_dir": state, "change_id": "c1"})
     assert (r["removed"], r["left"]) == ([], [str(site / HOOK)]) and (site / HOOK).read_text() == "# someone's own\n"
+
+
+def test_a_created_file_a_later_change_found_in_place_is_kept_for_it(tmp_path):
+    """The playbook applied again to 0.5.23 before the forget: its plan found the hook already there
+    (create_file: "already applied") and edited only the release's own file; forgetting the old
+    change keeps the hook, now the new change's, and says so."""
+    site, state, _ = applied(tmp_path)
+    upgrade(site, "0.5.23")
+    old = (site / RUNNER).read_text()
+    new = old.replace("NEED_SORT = False", "NEED_SORT = True")
+    assert actions.main({"action": "apply", "state_dir": state, "change_id": "c2", "playbook": "defrag-tier0",
+                         "root": str(site / "sglang"), "files": [{"path": str(site / RUNNER), "pre_sha256": sha(old),
+                                                                  "post_sha256": sha(new), "new_text": new}]})["ok"]
+    r = actions.main({"action": "forget", "state_dir": state, "change_id": "c1"})
+    assert (r["removed"], r["adopted"]) == ([], [str(site / HOOK)]) and (site / HOOK).exists()
+    assert f"kept for change c2, applied since: {site / HOOK}" in ledger.changes(state)["c1"]["reason"]
+    st = actions.main({"action": "status", "state_dir": state, "location": str(site)})
+    assert st["drift"] == [] and {c["change_id"]: c["state"] for c in st["changes"]} == {"c1": "superseded",
+                                                                                          "c2": "applied"}

@@ -244,6 +244,7 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
                                  f"{g['upgraded']['to']}): restored nothing"
                                  + (f", removed {', '.join(g['removed'])}" if g["removed"] else "")
                                  + (f", left (edited since) {', '.join(g['left'])}" if g["left"] else "")
+                                 + (f", kept (a later change's) {', '.join(g['adopted'])}" if g.get("adopted") else "")
                                  for g in d["forgotten"]) + "; apply the playbook again"
             forced = f"; forced over {', '.join(map(str, d['forced']))}" if d.get("forced") else ""
             return f"restored {len(d.get('files') or [])} file(s)/link(s) byte-identical{forced}"

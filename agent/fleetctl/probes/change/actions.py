@@ -433,10 +433,12 @@ def forget(params, state_dir):
     the one it was applied to (upgraded(): the tree is checked here, now). Then every file the
     change created (no before_sha256) that still has exactly its after_sha256 is removed with
     its bytecode (it is in no RECORD: the upgrade left it behind, and the next apply of the
-    playbook would find it in its way); edited files are left as the upgrade made them. Records
-    the change "superseded" with the upgrade, what was removed and `reason`. Returns {"ok": true,
+    playbook would find it in its way), unless a change applied since on the same root (not
+    itself upgraded) found it there as already applied: then it is kept, that change's
+    ("adopted"); edited files are left as the upgrade made them. Records the change
+    "superseded" with the upgrade, what was removed or kept and `reason`. Returns {"ok": true,
     change_id, upgraded: {dist, from, to}, removed: [path], left: [path of created files edited
-    since, left alone]}."""
+    since, left alone], adopted: [path kept for the later change]}."""
     cid = params["change_id"]
     entry = ledger.changes(state_dir).get(cid)
     if entry is None:
@@ -451,22 +453,30 @@ def forget(params, state_dir):
                              % (cid, entry.get("root"), was.get("dist") or "the release", was.get("version") or
                                 "(not recorded)") if was else
                              "change %s recorded no release to compare the tree with: roll it back instead" % cid)
-    removed, left = [], []
+    known = list(ledger.changes(state_dir).values())
+    # a change applied since to the new release, on the same root (the playbook applied again
+    # before this forget, which found the created file already there): the file is now its
+    later = [e["change_id"] for e in known[known.index(entry) + 1:] if e["state"] == ledger.APPLIED
+             and e.get("root") == entry.get("root") and upgraded(e) is None]
+    removed, left, adopted = [], [], []
     for f in entry["files"]:
         if f["before_sha256"] is not None or f.get("kind") == "link" or _state(f) is None:
             continue
         if _state(f) != f["after_sha256"]:
             left.append(f["path"])
-            continue
-        safefs.remove_file(f["path"])
-        safefs.drop_pycache(f["path"])
-        removed.append(f["path"])
+        elif later:
+            adopted.append(f["path"])
+        else:
+            safefs.remove_file(f["path"])
+            safefs.drop_pycache(f["path"])
+            removed.append(f["path"])
     reason = "; ".join(r for r in (_replaced_by(gone), "forgotten: nothing restored",
                                    removed and "removed the files it created: " + ", ".join(removed),
+                                   adopted and "kept for change %s, applied since: %s" % (later[-1], ", ".join(adopted)),
                                    left and "left (edited since): " + ", ".join(left), params.get("reason")) if r)
     ledger.append(state_dir, entry, ledger.SUPERSEDED, reason)
     return {"ok": True, "change_id": cid, "upgraded": {"dist": gone[0], "from": gone[1], "to": gone[2]},
-            "removed": removed, "left": left}
+            "removed": removed, "left": left, "adopted": adopted}
 
 
 def _package_link(path):
