@@ -7,7 +7,10 @@ build_venv). `status` says each change was replaced by an upgrade (0.5.10 -> 0.5
 `rollback`, with and without --force, refuses, naming `fleetctl rollback --forget CHANGE lab-03`,
 and writes nothing; `rollback --forget` drops both entries (superseded in the ledger, the hook
 module the upgrade left removed); both playbooks then apply again cleanly to 0.5.23 and status is
-clean. The host is put back as it was (the re-applies rolled back, 0.5.10 reinstalled)."""
+clean. Then case 04 there: 0.5.10's dist-info put back beside 0.5.23's and a REQUESTED-only torch
+dist-info in the venv: inspect gives 0.5.23 and the torch `import torch` loads, each with a
+warning naming the stale directory; status finds no modified file and names the stale one as
+the one thing wrong. The host is put back as it was (the re-applies rolled back, 0.5.10 reinstalled)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ VENV = "/opt/sglang/venv"
 SITE = f"{VENV}/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"
 HOOK = "sglang/srt/layers/attention/fleetctl_verify.py"
 BACKEND = "sglang/srt/layers/attention/triton_backend.py"
+STALE = "sglang-0.5.10.dist-info"
+TORCH_LEFT = "torch-2.12.1+cu126.dist-info"
 
 
 def ok(lab, command, timeout=120):
@@ -52,9 +57,10 @@ def test_upgrade_under_applied_changes_is_named_refused_forgotten_and_reapplied(
     deployed = hosts[HOST]["change_id"] if hosts[HOST]["status"] == "changed" else None
     first, again, upgraded = [], [], False
     try:
-        first += [apply(lab, "defrag-tier0"), apply(lab, "route-verify-attention")]
+        first.append(apply(lab, "defrag-tier0"))
+        first.append(apply(lab, "route-verify-attention"))
         defrag, route = first
-        upgraded = True
+        upgraded = True  # from here on the finally forgets and reinstalls: pip may stop half-way
         pip_install(lab, "0.5.23", "--upgrade")
         assert "__version__ = version = '0.5.23'" in ok(lab, f"cat {SITE}/sglang/_version.py")
         assert ok(lab, f"test -f {SITE}/{HOOK} && echo left").strip() == "left"  # in no RECORD: pip left it
@@ -97,7 +103,25 @@ def test_upgrade_under_applied_changes_is_named_refused_forgotten_and_reapplied(
         states = {c["change_id"]: c["state"] for c in hosts[HOST]["changes"]}
         assert (states[defrag], states[route], states[again[0]], states[again[1]]) == (
             "superseded", "superseded", "applied", "applied")
+
+        # case 04 on the same host: 0.5.10's dist-info put back beside 0.5.23 (an upgrade that failed
+        # half-way) and a torch dist-info holding only REQUESTED in the venv (cpython#100666)
+        ok(lab, f"cd {SITE} && {sys.executable} -c \"import zipfile; z = zipfile.ZipFile('{find_wheel('0.5.10')}'); "
+                f"[z.extract(n, '.') for n in z.namelist() if n.startswith('{STALE}/')]\" && mkdir {TORCH_LEFT} && "
+                f"touch {TORCH_LEFT}/REQUESTED")
+        _, _, hosts = lab.cli_json("inspect", HOST, rc=0)
+        facts = hosts[HOST]["facts"]
+        assert facts["sglang"]["version"] == "0.5.23"
+        assert f"{STALE} (stale: its files are not the installed ones)" in facts["sglang"]["metadata_warning"]
+        torch = facts["torch"]
+        assert torch["version"] == ok(lab, f"{VENV}/bin/python -c 'import torch; print(torch.__version__)'").strip()
+        assert f"{SITE}/{TORCH_LEFT} (stale: no RECORD, no METADATA" in torch["metadata_warning"]
+        r, _, hosts = lab.cli_json("status", HOST)
+        assert hosts[HOST]["modified"] == [] and hosts[HOST]["installs"][0]["sglang"] == "0.5.23"
+        assert r.returncode != 0 and hosts[HOST]["error"] == \
+            f"host:{SITE}/sglang: {hosts[HOST]['installs'][0]['metadata_warning']}"
     finally:  # the host as it was, whatever step failed: the session's other tests use lab-03's 0.5.10
+        lab.ssh(HOST, f"cd {SITE} && rm -rf {STALE} {TORCH_LEFT}")
         for cid in reversed(again):
             lab.cli("rollback", cid, HOST, "--yes")
         for cid in reversed(first):
@@ -106,3 +130,8 @@ def test_upgrade_under_applied_changes_is_named_refused_forgotten_and_reapplied(
             pip_install(lab, "0.5.10", "--force-reinstall")
         if deployed:
             lab.cli("rollback", deployed, HOST, "--yes")
+    # put back: 0.5.10's own files, no fleetctl change applied on it
+    _, _, hosts = lab.cli_json("status", HOST, rc=0)
+    assert hosts[HOST]["installs"][0]["sglang"] == "0.5.10" and hosts[HOST]["modified"] == []
+    assert not [c for c in hosts[HOST]["changes"] if c["state"] == "applied" and c["change_id"] != deployed]
+    assert ok(lab, f"test -e {SITE}/{HOOK} || echo absent").strip() == "absent"
