@@ -132,7 +132,7 @@ def test_torch_with_a_requested_only_dist_info_first_on_the_path(tmp_path):
     got = child("from fleetctl.probes.facts import torchver; print(json.dumps(torchver.installed()))",
                 venv_site, system_site)
     leftover = (venv_site / "torch-2.12.1+cu126.dist-info").resolve()
-    assert got == {"version": "2.12.1+cu126", "cuda": "12.6", "reason": None, "metadata_warning": (
+    assert got == {"version": "2.12.1+cu126", "cuda": "12.6", "metadata_warning": (
         f"torch dist-infos away from torch's own {system_site}: {leftover} (stale: no RECORD, no METADATA: a "
         "leftover of a failed install)")}
     # the same leftover beside torch itself: named, the version still what the files are

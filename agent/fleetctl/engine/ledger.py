@@ -42,7 +42,7 @@ class RecoverData(TypedDict):
 class StatusData(TypedDict, total=False):
     """`status` data: the change probe's status answer (ok, changes, drift, modified,
     record_error, kernels, space), per install (installs: [{id, sglang, install, modified,
-    record_error, metadata_warning (stale or duplicate dist-infos: probes/facts/distinfo.py) |
+    record_error, metadata_warning? (stale or duplicate dist-infos: probes/facts/distinfo.py) |
     git, git_error}]), lost container changes, and the sglang summary line."""
 
     ok: bool
@@ -164,8 +164,9 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
             one = {"id": i["id"], "sglang": sg["version"], "install": sg["install"]}
             if sg["install"] == "wheel":
                 r = change_probe(ctx, "status", state_dir, location=sg["location"], dist="sglang")
-                one.update(modified=r["modified"] or [], record_error=r["record_error"],
-                           metadata_warning=r.get("metadata_warning"))
+                one.update(modified=r["modified"] or [], record_error=r["record_error"])
+                if r.get("metadata_warning"):
+                    one["metadata_warning"] = r["metadata_warning"]
             else:
                 t = git[sg["location"]]
                 one.update(git=t["git"], git_error=t["error"],

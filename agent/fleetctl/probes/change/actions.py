@@ -344,7 +344,7 @@ def status(params, state_dir):
     was replaced, "replaced by an upgrade of D (X -> Y): ..." naming forget's command (params
     "host"); modified: [{path, problem}] for files of the installed distribution (the RECORD of the
     dist-info that matches its files: distinfo.choose) that differ and no applied change explains;
-    record_error; metadata_warning (stale or duplicate dist-infos there, or None);
+    record_error; metadata_warning (only when there are stale or duplicate dist-infos there);
     kernels: {name: active build key} from the published `PUBLIC/<name>/current` links (params
     public_dir, default PUBLIC_DIR); dispatch: {name: the table PUBLIC/<name>/dispatch.json holds
     (a JSON object), None when there is none, {"error": why} when it is a link, not a regular
@@ -396,8 +396,11 @@ def status(params, state_dir):
         if _package_link(c):
             kernels[name] = os.readlink(c)
             tables[name] = _dispatch(os.path.join(os.path.dirname(c), DISPATCH))
-    return {"ok": True, "changes": summary, "drift": drifted, "modified": modified, "record_error": err,
-            "metadata_warning": warning, "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+    out = {"ok": True, "changes": summary, "drift": drifted, "modified": modified, "record_error": err,
+           "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+    if warning:
+        out["metadata_warning"] = warning
+    return out
 
 
 def upgraded(entry):

@@ -74,8 +74,8 @@ def locate(first):
     paths) put at the front of sys.path.
 
     Returns {"python": {path, version}, "sglang": {version, location, package_dir, install,
-    metadata_warning (distinfo.choose's warning: stale or duplicate dist-infos beside it, or
-    None)} or None, "error": str or None, "unreadable": [sys.path entries that exist but this process may
+    metadata_warning? (only when there is one: distinfo.choose's warning, stale or duplicate
+    dist-infos beside it)} or None, "error": str or None, "unreadable": [sys.path entries that exist but this process may
     not list: its uid cannot see what is there, so the answer cannot be trusted]}. `error` is set when an sglang distribution is installed but its
     package directory cannot be found (its `location` is then the distribution's own directory
     and `package_dir` null)."""
@@ -106,7 +106,7 @@ def locate(first):
             what = "no spec" if spec is None else (
                 "a namespace package" if origin in (None, "namespace") else "not a package: %s" % origin)
             out["sglang"] = {"version": dist.version, "location": location, "package_dir": None,
-                             "install": "editable" if _editable_dir(dist) else "wheel", "metadata_warning": None}
+                             "install": "editable" if _editable_dir(dist) else "wheel"}
             out["error"] = ("sglang package directory not found under %s: sglang %s is installed but "
                             "importlib.util.find_spec('sglang') gives %s" % (location, dist.version, what))
         return out
@@ -122,6 +122,7 @@ def locate(first):
         install = "checkout"
     version = distinfo.version_py(package_dir) or (
         chosen["version"] if install == "wheel" else mine.version if mine is not None else None)
-    out["sglang"] = {"version": version, "location": location, "package_dir": package_dir, "install": install,
-                     "metadata_warning": chosen["warning"]}
+    out["sglang"] = {"version": version, "location": location, "package_dir": package_dir, "install": install}
+    if chosen["warning"]:
+        out["sglang"]["metadata_warning"] = chosen["warning"]
     return out

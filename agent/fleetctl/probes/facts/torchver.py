@@ -17,12 +17,12 @@ fields = distinfo.constants
 
 def installed():
     """The torch `import torch` would load on sys.path, as the facts probe reports it:
-    {"version", "cuda": torch.version.cuda, "metadata_warning", "reason"}, or None when torch
+    {"version", "cuda": torch.version.cuda, "metadata_warning"?, "reason"?}, or None when torch
     is not importable. "version" is what its files are: torch/version.py's `__version__`, else
     the version of the dist-info whose RECORD matches them (distinfo.choose), never the first
     dist-info listed (a stale one holding only REQUESTED has no version: python/cpython#100666);
-    "metadata_warning" names stale or duplicate torch dist-infos beside it (None when there are
-    none); "reason" says why "version" is None (else None)."""
+    "metadata_warning" (only when there are any) names stale or duplicate torch dist-infos beside
+    it or elsewhere on sys.path; "reason" (only when "version" is None) says why."""
     found = importable()
     if found is None:
         return None
@@ -40,7 +40,9 @@ def installed():
     reason = None if version else (
         "%s has no __version__ and no torch dist-info in %s matches the installed files%s" % (
             found["path"], site, ": " + warning if warning else ""))
-    return {"version": version, "cuda": found["cuda"], "metadata_warning": warning, "reason": reason}
+    out = {"version": version, "cuda": found["cuda"]}
+    out.update(((k, v) for k, v in (("metadata_warning", warning), ("reason", reason)) if v))
+    return out
 
 
 def importable():
