@@ -8,6 +8,7 @@ change superseded; a change on an unchanged release is never forgotten."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -124,3 +125,22 @@ def test_a_created_file_a_later_change_found_in_place_is_kept_for_it(tmp_path):
     st = actions.main({"action": "status", "state_dir": state, "location": str(site)})
     assert st["drift"] == [] and {c["change_id"]: c["state"] for c in st["changes"]} == {"c1": "superseded",
                                                                                           "c2": "applied"}
+
+
+def test_an_entry_of_an_older_fleetctl_is_judged_by_the_record(tmp_path):
+    """A ledger entry written before releases were recorded: the edited file is now exactly what
+    0.5.23's RECORD says, so the change was replaced by an install; a plain edit is not."""
+    site, state, _ = applied(tmp_path)
+    path = Path(state) / "ledger.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "release"}) + "\n" for e in lines))
+    (site / RUNNER).write_text("edited by hand\n")
+    st = actions.main({"action": "status", "state_dir": state})
+    assert [d["problem"] for d in st["drift"]] == ["drift: edited since the apply"]
+    upgrade(site, "0.5.23")
+    st = actions.main({"action": "status", "state_dir": state})
+    assert st["changes"][0]["upgraded"] == {"dist": "sglang", "from": None, "to": "0.5.23"}
+    assert all(d["problem"].startswith("replaced by an upgrade of sglang (a release not recorded -> 0.5.23)")
+               for d in st["drift"])
+    r = actions.main({"action": "rollback", "state_dir": state, "change_id": "c1", "force": True})
+    assert r["refused"] and "a rollback would write the old release's files into 0.5.23" in r["error"]

@@ -264,8 +264,9 @@ def rollback(params, state_dir):
         raise safefs.Refused(
             "change %s was applied to %s %s and %s is now %s %s (%s): a rollback would write %s's files into %s, "
             "with or without --force. Drop the stale entry with `%s` (it checks the tree first), then apply %s "
-            "again" % (cid, gone[0], gone[1], entry["root"], gone[0], gone[2] or "(none)", _replaced_by(gone),
-                       gone[1], gone[2] or "the new tree", forget_command(cid, params.get("host")),
+            "again" % (cid, gone[0], gone[1] or "(a release not recorded)", entry["root"], gone[0],
+                       gone[2] or "(none)", _replaced_by(gone), gone[1] or "the old release",
+                       gone[2] or "the new tree", forget_command(cid, params.get("host")),
                        entry.get("playbook") or "the change"))
     moved = [f["path"] for f in entry["files"] if _state(f) not in (f["after_sha256"], f["before_sha256"])]
     if moved and not params.get("force"):
@@ -404,21 +405,46 @@ def status(params, state_dir):
 
 
 def upgraded(entry):
-    """(dist, version applied to, version now or None when the package is gone) when the release
-    under ledger entry `entry`'s root (distinfo.release) is no longer the one it recorded at
-    apply; None when it is the same, or the entry recorded none (a kernel's, or an entry of a
-    fleetctl before issue 49)."""
+    """(dist, version applied to (None: not recorded), version now or None when the package is
+    gone) when the release under ledger entry `entry`'s root (distinfo.release) is no longer the
+    one it recorded at apply; None when it is the same, or when it cannot be told (a kernel's
+    entry). An entry that recorded no release (a fleetctl before issue 49) counts as upgraded
+    when every file it edited is now neither its before nor its after but exactly what the
+    RECORD of the release installed there now says (_reinstalled)."""
     was = entry.get("release")
-    if not isinstance(was, dict) or not was.get("version") or not entry.get("root"):
-        return None
-    now = distinfo.release(entry["root"], was.get("dist")) if os.path.isdir(entry["root"]) else None
+    if not entry.get("root") or not os.path.isdir(entry["root"]):
+        return (was.get("dist"), was.get("version"), None) if isinstance(was, dict) and was.get("version") else None
+    if not isinstance(was, dict) or not was.get("version"):
+        return _reinstalled(entry)
+    now = distinfo.release(entry["root"], was.get("dist"))
     now = now["version"] if now else None
     return None if now == was["version"] else (was.get("dist"), was["version"], now)
 
 
+def _reinstalled(entry):
+    """upgraded() of an entry with no release recorded: (dist, None, version now) when each file
+    it edited (one with a before_sha256) is neither its before nor its after but what the RECORD
+    of the dist-info matching the tree now (distinfo.choose) says; else None."""
+    root = entry["root"].rstrip("/")
+    site, package = os.path.dirname(root), os.path.basename(root)
+    chosen = distinfo.choose(site, package, package)
+    rec = distinfo.record(chosen["path"]) if chosen["path"] else None
+    edited = [f for f in entry["files"] if f.get("kind") != "link" and f["before_sha256"] is not None]
+    if not rec or not edited:
+        return None
+    for f in edited:
+        cur = _state(f)
+        if cur in (f["before_sha256"], f["after_sha256"]) or \
+                rec.get(os.path.relpath(f["path"], site)) != distinfo.b64(cur or "<missing>"):
+            return None
+    now = distinfo.release(root, package)
+    return (package, None, now["version"] if now else chosen["version"])
+
+
 def _replaced_by(gone):
     """The words for an upgraded() answer: "replaced by an upgrade of D (X -> Y)"."""
-    return "replaced by an upgrade of %s (%s -> %s)" % (gone[0], gone[1], gone[2] or "none: removed")
+    return "replaced by an upgrade of %s (%s -> %s)" % (gone[0], gone[1] or "a release not recorded",
+                                                        gone[2] or "none: removed")
 
 
 def forget_command(cid, host):
