@@ -85,6 +85,10 @@ if [ "$(cat "$tools/.fleetctl-ready" 2>/dev/null)" != "$tools_want" ]; then
     echo "$tools_want" > "$tools/.fleetctl-ready"
 fi
 
+# The documentation site's builder, mkdocs-material (pinned), in a venv of its own in the wheel cache
+# (tests/machine/test_docs_site.py builds the site strictly with it).
+bash scripts/docs.sh install
+
 # The SGLang releases the lab and the tests use, downloaded once into the shared wheel cache
 # (wheels only, no deps). 0.4.10 and 0.5.19 are read by tests/unit/test_verifyroute.py only: two
 # releases no lab host runs, on which route-verify-attention's finding must work unshown.

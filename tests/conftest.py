@@ -41,6 +41,7 @@ import fleetctl
 from fleetctl import lab as labmod
 from fleetctl.lab import base as labbase, host as labhost
 from fleetctl.wheels import cache_dir
+from helpers.proc import group_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -290,20 +291,6 @@ def server_lab(lab_machine, tmp_path_factory) -> Iterator[Lab]:
         yield up
 
 
-def _group_alive(pgid: int) -> list[int]:
-    """Pids of live (non-zombie) processes in process group pgid (from /proc/PID/stat)."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(pid))
-    return alive
-
-
 @pytest.fixture
 def open_tmp():
     """A fresh directory under /tmp that any uid may pass through and read (0755; pytest's own
@@ -341,9 +328,9 @@ def cpu_kernel(tmp_path_factory):
     finally:
         shutil.rmtree(cold, ignore_errors=True)
     end = time.monotonic() + 10
-    while _group_alive(killed["pgid"]) and time.monotonic() < end:
+    while group_pids(killed["pgid"]) and time.monotonic() < end:
         time.sleep(0.2)
-    leftovers = _group_alive(killed["pgid"])
+    leftovers = group_pids(killed["pgid"])
     ok = kbuild.main(dict(params, deadline_s=600))
     yield pkg, killed, leftovers, ok
     shutil.rmtree(top, ignore_errors=True)

@@ -23,8 +23,9 @@ STATE_DIR = "/var/lib/fleetctl"
 PUBLIC_KERNELS_DIR = "/var/lib/fleetctl-kernels"
 
 # ---- deadlines (seconds) ----------------------------------------------------------------
-# the lock command's start on the host (session, sudo, mkdir, `flock -n`) until it says LOCKED: a
-# loaded host's sshd and shell can take seconds; another run's lock fails at once, not after this
+# the lock command's start on the host (session, sudo, mkdir, `flock -n`) until its marker line
+# says it holds it: a loaded host's sshd and shell can take seconds; another run's lock fails at
+# once, not after this
 LOCK_START_S = 30.0
 ROLLBACK_RESERVE_S = 120.0   # kept from a host's deadline for rolling a change back
 LOCK_HOLD_EXTRA_S = 60.0     # the lock outlives the job's deadline + reserve by this much

@@ -70,7 +70,7 @@ def test_inspect_four_releases(lab, local_scans):
 def test_table_shows_selected_hosts_and_says_no_need_sort(lab):
     """Two hosts of different releases: two rows, one saying 0.4.6 has no need_sort (coalescing
     of identical hosts is tested in test_report.py: no two lab hosts are alike)."""
-    r = fleetctl(lab, "inspect", "sglang_0_4_6_post5:sglang_0_5_23")
+    r = lab.cli("inspect", "sglang_0_4_6_post5:sglang_0_5_23", timeout=120, env={"COLUMNS": "400"})
     assert r.returncode == 0, r.stderr
     assert "this release has no need_sort" in r.stdout
     assert "lab-01" in r.stdout and "lab-04" in r.stdout

@@ -1,9 +1,13 @@
-"""Processes and ports: whether a pid runs, a free loopback port."""
+"""Processes and ports: whether a pid runs, the processes of a group or of a command line, a free
+loopback port."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
+from typing import Iterator
 
 
 def alive(pid: int) -> bool:
@@ -19,6 +23,35 @@ def alive(pid: int) -> bool:
 def alive_pids(pids) -> list[int]:
     """The pids of `pids` (an iterable of ints) that run (`alive`), in their order."""
     return [p for p in pids if alive(p)]
+
+
+def _running() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of each process that runs and
+    is not a zombie."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            yield int(pid), fields
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes of process group `pgid`."""
+    return [pid for pid, fields in _running() if int(fields[2]) == pgid]
+
+
+def pids_naming(text: str) -> list[int]:
+    """Pids of the live processes whose command line holds `text` (a path only the caller uses)."""
+    found = []
+    for pid, _ in _running():
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 def free_port() -> int:

@@ -939,3 +939,29 @@ def test_atomic_write_takes_short_writes_and_keeps_its_temp_file_private(tmp_pat
     assert p.read_bytes() == data and modes == {0o600} and stat.S_IMODE(p.stat().st_mode) == 0o644
 
 
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may enter every directory: the case is a login without root")
+def test_a_state_dir_this_login_may_not_use_is_named_with_the_login_and_the_fix(tmp_path):
+    """A login without root (hosts.yaml's shape, issue 50): a state dir below a directory it may
+    not enter, and one that is root's, are named with the login and ansible_become, never a bare
+    PermissionError of their last component."""
+    import pwd
+
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    closed.chmod(0)
+    try:
+        for action in ("status", "recover"):
+            res = change.main({"action": action, "state_dir": str(closed / "fleetctl")})
+            assert res["ok"] is False and "PermissionError" not in res["error"], res
+            assert res["error"].startswith(f"{closed}: permission denied to {me} (uid {os.geteuid()}): "), res
+            assert res["error"].endswith("set ansible_become: true for this host (and pass -K if sudo asks for a "
+                                         "password)"), res
+    finally:
+        closed.chmod(0o700)
+    if os.stat("/").st_uid == 0:  # a directory of root's as the state dir
+        res = change.main({"action": "status", "state_dir": "/"})
+        assert res["ok"] is False and res["error"].startswith(f"/: permission denied to {me}"), res
+        assert "fleetctl's state dir is root's" in res["error"] and "ansible_become: true" in res["error"]

@@ -164,18 +164,19 @@ def test_refusal():
 
 
 def test_python_lock(tmp_path):
-    """The lock without a shell: LOCKED once held; a second taker exits 75 naming the holder;
-    EOF on stdin releases it."""
-    first = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "me@here", 30, 30),
+    """The lock without a shell: its marker line once held; a second taker exits 75 naming the
+    holder after its own holder marker line; EOF on stdin releases it."""
+    lock = command.python_lock_argv
+    first = subprocess.Popen(lock(sys.executable, str(tmp_path / "st"), "me@here", 30, 30, "a1"),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert first.stdout.readline() == b"LOCKED\n"
-    second = subprocess.run(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30, 30),
+    assert first.stdout.readline() == b"fleetctl-locked-a1\n"
+    second = subprocess.run(lock(sys.executable, str(tmp_path / "st"), "you", 30, 30, "b2"),
                             stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
-    assert second.returncode == 75 and second.stdout.startswith(b"me@here since ")
+    assert second.returncode == 75 and command.reply(second.stdout, "fleetctl-holder-b2").startswith(b"me@here since ")
     first.stdin.close()
     assert first.wait(10) == 0
-    third = subprocess.Popen(command.python_lock_argv(sys.executable, str(tmp_path / "st"), "you", 30, 30),
+    third = subprocess.Popen(lock(sys.executable, str(tmp_path / "st"), "you", 30, 30, "c3"),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert third.stdout.readline() == b"LOCKED\n"
+    assert third.stdout.readline() == b"fleetctl-locked-c3\n"
     third.stdin.close()
     assert third.wait(10) == 0

@@ -293,7 +293,8 @@ def test_the_history_commands_list_show_with_diffs_and_prune(tmp_path):
     [listed] = json.loads(cli("list", "--since", "4d", "--json"))["runs"]
     assert (listed["run_id"], [h["status"] for h in listed["hosts"]]) == ("R1", ["skipped", "changed", "changed"])
     assert json.loads(cli("list", "--since", "2d", "--json"))["runs"] == []
-    assert json.loads(cli("prune", "--older-than", "2d", "--json")) == {"pruned": 1, "older_than_s": 172800.0}
+    assert json.loads(cli("prune", "--older-than", "2d", "--json")) == {
+        "schema_version": 1, "run_id": None, "exit_code": 0, "pruned": 1, "older_than_s": 172800.0}
     assert "R1" not in cli("list")
 
 

@@ -403,6 +403,9 @@ def test_example_inventory_loads():
     rtx_b = inv.hosts["rtx-b.example.invalid"]
     assert rtx_b.vars["fleetctl_sglang_port"] == 30001 and rtx_b.python == "/usr/bin/python3.12"
     assert names(inv.select("h100:!canary"))[0] == "gpu-02.example.invalid"
+    # README's real-fleet commands select `gpu` (issue 50): every GPU host, not the bastion
+    assert sorted(names(inv.select("gpu"))) == sorted(h for h in inv.hosts if h != "jump.example.invalid")
+    assert inv.hosts["gpu-01.example.invalid"].vars["ansible_user"] == "sglang"
 
 
 def test_group_vars_and_host_vars_beside_the_inventory(tmp_path):

@@ -44,3 +44,29 @@ def test_healthy_gpus_give_their_arch(tmp_path, monkeypatch):
     assert (facts["gpus"], facts["gpu_errors"], facts["gpu_error"]) == (
         [{"name": "NVIDIA H200", "compute_cap": "9.0"}], [], None)
     assert preflight.decide(facts, ["cuda"])["arch"] == "9.0"
+
+
+@pytest.mark.parametrize("name,index,state", [("requires-reset", 0, "[Requires Reset]"),
+                                              ("unknown-error", 0, "[Unknown Error]"),
+                                              ("lost-gpu-bracketed-row", 1, "[GPU is lost]")])
+def test_a_faulted_gpu_is_no_gpu_and_no_arch_and_refuses_the_build(tmp_path, monkeypatch, name, index, state):
+    fake_smi(tmp_path, name)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    facts = preflight.gather_facts()
+    assert all(g["compute_cap"] == "9.0" for g in facts["gpus"]), facts["gpus"]
+    assert [(e["index"], e["faults"]["compute_cap"]) for e in facts["gpu_errors"]] == [(index, state)]
+    verdict = preflight.decide(facts, ["cuda", "triton", "cpu"])
+    assert verdict["backend"] is None and state not in (verdict["arch"] or "")
+    assert any(r.startswith("cannot read the GPUs: 1 of ") and f"GPU {index} (" in r and f"compute_cap {state}" in r
+               for r in verdict["refusals"]), verdict["refusals"]
+
+
+def test_healthy_gpus_beside_faulted_ones_give_their_arch_and_the_build_is_refused(tmp_path, monkeypatch):
+    fake_smi(tmp_path, "mixed-healthy-and-faulted")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    facts = preflight.gather_facts()
+    assert facts["gpus"] == [{"name": "NVIDIA H100 80GB HBM3", "compute_cap": "9.0"}] * 2
+    verdict = preflight.decide(facts, ["cuda"])
+    assert verdict["arch"] == "9.0" and verdict["backend"] is None
+    assert ("cannot read the GPUs: 2 of 4 GPUs faulted: GPU 2 (00000000:1A:00.0): compute_cap [Unknown Error]; "
+            "GPU 3 (00000000:1B:00.0): compute_cap [N/A]") in verdict["refusals"]

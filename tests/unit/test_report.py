@@ -39,9 +39,9 @@ def inspected(host: str, version: str, origins: int) -> HostResult:
                       data={"facts": facts, "allocator_call_sites": sites, "need_sort_origins": found})
 
 
-def render(results) -> str:
+def render(results, details: bool = True) -> str:
     out = io.StringIO()
-    render_inspect(results, Console(file=out, width=400, color_system=None))
+    render_inspect(results, Console(file=out, width=400, color_system=None), details=details)
     return out.getvalue()
 
 
@@ -97,6 +97,8 @@ def test_odd_host_data_is_reported_not_a_crash():
     assert "malformed data from the host: KeyError: 'need_sort'" in text
     assert "gpu-03: malformed call sites from the host: KeyError: 'need_sort'" in text
     assert "0.5.10" in text and "allocator call sites — gpu-01, gpu-02" in text
+    short = render([gpus, inspected("gpu-02", "0.5.10", 1), sites], details=False)
+    assert "malformed data from the host: KeyError: 'compute_cap'" in short and "0.5.10" in short
 
 
 def test_status_and_validate_tables_tolerate_odd_data():

@@ -259,15 +259,17 @@ def test_proxycommand_tokens_hostkeyalias_and_known_hosts_files(tmp_path):
     assert plain.host_key_name == "[h]:2201" and plain.proxy_command is None
 
 
-def test_paramiko_offers_agent_keys_then_files_and_identities_only_filters_the_agent(tmp_path):
-    """IdentityAgent and IdentitiesOnly (ssh_config(5)) with a real ssh-agent; nothing dialled."""
+def test_paramiko_offers_config_keys_first_and_identities_only_keeps_back_the_agents_others(tmp_path):
+    """IdentityAgent and IdentitiesOnly (ssh_config(5)) with a real ssh-agent, in OpenSSH's order
+    (sshconnect2.c pubkey_prepare: the agent's copy of an IdentityFile key before its other keys,
+    though the agent lists it last); nothing dialled."""
     import paramiko
-    from fleetctl.connection.paramiko_dial import _OpenSSHAuth
+    from fleetctl.connection.paramiko_auth import OpenSSHAuth
 
     keys = {}
     for name in ("in_file", "agent_only"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / name)], check=True)
-        keys[name] = paramiko.PKey.from_path(tmp_path / name).asbytes()
+        keys[paramiko.PKey.from_path(tmp_path / name).asbytes()] = name
     sock = tmp_path / "agent.sock"
     agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
     try:
@@ -279,19 +281,38 @@ def test_paramiko_offers_agent_keys_then_files_and_identities_only_filters_the_a
             subprocess.run(["ssh-add", "-q", str(tmp_path / name)], env=env, check=True, capture_output=True)
         base = f"Host h\n  IdentityFile {tmp_path / 'in_file'}\n  IdentityAgent {sock}\n"
 
-        def offered(extra: str) -> list[tuple[str, bytes]]:
-            r = resolved(case03(tmp_path, base + extra), "h")
-            return [(type(s).__name__, s.pkey.asbytes()) for s in _OpenSSHAuth(r, 5).sources]
+        def offered(config: str) -> list[tuple[str, bool]]:
+            auth = OpenSSHAuth(resolved(case03(tmp_path, config), "h"), 5)
+            try:
+                return [(keys[o.blob], o.agent) for o in auth.prepare()]
+            finally:
+                auth.close()
 
-        assert offered("") == [("InMemoryPrivateKey", keys["agent_only"]), ("InMemoryPrivateKey", keys["in_file"])]
-        assert offered("  IdentitiesOnly yes\n") == [("InMemoryPrivateKey", keys["in_file"])]
-        no_agent = resolved(case03(tmp_path, f"Host h\n  IdentityAgent none\n  IdentityFile {tmp_path / 'in_file'}\n"),
-                            "h")
-        assert [(type(s).__name__, s.pkey.asbytes()) for s in _OpenSSHAuth(no_agent, 5).sources] == \
-            [("OnDiskPrivateKey", keys["in_file"])]
+        assert offered(base) == [("in_file", True), ("agent_only", True)]
+        assert offered(base + "  IdentitiesOnly yes\n") == [("in_file", True)]
+        assert offered(f"Host h\n  IdentityAgent none\n  IdentityFile {tmp_path / 'in_file'}\n") == [("in_file", False)]
     finally:
         agent.terminate()
         agent.wait()
+
+
+def test_identity_and_certificate_files_and_the_agent_take_environment_variables(tmp_path, monkeypatch):
+    """ssh_config(5) ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile and CertificateFile with
+    `${VAR}` unexpanded, which ssh expands when it loads them; IdentityAgent SSH_AUTH_SOCK (the
+    default) and `$VAR` name the agent by the environment, `none` names none."""
+    for name in ("k", "k-cert.pub"):
+        (tmp_path / name).write_text("x\n")
+    monkeypatch.setenv("FC_KEYS", str(tmp_path))
+    monkeypatch.setenv("SSH_AUTH_SOCK", "/run/agent.sock")
+    r = resolved(case03(tmp_path, "Host h\n  IdentityFile ${FC_KEYS}/k\n  CertificateFile ${FC_KEYS}/k-cert.pub\n"), "h")
+    assert (r.identity_files, r.certificate_files) == ((tmp_path / "k",), (tmp_path / "k-cert.pub",))
+    assert r.identity_agent == "/run/agent.sock"
+    assert resolved(case03(tmp_path, "Host h\n  IdentityAgent none\n"), "h").identity_agent is None
+    monkeypatch.setenv("FC_AGENT", "/run/other.sock")
+    assert resolved(case03(tmp_path, "Host h\n  IdentityAgent $FC_AGENT\n"), "h").identity_agent == "/run/other.sock"
+    monkeypatch.delenv("FC_KEYS")
+    with pytest.raises(SshConfigError, match=r"FC_KEYS\} has no value"):
+        resolved(case03(tmp_path, "Host h\n  IdentityFile ${FC_KEYS}/k\n"), "h")
 
 
 def test_debians_default_ssh_config_is_fine_for_paramiko(tmp_path):

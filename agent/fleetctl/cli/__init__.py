@@ -10,19 +10,23 @@ or parse error; 5 bad options or a pattern that matches nothing.
 
 from __future__ import annotations
 
+import logging
+import platform
 import signal
 import sys
+from typing import Annotated
 
 import typer
 from typer.exceptions import TyperException
 from rich.text import Text
 
+from .. import __version__
 from ..errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError
 from ..history import record
 from . import ansible, fleet, history, htmlreport, lab
 from .console import err
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Inspect, patch, deploy kernels to and validate SGLang inference hosts over SSH.")
 app.add_typer(fleet.app)
 app.add_typer(fleet.deploy_app, name="deploy")
@@ -34,6 +38,37 @@ app.add_typer(ansible.inventory_app, name="inventory")
 app.add_typer(ansible.collection_app, name="collection")
 
 _terminated = []  # set by SIGTERM
+
+
+def _version(show: bool) -> None:
+    """--version: fleetctl's version and the Python it runs on, then exit 0."""
+    if show:
+        sys.stdout.write(f"fleetctl {__version__} (Python {platform.python_version()})\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(verbose: Annotated[int, typer.Option("--verbose", "-v", count=True, show_default=False, help=(
+             "Before the command: -v shows on stderr what each host is dialled as (address, port, user, "
+             "connection kind, proxy, identity files) and each connection phase's time; -vv also what "
+             "ssh -G resolved. Never secrets."))] = 0,
+         version: Annotated[bool, typer.Option("--version", "-V", callback=_version, is_eager=True,
+                                               help="Print fleetctl's version and exit.")] = False) -> None:
+    """Inspect, patch, deploy kernels to and validate SGLang inference hosts over SSH."""
+    if verbose:
+        _trace_connections(logging.INFO if verbose == 1 else logging.DEBUG)
+
+
+def _trace_connections(level: int) -> None:
+    """Show the connection layer's log records (connection.trace) at `level` and above on stderr,
+    one plain line each."""
+    from ..connection.trace import log
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fleetctl: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
 
 
 def _on_sigterm(signum, frame) -> None:

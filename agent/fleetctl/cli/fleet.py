@@ -21,6 +21,7 @@ from .options import (
     JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
     VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
 )
+from .options import BecomeOpt, ExtraVarsOpt, LimitOpt, UserOpt, command_line_vars, limited
 from .options import (
     GateOpt, ItlSlackMs, LoadClient, LoadConcurrency, LoadInputLen, LoadOpt, LoadOutputLen, LoadPrompts, LoadRepeat,
     LoadTimeout, MaxItlRise, MaxThroughputDrop, MaxTtftRise, TtftSlackMs, load_settings,
@@ -42,7 +43,10 @@ def inspect(opts: FleetOptions, pattern: Pattern,
                 "Rescan every source file; the hosts' scan caches are neither read nor written."))] = False,
             allocator_replay: AllocatorReplay = False, pool: ReplayPool = None, concurrency: ReplayConcurrency = None,
             input_range: ReplayInput = None, output_range: ReplayOutput = None, aborts: ReplayAborts = None,
-            seed: ReplaySeed = None, requests: ReplayRequests = None) -> None:
+            seed: ReplaySeed = None, requests: ReplayRequests = None,
+            details: Annotated[bool, typer.Option("--details", help=(
+                "The full report: interpreter, every install's path, each call site and need_sort origin "
+                "(without it, one summary row per host)."))] = False) -> None:
     """Inspect hosts: interpreter, SGLang, torch/CUDA, GPUs, servers, allocator call sites; with
     --allocator-replay, each install's own KV allocator replayed with need_sort False and True
     (its --timeout grows by the replay's deadline, 300 s)."""
@@ -56,11 +60,12 @@ def inspect(opts: FleetOptions, pattern: Pattern,
     hosts = opts.select(pattern)
     with opts.fleet(timeout=opts.timeout + DEADLINE_S if trace is not None else None) as fleet:
         results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect")
-    _finish(results, opts.json_out, renderer("inspect", {}), hosts=inspect_document(results)["hosts"])
+    _finish(results, opts.json_out, renderer("inspect", {}, details=details), hosts=inspect_document(results)["hosts"])
 
 
 @app.command()
-def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file: VaultPasswordFile = None,
+def hosts(pattern: Pattern, inventory: InventoryOpt = None, limit: LimitOpt = None, user: UserOpt = None,
+          become: BecomeOpt = False, extra_vars: ExtraVarsOpt = None, vault_password_file: VaultPasswordFile = None,
           ask_vault_pass: AskVaultPass = False, json_out: JsonOut = False,
           connect_timeout: ConnectTimeout = config.CONNECT_TIMEOUT_S, ssh_config: SshConfig = None,
           connection: ConnectionOpt = None) -> None:
@@ -71,14 +76,18 @@ def hosts(pattern: Pattern, inventory: InventoryOpt = None, vault_password_file:
     from ..connection.describe import describe
     from ..report.terminal import render_hosts
 
-    selected = load_inventory(inventory, vault_password_file, ask_vault_pass).select(pattern)
+    selected = limited(load_inventory(inventory, vault_password_file, ask_vault_pass,
+                                      cli=command_line_vars(user, become, extra_vars)), pattern, limit)
     with Session(settings(connect_timeout, False, ssh_config, connection)) as session:
         docs = [describe(h, session) for h in selected]
+    code = EXIT_PARSE if any(d["error"] for d in docs) else 0
     if json_out:
-        _print_json({"hosts": docs})
+        from ..report.document import envelope
+
+        _print_json(envelope({"hosts": docs}, code, None))
     else:
         render_hosts(docs, out)
-    raise typer.Exit(EXIT_PARSE if any(d["error"] for d in docs) else 0)
+    raise typer.Exit(code)
 
 
 def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_token_drift=False, latency_slack=None):
@@ -217,12 +226,12 @@ def apply(opts: FleetOptions,
             render_handlers(plan_results, out)
         _confirm(f"apply {pb.name} to {len(to_change)} host(s)", yes)
 
+    try:
+        parse_serial(serial, len(hosts))
+    except ValueError as e:
+        raise UsageError(f"--serial: {e}") from None
     load_budget = lo.budget_s(lo.repeat + 1) if lo else 0
     with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + load_budget) as fleet:
-        try:
-            parse_serial(serial, len(hosts))
-        except ValueError as e:
-            raise UsageError(f"--serial: {e}") from None
         outcome = check_then_apply(fleet, hosts, pb, apply_opts, confirm, check_timeout=opts.timeout)
     if outcome.nothing_to_change:
         err.print("nothing to change")
@@ -372,15 +381,17 @@ def deploy_kernel(opts: FleetOptions,
     _finish(results, opts.json_out, renderer("deploy kernel", doc), **doc)
 
 
-def renderer(command: str, doc: dict, diff: bool = False):
+def renderer(command: str, doc: dict, diff: bool = False, details: bool = False):
     """How `command` (its words: "inspect", "deploy kernel", ...) prints its results: a function
     (results, console) made of the report room's renderers, given the rest of its `--json` document
-    (`doc`: check, patches) and whether an apply prints its diffs. The commands print with it,
+    (`doc`: check, patches), whether an apply prints its diffs and an inspect its details. The
+    commands print with it,
     and `history show` prints a recorded run again with it. Raises KeyError for another command."""
     from ..report import gates, terminal
     from ..report.text import text
 
-    own = {"inspect": terminal.render_inspect, "validate": gates.render_validate, "rollback": terminal.render_rollback,
+    own = {"inspect": lambda rs, console: terminal.render_inspect(rs, console, details=details),
+           "validate": gates.render_validate, "rollback": terminal.render_rollback,
            "recover": terminal.render_recover, "status": terminal.render_status,
            "cache clear": terminal.render_cache_clear, "deploy kernel": terminal.render_deploy,
            "apply": lambda rs, console: terminal.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}
@@ -399,19 +410,22 @@ def renderer(command: str, doc: dict, diff: bool = False):
 
 
 def _finish(results, json_out: bool, render, hosts: list[dict] | None = None, **doc) -> None:
-    """Print the results (one JSON document: `doc` and "hosts", each result's to_json() unless
-    `hosts` gives the entries; or `_render`), hand that document to the run's history record,
-    and exit with Ansible's code for them."""
+    """Print the results (one JSON document: the envelope (report.document.envelope: schema
+    version, run id, exit code), `doc` and "hosts", each result's to_json() unless `hosts` gives
+    the entries; or `_render`), hand that document to the run's history record, and exit with
+    Ansible's code for them."""
     from ..engine.fleet import exit_code
     from ..history import record
+    from ..report.document import envelope
 
-    document = {**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts}
+    document = envelope({**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts},
+                        exit_code(results), record.current_run_id())
     record.results(document)
     if json_out:
         _print_json(document)
     else:
         _render(results, render, doc.get("change_id"))
-    raise typer.Exit(exit_code(results))
+    raise typer.Exit(document["exit_code"])
 
 
 def _render(results, render, change_id: str | None = None) -> None:

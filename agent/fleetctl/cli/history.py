@@ -21,6 +21,7 @@ import typer
 from ..errors import UsageError
 from ..history.model import RunRecord, RunState
 from ..history.store import Store
+from ..report.document import envelope
 from ..vocab import HostStatus
 from .console import err, out
 from ..report.text import table, text
@@ -97,7 +98,7 @@ def list_runs(host: Annotated[Optional[str], typer.Option("--host", help="Only r
     if json_out:
         docs = [{**_meta(r), "hosts": [{k: v for k, v in asdict(h).items() if k != "doc"} for h in r.hosts]}
                 for r in runs]
-        sys.stdout.write(json.dumps({"runs": docs}, indent=1) + "\n")
+        sys.stdout.write(json.dumps(envelope({"runs": docs}, 0, None), indent=1) + "\n")
         return
     rows = [[r.run_id, _when(r.started_at), shlex.join(r.argv[1:]), _outcome(r), _counts(r), _changes(r),
              f"{r.ended_at - r.started_at:.1f}s" if r.ended_at is not None else "", f"{r.user}@{r.control_host}"]
@@ -120,8 +121,9 @@ def show(run: Annotated[str, typer.Argument(help="A run id (or its first charact
     finally:
         store.close()
     if json_out:
-        sys.stdout.write(json.dumps({"run": _meta(rec), **rec.doc, "hosts": [h.doc for h in rec.hosts]},
-                                    indent=1) + "\n")
+        own = {k: v for k, v in rec.doc.items() if k not in ("schema_version", "run_id", "exit_code")}
+        sys.stdout.write(json.dumps(envelope({"run": _meta(rec), **own, "hosts": [h.doc for h in rec.hosts]},
+                                             rec.exit_code, rec.run_id), indent=1) + "\n")
         return
     took = f", took {rec.ended_at - rec.started_at:.1f}s" if rec.ended_at is not None else ""
     out.print(text(f"run {rec.run_id}: {shlex.join(rec.argv)}"), highlight=False, soft_wrap=True)
@@ -140,7 +142,7 @@ def show(run: Annotated[str, typer.Argument(help="A run id (or its first charact
         status = HostStatus(h.status) if h.status in {s.value for s in HostStatus} else h.status
         results.append(HostResult(h.host, h.address, status, h.error, h.elapsed_s, data, **flags))
     try:
-        render = renderer(rec.command, rec.doc, diff=True)
+        render = renderer(rec.command, rec.doc, diff=True, details="--details" in rec.argv)
     except KeyError:
         out.print(text(f"note: this fleetctl does not know the command {rec.command} (recorded by fleetctl "
                        f"{rec.version}): its hosts' results only"), highlight=False, soft_wrap=True)
@@ -167,6 +169,6 @@ def prune(older_than: Annotated[str, typer.Option("--older-than", metavar="AGE",
     finally:
         store.close()
     if json_out:
-        sys.stdout.write(json.dumps({"pruned": n, "older_than_s": seconds}) + "\n")
+        sys.stdout.write(json.dumps(envelope({"pruned": n, "older_than_s": seconds}, 0, None)) + "\n")
     else:
         out.print(f"pruned {n} run(s) started more than {older_than} ago from {store.path}", highlight=False)

@@ -21,13 +21,14 @@ from .. import config
 from .. import inventory as inv
 from ..connection import Settings
 from ..engine.fleet import Fleet
-from ..errors import UsageError
+from ..errors import PatternError, UsageError
 from ..history import record
 from .console import err
 
 Pattern = Annotated[str, typer.Argument(help="Host pattern: name, group, glob, all, a:b, a:&b, a:!b.")]
 InventoryOpt = Annotated[Optional[str], typer.Option("-i", "--inventory",
-                         help=("Inventory: an Ansible YAML file, or (with the ansible extra installed) any "
+                         help=("Inventory: an Ansible YAML file, a host list as Ansible's (`-i host1,host2,`: "
+                               "a comma, and no such file), or (with the ansible extra installed) any "
                                "source ansible-inventory reads (INI, directory, script, plugin); else "
                                "$FLEETCTL_INVENTORY, else ./hosts.yaml."))]
 VaultPasswordFile = Annotated[Optional[str], typer.Option(
@@ -57,6 +58,18 @@ HistoryOpt = Annotated[Optional[str], typer.Option("--history", envvar="FLEETCTL
     "The run history file (fleetctl history): PATH, else $FLEETCTL_HISTORY, else "
     "${XDG_STATE_HOME:-~/.local/state}/fleetctl/history.sqlite."))]
 NoHistory = Annotated[bool, typer.Option("--no-history", help="Do not record this run in the run history.")]
+# Ansible's habits (ansible-playbook(1)), with Ansible's meaning: -u and -b are command-line values,
+# under every inventory var; -e extra vars, over all of them (inventory.CommandLineVars); -l
+# narrows the pattern's hosts; `-i a,b,` is a host list (inventory.is_host_list).
+UserOpt = Annotated[Optional[str], typer.Option("-u", "--user", help=(
+    "Connect as this user where the inventory sets no ansible_user (Ansible's -u)."))]
+BecomeOpt = Annotated[bool, typer.Option("-b", "--become", help=(
+    "Run as root through sudo where the inventory sets no ansible_become (Ansible's -b)."))]
+LimitOpt = Annotated[Optional[str], typer.Option("-l", "--limit", metavar="PATTERN", help=(
+    "Only the hosts that the host pattern also selects (Ansible's --limit)."))]
+ExtraVarsOpt = Annotated[Optional[list[str]], typer.Option("-e", "--extra-vars", metavar="K=V|@FILE|JSON", help=(
+    "Vars for every host over the inventory's (Ansible's -e, which always wins): key=value words, @FILE "
+    "(YAML or JSON) or a JSON mapping; repeatable, later ones win."))]
 
 HealthTimeout = Annotated[float, typer.Option("--health-timeout", help=(
     "Seconds to wait for /health to answer 200 (after a restart handler: at least its wait_for_health_s)."))]
@@ -195,12 +208,72 @@ LOAD_FLAGS = {"profile": "--load/--gate", "concurrency": "--load-concurrency", "
               "ttft_slack_ms": "--ttft-slack-ms"}
 
 
+def command_line_vars(user: str | None = None, become: bool = False,
+                      extra_vars: list[str] | None = None) -> inv.CommandLineVars | None:
+    """The vars -u (ansible_user), -b (ansible_become: true) and each -e set, as
+    inventory.CommandLineVars (None: none given). An -e is @FILE (a YAML or JSON mapping), a
+    JSON/YAML mapping written inline (`{...}`), or key=value words (split as a shell would;
+    values stay strings, as Ansible's parse_kv keeps them); later ones win. Raises UsageError
+    (exit 5) naming the -e and what is wrong (a word without `=`, a file that cannot be read or
+    is not a mapping, with its line)."""
+    import shlex
+
+    import yaml
+
+    below = {**({"ansible_user": user} if user else {}), **({"ansible_become": True} if become else {})}
+    above: dict = {}
+    where: dict = {k: f"-{'u' if k == 'ansible_user' else 'b'} (command line)" for k in below}
+    for given in extra_vars or []:
+        what = f"-e {given}"
+        if given.startswith("@"):
+            try:
+                text = Path(given[1:]).expanduser().read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"{what}: cannot read {given[1:]}: {getattr(e, 'strerror', None) or e}") from None
+            values, what = _mapping(yaml, text, f"{what}: {given[1:]}"), f"-e {given} ({given[1:]})"
+        elif given.lstrip().startswith("{"):
+            values = _mapping(yaml, given, what)
+        else:
+            try:
+                words = shlex.split(given)
+            except ValueError as e:
+                raise UsageError(f"{what}: {e}") from None
+            bad = [w for w in words if "=" not in w or w.startswith("=")]
+            if bad or not words:
+                raise UsageError(f"{what}: want key=value words, @FILE or a JSON mapping (not {bad[0] if bad else given!r})")
+            values = dict(w.split("=", 1) for w in words)
+        above.update(values)
+        where.update({k: what for k in values})
+    return inv.CommandLineVars(below, above, where) if below or above else None
+
+
+def _mapping(yaml, text: str, what: str) -> dict:
+    """The mapping of str keys YAML (or JSON) `text` holds; UsageError naming `what` (and the line) if not."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise UsageError(f"{what}{f':{mark.line + 1}' if mark else ''}: not YAML or JSON "
+                         f"({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise UsageError(f"{what}: extra vars are a mapping of names to values, not {type(data).__name__}")
+    return data
+
+
 def load_inventory(inventory: str | None, vault_password_file: str | None = None,
-                   ask_vault_pass: bool = False, seen: set[str] | None = None) -> inv.Inventory:
-    """The inventory -i names (else $FLEETCTL_INVENTORY, else ./hosts.yaml), its vault values
-    decrypted with the vault options' password; `seen`, when given, gets every secret value the
-    load knows (loaded_secrets). Raises InventoryError (exit 4)."""
+                   ask_vault_pass: bool = False, seen: set[str] | None = None,
+                   cli: inv.CommandLineVars | None = None) -> inv.Inventory:
+    """The inventory -i names (a host list, inventory.is_host_list; else $FLEETCTL_INVENTORY,
+    else ./hosts.yaml), its vault values decrypted with the vault options' password, the
+    command line's vars `cli` (command_line_vars) under and over its own; `seen`, when given,
+    gets every secret value the load knows (loaded_secrets). Raises InventoryError (exit 4)."""
     from ..inventory.templates import templars
+
+    if inventory and inv.is_host_list(inventory):
+        loaded = inv.load_host_list(inventory, cli)
+        if seen is not None:
+            seen.update(loaded_secrets(loaded, [], []))
+        return loaded
 
     vault = None
     if vault_password_file or ask_vault_pass:
@@ -225,9 +298,9 @@ def load_inventory(inventory: str | None, vault_password_file: str | None = None
 
         vault = Revealing(vault_password_file, ask_vault_pass)
     if seen is None:  # (a caller's own templars() block gets the Templar)
-        return inv.load(inv.resolve_path(inventory), vault)
+        return inv.load(inv.resolve_path(inventory), vault, cli)
     with templars() as made:
-        loaded = inv.load(inv.resolve_path(inventory), vault)
+        loaded = inv.load(inv.resolve_path(inventory), vault, cli)
     seen.update(loaded_secrets(loaded, made, vault.revealed if vault else []))
     return loaded
 
@@ -280,15 +353,34 @@ def settings(connect_timeout: float, accept_new: bool, ssh_config: str | None,
                     become_password=getpass.getpass("BECOME password: ") if ask_become_pass else None)
 
 
+def limited(loaded: inv.Inventory, pattern: str, limit: str | None) -> list[inv.Host]:
+    """The hosts `pattern` selects that the --limit pattern selects too (Ansible's --limit:
+    "further limit selected hosts to an additional pattern"), in inventory order. Raises
+    PatternError (exit 5) when either matches nothing, or the two have no host in common."""
+    hosts = loaded.select(pattern)
+    if limit is None:
+        return hosts
+    allowed = {h.name for h in loaded.select(limit)}
+    kept = [h for h in hosts if h.name in allowed]
+    if not kept:
+        raise PatternError(f"--limit {limit}: none of the {len(hosts)} host(s) of '{pattern}' "
+                           f"({', '.join(h.name for h in hosts[:5])}{', ...' if len(hosts) > 5 else ''}) matches it")
+    return kept
+
+
 @dataclass(frozen=True)
 class FleetOptions:
-    """The options every fleet command takes, as given: where its hosts come from (-i, the
-    vault options), -K, --json, and how they are worked on (--forks, --timeout in seconds per
+    """The options every fleet command takes, as given: where its hosts come from (-i, -l, the
+    vault options) and the vars the command line sets on them (-u, -b, -e), -K, --json, and how they are worked on (--forks, --timeout in seconds per
     host's job, None where the command computes it, the connection options, --run-timeout in
     seconds for the whole command), and where the run is recorded (--history PATH, None: the
     default file; --no-history)."""
 
     inventory: InventoryOpt = None
+    limit: LimitOpt = None
+    user: UserOpt = None
+    become: BecomeOpt = False
+    extra_vars: ExtraVarsOpt = None
     vault_password_file: VaultPasswordFile = None
     ask_vault_pass: AskVaultPass = False
     ask_become_pass: AskBecomePass = False
@@ -304,17 +396,21 @@ class FleetOptions:
     no_history: NoHistory = False
 
     def select(self, pattern: str) -> list[inv.Host]:
-        """The inventory's hosts `pattern` matches (the inventory's secret values handed to the
-        run's record: loaded_secrets). Raises InventoryError (exit 4), or UsageError
-        (exit 5) for a pattern that matches nothing."""
+        """The inventory's hosts `pattern` matches and --limit, when given, selects too, with
+        the vars of -u, -b and -e (the inventory's secret values handed to the run's record:
+        loaded_secrets). Raises InventoryError (exit 4), or UsageError / PatternError (exit 5)
+        for a pattern or a limit that matches nothing, or a bad -e."""
         seen: set[str] = set()
-        loaded = load_inventory(self.inventory, self.vault_password_file, self.ask_vault_pass, seen)
+        loaded = load_inventory(self.inventory, self.vault_password_file, self.ask_vault_pass, seen,
+                                command_line_vars(self.user, self.become, self.extra_vars))
         record.secrets(seen)  # the run's record replaces each of them wherever it appears
-        return loaded.select(pattern)
+        return limited(loaded, pattern, self.limit)
 
     def fleet(self, timeout: float | None = None) -> Fleet:
         """A Fleet with these options; `timeout` (seconds per host's job) replaces --timeout. Its
-        progress goes to stderr, on a terminal and without --json. Raises UsageError (exit 5)."""
+        progress goes to stderr, on a terminal and without --json. The run's record in the
+        history starts here (record.begin), once the options are found good. Raises UsageError
+        (exit 5)."""
         timeout = self.timeout if timeout is None else timeout
         given = settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection, self.ask_become_pass)
         record.secrets([given.become_password] if given.become_password else [])
@@ -322,20 +418,22 @@ class FleetOptions:
                          (self.run_timeout is not None and self.run_timeout <= 0, "--run-timeout must be positive")):
             if bad:
                 raise UsageError(msg)
+        record.begin()
         return Fleet(given, forks=self.forks, timeout=timeout,
                      progress=err.is_terminal and not self.json_out, console=err, run_timeout=self.run_timeout)
 
 
 # The FleetOptions fields fleet_command puts after `after` (-i to --json); the rest go before `before`.
-_LEADING = ("inventory", "vault_password_file", "ask_vault_pass", "ask_become_pass", "json_out")
+_LEADING = ("inventory", "limit", "user", "become", "extra_vars", "vault_password_file", "ask_vault_pass", "ask_become_pass", "json_out")
 
 
 def fleet_command(timeout: float | None, after: str = "pattern", before: str | None = None) -> Callable:
     """Give a command the FleetOptions: `command(opts, *own)` becomes a function whose signature,
     for Typer, is the command's own parameters with the FleetOptions fields among them (-i to
     --json after the parameter named `after`, --forks to --run-timeout before the one named
-    `before`, or last), and which records the run's start in the history (history.record;
-    its end is recorded by cli.main) and calls `command` with them gathered into `opts`.
+    `before`, or last), and which arms the run's record in the history (history.record.arm:
+    FleetOptions.fleet begins it; its end is recorded by cli.main) and calls `command` with
+    them gathered into `opts`.
 
     timeout: the --timeout default in seconds; None where the command computes each job's
     timeout itself (its help then says the default is health timeout + 300).
@@ -366,8 +464,8 @@ def fleet_command(timeout: float | None, after: str = "pattern", before: str | N
 
         def run(**given):
             opts = FleetOptions(**{n: given.pop(n) for n in common})
-            if not opts.no_history:
-                record.start(command.__name__.replace("_", " "), opts.history)  # deploy_kernel: "deploy kernel"
+            if not opts.no_history:  # recorded from FleetOptions.fleet on: usage errors before it are no runs
+                record.arm(command.__name__.replace("_", " "), opts.history)  # deploy_kernel: "deploy kernel"
             return command(opts, **given)
 
         run.__name__, run.__qualname__, run.__module__ = command.__name__, command.__qualname__, command.__module__

@@ -35,6 +35,8 @@ OUTPUT_MAX = 64 << 20
 TAIL_MAX = 1 << 20
 # Exit status of the lock script when another run holds the lock (flock -E).
 _LOCK_BUSY_EXIT = 75
+# Exit status of the lock script when the state dir is not this login's (command._LOCK).
+_LOCK_REFUSED_EXIT = 3
 # Bytes of sudo's stderr read at most before the command starts (its prompt, lecture, refusal).
 BECOME_HANDSHAKE_MAX = 8192
 # Characters of sudo's message kept in an error.
@@ -140,9 +142,9 @@ class Process(ABC):
         Unreachable when the connection is lost, OutputTooLarge from a buffer."""
 
     @abstractmethod
-    def readline(self, limit: int, timeout: float) -> bytes:
-        """The first line of stdout (at most `limit` bytes; b"" at EOF or after `timeout`
-        seconds). stdin stays open."""
+    def read_out(self, limit: int, timeout: float) -> bytes:
+        """The stdout bytes that arrive next (at most `limit`; b"" at EOF or after `timeout`
+        seconds). stdin stays open. For the lock's reply, before `communicate`."""
 
     @abstractmethod
     def read_err(self, limit: int, timeout: float) -> bytes:
@@ -358,26 +360,33 @@ class Connection(ABC):
         frees it. On a host (not in a container), every command this connection runs while the
         lock is held is registered with it, and whatever of them still runs when the lock ends
         is stopped by its process group: nothing of a dead controller's run outlives its lock.
-        Raises LockBusy at once when another run holds it (quoting who and since when), or when
-        it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
+        The lock command's reply, and its holder's, are found by their markers (command.reply):
+        what a login shell's startup files print first is passed over, and named when no marker
+        came. Raises LockBusy at once when another run holds it (quoting who and since when), or
+        when it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
         who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
         token = secrets.token_hex(8)
         proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s(), token), hold + timeout,
                                  timeout)
-        line = proc.readline(LOCK_HANDSHAKE_MAX, timeout)
-        if line.strip() == b"LOCKED":
+        end, marker = time.monotonic() + timeout, command.lock_marker(token)
+        seen = _read_until(proc, marker, end)  # by its marker: a login shell may print first
+        if command.reply(seen, marker) is not None:
             if not self.prefix:
                 self._tied = command.lock_groups(state_dir, token)
             return HostLock(proc, self, self.keepalive()[0])
-        code = proc.wait(timeout)
+        code = proc.wait(max(1.0, end - time.monotonic()))
         said = _sudo_said(proc.read_err(LOCK_HANDSHAKE_MAX, 1.0), b"") if code != _LOCK_BUSY_EXIT else ""
         proc.close()
         if code == _LOCK_BUSY_EXIT:
-            who = self._lock_holder(state_dir, line, timeout)
+            who = self._lock_holder(state_dir, seen, token, timeout)
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
-        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s (exit {code})"
-                       + (f": {said}" if said else ""))
+        if code == _LOCK_REFUSED_EXIT:  # the state dir is not this login's: the script said why
+            raise LockBusy(f"could not take the lock {state_dir}/lock: {said}")
+        ended = f"exit {code}" if code is not None else "its command still ran"
+        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s ({ended}): "
+                       f"the lock command never said it held it; {command.unframed(seen, marker)}"
+                       + (f"; its stderr: {said}" if said else ""))
 
     def lock_beat_s(self) -> int:
         """Seconds without a heartbeat after which the lock's holder counts this controller as
@@ -389,10 +398,26 @@ class Connection(ABC):
         """The lock command (command.lock_argv: flock, with a shell and coreutils)."""
         return command.lock_argv(state_dir, who, hold_s, beat_s, token)
 
-    def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
-        """Who holds the lock, from STATE_DIR/lock.owner (`line`: the lock command's first line)."""
-        holder = self.run(["cat", "--", f"{state_dir}/lock.owner"], timeout=timeout)
-        return holder.stdout[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+    def _lock_holder(self, state_dir: str, seen: bytes, token: str, timeout: float) -> str:
+        """Who holds the lock, from STATE_DIR/lock.owner, read by a command of its own whose reply
+        is framed by a marker (`seen`: the lock command's stdout; `token`: its hold's)."""
+        marker = command.reply_marker("owner")
+        holder = self.run(command.framed(["cat", "--", f"{state_dir}/lock.owner"], marker), timeout=timeout)
+        owner = command.reply(holder.stdout[:LOCK_HANDSHAKE_MAX], marker)
+        return "" if owner is None else owner.decode("utf-8", "replace").strip()
+
+
+def _read_until(proc: Process, marker: str, end: float) -> bytes:
+    """`proc`'s stdout until a line `marker` came (what follows it in the same read included),
+    EOF, LOCK_HANDSHAKE_MAX bytes, or time.monotonic() `end`."""
+    seen = b""
+    while command.reply(seen, marker) is None and len(seen) < LOCK_HANDSHAKE_MAX:
+        left = end - time.monotonic()
+        chunk = proc.read_out(LOCK_HANDSHAKE_MAX - len(seen), left) if left > 0 else b""
+        if not chunk:
+            break
+        seen += chunk
+    return seen
 
 
 def _question(unread: bytes, markers: tuple[bytes, ...]) -> bytes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import math
 import os
+import secrets
 import shlex
 from typing import Iterator
 
@@ -43,15 +44,19 @@ _UPLOAD = (
 # byte after which the controller counts as gone, $5 the holder (_HOLD), $6 this hold's token (hex).
 # The state dir must be a directory (not a link) of this uid that group and others cannot write
 # (else exit 3, nothing written in it); flock -n fails at once (exit 75) when another run holds it.
+# A login that is not root is told to become root (runas.BECOME_FIX's words).
 _LOCK = ('umask 077 && mkdir -p -m 700 -- "$1" && [ -n "$(find "$1" -maxdepth 0 -type d -user "$(id -u)" ! -perm /022)" ] '
-         '|| { echo "fleetctl: the state dir $1 is not a directory of uid $(id -u) that only it can write: not locked" >&2; '
+         '|| { [ "$(id -u)" = 0 ] || h=" ($(id -un) is not root: set ansible_become: true for this host, and pass -K '
+         'if sudo asks for a password)"; '
+         'echo "fleetctl: the state dir $1 is not a directory of uid $(id -u) that only it can write$h: not locked" >&2; '
          'exit 3; }; exec flock -n -E 75 "$1/lock" sh -c "$5" "$1" "$2" "$3" "$4" "$6"')
 
 # The lock's holder ($0 state dir, $1 who, $2 hold seconds, $3 heartbeat window seconds, $4 the
 # hold's token): clears what earlier holds left, writes lock.owner and this hold's own
 # registration file lock.groups.TOKEN (a first line, so a later append needs no new block; exit 4
-# when the file system is full), says LOCKED, then reads one heartbeat byte at a time from stdin;
-# EOF (released, or the controller's connection closed), no byte within the window (a silent
+# when the file system is full), prints the line lock_marker(TOKEN) (found by it, after whatever
+# a login shell printed first), then reads one heartbeat byte at a time from stdin; EOF
+# (released, or the controller's connection closed), no byte within the window (a silent
 # controller: a cut link, a dead control node), or the hold time (CLOCK_BOOTTIME's /proc/uptime,
 # never the wall clock) ends the hold. Then registration is closed (the file renamed under its
 # .lock, so a command that starts later, of this run or of an earlier one, refuses to), and the
@@ -61,7 +66,8 @@ _LOCK = ('umask 077 && mkdir -p -m 700 -- "$1" && [ -n "$(find "$1" -maxdepth 0 
 _HOLD = (
     'g="$0/lock.groups.$4"; rm -f -- "$0"/lock.groups.*; '
     'printf "%s since %s\\n" "$1" "$(date -u +%FT%TZ)" > "$0/lock.owner" && printf "# %s\\n" "$1" > "$g" '
-    '|| { echo "fleetctl: cannot write in $0 (is its file system full?): not locked" >&2; exit 4; }; echo LOCKED; '
+    '|| { echo "fleetctl: cannot write in $0 (is its file system full?): not locked" >&2; exit 4; }; '
+    'printf "fleetctl-locked-%s\\n" "$4"; '
     'st() { t=$(cat "/proc/$1/stat" 2>/dev/null) || return 0; t=${t##*) }; set -- $t; shift 19; echo "$1"; }; '
     'end=$(( $(cut -d. -f1 /proc/uptime) + $2 )); '
     'while now=$(cut -d. -f1 /proc/uptime); [ "$now" -lt "$end" ]; do w=$((end - now)); [ "$w" -lt "$3" ] || w=$3; '
@@ -329,34 +335,41 @@ def container_entry(how: str, container_id: str, pid: int, process: dict) -> lis
     raise ValueError(f"no way to enter a container with {how!r} (one of {', '.join(CONTAINER_EXECS[:-1])})")
 
 
-def python_lock_argv(python: str, state_dir: str, who: str, hold_s: int, beat_s: int) -> list[str]:
+def python_lock_argv(python: str, state_dir: str, who: str, hold_s: int, beat_s: int, token: str) -> list[str]:
     """lock_argv for a place with Python and nothing else (a distroless container): the same
-    protocol (STATE_DIR/lock held with flock; LOCKED once held; exit 75, the holder on stdout,
-    when another run holds it; released at EOF on stdin, after `beat_s` seconds without a
-    heartbeat byte, or after `hold_s` seconds). Commands in the container are not registered
-    with it (they are started by the runtime's exec, whose client the host's deadline wrapper kills)."""
-    return [python, "-I", "-c", _PY_LOCK, state_dir, who, str(hold_s), str(beat_s)]
+    protocol (STATE_DIR/lock held with flock; the line lock_marker(token) once held; exit 75, a
+    line holder_marker(token) then the holder on stdout, when another run holds it; released at
+    EOF on stdin, after `beat_s` seconds without a heartbeat byte, or after `hold_s` seconds).
+    Commands in the container are not registered with it (they are started by the runtime's
+    exec, whose client the host's deadline wrapper kills). Raises ValueError for a token that is
+    not hex."""
+    _check_token(token)
+    return [python, "-I", "-c", _PY_LOCK, state_dir, who, str(hold_s), str(beat_s), lock_marker(token),
+            holder_marker(token)]
 
 
 _PY_LOCK = r"""
 import fcntl, os, select, sys, time
-d, who, hold, beat = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+d, who, hold, beat, locked, holder = sys.argv[1:7]
+hold, beat = int(hold), int(beat)
 os.umask(0o077)
 os.makedirs(d, mode=0o700, exist_ok=True)
 fd = os.open(os.path.join(d, "lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 except BlockingIOError:
+    sys.stdout.write(holder + "\n")
     try:
         o = os.open(os.path.join(d, "lock.owner"), os.O_RDONLY | os.O_NOFOLLOW)
         sys.stdout.write(os.read(o, 4096).decode("utf-8", "replace"))
     except OSError:
         pass
+    sys.stdout.flush()
     sys.exit(75)
 o = os.open(os.path.join(d, "lock.owner"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
 os.write(o, ("%s since %s\n" % (who, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))).encode())
 os.close(o)
-print("LOCKED", flush=True)
+print(locked, flush=True)
 end = time.monotonic() + hold
 while time.monotonic() < end:
     r, _, _ = select.select([0], [], [], max(0.0, min(beat, end - time.monotonic())))
@@ -396,16 +409,68 @@ def upload_argv(path: str, mode: int, sha256: str) -> list[str]:
 
 def lock_argv(state_dir: str, who: str, hold_s: int, beat_s: int, token: str) -> list[str]:
     """The command that holds STATE_DIR/lock for `hold_s` seconds at most, until its stdin
-    closes, or until `beat_s` seconds pass without a heartbeat byte on it; it prints LOCKED once
-    held, exits 75 when another run holds it, 3 when the state dir is not this user's alone, 4
+    closes, or until `beat_s` seconds pass without a heartbeat byte on it; it prints the line
+    lock_marker(token) once held, exits 75 when another run holds it, 3 when the state dir is not this user's alone, 4
     when nothing can be written there. Commands started with remote_argv(tied=lock_groups(
     STATE_DIR, token)) while it holds are stopped (their process groups) when it ends. `token`:
     this hold's own (hex), so a command of an earlier hold never registers with a later one."""
-    if not token or not all(c in "0123456789abcdef" for c in token):
-        raise ValueError(f"a lock token is hex, not {token!r}")
+    _check_token(token)
     return ["sh", "-c", _LOCK, "fleetctl-lock", state_dir, who, str(hold_s), str(beat_s), _HOLD, token]
 
 
 def lock_groups(state_dir: str, token: str) -> str:
     """The file the hold `token` reads the run's commands from (remote_argv's `tied`)."""
     return f"{state_dir}/lock.groups.{token}"
+
+
+def _check_token(token: str) -> None:
+    """Raises ValueError unless `token` (a lock hold's) is lowercase hex."""
+    if not token or not all(c in "0123456789abcdef" for c in token):
+        raise ValueError(f"a lock token is hex, not {token!r}")
+
+
+# What a reply marker is made of: `fleetctl-KIND-` and 16 random hex digits (reply_marker).
+_MARKER_HEX = 8
+
+
+def reply_marker(kind: str) -> str:
+    """A marker for one call's reply, `fleetctl-KIND-<16 random hex digits>` (letters, digits and
+    `-`: no shell changes it): what a login shell's startup file prints on stdout before the
+    command (a banner from ~/.bashrc or ~/.profile, or the become user's with sudo -i) cannot
+    hold it, so a reply is found by it, never by its place in stdout."""
+    return f"fleetctl-{kind}-{secrets.token_hex(_MARKER_HEX)}"
+
+
+def lock_marker(token: str) -> str:
+    """The line the lock command prints once it holds the lock (lock_argv, python_lock_argv)."""
+    return f"fleetctl-locked-{token}"
+
+
+def holder_marker(token: str) -> str:
+    """The line python_lock_argv prints before the holder, when another run holds the lock."""
+    return f"fleetctl-holder-{token}"
+
+
+def framed(argv: list[str], marker: str) -> list[str]:
+    """`argv` run after a line MARKER on its stdout (`sh -c 'printf ...; exec "$@"'`, the marker
+    a separate word): what it prints is found after that line (reply), whatever came before."""
+    return ["sh", "-c", 'printf "%s\\n" "$0"; exec "$@"', marker, *argv]
+
+
+def reply(stdout: bytes, marker: str) -> bytes | None:
+    """What `stdout` holds after its first line that is `marker` (a reply_marker, lock_marker or
+    holder_marker); None when no line is."""
+    m = marker.encode()
+    at = (b"\n" + stdout).find(b"\n" + m + b"\n")
+    return None if at < 0 else stdout[at + len(m) + 1:]
+
+
+def unframed(stdout: bytes, marker: str, limit: int = 200) -> str:
+    """The error's words for a reply whose `marker` line never came: what stdout held instead (at
+    most `limit` characters, escaped), and the usual cause."""
+    said = stdout.decode("utf-8", "replace").strip()
+    held = repr(said[:limit]) + ("..." if len(said) > limit else "") if said else "nothing"
+    return (f"its stdout held {held}, and no line {marker}: the login shell of the SSH user (or the become "
+            "user's, with become_flags -i or -s) did not run the command, or one of its startup files "
+            "(~/.bashrc, ~/.profile, /etc/profile) ended or replaced it; what such a file prints before the "
+            "command is fine")

@@ -62,10 +62,11 @@ class ContainerConnection(Connection):
         (with none known, the host's way: a shell and flock in the container)."""
         if self._python is None:
             return super()._lock_argv(state_dir, who, hold_s, beat_s, token)
-        return command.python_lock_argv(self._python, state_dir, who, hold_s, beat_s)
+        return command.python_lock_argv(self._python, state_dir, who, hold_s, beat_s, token)
 
-    def _lock_holder(self, state_dir: str, line: bytes, timeout: float) -> str:
-        """The holder, as python_lock_argv prints it on its first line."""
+    def _lock_holder(self, state_dir: str, seen: bytes, token: str, timeout: float) -> str:
+        """The holder, as python_lock_argv prints it after its holder_marker line."""
         if self._python is None:
-            return super()._lock_holder(state_dir, line, timeout)
-        return line[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()
+            return super()._lock_holder(state_dir, seen, token, timeout)
+        owner = command.reply(seen, command.holder_marker(token))
+        return "" if owner is None else owner[:LOCK_HANDSHAKE_MAX].decode("utf-8", "replace").strip()

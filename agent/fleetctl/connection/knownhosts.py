@@ -124,7 +124,7 @@ def _found_by_ssh_keygen(name: str, path: Path) -> list[tuple[str, str]]:
     markers, `[host]:port`), which prints `# Host NAME found: line N [CA|REVOKED]` before each."""
     try:
         r = subprocess.run(["ssh-keygen", "-F", name, "-f", str(path)], capture_output=True, timeout=KEYGEN_TIMEOUT_S,
-                           stdin=subprocess.DEVNULL)
+                           stdin=subprocess.DEVNULL, start_new_session=True)
     except subprocess.TimeoutExpired:
         raise OSError(f"ssh-keygen -F did not finish within {KEYGEN_TIMEOUT_S} s") from None
     found, lineno = [], None

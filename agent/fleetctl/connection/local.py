@@ -68,19 +68,11 @@ class LocalProcess(Process):
             raise
         return out.value(), err.value(), code if code >= 0 else -1
 
-    def readline(self, limit: int, timeout: float) -> bytes:
-        buf = b""
-        end = time.monotonic() + timeout
+    def read_out(self, limit: int, timeout: float) -> bytes:
         fd = self._p.stdout.fileno()
-        while b"\n" not in buf and len(buf) < limit:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                break
-            chunk = os.read(fd, limit - len(buf))
-            if not chunk:
-                break
-            buf += chunk
-        return buf.split(b"\n", 1)[0]
+        if not select.select([fd], [], [], max(0.0, timeout))[0]:
+            return b""
+        return os.read(fd, limit)
 
     def read_err(self, limit: int, timeout: float) -> bytes:
         fd = self._p.stderr.fileno()

@@ -16,6 +16,9 @@ for the host (their ControlMaster/ControlPath/ControlPersist: `ssh -O check` ans
 over it instead and it is left running (unless that configuration turns host key checking off); a command's exit status travels in-band on stderr (ssh's own
 255 cannot be told from the command's); close() runs `-O exit` for this host's master, and the
 run's last cleanup (`ControlFiles.close`) for every master left, bastions included.
+Every ssh fleetctl starts (masters, the ProxyCommand a master runs, commands, `-G`, `-O`) is in
+a session of its own (`start_new_session`): a terminal's Ctrl-C reaches fleetctl only, which
+lets the host in progress finish.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import command
+from . import command, keyfiles, trace
 from .base import Connection, OutputBuffer, Process
-from .errors import HostKeyRefused, Unreachable
+from .errors import AUTH_FIX, HostKeyRefused, Unreachable
 from .hostkey_policy import ssh_options, strictness
 from .local import LocalProcess
 from .resolve import passwd_home, split_config_option
@@ -48,6 +51,19 @@ CONTROL_PERSIST_S = 60
 _EXIT_RE = re.compile(re.escape(command.EXIT_LINE_PREFIX) + rb"(\d+)\n?$")
 # Bytes of the master's stderr kept for an error message.
 _ERR_MAX = 2000
+# The fix each of OpenSSH's own failure messages (ssh.c, sshconnect.c, sshconnect2.c) calls for:
+# (words in ssh's stderr, the fix appended to its message); the first match wins.
+_FIXES = (
+    ("Connection refused", "is sshd listening there? check ansible_port (or Port in ssh_config) and ansible_host"),
+    ("Could not resolve hostname", "check ansible_host (or HostName in ssh_config)"),
+    ("not accessible: No such file", "fix ansible_ssh_private_key_file (or IdentityFile in ssh_config)"),
+    ("no such identity", "fix ansible_ssh_private_key_file (or IdentityFile in ssh_config)"),
+    ("Permission denied (", AUTH_FIX),
+    ("timed out during banner exchange", "the banner phase stalled: sshd stopped or overloaded (MaxStartups), or no "
+                                         "SSH server on that port: check ansible_port"),
+    ("Connection timed out", "the connect phase stalled: host down, a firewall dropping packets, or the wrong "
+                             "ansible_host?"),
+)
 # What OpenSSH prints when it refuses a host key, or (StrictHostKeyChecking no) connects anyway
 # past a changed one (sshconnect.c).
 _HOST_KEY_TROUBLE = ("Host key verification failed", "IDENTIFICATION HAS CHANGED", "REVOKED HOST KEY")
@@ -102,7 +118,7 @@ class ControlFiles:
             for sock in self.dir.iterdir():
                 if sock.is_socket():
                     subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "fleetctl-master"],
-                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=10, start_new_session=True)
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -113,7 +129,8 @@ def open_master(argv: list[str], destination: str, deadline: float, what: str, c
     its exit status: with StrictHostKeyChecking no, ssh connects past a changed host key and
     exits 0 after its "REMOTE HOST IDENTIFICATION HAS CHANGED" warning (OpenSSH sshconnect.c,
     check_host_key); that master is stopped (`-O exit`) and refused too (security review turn 3,
-    N3). Raises HostKeyRefused (a refused or changed host key), Unreachable, naming `what`."""
+    N3). Raises HostKeyRefused (a refused or changed host key), Unreachable, naming `what` (with
+    the fix _FIXES gives for OpenSSH's words)."""
     left = deadline - time.monotonic()
     with tempfile.TemporaryFile() as err:  # ssh -f keeps stderr open in the background: not a pipe
         try:
@@ -124,14 +141,16 @@ def open_master(argv: list[str], destination: str, deadline: float, what: str, c
         except subprocess.TimeoutExpired:
             raise Unreachable(f"{what}: no SSH session within the connect timeout ({connect_timeout:g} s)") from None
         err.seek(0)
-        msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").strip()
+        msg = err.read()[-_ERR_MAX:].decode("utf-8", "replace").replace("\r\n", "\n").strip()
     if any(t in msg for t in _HOST_KEY_TROUBLE):
         if r.returncode == 0:
             subprocess.run([*argv, "-O", "exit", "--", destination], stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=10)
+                           timeout=10, start_new_session=True)
         raise HostKeyRefused(f"OpenSSH refused the host key of {what}: {msg}")
     if r.returncode != 0:
-        raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): {msg}")
+        fix = next((f for words, f in _FIXES if words in msg), None)
+        raise Unreachable(f"cannot connect to {what} (ssh exit {r.returncode}): "
+                          + (f"{msg.rstrip('.')}: {fix}" if fix else msg))
 
 
 def users_master(path: str) -> str | None:
@@ -259,10 +278,13 @@ class OpenSSHConnection(Connection):
         args counts as accept-new, with a warning). Raises SshConfigError (exit 4: also an
         inventory that names where host keys are looked up), HostKeyRefused (ssh's host key
         verification failed), Unreachable."""
-        deadline = time.monotonic() + self.settings.connect_timeout
+        started = time.monotonic()
+        deadline = started + self.settings.connect_timeout
         h = self.host
         resolved = self._resolved = self.session.resolver.resolve_host(h, deadline)
         self._address = resolved.hostname
+        trace.log.info(trace.dialled(h.name, "ssh (OpenSSH)", resolved))
+        trace.log.info("%s: ssh -G %.3f s", h.name, time.monotonic() - started)
         self._first = ssh_options(resolved, self.settings.accept_new, h.name)
         self._user_cp = self._users_control_path(deadline)
         refused = users_master(self._user_cp)
@@ -285,18 +307,26 @@ class OpenSSHConnection(Connection):
                     open_master(ssh, hop.host, deadline, f"ProxyJump hop {hop}", self.settings.connect_timeout)
             finally:
                 lock.release()
-        open_master([*self._argv(), *self._keepalive_options()], h.address, deadline, self.address,
-                    self.settings.connect_timeout)
+        try:
+            open_master([*self._argv(), *self._keepalive_options()], h.address, deadline, self.address,
+                        self.settings.connect_timeout)
+        except Unreachable as e:  # a refused certificate on disk: say why (keyfiles.file_certificate_hint)
+            hint = keyfiles.file_certificate_hint(resolved) if "Permission denied" in str(e) else ""
+            if type(e) is not Unreachable or not hint:
+                raise
+            raise Unreachable(f"{e}; {hint}") from None
         self._master = True
         problem = self._check(self._argv("--", h.address), deadline)
         if problem is not None:
             raise Unreachable(f"the SSH master to {self.address} is not running: {problem}")
+        trace.log.info("%s: connected (OpenSSH master) in %.3f s", h.name, time.monotonic() - started)
 
     def _users_control_path(self, deadline: float) -> str:
         """The ControlPath of the user's own configuration for this host, expanded (`ssh -G`
         with _user_argv's options; "none" when it sets none)."""
         r = subprocess.run([*self._user_argv("-G", "--", self.host.address)], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()))
+                           capture_output=True, text=True, timeout=max(1.0, deadline - time.monotonic()),
+                           start_new_session=True)
         found = [line.split(None, 1)[1] for line in r.stdout.splitlines() if line.startswith("controlpath ")]
         return found[0].strip() if r.returncode == 0 and found else "none"
 
@@ -305,7 +335,7 @@ class OpenSSHConnection(Connection):
         """None if the master `argv` (an ssh command line ending in its destination) names is
         running (`ssh -O check`), else ssh's message."""
         r = subprocess.run([*argv[:-2], "-O", "check", *argv[-2:]], stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=max(1.0, deadline - time.monotonic()))
+                           timeout=max(1.0, deadline - time.monotonic()), start_new_session=True)
         return None if r.returncode == 0 else r.stderr[-_ERR_MAX:].decode("utf-8", "replace").strip()
 
     def _start(self, argv: list[str], timeout: float) -> Process:
@@ -323,4 +353,4 @@ class OpenSSHConnection(Connection):
         if self._master:
             self._master = False
             subprocess.run(self._argv("-O", "exit", "--", self.host.address), stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=10)
+                           capture_output=True, timeout=10, start_new_session=True)

@@ -8,30 +8,26 @@ StrictHostKeyChecking no/off in the config or the inventory's args, with a warni
 StrictHostKeyChecking=accept-new), a changed key is always refused with both fingerprints, a
 revoked key is refused, and a host covered only by a `@cert-authority` line, or pinned to a key
 of a type paramiko cannot read (sk-*, ssh-dss), is refused with the reason, `--accept-new` or
-not. Auth uses only what `ssh -G` resolved: its
-identity files (`look_for_keys` off) and the agent at IdentityAgent.
+not. Auth uses only what `ssh -G` resolved, as OpenSSH's client uses it (paramiko_auth.py):
+its identity files and certificates (`look_for_keys` off) and the agent at IdentityAgent.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import logging
-import socket
 import threading
 import time
 from pathlib import Path
 
 from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
-from paramiko.auth_strategy import AuthStrategy, InMemoryPrivateKey, OnDiskPrivateKey  # noqa: E402
 
-from . import command, knownhosts
+from . import knownhosts, proxycmd
 from .base import Settings
 from .errors import HostKeyRefused, Unreachable
 from .hostkey_policy import accept_new
+from .paramiko_auth import OpenSSHAuth
 from .resolve import Resolved
-
-log = logging.getLogger("fleetctl")
 
 _ACCEPT_LOCK = threading.Lock()
 
@@ -89,61 +85,19 @@ def verifying_client(r: Resolved, settings: Settings, what: str | None = None) -
     return client
 
 
-class _AgentAt(paramiko.agent.AgentSSH):
-    """The SSH agent listening on the unix socket `path` (IdentityAgent), asked within `timeout`
-    seconds. Raises OSError when it cannot be reached."""
-
-    def __init__(self, path: str, timeout: float):
-        super().__init__()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        sock.connect(path)
-        self._connect(sock)
-
-
-class _OpenSSHAuth(AuthStrategy):
-    """Public keys as OpenSSH offers them (ssh_config(5), IdentityFile, IdentitiesOnly): the agent's
-    keys (only those matching an identity file with IdentitiesOnly), then the identity files the
-    agent does not hold. A file that cannot be loaded (passphrase, unknown type) is skipped with a
-    warning, as BatchMode ssh does."""
-
-    def __init__(self, r: Resolved, timeout: float):
-        super().__init__(ssh_config=None)
-        self.r = r
-        files = []
-        for path in r.identity_files:
-            try:
-                files.append((path, paramiko.PKey.from_path(path)))
-            except (paramiko.SSHException, OSError, ValueError) as e:
-                log.warning("fleetctl: %s: identity file %s skipped (%s)", r.name, path, e)
-        agent_keys = []
-        if r.identity_agent:
-            try:
-                agent_keys = list(_AgentAt(r.identity_agent, timeout).get_keys())
-            except (OSError, paramiko.SSHException) as e:
-                log.warning("fleetctl: %s: agent %s not used (%s)", r.name, r.identity_agent, e)
-        file_blobs = {k.asbytes() for _, k in files}
-        if r.identities_only:
-            agent_keys = [k for k in agent_keys if k.asbytes() in file_blobs]
-        agent_blobs = {k.asbytes() for k in agent_keys}
-        self.sources = [InMemoryPrivateKey(r.user, k) for k in agent_keys] + [
-            OnDiskPrivateKey(r.user, "ssh-config", str(p), k) for p, k in files if k.asbytes() not in agent_blobs]
-
-    def get_sources(self):
-        yield from self.sources
-
-
 def dial(client: paramiko.SSHClient, r: Resolved, sock, deadline: float) -> None:
-    """Connect `client` to `r` (over `sock`, or dialling itself), authenticate, by `deadline`."""
+    """Connect `client` to `r` (over `sock`, or dialling itself), authenticate (paramiko_auth:
+    Unreachable naming the keys refused), by `deadline`."""
     left = max(0.1, deadline - time.monotonic())
     tcp = left if r.connect_timeout is None else min(left, r.connect_timeout)
     client.connect(r.hostname, r.port, r.user, sock=sock, timeout=tcp, banner_timeout=left, auth_timeout=left,
-                   channel_timeout=left, auth_strategy=_OpenSSHAuth(r, left))
+                   channel_timeout=left, auth_strategy=OpenSSHAuth(r, left))
 
 
-def proxy_command(r: Resolved):
-    """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell)."""
-    return paramiko.ProxyCommand(command.shell_line(["sh", "-c", r.proxy_command]))
+def proxy_command(r: Resolved) -> proxycmd.ProxyCommand:
+    """A socket-like ProxyCommand for `r` (run by `sh -c`, as ssh runs it through the shell), in
+    a session of its own (proxycmd.py: the terminal's Ctrl-C reaches fleetctl only)."""
+    return proxycmd.ProxyCommand(["sh", "-c", r.proxy_command])
 
 
 class _Jump:

@@ -61,12 +61,13 @@ _DEFAULTS = {
 # which Debian's /etc/ssh/ssh_config turns on; HostbasedAuthentication) are not among them:
 # paramiko offers only the public keys.
 UNSUPPORTED_BY_PARAMIKO = {
-    "certificatefile": None, "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
+    "pkcs11provider": "none", "localforward": None, "remoteforward": None, "dynamicforward": None,
     "remotecommand": None, "forwardagent": "no", "forwardx11": "no", "tunnel": "false",
     "permitlocalcommand": "no", "proxyusefdpass": "no", "knownhostscommand": None, "revokedhostkeys": None,
     "verifyhostkeydns": "false", "bindaddress": None, "bindinterface": None, "sessiontype": "default",
 }
 _TOKEN = re.compile(r"%(.?)", re.DOTALL)
+_EXPANSION = re.compile(r"%(.?)|\$\{([^}]*)\}", re.DOTALL)  # a token, or ${VAR}
 # The tokens expand() knows (ssh_config(5), TOKENS), and the keywords whose values take them.
 EXPANDED_TOKENS = "%CdhijkLlnpru"
 _TOKEN_KEYWORDS = ("identityfile", "certificatefile", "userknownhostsfile", "identityagent", "controlpath")
@@ -108,6 +109,8 @@ class Resolved:
     UserKnownHostsFile entries ([] for `none`), then global_known_hosts (read-only pins).
     connect_timeout: seconds or None. server_alive_interval (seconds, 0: not set) /
     server_alive_count_max. options: everything `ssh -G` printed (lower-case keyword -> values).
+    missing_identity_files: the identity files named (by the inventory or ssh_config, not
+    OpenSSH's defaults) that do not exist, expanded, in ssh's order.
     """
 
     name: str
@@ -130,6 +133,7 @@ class Resolved:
     server_alive_count_max: int
     options: dict[str, list[str]] = field(repr=False, compare=False)
     hops: tuple["Resolved", ...] = ()
+    missing_identity_files: tuple[Path, ...] = ()
 
     @property
     def host_key_name(self) -> str:
@@ -149,8 +153,7 @@ class Resolved:
         """The options set here that the paramiko connection cannot honour, as `Keyword value`."""
         out = []
         for key, off in UNSUPPORTED_BY_PARAMIKO.items():
-            values = self.certificate_files if key == "certificatefile" else self.options.get(key, [])
-            out += [f"{key} {v}" for v in values if off is None or str(v).lower() != off]
+            out += [f"{key} {v}" for v in self.options.get(key, []) if off is None or str(v).lower() != off]
         return out
 
 
@@ -322,14 +325,21 @@ def _tokens(name: str, options: dict[str, list[str]]) -> dict[str, str]:
 
 
 def expand(value: str, tokens: dict[str, str], what: str) -> str:
-    """`value` with %-tokens replaced and a leading `~` / `~user` expanded (passwd database, as
-    ssh's tilde_expand). Raises SshConfigError naming `what` for a token OpenSSH does not define."""
+    """`value` with %-tokens and `${VAR}` environment variables replaced (one pass, as OpenSSH's
+    percent_dollar_expand; ssh_config(5), ENVIRONMENT VARIABLES: `ssh -G` prints IdentityFile
+    and CertificateFile with them unexpanded) and a leading `~` / `~user`
+    expanded (passwd database, as ssh's tilde_expand). Raises SshConfigError naming `what` for a
+    token OpenSSH does not define or a variable with no value."""
     def one(m: re.Match) -> str:
+        if m[2] is not None:
+            if m[2] not in os.environ:
+                raise SshConfigError(f"{what}: {value!r}: environment variable ${{{m[2]}}} has no value")
+            return os.environ[m[2]]
         if m[1] not in tokens:
             raise SshConfigError(f"{what}: {value!r}: unknown token %{m[1]}")
         return tokens[m[1]]
 
-    value = _TOKEN.sub(one, value)
+    value = _EXPANSION.sub(one, value)
     if value.startswith("~"):
         head, sep, tail = value[1:].partition("/")
         try:
@@ -354,6 +364,11 @@ def resolved_from(name: str, options: dict[str, list[str]], what: str) -> Resolv
         value = first.get(key, "none")
         return () if value.lower() == "none" else tuple(Path(expand(v, tok, f"{what}: {key}")) for v in value.split())
 
+    defaults = {Path(os.path.expanduser(p)) for p in DEFAULT_IDENTITY_FILES} | {
+        Path(expand(p, tok, what)) for p in DEFAULT_IDENTITY_FILES}
+    named = [Path(expand(v, tok, f"{what}: identityfile")) for v in options.get("identityfile", [])
+             if v.lower() != "none"]
+    missing = tuple(p for p in named if not p.is_file() and p not in defaults)
     agent = first.get("identityagent", "SSH_AUTH_SOCK")
     if agent.lower() == "none":
         agent = None
@@ -381,7 +396,7 @@ def resolved_from(name: str, options: dict[str, list[str]], what: str) -> Resolv
             connect_timeout=None if timeout.lower() == "none" else float(timeout),
             server_alive_interval=float(first.get("serveraliveinterval", "0")),
             server_alive_count_max=int(first.get("serveralivecountmax", "3")),
-            options=options)
+            options=options, missing_identity_files=missing)
     except (KeyError, ValueError) as e:
         raise SshConfigError(f"{what}: cannot read the resolved ssh_config ({type(e).__name__}: {e})") from None
 

@@ -14,7 +14,7 @@ from typing import TypedDict
 from . import containers
 from .. import probes
 from ..config import DEFAULT_SGLANG_PORT, PROBE_SLACK_S
-from ..connection import RemoteTimeout
+from ..connection import RemoteTimeout, command
 from ..errors import HostFailed, ProbeFailed
 from .context import HostContext, HostResult
 from ..vocab import HostStatus, InstallStatus
@@ -41,14 +41,16 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,
-                                         "cache_key": key, "inside": True,
+                                         "cache_key": key, "inside": True, "deadline_s": ctx.remaining(),
                                          "unprivileged_user": ctx.host.unprivileged_user})
         if inner.get("refused"):
             raise HostFailed(inner["refused"])
         mine = containers.adopt(inner, ctx)
         return {**inner, "installs": mine["installs"], "facts": {**inner["facts"], "servers": mine["servers"]}}
+    # deadline_s: the host tools the probe runs (nvidia-smi, systemctl, a runtime's inspect) end
+    # within the host's deadline, a stuck one named in the facts (probes/bounded.py)
     params = {"python": inventory_python(ctx), "scan": scan, "with_sources": with_sources, "cache_key": key,
-              "unprivileged_user": ctx.host.unprivileged_user}
+              "unprivileged_user": ctx.host.unprivileged_user, "deadline_s": ctx.remaining()}
     if records:
         params["records"] = f"{records}/{containers.RECORDS}"
     g = ctx.probe("facts.host", params)
@@ -87,12 +89,14 @@ def inventory_python(ctx: HostContext) -> str | None:
     absolute path, or the path the name resolves to on the host's PATH (probes.which: one more
     command, only for a name such as `/usr/bin/env python3`'s); the name itself when it resolves
     to nothing (the probe's start then fails the host, saying so). None: the inventory names none.
+    The lookup's reply is found after its marker (command.framed): a login shell's banner is not a path.
     Raises RemoteTimeout, Unreachable."""
     python, _ = ctx.host.interpreter or (None, ())
     if python is None or python.startswith("/"):
         return python
-    r = ctx.run(probes.which(python), what="the interpreter's lookup on PATH")
-    path = r.stdout.decode("utf-8", "replace").strip()
+    marker = command.reply_marker("which")
+    r = ctx.run(command.framed(probes.which(python), marker), what="the interpreter's lookup on PATH")
+    path = (command.reply(r.stdout, marker) or b"").decode("utf-8", "replace").strip()
     return path if r.ok and path.startswith("/") and "\n" not in path else python
 
 

@@ -1,5 +1,6 @@
 """Recording a host-touching command in the run history, in three calls from the CLI: `start` when
-the command starts (options.fleet_command), `results` when its `--json` document comes out
+the command is about to work on hosts (options.fleet_command arms it, FleetOptions.fleet begins
+it: a usage, pattern or inventory error before that is no run), `results` when its `--json` document comes out
 (cli.fleet._finish, the one place every command's results pass through) and `end` with the
 process's exit code (cli.main, every way out: results, errors, Ctrl-C, SIGTERM).
 
@@ -50,6 +51,7 @@ class _Recording:
 
 
 _current: list[_Recording] = []  # the run being recorded in this process (none or one)
+_armed: list[tuple[str, str | None]] = []  # the run to record once it begins (arm, begin)
 _secrets: set[str] = set()  # the secret values this process knows (secrets)
 
 
@@ -130,6 +132,24 @@ def start(command: str, path: str | None, argv: list[str] | None = None) -> None
         _warn(e)
         return
     _current.append(_Recording(store, rid, words))
+
+
+def arm(command: str, path: str | None) -> None:
+    """Say which run `begin` starts recording (`command`, the history at `path`): a command
+    arms its run when it starts, and begins it only once it is about to work on hosts, so that
+    usage, pattern and inventory errors before that are no runs in the history."""
+    _armed[:] = [(command, path)]
+
+
+def begin() -> None:
+    """Start recording the run `arm` named (start); nothing when none is armed."""
+    if _armed:
+        start(*_armed.pop())
+
+
+def current_run_id() -> str | None:
+    """The id of the run being recorded (None: none is, or its history could not be written)."""
+    return _current[0].run_id if _current else None
 
 
 def results(document: dict) -> None:

@@ -17,9 +17,10 @@ from yaml.nodes import MappingNode, ScalarNode
 
 from ..errors import InventoryError
 from . import sources, yamlfile
-from .model import Decrypt, Host, Inventory, LocatedVars, build, prechecked
+from .model import CommandLineVars, Decrypt, Host, Inventory, LocatedVars, build, prechecked
 
-__all__ = ["DEFAULT_PATH", "ENV_VAR", "Host", "Inventory", "is_yaml_inventory", "load", "resolve_path"]
+__all__ = ["DEFAULT_PATH", "ENV_VAR", "CommandLineVars", "Host", "Inventory", "is_host_list", "is_yaml_inventory",
+           "load", "load_host_list", "resolve_path"]
 
 ENV_VAR = "FLEETCTL_INVENTORY"
 DEFAULT_PATH = "hosts.yaml"
@@ -45,7 +46,40 @@ def resolve_path(cli_path: str | None = None) -> Path:
     return path
 
 
-def load(path: Path, decrypt: Decrypt = None) -> Inventory:
+def is_host_list(source: str) -> bool:
+    """Whether `-i source` is a host list: a comma in it, and no such path (Ansible's host_list
+    inventory plugin, verify_file: "not os.path.exists(host_list) and ',' in host_list";
+    `-i host1,` is a list of one host)."""
+    return "," in source and not os.path.exists(os.path.expanduser(source))
+
+
+def load_host_list(source: str, cli: CommandLineVars | None = None) -> Inventory:
+    """The Inventory of a host list (`-i 'gpu-01,10.0.0.5:2222,[fe80::1]:22,'`): each non-empty
+    item a host in `all` and `ungrouped`, named as written; `NAME:PORT` sets ansible_port (as
+    Ansible's host_list plugin parses it), `[IPV6]:PORT` too. `cli`: the command line's vars
+    (model.CommandLineVars). Raises InventoryError (exit 4) for an empty list or a bad port."""
+    merged: dict[str, LocatedVars] = {}
+    for item in (w.strip() for w in source.split(",")):
+        if not item:
+            continue
+        name, port = item, None
+        head, sep, tail = item.rpartition(":")
+        if sep and tail.isdigit() and (head.count(":") == 0 or head.startswith("[") and head.endswith("]")):
+            name, port = head.strip("[]"), tail
+        where = f"-i {source!r}: host {item}"
+        merged[name] = LocatedVars()
+        if port is not None:
+            try:
+                merged[name].set("ansible_port", prechecked("ansible_port", port), where)
+            except ValueError as e:
+                raise InventoryError(f"{where}: {e}") from None
+    if not merged:
+        raise InventoryError(f"-i {source!r}: a host list with no host in it")
+    names = tuple(merged)
+    return build(Path(source), merged, {"all": names, "ungrouped": names}, None, cli)
+
+
+def load(path: Path, decrypt: Decrypt = None, cli: CommandLineVars | None = None) -> Inventory:
     """Read an inventory source into an Inventory.
 
     Ansible's YAML inventory format is read by the YAML reader (yamlfile.load: the vars files
@@ -59,11 +93,12 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     Raises InventoryError (exit 4) "<file>[:<line>[:<col>]]: <what>" for a source that cannot be
     read or is bad (yamlfile.load lists the YAML reader's), and for a var fleetctl reads that
     cannot be templated, is not what fleetctl needs (a port number, a plain string, one of
-    config.CONNECTIONS) or is vault-encrypted while `decrypt` is None.
+    config.CONNECTIONS) or is vault-encrypted while `decrypt` is None. `cli`: the command
+    line's vars, under and over the source's (model.CommandLineVars).
     """
     path = Path(path)
     if is_yaml_inventory(path):
-        return yamlfile.load(path, decrypt)
+        return yamlfile.load(path, decrypt, cli)
     hosts, groups = sources.load_source(path, decrypt if isinstance(decrypt, sources.Vault) else None)
     merged = {}
     for host, values in hosts.items():
@@ -74,7 +109,7 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
                 merged[host].set(name, prechecked(name, value), where)
             except ValueError as e:
                 raise InventoryError(f"{where}: {e}") from None
-    return build(path, merged, groups, decrypt)
+    return build(path, merged, groups, decrypt, cli)
 
 
 def is_yaml_inventory(path: Path) -> bool:

@@ -287,6 +287,28 @@ class Inventory:
         return [self.hosts[name] for name in patterns.select(pattern, self.hosts, self.groups, self.path)]
 
 
+@dataclass(frozen=True)
+class CommandLineVars:
+    """Vars the command line sets on every host, where Ansible puts them (its docs, "Using
+    variables", Understanding variable precedence: "command line values (for example, -u
+    my_user, these are not variables)" come first, under every inventory var, and "extra vars
+    (for example, -e "user=my_user") (always win precedence)"): `below` under the inventory's
+    vars (-u as ansible_user, -b as ansible_become), `above` over all of them (-e). `where`:
+    what each var is reported as set at ("-e (command line)")."""
+
+    below: Mapping[str, Any] = field(default_factory=dict)
+    above: Mapping[str, Any] = field(default_factory=dict)
+    where: Mapping[str, str] = field(default_factory=dict)
+
+    def layered(self, own: "LocatedVars") -> "LocatedVars":
+        """A host's merged inventory vars `own` with `below` under them and `above` over them."""
+        merged = LocatedVars()
+        for layer in (self.below, own, self.above):
+            for name, value in layer.items():
+                merged.set(name, value, own.where[name] if layer is own else self.where.get(name, "the command line"))
+        return merged
+
+
 class LocatedVars(dict):
     """Vars, each with `where` it was set ("file:line"), merged layer over layer."""
 
@@ -304,15 +326,18 @@ class LocatedVars(dict):
 
 
 def build(path: Path, merged: dict[str, LocatedVars], groups: dict[str, tuple[str, ...]],
-          decrypt: Decrypt) -> Inventory:
+          decrypt: Decrypt, cli: CommandLineVars | None = None) -> Inventory:
     """The Inventory of `path` whose hosts have the vars `merged` (host -> vars in precedence
-    order, with file:line) and whose `groups` are Inventory.groups, the vars fleetctl reads
-    templated (templates.Templar), vault values among them decrypted by `decrypt`, and checked.
+    order, with file:line; the command line's `cli` vars under and over them) and whose `groups`
+    are Inventory.groups, the vars fleetctl reads templated (templates.Templar), vault values
+    among them decrypted by `decrypt`, and checked.
     Raises InventoryError naming the file:line of a value that cannot be rendered, is
     vault-encrypted while `decrypt` is None, or is not what fleetctl needs after rendering."""
     def no_secret(value: Vaulted, name: str, where: str) -> str:
         raise InventoryError(f"{where}: {name} is vault-encrypted and {NO_SECRET}")
 
+    if cli is not None:
+        merged = {host: cli.layered(own) for host, own in merged.items()}
     templar = Templar(merged, {h: v.where for h, v in merged.items()}, groups, decrypt or no_secret, path)
     hosts = {}
     for host, raw in merged.items():

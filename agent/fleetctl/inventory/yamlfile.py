@@ -25,7 +25,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ..errors import InventoryError
-from .model import NO_SECRET, Decrypt, Inventory, LocatedVars, build, prechecked
+from .model import NO_SECRET, CommandLineVars, Decrypt, Inventory, LocatedVars, build, prechecked
 from .templates import InEncryptedFile, Unsafe, Vaulted
 
 _NULL_TAG = "tag:yaml.org,2002:null"
@@ -55,7 +55,7 @@ Loader.add_constructor("!unsafe", lambda loader, node: Unsafe(loader.construct_s
 Loader.add_constructor("!vault", lambda loader, node: Vaulted(loader.construct_scalar(node)))
 
 
-def load(path: Path, decrypt: Decrypt = None) -> Inventory:
+def load(path: Path, decrypt: Decrypt = None, cli: CommandLineVars | None = None) -> Inventory:
     """The Inventory of the YAML inventory file `path`, vault values decrypted with `decrypt`
     (Vaulted, var name, "file:line" -> plain text; None: a vault value fleetctl reads is an error).
 
@@ -68,9 +68,9 @@ def load(path: Path, decrypt: Decrypt = None) -> Inventory:
     or `hosts` that is not a mapping, an unknown key in a group, a bad host range, a group
     cycle, ansible_port not a port number, a connection var that is not a string), and for a var
     fleetctl reads that cannot be templated (templates) or is vault-encrypted while `decrypt`
-    is None.
+    is None. `cli`: the command line's vars, under and over the file's (model.CommandLineVars).
     """
-    return _parsed(path, _Parser.parse, decrypt)
+    return _parsed(path, lambda parser: parser.parse(cli), decrypt)
 
 
 def _parsed(path: Path, use: Callable[[_Parser], Any], decrypt: Decrypt = None) -> Any:
@@ -216,7 +216,7 @@ class _Parser:
         where = f"{self.path}:{node.start_mark.line + 1}"
         return InEncryptedFile(where) if self.encrypted else where
 
-    def parse(self) -> Inventory:
+    def parse(self, cli: CommandLineVars | None = None) -> Inventory:
         root = self.yaml.get_single_node()
         if _is_null(root) or (isinstance(root, ScalarNode) and not root.value.strip()):
             raise InventoryError(f"{self.path}:1: empty inventory (expected a mapping such as 'all:')")
@@ -225,7 +225,7 @@ class _Parser:
         self.check_duplicates(root, set())
         for name, key, value in self.items(root):
             self.group(name, key, value, None)
-        return self.resolve()
+        return self.resolve(cli)
 
     def vars_file(self) -> LocatedVars:
         """The vars in a group_vars/ or host_vars/ file (an empty file has none)."""
@@ -344,7 +344,7 @@ class _Parser:
             out.set(name, data, self.at(value))
         return out
 
-    def resolve(self) -> Inventory:
+    def resolve(self, cli: CommandLineVars | None = None) -> Inventory:
         """Resolve children into ancestors and depths, place ungrouped hosts, merge vars."""
         parents: dict[str, list[str]] = {g: [] for g in self.children}
         for parent, kids in self.children.items():
@@ -387,7 +387,7 @@ class _Parser:
             merged.merge(own)
             merged.merge(host_files.get(host, LocatedVars()))
             merged_vars[host] = merged
-        return build(self.path, merged_vars, groups, self.decrypt)
+        return build(self.path, merged_vars, groups, self.decrypt, cli)
 
     def check_cycles(self):
         """Refuse a group that is its own ancestor, naming the line of the edge that closes the loop."""

@@ -14,6 +14,7 @@ import fnmatch
 import glob
 import hashlib
 import os
+import pwd
 import re
 import secrets
 import stat
@@ -41,6 +42,25 @@ _KINDS = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO
           (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
 
 
+# what a login without root should set to be root on the host (README "Become"; -K: the become password)
+BECOME_FIX = "set ansible_become: true for this host (and pass -K if sudo asks for a password)"
+
+
+def login_name(uid):
+    """The login name of `uid` (its passwd entry), else the number as text."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OSError):
+        return str(uid)
+
+
+def denied(path, why):
+    """The message for a permission this login (the effective uid) lacks on the host: "PATH:
+    permission denied to USER (uid N): WHY; BECOME_FIX"."""
+    uid = os.geteuid()
+    return "%s: permission denied to %s (uid %d): %s; %s" % (path, login_name(uid), uid, why, BECOME_FIX)
+
+
 def kind_of(mode):
     """"regular file", "symlink", "directory", "FIFO", "socket", "character device" or "block device"."""
     return next((name for test, name in _KINDS if test(mode)), "regular file")
@@ -51,7 +71,8 @@ def open_dir(path, create=None):
     a time with O_DIRECTORY|O_NOFOLLOW relative to the previous one, so nothing on the way can
     redirect it. `create`: the mode of missing components (created, chmod'ed to it whatever the
     umask, their parent fsynced); None: a missing one raises FileNotFoundError. Raises
-    UnsafePath when a component is a symlink or not a directory."""
+    UnsafePath when a component is a symlink or not a directory, PermissionError (its filename
+    the path up to the component this uid may not enter or create) when one is not this uid's."""
     parts = [] if path == "/" else path.split("/")[1:]
     if not path.startswith("/") or os.path.normpath(path) != path or "" in parts:
         raise UnsafePath("%s: not an absolute, normalised path" % path)
@@ -76,6 +97,9 @@ def open_dir(path, create=None):
             os.close(fd)
             fd = nfd
         return fd
+    except PermissionError as e:  # named by the whole path, not its last component
+        os.close(fd)
+        raise PermissionError(e.errno, e.strerror, done) from None
     except BaseException:
         os.close(fd)
         raise

@@ -1,9 +1,22 @@
-"""The inspect JSON document: one object per host, the shape `--json` prints and scripts read.
+"""The `--json` documents: the envelope every one carries, and inspect's host entries (the shape
+scripts read).
 """
 
 from __future__ import annotations
 
 from ..engine.context import HostResult
+
+# The version of the `--json` documents' shape: raised when a key is removed or changes meaning
+# (added keys keep it).
+SCHEMA_VERSION = 1
+
+
+def envelope(doc: dict, exit_code: int, run_id: str | None) -> dict:
+    """`doc` (a command's `--json` document) with the keys every one carries first:
+    schema_version (SCHEMA_VERSION), run_id (the run's id in the history, as `history show`
+    takes it; None for a command or run not recorded: --no-history, an unusable history, a
+    command that is no run) and exit_code (the command's exit status for these results)."""
+    return {"schema_version": SCHEMA_VERSION, "run_id": run_id, "exit_code": exit_code, **doc}
 
 
 def inspect_document(results: list[HostResult]) -> dict:

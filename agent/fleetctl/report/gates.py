@@ -7,28 +7,27 @@ so a change is judged by what it is for.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from ..engine.context import HostResult
-from .text import STATUS_STYLE, gate_status, tolerant, table, text
+from .text import STATUS_STYLE, gate_status, grid, table, text, tolerant
 
 
 def render_validate(results: list[HostResult], console: Console) -> None:
     """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s; a row per
     refused target (data["refused"]: a process that claimed a server's port it does not hold,
     which was sent nothing)."""
-    t = Table(title="fleetctl validate", title_justify="left")
-    for c in ("host", "status", "server", "health wait", "tokens", "median latency", "tokens/s", "detail"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for r in results:
         servers = (r.data or {}).get("servers") or [None]
         for s in servers:
             status = text(r.status, style=STATUS_STYLE.get(r.status))
             if s is None:
-                t.add_row(text(r.host), status, "", "", "", "", "", text(r.error))
+                rows.append([text(r.host), status, *map(text, ["", "", "", "", "", r.error])])
                 continue
 
             def cells(s=s):
@@ -36,23 +35,35 @@ def render_validate(results: list[HostResult], console: Console) -> None:
                 only = f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""
                 return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
                         f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
-                        " ".join(map(str, s.get("output_ids") or [])),
+                        tokens(s.get("output_ids")),
                         f"{lat * 1000:.1f} ms" if lat else "",
                         f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
                         "; ".join(x for x in (only, s.get("error")) if x)]
 
-            t.add_row(text(r.host), status, *map(text, tolerant(cells, 6)))
+            rows.append([text(r.host), status, *map(text, tolerant(cells, 6))])
         for f in (r.data or {}).get("refused") or []:  # not smoke-tested, nothing sent (review N6)
-            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
-                      *map(text, tolerant(lambda f=f: [f"refused: pid {f.get('pid')} {f.get('host')}:{f.get('port')}",
-                                                        "", "", "", "", f.get("reason") or ""], 6)))
+            rows.append([text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
+                         *map(text, tolerant(lambda f=f: [
+                             f"refused: pid {f.get('pid')} {f.get('host')}:{f.get('port')}", "", "", "", "",
+                             f.get("reason") or ""], 6))])
         off = (r.data or {}).get("offline")
         if off:
-            t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
-                      *map(text, tolerant(lambda off=off: [
-                          f"offline: {off['cmd']}", "", "", f"{off['duration_s']:.1f}s", "",
-                          " | ".join(map(str, off["tail"][-2:]))], 6)))
-    console.print(t)
+            rows.append([text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
+                         *map(text, tolerant(lambda off=off: [
+                             f"offline: {off['cmd']}", "", "", f"{off['duration_s']:.1f}s", "",
+                             " | ".join(map(str, off["tail"][-2:]))], 6))])
+    grid("fleetctl validate", ["host", "status", "server", "health wait", "tokens", "median latency", "tokens/s",
+                               "detail"], rows, console)
+
+
+def tokens(ids: Any) -> str:
+    """The smoke decode's token ids as the validate table shows them: how many, and a short
+    fingerprint to compare hosts by (the first 12 hex digits of the sha256 of their list), not
+    the raw ids (`--json` has them: output_ids)."""
+    if not ids:
+        return ""
+    digest = hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:12]
+    return f"{len(ids)} ({digest})"
 
 
 def _num(v: Any, unit: str = "") -> str:

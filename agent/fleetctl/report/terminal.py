@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections import Counter
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from ..engine.context import HostResult
 from ..engine.kernels.dispatch import describe
 from ..probes import redact
 from ..vocab import PROBLEM_STATUSES, ChangeState, HostStatus
-from .text import STATUS_STYLE, tolerant, coalesce, gate_status, host_list, table, text, visible
+from .text import STATUS_STYLE, coalesce, gate_status, grid, host_list, table, text, tolerant, visible
 
 
 def _install_line(i: dict) -> str:
@@ -55,6 +54,33 @@ def server_line(s: dict) -> str:
             + (" (stand-in)" if s.get("kind") == "stand-in" else ""))
 
 
+def unreadable_line(u: dict) -> str:
+    """A process of a host's facts that looks like a server but whose /proc entries this login
+    may not read (facts.servers_unreadable: procs.unreadable_servers): "pid N (USER's) :PORT:
+    REASON"."""
+    return f"pid {u.get('pid')} ({u.get('user')}'s) :{u.get('port')}: {u.get('reason')}"
+
+
+# the inspect summary's columns without --details: what a host runs, not where its files are
+COMPACT = ("sglang", "torch", "gpus", "servers", "allocator")
+
+
+def _compact(s: dict) -> dict:
+    """The summary's compact cells: installs folded into sglang when there is more than one or one
+    was not inspected, call sites and need_sort origins in one "allocator" cell."""
+    if "sglang" not in s:  # malformed data: its one cell says so
+        return {"sglang": s.get("python", "")}
+    installs = s.get("installs", "").split("\n")
+    more = [i for i in installs if i.startswith("NOT INSPECTED")]
+    count = len(installs) - len(more)
+    sglang = s.get("sglang", "") + (f"\n{count} installs (--details)" if count > 1 else "")
+    count, _, passing = s.get("call sites", "").partition(" ")
+    alloc = f"{count} call sites {passing}".strip() + (f"\nneed_sort {s['need_sort origins']}"
+                                                       if s.get("need_sort origins", "-") != "-" else "")
+    return {**{k: s[k] for k in COMPACT if k in s}, "sglang": "\n".join([sglang] + more),
+            **({"allocator": alloc} if "call sites" in s else {})}
+
+
 def _summary(data: dict) -> dict:
     try:
         return _summary_of(data)
@@ -83,7 +109,8 @@ def _summary_of(data: dict) -> dict:
         "torch": (f"{torch['version'] or 'unknown: ' + str(torch.get('reason'))} / CUDA {torch['cuda'] or 'none'}"
                   + _warned(torch)) if torch else "none",
         "gpus": _gpus(f),
-        "servers": "\n".join(server_line(s) for s in f.get("servers", [])) or "none",
+        "servers": "\n".join([server_line(s) for s in f.get("servers", [])]
+                              + [unreadable_line(u) for u in f.get("servers_unreadable") or []]) or "none",
         "call sites": f"{len(sites)}" + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(passing.items())) + ")"
                                          if sites else ""),
         "need_sort origins": (f"{len(origins)}: {len(computed)} computed, {len(origins) - len(computed)} literal"
@@ -91,24 +118,22 @@ def _summary_of(data: dict) -> dict:
     }
 
 
-def render_inspect(results: list[HostResult], console: Console) -> None:
-    """Print the inspect report: a summary table (identical hosts coalesced, differing columns
-    highlighted), then each distinct set of call sites and origins in full, then failures."""
+def render_inspect(results: list[HostResult], console: Console, details: bool = False) -> None:
+    """Print the inspect report: a summary (identical hosts coalesced, differing columns
+    highlighted; without `details` its compact columns, COMPACT), with `details` each distinct set
+    of call sites and origins in full, then the allocator replay and failures."""
     good = [r for r in results if r.status == HostStatus.OK]
-    groups = coalesce((r.host, _summary(r.data)) for r in good)
+    groups = [(hosts, s if details else _compact(s))
+              for hosts, s in coalesce((r.host, _summary(r.data)) for r in good)]
     if groups:
         cols = list(max((g[1] for g in groups), key=len).keys())
         differs = {c for c in cols if len({str(g[1].get(c, "")) for g in groups}) > 1}
-        t = Table(title="fleetctl inspect", show_lines=True)
-        t.add_column("hosts", style="bold")
-        for c in cols:
-            t.add_column(c, style="yellow" if c in differs else None, overflow="fold")
-        for hosts, s in groups:
-            t.add_row(text(host_list(hosts)), *[text(s.get(c, "")) for c in cols])
-        console.print(t)
+        grid("fleetctl inspect", ["hosts"] + cols,
+             [[text(host_list(hosts), style="bold")] + [text(s.get(c, "")) for c in cols] for hosts, s in groups],
+             console, show_lines=True, column_style={c: "yellow" for c in differs})
     findings = coalesce((r.host, {"sites": r.data.get("allocator_call_sites", []),
                                   "origins": r.data.get("need_sort_origins", [])}) for r in good)
-    for hosts, f in findings:
+    for hosts, f in findings if details else ():
         if not f["sites"] and not f["origins"]:
             continue
         try:
@@ -168,26 +193,21 @@ def render_allocator_replay(results: list[HostResult], console: Console) -> None
 
 
 def _render_findings(hosts: list[str], sites: list[dict], origins: list[dict], console: Console) -> None:
-    t = Table(title=text(f"allocator call sites — {host_list(hosts)}"), title_justify="left")
-    for c in ("file:line", "callee", "need_sort", "expr"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for s in sites:
         ns = s["need_sort"]
         callee = s["callee"] + (" (alias)" if s.get("aliased") else "")
         style = {"absent": "dim", "default": "dim"}.get(ns["passing"])
-        t.add_row(text(f"{s['file']}:{s['line']}-{s['end_line']}"), text(callee), text(ns["passing"], style=style),
-                  text(ns.get("expr")))
-    console.print(t)
+        rows.append([text(f"{s['file']}:{s['line']}-{s['end_line']}"), text(callee), text(ns["passing"], style=style),
+                     text(ns.get("expr"))])
+    grid(f"allocator call sites — {host_list(hosts)}", ["file:line", "callee", "need_sort", "expr"], rows, console)
     if not origins:
         console.print(Text("no need_sort origins: this release has no need_sort", style="cyan"))
         return
-    t = Table(title=text(f"need_sort origins — {host_list(hosts)}"), title_justify="left")
-    for c in ("file:line", "kind", "callee", "expr", "literal"):
-        t.add_column(c, overflow="fold")
-    for o in origins:
-        t.add_row(text(f"{o['file']}:{o['line']}"), text(o["kind"]), text(o.get("callee")),
-                  text(o["expr"], style="dim" if o["literal"] else "bold"), "yes" if o["literal"] else "no")
-    console.print(t)
+    grid(f"need_sort origins — {host_list(hosts)}", ["file:line", "kind", "callee", "expr", "literal"],
+         [[text(f"{o['file']}:{o['line']}"), text(o["kind"]), text(o.get("callee")),
+           text(o["expr"], style="dim" if o["literal"] else "bold"), text("yes" if o["literal"] else "no")]
+          for o in origins], console)
 
 
 def render_problems(results: list[HostResult], console: Console) -> None:
@@ -195,13 +215,9 @@ def render_problems(results: list[HostResult], console: Console) -> None:
     bad = [(r.host, (r.status, r.error or "")) for r in results if r.status in PROBLEM_STATUSES]
     if not bad:
         return
-    t = Table(title="problems", title_justify="left", show_lines=True)
-    t.add_column("hosts", style="bold")
-    t.add_column("status")
-    t.add_column("error", overflow="fold")
-    for hosts, (status, err) in coalesce(bad):
-        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(err))
-    console.print(t)
+    grid("problems", ["hosts", "status", "error"],
+         [[text(host_list(hosts), style="bold"), text(status, style=STATUS_STYLE.get(status)), text(err)]
+          for hosts, (status, err) in coalesce(bad)], console, show_lines=True)
 
 
 def render_lasts(results: list[HostResult], console: Console) -> None:
@@ -228,9 +244,7 @@ def render_status_line(results: list[HostResult], console: Console) -> None:
 
 def render_rollback(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of a rollback: which change, how many files or links were restored."""
-    t = Table(title="rollback", title_justify="left")
-    for c in ("host", "status", "change", "detail"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for r in results:
         d = r.data or {}
 
@@ -249,17 +263,15 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
             forced = f"; forced over {', '.join(map(str, d['forced']))}" if d.get("forced") else ""
             return f"restored {len(d.get('files') or [])} file(s)/link(s) byte-identical{forced}"
 
-        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), text(d.get("change_id")),
-                  *map(text, tolerant(lambda detail=detail: [detail()], 1)))
-    console.print(t)
+        rows.append([text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), text(d.get("change_id")),
+                     *map(text, tolerant(lambda detail=detail: [detail()], 1))])
+    grid("rollback", ["host", "status", "change", "detail"], rows, console)
 
 
 def render_recover(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of `fleetctl recover`: each pending change undone and what happened to
     each of its files."""
-    t = Table(title="recover", title_justify="left")
-    for c in ("host", "status", "change", "files"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for r in results:
         d = r.data or {}
 
@@ -269,8 +281,8 @@ def render_recover(results: list[HostResult], console: Console) -> None:
             files = "\n".join(f"{f['path']}: {f['action']}" for c in done for f in c.get("files") or [])
             return [changes, files or r.error or ""]
 
-        t.add_row(text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, tolerant(cells, 2)))
-    console.print(t)
+        rows.append([text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)), *map(text, tolerant(cells, 2))])
+    grid("recover", ["host", "status", "change", "files"], rows, console)
 
 
 def render_apply(results: list[HostResult], console: Console, diff: bool, check: bool,
@@ -282,9 +294,6 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
         for hosts, diff_text in diffs:
             console.rule(text(f"diff — {host_list(hosts)}"))
             console.print(text(diff_text), highlight=False, soft_wrap=True)
-    t = Table(title=title or ("check mode: nothing was changed" if check else "apply"), title_justify="left")
-    for c in ("hosts", "status", "edits", "left alone", "validation", "detail"):
-        t.add_column(c, overflow="fold")
     rows = []
     for r in results:
         plan = r.data.get("plan") or {}
@@ -293,10 +302,10 @@ def render_apply(results: list[HostResult], console: Console, diff: bool, check:
                + (f"; gate: {v['gate']}" if v.get("gate") else ""))
         rows.append((r.host, (r.status, len(plan.get("edits", [])), len(plan.get("left_alone", [])),
                               val, r.error or r.data.get("skipped_reason") or r.data.get("commit_note") or "")))
-    for hosts, (status, edits, left, val, detail) in coalesce(rows):
-        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), str(edits), str(left),
-                  text(val), text(detail))
-    console.print(t)
+    grid(title or ("check mode: nothing was changed" if check else "apply"),
+         ["hosts", "status", "edits", "left alone", "validation", "detail"],
+         [[text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(edits), text(left), text(val),
+           text(detail)] for hosts, (status, edits, left, val, detail) in coalesce(rows)], console)
 
 
 def render_handlers(results: list[HostResult], console: Console) -> None:
@@ -335,14 +344,12 @@ def _kernels(d: dict) -> str:
 
 def render_status(results: list[HostResult], console: Console) -> None:
     """Applied changes and drift per host."""
-    t = Table(title="fleetctl status", title_justify="left", show_lines=True)
-    for c in ("host", "sglang", "applied changes", "kernels", "drift", "modified outside fleetctl", "space used"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for r in results:
         d = r.data or {}
         if "changes" not in d:  # unreachable or failed before the ledger was read: nothing is known
             unknown = text(f"unknown ({r.status})", style=STATUS_STYLE.get(r.status))
-            t.add_row(text(r.host), unknown, unknown, unknown, unknown, unknown, unknown)
+            rows.append([text(r.host), unknown] + [text("")] * 5)
             continue
 
         def cells(d=d):
@@ -355,8 +362,9 @@ def render_status(results: list[HostResult], console: Console) -> None:
                     "\n".join(str(m["path"]) for m in d.get("modified") or []) or "none",
                     _space(d.get("space"))]
 
-        t.add_row(text(r.host), *map(text, tolerant(cells, 6)))
-    console.print(t)
+        rows.append([text(r.host), *map(text, tolerant(cells, 6))])
+    grid("fleetctl status", ["host", "sglang", "applied changes", "kernels", "drift", "modified outside fleetctl",
+                             "space used"], rows, console, show_lines=True)
     render_problems(results, console)
 
 
@@ -364,9 +372,6 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
     """Per-host outcome of a kernel deploy: backend/arch, build key, built or reused, the active
     build (check mode: would build or reuse, the build active now, and why that backend), what its
     dispatch table routes (check mode: the table it would write), validation."""
-    t = Table(title="deploy kernel", title_justify="left")
-    for c in ("hosts", "status", "backend", "build", "active", "dispatch", "validation", "detail"):
-        t.add_column(c, overflow="fold")
     rows = []
     for r in results:
         d = r.data or {}
@@ -384,10 +389,10 @@ def render_deploy(results: list[HostResult], console: Console) -> None:
         rows.append((r.host, (r.status, f"{d.get('backend') or ''} {d.get('arch') or ''}".strip(), built, active,
                               routes, gate_status(d.get("validation") or {}),
                               r.error or d.get("commit_note") or (d.get("why") if d.get("check") else "") or "")))
-    for hosts, (status, backend, built, active, routes, val, detail) in coalesce(rows):
-        t.add_row(text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
-                  text(active), text(routes), text(val), text(detail))
-    console.print(t)
+    grid("deploy kernel", ["hosts", "status", "backend", "build", "active", "dispatch", "validation", "detail"],
+         [[text(host_list(hosts)), text(status, style=STATUS_STYLE.get(status)), text(backend), text(built),
+           text(active), text(routes), text(val), text(detail)]
+          for hosts, (status, backend, built, active, routes, val, detail) in coalesce(rows)], console)
 
 
 def render_hosts(docs: list[dict], console: Console) -> None:
@@ -395,15 +400,14 @@ def render_hosts(docs: list[dict], console: Console) -> None:
     user, identity files, jump chain, host key name), then each host's known_hosts lines that
     apply, then the hosts whose resolution was refused. Every value is printed as text (no Rich
     markup is read from it)."""
-    t = Table(title="fleetctl hosts", show_lines=True)
-    for c in ("host", "connection", "address", "port", "user", "identity files", "jump", "host key name"):
-        t.add_column(c, overflow="fold")
+    rows = []
     for d in (d for d in docs if not d["error"]):
         jump = " -> ".join(d["jump"]) or (f"ProxyCommand {d['proxy_command']}" if d["proxy_command"] else "direct")
-        t.add_row(*(Text(str(v if v is not None else "")) for v in (
+        rows.append([Text(str(v if v is not None else "")) for v in (
             d["host"], d["connection"], d["address"], d["port"], d["user"], "\n".join(d["identity_files"]), jump,
-            d["host_key_name"])))
-    console.print(t)
+            d["host_key_name"])])
+    grid("fleetctl hosts", ["host", "connection", "address", "port", "user", "identity files", "jump",
+                            "host key name"], rows, console, show_lines=True)
     for d in (d for d in docs if not d["error"] and d["connection"] != "local"):
         console.print(Text(f"{d['host']}: known_hosts {' '.join(d['known_hosts']) or 'none'}", style="bold"))
         for line in d["known_hosts_lines"] or ["(no line applies: the host key is unknown)"]:

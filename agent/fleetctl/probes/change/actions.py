@@ -566,6 +566,17 @@ def compile_check(params, state_dir):
     return {"ok": True, "problems": problems}
 
 
+def permission_error(e, state_dir):
+    """The error text for a PermissionError `e` of an action (safefs.denied): its path, this login,
+    and why; the state dir (or a directory on its way: safefs.open_dir names it) is root's."""
+    path = e.filename or "?"
+    if path == state_dir or state_dir.startswith(str(path).rstrip("/") + "/"):
+        why = "fleetctl keeps its ledger and backups in %s, which only root may make and write" % state_dir
+    else:
+        why = "this login may not %s it" % ("read or write" if os.path.exists(path) else "create")
+    return safefs.denied(path, why)
+
+
 ACTIONS = {"apply": apply, "commit": commit, "rollback": rollback, "forget": forget, "recover": recover,
            "status": status, "compile": compile_check}
 
@@ -579,9 +590,12 @@ def main(params):
     fn = ACTIONS.get(params.get("action"))
     if fn is None:
         return {"ok": False, "error": "unknown action %r" % params.get("action")}
+    state_dir = os.path.abspath(params.get("state_dir") or ledger.STATE_DIR)
     try:
-        return fn(params, os.path.abspath(params.get("state_dir") or ledger.STATE_DIR))
+        return fn(params, state_dir)
     except safefs.Refused as e:
         return {"ok": False, "error": str(e), "refused": True}
+    except PermissionError as e:  # a login without root: which path, who, and the fix
+        return {"ok": False, "error": permission_error(e, state_dir)}
     except Exception as e:  # an unexpected host error (disk full, permissions): report, do not crash
         return {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}

@@ -90,6 +90,9 @@ def _state_fd(state_dir, create):
     st = os.fstat(fd)
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         os.close(fd)
+        if st.st_uid == 0 and os.geteuid() != 0:  # root's, as it should be: this login is not root
+            raise safefs.Refused(safefs.denied(state_dir, "fleetctl's state dir is root's (mode %o): only root "
+                                               "may use it" % stat.S_IMODE(st.st_mode)))
         raise safefs.Refused("state dir %s is owned by uid %d with mode %o: only its owner (uid %d) may "
                              "write it, or its ledger cannot be trusted"
                              % (state_dir, st.st_uid, stat.S_IMODE(st.st_mode), os.geteuid()))

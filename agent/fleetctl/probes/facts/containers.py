@@ -28,10 +28,9 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 
 from . import procs
-from .. import enter
+from .. import bounded, enter
 
 # cgroup path pattern -> runtime (the first that matches wins)
 _SCOPES = [
@@ -170,15 +169,15 @@ def inspect(cli, container_id):
     """{name, image, image_id, pid} of a container as its runtime's CLI `cli` reports it (podman
     and docker `inspect`: Name, ImageName/Config.Image, Image, State.Pid; crictl `inspect`:
     status.metadata.name, status.image.image, status.imageRef, info.pid); {} when the CLI is
-    absent, fails or says something else."""
+    absent, fails, says something else or does not answer within INSPECT_TIMEOUT_S (bounded.run:
+    a stuck one is left behind)."""
     path = shutil.which(cli)
     if not path or not container_id:
         return {}
     try:
-        r = subprocess.run([path, "inspect", container_id], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                           timeout=INSPECT_TIMEOUT_S)
-        doc = json.loads(r.stdout[:1 << 22].decode("utf-8", "replace")) if r.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+        r = bounded.run([path, "inspect", container_id], INSPECT_TIMEOUT_S)
+        doc = json.loads(r.stdout[:1 << 22]) if r.returncode == 0 else None
+    except (OSError, ValueError):
         return {}
     if isinstance(doc, list) and doc and isinstance(doc[0], dict):
         d = doc[0]

@@ -27,7 +27,7 @@ import sys
 import time
 
 from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
-from .. import runas, trust
+from .. import bounded, runas, trust
 
 COMMON_PYTHONS = [
     "/opt/*/venv/bin/python", "/opt/*/.venv/bin/python", "/opt/venv/bin/python",
@@ -401,11 +401,14 @@ def record_interpreter(store, params):
 
 def main(params):
     """params: python (str|None, inventory interpreter), scan (bool), with_sources (bool),
+    deadline_s (the host's seconds left when the probe started: the host tools it runs end
+    within it, bounded.start; None: each tool's own limit only),
     cache_key (sha256 of the bundled probe sources; None: no scan cache, see scancache), inside
     (bool: run in a container; {"refused": why} when this interpreter fails trust.untrusted
     there: the probe runs with -S); or
     locate ([sys.path entries]) when re-run inside an install's interpreter (see ask()).
-    Returns {"facts", "installs", "not_inspected" (discover), "allocator_call_sites",
+    Returns {"facts" (with "tool_errors": bounded.errors(), each host tool that did not answer in
+    time, killed or left behind), "installs", "not_inspected" (discover), "allocator_call_sites",
     "need_sort_origins", "scan", ["sources"]}, the last four (and facts.sglang/python/torch) of
     the primary install; each scanned install also carries "verify_attention_route"
     (verifyroute.route), its files' texts in its "sources" when with_sources."""
@@ -413,6 +416,7 @@ def main(params):
         res = locate.locate(params["locate"])
         res["torch"] = torchver.installed()
         return res
+    bounded.start(params.get("deadline_s"))
     if params.get("inside"):
         why = trust.untrusted(sys.executable)
         if why:  # checked inside, as the container's user: its own files, planted by nobody else
@@ -450,8 +454,10 @@ def main(params):
         "torch": main_inst["torch"] if main_inst else None,
         "gpus": gpu_rows, "gpu_errors": gpu_errors, "gpus_reason": gpus_reason,
         "servers": servers,
+        "servers_unreadable": procs.unreadable_servers(),
         "servers_in_other_namespaces": len(others),
         "containers": found, "runtime_clis": containers.clis(),
+        "tool_errors": bounded.errors(),  # host tools (nvidia-smi, systemctl, a runtime's inspect) that did not answer
         "interpreter_discovery": {"python": main_inst["python"]["path"] if main_inst else None,
                                   "reason": reason or "install %s" % main_inst["id"], "considered": considered},
     }

@@ -16,10 +16,11 @@ from its argv: topology.read) and the GPUs it uses (the devices SGLang's launch 
 schedulers, under the CUDA_VISIBLE_DEVICES it started with: topology.gpu_ids).
 """
 
+import errno
 import os
 
 from . import listeners, topology
-from .. import redact, runas
+from .. import redact, runas, safefs
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
 # Python's own options that take a value (python(1), "Command line and environment")
@@ -254,6 +255,40 @@ def _ancestors(pid, table):
         seen.append(p)
         p = table[p][1]
     return seen
+
+
+def unreadable_servers():
+    """The processes whose argv is a server's (server_kind; /proc/PID/cmdline anyone may read) but
+    whose /proc/PID/exe this login may not read: another user's process, whose exe, cwd, environ
+    and fd need ptrace read access (proc(5), ptrace(2) "Ptrace access mode checking"), so
+    find_servers cannot tell what it runs and leaves it out. One per process tree (a listed
+    process's child is its worker). Returns [{pid, uid, user, port, kind, reason}] (reason:
+    "not readable as LOGIN: safefs.BECOME_FIX"); [] for root, who reads them all."""
+    if os.geteuid() == 0:
+        return []
+    found = {}
+    for d in os.listdir("/proc"):
+        argv = cmdline(int(d)) if d.isdigit() else None
+        if not argv or not server_kind(argv):
+            continue
+        try:
+            os.readlink("/proc/%s/exe" % d)
+            continue
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM):
+                continue
+        stat = read("/proc/%s/stat" % d)
+        found[int(d)] = (argv, int(stat.rsplit(")", 1)[1].split()[1]) if stat else 0)
+    out = []
+    for pid, (argv, ppid) in sorted(found.items()):
+        if ppid in found:
+            continue
+        ids = runas.ids_of(pid)
+        port = topology.option(argv, "--port")
+        out.append({"pid": pid, "uid": ids[0] if ids else None, "user": safefs.login_name(ids[0]) if ids else None,
+                    "port": int(port) if port and port.isdigit() else DEFAULT_PORT, "kind": server_kind(argv),
+                    "reason": "not readable as %s: %s" % (safefs.login_name(os.geteuid()), safefs.BECOME_FIX)})
+    return out
 
 
 def find_servers(host_view=lambda pid: False):

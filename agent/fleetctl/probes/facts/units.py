@@ -17,9 +17,9 @@ import os
 import shlex
 import shutil
 import stat
-import subprocess
 
 from . import procs
+from .. import bounded
 
 SEARCH_PATH = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
                "/lib/systemd/system", "/usr/lib/systemd/system")
@@ -246,17 +246,17 @@ def show_argv(systemctl, names):
 
 def _show(names, systemctl):
     """parse_show of `systemctl show` for service `names` (`systemctl`: see services), or None
-    when there is none to ask, or it fails or hangs (the unit files are read instead)."""
+    when there is none to ask, or it fails or does not answer within SHOW_TIMEOUT_S (bounded.run:
+    a stuck one is left behind; the unit files are read instead)."""
     if systemctl is None:
         systemctl = shutil.which("systemctl") if os.path.isdir("/run/systemd/system") else None
     if not names or not systemctl:
         return None
     try:
-        r = subprocess.run(show_argv(systemctl, names), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                           timeout=SHOW_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
+        r = bounded.run(show_argv(systemctl, names), SHOW_TIMEOUT_S)
+    except OSError:
         return None
-    return parse_show(r.stdout[:1 << 22].decode("utf-8", "replace")) if r.returncode == 0 else None
+    return parse_show(r.stdout[:1 << 22]) if r.returncode == 0 else None
 
 
 def services(search=SEARCH_PATH, systemctl=None):

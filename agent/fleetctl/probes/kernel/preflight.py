@@ -11,9 +11,8 @@ import re
 import shutil
 import sys
 
-from .. import runas
+from .. import bounded, runas
 from ..facts import gpus, torchver
-from . import proc
 
 
 # Oldest CUDA (torch.version.cuda and nvcc) that can target each compute capability.
@@ -21,6 +20,7 @@ MIN_CUDA_FOR_ARCH = {"7.5": (10, 0), "8.0": (11, 0), "8.6": (11, 1), "8.9": (11,
                      "10.0": (12, 8), "12.0": (12, 8)}
 # Oldest compute capability the triton backend builds for: tl.dot on bf16 needs sm_80 (Ampere).
 TRITON_MIN_ARCH = (8, 0)
+NVCC_S = 30  # `nvcc --version`'s limit (bounded.run)
 
 
 def preflight(params: dict) -> dict:
@@ -37,9 +37,10 @@ def preflight(params: dict) -> dict:
 def gather_facts() -> dict:
     """Build-relevant facts of this host and interpreter, read without importing torch or triton.
 
-    gpus: [{"name", "compute_cap"}] of the GPUs that answer nvidia-smi (gpus.ARGS, read by
-    gpus.parse; [] without nvidia-smi); gpu_errors: gpus.parse's [{index, pci_bus_id, error}]
-    of lost GPUs; gpu_error: gpus.parse's reason (lost GPUs, nvidia-smi failed) or None; nvcc:
+    gpus: [{"name", "compute_cap"}] of the healthy GPUs that answer nvidia-smi (gpus.gpu_facts:
+    bounded, a stuck one left behind; [] without nvidia-smi); gpu_errors: gpus.parse's [{index,
+    pci_bus_id, error[, faults]}] of lost and faulted GPUs; gpu_error: gpus.gpu_facts' reason
+    (lost or faulted GPUs, nvidia-smi failed or stuck) or None, a refusal (decide); nvcc:
     {"path", "version"} or None, found as torch finds it (CUDA_HOME/CUDA_PATH, PATH,
     /usr/local/cuda); torch: {"version", "cuda", "path"} from torch/version.py
     (torchver.importable) or None; triton: {"version", "path"} (_triton) or None; ninja: its
@@ -49,8 +50,7 @@ def gather_facts() -> dict:
     facts = {"python": python, "gpus": [], "gpu_errors": [], "gpu_error": None, "cpu_count": os.cpu_count()}
     smi = shutil.which("nvidia-smi")
     if smi:
-        r = proc.run([smi] + gpus.ARGS)
-        rows, facts["gpu_errors"], facts["gpu_error"] = gpus.parse(r.stdout, r.stderr, r.returncode)
+        rows, facts["gpu_errors"], facts["gpu_error"] = gpus.gpu_facts(smi)
         facts["gpus"] = [{"name": g["name"], "compute_cap": g["compute_cap"]} for g in rows]
     facts["nvcc"] = _nvcc()
     facts["torch"] = torchver.importable()
@@ -164,7 +164,11 @@ def _nvcc():
     candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
     for path in candidates:
         if path and os.access(path, os.X_OK):
-            m = re.search(r"release (\d+\.\d+)", proc.run([path, "--version"]).stdout)
+            try:
+                out = bounded.run([path, "--version"], NVCC_S).stdout  # a CUDA on a dead mount: left behind
+            except OSError:
+                out = ""
+            m = re.search(r"release (\d+\.\d+)", out)
             return {"path": path, "version": m.group(1) if m else None}
     return None
 

@@ -1,11 +1,9 @@
-"""The kbuild probe's helpers (stdlib only, Python 3.8+): the build lock, the tail of a child's log,
-and a bounded command of the preflight's (its children run as runas says)."""
+"""The kbuild probe's helpers (stdlib only, Python 3.8+): the build lock and the tail of a child's log."""
 
 from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import time
 
 LOG_TAIL_BYTES = 4000  # how much of a child's log or stderr an answer carries
@@ -28,13 +26,3 @@ def tail(path: str) -> str:
     with open(path, "rb") as f:
         f.seek(max(0, os.path.getsize(path) - LOG_TAIL_BYTES))
         return f.read().decode("utf-8", "replace")
-
-
-def run(cmd: list) -> subprocess.CompletedProcess:
-    """`cmd` run with no stdin for at most 30 s, its output captured as text; one that cannot start
-    or times out gives returncode 127 and the error as its stderr."""
-    try:
-        return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return subprocess.CompletedProcess(cmd, 127, "", str(e))

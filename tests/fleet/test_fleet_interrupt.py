@@ -1,0 +1,100 @@
+"""Ctrl-C as a terminal sends it (SIGINT to the whole foreground process group) during a rolling
+apply whose hosts are reached through a ProxyCommand bastion (case turn4/13): real sshd, a real
+`ssh -W` through another lab host; no server, so the restart handler (a sleep) is the window the
+interrupt lands in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from helpers.ledger import over_ssh as ledger_states
+from helpers.proc import pids_naming
+
+SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
+FIRST, NEXT = "lab-02", "lab-03"
+# The handler of FIRST's change: long enough for the interrupt to land in it (/tmp is each lab
+# host's own: lab/base.py PRIVATE_DIRS).
+BEGUN, DONE = "/tmp/fleetctl-test-restart-begun", "/tmp/fleetctl-test-restart-done"
+RESTART = f"touch {BEGUN}; sleep 5; touch {DONE}"
+
+
+def tree_digest(lab, host):
+    """sha256 over every installed sglang file's sha256 on the host."""
+    r = lab.ssh(host, f"cd {SITE} && find sglang -type f -name '*.py' | sort | xargs sha256sum | sha256sum")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
+
+
+def terminal_child():
+    """In the child, before exec: SIGINT at its default, as a terminal's foreground job has it (a
+    test run from a background shell inherits it ignored, and Python then never raises
+    KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def proxied(lab, tmp_path):
+    """(an inventory of FIRST and NEXT with the lab's vars and RESTART as their restart command,
+    an ssh_config whose every host is reached by `ProxyCommand ssh -F JUMP -W %h:%p jump`
+    through lab-01, the JUMP config's path); afterwards, every change of the lab rolled back."""
+    key = lab.state_dir / "client_ed25519"
+    jump = tmp_path / "jump.cfg"
+    jump.write_text(f"Host jump\n  HostName {lab.address('lab-01')}\n  User root\n  IdentityFile {key}\n"
+                    f"  IdentitiesOnly yes\n  UserKnownHostsFile {lab.known_hosts}\n  BatchMode yes\n"
+                    "  StrictHostKeyChecking yes\n")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host *\n  ProxyCommand ssh -F {jump} -W %h:%p jump\n  UserKnownHostsFile {lab.known_hosts}\n")
+    hosts = yaml.safe_load(lab.inventory.read_text())["all"]["children"]["lab"]["hosts"]
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {h: {**hosts[h], "fleetctl_restart_cmd": RESTART}
+                                                     for h in (FIRST, NEXT)}}}))
+    yield inv, cfg, jump
+    for h in (FIRST, NEXT):
+        lab.ssh(h, f"rm -f {BEGUN} {DONE}")
+    lab.cli_json("rollback", "--last", "all", "--yes", rc=0)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progress_finish(lab, proxied, sig, code):
+    """SIGINT to the CLI's whole process group (what a terminal's Ctrl-C does; SIGTERM: what GNU
+    `timeout` or a CI cancel sends it, handled the same) while the first host of `--serial 1`
+    runs its change's restart handler: the proxy of that host is in a session of its own, so the
+    host's change completes (the handler ran to its end, the change applied in its ledger), the
+    next host is not attempted and its tree untouched, the exit status is 130 (143), and no
+    proxy outlives the run. The paramiko kind, which starts the ProxyCommand itself (the ssh
+    kind's ssh runs it in the master's session: the case's control)."""
+    inv, cfg, jump = proxied
+    before = tree_digest(lab, NEXT)
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "-i", str(inv),
+                          "--ssh-config", str(cfg), "-c", "paramiko", "--yes", "--serial", "1", "--json"],
+                         env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=terminal_child)
+    try:
+        deadline = time.monotonic() + 120
+        while lab.ssh(FIRST, f"test -e {BEGUN}").returncode != 0:
+            assert time.monotonic() < deadline and p.poll() is None, f"apply never reached {FIRST}'s handler"
+            time.sleep(0.3)
+        assert pids_naming(str(jump)), "no ProxyCommand runs while the first host is changed"
+        os.killpg(p.pid, sig)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == code and "interrupted" in stderr, (p.returncode, stderr[-2000:])
+    doc = json.loads(stdout)
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    assert hosts[FIRST]["status"] == "changed", hosts[FIRST]["error"]
+    assert lab.ssh(FIRST, f"test -e {DONE}").returncode == 0, "the handler did not run to its end"
+    assert ledger_states(lab, FIRST)[doc["change_id"]] == "applied"
+    assert hosts[NEXT]["status"] == "not attempted" and "interrupted" in hosts[NEXT]["error"]
+    assert tree_digest(lab, NEXT) == before
+    assert pids_naming(str(jump)) == [], "a ProxyCommand outlived the run"
