@@ -75,3 +75,4 @@ class ChangeState(_Word):
     APPLIED = "applied"          # validated and committed
     ROLLED_BACK = "rolled-back"  # restored byte-identical
     FAILED = "failed"            # a write or restore stopped half-way; see its reason
+    SUPERSEDED = "superseded"    # its release was replaced by an upgrade; dropped by `rollback --forget`

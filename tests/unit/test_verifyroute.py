@@ -553,3 +553,14 @@ def test_a_kernel_binding_or_wrapper_that_could_change_the_call_is_refused(tmp_p
     loc = install(tmp_path, version, backend=mutated)
     p = plan(loc, version, deployed(tmp_path, location=loc))
     assert p.status == PlanStatus.FAILED and p.files == [] and why in p.reason, p.reason
+
+
+def test_an_unknown_torch_version_is_refused_with_its_reason(tmp_path):
+    """Issue 49 (case 04): torch's version unknown (a dist-info without metadata, no version.py):
+    the refusal says why and what to remove, never "this install runs torch None"."""
+    loc = install(tmp_path, "0.5.23")
+    public = deployed(tmp_path, location=loc, table=TABLE)
+    why = "/x/torch/version.py has no __version__ and no torch dist-info in /x matches the installed files"
+    k = verifyroute.kernel(str(public), None, why)
+    assert not k["active"] and k["reason"].startswith("this install's torch version cannot be known, so the active "
+                                                      "build ") and k["reason"].endswith(": " + why)

@@ -253,6 +253,9 @@ def apply(opts: FleetOptions,
 def rollback(opts: FleetOptions,
              args: Annotated[list[str], typer.Argument(help="CHANGE-ID HOSTS, or HOSTS with --last.")],
              last: Annotated[bool, typer.Option("--last", help="Roll back each host's last applied change.")] = False,
+             forget: Annotated[bool, typer.Option(
+                 "--forget", help="Restore nothing: drop a change whose release an upgrade replaced (the tree is "
+                 "checked first; files it created that the upgrade left are removed), then apply again.")] = False,
              force: Annotated[bool, typer.Option("--force", help="Restore even files changed since the apply.")] = False,
              yes: Yes = False, install: InstallOpt = None) -> None:
     """Restore the files of a change byte-identical (sha256 checked against the ledger)."""
@@ -260,14 +263,17 @@ def rollback(opts: FleetOptions,
 
     if len(args) != (1 if last else 2):
         raise UsageError("usage: fleetctl rollback CHANGE-ID HOSTS, or fleetctl rollback --last HOSTS")
+    if forget and (last or force):
+        raise UsageError("--forget takes a CHANGE-ID (what status names), never --last or --force: "
+                         "fleetctl rollback --forget CHANGE-ID HOSTS")
     if install and not last and install.startswith("host:"):
         raise UsageError("--install goes with --last, or names a container install (a CHANGE-ID already names "
                          "its host install; a container's ledger is inside it)")
     change_id, pattern = (None, args[0]) if last else (args[0], args[1])
     hosts = opts.select(pattern)
-    _confirm(f"roll back {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
+    _confirm(f"{'forget' if forget else 'roll back'} {change_id or 'the last change'} on {len(hosts)} host(s)", yes)
     with opts.fleet() as fleet:
-        results = fleet.run(hosts, rollback_job(change_id, force, install=install), "rollback")
+        results = fleet.run(hosts, rollback_job(change_id, force, install=install, forget=forget), "rollback")
     _finish(results, opts.json_out, renderer("rollback", {}))
 
 

@@ -18,12 +18,14 @@ from .gather import find_install, gather
 
 class RollbackData(TypedDict, total=False):
     """`rollback` data: the change rolled back, its files (paths) and those restored by force,
-    the routing evidence removed with the last kernel change (probes/evidence.py remove); or `nothing` (why there was nothing to roll back); recovered (changes a killed run left
+    or with --forget the changes dropped (forgotten: probes/change/actions.py forget answers:
+    {change_id, upgraded, removed, left}), the routing evidence removed with the last kernel change (probes/evidence.py remove); or `nothing` (why there was nothing to roll back); recovered (changes a killed run left
     pending, undone first), handlers (the restart handler's outcome)."""
 
     change_id: str
     files: list
     forced: list
+    forgotten: list
     evidence_removed: str
     nothing: str
     recovered: list
@@ -40,7 +42,8 @@ class RecoverData(TypedDict):
 class StatusData(TypedDict, total=False):
     """`status` data: the change probe's status answer (ok, changes, drift, modified,
     record_error, kernels, space), per install (installs: [{id, sglang, install, modified,
-    record_error | git, git_error}]), lost container changes, and the sglang summary line."""
+    record_error, metadata_warning? (stale or duplicate dist-infos: probes/facts/distinfo.py) |
+    git, git_error}]), lost container changes, and the sglang summary line."""
 
     ok: bool
     changes: list
@@ -54,13 +57,17 @@ class StatusData(TypedDict, total=False):
     sglang: str | None
 
 
-def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, install: str | None = None):
+def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR, install: str | None = None,
+                 forget: bool = False):
     """The `fleetctl rollback` job: roll back `change_id` (None: the host's last applied change,
     of install `install` when given; `force`: restore files changed since) and run the restart
     handler. A run that changed several installs recorded "<change_id>.<n>" per install: the
     run's id rolls back all of them (latest first). A change a killed run left pending is undone
-    first; when no id was given, that was the rollback asked for. Result data: the probe's answer
-    (change_id, files, forced, evidence_removed when the last kernel change went, or nothing) +
+    first; when no id was given, that was the rollback asked for. `forget` (with a change id):
+    instead of restoring, drop a change whose release an upgrade replaced (the probe's forget:
+    it checks the tree first, removes the files the change created that the upgrade left, and
+    records the change superseded); no restart. Result data: the probe's answer (change_id,
+    files, forced, evidence_removed when the last kernel change went, or nothing; forgotten) +
     recovered, handlers."""
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
@@ -73,10 +80,16 @@ def rollback_job(change_id: str | None, force: bool, state_dir: str = STATE_DIR,
         if not ids:
             return ctx.result(HostStatus.OK, data={"nothing": f"no applied change of install {install}",
                                                    "recovered": rec.changes})
+        if forget:
+            gone = [change_probe(ctx, "forget", state_dir, change_id=cid, reason="operator rollback --forget")
+                    for cid in reversed(ids)]
+            return ctx.result(HostStatus.CHANGED, data={"change_id": change_id, "forgotten": gone, "files": [],
+                                                        "forced": [], "recovered": rec.changes, "handlers": []})
         res: RollbackData = {"change_id": change_id or ids[0], "files": [], "forced": []}
         for cid in reversed(ids):
             params = {"change_id": cid} if cid else {"last": True}
-            one = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback", **params)
+            one = change_probe(ctx, "rollback", state_dir, force=force, reason="operator rollback",
+                               host=ctx.host.name, **params)
             if one.get("nothing"):
                 return ctx.result(HostStatus.OK, data={**one, "recovered": rec.changes})
             res["change_id"] = change_id or one.get("change_id")
@@ -136,7 +149,7 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
         g = gather(ctx, scan=False, records=state_dir if ctx.container is None else None)
         installs = [find_install(g, install)] if install else \
             [i for i in g.get("installs", []) if (i.get("root") is None) == (ctx.container is None)]
-        res: StatusData = change_probe(ctx, "status", state_dir)
+        res: StatusData = change_probe(ctx, "status", state_dir, host=ctx.host.name)
         if install:
             res["changes"] = [c for c in res["changes"] if c.get("install") == install]
             ids = {c["change_id"] for c in res["changes"]}
@@ -152,6 +165,8 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
             if sg["install"] == "wheel":
                 r = change_probe(ctx, "status", state_dir, location=sg["location"], dist="sglang")
                 one.update(modified=r["modified"] or [], record_error=r["record_error"])
+                if r.get("metadata_warning"):
+                    one["metadata_warning"] = r["metadata_warning"]
             else:
                 t = git[sg["location"]]
                 one.update(git=t["git"], git_error=t["error"],
@@ -166,6 +181,7 @@ def status_job(state_dir: str = STATE_DIR, install: str | None = None):
                     [f"{d['path']}: {d['problem']}" for d in res["drift"]] +
                     [f"{m['path']}: {m['problem']}" for m in res["modified"]] +
                     [f"{i['id']}: {i['git_error']}" for i in res["installs"] if i.get("git_error")] +
+                    [f"{i['id']}: {i['metadata_warning']}" for i in res["installs"] if i.get("metadata_warning")] +
                     [f"{x['install']}: {x['problem']} ({', '.join(x['changes'])})" for x in res["lost"]])
         status, error = (HostStatus.FAILED, "; ".join(problems)) if problems else (HostStatus.OK, None)
         return ctx.result(status, error, data=res)

@@ -88,6 +88,12 @@ def _summary(data: dict) -> dict:
         return {"python": "malformed data from the host: " + visible(f"{type(e).__name__}: {e}")}
 
 
+def _warned(found: dict) -> str:
+    """The metadata warning of a facts sglang/torch entry (stale or duplicate dist-infos) as a
+    line of its own, or ""."""
+    return f"\nWARNING: {found['metadata_warning']}" if found.get("metadata_warning") else ""
+
+
 def _summary_of(data: dict) -> dict:
     f = data.get("facts") or {}
     sg, torch = f.get("sglang"), f.get("torch")
@@ -97,10 +103,11 @@ def _summary_of(data: dict) -> dict:
     computed = [o for o in origins if not o["literal"]]
     return {
         "python": f"{(f.get('python') or {}).get('path')} ({(f.get('python') or {}).get('version')})",
-        "sglang": f"{sg['version']} ({sg.get('install')})" if sg else f"none: {f.get('sglang_reason')}",
+        "sglang": (f"{sg['version']} ({sg.get('install')})" + _warned(sg)) if sg else f"none: {f.get('sglang_reason')}",
         "installs": "\n".join([_install_line(i) for i in data.get("installs", [])]
                               + [f"NOT INSPECTED: {e['reason']}" for e in data.get("not_inspected") or []]) or "none",
-        "torch": f"{torch['version']} / CUDA {torch['cuda'] or 'none'}" if torch else "none",
+        "torch": (f"{torch['version'] or 'unknown: ' + str(torch.get('reason'))} / CUDA {torch['cuda'] or 'none'}"
+                  + _warned(torch)) if torch else "none",
         "gpus": _gpus(f),
         "servers": "\n".join([server_line(s) for s in f.get("servers", [])]
                               + [unreadable_line(u) for u in f.get("servers_unreadable") or []]) or "none",
@@ -246,6 +253,13 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
                 return r.error
             if d.get("nothing"):
                 return f"nothing to do: {d['nothing']}"
+            if d.get("forgotten"):
+                return "; ".join(f"forgot {g['change_id']} ({g['upgraded']['dist']} {g['upgraded']['from']} -> "
+                                 f"{g['upgraded']['to']}): restored nothing"
+                                 + (f", removed {', '.join(g['removed'])}" if g["removed"] else "")
+                                 + (f", left (edited since) {', '.join(g['left'])}" if g["left"] else "")
+                                 + (f", kept (a later change's) {', '.join(g['adopted'])}" if g.get("adopted") else "")
+                                 for g in d["forgotten"]) + "; apply the playbook again"
             forced = f"; forced over {', '.join(map(str, d['forced']))}" if d.get("forced") else ""
             return f"restored {len(d.get('files') or [])} file(s)/link(s) byte-identical{forced}"
 

@@ -18,7 +18,7 @@ import stat
 
 from . import ledger
 from .. import evidence, safefs
-from ..facts import drift
+from ..facts import distinfo, drift
 
 # where deploy publishes kernel builds, their `current` links and dispatch tables: the host-side
 # copy of the control side's config.PUBLIC_KERNELS_DIR (tests/unit/test_dispatch.py checks they agree)
@@ -46,6 +46,8 @@ def apply(params, state_dir):
     recover deletes it.
     Refuses, changing nothing, when a file's sha256 is not pre_sha256 ("changed since inspect"),
     new_text does not hash to post_sha256, the change id is used, or a change is still pending.
+    The entry records the release under `root` (distinfo.release: what its files are), which
+    status, rollback and forget compare with the tree's release later (upgraded()).
     Then: the ledger's reserve (ledger.make_reserve), ledger "pending", originals to
     backups/<change_id>/ (fsynced), atomic writes in the order of `files` (a new file the others
     import comes first: the planner puts it there) with stale bytecode dropped, ledger "applied"
@@ -97,7 +99,7 @@ def apply(params, state_dir):
         items.append({"path": path, "before_sha256": f["pre_sha256"], "after_sha256": f["post_sha256"],
                       "backup": os.path.join(backup_dir, path.lstrip("/"))})
     entry = {"change_id": cid, "playbook": params.get("playbook"), "operator": params.get("operator"),
-             "install": params.get("install"), "root": root, "files": items}
+             "install": params.get("install"), "root": root, "files": items, "release": distinfo.release(root)}
     line = len(json.dumps(entry))
     ledger.make_reserve(state_dir, line, 3 * line + sum(map(len, originals.values())))
     entry = ledger.append(state_dir, entry, ledger.PENDING)
@@ -231,7 +233,9 @@ def rollback(params, state_dir):
     """{change_id | last: true, force: bool, reason?}: restore a change's files from its backup.
 
     The change must be "applied", "pending" or "failed" (`last`: the latest applied one); one
-    already rolled back is a no-op. Refuses, changing nothing, unless every file has
+    already rolled back is a no-op. An applied change whose release was replaced (upgraded():
+    say `pip install -U sglang` since) is refused whatever `force` says, naming forget's command
+    (forget_command; params "host": the host's name for it) and the re-apply. Refuses, changing nothing, unless every file has
     after_sha256 or already before_sha256 (force skips that check). Restores in the reverse of
     the apply's order (an edit before the new file it imports). Verifies each restored
     file has before_sha256; records "rolled-back" with the reason, or "failed" with the files
@@ -255,6 +259,15 @@ def rollback(params, state_dir):
     if entry["state"] not in (ledger.APPLIED, ledger.PENDING, ledger.FAILED):
         raise safefs.Refused("change %s is %s, not applied" % (cid, entry["state"]))
     ledger.check_entry(entry, state_dir)
+    gone = upgraded(entry)
+    if gone:
+        raise safefs.Refused(
+            "change %s was applied to %s %s and %s is now %s %s (%s): a rollback would write %s's files into %s, "
+            "with or without --force. Drop the stale entry with `%s` (it checks the tree first), then apply %s "
+            "again" % (cid, gone[0], gone[1] or "(a release not recorded)", entry["root"], gone[0],
+                       gone[2] or "(none)", _replaced_by(gone), gone[1] or "the old release",
+                       gone[2] or "the new tree", forget_command(cid, params.get("host")),
+                       entry.get("playbook") or "the change"))
     moved = [f["path"] for f in entry["files"] if _state(f) not in (f["after_sha256"], f["before_sha256"])]
     if moved and not params.get("force"):
         raise safefs.Refused("changed since the apply (--force restores anyway): %s" % ", ".join(moved))
@@ -324,11 +337,15 @@ def recover(params, state_dir):
 def status(params, state_dir):
     """{location?, dist: "sglang"}: ledger summary, drift of applied ledger.changes, RECORD differences.
 
-    ledger.changes: [{change_id, playbook, install, time, operator, state, reason, files: [path]}] (last state);
+    ledger.changes: [{change_id, playbook, install, time, operator, state, reason, files: [path],
+    upgraded?: {dist, from, to} (upgraded())}] (last state);
     drift: [{change_id, path, problem: "drift: reverted or reinstalled"}] for applied ledger.changes whose
     file no longer has after_sha256 (a file a later applied change wrote over that change's result is
-    judged by the later one: _superseded); modified: [{path, problem}] for files of the installed
-    distribution (dist-info RECORD) that differ and no applied change explains; record_error;
+    judged by the later one: _superseded), or, for every file of an applied change whose release
+    was replaced, "replaced by an upgrade of D (X -> Y): ..." naming forget's command (params
+    "host"); modified: [{path, problem}] for files of the installed distribution (the RECORD of the
+    dist-info that matches its files: distinfo.choose) that differ and no applied change explains;
+    record_error; metadata_warning (only when there are stale or duplicate dist-infos there);
     kernels: {name: active build key} from the published `PUBLIC/<name>/current` links (params
     public_dir, default PUBLIC_DIR); dispatch: {name: the table PUBLIC/<name>/dispatch.json holds
     (a JSON object), None when there is none, {"error": why} when it is a link, not a regular
@@ -349,6 +366,17 @@ def status(params, state_dir):
             continue
         if e["state"] != ledger.APPLIED:
             continue
+        gone = upgraded(e)
+        if gone:
+            summary[-1]["upgraded"] = {"dist": gone[0], "from": gone[1], "to": gone[2]}
+            for f in e["files"]:
+                left = f["before_sha256"] is None and f.get("kind") != "link" and _state(f) == f["after_sha256"]
+                drifted.append({"change_id": cid, "path": f["path"], "problem": (
+                    "%s: the change is gone with the old release; %s `%s`, then apply %s again" % (
+                        _replaced_by(gone), "this file it created is left behind, removed by"
+                        if left else "drop its entry with", forget_command(cid, params.get("host")),
+                        e.get("playbook") or "it"))})
+            continue
         for f in e["files"]:
             if _superseded(f, entries[i + 1:]):
                 continue  # a later applied change was written over this one's result: it is judged there
@@ -359,9 +387,9 @@ def status(params, state_dir):
                 drifted.append({"change_id": cid, "path": f["path"], "problem": "drift: reverted or reinstalled"})
             else:
                 drifted.append({"change_id": cid, "path": f["path"], "problem": "drift: edited since the apply"})
-    modified, err = (None, None)
+    modified, err, warning = (None, None, None)
     if params.get("location"):
-        modified, err = drift.problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
+        modified, err, warning = drift.problems(params["location"], params.get("dist", "sglang"), explained, state_dir)
     public = os.path.abspath(params.get("public_dir") or PUBLIC_DIR)
     kernels, tables = {}, {}
     for c in sorted(glob.glob(os.path.join(glob.escape(public), "*", "current"))):
@@ -369,8 +397,115 @@ def status(params, state_dir):
         if _package_link(c):
             kernels[name] = os.readlink(c)
             tables[name] = _dispatch(os.path.join(os.path.dirname(c), DISPATCH))
-    return {"ok": True, "changes": summary, "drift": drifted, "modified": modified, "record_error": err,
-            "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+    out = {"ok": True, "changes": summary, "drift": drifted, "modified": modified, "record_error": err,
+           "kernels": kernels, "dispatch": tables, "space": ledger.space_used(state_dir)}
+    if warning:
+        out["metadata_warning"] = warning
+    return out
+
+
+def upgraded(entry):
+    """(dist, version applied to (None: not recorded), version now or None when the package is
+    gone) when the release under ledger entry `entry`'s root (distinfo.release) is no longer the
+    one it recorded at apply; None when it is the same, or when it cannot be told (a kernel's
+    entry). An entry that recorded no release (a fleetctl before issue 49) counts as upgraded
+    when every file it edited is now neither its before nor its after but exactly what the
+    RECORD of the release installed there now says (_reinstalled)."""
+    was = entry.get("release")
+    if not entry.get("root") or not os.path.isdir(entry["root"]):
+        return (was.get("dist"), was.get("version"), None) if isinstance(was, dict) and was.get("version") else None
+    if not isinstance(was, dict) or not was.get("version"):
+        return _reinstalled(entry)
+    now = distinfo.release(entry["root"], was.get("dist"))
+    now = now["version"] if now else None
+    return None if now == was["version"] else (was.get("dist"), was["version"], now)
+
+
+def _reinstalled(entry):
+    """upgraded() of an entry with no release recorded: (dist, None, version now) when each file
+    it edited (one with a before_sha256) is neither its before nor its after but what the RECORD
+    of the dist-info matching the tree now (distinfo.choose) says; else None."""
+    root = entry["root"].rstrip("/")
+    site, package = os.path.dirname(root), os.path.basename(root)
+    chosen = distinfo.choose(site, package, package)
+    rec = distinfo.record(chosen["path"]) if chosen["path"] else None
+    edited = [f for f in entry["files"] if f.get("kind") != "link" and f["before_sha256"] is not None]
+    if not rec or not edited:
+        return None
+    for f in edited:
+        cur = _state(f)
+        if cur in (f["before_sha256"], f["after_sha256"]) or \
+                rec.get(os.path.relpath(f["path"], site)) != distinfo.b64(cur or "<missing>"):
+            return None
+    now = distinfo.release(root, package)
+    return (package, None, now["version"] if now else chosen["version"])
+
+
+def _replaced_by(gone):
+    """The words for an upgraded() answer: "replaced by an upgrade of D (X -> Y)"."""
+    return "replaced by an upgrade of %s (%s -> %s)" % (gone[0], gone[1] or "a release not recorded",
+                                                        gone[2] or "none: removed")
+
+
+def forget_command(cid, host):
+    """The command that drops stale change `cid` (a ledger.CHANGE_ID) on `host` (shell-quoted;
+    None: HOST)."""
+    import shlex
+    return "fleetctl rollback --forget %s %s" % (cid, shlex.quote(host) if host else "HOST")
+
+
+def forget(params, state_dir):
+    """{change_id, reason?}: drop an applied (or failed) change whose release was replaced by an
+    upgrade.
+
+    Refuses, changing nothing, unless the change is applied or failed and its root's release is no longer
+    the one it was applied to (upgraded(): the tree is checked here, now). Then every file the
+    change created (no before_sha256) that still has exactly its after_sha256 is removed with
+    its bytecode (it is in no RECORD: the upgrade left it behind, and the next apply of the
+    playbook would find it in its way), unless a change applied since on the same root (not
+    itself upgraded) found it there as already applied: then it is kept, that change's
+    ("adopted"); edited files are left as the upgrade made them. Records the change
+    "superseded" with the upgrade, what was removed or kept and `reason`. Returns {"ok": true,
+    change_id, upgraded: {dist, from, to}, removed: [path], left: [path of created files edited
+    since, left alone], adopted: [path kept for the later change]}."""
+    cid = params["change_id"]
+    entry = ledger.changes(state_dir).get(cid)
+    if entry is None:
+        raise safefs.Refused("no change %r in the ledger" % cid)
+    if entry["state"] not in (ledger.APPLIED, ledger.FAILED):
+        raise safefs.Refused("change %s is %s, not applied: nothing to forget" % (cid, entry["state"]))
+    ledger.check_entry(entry, state_dir)
+    gone = upgraded(entry)
+    if not gone:
+        was = entry.get("release") or {}
+        raise safefs.Refused("change %s is not stale: %s is still %s %s as it was applied to (roll it back instead)"
+                             % (cid, entry.get("root"), was.get("dist") or "the release", was.get("version") or
+                                "(not recorded)") if was else
+                             "change %s recorded no release to compare the tree with: roll it back instead" % cid)
+    known = list(ledger.changes(state_dir).values())
+    # a change applied since to the new release, on the same root (the playbook applied again
+    # before this forget, which found the created file already there): the file is now its
+    later = [e["change_id"] for e in known[known.index(entry) + 1:] if e["state"] == ledger.APPLIED
+             and e.get("root") == entry.get("root") and upgraded(e) is None]
+    removed, left, adopted = [], [], []
+    for f in entry["files"]:
+        if f["before_sha256"] is not None or f.get("kind") == "link" or _state(f) is None:
+            continue
+        if _state(f) != f["after_sha256"]:
+            left.append(f["path"])
+        elif later:
+            adopted.append(f["path"])
+        else:
+            safefs.remove_file(f["path"])
+            safefs.drop_pycache(f["path"])
+            removed.append(f["path"])
+    reason = "; ".join(r for r in (_replaced_by(gone), "forgotten: nothing restored",
+                                   removed and "removed the files it created: " + ", ".join(removed),
+                                   adopted and "kept for change %s, applied since: %s" % (later[-1], ", ".join(adopted)),
+                                   left and "left (edited since): " + ", ".join(left), params.get("reason")) if r)
+    ledger.append(state_dir, entry, ledger.SUPERSEDED, reason)
+    return {"ok": True, "change_id": cid, "upgraded": {"dist": gone[0], "from": gone[1], "to": gone[2]},
+            "removed": removed, "left": left, "adopted": adopted}
 
 
 def _package_link(path):
@@ -442,12 +577,12 @@ def permission_error(e, state_dir):
     return safefs.denied(path, why)
 
 
-ACTIONS = {"apply": apply, "commit": commit, "rollback": rollback, "recover": recover,
+ACTIONS = {"apply": apply, "commit": commit, "rollback": rollback, "forget": forget, "recover": recover,
            "status": status, "compile": compile_check}
 
 
 def main(params):
-    """params: {action: apply|commit|rollback|recover|status|compile, state_dir?: str, ...action params}.
+    """params: {action: apply|commit|rollback|forget|recover|status|compile, state_dir?: str, ...action params}.
 
     Returns the action's result dict, or {"ok": false, "error": ...} for an unknown action, a
     refusal ("refused": true; nothing was changed) or an unexpected error on the host.

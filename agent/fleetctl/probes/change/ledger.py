@@ -4,8 +4,10 @@ Stdlib only (Python 3.8+), loaded in the change probe's bundle. State lives in `
 (default STATE_DIR):
   ledger.jsonl                    one JSON object per line: change_id, playbook, time (UTC ISO
                                   8601 of that line), operator, files [{path, before_sha256,
-                                  after_sha256, backup}], state (pending | applied | rolled-back |
-                                  failed), reason, schema (SCHEMA); a state change appends the
+                                  after_sha256, backup}], release ({dist, version} of the
+                                  package under its root when applied: distinfo.release; None
+                                  for a kernel's), state (pending | applied | rolled-back |
+                                  failed | superseded), reason, schema (SCHEMA); a state change appends the
                                   whole entry again, and the last line of a change_id wins.
                                   Lines are only ever appended, whole or not at all (append),
                                   with one exception: a commit that finds the disk full even
@@ -40,7 +42,10 @@ from .. import safefs
 STATE_DIR = "/var/lib/fleetctl"
 # Ledger states (the control side's fleetctl.vocab.ChangeState has the same words).
 PENDING, APPLIED, ROLLED_BACK, FAILED = "pending", "applied", "rolled-back", "failed"
-STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED)
+# an applied change whose release was replaced by an upgrade, dropped by `rollback --forget`
+# (actions.forget): nothing of it is restored, ever
+SUPERSEDED = "superseded"
+STATES = (PENDING, APPLIED, ROLLED_BACK, FAILED, SUPERSEDED)
 # The ledger's line format. Every entry written says it ("schema"; lines without it are schema 1,
 # as fleetctl wrote before it was named); a ledger with an entry of a newer schema is refused
 # whole (read), since an older fleetctl or collection would misread its changes.
@@ -363,7 +368,7 @@ def prune(state_dir, keep=None):
         later = {f["path"] for x in entries[i + 1:] if x["state"] == APPLIED for f in x["files"]}
         files = [f for f in e["files"] if f.get("kind") != "link"]
         superseded = e["state"] == APPLIED and all(f["path"] in later for f in files)
-        if files and (e["state"] == ROLLED_BACK or superseded) and CHANGE_ID.match(e["change_id"]):
+        if files and (e["state"] in (ROLLED_BACK, SUPERSEDED) or superseded) and CHANGE_ID.match(e["change_id"]):
             gone = _remove_under(state_dir, "backups/" + e["change_id"])
             if gone:
                 removed.append(gone)

@@ -6,13 +6,11 @@ in STATE_DIR/scan-cache (`record-<sha256>.json`), keyed CACHE_KEY; files are rea
 safefs.sha256_file (never through a link, never a FIFO or device).
 """
 
-import base64
 import os
-import re
 import stat
 import time
 
-from . import scancache
+from . import distinfo, scancache
 from .. import safefs
 
 # The RECORD hash cache: entries of files changed this recently are not kept (their ctime cannot
@@ -58,19 +56,23 @@ def hashes(paths, state_dir, ident, location):
 def problems(location, dist_name, explained, state_dir):
     """Files of distribution `dist_name` in `location` whose sha256 differs from its RECORD
     (sha256=<urlsafe b64, no padding>), minus files whose hex sha256 is `explained[realpath]`;
-    hashes come through hashes() (cached by file identity in `state_dir`)."""
-    from importlib import metadata
-
-    want = re.sub(r"[-_.]+", "-", dist_name).lower()
-    dist = next((d for d in metadata.distributions(path=[location])
-                 if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == want), None)
-    if dist is None:
-        return None, "no %s distribution in %s" % (dist_name, location)
+    hashes come through hashes() (cached by file identity in `state_dir`). The RECORD is that of
+    the dist-info whose RECORD matches the package's files (distinfo.choose: a stale dist-info an
+    interrupted upgrade left is never the one files are judged by). Returns (problems or None,
+    error or None, warning naming stale or duplicate dist-infos or None)."""
+    want = distinfo.norm(dist_name)
+    package = want.replace("-", "_")
+    # one hashes() call (one cache entry) for the files of every candidate's RECORD, the key files
+    # distinfo.choose matches them on among them: a warm status reads nothing whose identity held
+    records = [distinfo.record(d) or {} for d in distinfo.dist_infos(location, dist_name)]
+    where = dict((rel, os.path.realpath(os.path.join(location, rel))) for r in records for rel, h in r.items() if h)
+    current = hashes(sorted(set(where.values())), state_dir, "%s|%s" % (location, want), location)
+    chosen = distinfo.choose(location, dist_name, package, lambda paths: dict((p, current.get(p)) for p in paths))
+    if chosen["path"] is None:
+        return None, chosen["warning"] or "no %s distribution in %s" % (dist_name, location), chosen["warning"]
     out = []
-    hashed = [(pp, os.path.realpath(str(dist.locate_file(pp)))) for pp in dist.files or []
-              if pp.hash is not None and pp.hash.mode == "sha256"]
-    current = hashes([path for _, path in hashed], state_dir, "%s|%s" % (location, want), location)
-    for pp, path in hashed:
+    hashed = [(value, where[rel]) for rel, value in (distinfo.record(chosen["path"]) or {}).items() if value]
+    for value, path in hashed:
         cur = current[path]
         if cur is None:
             out.append({"path": path, "problem": "missing"})
@@ -78,7 +80,6 @@ def problems(location, dist_name, explained, state_dir):
         if cur.startswith("<"):  # a FIFO, device, socket or link: never read
             out.append({"path": path, "problem": "skipped, not read: " + cur[1:-1]})
             continue
-        b64 = base64.urlsafe_b64encode(bytes.fromhex(cur)).rstrip(b"=").decode()
-        if b64 != pp.hash.value and explained.get(path) != cur:
+        if distinfo.b64(cur) != value and explained.get(path) != cur:
             out.append({"path": path, "problem": "modified outside fleetctl"})
-    return out, None
+    return out, None, chosen["warning"]

@@ -8,17 +8,20 @@ PYTHONPATH put first in `sys.path` as the server saw them at start. It asks
 running `sglang/__init__.py` (a submodule spec would import the parent). A namespace package spec
 (origin None: a bare `sglang/` directory without `__init__.py`) counts as not found.
 
-The install kind (README, "installs"): `wheel` (a dist-info whose RECORD lists the package's
-`__init__.py` at the found place), `editable` (a dist-info whose `direct_url.json` says
+The install kind (README, "installs"): `wheel` (a dist-info beside the package whose RECORD
+lists its `__init__.py`), `editable` (a dist-info whose `direct_url.json` says
 `dir_info.editable`, or an `sglang.egg-link`, pointing at the found location) or `checkout`
-(anything else: found through the working directory or PYTHONPATH; its version is
-`sglang/version.py`'s `__version__`, read with ast).
+(anything else: found through the working directory or PYTHONPATH). The version is what the
+package's files are: `__version__` of `sglang/version.py` or `sglang/_version.py`
+(distinfo.version_py: read with ast, never imported), else the version of the dist-info whose RECORD matches the files (distinfo.choose); never "the first
+dist-info listed", which after an interrupted upgrade can be a stale one (issue 49).
 """
 
-import ast
 import json
 import os
 import sys
+
+from . import distinfo
 
 
 def _same(a, b):
@@ -66,32 +69,13 @@ def _egg_link_dir():
     return None
 
 
-def _version_py(package_dir):
-    """`__version__` assigned as a string in <package_dir>/version.py, else None."""
-    try:
-        with open(os.path.join(package_dir, "version.py"), "rb") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
-                                                for t in node.targets):
-            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-                return node.value.value
-    return None
-
-
-def _records(dist, rel):
-    """True when the dist's RECORD (a wheel's, PEP 376; an egg-info has none) lists `rel`."""
-    return any(line.split(",", 1)[0] == rel for line in (dist.read_text("RECORD") or "").splitlines())
-
-
 def locate(first):
     """Where `import sglang` resolves for this interpreter with the entries `first` (absolute
     paths) put at the front of sys.path.
 
-    Returns {"python": {path, version}, "sglang": {version, location, package_dir, install} or
-    None, "error": str or None, "unreadable": [sys.path entries that exist but this process may
+    Returns {"python": {path, version}, "sglang": {version, location, package_dir, install,
+    metadata_warning? (only when there is one: distinfo.choose's warning, stale or duplicate
+    dist-infos beside it)} or None, "error": str or None, "unreadable": [sys.path entries that exist but this process may
     not list: its uid cannot see what is there, so the answer cannot be trusted]}. `error` is set when an sglang distribution is installed but its
     package directory cannot be found (its `location` is then the distribution's own directory
     and `package_dir` null)."""
@@ -112,7 +96,8 @@ def locate(first):
     package_dir = None
     if origin and os.path.basename(origin) == "__init__.py" and os.path.isfile(origin):
         package_dir = os.path.dirname(origin)
-    dist = next(iter(metadata.distributions(name="sglang", path=added + sys.path)), None)
+    dists = list(metadata.distributions(name="sglang", path=added + sys.path))
+    dist = dists[0] if dists else None
     out = {"python": {"path": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]},
            "sglang": None, "error": None, "unreadable": [e for e in added + sys.path if _denied(e)]}
     if package_dir is None:
@@ -126,14 +111,18 @@ def locate(first):
                             "importlib.util.find_spec('sglang') gives %s" % (location, dist.version, what))
         return out
     location = os.path.dirname(package_dir)
-    editable = (_editable_dir(dist) if dist is not None else None) or _egg_link_dir()
-    if editable and _same(editable, location):
+    chosen = distinfo.choose(location, "sglang", "sglang")
+    mine = next((d for d in dists if _editable_dir(d) and _same(_editable_dir(d), location)), None)
+    egg = _egg_link_dir()
+    if mine is not None or (egg and _same(egg, location)):
         install = "editable"
-    elif dist is not None and _records(dist, "sglang/__init__.py") \
-            and _same(str(dist.locate_file("sglang/__init__.py")), origin):
+    elif any("sglang/__init__.py" in (distinfo.record(d) or {}) for d in distinfo.dist_infos(location, "sglang")):
         install = "wheel"
     else:
         install = "checkout"
-    version = dist.version if install != "checkout" and dist is not None else _version_py(package_dir)
+    version = distinfo.version_py(package_dir) or (
+        chosen["version"] if install == "wheel" else mine.version if mine is not None else None)
     out["sglang"] = {"version": version, "location": location, "package_dir": package_dir, "install": install}
+    if chosen["warning"]:
+        out["sglang"]["metadata_warning"] = chosen["warning"]
     return out

@@ -4,37 +4,45 @@ never imported: that would load CUDA and take seconds).
 Stdlib only (Python 3.8+), loaded by the facts and kbuild probe bundles.
 """
 
-import ast
 import importlib.util
 import os
+import sys
+
+from . import distinfo
 
 
-def fields(path):
-    """{name: value} of the top-level constant assignments in torch/version.py at `path`
-    (`__version__ = '2.5.1+cu124'`, `cuda: Optional[str] = '12.4'`); {} when it is missing,
-    unreadable or does not parse."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, ValueError, SyntaxError):
-        return {}
-    out = {}
-    for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
-            out[target.id] = node.value.value
-    return out
+# {name: value} of the top-level constant assignments of a version module (distinfo.constants)
+fields = distinfo.constants
 
 
 def installed():
-    """The torch distribution on sys.path: {"version": its metadata version, "cuda":
-    torch.version.cuda}, or None when there is none (the facts probe's torch)."""
-    from importlib import metadata
-    try:
-        dist = metadata.distribution("torch")
-    except metadata.PackageNotFoundError:
+    """The torch `import torch` would load on sys.path, as the facts probe reports it:
+    {"version", "cuda": torch.version.cuda, "metadata_warning"?, "reason"?}, or None when torch
+    is not importable. "version" is what its files are: torch/version.py's `__version__`, else
+    the version of the dist-info whose RECORD matches them (distinfo.choose), never the first
+    dist-info listed (a stale one holding only REQUESTED has no version: python/cpython#100666);
+    "metadata_warning" (only when there are any) names stale or duplicate torch dist-infos beside
+    it or elsewhere on sys.path; "reason" (only when "version" is None) says why."""
+    found = importable()
+    if found is None:
         return None
-    return {"version": dist.version, "cuda": fields(str(dist.locate_file("torch/version.py"))).get("cuda")}
+    site = os.path.dirname(os.path.dirname(found["path"]))
+    chosen = distinfo.choose(site, "torch", "torch")
+    version = found["version"] if isinstance(found["version"], str) else chosen["version"]
+    # a torch dist-info on another sys.path entry, with no torch beside it (a venv's leftover over
+    # the system torch): importlib.metadata answers from it first
+    elsewhere = ["%s (%s)" % (d, "stale: " + why if why else "another torch install, shadowed by this one")
+                 for entry in sys.path
+                 if entry and os.path.realpath(entry) != os.path.realpath(site)
+                 for d, _, why in distinfo.judge(entry, "torch", "torch")]
+    warning = "; ".join(w for w in (chosen["warning"], elsewhere and "torch dist-infos away from torch's own %s: %s"
+                                    % (site, "; ".join(elsewhere))) if w) or None
+    reason = None if version else (
+        "%s has no __version__ and no torch dist-info in %s matches the installed files%s" % (
+            found["path"], site, ": " + warning if warning else ""))
+    out = {"version": version, "cuda": found["cuda"]}
+    out.update(((k, v) for k, v in (("metadata_warning", warning), ("reason", reason)) if v))
+    return out
 
 
 def importable():

@@ -356,7 +356,7 @@ def anchor(location, text):
     }
 
 
-def kernel(public_dir, torch_version):
+def kernel(public_dir, torch_version, torch_unknown=None):
     """The published verify_attention build as this install's hook would load it: {"active":
     bool, "reason" (why not, or None), "link" (PUBLIC/verify_attention/current), "current" (its
     target), "build_dir", "module_path", "backend" ("cpu" | "cuda" | "triton", from the module's
@@ -369,7 +369,9 @@ def kernel(public_dir, torch_version):
     "active" needs the hook's trust walk (buildtrust.walk) to pass, as this probe's user (root:
     the hook's rule is about owners and modes, not who reads), and the build's torch to be `torch_version`
     (the install's, from facts; which torch install that is, the hook checks in the server's own
-    process). A table that routes nothing leaves "active" true: the route gate fails it."""
+    process); when that version is None, the refusal says why (`torch_unknown`: facts torch's
+    "reason", naming the dist-info to remove) rather than comparing it. A table that routes
+    nothing leaves "active" true: the route gate fails it."""
     pkg = os.path.join(public_dir, PACKAGE)
     link = os.path.join(pkg, "current")
     out = {"active": False, "reason": None, "link": link, "current": None, "build_dir": None, "module_path": None,
@@ -393,6 +395,11 @@ def kernel(public_dir, torch_version):
     out["backend"] = name[len(PACKAGE) + 1:] if name.startswith(PACKAGE + "_") else None
     out["dispatch"], out["table"] = _summary(table, key)
     built, where = _record(os.path.join(bdir, "build"), out)
+    if torch_version is None:
+        out["reason"] = ("this install's torch version cannot be known, so the active build %s (torch %s) cannot be "
+                         "checked against it: %s" % (out["current"], built, torch_unknown or "torch is not importable "
+                                                     "by this install's interpreter"))
+        return out
     if built != torch_version:
         out["reason"] = ("the active build %s was made with torch %s (%s), and this install runs torch %s: %s (with "
                          "this install's interpreter)" % (out["current"], built, where, torch_version, first))
@@ -483,7 +490,7 @@ def route(inst, servers, public_dir, with_sources):
     location = inst["sglang"]["location"]
     out = {"file": BACKEND, "hook_file": HOOK, "anchor": None, "refused": None, "signature": None, "guard": None,
            "import": None, "forward_batch": None, "files": {},
-           "kernel": kernel(public_dir, (inst.get("torch") or {}).get("version")),
+           "kernel": kernel(public_dir, (inst.get("torch") or {}).get("version"), (inst.get("torch") or {}).get("reason")),
            "servers": [server(s) for s in servers if s.get("install") == inst["id"]]}
     texts = {}
     for rel in (BACKEND, HOOK):

@@ -50,7 +50,9 @@ class CreateTask:
         if rel in (work.findings.get("files") or {}):
             if checked_source(rel, work.findings, work.sources).text != text:
                 raise PlanRefused(f"{rel} exists and is not what {self.template.template.filename} renders: not "
-                                  "replacing a file this playbook did not write (roll back the change that wrote it)")
+                                  "replacing a file this playbook did not write (roll back the change that wrote it; "
+                                  "one an upgrade replaced the release under, `fleetctl status` names it, is "
+                                  "dropped, and this file removed, by `fleetctl rollback --forget CHANGE-ID HOSTS`)")
             work.already_applied.append(site)
             return False
         if rel.endswith(".py"):
