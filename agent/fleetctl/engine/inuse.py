@@ -25,7 +25,7 @@ def escaped(text: object, limit: int = CMDLINE_SHOWN) -> str:
     """`text` (host data) as one bounded line: at most `limit` characters (then "..."), each
     character that is not printable (controls, line breaks, bidi and format characters) shown as
     its Python escape (\\x1b, \\n, \\u202e)."""
-    s = str(text)
+    s = "" if text is None else str(text)
     out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
     return out + ("..." if len(s) > limit else "")
 

@@ -146,12 +146,12 @@ def candidates(params, servers, services=(), running=((), ())):
     """Interpreters to ask, in order: [{python, first (sys.path entries put first), reason, pid
     (the server's, or None), unit (the systemd service's, or None), idle}]: each server's, the
     inventory's, each SGLang service's (units.services: its working directory and PYTHONPATH,
-    running or not), then the idle ones that may_have_sglang: the interpreter of each running
-    Python process (`running`: inuse.running's ([(pid, python)], uids); a process that is no
-    server may still run SGLang: an engine embedded in another framework, a scheduler's job),
-    python3 on PATH, COMMON_PYTHONS, the users' venvs and tools (tool_pythons, in the homes of
-    the running processes' users too) and each server's project `.venv` (in its working
-    directory), so that installs no server runs from are listed too."""
+    running or not), then the idle ones that may_have_sglang: python3 on PATH, COMMON_PYTHONS,
+    the users' venvs and tools (tool_pythons, in the homes of the running processes' users too),
+    each server's project `.venv` (in its working directory) and the interpreter of each running
+    Python process that is no server (`running`: inuse.running's ([(pid, python)], uids): an
+    engine embedded in another framework, a scheduler's job may run SGLang), so that installs no
+    server runs from are listed too."""
     out = [_candidate(s["python"], s["import_path"], "running server pid %d" % s["pid"], pid=s["pid"],
                       unit=s.get("unit"))
            for s in servers if s["python"]]
@@ -159,7 +159,7 @@ def candidates(params, servers, services=(), running=((), ())):
         out.append(_candidate(params["python"], [], "inventory"))
     for u in services:
         out.append(_candidate(u["python"], units.import_path(u), "systemd unit %s" % u["unit"], unit=u["unit"]))
-    idle = [(p, "interpreter of running pid %d" % pid) for pid, p in running[0]]
+    idle = []
     for d in os.environ.get("PATH", "/usr/bin").split(os.pathsep):
         p = os.path.join(d, "python3")
         if os.path.exists(p):
@@ -169,6 +169,8 @@ def candidates(params, servers, services=(), running=((), ())):
     idle += tool_pythons(running[1])
     cwds = [s.get("cwd") for s in servers] + [u["cwd"] for u in services]
     idle += [(os.path.join(d, ".venv", "bin", "python"), "project venv of a server") for d in cwds if d]
+    tops = {s["pid"] for s in servers}
+    idle += [(p, "interpreter of running pid %d" % pid) for pid, p in running[0] if pid not in tops]
     seen = set()
     for p, why in idle:
         if p not in seen and os.path.exists(p) and may_have_sglang(p):
