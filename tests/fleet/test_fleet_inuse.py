@@ -105,28 +105,54 @@ def test_an_install_in_use_by_no_server_is_refused_unless_no_validate(lab):
     assert sha(lab, TARGET) == before
 
 
+def make_venv(lab, host: str, venv: str) -> str:
+    """A venv at `venv` on `host` (of the lab venv's base interpreter) holding the real 0.5.2
+    release's sglang `__init__.py`, `version.py` and dist-info; its site directory."""
+    src = f"{labbase.VENV}/lib/python3.11/site-packages"
+    dst = f"{venv}/lib/python3.11/site-packages"
+    sh(lab, host, " && ".join([
+        f"base=$({labbase.VENV}/bin/python3 -c 'import sys; print(sys.base_prefix)')",
+        f"$base/bin/python3 -m venv --without-pip {venv}",
+        f"mkdir -p {dst}/sglang && cp {src}/sglang/__init__.py {src}/sglang/version.py {dst}/sglang/",
+        f"cp -r {src}/sglang-0.5.2.dist-info {dst}/"]))
+    return dst
+
+
 def test_a_user_no_passwd_lists_has_a_project_venv_that_is_found(lab):
     """Case (c): a home under /home of a uid /etc/passwd does not name (an SSSD or LDAP user),
     with a project .venv holding SGLang: inspect lists that install, asked as that uid."""
     host, uid = "lab-02", 42777
     assert sh(lab, host, f"getent passwd {uid} || echo none").strip() == "none"
-    venv = "/home/ldapuser/proj/.venv"
-    src = f"{labbase.VENV}/lib/python3.11/site-packages"
-    dst = f"{venv}/lib/python3.11/site-packages"
-    sh(lab, host, " && ".join([
-        "mount -t tmpfs -o mode=755 tmpfs /home",
-        f"{labbase.VENV}/bin/python3 -c 'import sys; print(sys.base_prefix)' > /tmp/base",
-        f"$(cat /tmp/base)/bin/python3 -m venv --without-pip {venv}",
-        f"mkdir -p {dst}/sglang && cp {src}/sglang/__init__.py {src}/sglang/version.py {dst}/sglang/",
-        f"cp -r {src}/sglang-0.5.2.dist-info {dst}/",
-        f"chown -R {uid}:{uid} /home/ldapuser"]))
+    sh(lab, host, "mount -t tmpfs -o mode=755 tmpfs /home")
     try:
+        dst = make_venv(lab, host, "/home/ldapuser/proj/.venv")
+        sh(lab, host, f"chown -R {uid}:{uid} /home/ldapuser")
         _, _, hosts = lab.cli_json("inspect", host, rc=0)
-        h = hosts[host]
-        found = {i["id"]: i for i in h["installs"]}
+        found = {i["id"]: i for i in hosts[host]["installs"]}
         inst = found.get(f"host:{dst}/sglang")
         assert inst is not None, sorted(found)
         assert inst["sglang"]["version"] == "0.5.2" and inst["asked_as"]["uid"] == uid, inst
         assert inst["in_use"] == {"processes": [], "more": 0}
     finally:
         sh(lab, host, "umount -l /home")
+
+
+def test_the_interpreter_of_a_process_that_is_no_server_is_asked(lab):
+    """An engine embedded in another framework, run from a venv in no place fleetctl looks in:
+    its process's interpreter is asked, its install listed, and the process named as its user."""
+    host = "lab-02"
+    dst = make_venv(lab, host, "/tmp/fc-engine/env")
+    pid = int(sh(lab, host, "cd / && (setsid /tmp/fc-engine/env/bin/python -c 'import time; time.sleep(600)' "
+                            "</dev/null >/dev/null 2>&1 & echo $!)").strip())
+    try:
+        _, _, hosts = lab.cli_json("inspect", host, rc=0)
+        found = {i["id"]: i for i in hosts[host]["installs"]}
+        inst = found.get(f"host:{dst}/sglang")
+        assert inst is not None, sorted(found)
+        assert [(p["pid"], p["why"]) for p in inst["in_use"]["processes"]] == [
+            (pid, "runs its interpreter /tmp/fc-engine/env/bin/python")]
+        considered = hosts[host]["facts"]["interpreter_discovery"]["considered"]
+        assert {"python": "/tmp/fc-engine/env/bin/python", "reason": f"interpreter of running pid {pid}",
+                "sglang": "0.5.2"} in considered
+    finally:
+        sh(lab, host, f"kill -9 {pid}; rm -rf /tmp/fc-engine")
