@@ -9,10 +9,13 @@ its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a s
 
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
 inventory's ansible_python_interpreter / fleetctl_python (params["python"]); each systemd service
-that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the local
-users' venvs, `uv tool` and pipx venvs, and servers' project `.venv`s, whose site directories
-hold an sglang distribution. An interpreter is asked as an unprivileged uid (runas: the
-effective uid of a server running from it, else its tree's owner, else `nobody` or the
+that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the venvs,
+`uv tool` and pipx venvs under every home (homes: /home/*, /root, the passwd users' and the
+running processes' users', a directory service's too), servers' project `.venv`s and the
+interpreters of running Python processes that are no server (inuse.running), whose site
+directories hold an sglang distribution. Each install says which processes use it without
+being its server (inuse.mark: "in_use"), what a change refuses to go past unvalidated.
+An interpreter is asked as an unprivileged uid (runas: the effective uid of a server running from it, else its tree's owner, else `nobody` or the
 inventory's fleetctl_unprivileged_user: its site module runs its `.pth` lines, sitecustomize and
 finders, which are the install's code, never root's); one that cannot be asked so (the account
 cannot read it) or that does not answer is an install seen but not inspected ("not_inspected",
@@ -149,9 +152,9 @@ def candidates(params, servers, services=(), running=((), ())):
     running or not), then the idle ones that may_have_sglang: python3 on PATH, COMMON_PYTHONS,
     the users' venvs and tools (tool_pythons, in the homes of the running processes' users too),
     each server's project `.venv` (in its working directory) and the interpreter of each running
-    Python process that is no server (`running`: inuse.running's ([(pid, python)], uids): an
-    engine embedded in another framework, a scheduler's job may run SGLang), so that installs no
-    server runs from are listed too."""
+    Python process that is no server nor a server's launcher (`running`: inuse.running's ([(pid,
+    python)], uids): an engine embedded in another framework, a scheduler's job may run
+    SGLang), so that installs no server runs from are listed too."""
     out = [_candidate(s["python"], s["import_path"], "running server pid %d" % s["pid"], pid=s["pid"],
                       unit=s.get("unit"))
            for s in servers if s["python"]]
@@ -169,8 +172,7 @@ def candidates(params, servers, services=(), running=((), ())):
     idle += tool_pythons(running[1])
     cwds = [s.get("cwd") for s in servers] + [u["cwd"] for u in services]
     idle += [(os.path.join(d, ".venv", "bin", "python"), "project venv of a server") for d in cwds if d]
-    tops = {s["pid"] for s in servers}
-    idle += [(p, "interpreter of running pid %d" % pid) for pid, p in running[0] if pid not in tops]
+    idle += [(p, "interpreter of running pid %d" % pid) for pid, p in running[0]]
     seen = set()
     for p, why in idle:
         if p not in seen and os.path.exists(p) and may_have_sglang(p):
@@ -442,7 +444,7 @@ def main(params):
     store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
     try:
         installs, considered, unseen = discover(params, servers, store, units.services(),
-                                                inuse.running(containers.host_view))
+                                                inuse.running(servers, containers.host_view))
         for inst in installs:
             if params.get("scan", True):
                 scan_install(inst, params.get("with_sources"), store)

@@ -105,7 +105,8 @@ def cmdline_text(argv):
 
 def _skipped(table, servers):
     """Pids that use no install here whatever they run: this probe, its ancestors, and each
-    server with every process below it."""
+    server with every process below it and every one above it (its launchers: `conda run`,
+    `timeout`, a supervisor; init itself is never one)."""
     skip = {os.getpid()}
     p = os.getppid()
     while p > 1 and p not in skip:
@@ -115,21 +116,25 @@ def _skipped(table, servers):
     for pid in table:
         if pid in tops or tops.intersection(procs.ancestors(pid, table)):
             skip.add(pid)
+    for pid in tops & set(table):
+        skip.update(procs.ancestors(pid, table))
     return skip
 
 
-def running(host_view=lambda pid: False):
+def running(servers, host_view=lambda pid: False):
     """What the running processes say of where installs may be: ([(pid, python)] the interpreter
-    of each Python process (procs.interpreter), in pid order, at most MAX_RUNNING; sorted uids
-    of all processes (their users' homes: host.homes)), both read from this mount namespace
-    (and the others `host_view` reads as the host's: procs.proc_table)."""
+    of each Python process (procs.interpreter) that is no server's, nor this probe's (see
+    _skipped: `servers`, procs.find_servers', are asked as servers), in pid order, at most
+    MAX_RUNNING; sorted uids of all processes (their users' homes: host.homes)), both read
+    from this mount namespace (and the others `host_view` reads as the host's: procs.proc_table)."""
     table, _ = procs.proc_table(host_view)
+    skip = _skipped(table, servers)
     pythons, uids = [], set()
     for pid in sorted(table):
         ids = runas.ids_of(pid)
         if ids:
             uids.add(ids[0])
-        if len(pythons) < MAX_RUNNING and procs.is_python(pid):
+        if len(pythons) < MAX_RUNNING and pid not in skip and procs.is_python(pid):
             python = procs.interpreter(pid, table[pid][0])
             if python:
                 pythons.append((pid, python))
