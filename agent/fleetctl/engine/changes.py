@@ -264,7 +264,9 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     targets = smoke_targets(ctx.host, change.facts, opts.smoke, inside=inside) if change.gates else []
     run = GateRun(change.facts, targets, opts.smoke)
     armed = [] if opts.no_validate else take_baselines(ctx, change.gates, run)
-    refused = None if opts.no_validate else inuse.refusal(change.facts, any(g.name == SMOKE for g, _ in armed))
+    # validated: a decode or offline check armed, or a server of the install a playbook chose not to gate
+    validated = any(g.name == SMOKE for g, _ in armed) or bool(change.facts.get("servers"))
+    refused = None if opts.no_validate else inuse.refusal(change.facts, validated)
     if refused:
         raise HostFailed(refused)
     result.data["change_id"] = change.change_id

@@ -44,7 +44,8 @@ def refusal(facts: dict, validated: bool) -> str | None:
     [...], "more": N}) must not be written, or None: it is in use and not `validated` (the smoke
     gate armed: a server to decode or an offline check). The text names the install, each
     process (at most SHOWN, then how many more: pid, uid, command line, what ties it to the
-    install), why they are not validated, and the way through (--no-validate)."""
+    install), why they are not validated, and the way through (--no-validate). `validated`:
+    the change's smoke gate is armed, or the install has a server identified (changes.execute)."""
     use = facts.get("in_use") or {}
     procs = use.get("processes") if isinstance(use, dict) else None
     if validated or not procs or not isinstance(procs, list):
