@@ -129,3 +129,16 @@ def test_no_refusal(f, validated):
 def test_a_hostile_entry_is_text_too():
     why = refuse.refusal(facts(["\x1b[31m" + "q" * 500, {"pid": "1\n2", "uid": None}]), validated=False)
     assert "\\x1b[31mqqq" in why and "pid 1\\n2 (uid ; ): " in why and all(c.isprintable() for c in why)
+
+
+@pytest.mark.parametrize("argv", [["apply", "defrag-tier0", "all", "--gate", "load", "--no-validate", "--yes"],
+                                  ["deploy", "kernel", "verify_attention", "all", "--gate", "load", "--no-validate",
+                                   "--yes"]])
+def test_no_validate_runs_no_gate_so_a_gate_asked_with_it_is_refused(tmp_path, argv):
+    from fleetctl.errors import EXIT_OPTIONS
+
+    inv = tmp_path / "hosts.yaml"
+    inv.write_text("all:\n  hosts:\n    here:\n      ansible_connection: local\n")
+    r = subprocess.run([sys.executable, "-m", "fleetctl.cli", *argv, "-i", str(inv), "--no-history"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_OPTIONS and "--no-validate runs no gate: leave out --gate" in r.stderr, r.stderr
