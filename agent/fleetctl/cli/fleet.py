@@ -18,7 +18,7 @@ from ..errors import UsageError
 from .console import err, out
 from .options import (
     AllowDrift, AskVaultPass, ConnectionOpt, ConnectTimeout, FleetOptions, HealthTimeout, InstallOpt, InventoryOpt,
-    JsonOut, KernelsDir, LatencySlack, LatencyTolerance, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
+    JsonOut, KernelsDir, LatencySlack, LatencyTolerance, NoValidate, Pattern, PlaybooksDir, Port, Repeat, SshConfig,
     VaultPasswordFile, Yes, fleet_command, load_inventory, settings,
 )
 from .options import BecomeOpt, ExtraVarsOpt, LimitOpt, UserOpt, command_line_vars, limited
@@ -151,12 +151,15 @@ def validate(opts: FleetOptions, pattern: Pattern,
     _finish(results, opts.json_out, renderer("validate", {}))
 
 
-def _gate_load(gate, declared, **settings):
+def _gate_load(gate, declared, no_validate=False, **settings):
     """(--gate load asked, the command line's load settings, the LoadOptions a change gets when
     the playbook's load step (`declared`, None for none) or --gate load asks, else None).
-    Raises UsageError for load options given with no load gate to use them."""
+    Raises UsageError for load options given with no load gate to use them, and for --gate
+    with --no-validate (`no_validate`), which runs no gate."""
     from ..engine.load import load_options
 
+    if no_validate and gate is not None:
+        raise UsageError("--no-validate runs no gate: leave out --gate")
     given = load_settings(gate=gate, **settings)
     if gate is None and declared is None and given:
         raise UsageError("the --load-* and tolerance options go with --gate load (or a playbook's load step)")
@@ -178,7 +181,7 @@ def apply(opts: FleetOptions,
           health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S, repeat: Repeat = 3,
           latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
           allow_token_drift: AllowDrift = False, playbooks_dir: PlaybooksDir = None,
-          install: InstallOpt = None,
+          install: InstallOpt = None, no_validate: NoValidate = False,
           export_patch: Annotated[Optional[Path], typer.Option("--export-patch", help=(
               "Write the plan as checked patch files into DIR (one per SGLang version and pre-image set) "
               "for image builds; implies --check."))] = None,
@@ -209,7 +212,7 @@ def apply(opts: FleetOptions,
         raise UsageError("--pristine-dir goes with --export-patch")
     check = check or export_patch is not None
     load_gate, load_given, lo = _gate_load(
-        gate, next((v.load for v in pb.validate if v.step == "load"), None), concurrency=load_concurrency,
+        gate, next((v.load for v in pb.validate if v.step == "load"), None), no_validate, concurrency=load_concurrency,
         num_prompts=load_prompts, input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
         client=load_client, repeat=load_repeat, max_throughput_drop=max_throughput_drop, max_itl_rise=max_itl_rise,
         itl_slack_ms=itl_slack_ms, max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
@@ -217,7 +220,7 @@ def apply(opts: FleetOptions,
                               max_fail_percentage=max_fail_percentage,
                               smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                                 allow_token_drift, latency_slack),
-                              load_gate=load_gate, load_settings=load_given)
+                              load_gate=load_gate, load_settings=load_given, no_validate=no_validate)
     hosts = opts.select(pattern)
 
     def confirm(plan_results, to_change) -> None:
@@ -338,6 +341,7 @@ def deploy_kernel(opts: FleetOptions,
                   port: Port = config.DEFAULT_SGLANG_PORT, health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S,
                   repeat: Repeat = 3, latency_tolerance: LatencyTolerance = 1.25, latency_slack: LatencySlack = None,
                   allow_token_drift: AllowDrift = False, kernels_dir: KernelsDir = None,
+                  no_validate: NoValidate = False,
                   gate: GateOpt = None, load_concurrency: LoadConcurrency = None, load_prompts: LoadPrompts = None,
                   load_input_len: LoadInputLen = None, load_output_len: LoadOutputLen = None,
                   load_timeout: LoadTimeout = None, load_client: LoadClient = None, load_repeat: LoadRepeat = None,
@@ -363,14 +367,14 @@ def deploy_kernel(opts: FleetOptions,
         raise UsageError(f"--route {e}" if e.spec is not None else f"--route: {e}") from None
     pkg = load_package(project_dir("kernels", kernels_dir), name)
     load_gate, load_given, lo = _gate_load(
-        gate, None, concurrency=load_concurrency, num_prompts=load_prompts, input_len=load_input_len,
+        gate, None, no_validate, concurrency=load_concurrency, num_prompts=load_prompts, input_len=load_input_len,
         output_len=load_output_len, timeout_s=load_timeout, client=load_client, repeat=load_repeat,
         max_throughput_drop=max_throughput_drop, max_itl_rise=max_itl_rise, itl_slack_ms=itl_slack_ms,
         max_ttft_rise=max_ttft_rise, ttft_slack_ms=ttft_slack_ms)
     deploy_opts = DeployOptions(smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance, allow_token_drift,
                                                   latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
                                 check=check, backend=backend, load_gate=load_gate, load_settings=load_given,
-                                route=routes)
+                                route=routes, no_validate=no_validate)
     hosts = opts.select(pattern)
     if not check:
         _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)

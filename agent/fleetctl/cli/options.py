@@ -81,6 +81,10 @@ LatencySlack = Annotated[Optional[float], typer.Option("--latency-slack", help=(
     "Extra seconds allowed on top of the latency ratio (default: the host's fleetctl_latency_slack, else 0)."))]
 AllowDrift = Annotated[bool, typer.Option("--allow-token-drift",
                        help="Let greedy tokens differ after a change (reported as token drift).")]
+NoValidate = Annotated[bool, typer.Option("--no-validate", help=(
+    "Change hosts without validating the change (no smoke, load or route gate), also where processes "
+    "that are no server fleetctl identifies use the install (else refused); recorded in the history and "
+    "the host's ledger as \"validation: skipped by --no-validate\"."))]
 InstallOpt = Annotated[Optional[str], typer.Option("--install", help=(
     "The install to work on, by its id from inspect (host:<package_dir>); "
     "default: every install a server runs from."))]

@@ -36,10 +36,10 @@ from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_
 from ..connection import LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 from ..connection.command import operator_argv
 from .context import HostContext, HostResult
-from . import containers
+from . import containers, inuse
 from .gather import install_context
 from ..errors import HostFailed, ProbeFailed
-from .gates import SMOKE, Gate, GateRun, judge, take_baselines
+from .gates import SMOKE, Gate, GateRun, judge, skipped, take_baselines
 from ..probes import redact
 from .validate import SmokeOptions, server_problems, smoke, smoke_targets
 from ..vocab import ChangeState, HostStatus
@@ -59,9 +59,12 @@ class ChangeOptions:
     """What every changing command shares. smoke: gate options; operator: recorded in the
     ledger ("user@machine"); state_dir: fleetctl's state directory on the hosts; load_gate: the
     command line asked for the load gate (--gate load); load_settings: its load settings
-    (engine/load.load_options names), over a playbook's `load` step."""
+    (engine/load.load_options names), over a playbook's `load` step; no_validate: --no-validate,
+    no gate runs (no baseline, no judging) and an install in use is changed all the same
+    (engine/inuse.py), recorded as such in the result and the ledger."""
 
     smoke: SmokeOptions = field(default_factory=SmokeOptions)
+    no_validate: bool = False
     load_gate: bool = False
     load_settings: dict = field(default_factory=dict)
     operator: str = field(default_factory=_operator)
@@ -249,7 +252,10 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     (gates.take_baselines, on the servers of change.facts: validate.smoke_targets; a baseline
     that fails or cannot run refuses the host), the write (pre-image hashes checked, backups,
     atomic; ledger "pending"), then validation and settling (validate_change, settle). A
-    connection lost from the write on is put right by put_back. Returns `result` with status
+    connection lost from the write on is put right by put_back. A change to an install in use
+    by processes that no armed gate validates is refused before the write (inuse.refusal);
+    with opts.no_validate no gate runs, result.data["validation"] says skipped
+    (inuse.NO_VALIDATE) and the ledger's commit reason inuse.VALIDATION_SKIPPED. Returns `result` with status
     changed, or failed with the reason (rolled back unless change.rollback is False). Sets
     result.data["change_id"], ["handlers"], each gate's entry (its name: "validation",
     "load_gate", "route_gate"), ["rolled_back"]. Raises HostFailed (a refused write or
@@ -257,7 +263,12 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
     inside = ctx.container is not None
     targets = smoke_targets(ctx.host, change.facts, opts.smoke, inside=inside) if change.gates else []
     run = GateRun(change.facts, targets, opts.smoke)
-    armed = take_baselines(ctx, change.gates, run)
+    armed = [] if opts.no_validate else take_baselines(ctx, change.gates, run)
+    # validated: a decode or offline check armed, or a server of the install a playbook chose not to gate
+    validated = any(g.name == SMOKE for g, _ in armed) or bool(change.facts.get("servers"))
+    refused = None if opts.no_validate else inuse.refusal(change.facts, validated)
+    if refused:
+        raise HostFailed(refused)
     result.data["change_id"] = change.change_id
     try:
         change_probe(ctx, "apply", opts.state_dir, change_id=change.change_id, playbook=change.label,
@@ -265,7 +276,10 @@ def execute(ctx: HostContext, result: HostResult, change: Change, opts: ChangeOp
                      shared_tree=ctx.host.shared_tree, commit=False, install=change.install)
         result.status = HostStatus.CHANGED
         problems = validate_change(ctx, result, change, run, armed)
-        return settle(ctx, result, change, opts.state_dir, problems, opts.smoke)
+        if opts.no_validate:
+            result.data[SMOKE] = skipped(inuse.NO_VALIDATE)
+        return settle(ctx, result, change, opts.state_dir, problems, opts.smoke,
+                      inuse.VALIDATION_SKIPPED if opts.no_validate else None)
     except Unreachable as e:
         return put_back(ctx, result, change, opts, e)
 
@@ -354,7 +368,7 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, run: G
 
 
 def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
-           problems: list[str], smoke_opts: SmokeOptions | None = None) -> HostResult:
+           problems: list[str], smoke_opts: SmokeOptions | None = None, note: str | None = None) -> HostResult:
     """Finish a pending change: commit it ("applied") when there are no problems; else roll it
     back (byte-identical) and run its handlers again, or, without change.rollback, commit it and
     mark the host failed. A rollback whose handlers restarted a server is followed by the
@@ -363,7 +377,8 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
     Runs under its own ROLLBACK_RESERVE_S deadline, so a host whose validation used up its
     deadline is still put back. A commit the host's full state dir made take another way (the
     ledger's reserve, or its pending line marked applied in place) says how in result.data
-    ["commit_note"]. Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable (from the
+    ["commit_note"]. `note`: the commit's reason in the ledger when there are no problems
+    (inuse.VALIDATION_SKIPPED). Raises HostFailed, ProbeFailed, RemoteTimeout, Unreachable (from the
     probe)."""
     ctx = replace(ctx, deadline=max(ctx.deadline, time.monotonic() + ROLLBACK_RESERVE_S))
     if problems and change.rollback:
@@ -378,7 +393,7 @@ def settle(ctx: HostContext, result: HostResult, change: Change, state_dir: str,
         result.status, result.error = HostStatus.FAILED, f"rolled back: {reason}"
         result.data["rolled_back"] = True
         return result
-    committed = change_probe(ctx, "commit", state_dir, change_id=change.change_id, reason="; ".join(problems) or None)
+    committed = change_probe(ctx, "commit", state_dir, change_id=change.change_id, reason="; ".join(problems) or note)
     if committed.get("note"):  # the host's state dir is full: how the commit still got recorded (review L7)
         result.data["commit_note"] = committed["note"]
     result.status = HostStatus.CHANGED

@@ -15,10 +15,24 @@ from typing import Any, Callable
 
 from .. import probes
 from ..connection import Connection, RemoteTimeout, Result, Unreachable
+from ..connection.base import OUTPUT_MAX
 from ..connection.container import ContainerConnection
 from ..errors import HostFailed, ProbeFailed
 from ..inventory import Host
 from ..vocab import HostStatus
+
+
+def cut_short(host: str, main: str, e: probes.CutShort) -> str:
+    """What a probe's answer cut short (probes.CutShort) says: the host (escaped: a name from the
+    inventory), the probe, the bytes received against the limit the controller keeps
+    (connection.base.OUTPUT_MAX: output past it is refused whole, never cut), the exit status
+    and the end of stderr, then the JSON parser's error."""
+    tail = e.tail.encode("unicode_escape").decode("ascii")[-300:]
+    return (f"the {main} probe's answer from {host!r} ended early: {e.size} bytes of output received, under "
+            f"fleetctl's limit of {OUTPUT_MAX} bytes per command (output past it is refused, never cut), exit "
+            f"status {e.exit_code}{'; stderr ends: ' + tail if tail else ''}: the probe was stopped while writing it "
+            f"or the connection lost its end; {e}")
+
 
 @dataclass
 class HostResult:
@@ -140,6 +154,8 @@ class HostContext:
             raise HostFailed(f"interpreter {py or 'python3 on PATH'} refused: {e} (fleetctl runs it as root)") from None
         except probes.NoPython as e:
             raise HostFailed(str(e)) from None
+        except probes.CutShort as e:
+            raise ProbeFailed(cut_short(self.host.name, main, e)) from None
         except probes.ProbeError as e:
             raise ProbeFailed(str(e)) from None
         t = self.timing

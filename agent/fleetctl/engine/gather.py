@@ -107,11 +107,13 @@ def install_errors(g: dict) -> list[str]:
 
 
 def install_facts(g: dict, inst: dict | None) -> dict:
-    """The host's facts as seen from install `inst`: its sglang, python, torch and the servers
-    that run from it (the host's facts unchanged when `inst` is None)."""
+    """The host's facts as seen from install `inst`: its sglang, python, torch, the servers
+    that run from it and the other processes that use it (in_use: probes/facts/inuse.py; None
+    when the host did not say) (the host's facts unchanged when `inst` is None)."""
     if inst is None:
         return g["facts"]
     return {**g["facts"], "sglang": inst["sglang"], "python": inst["python"], "torch": inst["torch"],
+            "in_use": inst.get("in_use"),
             "servers": [s for s in g["facts"]["servers"] if s.get("install") == inst["id"]]}
 
 

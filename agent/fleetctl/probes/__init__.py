@@ -340,6 +340,16 @@ def path_python(args: list[str]) -> list[str]:
     return ["sh", "-c", trust.GUARD + "\n" + _PATH_PYTHON, "fleetctl", *args]
 
 
+class CutShort(ProbeError):
+    """A probe's output held its result marker but no whole JSON text after it: the output ended
+    early. `size`: bytes of the output received; `exit_code`: the command's; `tail`: the end of
+    its stderr (what killed it may have said so)."""
+
+    def __init__(self, message: str, size: int, exit_code: int, tail: str):
+        super().__init__(message)
+        self.size, self.exit_code, self.tail = size, exit_code, tail
+
+
 class Untrusted(ProbeError):
     """trust.GUARD refused the interpreter a probe was to start under; the message is why."""
 
@@ -353,8 +363,9 @@ def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     """Extract the probe's JSON result from its output.
 
     Raises Untrusted when trust.GUARD refused its interpreter, NoPython when no interpreter
-    could run the probes (too old, or none: the start's own sentence), ProbeError when the
-    probe crashed (its traceback included) or printed no result.
+    could run the probes (too old, or none: the start's own sentence), CutShort when the text
+    after the marker is no whole JSON text, ProbeError when the probe crashed (its traceback
+    included) or printed no result.
     """
     text = stdout.decode("utf-8", "replace")
     found = result.after_marker(text)
@@ -371,7 +382,8 @@ def parse_output(stdout: bytes, stderr: bytes, exit_code: int) -> dict:
     try:
         out = json.loads(found)
     except ValueError as e:
-        raise ProbeError(f"probe result is not JSON (output cut short?): {e}") from None
+        raise CutShort(f"probe result is not JSON (output cut short?): {e}", len(stdout), exit_code,
+                       stderr.decode("utf-8", "replace").strip()[-500:]) from None
     if isinstance(out, dict) and "__probe_error__" in out:
         raise ProbeError("probe failed on the host:\n" + out["__probe_error__"].strip())
     return out

@@ -9,10 +9,13 @@ its own interpreter with locate.locate, the bundle re-run as `python -I`) -> a s
 
 Interpreters asked: each running server's own (with its working directory and PYTHONPATH); the
 inventory's ansible_python_interpreter / fleetctl_python (params["python"]); each systemd service
-that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the local
-users' venvs, `uv tool` and pipx venvs, and servers' project `.venv`s, whose site directories
-hold an sglang distribution. An interpreter is asked as an unprivileged uid (runas: the
-effective uid of a server running from it, else its tree's owner, else `nobody` or the
+that runs SGLang (units.py), running or not; python3 on PATH, common venv locations, the venvs,
+`uv tool` and pipx venvs under every home (homes: /home/*, /root, the passwd users' and the
+running processes' users', a directory service's too), servers' project `.venv`s and the
+interpreters of running Python processes that are no server (inuse.running), whose site
+directories hold an sglang distribution. Each install says which processes use it without
+being its server (inuse.mark: "in_use"), what a change refuses to go past unvalidated.
+An interpreter is asked as an unprivileged uid (runas: the effective uid of a server running from it, else its tree's owner, else `nobody` or the
 inventory's fleetctl_unprivileged_user: its site module runs its `.pth` lines, sitecustomize and
 finders, which are the install's code, never root's); one that cannot be asked so (the account
 cannot read it) or that does not answer is an install seen but not inspected ("not_inspected",
@@ -26,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from . import callsites, containers, gpus, locate, procs, scancache, torchver, units, verifyroute
+from . import callsites, containers, gpus, inuse, locate, procs, scancache, torchver, units, verifyroute
 from .. import bounded, runas, trust
 
 COMMON_PYTHONS = [
@@ -86,36 +89,47 @@ def may_have_sglang(python):
             or any(os.path.isfile(os.path.join(p, "sglang", "__init__.py")) for d in dirs for p in _pth_paths(d)))
 
 
-def homes():
-    """Home directories of the host's local users (/etc/passwd through pwd, its first MAX_USERS
-    entries, and /root): those that exist and belong to their user (a system account's shared home, such as /usr/sbin or
-    /, is no user's own), each once (by its real path)."""
-    out, seen = [], set()
+def homes(uids=()):
+    """Home directories to look in for users' installs, each once (by its real path), those that
+    exist: /root, every directory under /home (a user a directory service knows is listed by no
+    file here, and a home may belong to root), the homes of the host's local users (/etc/passwd
+    through pwd, its first MAX_USERS entries) and of the users `uids` (the running processes':
+    pwd.getpwuid, which asks NSS: SSSD or LDAP answer for a user they do not enumerate). A
+    passwd home is taken only when it belongs to its user (a system account's shared home, such
+    as /usr/sbin or /, is no user's own); at most MAX_USERS homes."""
+    entries = [("/root", None)] + [(h, None) for h in sorted(glob.glob("/home/*"))[:MAX_USERS]]
     try:
         import pwd
-        entries = [(e.pw_dir, e.pw_uid) for e in pwd.getpwall()[:MAX_USERS]]
+        entries += [(e.pw_dir, e.pw_uid) for e in pwd.getpwall()[:MAX_USERS]]
+        for uid in sorted(set(uids))[:MAX_USERS]:
+            try:
+                entries.append((pwd.getpwuid(uid).pw_dir, uid))
+            except (KeyError, OverflowError):
+                continue  # a uid no user database knows: its home, if any, is under /home
     except ImportError:
-        entries = []
-    for home, uid in [("/root", 0)] + entries:
+        pass
+    out, seen = [], set()
+    for home, uid in entries:
         try:
             st = os.stat(home)
         except (OSError, ValueError):
             continue
         real = os.path.realpath(home)
-        if os.path.isabs(home) and st.st_uid == uid and real not in seen and real != "/":
+        if (os.path.isabs(home) and os.path.isdir(home) and (uid is None or st.st_uid == uid)
+                and real not in seen and real != "/"):
             seen.add(real)
             out.append(home)
-    return out
+    return out[:MAX_USERS]
 
 
-def tool_pythons():
+def tool_pythons(uids=()):
     """Interpreters of the venvs SGLang's install docs and Python's tool installers make,
-    [(python, reason)]: each local user's (homes()) project and plain venvs, `uv tool` tools
+    [(python, reason)]: each home's (homes(uids)) project and plain venvs, `uv tool` tools
     (~/.local/share/uv/tools/NAME), pipx venvs (~/.local/share/pipx/venvs/NAME, older
     ~/.local/pipx/venvs/NAME), pipx's global venvs (/opt/pipx/venvs/NAME) and the directories
     this probe's own environment names ($PIPX_HOME, $PIPX_GLOBAL_HOME, $UV_TOOL_DIR)."""
     out = []
-    for home in homes():
+    for home in homes(uids):
         for pat, why in HOME_PYTHONS:
             out += [(p, why % home) for p in sorted(glob.glob(os.path.join(glob.escape(home), pat)))]
     named = [(os.environ.get("PIPX_HOME"), "venvs/*/bin/python", "$PIPX_HOME"),
@@ -131,13 +145,16 @@ def _candidate(python, first, reason, pid=None, unit=None, idle=False):
     return {"python": python, "first": list(first), "reason": reason, "pid": pid, "unit": unit, "idle": idle}
 
 
-def candidates(params, servers, services=()):
+def candidates(params, servers, services=(), running=((), ())):
     """Interpreters to ask, in order: [{python, first (sys.path entries put first), reason, pid
     (the server's, or None), unit (the systemd service's, or None), idle}]: each server's, the
     inventory's, each SGLang service's (units.services: its working directory and PYTHONPATH,
     running or not), then the idle ones that may_have_sglang: python3 on PATH, COMMON_PYTHONS,
-    the users' venvs and tools (tool_pythons) and each server's project `.venv` (in its working
-    directory), so that installs no server runs from are listed too."""
+    the users' venvs and tools (tool_pythons, in the homes of the running processes' users too),
+    each server's project `.venv` (in its working directory) and the interpreter of each running
+    Python process that is no server nor a server's launcher (`running`: inuse.running's ([(pid,
+    python)], uids): an engine embedded in another framework, a scheduler's job may run
+    SGLang), so that installs no server runs from are listed too."""
     out = [_candidate(s["python"], s["import_path"], "running server pid %d" % s["pid"], pid=s["pid"],
                       unit=s.get("unit"))
            for s in servers if s["python"]]
@@ -152,9 +169,10 @@ def candidates(params, servers, services=()):
             idle.append((p, "python3 on PATH"))
             break
     idle += [(p, "common location") for pat in COMMON_PYTHONS for p in sorted(glob.glob(pat))]
-    idle += tool_pythons()
+    idle += tool_pythons(running[1])
     cwds = [s.get("cwd") for s in servers] + [u["cwd"] for u in services]
     idle += [(os.path.join(d, ".venv", "bin", "python"), "project venv of a server") for d in cwds if d]
+    idle += [(p, "interpreter of running pid %d" % pid) for pid, p in running[0]]
     seen = set()
     for p, why in idle:
         if p not in seen and os.path.exists(p) and may_have_sglang(p):
@@ -269,7 +287,7 @@ def asker(cand, params):
     return runas.account(servers, tree, params.get("unprivileged_user"))
 
 
-def discover(params, servers, store=None, services=()):
+def discover(params, servers, store=None, services=(), running=((), ())):
     """The installs on this host: ([{id, python, sglang, torch, servers: [pid], error, asked_as:
     {uid, why}: the account its interpreter was asked as (asker)}],
     [{python, reason, sglang (version or None), skipped | error}] interpreters considered,
@@ -286,7 +304,7 @@ def discover(params, servers, store=None, services=()):
     installs, considered, asked, unseen = {}, [], {}, {}
     for s in servers:
         s["install"] = None
-    for cand in candidates(params, servers, services):
+    for cand in candidates(params, servers, services, running):
         python, first, pid = cand["python"], cand["first"], cand["pid"]
         key = (python, tuple(first))
         if key not in asked:
@@ -425,7 +443,8 @@ def main(params):
     found = containers.containers(others) if params.get("containers", True) else []
     store = scancache.Store(params["cache_key"]) if params.get("cache_key") else None
     try:
-        installs, considered, unseen = discover(params, servers, store, units.services())
+        installs, considered, unseen = discover(params, servers, store, units.services(),
+                                                inuse.running(servers, containers.host_view))
         for inst in installs:
             if params.get("scan", True):
                 scan_install(inst, params.get("with_sources"), store)
@@ -443,6 +462,7 @@ def main(params):
     finally:
         if store:
             store.close()
+    inuse.mark(installs, servers, containers.host_view)
     main_inst, reason = primary(installs, servers, unseen)
     gpu_rows, gpu_errors, gpus_reason = gpus.gpu_facts()
     facts = {
@@ -455,6 +475,7 @@ def main(params):
         "gpus": gpu_rows, "gpu_errors": gpu_errors, "gpus_reason": gpus_reason,
         "servers": servers,
         "servers_unreadable": procs.unreadable_servers(),
+        "in_use": main_inst["in_use"] if main_inst else None,
         "servers_in_other_namespaces": len(others),
         "containers": found, "runtime_clis": containers.clis(),
         "tool_errors": bounded.errors(),  # host tools (nvidia-smi, systemctl, a runtime's inspect) that did not answer

@@ -104,7 +104,7 @@ def server_kind(argv):
     return None
 
 
-def _is_python(pid):
+def is_python(pid):
     """True when /proc/PID/exe is a Python interpreter binary (python, python3, python3.11...)."""
     try:
         exe = os.readlink("/proc/%d/exe" % pid)
@@ -132,7 +132,7 @@ def environ(pid, names):
     return parse_environ(read("/proc/%d/environ" % pid, "rb") or b"", names)
 
 
-def _proc_table(host_view):
+def proc_table(host_view):
     """{pid: (argv, ppid)} for processes in this mount namespace, and those in others that
     `host_view(pid)` reads as the host's (system services); [pid] of the servers (tops of their
     trees there: a server whose parent is a server is its worker) in other mount namespaces."""
@@ -151,7 +151,7 @@ def _proc_table(host_view):
             mnt = own_mnt
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         if own_mnt is not None and mnt != own_mnt and not host_view(int(d)):
-            if server_kind(argv) and _is_python(int(d)):
+            if server_kind(argv) and is_python(int(d)):
                 others.append(int(d))
                 parents[int(d)] = ppid
             continue
@@ -249,7 +249,9 @@ def server_fields(argv, env, unit):
             "cuda_visible_devices": visible, "gpu_ids": topology.gpu_ids(layout, visible)}
 
 
-def _ancestors(pid, table):
+def ancestors(pid, table):
+    """The pids above `pid` in `table` (proc_table's), its parent first, up to (not counting)
+    init or a pid outside the table."""
     seen, p = [], table[pid][1]
     while p in table and p not in seen and p > 1:
         seen.append(p)
@@ -308,12 +310,12 @@ def find_servers(host_view=lambda pid: False):
     The fields from the server's own argv, environment and cgroup are server_fields'.
     Secrets in argv, model_path and host (--api-key, tokens, headers, URL passwords, signed-URL
     parameters) are redacted here, before they leave the host (redact.py)."""
-    table, others = _proc_table(host_view)
-    cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and _is_python(pid)}
-    tops = {pid for pid in cands if not any(a in cands for a in _ancestors(pid, table))}
+    table, others = proc_table(host_view)
+    cands = {pid for pid, (argv, _) in table.items() if server_kind(argv) and is_python(pid)}
+    tops = {pid for pid in cands if not any(a in cands for a in ancestors(pid, table))}
     below = {}
     for pid in table:
-        top = next((a for a in reversed(_ancestors(pid, table)) if a in tops), None)
+        top = next((a for a in reversed(ancestors(pid, table)) if a in tops), None)
         if top is not None:
             below.setdefault(top, []).append(pid)
     servers = []
@@ -321,7 +323,7 @@ def find_servers(host_view=lambda pid: False):
         argv = table[pid][0]
         own = server_fields(argv, environ(pid, {"CUDA_VISIBLE_DEVICES"}), service_unit(pid))
         kids = sorted(below.get(pid, []))
-        children = [p for p in kids if own["kind"] == "router" and table[p][1] == pid and _is_python(p)]
+        children = [p for p in kids if own["kind"] == "router" and table[p][1] == pid and is_python(p)]
         ports = _listening_ports(set(children) | (set(kids) & cands))
         workers = [p for p in kids if p in cands or (p in children and ports[p])]
         head = {k: own.pop(k) for k in ("argv", "kind", "port", "host", "model_path")}
