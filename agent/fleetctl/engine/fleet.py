@@ -208,10 +208,8 @@ class Fleet:
                     break
                 except KeyboardInterrupt:
                     if self.interrupted:
-                        for fut in pending:
-                            self.console.print(f"[bold red]stopped while {escape(futures[fut].name)} was in progress"
-                                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
-                        raise
+                        self._abandon(pending, futures, results, note)
+                        break
                     # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
                     self.interrupted = True
@@ -229,6 +227,27 @@ class Fleet:
             if progress:
                 progress.stop()
         return [results[h.name] for h in hosts]
+
+    def _abandon(self, pending: set, futures: dict, results: dict, note: str | None = None) -> None:
+        """A second Ctrl-C: stop waiting. Each host in progress is failed as interrupted (its
+        connection closed, which ends every wait on it; a connect still in progress is abandoned:
+        its connection is closed as soon as it opens, Fleet.connection) and named on the console
+        with the job's stopped_note `note`; the hosts that finished keep their results, which
+        the command then prints and records. The worker threads left are not waited for:
+        cli.main ends the process without joining them (cli.abandoned_threads)."""
+        with self._conns_lock:
+            self._closing = True
+            conns = [self._conns.pop(futures[fut].name, None) for fut in pending]
+        for fut in pending:
+            h = futures[fut]
+            self.console.print(f"[bold red]stopped while {escape(h.name)} was in progress"
+                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
+            results[h.name] = HostResult(h.name, h.address, HostStatus.FAILED,
+                                         "interrupted (Ctrl-C twice) while this host was in progress: its "
+                                         "connection was closed" + (f"; {note}" if note else ""), interrupted=True)
+        for conn in conns:
+            if conn is not None:
+                conn.close()
 
     def _expired_msg(self) -> str:
         return f"not attempted: the run's deadline (--run-timeout {self.run_timeout:g} s) passed"
