@@ -174,6 +174,24 @@ TtftSlackMs = Annotated[Optional[float], typer.Option("--ttft-slack-ms", help=(
     "Load gate: milliseconds added to the p99 TTFT limit (20)."))]
 
 
+# The help pages' panels (Typer's rich_help_panel, issue 50): a command's own options and the
+# common -i, -l, -e, --json, --yes come first, in the default "Options" panel; the shared ones
+# below follow, grouped, so that apply's or deploy's 60 options do not bury the few a run needs.
+HELP_PANELS = {
+    "Connection": (UserOpt, BecomeOpt, AskBecomePass, ConnectTimeout, AcceptNew, SshConfig, ConnectionOpt, Forks,
+                   Timeout, JobTimeout, RunTimeout, VaultPasswordFile, AskVaultPass),
+    "Smoke gate": (HealthTimeout, Repeat, Port, LatencyTolerance, LatencySlack, AllowDrift),
+    "Load gate": (LoadOpt, GateOpt, LoadConcurrency, LoadPrompts, LoadInputLen, LoadOutputLen, LoadTimeout,
+                  LoadClient, LoadRepeat, MaxThroughputDrop, MaxItlRise, ItlSlackMs, MaxTtftRise, TtftSlackMs),
+    "Allocator replay": (AllocatorReplay, ReplayPool, ReplayConcurrency, ReplayInput, ReplayOutput, ReplayAborts,
+                         ReplaySeed, ReplayRequests),
+    "Paths and history": (PlaybooksDir, KernelsDir, HistoryOpt, NoHistory),
+}
+for _panel, _options in HELP_PANELS.items():
+    for _option in _options:
+        _option.__metadata__[0].rich_help_panel = _panel
+
+
 def load_settings(**given) -> dict:
     """The load settings the load options give (engine/load.load_options names; those not
     given left out): `gate` (--gate load[:PROFILE]) or `load` (validate --load PROFILE) gives the
