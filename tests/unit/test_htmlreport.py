@@ -403,7 +403,8 @@ def test_a_rollback_after_the_last_status_drops_the_change_from_the_overview(run
                                    change_ids=[defrag])])
     cell = _cells(upto_status + [rollback], "lab-01")["applied changes"]
     assert cell.lines == ["none"] and (cell.run_id, cell.command) == ("rb-defrag", "rollback")
-    assert _cells(upto_status + [rollback], "lab-02")["applied changes"].run_id.endswith("-07"), "other hosts keep theirs"
+    other = _cells(upto_status + [rollback], "lab-02")["applied changes"]
+    assert other.run_id.endswith("-07"), "other hosts keep theirs"
 
 
 def test_a_deploy_after_the_last_status_shows_its_kernel_and_its_rollback_removes_it(runs):
@@ -422,13 +423,13 @@ def test_a_deploy_after_the_last_status_shows_its_kernel_and_its_rollback_remove
 def test_a_rollback_of_a_change_the_history_never_saw_marks_the_cells_unknown(runs):
     status = by_name(runs, "-07")
     rb = by_name(runs, "-13")
-    rollback = dataclasses.replace(rb, run_id="rb-unknown", started_at=status.started_at + 60,
-                                   hosts=[dataclasses.replace(rb.hosts[0], doc={**rb.hosts[0].doc,
-                                                                                 "change_id": "20200101T000000Z-x-1"})])
+    unseen = dataclasses.replace(rb.hosts[0], doc={**rb.hosts[0].doc, "change_id": "20200101T000000Z-x-1"})
+    rollback = dataclasses.replace(rb, run_id="rb-unknown", started_at=status.started_at + 60, hosts=[unseen])
     cells = _cells([status, rollback], "lab-01")
     for title in ("applied changes", "active kernels"):
         assert cells[title].run_id == "rb-unknown"
-        assert cells[title].lines[0].startswith("unknown: changed by rollback") and "fleetctl status" in cells[title].lines[0]
+        line = cells[title].lines[0]
+        assert line.startswith("unknown: changed by rollback") and "fleetctl status" in line
 
 
 def test_an_unreachable_host_reads_unreachable_not_no_install(runs):
