@@ -157,8 +157,9 @@ install they need was seen but not inspected: `not_inspected`, with its reason; 
 Python 3.8+ and none was found); 3 a host unreachable (a refused host key counts as unreachable); 4
 inventory, playbook or parse error; 5 bad options or a host pattern that matches nothing; 130
 stopped by Ctrl-C (hosts in progress finished, the rest not started); 143 stopped by SIGTERM
-(handled as Ctrl-C). A second Ctrl-C stops waiting: connections are closed, and one still being
-opened is closed as it opens, never used.
+(handled as Ctrl-C). A second Ctrl-C stops waiting: the hosts that finished are printed and
+recorded, the ones in progress fail as interrupted (their connections closed; a connect still
+being opened is abandoned, closed as it opens, never used), and the process exits at once.
 """
 
 

@@ -98,3 +98,53 @@ def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progr
     assert hosts[NEXT]["status"] == "not attempted" and "interrupted" in hosts[NEXT]["error"]
     assert tree_digest(lab, NEXT) == before
     assert pids_naming(str(jump)) == [], "a ProxyCommand outlived the run"
+
+
+def test_a_second_ctrl_c_keeps_the_finished_hosts_and_exits_within_a_second(lab):
+    """Issue 50 (review newcomer-turn4 item 6): `inspect all` with lab-02's sshd frozen (TCP
+    accepted, no banner: its connect waits for --connect-timeout 120); once the other hosts
+    finished, one SIGINT (lab-02 is the one host still in progress), then a second: the CLI
+    exits 130 within a second of it, prints the finished hosts' results and lab-02 as
+    interrupted, and `history show last` has them all."""
+    import threading
+
+    lab.fault("lab-02", "freeze")
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--connect-timeout", "120",
+                              "--json"], env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, preexec_fn=terminal_child)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
+        reader.start()
+        try:
+            time.sleep(20)  # the three reachable hosts' inspect: a few seconds each, in parallel
+            assert p.poll() is None, "the run ended before lab-02's connect timed out"
+            p.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 10
+            while not any("interrupted:" in line for line in lines):
+                assert time.monotonic() < deadline, "".join(lines)[-2000:]
+                time.sleep(0.1)
+            assert any("waiting for 1 host(s)" in line for line in lines), "".join(lines)[-2000:]
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            stdout = p.stdout.read()
+            p.wait(timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finally:
+        lab.fault("lab-02", "thaw")
+    reader.join(timeout=5)
+    assert p.returncode == 130, (p.returncode, "".join(lines)[-2000:])
+    assert took < 1.0, f"exited {took:.2f} s after the second Ctrl-C"
+    hosts = {h["host"]: h for h in json.loads(stdout)["hosts"]}
+    assert [hosts[h]["status"] for h in ("lab-01", "lab-03", "lab-04")] == ["ok"] * 3
+    assert hosts["lab-02"]["status"] == "failed" and "interrupted" in hosts["lab-02"]["error"]
+    assert any("stopped while lab-02 was in progress" in line for line in lines)
+    r = lab.cli("history", "show", "last", "--json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    recorded = {h["host"]: h["status"] for h in shown.get("hosts") or shown.get("run", {}).get("hosts", [])}
+    assert recorded == {"lab-01": "ok", "lab-02": "failed", "lab-03": "ok", "lab-04": "ok"}, shown

@@ -62,7 +62,8 @@ def _console(entries: list[dict]) -> list[dict]:
 def browse(page: Path, screenshot: Path | None = None) -> dict:
     """Open `page` (file://) in headless chromium; what it shows and logged: {hosts (the
     overview's rows), results ([host, status] per run's host row), change_ids, runs (section
-    ids), charts ([[class of each point] per chart]), text (the page's visible text), images,
+    ids), charts ([[class of each point] per chart]), marks (the timeline points' letters),
+    legend (the text of each legend line), text (the page's visible text), images,
     scripts (element counts), console and requests (_requests) at load, then console_probe
     and requests_probe after PROBE was added}."""
     from selenium import webdriver
@@ -92,6 +93,8 @@ def browse(page: Path, screenshot: Path | None = None) -> dict:
             "runs": [e.get_attribute("data-run") for e in css("section.run")],
             "charts": [[p.get_attribute("class") for p in svg.find_elements(By.CSS_SELECTOR, ".point")]
                        for svg in css("svg.chart")],
+            "marks": [e.text for e in css("svg.chart text.mark")],
+            "legend": [e.text for e in css("p.legend")],
             "text": driver.find_element(By.TAG_NAME, "body").text,
             "images": len(css("img")), "scripts": len(css("script")),
             "console": _console(driver.get_log("browser")), "requests": _requests(driver.get_log("performance"), url),
@@ -199,6 +202,14 @@ def test_the_charts_have_their_points(seen):
     assert timeline == ["point changed", "point failed", "point skipped", "point changed",  # apply, deploy
                         "point changed", "point ok", "point ok", "point ok"]  # rollback, recover
     assert gates == [["point baseline", "point after ok"] * 3, ["point baseline", "point after breach"] * 3]
+
+
+def test_the_timeline_shows_its_legend_and_a_letter_per_point(seen):
+    """Issue 50: the points were told apart by hovering only, which a printed or mailed page cannot."""
+    assert seen["marks"] == ["A", "A", "A", "D", "R", "C", "C", "C"]
+    (legend,) = seen["legend"]
+    for words in ("A apply", "D deploy kernel", "R rollback", "C recover", "changed", "failed", "unreachable"):
+        assert words in legend
 
 
 def test_host_text_shows_literally_and_loads_nothing(seen):

@@ -160,7 +160,7 @@ def test_the_overview_shows_each_hosts_latest_cell(runs):
     assert lab01["applied changes"].lines == [f"{defrag} (defrag-tier0)"]  # the kernel was rolled back (-13)
     assert lab01["active kernels"].lines == ["none"]
     kernel = by_name(runs, "-09").hosts[0].doc["build_key"]
-    older = dict(zip(titles, {h: c for h, c, _ in report_html.overview(runs[:14])}["lab-01"]))  # before its rollback
+    older = dict(zip(titles, {h: c for h, c, _ in report_html.overview(runs[:12])}["lab-01"]))  # before its rollback
     assert older["active kernels"].lines == [f"verify_attention {kernel[:12]}"]
     assert older["active kernels"].run_id.endswith("-11")
     assert lab01["drift"].status == "failed" and "edited since the apply" in lab01["drift"].lines[0]
@@ -384,3 +384,75 @@ def test_the_command_shows_the_newest_runs_by_default(runs, tmp_path):
     page = Page(out.read_text())
     assert [a["data-run"] for a in page.all("section", "run")] == [r.run_id for r in reversed(runs)][:4]
     assert "the newest 4 of 15 runs" in "".join(page.text)
+
+
+def _cells(runs, host):
+    titles = [c[0] for c in report_html.COLUMNS]
+    return dict(zip(titles, {h: c for h, c, _ in report_html.overview(runs)}[host]))
+
+
+def test_a_rollback_after_the_last_status_drops_the_change_from_the_overview(runs):
+    """Issue 50: a change rolled back after the last status showed as applied until the next status."""
+    upto_status = [r for r in runs if int(r.run_id[-2:]) <= 7]  # inspect .. apply .. status (defrag applied)
+    defrag = by_name(runs, "-06").doc["change_id"]
+    assert _cells(upto_status, "lab-01")["applied changes"].lines == [f"{defrag} (defrag-tier0)"]
+    rb = by_name(runs, "-13")
+    rollback = dataclasses.replace(
+        rb, run_id="rb-defrag", started_at=upto_status[-1].started_at + 60, ended_at=upto_status[-1].started_at + 70,
+        hosts=[dataclasses.replace(rb.hosts[0], doc={**rb.hosts[0].doc, "change_id": defrag},
+                                   change_ids=[defrag])])
+    cell = _cells(upto_status + [rollback], "lab-01")["applied changes"]
+    assert cell.lines == ["none"] and (cell.run_id, cell.command) == ("rb-defrag", "rollback")
+    other = _cells(upto_status + [rollback], "lab-02")["applied changes"]
+    assert other.run_id.endswith("-07"), "other hosts keep theirs"
+
+
+def test_a_deploy_after_the_last_status_shows_its_kernel_and_its_rollback_removes_it(runs):
+    upto_deploy = [r for r in runs if int(r.run_id[-2:]) <= 9]  # no status after the deploy (-09)
+    key = by_name(runs, "-09").hosts[0].doc["build_key"]
+    cell = _cells(upto_deploy, "lab-01")["active kernels"]
+    assert cell.lines == [f"verify_attention {key[:12]}"] and cell.run_id.endswith("-09")
+    assert _cells(upto_deploy, "lab-02")["active kernels"].lines == ["none"], "lab-02 got no deploy"
+    check_only = [r for r in runs if int(r.run_id[-2:]) <= 8]  # the --check deploy changes nothing
+    assert _cells(check_only, "lab-01")["active kernels"].lines == ["none"]
+    after_rollback = [r for r in runs if int(r.run_id[-2:]) <= 13]  # its rollback, no status since
+    cell = _cells(after_rollback, "lab-01")["active kernels"]
+    assert cell.lines == ["none"] and cell.run_id.endswith("-13")
+
+
+def test_a_rollback_of_a_change_the_history_never_saw_marks_the_cells_unknown(runs):
+    status = by_name(runs, "-07")
+    rb = by_name(runs, "-13")
+    unseen = dataclasses.replace(rb.hosts[0], doc={**rb.hosts[0].doc, "change_id": "20200101T000000Z-x-1"})
+    rollback = dataclasses.replace(rb, run_id="rb-unknown", started_at=status.started_at + 60, hosts=[unseen])
+    cells = _cells([status, rollback], "lab-01")
+    for title in ("applied changes", "active kernels"):
+        assert cells[title].run_id == "rb-unknown"
+        line = cells[title].lines[0]
+        assert line.startswith("unknown: changed by rollback") and "fleetctl status" in line
+
+
+def test_an_unreachable_host_reads_unreachable_not_no_install(runs):
+    inspect = by_name(runs, "-01")
+    down = dataclasses.replace(inspect, run_id="down", hosts=[
+        HostRecord("lab-09", "10.0.0.9", "unreachable", "connect timed out", 2.0,
+                   {"host": "lab-09", "status": "unreachable", "installs": [], "facts": {}})])
+    cells = _cells([down], "lab-09")
+    assert all(c.lines == [report_html.UNREACHABLE_CELL] for c in cells.values())
+    later = dataclasses.replace(down, run_id="later", started_at=inspect.started_at + 60,
+                                hosts=[dataclasses.replace(down.hosts[0], host="lab-01")])
+    kept = _cells([inspect, later], "lab-01")["SGLang installs"]
+    assert kept.run_id == inspect.run_id and kept.lines[0].startswith("0.5.2 wheel"), "unreachable read no installs"
+    html = report_html.render([down], NOW)
+    assert "no SGLang install found" not in html and report_html.UNREACHABLE_CELL in html
+
+
+def test_the_timeline_has_a_legend_and_a_letter_per_command(runs, page):
+    from fleetctl.report import svg
+    marks = [t for t, a in page.tags if t == "text" and "mark" in (a.get("class") or "").split()]
+    assert len(marks) == len(page.all("circle", "point"))
+    assert [a["data-command"] for a in page.all("span", "legend-mark")] == list(svg.MARKS)
+    assert [a["data-status"] for a in page.all("span", "legend-status")] == \
+        ["ok", "changed", "skipped", "failed", "unreachable", "not attempted"]
+    text = "".join(page.text)
+    assert all(f"{letter} {command}" in text for command, letter in svg.MARKS.items())

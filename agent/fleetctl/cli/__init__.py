@@ -11,9 +11,11 @@ or parse error; 5 bad options or a pattern that matches nothing.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import signal
 import sys
+import threading
 from typing import Annotated
 
 import typer
@@ -88,7 +90,19 @@ def main() -> None:
         code = _run()
     finally:
         record.end(code)
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED) and abandoned_threads():
+        # A second Ctrl-C left hosts in progress (engine.fleet.Fleet._abandon): their threads may
+        # wait on a connect for its whole timeout, and Python would join them at exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
+
+
+def abandoned_threads() -> list[threading.Thread]:
+    """The threads but the main one that are alive and not daemons (a fleet's workers left
+    running by a second Ctrl-C): the ones Python's exit would wait for."""
+    return [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
 
 
 def _run() -> int:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .console import out
+from .console import err, out
 
 app = typer.Typer(no_args_is_help=True, help="A local lab fleet: real sshd hosts in network namespaces.")
 
@@ -23,11 +23,16 @@ def lab_up(hosts: Annotated[Optional[int], typer.Option("--hosts", help="Number 
                                   help="Start the SGLang stand-in server on each host.")] = False,
            lab_id: LabId = 0) -> None:
     """Start the lab: one real sshd per network namespace, each with a real SGLang release; its
-    Host blocks go to <state dir>/ssh_config, Included (one marked line) by ~/.ssh/config."""
+    Host blocks go to <state dir>/ssh_config, Included (one marked line) by ~/.ssh/config. Each
+    step is printed on stderr as it starts, with the files it edits outside the state dir."""
     from .. import lab
 
+    def say(line: str) -> None:
+        err.print(f"lab {lab_id}: {line}", markup=False, highlight=False, soft_wrap=True)
+
     path = lab.lab_up(hosts, [r.strip() for r in releases.split(",") if r.strip()],
-                      with_server=with_server, lab_id=lab_id)
+                      with_server=with_server, lab_id=lab_id, say=say)
+    say(f"{lab.user_ssh_config()}: Include line for lab {lab_id} added")
     lab.add_ssh_config_include(lab.user_ssh_config(), lab_id)
     typer.echo(str(path))
 

@@ -178,6 +178,24 @@ TtftSlackMs = Annotated[Optional[float], typer.Option("--ttft-slack-ms", help=(
     "Load gate: milliseconds added to the p99 TTFT limit (20)."))]
 
 
+# The help pages' panels (Typer's rich_help_panel, issue 50): a command's own options and the
+# common -i, -l, -e, --json, --yes come first, in the default "Options" panel; the shared ones
+# below follow, grouped, so that apply's or deploy's 60 options do not bury the few a run needs.
+HELP_PANELS = {
+    "Connection": (UserOpt, BecomeOpt, AskBecomePass, ConnectTimeout, AcceptNew, SshConfig, ConnectionOpt, Forks,
+                   Timeout, JobTimeout, RunTimeout, VaultPasswordFile, AskVaultPass),
+    "Smoke gate": (HealthTimeout, Repeat, Port, LatencyTolerance, LatencySlack, AllowDrift),
+    "Load gate": (LoadOpt, GateOpt, LoadConcurrency, LoadPrompts, LoadInputLen, LoadOutputLen, LoadTimeout,
+                  LoadClient, LoadRepeat, MaxThroughputDrop, MaxItlRise, ItlSlackMs, MaxTtftRise, TtftSlackMs),
+    "Allocator replay": (AllocatorReplay, ReplayPool, ReplayConcurrency, ReplayInput, ReplayOutput, ReplayAborts,
+                         ReplaySeed, ReplayRequests),
+    "Paths and history": (PlaybooksDir, KernelsDir, HistoryOpt, NoHistory),
+}
+for _panel, _options in HELP_PANELS.items():
+    for _option in _options:
+        _option.__metadata__[0].rich_help_panel = _panel
+
+
 def load_settings(**given) -> dict:
     """The load settings the load options give (engine/load.load_options names; those not
     given left out): `gate` (--gate load[:PROFILE]) or `load` (validate --load PROFILE) gives the
@@ -412,10 +430,11 @@ class FleetOptions:
 
     def fleet(self, timeout: float | None = None) -> Fleet:
         """A Fleet with these options; `timeout` (seconds per host's job) replaces --timeout. Its
-        progress goes to stderr, on a terminal and without --json. The run's record in the
+        progress goes to stderr (progress_mode). The run's record in the
         history starts here (record.begin), once the options are found good. Raises UsageError
         (exit 5)."""
         timeout = self.timeout if timeout is None else timeout
+        mode = progress_mode(self.json_out)
         given = settings(self.connect_timeout, self.accept_new, self.ssh_config, self.connection, self.ask_become_pass)
         record.secrets([given.become_password] if given.become_password else [])
         for bad, msg in ((self.forks < 1, "--forks must be at least 1"), (timeout <= 0, "--timeout must be positive"),
@@ -423,8 +442,24 @@ class FleetOptions:
             if bad:
                 raise UsageError(msg)
         record.begin()
-        return Fleet(given, forks=self.forks, timeout=timeout,
-                     progress=err.is_terminal and not self.json_out, console=err, run_timeout=self.run_timeout)
+        return Fleet(given, forks=self.forks, timeout=timeout, progress=mode, console=err,
+                     run_timeout=self.run_timeout)
+
+
+def progress_mode(json_out: bool) -> str | None:
+    """How a fleet run shows its hosts' phases on stderr (engine.progress): $FLEETCTL_PROGRESS
+    when set ("bar", "lines": a plain line per host and phase, for logs and CI; "none"), else
+    a bar on a terminal without --json, else none. Raises UsageError (exit 5) for another value."""
+    from ..engine.progress import MODES
+
+    given = os.environ.get("FLEETCTL_PROGRESS", "").strip().lower()
+    if not given:
+        return "bar" if err.is_terminal and not json_out else None
+    if given == "none":
+        return None
+    if given not in MODES:
+        raise UsageError(f"FLEETCTL_PROGRESS={given!r}: give one of {', '.join(MODES)} or none")
+    return given
 
 
 # The FleetOptions fields fleet_command puts after `after` (-i to --json); the rest go before `before`.

@@ -119,6 +119,7 @@ def run_handlers(ctx: HostContext, handlers: list[dict]) -> list[dict]:
     non-zero exit raises HostFailed."""
     ran = []
     for h in handlers:
+        ctx.phase(f"restart: {h['name']}")
         r = ctx.run(operator_argv(h["command"]), what=f"handler {h['name']!r}", keep_ends=True)
         out = redact.text((r.stdout[-65536:] + r.stderr[-65536:]).decode("utf-8", "replace"))
         ran.append({"name": h["name"], "exit_code": r.exit_code, "output": out[-1000:]})
@@ -359,6 +360,7 @@ def validate_change(ctx: HostContext, result: HostResult, change: Change, run: G
         # a restart handler may ask for a longer health wait (a real server reloads its weights)
         waits = [h.get("wait_for_health_s") or 0 for h in handlers]
         after = replace(run, smoke=replace(run.smoke, health_timeout=max([run.smoke.health_timeout, *waits])))
+        ctx.phase("gate")
         problems += judge(ctx, result, armed, after, restarted=bool(handlers))
     except Unreachable:
         raise  # nothing more can be done now; the change stays pending and the next run undoes it

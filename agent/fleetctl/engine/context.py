@@ -80,10 +80,18 @@ class HostContext:
     timing: dict = field(default_factory=dict)
     target: Connection | None = None
     container: dict | None = None
+    # Told each phase the job enters (engine.fleet.Fleet: the progress shown per host).
+    on_phase: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         if self.target is None:
             self.target = self.conn
+
+    def phase(self, name: str) -> None:
+        """Say that this host's job enters phase `name` (one of engine.fleet.PHASES, or one with
+        a detail after a colon: "restart: restart sglang"); shown by the run's progress."""
+        if self.on_phase is not None:
+            self.on_phase(name)
 
     def inside(self, target: ContainerConnection, container: dict) -> "HostContext":
         """This context with probes, the lock and the ledger on `target` (a container connection

@@ -30,6 +30,7 @@ from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UN
 from ..inventory import Host
 from ..vocab import HostStatus
 from .context import HostContext, HostResult
+from .progress import RunProgress
 
 def parse_serial(spec: str | None, total: int) -> list[int]:
     """Batch sizes for `--serial` (Ansible's serial): "2", "25%", or a list "1,25%,100%"
@@ -80,10 +81,11 @@ class Fleet:
     """Runs jobs across hosts with at most `forks` at once, each within `timeout` seconds, the
     whole command within `run_timeout` seconds (None: no run-level deadline). The run's
     connection.Session (made from `settings`) makes each host's connection, unless `connect(host)`
-    is given."""
+    is given. `progress`: how each run shows its hosts' phases on `console` (engine.progress.MODES,
+    None: not at all)."""
 
     def __init__(self, settings: Settings, forks: int = 64, timeout: float = 60.0,
-                 progress: bool = False, console: Console | None = None, run_timeout: float | None = None,
+                 progress: str | None = None, console: Console | None = None, run_timeout: float | None = None,
                  connect: Callable[[Host], Connection] | None = None):
         if forks < 1 or timeout <= 0 or (run_timeout is not None and run_timeout <= 0):
             raise ValueError(f"forks {forks} (at least 1), timeout {timeout} and run_timeout {run_timeout} "
@@ -95,7 +97,7 @@ class Fleet:
         self.expired = False  # set when the run-level deadline passed: no host starts any more
         self.forks = forks
         self.timeout = timeout
-        self.progress = progress
+        self.progress = progress  # engine.progress.MODES: "bar", "lines", or None
         self.console = console or Console(stderr=True)
         self._conns: dict[str, Connection] = {}
         self._conns_lock = threading.Lock()  # workers add connections while close() may run (review L8)
@@ -153,14 +155,17 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _one(self, host: Host, job: Callable[[HostContext], HostResult], timeout: float) -> HostResult:
+    def _one(self, host: Host, job: Callable[[HostContext], HostResult], timeout: float,
+             progress: RunProgress) -> HostResult:
         start = time.monotonic()
         result = HostResult(host.name, host.address, HostStatus.FAILED)
         try:
+            progress.phase(host.name, "connect")
             conn = self.connection(host)
             result.address = conn.address
             result = job(HostContext(host, conn, start + timeout, lambda: self.reconnect(host),
-                                     timing={"connect_s": round(time.monotonic() - start, 3)}))
+                                     timing={"connect_s": round(time.monotonic() - start, 3)},
+                                     on_phase=lambda name: progress.phase(host.name, name)))
         except Unreachable as e:
             result.status, result.error = HostStatus.UNREACHABLE, str(e)
         except HostError as e:  # this host's job failed (a probe, the lock, sudo, a deadline, a refusal)
@@ -171,6 +176,7 @@ class Fleet:
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = HostStatus.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         result.elapsed_s = round(time.monotonic() - start, 3)
+        progress.done(host.name, result.status, result.elapsed_s)
         return result
 
     def run(self, hosts: list[Host], job: Callable[[HostContext], HostResult],
@@ -182,16 +188,10 @@ class Fleet:
         results: dict[str, HostResult] = {}
         if self.expired:
             return [HostResult(h.name, h.address, HostStatus.NOT_ATTEMPTED, self._expired_msg()) for h in hosts]
-        progress = None
-        if self.progress:
-            # imported only for a progress bar (a terminal): 26 ms of a --json run's start otherwise
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=self.console, transient=True)
-            progress.start()
-            task = progress.add_task(label, total=len(hosts))
+        progress = RunProgress(label, len(hosts), self.console, self.progress)
+        progress.start()
         pool = ThreadPoolExecutor(max_workers=min(self.forks, max(1, len(hosts))))
-        futures = {pool.submit(self._one, h, job, timeout): h for h in hosts}
+        futures = {pool.submit(self._one, h, job, timeout, progress): h for h in hosts}
         pending = set(futures)
         try:
             while pending:
@@ -201,17 +201,13 @@ class Fleet:
                         pending.discard(fut)
                         r = fut.result()
                         results[r.host] = r
-                        if progress:
-                            progress.advance(task)
                 except FuturesTimeout:
                     self._expire(pending, futures, results, note)
                     break
                 except KeyboardInterrupt:
                     if self.interrupted:
-                        for fut in pending:
-                            self.console.print(f"[bold red]stopped while {escape(futures[fut].name)} was in progress"
-                                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
-                        raise
+                        self._abandon(pending, futures, results, note)
+                        break
                     # Hosts already started finish their job (whatever it started, it ends);
                     # hosts not started are left alone. A second Ctrl-C stops waiting.
                     self.interrupted = True
@@ -226,9 +222,29 @@ class Fleet:
                                        "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
         finally:
             pool.shutdown(wait=not (self.interrupted or self.expired) or not pending, cancel_futures=True)
-            if progress:
-                progress.stop()
+            progress.stop()
         return [results[h.name] for h in hosts]
+
+    def _abandon(self, pending: set, futures: dict, results: dict, note: str | None = None) -> None:
+        """A second Ctrl-C: stop waiting. Each host in progress is failed as interrupted (its
+        connection closed, which ends every wait on it; a connect still in progress is abandoned:
+        its connection is closed as soon as it opens, Fleet.connection) and named on the console
+        with the job's stopped_note `note`; the hosts that finished keep their results, which
+        the command then prints and records. The worker threads left are not waited for:
+        cli.main ends the process without joining them (cli.abandoned_threads)."""
+        with self._conns_lock:
+            self._closing = True
+            conns = [self._conns.pop(futures[fut].name, None) for fut in pending]
+        for fut in pending:
+            h = futures[fut]
+            self.console.print(f"[bold red]stopped while {escape(h.name)} was in progress"
+                               + (f":[/] {escape(note)}" if note else "[/]"), highlight=False)
+            results[h.name] = HostResult(h.name, h.address, HostStatus.FAILED,
+                                         "interrupted (Ctrl-C twice) while this host was in progress: its "
+                                         "connection was closed" + (f"; {note}" if note else ""), interrupted=True)
+        for conn in conns:
+            if conn is not None:
+                conn.close()
 
     def _expired_msg(self) -> str:
         return f"not attempted: the run's deadline (--run-timeout {self.run_timeout:g} s) passed"

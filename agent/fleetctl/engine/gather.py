@@ -38,6 +38,7 @@ def gather(ctx: HostContext, with_sources: bool = False, scan: bool = True, reco
     change records to read too ("container_records"). Raises ProbeFailed, RemoteTimeout,
     Unreachable, HostFailed (a bad fleetctl_container_exec; the inventory's interpreter, which
     is not executable)."""
+    ctx.phase("gather")
     key = probes.sources_sha256(probes.modules_for("facts.host")) if cache else None
     if ctx.container is not None:
         inner = ctx.probe("facts.host", {"python": None, "scan": scan, "with_sources": with_sources, "containers": False,

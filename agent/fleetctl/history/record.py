@@ -178,8 +178,8 @@ def _signals_held() -> Iterator[None]:
 
 def end(exit_code: int) -> None:
     """Record the run's end with the process's exit code and the document `results` kept (none
-    when the command ended before its results: an error, a refusal, a second Ctrl-C), with
-    SIGINT and SIGTERM held off (_signals_held)."""
+    when the command ended before its results: an error, a refusal, a Ctrl-C outside a fleet
+    run), with SIGINT and SIGTERM held off (_signals_held)."""
     if not _current:
         return
     with _signals_held():

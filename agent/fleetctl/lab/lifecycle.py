@@ -37,6 +37,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -110,7 +111,7 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
 
 def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_server: bool = False,
            lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None,
-           jobs: int = 2) -> Path:
+           jobs: int = 2, say: Callable[[str], None] | None = None) -> Path:
     """Build a lab of `hosts` real SSH hosts (default: one per release) and return its inventory path.
 
     Any existing lab with this id is torn down first. Host i gets releases[i % len(releases)]
@@ -123,8 +124,11 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     agent/fleetctl/lab/standin/restart.sh starts the stand-in SGLang server on each host's
     127.0.0.1:30000. The lab's become users (become_users: sudo rules per host) are created
     with a new password (become_password). Raises LabError (no root, a step failed: the
-    half-built lab is torn down) or FleetctlError (a wheel cannot be had).
+    half-built lab is torn down) or FleetctlError (a wheel cannot be had). `say(line)` is
+    told each step as it starts (`fleetctl lab up` prints them), the files outside the state
+    dir it edits (known_hosts) included.
     """
+    say = say or (lambda line: None)
     require_root()
     releases = list(releases or DEFAULT_RELEASES)
     n = len(releases) if hosts is None else hosts
@@ -137,6 +141,7 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
         raise UsageError(f"the lab state dir {sd} is hidden inside the hosts; pick one outside "
                          f"{', '.join(PRIVATE_DIRS)}")
     known_hosts = Path(known_hosts or default_known_hosts())
+    say(f"wheels: {', '.join(releases)} (cache, else downloaded)")
     for r in releases:
         ensure_wheel(r)
     if (sd / "lab.json").exists():
@@ -145,14 +150,14 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     lab_down(lab_id, sd, known_hosts)
     sd.mkdir(parents=True, exist_ok=True)
     try:
-        return _up(n, releases, with_server, lab_id, sd, known_hosts, jobs)
+        return _up(n, releases, with_server, lab_id, sd, known_hosts, jobs, say)
     except BaseException:
         lab_down(lab_id, sd, known_hosts)
         raise
 
 
 def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
-        known_hosts: Path, jobs: int) -> Path:
+        known_hosts: Path, jobs: int, say: Callable[[str], None]) -> Path:
     key = sd / "client_ed25519"
     if not key.exists():
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fleetctl-lab-{lab_id}",
@@ -162,12 +167,14 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
     (sd / "lab-init.py").write_text(LAB_INIT)
     br = bridge_name(lab_id)
+    say(f"network: bridge {br}, 10.213.{lab_id}.0/24")
     run(["ip", "link", "add", br, "type", "bridge"])
     run(["ip", "addr", "add", f"10.213.{lab_id}.1/24", "dev", br])
     run(["ip", "link", "set", br, "up"])
     state = {"lab_id": lab_id, "with_server": with_server, "hosts": []}
     for i in range(n):
         name, ns, addr = host_name(i), netns_name(lab_id, i), host_address(lab_id, i)
+        say(f"host {name}: namespace {ns}, {addr}, sshd")
         hd = host_dir(sd, name)
         for d in [*PRIVATE_DIRS.values(), REAL_ROOT]:
             (hd / d).mkdir(parents=True, exist_ok=True)
@@ -192,23 +199,28 @@ def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
         h["proxy_pid"] = start_proxy(h, sd)
         state["hosts"].append(h)
     save(sd, state)
+    say(f"SGLang venvs: {n} host(s), {jobs} at once (/opt/sglang/venv)")
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
         wheels = stage_wheels(sd, sorted({h["release"] for h in state["hosts"]}))
         list(pool.map(lambda h: build_venv(h, sd, wheels[h["release"]]), state["hosts"]))
+    say("waiting for each sshd's banner")
     for h in state["hosts"]:
         wait_banner(h["address"])
     if with_server:
+        say(f"stand-in servers: starting on each host's 127.0.0.1:{SERVER_PORT} and waiting for /health")
         for h in state["hosts"]:
             h["server_pid"] = start_server(h, sd)
         save(sd, state)
         for h in state["hosts"]:
             wait_server(h)
+    say(f"known_hosts: {known_hosts}: the lab's {n} host key(s) replace its addresses' lines")
     forget_known_hosts(known_hosts, [h["address"] for h in state["hosts"]])
     known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(known_hosts, "a") as f:
         for h in state["hosts"]:
             pub = (host_dir(sd, h["name"]) / "ssh_host_ed25519_key.pub").read_text().split()
             f.write(f"{h['address']} {pub[0]} {pub[1]}\n")
+    say(f"ssh_config: {sd / 'ssh_config'}; become users and their sudo rules")
     write_lab_ssh_config(sd, state, known_hosts)
     lab_add_become_users(lab_id, sd)
     inv = inventory_path(state_dir=sd)

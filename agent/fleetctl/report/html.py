@@ -4,7 +4,9 @@ contacted).
 
     overview(runs)  host x SGLang installs x applied changes x active kernels x drift x last
                     validation x last run: each cell the latest recorded run that carries it
-                    (inspect or status; status; validate), with its time and run
+                    (inspect or status; status; validate), with its time and run; applied
+                    changes and active kernels replayed through the later apply, deploy
+                    kernel, rollback and recover runs (_replay)
     render(runs, generated_at, since, source, total)  the page: the overview, a timeline of the
                     changes (svg.timeline), the load gates' charts (svg.gate_bars), then
                     each run (newest first) with its hosts, gate checks and diffs
@@ -36,7 +38,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from markupsafe import Markup
 
 from ..history.model import HostRecord, RunRecord
-from ..vocab import ChangeState
+from ..vocab import ChangeState, HostStatus
 from . import svg
 from .gates import GATES
 from .text import coalesce, gate_status, visible
@@ -153,22 +155,121 @@ def _lines(read, doc: dict) -> list[str] | None:
         return ["malformed data from the host: " + f"{type(e).__name__}: {e}"]
 
 
+# The overview's columns a change alters (their index in COLUMNS): applied changes, active kernels.
+CHANGES_COL, KERNELS_COL = 1, 2
+# What an overview cell of a host reads when the host was unreachable and no earlier run read it.
+UNREACHABLE_CELL = "unknown (unreachable)"
+
+
+@dataclass
+class _HostState:
+    """What the history says one host holds, as its runs are replayed oldest first: the applied
+    (and pending) changes {change_id: (playbook, state)} and the active kernels {name: build
+    key}, each None until a status read it or unknown after a change this history cannot
+    follow; undo: per change id seen made, what it replaced ("kernel", name, the previous build
+    key or None) or ("change",) for a playbook's change."""
+
+    changes: dict[str, tuple[str, str]] | None = None
+    kernels: dict[str, str] | None = None
+    undo: dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+
+def _playbook(run: RunRecord) -> str:
+    """The playbook an apply run named (its first word after "apply"), '?' when argv has none."""
+    words = [a for a in run.argv[1:] if not a.startswith("-")]
+    return words[0] if words else "?"
+
+
+def _replay(state: _HostState, run: RunRecord, h: HostRecord) -> set[int]:
+    """Update `state` with host `h`'s result in `run` (status: what it read; apply, deploy
+    kernel, rollback, recover not in check mode: what they changed) and return the COLUMNS
+    indexes it altered. A change this history cannot follow (a rollback of a change it never saw
+    made, an apply that failed without being rolled back) makes the column unknown (None
+    values with a note) rather than keeping a stale value."""
+    d, cid = h.doc, h.doc.get("change_id") or run.doc.get("change_id")
+    if run.command == "status" and isinstance(d.get("changes"), list) and isinstance(d.get("kernels"), dict):
+        state.changes = {c.get("change_id"): (c.get("playbook"), c.get("state")) for c in d["changes"]
+                         if c.get("state") in (ChangeState.APPLIED, ChangeState.PENDING)}
+        state.kernels = dict(d["kernels"])
+        return set()
+    if run.command not in CHANGING or _check_mode(run) or h.status not in (HostStatus.CHANGED, HostStatus.FAILED):
+        altered = set()
+    elif run.command == "apply" and cid:
+        if h.status == HostStatus.CHANGED:
+            state.changes = {**(state.changes or {}), cid: (_playbook(run), ChangeState.APPLIED)}
+            state.undo[cid] = ("change",)
+        elif not str(h.error or "").startswith("rolled back"):
+            state.changes = None
+        altered = {CHANGES_COL}
+    elif run.command == "deploy kernel" and cid and h.status == HostStatus.CHANGED and d.get("build_key"):
+        name = run.doc.get("kernel")
+        state.undo[cid] = ("kernel", name, (state.kernels or {}).get(name))
+        state.kernels = {**(state.kernels or {}), name: d["build_key"]} if state.kernels is not None else None
+        altered = {KERNELS_COL}
+    elif run.command == "rollback" and cid and h.status == HostStatus.CHANGED:
+        undo = state.undo.pop(cid, None)
+        if undo and undo[0] == "kernel" and state.kernels is not None:
+            state.kernels = {k: v for k, v in state.kernels.items() if k != undo[1]}
+            if undo[2] is not None:
+                state.kernels[undo[1]] = undo[2]
+            altered = {KERNELS_COL}
+        elif state.changes is not None and cid in state.changes:
+            state.changes = {k: v for k, v in state.changes.items() if k != cid}
+            altered = {CHANGES_COL}
+        else:
+            state.changes = state.kernels = None
+            altered = {CHANGES_COL, KERNELS_COL}
+    else:
+        altered = set()
+    recovered = d.get("recovered") if run.command in CHANGING and not _check_mode(run) else None
+    for r in recovered or []:
+        if state.changes is not None and r.get("change_id") in state.changes and r.get("state") != ChangeState.APPLIED:
+            state.changes = {k: v for k, v in state.changes.items() if k != r.get("change_id")}
+            altered.add(CHANGES_COL)
+    return altered
+
+
+def _state_lines(state: _HostState, col: int, run: RunRecord) -> list[str]:
+    """The lines of the applied changes' or active kernels' cell from `state` after a change."""
+    held = state.changes if col == CHANGES_COL else state.kernels
+    if held is None:
+        return [f"unknown: changed by {run.command} {when(run.started_at)} in a way the history does not "
+                f"show; run fleetctl status"]
+    if col == CHANGES_COL:
+        return _changes({"changes": [{"change_id": k, "playbook": p, "state": s} for k, (p, s) in held.items()]})
+    return _kernels({"kernels": held})
+
+
 def overview(runs: list[RunRecord]) -> list[tuple[str, list[Cell | None], Cell]]:
     """One row per host, in the order hosts first appear: (host, a Cell or None per COLUMNS
     entry, the host's last run). A column's cell is the latest run (by start) of one of its
-    commands whose entry for the host carries that column's data; None when no run did."""
-    rows: dict[str, tuple[list[Cell | None], list[Cell]]] = {}
+    commands whose entry for the host carries that column's data; the applied changes and
+    active kernels are the latest status's, as later apply, deploy kernel, rollback and recover
+    runs changed them (the cell then names that run; see _replay). An unreachable host's entry
+    carries no data: its older cells stay, and a column no run read says UNREACHABLE_CELL."""
+    rows: dict[str, tuple[list[Cell | None], list[Cell], _HostState]] = {}
     for run in sorted(runs, key=lambda r: r.started_at):
         for h in run.hosts:
-            cells, last = rows.setdefault(h.host, ([None] * len(COLUMNS), []))
+            cells, last, state = rows.setdefault(h.host, ([None] * len(COLUMNS), [], _HostState()))
             last[:] = [Cell([f"{run.command} {h.status}"] + ([clip(h.error, run.run_id)] if h.error else []),
                             run.run_id, run.started_at, run.command, h.status)]
+            if h.status in (HostStatus.UNREACHABLE, HostStatus.NOT_ATTEMPTED):
+                continue
             for n, (_, commands, read) in enumerate(COLUMNS):
                 lines = _lines(read, {**h.doc, "error": h.error}) if run.command in commands else None
                 if lines is not None:
                     cells[n] = Cell([clip(line, run.run_id) for line in lines], run.run_id, run.started_at,
                                     run.command, h.status)
-    return [(host, cells, last[0]) for host, (cells, last) in rows.items()]
+            try:
+                altered = _replay(state, run, h)
+            except MALFORMED:
+                continue  # the cells read from this entry already say it is malformed
+            for n in sorted(altered):
+                cells[n] = Cell([clip(line, run.run_id) for line in _state_lines(state, n, run)], run.run_id,
+                                run.started_at, run.command, h.status)
+    return [(host, [c or (Cell([UNREACHABLE_CELL], last[0].run_id, last[0].at, last[0].command, last[0].status)
+                          if last[0].status == HostStatus.UNREACHABLE else None) for c in cells], last[0])
+            for host, (cells, last, _) in rows.items()]
 
 
 def _check_mode(run: RunRecord) -> bool:
@@ -187,7 +288,7 @@ def events(runs: list[RunRecord]) -> list[svg.Event]:
             label = (f"{run.command} {h.doc.get('change_id') or cid or ''} {h.status}"
                      + (f": {h.error}" if h.error else ""))
             out.append(svg.Event(h.host, run.ended_at or run.started_at, h.status,
-                                 clip(f"{when(run.started_at)} {label}", run.run_id)))
+                                 clip(f"{when(run.started_at)} {label}", run.run_id), run.command))
     return out
 
 
@@ -342,4 +443,5 @@ def render(runs: list[RunRecord], generated_at: float, since: str | None = None,
     return _ENV.get_template("fleet-report.html.j2").render(
         csp=csp(), css=Markup(CSS), generated=when(generated_at), since=since, source=source, total=total,
         columns=[c[0] for c in COLUMNS], overview=rows, timeline=chart, events=len(evs), gates=gates,
+        marks=svg.MARKS, statuses=[s.value for s in HostStatus],
         runs=[_section(r) for r in reversed(ordered)])

@@ -114,6 +114,13 @@ class Event:
     at: float
     status: str
     label: str
+    command: str = ""
+
+
+# The letter drawn in a timeline point for the command that made it (the page's legend lists
+# them with the status colours), so that apply, deploy, rollback and recover read apart in
+# print and mail, where no tooltip shows.
+MARKS = {"apply": "A", "deploy kernel": "D", "rollback": "R", "recover": "C"}
 
 
 def _utc(t: float, span: float) -> str:
@@ -124,7 +131,8 @@ def _utc(t: float, span: float) -> str:
 def timeline(hosts: list[str], events: list[Event], t0: float, t1: float) -> Markup:
     """The changes over time: a lane per host (in `hosts`' order), one circle per event at its
     time between t0 and t1 (Unix seconds, UTC ticks on the axis), of class "point" and the
-    host's status word ("not attempted" as not-attempted)."""
+    host's status word ("not attempted" as not-attempted), with its command's MARKS letter
+    inside (a text of class "mark")."""
     width, height = TIMELINE_W, LANE_H * max(1, len(hosts)) + 30
     span = max(t1 - t0, 1.0)
     svg = _svg(width, height, "timeline of changes per host")
@@ -147,4 +155,7 @@ def timeline(hosts: list[str], events: list[Event], t0: float, t1: float) -> Mar
         dot = _el(svg, "circle", cx=x(e.at), cy=LANE_H * hosts.index(e.host) + LANE_H / 2, r=7,
                   class_=f"point {e.status.replace(' ', '-')}", data_host=e.host, data_status=e.status)
         _el(dot, "title", f"{e.host}: {e.label}")
+        if e.command in MARKS:
+            _el(svg, "text", MARKS[e.command], x=x(e.at), y=LANE_H * hosts.index(e.host) + LANE_H / 2 + 4,
+                class_="mark", text_anchor="middle", data_command=e.command)
     return _done(svg)

@@ -96,7 +96,9 @@ class DeployData(TypedDict, total=False):
 
 def _kbuild(ctx: HostContext, python: str, timeout: float | None = None, **params) -> dict:
     """One probes/kernel/kbuild.py action on the host under `python`, with the inventory's
-    fleetctl_unprivileged_user (whom its children run as, with params' server_pids: build.account)."""
+    fleetctl_unprivileged_user (whom its children run as, with params' server_pids: build.account).
+    The action (build, publish, test, mark, ...) is the host's phase (HostContext.phase)."""
+    ctx.phase(params.get("action") or "kbuild")
     return ctx.probe("kernel.kbuild", {**params, "unprivileged_user": ctx.host.unprivileged_user}, python=python,
                      timeout=timeout)
 
