@@ -43,9 +43,9 @@ import yaml
 
 from ..errors import UsageError
 from ..wheels import ensure_wheel
-from .base import (DEFAULT_RELEASES, LATENCY_SLACK_S, PRIVATE_DIRS, REAL_ROOT, SERVER_PORT, alive, bridge_name,
-                   find_host, host_address, host_dir, host_name, inventory_path, load, netns_name, release_group,
-                   require_root, run, save, state_dir_for, wait_banner)
+from .base import (DEFAULT_RELEASES, LATENCY_SLACK_S, PRIVATE_DIRS, REAL_ROOT, SERVER_PORT, LabError, alive,
+                   bridge_name, find_host, host_address, host_dir, host_name, inventory_path, load, netns_name,
+                   release_group, require_root, run, save, state_dir_for, wait_banner)
 from .become import lab_add_become_users, lab_remove_become_users
 from .host import (LAB_INIT, build_venv, sshd_config, stage_wheels, start_init, start_proxy, start_server,
                    start_sshd, wait_server)
@@ -109,6 +109,43 @@ def lab_down(lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path |
     shutil.rmtree(sd / "hosts", ignore_errors=True)
 
 
+def hidden_interpreter(executable: str | None = None) -> str | None:
+    """Why the lab's hosts cannot start `executable` (default: sys.executable, the interpreter
+    host.start_init execs in each host), or None when they can. Each host mounts its own /tmp,
+    /opt/sglang, ... over this machine's (base.PRIVATE_DIRS), so an interpreter under one of them
+    (a venv made in the temp directory) is "not found" inside every host, and the lab's init dies
+    before sshd starts (review newcomer-turn4.md, item 8). Both the path as given and its
+    symlinks' target are checked."""
+    given = Path(os.path.abspath(executable or sys.executable))
+    for path in dict.fromkeys([given, Path(os.path.realpath(given))]):
+        for private in PRIVATE_DIRS:
+            if path == Path(private) or Path(private) in path.parents:
+                return (f"fleetctl runs under {given}, inside {private}, which each lab host mounts a "
+                        f"private copy over: the hosts cannot start it. Install fleetctl in an "
+                        f"interpreter or venv outside {', '.join(PRIVATE_DIRS)} (e.g. python3 -m venv "
+                        f"/opt/fleetctl-venv) and run `fleetctl lab up` from there")
+    return None
+
+
+def keep_logs(sd: Path) -> Path | None:
+    """Copy each host's logs (`<sd>/hosts/NAME/*.log`: init, sshd, the stand-in) of a failed
+    `lab up` to `<sd>/failed-up/NAME/` before the teardown removes `<sd>/hosts`, and return that
+    directory (None when there was no log). An earlier failed-up directory is replaced. Regular
+    files only, never through a symlink."""
+    hosts = sd / "hosts"
+    kept = sd / "failed-up"
+    shutil.rmtree(kept, ignore_errors=True)
+    found = False
+    for log in sorted(hosts.glob("*/*.log")) if hosts.is_dir() else []:
+        if log.is_symlink() or not log.is_file():
+            continue
+        dest = kept / log.parent.name
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, dest / log.name, follow_symlinks=False)
+        found = True
+    return kept if found else None
+
+
 def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_server: bool = False,
            lab_id: int = 0, state_dir: Path | None = None, known_hosts: Path | None = None,
            jobs: int = 2, say: Callable[[str], None] | None = None) -> Path:
@@ -129,6 +166,9 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     dir it edits (known_hosts) included.
     """
     say = say or (lambda line: None)
+    hidden = hidden_interpreter()
+    if hidden:
+        raise LabError(hidden)
     require_root()
     releases = list(releases or DEFAULT_RELEASES)
     n = len(releases) if hosts is None else hosts
@@ -151,9 +191,14 @@ def lab_up(hosts: int | None = None, releases: list[str] | None = None, with_ser
     sd.mkdir(parents=True, exist_ok=True)
     try:
         return _up(n, releases, with_server, lab_id, sd, known_hosts, jobs, say)
-    except BaseException:
+    except BaseException as e:
+        kept = keep_logs(sd)
         lab_down(lab_id, sd, known_hosts)
-        raise
+        if kept is None or not isinstance(e, LabError):
+            raise
+        # the message may name a log under <sd>/hosts, which the teardown just removed
+        raise LabError(str(e).replace(str(sd / "hosts"), str(kept))
+                       + f" (the failed lab's host logs are kept in {kept})") from e
 
 
 def _up(n: int, releases: list[str], with_server: bool, lab_id: int, sd: Path,
