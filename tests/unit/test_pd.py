@@ -16,6 +16,7 @@ import pytest
 from fleetctl.lab import standin
 from fleetctl.lab.standin import server as standin_server
 from fleetctl.probes.facts import pd, procs
+from fleetctl.probes.traffic import load, smoke
 from fleetctl.probes.traffic.smoke import DEFAULT_INPUT_IDS, check_generate, wait_healthy
 from fleetctl.report.terminal import pd_words
 from fleetctl.wheels import ensure_wheel
@@ -137,7 +138,7 @@ def pd_standins(tmp_path_factory):
     try:
         for n, port in ports.items():
             assert wait_healthy("http://127.0.0.1:%d" % port, 60)[0], (d / (n + ".log"))
-        yield ports
+        yield ports, {n: p.pid for n, p in zip(cmds, ps)}
     finally:
         for p in ps:
             p.terminate()
@@ -145,6 +146,7 @@ def pd_standins(tmp_path_factory):
 
 
 def test_pd_standins_answer_as_the_release(pd_standins):
+    pd_standins, _ = pd_standins
     body = {"input_ids": DEFAULT_INPUT_IDS, "rid": "r1",
             "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
     for r in ("prefill", "decode"):
@@ -161,3 +163,16 @@ def test_pd_standins_answer_as_the_release(pd_standins):
     assert status == 200 and check_generate(status, out, 16) == [], out
     # the router's decode is the decode worker's, the same greedy tokens as a plain server's
     assert out["output_ids"] == json.loads(_http(pd_standins["plain"], "/generate", body)[1])["output_ids"]
+
+
+def test_smoke_plan_checks_workers_through_their_router(pd_standins):
+    ports, pids = pd_standins
+    picked = [{"pid": pids[n], "port": ports[n]} for n in ("prefill", "decode", "router", "plain")]
+    via = "decoded through the PD router on :%d" % ports["router"]
+    assert smoke.pd_plan(picked) == {pids["prefill"]: {"role": "prefill", "via": "prefill worker: " + via},
+                                     pids["decode"]: {"role": "decode", "via": "decode worker: " + via},
+                                     pids["router"]: {"role": "router", "via": via}}
+    assert smoke.pd_plan(picked[1:2]) == {pids["decode"]: {"role": "decode", "via": "decode worker: health_generate only"}}
+    res = smoke.smoke_server("127.0.0.1", ports["decode"], 30, repeat=1, pd_part=smoke.pd_plan(picked)[pids["decode"]])
+    assert (res["ok"], res["health_only"], res["output_ids"], res["error"]) == (True, True, None, None), res
+    assert "PD decode worker answers a plain /generate with HTTP 400" in load.PD_SKIP % ("decode", "x")
