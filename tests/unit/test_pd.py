@@ -122,13 +122,12 @@ def _http(port, path, body=None):
 def pd_standins(tmp_path_factory):
     """A stand-in prefill worker, decode worker and PD router on loopback: {role: port}."""
     d = tmp_path_factory.mktemp("pd")
-    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port(), "plain": free_port()}
+    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port()}
     (d / "behavior.json").write_text("{}")
     base = [sys.executable, str(standin.SERVER), "--behavior", str(d / "behavior.json")]
     cmds = {"prefill": base + ["--port", str(ports["prefill"]), "--disaggregation-mode", "prefill",
                                "--disaggregation-bootstrap-port", "9100"],
             "decode": base + ["--port", str(ports["decode"]), "--disaggregation-mode", "decode"],
-            "plain": base + ["--port", str(ports["plain"])],
             "router": [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
                        "http://127.0.0.1:%d" % ports["prefill"], "9100", "--decode",
                        "http://127.0.0.1:%d" % ports["decode"], "--port", str(ports["router"])]}
@@ -161,13 +160,15 @@ def test_pd_standins_answer_as_the_release(pd_standins):
     status, raw = _http(pd_standins["router"], "/generate", body)
     out = json.loads(raw)
     assert status == 200 and check_generate(status, out, 16) == [], out
-    # the router's decode is the decode worker's, the same greedy tokens as a plain server's
-    assert out["output_ids"] == json.loads(_http(pd_standins["plain"], "/generate", body)[1])["output_ids"]
+    # the router's decode is the decode worker's, given a bootstrap room as the router gives one
+    room = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=9100, bootstrap_room=7)
+    assert out["output_ids"] == json.loads(_http(pd_standins["decode"], "/generate", room)[1])["output_ids"]
 
 
 def test_smoke_plan_checks_workers_through_their_router(pd_standins):
     ports, pids = pd_standins
-    picked = [{"pid": pids[n], "port": ports[n]} for n in ("prefill", "decode", "router", "plain")]
+    picked = [{"pid": pids[n], "port": ports[n]} for n in ("prefill", "decode", "router")] + [
+        {"pid": os.getpid(), "port": 1}]  # no server at all: no PD part
     via = "decoded through the PD router on :%d" % ports["router"]
     assert smoke.pd_plan(picked) == {pids["prefill"]: {"role": "prefill", "via": "prefill worker: " + via},
                                      pids["decode"]: {"role": "decode", "via": "decode worker: " + via},
