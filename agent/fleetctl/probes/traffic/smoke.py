@@ -214,7 +214,7 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     """Health wait + `repeat` greedy decodes against one SGLang server at host:port; for
     `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only;
     for a PD worker (`pd_part`: pd_plan's {role, via}, role not "router") the health wait and its
-    /health_generate (pd_health). The result carries `pd_part` as "pd" (None: not PD).
+    /health_generate (pd_health). A PD server's result carries `pd_part` as "pd".
 
     Times in seconds. Returns {host, port, node_rank, health_only (no decode: node_rank >= 1),
     model_path, version, stand_in, server_args (topology.server_info of its /server_info, None
@@ -225,7 +225,8 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     """
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
     res = _result(host, port, node_rank)
-    res["pd"] = pd_part
+    if pd_part:
+        res["pd"] = pd_part
     worker = bool(pd_part) and pd_part["role"] != "router"
     res["health_only"] = res["health_only"] or worker
     healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
