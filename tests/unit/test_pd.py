@@ -177,3 +177,30 @@ def test_smoke_plan_checks_workers_through_their_router(pd_standins):
     res = smoke.smoke_server("127.0.0.1", ports["decode"], 30, repeat=1, pd_part=smoke.pd_plan(picked)[pids["decode"]])
     assert (res["ok"], res["health_only"], res["output_ids"], res["error"]) == (True, True, None, None), res
     assert "PD decode worker answers a plain /generate with HTTP 400" in load.PD_SKIP % ("decode", "x")
+
+
+def test_the_smoke_gate_takes_a_pd_group_as_one_unit():
+    """The router's decode is compared, each worker's /health_generate checked, named by how."""
+    from fleetctl.engine.gates.smoke import gate, gate_note
+    from fleetctl.engine.validate import SmokeOptions
+    from fleetctl.inventory import Host
+
+    via = "decoded through the PD router on :8100"
+
+    def res(worker_ok=True, ids=(1, 2, 3)):
+        router = {"host": "127.0.0.1", "port": 8100, "node_rank": 0, "health_only": False, "ok": True, "error": None,
+                  "output_ids": list(ids), "e2e_latency_s": 0.1, "latency_s": 0.1, "pd": {"role": "router", "via": via}}
+        worker = {"host": "127.0.0.1", "port": 31200, "node_rank": 0, "health_only": True, "ok": worker_ok,
+                  "output_ids": None, "error": None if worker_ok else "/health_generate answered HTTP 503",
+                  "pd": {"role": "decode", "via": "decode worker: " + via}}
+        return {"servers": [worker, router], "refused": [], "offline": None}
+
+    host, opts = Host("pd-a", {}, ()), SmokeOptions(latency_slack_s=0.0)
+    v = gate(host, res(), res(), opts)
+    assert v.passed and [(c.name, c.target) for c in v.checks] == [
+        ("tokens", "127.0.0.1:8100"), ("latency", "127.0.0.1:8100"), ("health", "127.0.0.1:31200")]
+    assert v.checks[-1].detail == "decode worker: %s: /health_generate answered 200" % via
+    assert gate_note(res()) == "decode worker: %s; %s" % (via, via)
+    down = gate(host, res(), res(worker_ok=False), opts)
+    assert down.failed and "decode worker: %s: /health_generate answered HTTP 503" % via in down.message
+    assert gate(host, res(), res(ids=(1, 2, 4)), opts).failed
