@@ -15,23 +15,13 @@ A PD worker refuses a plain /generate (no bootstrap_room: 0.5.10 managers/schedu
 (/health_generate: 0.5.10 entrypoints/http_server.py:477-514, 0.5.23 entrypoints/http_server.py:722-765).
 """
 
+from . import topology
 from .. import redact
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # ServerArgs.disaggregation_bootstrap_port (0.5.10 server_args.py:697)
 ROUTER_MODULES = ("sglang_router.launch_router", "sglang.srt.disaggregation.mini_lb")
 LOOPBACK = ("127.0.0.1", "localhost", "0.0.0.0", "::1", "::", "[::1]", "[::]")
 MAX_PEERS = 64  # URLs kept of one router's command line
-
-
-def _last(argv, name):
-    """The value of the last `name` in argv (`--name V` or `--name=V`), else None."""
-    found = None
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif a.startswith(name + "="):
-            found = a[len(name) + 1:]
-    return found
 
 
 def _values(argv, name):
@@ -91,10 +81,10 @@ def role(module, argv):
             return None
         prefill, decode = _router(argv)
         return {"role": "router", "prefill": prefill, "decode": decode}
-    mode = _last(argv, "--disaggregation-mode")
+    mode = topology.option(argv, "--disaggregation-mode")
     if mode not in ("prefill", "decode"):
         return None
-    port = _port(_last(argv, "--disaggregation-bootstrap-port") or "") or DEFAULT_BOOTSTRAP_PORT
+    port = _port(topology.option(argv, "--disaggregation-bootstrap-port") or "") or DEFAULT_BOOTSTRAP_PORT
     return {"role": mode, "bootstrap_port": port if mode == "prefill" else None}
 
 
