@@ -204,3 +204,31 @@ def test_the_smoke_gate_takes_a_pd_group_as_one_unit():
     down = gate(host, res(), res(worker_ok=False), opts)
     assert down.failed and "decode worker: %s: /health_generate answered HTTP 503" % via in down.message
     assert gate(host, res(), res(ids=(1, 2, 4)), opts).failed
+
+
+def test_the_inventorys_pd_router_is_decoded_and_named(pd_standins, tmp_path):
+    """fleetctl_pd_router: a router no process here is identified as is decoded, the workers said
+    to be decoded through it; a URL that is no address of the host is refused by name."""
+    from fleetctl import inventory
+    from fleetctl.errors import InventoryError
+
+    ports, pids = pd_standins
+    url = "http://127.0.0.1:%d" % ports["router"]
+    sel = [{"pid": pids["decode"], "python": sys.executable, "port": ports["decode"], "host": "127.0.0.1"}]
+    out = smoke.main({"servers": sel, "pd_router": url, "repeat": 1, "health_timeout": 30})
+    worker, router = out["servers"]
+    assert worker["pd"] == {"role": "decode", "via": "decode worker: decoded through the PD router %s "
+                                                     "(fleetctl_pd_router)" % url} and worker["ok"]
+    assert router["pd"] == {"role": "router", "via": "decoded through the PD router %s (fleetctl_pd_router)" % url}
+    assert router["ok"] and len(router["output_ids"]) == 16 and router["pid"] is None
+    out = smoke.main({"servers": sel, "pd_router": "http://192.0.2.7:8100", "repeat": 1, "health_timeout": 30})
+    assert [s["port"] for s in out["servers"]] == [ports["decode"]]
+    assert out["refused"] == [{"pid": None, "host": None, "port": None, "reason": "fleetctl_pd_router "
+                               "http://192.0.2.7:8100 is bound to 192.0.2.7, not an address of this host"}]
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all:\n  hosts:\n    a: {fleetctl_pd_router: 'http://127.0.0.1:8100/'}\n"
+                   "    b: {fleetctl_pd_router: '127.0.0.1:8100'}\n    c: {}\n")
+    a, b, c = inventory.load(inv).select("a:b:c")
+    assert (a.pd_router, c.pd_router) == ("http://127.0.0.1:8100", None)
+    with pytest.raises(InventoryError, match="host b: fleetctl_pd_router '127.0.0.1:8100' is not http://ADDRESS:PORT"):
+        b.pd_router

@@ -28,7 +28,10 @@ identified on this host is decoded like any server, and the workers it sends to 
 their own `GET /health_generate` (which SGLang runs with a fake bootstrap room on a PD worker:
 0.5.10 entrypoints/http_server.py:477-514, 0.5.23 entrypoints/http_server.py:722-765), said
 "ROLE worker: decoded through the PD router on :PORT"; a worker no router here sends to gets the
-same check, said "ROLE worker: health_generate only" (PD_ALONE).
+same check, said "ROLE worker: health_generate only" (PD_ALONE). The inventory's
+fleetctl_pd_router (http://ADDRESS:PORT, an address of this host: targets.connect_address) names
+the router in front of the workers where none is identified here: it is decoded (PD_NAMED), and
+the workers are said to be decoded through it.
 """
 
 import json
@@ -160,6 +163,21 @@ PD_ROUTED = "%s worker: decoded through the PD router on :%d"
 PD_ROUTER = "decoded through the PD router on :%d"
 
 
+PD_NAMED = "decoded through the PD router %s (fleetctl_pd_router)"
+
+
+def named_router(url, local):
+    """(host, port, None) to reach the inventory's fleetctl_pd_router `url` ("http://ADDRESS:PORT"),
+    or (None, None, why) when ADDRESS is not one of this host's (targets.connect_address)."""
+    hp = pd.url_port(url)
+    if hp is None:
+        return None, None, "fleetctl_pd_router %s is not http://ADDRESS:PORT" % url
+    address, why = targets.connect_address(hp[0].strip("[]"), local)
+    if address is None:
+        return None, None, "fleetctl_pd_router %s %s" % (url, why)
+    return address, hp[1], None
+
+
 def pd_role(pid):
     """The PD part of process `pid` (pd.role of its /proc/PID/cmdline; None: not disaggregated or unreadable)."""
     argv = procs.cmdline(pid) or []
@@ -167,10 +185,11 @@ def pd_role(pid):
     return pd.role(target if kind == "m" else None, args)
 
 
-def pd_plan(picked, local=()):
+def pd_plan(picked, local=(), named=None):
     """{pid: {"role", "via"}} for the PD servers among targets `picked` (targets.pick's
     "targets"): a router's via is PD_ROUTER; a worker's PD_ROUTED when a router among them sends
-    to its port (pd.routed), else PD_ALONE."""
+    to its port (pd.routed), else "ROLE worker: " + PD_NAMED when the inventory names one (`named`:
+    its URL), else PD_ALONE."""
     roles = {t["pid"]: pd_role(t["pid"]) for t in picked}
     routers = {t["port"]: pd.routed(roles[t["pid"]], local) for t in picked
                if roles[t["pid"]] and roles[t["pid"]]["role"] == "router"}
@@ -183,7 +202,8 @@ def pd_plan(picked, local=()):
             plan[t["pid"]] = {"role": "router", "via": PD_ROUTER % t["port"]}
             continue
         front = next((port for port, sends in sorted(routers.items()) if t["port"] in sends), None)
-        via = PD_ALONE % r["role"] if front is None else PD_ROUTED % (r["role"], front)
+        via = PD_ROUTED % (r["role"], front) if front is not None else (
+            "%s worker: %s" % (r["role"], PD_NAMED % named) if named else PD_ALONE % r["role"])
         plan[t["pid"]] = {"role": r["role"], "via": via}
     return plan
 
@@ -312,7 +332,8 @@ def main(params):
     server identified here); port, host: the inventory's fleetctl_sglang_port and _host, which
     select among their sockets (targets.select); health_timeout (600 s, the wait for a server to
     listen and answer /health); repeat (3); max_new_tokens (16); input_ids (fixed prompt);
-    request_timeout (60 s, per HTTP request); offline_cmd: a shell command string (from the
+    request_timeout (60 s, per HTTP request); pd_router: the inventory's fleetctl_pd_router (the
+    module docstring; decoded when no PD router is identified here); offline_cmd: a shell command string (from the
     playbook or inventory); offline_timeout (600 s); api_key: the servers' API key (sent as a
     bearer token to the targets only, never returned).
     Returns {"servers": [smoke_server result + pid, ...; a non-zero-rank node's: health only; a PD
@@ -326,8 +347,16 @@ def main(params):
     health_timeout = float(params.get("health_timeout", 600))
     picked, waited = choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout,
                             params.get("server_user"))
-    servers = []
-    plan = pd_plan(picked["targets"], listeners.local_addresses())
+    servers, local, named = [], listeners.local_addresses(), params.get("pd_router")
+    plan = pd_plan(picked["targets"], local, named)
+    routers = [t for t in picked["targets"] if (plan.get(t["pid"]) or {}).get("role") == "router"]
+    if named and not routers:  # the inventory's router, where none is identified here
+        address, port, why = named_router(named, local)
+        if why:
+            picked["refused"].append({"pid": None, "host": None, "port": None, "reason": why})
+        else:
+            picked["targets"].append({"pid": None, "host": address, "port": port, "node_rank": 0})
+            plan[None] = {"role": "router", "via": PD_NAMED % named}
     for t in picked["targets"]:
         servers.append(smoke_server(t["host"], t["port"], health_timeout=max(0.0, health_timeout - waited),
                                     repeat=int(params.get("repeat", 3)),
