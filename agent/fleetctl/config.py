@@ -92,8 +92,12 @@ SERVER_USER = HostVar("fleetctl_server_user", str, "the account SGLang servers r
                       "service (default: the owner of each server's interpreter environment); other processes "
                       "get no request and no API key")
 
+PD_ROUTER = HostVar("fleetctl_pd_router", str, "http://ADDRESS:PORT of the PD router (prefill/decode "
+                    "disaggregation) in front of this host's PD workers, on this host: the smoke decode goes through "
+                    "it even when its process is not identified as one")
+
 HOST_VARS = (PYTHON, RESTART_CMD, SGLANG_PORT, SGLANG_HOST, SMOKE_CMD, LATENCY_SLACK, SHARED_TREE, SGLANG_API_KEY,
-             CONTAINER_EXEC, UNPRIVILEGED_USER, SERVER_USER)
+             CONTAINER_EXEC, UNPRIVILEGED_USER, SERVER_USER, PD_ROUTER)
 DEFAULT_SGLANG_HOST = "127.0.0.1"
 
 

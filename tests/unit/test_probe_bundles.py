@@ -27,7 +27,7 @@ def run(doc: dict, **env) -> dict:
 def test_the_bundles_are_the_probes_imports_in_load_order():
     assert probes.modules_for("change.actions") == ["safefs", "facts.scancache", "change.ledger", "result", "runas",
                                                     "evidence", "facts.distinfo", "facts.drift", "change.actions"]
-    assert probes.modules_for("traffic.smoke") == ["redact", "facts.listeners", "facts.topology", "result", "safefs",
+    assert probes.modules_for("traffic.smoke") == ["redact", "facts.listeners", "facts.topology", "facts.pd", "result", "safefs",
                                                    "runas", "facts.procs", "bounded", "enter", "facts.containers", "facts.targets",
                                                    "traffic.smoke"]
     assert probes.modules_for("kernel.kbuild") == ["result", "safefs", "runas", "kernel.copy", "kernel.proc",

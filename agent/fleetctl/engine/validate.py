@@ -83,7 +83,8 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
               "port": port, "host": ctx.host.sglang_host if port is not None else None,
               "health_timeout": opts.health_timeout, "repeat": opts.repeat, "request_timeout": REQUEST_TIMEOUT_S,
               "offline_cmd": (offline_cmd or ctx.host.smoke_cmd) if offline else None,
-              "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user}
+              "api_key": ctx.host.sglang_api_key, "server_user": ctx.host.server_user,
+              "pd_router": ctx.host.pd_router if servers else None}
     if not params["servers"] and port is None and not params["offline_cmd"]:
         return {"servers": [], "refused": [], "offline": None}
     budget = ctx.remaining() - reserve

@@ -10,6 +10,7 @@ makes the Hosts, whose properties are the only readers of those vars by name.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +258,20 @@ class Host:
         owner_refusal: other processes get no request and no API key); None: not set."""
         user = self.vars.get(config.SERVER_USER.name)
         return None if user is None else str(user)
+
+    @property
+    def pd_router(self) -> str | None:
+        """fleetctl_pd_router: "http://ADDRESS:PORT" of the PD router in front of this host's PD
+        workers (probes/traffic/smoke.py); None: not set. Raises InventoryError naming the host
+        and the fix for any other shape (the probe also refuses an ADDRESS not of the host)."""
+        url = self.vars.get(config.PD_ROUTER.name)
+        if url is None:
+            return None
+        m = re.fullmatch(r"http://(\[[0-9A-Fa-f:.]+\]|[0-9A-Za-z.-]+):([0-9]{1,5})/?", str(url))
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise InventoryError(f"host {self.name}: {config.PD_ROUTER.name} {str(url)[:200]!r} is not "
+                                 "http://ADDRESS:PORT (the PD router on this host, e.g. http://127.0.0.1:8100)")
+        return str(url).rstrip("/")
 
     @property
     def container_exec(self) -> str | None:

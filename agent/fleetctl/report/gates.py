@@ -32,7 +32,8 @@ def render_validate(results: list[HostResult], console: Console) -> None:
 
             def cells(s=s):
                 lat = s.get("e2e_latency_s") or s.get("latency_s")
-                only = f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""
+                only = ((s.get("pd") or {}).get("via")
+                        or (f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""))
                 return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
                         f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
                         tokens(s.get("output_ids")),

@@ -50,8 +50,23 @@ def server_line(s: dict) -> str:
             + (f" dp={dp}" + (" (attention)" if s.get("enable_dp_attention") else "") if dp > 1 else "")
             + (f" pp={s['pp_size']}" if s.get("pp_size", 1) > 1 else "")
             + (f" node {s.get('node_rank')}/{nodes} of {s.get('dist_init_addr')}" if nodes > 1 else "")
-            + f" gpus {gpus or 'none'}"
+            + f" gpus {gpus or 'none'}" + pd_words(s.get("pd"))
             + (" (stand-in)" if s.get("kind") == "stand-in" else ""))
+
+
+def pd_words(part: dict | None) -> str:
+    """A server's PD part (facts pd: probes/facts/pd.py) for the inspect table: " PD prefill
+    (bootstrap :N) behind router :P", " PD decode (no router here)", " PD router -> prefill
+    URL, decode URL"; "" when it is not disaggregated."""
+    if not part:
+        return ""
+    if part.get("role") == "router":
+        peers = [f"prefill {p.get('url')}" for p in part.get("prefill") or []] + [
+            f"decode {u}" for u in part.get("decode") or []]
+        return " PD router -> " + ", ".join(peers)
+    boot = f" (bootstrap :{part['bootstrap_port']})" if part.get("bootstrap_port") else ""
+    routers = ", ".join(f":{r.get('port')}" for r in part.get("routers") or [])
+    return f" PD {part.get('role')}{boot}" + (f" behind router {routers}" if routers else " (no router here)")
 
 
 def unreadable_line(u: dict) -> str:

@@ -99,14 +99,17 @@ def _where(baseline: dict, port: int) -> str:
 
 
 def gate_note(baseline: dict | None) -> str | None:
-    """How the non-zero-rank nodes of a smoke baseline are gated, for the report: "decoded
-    through rank 0 on HOST (ADDR)" or RANK0_ABSENT, each once ("; "); None when it has none."""
-    notes = [_where(baseline, s["port"]) for s in (baseline or {}).get("servers") or [] if s.get("health_only")]
+    """How the non-zero-rank nodes and PD servers of a smoke baseline are gated, for the report:
+    "decoded through rank 0 on HOST (ADDR)" or RANK0_ABSENT, a PD server's via (probes/traffic/
+    smoke.py pd_plan: "decoded through the PD router on :PORT", "decode worker: health_generate
+    only"), each once ("; "); None when it has none."""
+    notes = [(s.get("pd") or {}).get("via") or _where(baseline, s["port"])
+             for s in (baseline or {}).get("servers") or [] if s.get("health_only") or s.get("pd")]
     return "; ".join(dict.fromkeys(notes)) or None
 
 
 def _health_checks(baseline: dict, after: dict) -> list[Check]:
-    """The gate's checks of the non-zero-rank nodes (health-only results), paired by host:port."""
+    """The gate's checks of the non-zero-rank nodes and PD workers (health-only results), paired by host:port."""
     def only(res):
         return {(s["host"], s["port"]): s for s in res.get("servers") or [] if s.get("health_only")}
     bs, as_ = only(baseline), only(after)
@@ -114,15 +117,17 @@ def _health_checks(baseline: dict, after: dict) -> list[Check]:
     for key in list(bs) + [k for k in as_ if k not in bs]:
         target, b, a = "%s:%s" % key, bs.get(key), as_.get(key)
         rank = (a or b).get("node_rank")
+        part = (a or b).get("pd")
+        what = part["via"] if part else f"node rank {rank}"
         if b is None or a is None:
             checks.append(Check("server", target, False, "not in the baseline" if b is None else "missing after the change"))
         elif not b.get("ok"):
-            checks.append(Check("baseline", target, False, f"node rank {rank}: baseline health failed: {b.get('error')}"))
+            checks.append(Check("baseline", target, False, f"{what}: baseline health failed: {b.get('error')}"))
         elif not a.get("ok"):
-            checks.append(Check("health", target, False, f"node rank {rank}: {a.get('error')}"))
+            checks.append(Check("health", target, False, f"{what}: {a.get('error')}"))
         else:
-            checks.append(Check("health", target, True, f"node rank {rank}: /health answered 200 "
-                                                        f"({_where(baseline, key[1])})"))
+            checks.append(Check("health", target, True, f"{what}: {'/health_generate' if part else '/health'} answered 200"
+                                + ("" if part else f" ({_where(baseline, key[1])})")))
     return checks
 
 

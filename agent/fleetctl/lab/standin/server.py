@@ -50,6 +50,17 @@ default `behavior.json` next to this script; a missing file means behave):
                            not counted), which SGLang's benchmark clients count as failed
 SIGHUP rereads the behaviour file (the counters of fail_every start again); a file that does not
 parse keeps the behaviour there was, and the log says why.
+A PD worker (`--disaggregation-mode prefill|decode`, `--disaggregation-bootstrap-port N`, default
+8998: 0.5.10 server_args.py:695-697,5743-5760; 0.5.23 arg_groups/fields/disagg.py:55-58,81-83)
+refuses a /generate without `bootstrap_room` as SGLang's scheduler does (0.5.10
+managers/scheduler.py:1780-1788, 0.5.23 managers/scheduler.py:3048-3056: "Invalid request:
+Disaggregated request received without bootstrap room id. req.rid=...", HTTPStatus.BAD_REQUEST),
+answered as http_server.py's `_create_error_response` does (0.5.10 http_server.py:1723-1726:
+HTTP 400 {"error": {"message": ...}}); a streamed one gets that as a `data: {"error": ...}` event,
+then `[DONE]` (stream_results, 0.5.10 http_server.py:665-676). /health_generate still decodes (SGLang
+fills a fake bootstrap room there: 0.5.10 http_server.py:513-514, 0.5.23 http_server.py:764-765).
+/server_info says `disaggregation_mode` and `disaggregation_bootstrap_port`. The PD router that
+fills the rooms is sglang_router/launch_router.py beside this file.
 `--api-key KEY` protects every route but /health*, /ready* and /metrics* as SGLang's does
 (sglang/srt/utils/auth.py `decide_request_auth`, 0.5.23): `Authorization: Bearer KEY`, else 401.
 
@@ -99,6 +110,9 @@ MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; 
 # The subsets of GenerateReqInput / SamplingParams / CompletionRequest fields implemented here;
 # any other field is refused with 400 instead of being silently ignored.
 GENERATE_KEYS = {"text", "input_ids", "sampling_params", "rid", "stream"}
+# GenerateReqInput's PD fields (0.5.10 io_struct.py:191-193, 0.5.23 io_struct.py:291-293): a PD
+# router fills them; a PD worker refuses a request without bootstrap_room (pd_refusal)
+PD_KEYS = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 # GenerateReqInput fields the benchmark clients always send, accepted at these values only
 # (0.5.23 benchmark/serving.py async_request_sglang_generate; 0.4.6-0.5.10 bench_serving.py)
 OFF_KEYS = {"lora_path": None, "return_routed_experts": False, "token_ids_logprob": None}
@@ -210,7 +224,7 @@ class StandIn:
         None, or {"top": top_logprobs_num, "start": logprob_start_len} with return_logprob).
         Raises BadRequest for what the stand-in does not implement (a key, or an OFF_KEYS key
         at another value) or an invalid request."""
-        unknown = set(req) - GENERATE_KEYS - set(OFF_KEYS) - set(LOGPROB_KEYS)
+        unknown = set(req) - GENERATE_KEYS - PD_KEYS - set(OFF_KEYS) - set(LOGPROB_KEYS)
         if unknown:
             raise BadRequest("fleetctl stand-in does not implement %s" % sorted(unknown))
         on = sorted(k for k in set(req) & set(OFF_KEYS)
@@ -323,6 +337,8 @@ class StandIn:
                 "weight_version": "default", "version": sglang_version(),
                 "internal_states": [{"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 1,
                                      "num_running_reqs": engine.inflight if engine else 0}],
+                "disaggregation_mode": a.disaggregation_mode,
+                "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
                 "stand_in": True, "stand_in_behavior": self.behavior, "stand_in_counters": dict(self.counters)}
 
 
@@ -358,6 +374,18 @@ def out_dict(rid, prompt, ids, finish, info=None):
 def sse(obj):
     """One server-sent event as SGLang's stream_results writes it: b'data: JSON\\n\\n'."""
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+PD_NO_ROOM = "Invalid request: Disaggregated request received without bootstrap room id. req.rid=%r"
+
+
+def pd_refusal(mode, req):
+    """SGLang's error message for /generate request `req` on a server of disaggregation mode
+    `mode` ("null", "prefill", "decode"), or None when it is served: a PD worker aborts a request
+    whose bootstrap_room is None (see the module docstring)."""
+    if mode == "null" or req.get("bootstrap_room") is not None:
+        return None
+    return PD_NO_ROOM % (req.get("rid"),)
 
 
 def sglang_version():
@@ -489,6 +517,16 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             if not isinstance(req, dict):
                 raise BadRequest("request body must be a JSON object")
+            refused = pd_refusal(s.args.disaggregation_mode, req) if path == "/generate" else None
+            if refused and req.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.write(sse({"error": {"message": refused}}) + sse(b"[DONE]"))
+                return
+            if refused:
+                log.error("%s", refused)
+                return self.reply(400, {"error": {"message": refused}})
             if path == "/generate" and req.get("stream"):
                 return self.stream(req)
             self.reply(200, routes[path](req))
@@ -531,6 +569,8 @@ def main(argv=None):
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="T: the verify width (default 4)")
     p.add_argument("--speculative-eagle-topk", type=int, default=None, help="accepted as SGLang takes it; 1 only")
     p.add_argument("--speculative-num-steps", type=int, default=None, help="accepted as SGLang takes it")
+    p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS,
                    help="the KV pool size /server_info reports as max_total_num_tokens")
     args = p.parse_args(argv)

@@ -19,7 +19,7 @@ schedulers, under the CUDA_VISIBLE_DEVICES it started with: topology.gpu_ids).
 import errno
 import os
 
-from . import listeners, topology
+from . import listeners, pd, topology
 from .. import redact, runas, safefs
 
 DEFAULT_PORT = 30000  # sglang/srt/server_args.py: ServerArgs.port
@@ -91,10 +91,14 @@ def python_program(argv):
 
 
 def server_kind(argv):
-    """'launch_server', 'serve', 'router', 'stand-in' or None for a Python process's argv
-    (its program only: a wrapper's argv that merely carries these words is no server)."""
+    """'launch_server', 'serve', 'router', 'pd-router', 'stand-in' or None for a Python process's argv
+    (its program only: a wrapper's argv that merely carries these words is no server). A
+    'pd-router' is a PD router (pd.role: sglang_router.launch_router --pd-disaggregation, or
+    sglang.srt.disaggregation.mini_lb), the front of prefill and decode workers."""
     _, kind, target, args = python_program(argv)
     if kind == "m":
+        if target in pd.ROUTER_MODULES:
+            return "pd-router" if pd.role(target, args) else None
         return {"sglang.launch_server": "launch_server", "sglang_router.launch_server": "router"}.get(target)
     if kind == "script" and target:
         if os.path.basename(target) == "sglang" and args[:1] == ["serve"]:
@@ -234,17 +238,19 @@ def _listening_ports(pids):
 
 def server_fields(argv, env, unit):
     """What a server's own argv, environment and service say of it: {argv (redacted), kind
-    (server_kind), port, host, model_path (redacted), unit, the layout (topology.KEYS:
+    (server_kind), port, host, model_path (redacted), unit, pd (its PD part: pd.role), the layout (topology.KEYS:
     topology.read), cuda_visible_devices (None: unset), gpu_ids (topology.gpu_ids)}. `env`:
     {CUDA_VISIBLE_DEVICES: value} when set (parse_environ); `unit`: parse_cgroup's. Flags per
     sglang/srt/server_args.py (--port default 30000, --host, --model-path)."""
     port = topology.option(argv, "--port")
     layout = topology.read(argv)
+    _, kind, target, args = python_program(argv)
     visible = env.get("CUDA_VISIBLE_DEVICES")
     return {"argv": redact.argv(argv), "kind": server_kind(argv),
             "port": int(port) if port and port.isdigit() else DEFAULT_PORT,
             "host": redact.text(topology.option(argv, "--host") or "127.0.0.1"),
             "model_path": redact.text(topology.option(argv, "--model-path", "--model")), "unit": unit,
+            "pd": pd.role(target if kind == "m" else None, args),
             **{k: layout[k] for k in topology.KEYS},
             "cuda_visible_devices": visible, "gpu_ids": topology.gpu_ids(layout, visible)}
 
@@ -334,4 +340,24 @@ def find_servers(host_view=lambda pid: False):
             "workers": [{"pid": p, "ports": ports[p]} for p in workers],
             "processes": sum(1 for p in kids if table[p][0][:1] and table[p][0][0].startswith("sglang::")),
         })
+    pd_peers(servers, listeners.local_addresses())
     return servers, others
+
+
+def pd_peers(servers, local=()):
+    """Name each PD server's peers on this host, in place: a PD router's pd gets "workers"
+    [{pid, port, role}] (the servers here its --prefill / --decode URLs name: pd.routed, on
+    loopback, a wildcard or an address in `local`), a worker's pd "routers" [{pid, port}] (the
+    routers here that send to it)."""
+    for s in servers:
+        if s.get("pd") and s["pd"]["role"] != "router":
+            s["pd"]["routers"] = []
+    for r in servers:
+        if not r.get("pd") or r["pd"]["role"] != "router":
+            continue
+        ports = pd.routed(r["pd"], local)
+        r["pd"]["workers"] = []
+        for s in servers:
+            if s.get("pd") and s["pd"]["role"] != "router" and s["port"] in ports:
+                r["pd"]["workers"].append({"pid": s["pid"], "port": s["port"], "role": s["pd"]["role"]})
+                s["pd"]["routers"].append({"pid": r["pid"], "port": r["port"]})

@@ -47,6 +47,7 @@ import urllib.error
 import urllib.request
 
 from . import smoke
+from ..facts import listeners
 from .. import redact, runas
 
 # Workload profiles: concurrency, num_prompts, input_len, output_len (tokens); None: sized (workload).
@@ -471,6 +472,10 @@ def scrub(value, secret):
     return value.replace(secret, redact.REDACTED) if isinstance(value, str) else value
 
 
+PD_SKIP = ("a PD %s worker answers a plain /generate with HTTP 400 (no bootstrap room): not loaded itself (%s); "
+           "the load runs through a PD router identified on this host")
+
+
 def main(params):
     """Probe entry point. params: servers (selectors: [{pid, python, port, host, package_dir,
     version}] as the facts probe identified them; targets.live), port, host (the inventory's
@@ -485,14 +490,20 @@ def main(params):
     (redacted), returncode, timed_out, duration_s (seconds), tail, ran_as: {uid, why} the account
     the client ran as}], "refused": [{pid, host,
     port, reason}] (nothing was sent to them), "skipped": [{pid, host, port, node_rank, reason}]
-    (non-zero-rank nodes of a multi-node server: nothing was sent to them)}."""
+    (non-zero-rank nodes of a multi-node server and PD workers, smoke.pd_plan: nothing was sent to them)}."""
     smoke.API_KEY = params.get("api_key")
     selectors = params.get("servers") or []
     health_timeout = float(params.get("health_timeout", 60))
     picked, waited = smoke.choose(selectors, params.get("port"), params.get("host"), health_timeout,
                                   params.get("server_user"))
     servers, skipped = [], []
+    plan = smoke.pd_plan(picked["targets"], listeners.local_addresses())
     for t in picked["targets"]:
+        part = plan.get(t["pid"]) or {}
+        if part.get("role") in ("prefill", "decode"):  # a plain /generate gets HTTP 400 there (smoke.py)
+            skipped.append({"pid": t["pid"], "host": t["host"], "port": t["port"], "node_rank": t.get("node_rank") or 0,
+                            "reason": PD_SKIP % (part["role"], part["via"])})
+            continue
         if (t.get("node_rank") or 0) >= 1:  # a non-zero-rank node's port serves /health only (targets.py)
             skipped.append({"pid": t["pid"], "host": t["host"], "port": t["port"], "node_rank": t["node_rank"],
                             "reason": "node rank %d of a multi-node server: its port serves only /health; the "

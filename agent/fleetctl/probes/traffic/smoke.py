@@ -21,6 +21,17 @@ meta_info built by `TokenizerManager` (sglang/srt/managers/tokenizer_manager.py:
 "length": N}, `e2e_latency` in seconds), routes in sglang/srt/entrypoints/http_server.py
 (`/health` answers 503 while the server status is Starting; `/model_info` since 0.5,
 `/get_model_info` in older releases).
+
+PD disaggregation (facts/pd.py): a PD worker (`--disaggregation-mode prefill|decode`) answers a
+plain /generate with HTTP 400 (no bootstrap room), so it is never decoded itself. A PD router
+identified on this host is decoded like any server, and the workers it sends to are checked by
+their own `GET /health_generate` (which SGLang runs with a fake bootstrap room on a PD worker:
+0.5.10 entrypoints/http_server.py:477-514, 0.5.23 entrypoints/http_server.py:722-765), said
+"ROLE worker: decoded through the PD router on :PORT"; a worker no router here sends to gets the
+same check, said "ROLE worker: health_generate only" (PD_ALONE). The inventory's
+fleetctl_pd_router (http://ADDRESS:PORT, an address of this host: targets.connect_address) names
+the router in front of the workers where none is identified here: it is decoded (PD_NAMED), and
+the workers are said to be decoded through it.
 """
 
 import json
@@ -33,7 +44,7 @@ import urllib.error
 import urllib.request
 
 from .. import redact
-from ..facts import targets, topology
+from ..facts import listeners, pd, procs, targets, topology
 
 # A fixed 12-token prompt; every id is < 512 so it is valid for any real vocabulary and the stand-in's.
 DEFAULT_INPUT_IDS = [1, 306, 263, 450, 338, 310, 278, 322, 411, 393, 372, 471]
@@ -147,6 +158,68 @@ def choose(selectors, port, host, deadline_s, server_user=None):
         delay = min(delay * 2, 2.0)
 
 
+PD_ALONE = "%s worker: health_generate only"
+PD_ROUTED = "%s worker: decoded through the PD router on :%d"
+PD_ROUTER = "decoded through the PD router on :%d"
+
+
+PD_NAMED = "decoded through the PD router %s (fleetctl_pd_router)"
+
+
+def named_router(url, local):
+    """(host, port, None) to reach the inventory's fleetctl_pd_router `url` ("http://ADDRESS:PORT"),
+    or (None, None, why) when ADDRESS is not one of this host's (targets.connect_address)."""
+    hp = pd.url_port(url)
+    if hp is None:
+        return None, None, "fleetctl_pd_router %s is not http://ADDRESS:PORT" % url
+    address, why = targets.connect_address(hp[0].strip("[]"), local)
+    if address is None:
+        return None, None, "fleetctl_pd_router %s %s" % (url, why)
+    return address, hp[1], None
+
+
+def pd_role(pid):
+    """The PD part of process `pid` (pd.role of its /proc/PID/cmdline; None: not disaggregated or unreadable)."""
+    argv = procs.cmdline(pid) or []
+    _, kind, target, args = procs.python_program(argv) if argv else (None, None, None, [])
+    return pd.role(target if kind == "m" else None, args)
+
+
+def pd_plan(picked, local=(), named=None):
+    """{pid: {"role", "via"}} for the PD servers among targets `picked` (targets.pick's
+    "targets"): a router's via is PD_ROUTER; a worker's PD_ROUTED when a router among them sends
+    to its port (pd.routed), else "ROLE worker: " + PD_NAMED when the inventory names one (`named`:
+    its URL), else PD_ALONE."""
+    roles = {t["pid"]: pd_role(t["pid"]) for t in picked}
+    routers = {t["port"]: pd.routed(roles[t["pid"]], local) for t in picked
+               if roles[t["pid"]] and roles[t["pid"]]["role"] == "router"}
+    plan = {}
+    for t in picked:
+        r = roles[t["pid"]]
+        if not r:
+            continue
+        if r["role"] == "router":
+            plan[t["pid"]] = {"role": "router", "via": PD_ROUTER % t["port"]}
+            continue
+        front = next((port for port, sends in sorted(routers.items()) if t["port"] in sends), None)
+        via = PD_ROUTED % (r["role"], front) if front is not None else (
+            "%s worker: %s" % (r["role"], PD_NAMED % named) if named else PD_ALONE % r["role"])
+        plan[t["pid"]] = {"role": r["role"], "via": via}
+    return plan
+
+
+def pd_health(base, res, timeout):
+    """A PD worker's check, in place on smoke_server result `res`: GET base/health_generate
+    answered 200 (ok), else its status in error."""
+    try:
+        status, _ = _request(base + "/health_generate", timeout=timeout)
+    except OSError as e:
+        status = "no answer (%s)" % (getattr(e, "reason", None) or e)
+    res["ok"] = status == 200
+    res["error"] = None if res["ok"] else "/health_generate answered %s" % (
+        "HTTP %d" % status if isinstance(status, int) else status)
+
+
 def _result(host, port, node_rank=0):
     """A smoke_server result before anything is known (see there)."""
     return {"host": host, "port": int(port), "node_rank": node_rank, "health_only": node_rank >= 1,
@@ -157,9 +230,11 @@ def _result(host, port, node_rank=0):
 
 
 def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
-                 input_ids=None, request_timeout=60.0, warmup=1, node_rank=0):
+                 input_ids=None, request_timeout=60.0, warmup=1, node_rank=0, pd_part=None):
     """Health wait + `repeat` greedy decodes against one SGLang server at host:port; for
-    `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only.
+    `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only;
+    for a PD worker (`pd_part`: pd_plan's {role, via}, role not "router") the health wait and its
+    /health_generate (pd_health). A PD server's result carries `pd_part` as "pd".
 
     Times in seconds. Returns {host, port, node_rank, health_only (no decode: node_rank >= 1),
     model_path, version, stand_in, server_args (topology.server_info of its /server_info, None
@@ -170,10 +245,17 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     """
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(port))
     res = _result(host, port, node_rank)
+    if pd_part:
+        res["pd"] = pd_part
+    worker = bool(pd_part) and pd_part["role"] != "router"
+    res["health_only"] = res["health_only"] or worker
     healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
     res["health_wait_s"] = round(waited, 3)
     if not healthy:
         res["error"] = "health deadline exceeded after %.0f s: last answer %s" % (health_timeout, last)
+        return res
+    if worker:
+        pd_health(base, res, request_timeout)
         return res
     if res["health_only"]:
         res["ok"] = True
@@ -250,10 +332,12 @@ def main(params):
     server identified here); port, host: the inventory's fleetctl_sglang_port and _host, which
     select among their sockets (targets.select); health_timeout (600 s, the wait for a server to
     listen and answer /health); repeat (3); max_new_tokens (16); input_ids (fixed prompt);
-    request_timeout (60 s, per HTTP request); offline_cmd: a shell command string (from the
+    request_timeout (60 s, per HTTP request); pd_router: the inventory's fleetctl_pd_router (the
+    module docstring; decoded when no PD router is identified here); offline_cmd: a shell command string (from the
     playbook or inventory); offline_timeout (600 s); api_key: the servers' API key (sent as a
     bearer token to the targets only, never returned).
-    Returns {"servers": [smoke_server result + pid, ...; a non-zero-rank node's: health only; a
+    Returns {"servers": [smoke_server result + pid, ...; a non-zero-rank node's: health only; a PD
+    worker's: its /health_generate (pd_plan, "pd": {role, via}); a
     server that never listened: ok false, the reason in error], "refused": [{pid, host, port, reason}] (targets.select: nothing was
     sent to them), "offline": offline_check result or None}; server errors have their secrets
     redacted (redact.py).
@@ -263,14 +347,24 @@ def main(params):
     health_timeout = float(params.get("health_timeout", 600))
     picked, waited = choose(params.get("servers") or [], params.get("port"), params.get("host"), health_timeout,
                             params.get("server_user"))
-    servers = []
+    servers, local, named = [], listeners.local_addresses(), params.get("pd_router")
+    plan = pd_plan(picked["targets"], local, named)
+    routers = [t for t in picked["targets"] if (plan.get(t["pid"]) or {}).get("role") == "router"]
+    if named and not routers:  # the inventory's router, where none is identified here
+        address, port, why = named_router(named, local)
+        if why:
+            picked["refused"].append({"pid": None, "host": None, "port": None, "reason": why})
+        else:
+            picked["targets"].append({"pid": None, "host": address, "port": port, "node_rank": 0})
+            plan[None] = {"role": "router", "via": PD_NAMED % named}
     for t in picked["targets"]:
         servers.append(smoke_server(t["host"], t["port"], health_timeout=max(0.0, health_timeout - waited),
                                     repeat=int(params.get("repeat", 3)),
                                     max_new_tokens=int(params.get("max_new_tokens", 16)),
                                     input_ids=params.get("input_ids"),
                                     request_timeout=float(params.get("request_timeout", 60)),
-                                    warmup=int(params.get("warmup", 1)), node_rank=t["node_rank"]))
+                                    warmup=int(params.get("warmup", 1)), node_rank=t["node_rank"],
+                                    pd_part=plan.get(t["pid"])))
         servers[-1]["pid"] = t["pid"]
     for p in picked["pending"]:
         servers.append(dict(_result(p["host"], p["port"]), pid=p["pid"], health_wait_s=round(waited, 3),
