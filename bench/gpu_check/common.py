@@ -271,8 +271,9 @@ def aot_build(arch: int, out_dir: Path, procs: int = 8, keys: list[str] | None =
     running = []
     for i in range(procs):
         part = out_dir / f"part-{i}"
-        code = (f"import sys, time; sys.path.insert(0, {str(PKG)!r}); import triton_verify as tv; t = time.monotonic(); "
-                f"tv.build({arch}, {str(part)!r}, keys=set({keys[i::procs]!r})); print(time.monotonic() - t)")
+        code = (f"import sys, time; sys.path.insert(0, {str(PKG)!r}); import triton_verify as tv; "
+                f"t = time.monotonic(); tv.build({arch}, {str(part)!r}, keys=set({keys[i::procs]!r})); "
+                "print(time.monotonic() - t)")
         running.append((part, subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, text=True)))
     records, head, per = [], None, []
