@@ -10,8 +10,12 @@
   kv_indices alike;
 - ahead-of-time compile for sm_90 and sm_120 (`build`) of every tile config x layout (one dtype per
   arch), each checked with Triton's bundled cuobjdump: tensor-core instructions, cp.async loads, no
-  local memory, <= 99 KB of shared memory; `read_kernels` reads them back without compiling;
-- the split count depends on shapes only, and the host path reads no device value.
+  local memory, the arch's per-block shared memory, CTAS_PER_SM equal to what the registers and
+  shared memory allow; on sm_90 the prefix loop's SASS keeps the next tile's copies in flight across
+  the current tile's MMAs with one wait per tile, and _combine has no loop; `read_kernels` reads them
+  back without compiling;
+- the split count depends on shapes only, the host path reads no device value, and the split counts
+  of the 48 D 128 speed shapes (splits_report.py) meet kernel-turn4.md's targets.
 On a CUDA host (marked `gpu`) the JIT and the AOT-loaded kernels run against the reference.
 """
 
