@@ -252,14 +252,59 @@ def roofline(nbytes: int, nflops: int, ms: float | None, copy_gbps: float, matmu
                 goal="met" if ms <= goal_ms else "missed")
 
 
-def load_backend(name: str, module_path: str | None):
+def aot_build(arch: int, out_dir: Path, procs: int = 8, keys: list[str] | None = None) -> dict:
+    """triton_verify.build(arch) of every instantiation (60: `instantiations(arch)`) split over
+    `procs` processes (a compile is single-threaded; the device machine has 16 cores), each into
+    out_dir/part-<i>, then merged into out_dir (the kernels' cache directories copied, one
+    manifest.json over all), so `triton_verify.load(out_dir)` gives what deploy ships.
+    keys: only these instantiation keys (tests). Returns {seconds, procs, instantiations,
+    per_process_s}; raises RuntimeError with a process's stderr when one fails (after 600 s at most)."""
+    import shutil
+
+    import triton_verify as tv
+    t0 = time.monotonic()
+    out_dir = Path(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    keys = [i["key"] for i in tv.instantiations(arch) if keys is None or i["key"] in keys]
+    procs = max(1, min(procs, len(keys)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    running = []
+    for i in range(procs):
+        part = out_dir / f"part-{i}"
+        code = (f"import sys, time; sys.path.insert(0, {str(PKG)!r}); import triton_verify as tv; "
+                f"t = time.monotonic(); tv.build({arch}, {str(part)!r}, keys=set({keys[i::procs]!r})); "
+                "print(time.monotonic() - t)")
+        running.append((part, subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True)))
+    records, head, per = [], None, []
+    for part, proc in running:
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"triton_verify.build({arch}) of {part.name} failed: {err[-3000:]}")
+        per.append(round(float(out.strip().splitlines()[-1]), 1))
+        manifest = json.loads((part / tv.MANIFEST).read_text())
+        head = head or {k: v for k, v in manifest.items() if k != "instantiations"}
+        records += manifest["instantiations"]
+        for d in part.iterdir():
+            if d.is_dir():
+                shutil.copytree(d, out_dir / d.name, dirs_exist_ok=True)
+        shutil.rmtree(part)
+    (out_dir / tv.MANIFEST).write_text(json.dumps(dict(head, instantiations=records), indent=1))
+    return {"seconds": round(time.monotonic() - t0, 1), "procs": procs, "instantiations": len(records),
+            "per_process_s": per}
+
+
+def load_backend(name: str, module_path: str | None, aot_dir: str | None = None):
     """The backend under test: "cpu"/"cuda" = the built extension at module_path; "triton" = the
-    package's triton_verify module (Triton's JIT; under TRITON_INTERPRET=1 its interpreter). Each has
-    verify_attention(...) and verify_attention_sglang(...) (kernels/verify_attention/README.md)."""
+    package's triton_verify module: with aot_dir, `triton_verify.load(aot_dir)` (the ahead-of-time
+    build, `aot_build`: what deploy ships, nothing compiled while timing), else Triton's JIT (under
+    TRITON_INTERPRET=1 its interpreter). Each has verify_attention(...) and
+    verify_attention_sglang(...) (kernels/verify_attention/README.md)."""
     if name == "triton":
         import importlib
 
-        return importlib.import_module("triton_verify")
+        tv = importlib.import_module("triton_verify")
+        return tv.load(aot_dir) if aot_dir else tv
     if not module_path:
         raise RuntimeError(f"the {name} backend was not built")
     return load_module(module_path)

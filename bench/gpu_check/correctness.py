@@ -40,12 +40,19 @@ def grid(cpu: bool) -> list[dict]:
     return cases
 
 
-def run_grid(backends: dict, device: str, cpu: bool, log) -> dict:
+def run_grid(backends: dict, device: str, cpu: bool, log, deadline: float = float("inf")) -> dict:
     """Every grid case through every backend's two entries (num_splits 0 and 5; the CPU backend
-    ignores it, so --cpu runs 0 only). Each result names its backend and entry."""
+    ignores it, so --cpu runs 0 only). Each result names its backend and entry. No case starts past
+    `deadline` (time.monotonic()); the cases left are counted in "not_run" and the grid is not ok."""
     splits = (0,) if cpu else (0, 5)
     results = []
-    for i, c in enumerate(grid(cpu)):
+    cases = grid(cpu)
+    not_run = 0
+    for i, c in enumerate(cases):
+        if time.monotonic() > deadline:
+            not_run = len(cases) - i
+            log(f"  budget: {not_run} grid cases not run")
+            break
         x = make_inputs(c["B"], c["T"], c["prefix_lens"], c["Hkv"], c["G"], c["D"], getattr(torch, c["dtype"]), device,
                         c["seed"], getattr(torch, c["r2t"]), c["shared_mask"], c["tree"])
         want = verify_attention_ref(**kargs(x))
@@ -65,7 +72,8 @@ def run_grid(backends: dict, device: str, cpu: bool, log) -> dict:
                         log(f"  MISMATCH {res}")
         del x, want, a
     fails = [r for r in results if not r["ok"]]
-    return {"ok": bool(results) and not fails, "cases": len(results), "failed": len(fails), "results": results}
+    return {"ok": bool(results) and not fails and not not_run, "cases": len(results), "failed": len(fails),
+            "not_run": not_run, "results": results}
 
 
 def _sglang_graph_inputs(G: int, D: int, T: int, dtype, device: str, max_prefix: int) -> tuple[dict, dict]:
@@ -267,10 +275,12 @@ def run_baselines(extend_attention_fwd, verify_splitkv_fwd, device: str, cpu: bo
     return out
 
 
-def stage2(backends: dict, extend_attention_fwd, verify_splitkv_fwd, device: str, cpu: bool, log) -> dict:
-    """The whole stage: {"ok", "grid", "graph", "sync_debug", "baselines", "seconds"}."""
+def stage2(backends: dict, extend_attention_fwd, verify_splitkv_fwd, device: str, cpu: bool, log,
+           grid_budget_s: float = float("inf")) -> dict:
+    """The whole stage: {"ok", "grid", "graph", "sync_debug", "baselines", "seconds"}; the grid starts
+    no case after grid_budget_s seconds (its "not_run" counts them)."""
     t0 = time.monotonic()
-    res = {"grid": run_grid(backends, device, cpu, log)}
+    res = {"grid": run_grid(backends, device, cpu, log, t0 + grid_budget_s)}
     log(f"  grid: {res['grid']['cases'] - res['grid']['failed']}/{res['grid']['cases']} within tolerance")
     if cpu:
         res["graph"] = {"skipped": "--cpu: no CUDA graphs on the CPU backend", "ok": None}

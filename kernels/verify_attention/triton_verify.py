@@ -80,20 +80,31 @@ BLOCK_MS = (16, 32, 64)
 # (arch, D, BLOCK_M) -> (BLOCK_N, num_warps, num_stages): 64-key tiles at D <= 128, 32 at D 256 (and
 # for sm_120's 64 x 64 tiles, which spill at 64 keys); per arch the most stages and the fewest warps
 # that compile with no spill in every layout (STACK 0, no LDL/STL) and
-# <= 99 KB of shared memory (cuobjdump, triton 3.6.0; see README "Triton backend"). Not timed on a GPU.
-# sm_90 (228 KB per SM): 3 stages where they fit; Triton lowers BLOCK_M 64 to wgmma (HGMMA).
+# fit the arch's per-block shared memory (cuobjdump, triton 3.6.0; see README "Triton backend"). Not timed on a GPU.
+# sm_90 (228 KB per SM, 227 KB per block): 3 stages everywhere, so the prefix loop keeps the next
+# tile's K/V copies in flight while the current tile computes (BLOCK_M 64 at 2 stages waited for
+# every copy at each tile; at 3, 116-134 KB, still 1 CTA/SM by registers); Triton lowers BLOCK_M 64
+# to wgmma (HGMMA).
 # sm_120 (100 KB per SM) and any other arch: 2 stages at D >= 128 so two programs fit on an SM.
 CONFIGS = {
     90: {(64, 16): (64, 4, 3), (64, 32): (64, 8, 3), (64, 64): (64, 4, 3),
-         (128, 16): (64, 4, 3), (128, 32): (64, 8, 3), (128, 64): (64, 8, 2),
-         (256, 16): (32, 4, 3), (256, 32): (32, 8, 3), (256, 64): (32, 8, 2)},
+         (128, 16): (64, 4, 3), (128, 32): (64, 8, 3), (128, 64): (64, 8, 3),
+         (256, 16): (32, 4, 3), (256, 32): (32, 8, 3), (256, 64): (32, 8, 3)},
     120: {(64, 16): (64, 4, 3), (64, 32): (64, 4, 3), (64, 64): (32, 4, 3),
           (128, 16): (64, 4, 2), (128, 32): (64, 8, 2), (128, 64): (64, 8, 2),
           (256, 16): (32, 8, 2), (256, 32): (32, 8, 2), (256, 64): (32, 8, 2)},
 }
 # layout name -> (SGLANG, CAUSAL) constexprs of _verify_fwd
 LAYOUTS = {"req_to_token": (False, False), "sglang_tree": (True, False), "sglang_causal": (True, True)}
-CTAS_PER_SM = 2  # assumed resident programs per SM for the wave count (unmeasured)
+# (arch) -> (D, BLOCK_M) -> resident _verify_fwd programs per SM: `ctas_per_sm` of the compiled
+# registers and shared memory (cuobjdump, triton 3.6.0), the fewest over the three layouts; the AOT
+# test recomputes it from every build. Registers bound all of them (BLOCK_M >= 32 on 8 warps: 1).
+CTAS_PER_SM = {
+    90: {(64, 16): 4, (64, 32): 2, (64, 64): 2, (128, 16): 2, (128, 32): 1, (128, 64): 1,
+         (256, 16): 2, (256, 32): 1, (256, 64): 1},
+    120: {(64, 16): 2, (64, 32): 2, (64, 64): 2, (128, 16): 2, (128, 32): 1, (128, 64): 1,
+          (256, 16): 2, (256, 32): 1, (256, 64): 1},
+}
 
 
 @triton.jit
@@ -138,12 +149,18 @@ def _verify_fwd(Q, K, V, KX, VX, O, O_PART, LSE_PART, SLOTS, STARTS, LENS, MASK,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     n = tl.arange(0, BLOCK_N)
 
-    # prefix keys [lo, min(hi, P)): no tree mask, only the bound of the last tile
+    # prefix keys [lo, min(hi, P)): no tree mask, only the bound of the last tile. The slot ids are
+    # carried one tile ahead in registers, so no K/V address of a tile waits on a load issued in its
+    # own iteration: Triton's pipeliner can then issue tile i+1's K/V copies (cp.async) before
+    # tile i's dots (kernel-turn4.md finding 1; the AOT test checks the SASS order).
     p_hi = tl.minimum(hi, P)
+    slot_nx = tl.load(SLOTS + slot_base + (lo + n).to(tl.int64) * slot_w, mask=(lo + n) < p_hi, other=0)
     for n0 in tl.range(lo, p_hi, BLOCK_N):
         key = n0 + n
         key_ok = key < p_hi
-        slot = tl.load(SLOTS + slot_base + key.to(tl.int64) * slot_w, mask=key_ok, other=0).to(tl.int64)
+        slot = slot_nx.to(tl.int64)
+        nxt = key + BLOCK_N
+        slot_nx = tl.load(SLOTS + slot_base + nxt.to(tl.int64) * slot_w, mask=nxt < p_hi, other=0)
         k = tl.load(K + slot[:, None] * s_kt + h * s_kh + d[None, :], mask=key_ok[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * s_vt + h * s_vh + d[None, :], mask=key_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -200,25 +217,29 @@ def _verify_fwd(Q, K, V, KX, VX, O, O_PART, LSE_PART, SLOTS, STARTS, LENS, MASK,
 
 
 @triton.jit
-def _combine(O_PART, LSE_PART, O, s_ot, s_oh, BT, HQ, num_splits, D: tl.constexpr):
-    """Merge the num_splits partials of one (token row, query head): O_PART [S, BT, HQ, D] fp32
-    (each normalised), LSE_PART [S, BT, HQ] log2-sum-exp (-inf = the split saw no key)."""
+def _combine(O_PART, LSE_PART, O, s_ot, s_oh, BT, HQ, num_splits, D: tl.constexpr, MAX_S: tl.constexpr,
+             BLOCK_S: tl.constexpr):
+    """Merge the num_splits (<= MAX_S) partials of one (token row, query head) in one pass: O_PART
+    [S, BT, HQ, D] fp32 (each normalised), LSE_PART [S, BT, HQ] log2-sum-exp (-inf = the split saw
+    no key). All S log-sum-exps are loaded as one vector, so every weight is known before any
+    partial is read; the partials then come BLOCK_S splits at a time in an unrolled sequence of
+    independent loads (no loop, no running rescale: kernel-turn4.md finding 4)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, D)
-    m = float("-inf")
-    l = 0.0
+    s = tl.arange(0, MAX_S)
+    lse = tl.load(LSE_PART + (s * BT + row).to(tl.int64) * HQ + head, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.exp2(lse - m), 0)
     acc = tl.zeros([D], tl.float32)
-    for s in range(num_splits):
-        part = (s * BT + row).to(tl.int64) * HQ + head
-        lse = tl.load(LSE_PART + part)
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(lse - m_use)
-        alpha = tl.exp2(m - m_use)
-        acc = acc * alpha + w * tl.load(O_PART + part * D + d)
-        l = l * alpha + w
-        m = m_new
+    for c in tl.static_range(0, MAX_S, BLOCK_S):
+        if c < num_splits:
+            sc = c + tl.arange(0, BLOCK_S)
+            ok = sc < num_splits
+            part = (sc * BT + row).to(tl.int64) * HQ + head
+            w = tl.exp2(tl.load(LSE_PART + part, mask=ok, other=float("-inf")) - m)
+            acc += tl.sum(w[:, None] * tl.load(O_PART + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0), 0)
     out = acc / tl.where(l > 0.0, l, 1.0)
     tl.store(O + row.to(tl.int64) * s_ot + head * s_oh + d, out.to(O.dtype.element_ty))
 
@@ -234,21 +255,61 @@ def config(arch: int | None, D: int, bm: int) -> tuple[int, int, int]:
     return CONFIGS.get(arch, CONFIGS[120])[(D, bm)]
 
 
-def pick_splits(B: int, Hkv: int, n_mtiles: int, num_sms: int, max_keys: int, M: int) -> int:
+# per-SM limits (CUDA C Programming Guide, "Compute Capabilities", table 24; sm_90 = H100/H200,
+# sm_120 = RTX PRO 6000): registers, resident warps, resident CTAs, shared memory (bytes, 1 KB of it
+# reserved per CTA by the driver)
+SM_LIMITS = {90: dict(regs=65536, warps=64, ctas=32, shared=233472),
+             120: dict(regs=65536, warps=48, ctas=32, shared=102400)}
+
+
+def ctas_per_sm(arch: int | None, regs: int, shared: int, num_warps: int) -> int:
+    """Resident programs per SM of a kernel using `regs` registers per thread and `shared` bytes of
+    shared memory (static + dynamic) with `num_warps` warps, on sm_<arch> (any other arch or None:
+    sm_120's limits). Registers are allocated per warp in units of 256 (per-thread count rounded
+    up to 8), shared memory with 1 KB reserved per CTA (the CUDA occupancy calculator's rules)."""
+    lim = SM_LIMITS.get(arch, SM_LIMITS[120])
+    per_warp = -(-(-(-regs // 8) * 8 * 32) // 256) * 256
+    by_regs = (lim["regs"] // per_warp) // num_warps
+    by_smem = lim["shared"] // (shared + 1024)
+    return max(1, min(by_regs, by_smem, lim["warps"] // num_warps, lim["ctas"]))
+
+
+def resident(arch: int | None, D: int, bm: int) -> int:
+    """CTAs per SM of `_verify_fwd`'s configuration (arch, D, BLOCK_M): the static table CTAS_PER_SM,
+    which the ahead-of-time test recomputes with `ctas_per_sm` from every compiled layout's registers
+    and shared memory (the fewest over the layouts)."""
+    return CTAS_PER_SM.get(arch, CTAS_PER_SM[120])[(D, bm)]
+
+
+# partials may take this share of the call's K/V bytes, or PARTIAL_BYTES, whichever is larger
+PARTIAL_SHARE = 0.25
+PARTIAL_BYTES = 8 << 20
+MAX_SPLITS = 128  # the most splits a call takes (_combine's MAX_S)
+COMBINE_BLOCK_S = 16  # partials _combine reads per step
+
+
+def pick_splits(B: int, Hkv: int, n_mtiles: int, num_sms: int, ctas: int, max_keys: int, M: int, D: int,
+                block_n: int) -> int:
     """KV splits per request from static quantities only (so a captured graph stays valid).
 
-    B, Hkv, n_mtiles: programs per split; num_sms: the device's SM count; max_keys: an upper bound
-    of P_b + T known without reading the device (the pool row width or index buffer size); M = T*G.
-    FA3's rule (hopper/heuristics.h:25-62, kernel-turn3.md 2.3): no split when the programs fill
-    80% of the SMs; else the smallest S in 1..S_max whose wave efficiency is within 85% of the best
-    and that fills one wave, S_max = min(128, ceil(max_keys / max(256, 8*M))) so the fp32 partials
-    stay <= 25% of the K/V bytes.
+    B, Hkv, n_mtiles: programs per split; num_sms: the device's SM count; ctas: resident programs
+    per SM of the chosen configuration (`resident`); max_keys: an upper bound of ONE request's
+    P_b + T known without reading the device (the req_to_token row width, or the caller's max
+    context length); M = T*G query rows per KV head; D: head dim; block_n: keys per tile.
+    The rule (FA3's hopper/heuristics.h:25-62, with the bounds of kernel-turn4.md finding 3):
+    no split when the programs fill 80% of the resident slots (num_sms * ctas); else the smallest
+    S in 1..S_max whose wave efficiency is within 85% of the best and that fills one wave of slots,
+    S_max = min(128, key tiles / 2 (>= 2 tiles per program), the partial cap: fp32 partials
+    S*B*M*Hkv*D*4 bytes <= max(PARTIAL_SHARE of the K/V bytes B*max_keys*Hkv*D*4, PARTIAL_BYTES)).
     """
     base = B * Hkv * n_mtiles
-    if base >= 0.8 * num_sms:
+    slots = num_sms * ctas
+    if base >= 0.8 * slots:
         return 1
-    s_max = max(1, min(128, -(-max_keys // max(256, 8 * M))))
-    slots = num_sms * CTAS_PER_SM
+    tiles = -(-max_keys // block_n)
+    per_split = B * M * Hkv * D * 4
+    cap = max(PARTIAL_SHARE * B * max_keys * Hkv * D * 4, PARTIAL_BYTES)
+    s_max = max(1, min(MAX_SPLITS, tiles // 2, int(cap // per_split)))
     eff = [(base * s / slots) / math.ceil(base * s / slots) for s in range(1, s_max + 1)]
     best = max(eff)
     return next((s for s in range(1, s_max + 1) if eff[s - 1] >= 0.85 * best and base * s >= slots), s_max)
@@ -319,8 +380,12 @@ class Backend:
             return
         bm = block_m(T, G)
         n_mt = -(-(T * G) // bm)
-        S = num_splits or pick_splits(B, Hkv, n_mt, _num_sms(q.device), max_keys, T * G)
-        block_n, num_warps, num_stages = config(_arch(q.device), D, bm)
+        arch = _arch(q.device)
+        block_n, num_warps, num_stages = config(arch, D, bm)
+        if not 0 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits {num_splits}: 0 (pick) or 1..{MAX_SPLITS} expected")
+        S = num_splits or pick_splits(B, Hkv, n_mt, _num_sms(q.device), resident(arch, D, bm), max_keys, T * G, D,
+                                      block_n)
         parts = q.new_empty((S, BT, Hq, D) if S > 1 else (1,), dtype=torch.float32)
         lses = q.new_empty((S, BT, Hq) if S > 1 else (1,), dtype=torch.float32)
         slots, slot_w = _words(slots)
@@ -339,7 +404,7 @@ class Backend:
         if S > 1:
             self._launch("combine", combine_key(DTYPES[dtype], D), (BT, Hq, 1),
                          dict(O_PART=parts, LSE_PART=lses, O=o, s_ot=o.stride(0), s_oh=o.stride(1), BT=BT, HQ=Hq,
-                              num_splits=S, D=D), 4, 1)
+                              num_splits=S, D=D, MAX_S=MAX_SPLITS, BLOCK_S=COMBINE_BLOCK_S), 4, 1)
 
     def verify_attention(self, q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, tree_mask,
                          sm_scale, num_splits=0):
@@ -362,8 +427,11 @@ class Backend:
         return out
 
     def verify_attention_sglang(self, q, k_extend, v_extend, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                                custom_mask, mask_indptr, T, sm_scale, num_splits=0):
-        """SGLang's target-verify layout (module docstring); writes `o` in place, returns None."""
+                                custom_mask, mask_indptr, T, sm_scale, num_splits=0, max_context_len=0):
+        """SGLang's target-verify layout (module docstring); writes `o` in place, returns None.
+        max_context_len: an upper bound of one request's P_b + T (SGLang's model_runner.model_config.
+        context_len), for the split count; 0 = kv_indices.numel() + T (a bound for any batch, looser
+        by up to B times: more splits than needed, never wrong)."""
         B = kv_indptr.numel() - 1
         T = int(T)
         if custom_mask is None:
@@ -374,9 +442,10 @@ class Backend:
                 raise TypeError(f"custom_mask {custom_mask.dtype} / mask_indptr {mask_indptr.dtype}: "
                                 "bool or uint8 / int64 expected")
             mask_starts = mask_indptr
-        # a request's P_b + T is at most the whole index buffer plus its drafts (a static shape)
+        # a request's P_b + T: the caller's bound, else the whole index buffer plus its drafts (static shapes)
         self._run(q, o, k_buffer, v_buffer, k_extend, v_extend, kv_indices, kv_indptr, kv_indptr, mask, mask_starts,
-                  0, 0, T, B, True, custom_mask is None, sm_scale, num_splits, kv_indices.numel() + T)
+                  0, 0, T, B, True, custom_mask is None, sm_scale, num_splits,
+                  int(max_context_len) or kv_indices.numel() + T)
 
 
 def fwd_key(dtype: str, D: int, bm: int, layout: str) -> str:
@@ -426,7 +495,8 @@ def instantiations(arch: int) -> list[dict]:
                 for layout, (sglang, causal) in LAYOUTS.items():
                     consts = dict(SGLANG=sglang, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=block_n, D=D)
                     out.append(_inst("fwd", fwd_key(dtype, D, bm, layout), dtype, D, consts, num_warps, num_stages))
-            out.append(_inst("combine", combine_key(dtype, D), dtype, D, dict(D=D), 4, 1))
+            out.append(_inst("combine", combine_key(dtype, D), dtype, D,
+                             dict(D=D, MAX_S=MAX_SPLITS, BLOCK_S=COMBINE_BLOCK_S), 4, 1))
     return out
 
 
@@ -475,7 +545,42 @@ def resources(cubin: bytes) -> dict:
         raise RuntimeError(f"cuobjdump failed: {usage.stderr or sass.stderr or usage.stdout}")
     ops = {op: len(re.findall(rf"\b{op}\b", sass.stdout)) for op in ("HMMA", "HGMMA", "LDGSTS", "LDL", "STL")}
     return dict(reg=int(m[1]), stack=int(m[2]), shared=int(m[3]), local=int(m[4]),
-                **{k.lower(): v for k, v in ops.items()})
+                **{k.lower(): v for k, v in ops.items()}, loops=sass_loops(sass.stdout))
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of a cuobjdump -sass listing, in address order: one per backward branch
+    (`BRA <lower address>`), [{start, end (byte addresses of its first instruction and of the
+    branch), mma (HMMA + HGMMA), ldgsts, commits (LDGDEPBAR: cp.async groups committed per
+    iteration), waits: [N of each `DEPBAR.LE SB0, N` in the body, in order: wait until at most N
+    committed groups are outstanding], in_flight (groups outstanding at the body's first MMA: the
+    first wait's N plus the groups committed between it and that MMA; None without a wait before
+    an MMA)}]. A loop with in_flight >= commits has at least one later tile's copies in flight
+    while this tile's MMAs run (sm_120 listings carry scheduling annotations, `&req=`, `?trans`:
+    dropped)."""
+    import re
+    ins = [(int(a, 16), re.sub(r"\s+[&?]\S.*$", "", op))
+           for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = []
+    for addr, op in ins:
+        br = re.match(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)?\s+(?:\S+\s+)?0x([0-9a-f]+)$", op)
+        if not br or int(br[1], 16) >= addr:
+            continue
+        body = [o for a, o in ins if int(br[1], 16) <= a <= addr]
+        kinds = [("mma" if re.search(r"\bH(G)?MMA\b", o) else "wait" if re.search(r"\bDEPBAR\.LE SB0\b", o)
+                  else "commit" if re.search(r"\bLDGDEPBAR\b", o) else "") for o in body]
+        waits = [int(re.search(r"SB0,\s*(0x[0-9a-f]+|\d+)", o)[1], 0) for o, k in zip(body, kinds) if k == "wait"]
+        loops.append(dict(start=int(br[1], 16), end=addr, mma=kinds.count("mma"),
+                          ldgsts=sum(bool(re.search(r"\bLDGSTS\b", o)) for o in body),
+                          commits=kinds.count("commit"), waits=waits, in_flight=_in_flight(kinds, waits)))
+    return sorted(loops, key=lambda x: x["start"])
+
+
+def _in_flight(kinds: list[str], waits: list[int]) -> int | None:
+    """cp.async groups outstanding at the first "mma" of a loop body's kinds (see sass_loops)."""
+    if "wait" not in kinds or "mma" not in kinds or kinds.index("wait") > kinds.index("mma"):
+        return None
+    return waits[0] + kinds[kinds.index("wait"):kinds.index("mma")].count("commit")
 
 
 def build(arch: int, out_dir, keys=None) -> dict:
