@@ -179,7 +179,7 @@ class Soak:
         killed.set()
         if th:
             th.join()
-        self.started.append((p.pid, t0, self.ended or p.returncode))
+        self.started.append((p.pid, t0, time.time(), self.ended, p.returncode))
         try:
             doc = json.loads(out)
         except json.JSONDecodeError:
@@ -201,10 +201,12 @@ class Soak:
 
     def check(self, recovered: bool) -> None:
         """The checker (see the module docstring)."""
-        r = subprocess.run([sys.executable, "-m", "fleetctl.cli", "status", "all", *COMMON], env=self.env,
-                           capture_output=True, text=True, timeout=OP_TIMEOUT_S)
+        t0 = time.time()
+        r = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "status", "all", *COMMON], env=self.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        r.stdout, r.stderr = r.communicate(timeout=OP_TIMEOUT_S)
         self.fig.runs += 1
-        self.started.append((None, time.time(), "checker"))
+        self.started.append((r.pid, t0, time.time(), None, r.returncode))
         try:
             status = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
         except (json.JSONDecodeError, KeyError):
@@ -242,33 +244,28 @@ class Soak:
                 self.violation("status", f"{host}: pending after recover: {pending}")
 
     def check_history(self) -> None:
-        """One record per fleetctl process started (see the module docstring)."""
+        """One record per fleetctl process started (see the module docstring): found by its pid
+        and its start within the process's lifetime; its recorded end agrees with how it ended."""
         con = sqlite3.connect(f"file:{self.history}?mode=ro", uri=True)
         rows = con.execute("SELECT pid, started_at, ended_at, exit_code FROM runs").fetchall()
         con.close()
-        unrecorded = sum(1 for pid, t0, how in self.started
-                         if str(how).startswith("killed-") and not any(p == pid and s >= t0 - 1 for p, s, _, _ in rows))
+        unrecorded = 0
+        for pid, t0, t1, killed, rc in self.started:
+            recs = [(e, c) for p, s, e, c in rows if p == pid and t0 - 1 <= s <= t1 + 1]
+            if not recs and killed:
+                unrecorded += 1  # killed in its start-up, before it could record its run
+                continue
+            if len(recs) != 1:
+                self.violation("history", f"pid {pid} ({killed or 'exit %s' % rc}): {len(recs)} records")
+                continue
+            ended, code = recs[0]
+            if killed == "killed-sigkill" and ended is not None:
+                self.violation("history", f"pid {pid} SIGKILLed but recorded as ended, exit {code}")
+            elif killed != "killed-sigkill" and code != (128 - rc if rc < 0 else rc):
+                self.violation("history", f"pid {pid} ({killed or 'finished'}) exited {rc}, recorded {code}")
+        self.fig.unrecorded = unrecorded
         if len(rows) != self.fig.runs - unrecorded:
             self.violation("history", f"{len(rows)} records for {self.fig.runs} runs ({unrecorded} killed before recording)")
-        self.fig.unrecorded = unrecorded
-        by_pid = {}
-        for pid, started, ended, code in rows:
-            by_pid.setdefault(pid, []).append((started, ended, code))
-        for pid, t0, how in self.started:
-            if pid is None:
-                continue
-            recs = [r for r in by_pid.get(pid, []) if r[0] >= t0 - 1]
-            if len(recs) != 1:
-                if not (str(how).startswith("killed-") and not recs):  # killed before it could record
-                    self.violation("history", f"pid {pid} ({how}): {len(recs)} records")
-                continue
-            _, ended, code = recs[0]
-            if how == "killed-sigkill" and ended is not None:
-                self.violation("history", f"pid {pid} SIGKILLed but recorded ended, exit {code}")
-            elif how == "killed-sigterm" and ended is not None and code != 143:
-                self.violation("history", f"pid {pid} SIGTERMed but recorded exit {code}")
-            elif isinstance(how, int) and code != how:
-                self.violation("history", f"pid {pid} exited {how} but recorded {code} (ended {ended})")
 
     def walk(self, n: int) -> Figures:
         """Run `n` operations (each then checked). Returns the figures."""
