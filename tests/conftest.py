@@ -156,7 +156,12 @@ class Lab:
         fleetctl/lab/standin/server.py); with `restart`, restart the server now."""
         cmd = f"echo {shlex.quote(json.dumps(behavior))} > /opt/fleetctl-standin/behavior.json"
         if restart:
-            cmd += " && /opt/fleetctl-standin/restart.sh"
+            # restart.sh returns at once; wait (10 s at most) until its background job has exec'd
+            # past setsid and nohup, so that a facts probe right after sees the server's process,
+            # not a setsid (a race seen on a loaded CI machine: "no SGLang server identified")
+            cmd += (" && /opt/fleetctl-standin/restart.sh && p=$(cat /opt/fleetctl-standin/server.pid)"
+                    " && for i in $(seq 100); do case $(readlink /proc/$p/exe) in"
+                    " */setsid|*/nohup|'') sleep 0.1;; *) break;; esac; done")
         r = self.ssh(host, cmd)
         assert r.returncode == 0, r.stderr
         (self.behaved.add if behavior else self.behaved.discard)(host)

@@ -29,6 +29,7 @@ from fleetctl.wheels import ensure_wheel
 from fleetctl.vocab import HostStatus
 from oracles import apply_diff
 from helpers.ledger import over_ssh as ledger_states
+from helpers.proc import sigint_default
 
 
 RELEASES = {"lab-01": "0.4.6.post5", "lab-02": "0.5.2", "lab-03": "0.5.10", "lab-04": "0.5.23"}
@@ -300,7 +301,7 @@ def test_ctrl_c_lets_the_running_host_finish_and_starts_no_more(server_lab, sig,
     before = {h: tree_digest(server_lab, h) for h in ("lab-03", "lab-04")}
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "--yes",
                           "--serial", "1", "--json"], env=server_lab.env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     deadline = time.monotonic() + 90
     while "pending" not in ledger_states(server_lab, "lab-02").values():
         assert time.monotonic() < deadline and p.poll() is None, "apply never reached lab-02"

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from helpers.ledger import over_ssh as ledger_states
-from helpers.proc import pids_naming
+from helpers.proc import pids_naming, sigint_default
 
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 FIRST, NEXT = "lab-02", "lab-03"
@@ -31,13 +31,6 @@ def tree_digest(lab, host):
     r = lab.ssh(host, f"cd {SITE} && find sglang -type f -name '*.py' | sort | xargs sha256sum | sha256sum")
     assert r.returncode == 0, r.stderr
     return r.stdout.split()[0]
-
-
-def terminal_child():
-    """In the child, before exec: SIGINT at its default, as a terminal's foreground job has it (a
-    test run from a background shell inherits it ignored, and Python then never raises
-    KeyboardInterrupt)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture
@@ -76,7 +69,7 @@ def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progr
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "-i", str(inv),
                           "--ssh-config", str(cfg), "-c", "paramiko", "--yes", "--serial", "1", "--json"],
                          env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, preexec_fn=terminal_child)
+                         start_new_session=True, preexec_fn=sigint_default)
     try:
         deadline = time.monotonic() + 120
         while lab.ssh(FIRST, f"test -e {BEGUN}").returncode != 0:
@@ -112,7 +105,7 @@ def test_a_second_ctrl_c_keeps_the_finished_hosts_and_exits_within_a_second(lab)
     try:
         p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "inspect", "all", "--connect-timeout", "120",
                               "--json"], env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, preexec_fn=terminal_child)
+                             start_new_session=True, preexec_fn=sigint_default)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(iter(p.stderr.readline, "")), daemon=True)
         reader.start()

@@ -4,6 +4,7 @@ loopback port."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -72,3 +73,11 @@ def wait_listening(port: int, timeout: float = 30.0) -> bool:
                 return True
         time.sleep(0.05)
     return False
+
+
+def sigint_default() -> None:
+    """A child's preexec_fn: SIGINT at its default, as a terminal's foreground job has it. A test
+    run from a background job of a shell (`cmd &`, as CI scripts start it) inherits SIGINT
+    ignored, and a Python child then never raises KeyboardInterrupt: the Ctrl-C tests would
+    test nothing (or fail)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -15,11 +15,11 @@ run-deadline messages add; the fan-out itself knows nothing about what jobs do.
 from __future__ import annotations
 
 import math
+import signal
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable
 
 from rich.markup import escape
@@ -75,6 +75,63 @@ def exit_code(results: list[HostResult]) -> int:
     if HostStatus.FAILED in statuses or HostStatus.NOT_ATTEMPTED in statuses:
         return EXIT_FAILED
     return EXIT_OK
+
+
+# Seconds between two looks at the hosts' futures and the signals counted meanwhile (Fleet.run)
+WAIT_TICK_S = 0.2
+
+
+class _Signals:
+    """SIGINT and SIGTERM counted, not raised, while Fleet.run waits on its hosts: the handler
+    that was there runs (cli's SIGTERM handler records that the run was terminated), the
+    KeyboardInterrupt it raises is swallowed, and run() acts on the count between two waits. A
+    KeyboardInterrupt raised inside concurrent.futures' waits can leave a future's condition
+    lock held (CPython bpo-29988: an exception between a lock's acquire and the `with` block),
+    after which the worker that completes that future blocks for ever: a Ctrl-C that hung the
+    run instead of letting the host in progress finish. A signal the process ignores (SIG_IGN)
+    is not counted."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.count = 0
+        self.previous: dict[int, object] = {}
+
+    @classmethod
+    def install(cls) -> "_Signals | None":
+        """The counter, its handlers installed; None off the main thread (where Python lets no
+        handler be set, and a KeyboardInterrupt cannot arrive)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        self = cls()
+        for signum in cls.SIGNALS:
+            prev = signal.getsignal(signum)
+            self.previous[signum] = prev
+            if prev is not signal.SIG_IGN:
+                signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        prev = self.previous.get(signum)
+        if callable(prev):
+            try:
+                prev(signum, frame)
+            except KeyboardInterrupt:
+                pass
+        self.count += 1
+
+    def take(self) -> bool:
+        """Whether a signal was counted and not yet taken (it is then taken)."""
+        if self.count <= 0:
+            return False
+        self.count -= 1
+        return True
+
+    def restore(self) -> None:
+        """Put the handlers that were there back."""
+        for signum, prev in self.previous.items():
+            if prev is not signal.SIG_IGN and prev is not None:
+                signal.signal(signum, prev)
 
 
 class Fleet:
@@ -193,17 +250,22 @@ class Fleet:
         pool = ThreadPoolExecutor(max_workers=min(self.forks, max(1, len(hosts))))
         futures = {pool.submit(self._one, h, job, timeout, progress): h for h in hosts}
         pending = set(futures)
+        signals = _Signals.install()
         try:
             while pending:
                 try:
                     left = None if self.run_deadline is None else max(0.0, self.run_deadline - time.monotonic())
-                    for fut in as_completed(pending, timeout=left):
+                    done, _ = wait(pending, timeout=WAIT_TICK_S if left is None else min(WAIT_TICK_S, left),
+                                   return_when=FIRST_COMPLETED)
+                    for fut in done:
                         pending.discard(fut)
                         r = fut.result()
                         results[r.host] = r
-                except FuturesTimeout:
-                    self._expire(pending, futures, results, note)
-                    break
+                    if pending and left is not None and left <= 0:
+                        self._expire(pending, futures, results, note)
+                        break
+                    if signals and signals.take():
+                        raise KeyboardInterrupt
                 except KeyboardInterrupt:
                     if self.interrupted:
                         self._abandon(pending, futures, results, note)
@@ -220,7 +282,12 @@ class Fleet:
                                                          interrupted=True)
                     self.console.print(f"[bold yellow]interrupted:[/] waiting for {len(pending)} host(s) in "
                                        "progress to finish; no new host starts (Ctrl-C again to stop waiting)")
+                    if signals and signals.take():  # a second signal came before this one was handled
+                        self._abandon(pending, futures, results, note)
+                        break
         finally:
+            if signals:
+                signals.restore()
             pool.shutdown(wait=not (self.interrupted or self.expired) or not pending, cancel_futures=True)
             progress.stop()
         return [results[h.name] for h in hosts]
