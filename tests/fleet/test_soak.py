@@ -9,6 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from conftest import TEST_LAB_ID, running_lab
+from fleetctl import lab as labmod
+
 ROOT = Path(__file__).resolve().parents[2]
 SEED, SOAK_OPS = 58, 12  # seed 58: 5 kills (SIGKILL, SIGTERM) and 3 freezes land in its 12 steps
 BUDGET_S = 180  # the soak's time in CI (issue 54: at most 3 minutes)
@@ -21,6 +26,19 @@ def load_soak():
     mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+# a lab of the soak's own (with servers): its checker starts from pristine trees and no applied
+# change, which the session's server lab, changed and rolled back by other modules, cannot promise
+SOAK_LAB_ID = (TEST_LAB_ID + 180) % 256
+
+
+@pytest.fixture
+def server_lab(lab_machine, tmp_path_factory):
+    """A fresh 4-host lab with the stand-in server on each host, for this test alone."""
+    with running_lab(tmp_path_factory.mktemp("home-soak"), SOAK_LAB_ID, labmod.DEFAULT_RELEASES,
+                     with_server=True) as up:
+        yield up
 
 
 def test_a_short_soak_under_kills_freezes_and_link_loss_leaves_every_host_in_a_known_state(server_lab, tmp_path):
