@@ -159,8 +159,8 @@ def test_a_proxy_command_that_exits_says_its_exit_and_stderr_at_once(tmp_path):
 # ------------------------------------------------------------------ Ansible's habits
 
 def test_a_comma_list_is_an_inventory_of_those_hosts(tmp_path):
-    loaded = options.load_inventory("gpu-01,10.0.0.5:2222,[fe80::1]:2200,")
-    assert [(h.name, h.port) for h in loaded.select("all")] == [("gpu-01", None), ("10.0.0.5", 2222),
+    loaded = options.load_inventory("gpu-01,10.213.250.5:2222,[fe80::1]:2200,")
+    assert [(h.name, h.port) for h in loaded.select("all")] == [("gpu-01", None), ("10.213.250.5", 2222),
                                                                   ("fe80::1", 2200)]
     assert [h.name for h in options.load_inventory("only-one,").select("ungrouped")] == ["only-one"]
     r = cli("hosts", "all", "-i", "gpu-01,gpu-02,", "--json")

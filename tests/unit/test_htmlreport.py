@@ -435,7 +435,7 @@ def test_a_rollback_of_a_change_the_history_never_saw_marks_the_cells_unknown(ru
 def test_an_unreachable_host_reads_unreachable_not_no_install(runs):
     inspect = by_name(runs, "-01")
     down = dataclasses.replace(inspect, run_id="down", hosts=[
-        HostRecord("lab-09", "10.0.0.9", "unreachable", "connect timed out", 2.0,
+        HostRecord("lab-09", "10.213.250.9", "unreachable", "connect timed out", 2.0,
                    {"host": "lab-09", "status": "unreachable", "installs": [], "facts": {}})])
     cells = _cells([down], "lab-09")
     assert all(c.lines == [report_html.UNREACHABLE_CELL] for c in cells.values())

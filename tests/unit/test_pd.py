@@ -31,7 +31,7 @@ DECODE = [VENV, "-m", "sglang.launch_server", "--model-path", "/models/m", "--tp
 ROUTER = ["python", "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill",
           "http://127.0.0.1:31100", "9100", "--decode", "http://127.0.0.1:31200", "--host", "127.0.0.1",
           "--port", "8100"]
-MINI_LB = ["python3", "-m", "sglang.srt.disaggregation.mini_lb", "--prefill", "http://10.0.0.5:30000",
+MINI_LB = ["python3", "-m", "sglang.srt.disaggregation.mini_lb", "--prefill", "http://10.213.250.5:30000",
            "http://127.0.0.1:30001", "--decode", "http://localhost:30002", "--prefill-bootstrap-ports", "8998", "9000"]
 
 
@@ -48,7 +48,7 @@ def test_roles_of_recorded_launch_lines():
     assert role(PREFILL[:-4]) is None and role(DECODE[:-1] + ["--disaggregation-mode", "null"]) is None
     assert role(ROUTER) == {"role": "router", "prefill": [{"url": "http://127.0.0.1:31100", "bootstrap_port": 9100}],
                             "decode": ["http://127.0.0.1:31200"]}
-    assert role(MINI_LB)["prefill"] == [{"url": "http://10.0.0.5:30000", "bootstrap_port": 8998},
+    assert role(MINI_LB)["prefill"] == [{"url": "http://10.213.250.5:30000", "bootstrap_port": 8998},
                                         {"url": "http://127.0.0.1:30001", "bootstrap_port": 9000}]
     # a router that is not a PD router is no PD server, and no server
     assert role(ROUTER[:3] + ["--worker-urls", "http://127.0.0.1:30000"]) is None
@@ -57,7 +57,7 @@ def test_roles_of_recorded_launch_lines():
     # secrets in a peer URL do not leave the host
     assert "hunter2" not in json.dumps(role(ROUTER[:5] + ["http://u:hunter2@127.0.0.1:31100"] + ROUTER[6:]))
     # which workers here a router sends to: loopback and this host's own addresses only
-    assert pd.routed(role(MINI_LB), local={"10.0.0.5"}) == {30000: "prefill", 30001: "prefill", 30002: "decode"}
+    assert pd.routed(role(MINI_LB), local={"10.213.250.5"}) == {30000: "prefill", 30001: "prefill", 30002: "decode"}
     assert pd.routed(role(MINI_LB)) == {30001: "prefill", 30002: "decode"}
 
 
@@ -221,10 +221,10 @@ def test_the_inventorys_pd_router_is_decoded_and_named(pd_standins, tmp_path):
                                                      "(fleetctl_pd_router)" % url} and worker["ok"]
     assert router["pd"] == {"role": "router", "via": "decoded through the PD router %s (fleetctl_pd_router)" % url}
     assert router["ok"] and len(router["output_ids"]) == 16 and router["pid"] is None
-    out = smoke.main({"servers": sel, "pd_router": "http://192.0.2.7:8100", "repeat": 1, "health_timeout": 30})
+    out = smoke.main({"servers": sel, "pd_router": "http://10.213.250.7:8100", "repeat": 1, "health_timeout": 30})
     assert [s["port"] for s in out["servers"]] == [ports["decode"]]
     assert out["refused"] == [{"pid": None, "host": None, "port": None, "reason": "fleetctl_pd_router "
-                               "http://192.0.2.7:8100 is bound to 192.0.2.7, not an address of this host"}]
+                               "http://10.213.250.7:8100 is bound to 10.213.250.7, not an address of this host"}]
     inv = tmp_path / "hosts.yml"
     inv.write_text("all:\n  hosts:\n    a: {fleetctl_pd_router: 'http://127.0.0.1:8100/'}\n"
                    "    b: {fleetctl_pd_router: '127.0.0.1:8100'}\n    c: {}\n")

@@ -54,7 +54,7 @@ def is_host_list(source: str) -> bool:
 
 
 def load_host_list(source: str, cli: CommandLineVars | None = None) -> Inventory:
-    """The Inventory of a host list (`-i 'gpu-01,10.0.0.5:2222,[fe80::1]:22,'`): each non-empty
+    """The Inventory of a host list (`-i 'gpu-01,10.213.250.5:2222,[fe80::1]:22,'`): each non-empty
     item a host in `all` and `ungrouped`, named as written; `NAME:PORT` sets ansible_port (as
     Ansible's host_list plugin parses it), `[IPV6]:PORT` too. `cli`: the command line's vars
     (model.CommandLineVars). Raises InventoryError (exit 4) for an empty list or a bad port."""
