@@ -28,10 +28,17 @@ def _job(sigints: int, sleep_s: float):
 
 def test_one_sigint_lets_the_host_in_progress_finish_and_starts_no_other(tmp_path):
     hosts = [local_host(tmp_path, "first"), local_host(tmp_path, "second")]
-    with Fleet(Settings(), forks=1, timeout=60) as fleet:
-        first, second = fleet.run(hosts, _job(1, 0.5))
+    # Python's own SIGINT handler, as a terminal's foreground job has it (a test run started as a
+    # background job, as CI scripts start it, inherits SIGINT ignored, and run() then counts none)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Fleet(Settings(), forks=1, timeout=60) as fleet:
+            first, second = fleet.run(hosts, _job(1, 0.5))
+        handler_after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert fleet.interrupted
     assert first.status == HostStatus.OK
     assert (second.status, second.interrupted) == (HostStatus.NOT_ATTEMPTED, True)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert handler_after is signal.default_int_handler  # put back
 
