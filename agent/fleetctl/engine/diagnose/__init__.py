@@ -20,7 +20,7 @@ from ..context import HostContext, HostResult
 from ..gather import allocator_replay, gather, not_inspected
 from ..load import LoadOptions, load_targets
 from ..validate import SmokeOptions, smoke_targets
-from .verdict import UNMEASURED, verdict
+from .verdict import UNMEASURED, judge
 
 READ_S = 120.0  # the reading child's deadline (seconds)
 SLACK_S = 30.0  # per server: the endpoints, /server_info, the guard
@@ -53,7 +53,7 @@ def _install_of(g: dict, pid) -> dict | None:
 
 def diagnose_job(opts: DiagnoseOptions):
     """The `fleetctl diagnose` job (module docstring). data: {"servers": [the probe's entry
-    (probes/diagnose/run.py) + "verdict": verdict.verdict's], "refused": [...]}; the host is
+    (probes/diagnose/run.py) + "verdict": verdict.judge's], "refused": [...]}; the host is
     failed when a server could not be measured (UNMEASURED: its reason) or an install seen was
     not inspected, skipped when it has no server."""
 
@@ -85,7 +85,7 @@ def diagnose_job(opts: DiagnoseOptions):
         bad = []
         for s in res.get("servers") or []:
             inst = _install_of(g, s.get("pid")) or {}
-            s["verdict"] = verdict(s, inst.get("allocator_replay") if opts.replay is not None else None)
+            s["verdict"] = judge(s, inst.get("allocator_replay") if opts.replay is not None else None)
             if opts.replay is not None:
                 s["allocator_replay_info"] = inst.get("allocator_replay_info")
             if s["verdict"]["verdict"] == UNMEASURED:

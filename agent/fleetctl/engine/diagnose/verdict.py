@@ -57,7 +57,7 @@ def replay_fragmentation(runs: list[dict] | None, page_size: int | None) -> dict
     return {"kind": kind, "without_sort": float(pick[False]), "with_sort": float(pick[True])}
 
 
-def verdict(server: dict, replay: list[dict] | None = None) -> dict:
+def judge(server: dict, replay: list[dict] | None = None) -> dict:
     """The verdict on `server` (run.py's entry) and, with --allocator-replay, its install's replay
     runs: {"verdict" (VERDICTS), "why": the figures behind it (one line), "action": the change
     that addresses it (or NOT_FLEETCTL and whose it is), "figures": {attention_share, moe_share,
