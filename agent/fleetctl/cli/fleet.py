@@ -1,5 +1,5 @@
-"""The commands that work on hosts: inspect, hosts, validate, apply, rollback, recover, status,
-`cache clear` and `deploy kernel`. Each parses its options, calls one engine function per host
+"""The commands that work on hosts: inspect, hosts, validate, diagnose, apply, rollback, recover,
+status, `cache clear` and `deploy kernel`. Each parses its options, calls one engine function per host
 through a Fleet (hosts: connection.describe, without connecting), renders, and exits with
 Ansible's code for the results.
 """
@@ -149,6 +149,44 @@ def validate(opts: FleetOptions, pattern: Pattern,
     with opts.fleet(opts.timeout or config.smoke_job_timeout(health_timeout) + (lo.budget_s(1) if lo else 0)) as fleet:
         results = fleet.run(hosts, validate_job(smoke, install, lo), "validate")
     _finish(results, opts.json_out, renderer("validate", {}))
+
+
+@app.command()
+@fleet_command(timeout=None)
+def diagnose(opts: FleetOptions, pattern: Pattern, port: Port = config.DEFAULT_SGLANG_PORT,
+             seconds: Annotated[float, typer.Option("--seconds", help=(
+                 "Profile each server for at most this many seconds (then /stop_profile)."))] = 20.0,
+             steps: Annotated[int, typer.Option("--steps", help=(
+                 "Profile each server for at most this many scheduler steps (ProfileReq num_steps)."))] = 20,
+             load: LoadOpt = None, load_concurrency: LoadConcurrency = None, load_prompts: LoadPrompts = None,
+             load_input_len: LoadInputLen = None, load_output_len: LoadOutputLen = None,
+             load_timeout: LoadTimeout = None, load_client: LoadClient = None,
+             allocator_replay: AllocatorReplay = False, pool: ReplayPool = None, concurrency: ReplayConcurrency = None,
+             input_range: ReplayInput = None, output_range: ReplayOutput = None, aborts: ReplayAborts = None,
+             seed: ReplaySeed = None, requests: ReplayRequests = None) -> None:
+    """Where each server's decode time goes: a bounded profile (device time per kernel class, the
+    device's wait on the host) and expert record (MoE balance per layer and GPU) under its own
+    traffic or --load PROFILE, KV usage, accept length, with --allocator-replay fragmentation;
+    then a verdict per server and the action that addresses it. The server is left profiling and
+    recording nothing."""
+    from ..engine.diagnose import DiagnoseOptions, diagnose_job
+    from ..engine.load import load_options
+    from ..probes.traffic.allocreplay import DEADLINE_S
+
+    _positive(timeout=opts.timeout, seconds=seconds, steps=steps)
+    trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
+    settings = load_settings(load=load, concurrency=load_concurrency, num_prompts=load_prompts,
+                             input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
+                             client=load_client)
+    if load is None and settings:
+        raise UsageError("the --load-* options go with --load PROFILE")
+    dopts = DiagnoseOptions(port=port, seconds=seconds, num_steps=steps,
+                            load=load_options(settings) if load is not None else None, replay=trace)
+    hosts = opts.select(pattern)
+    budget = opts.timeout or config.INSPECT_TIMEOUT_S + dopts.budget_s(1) + (DEADLINE_S if trace is not None else 0)
+    with opts.fleet(budget) as fleet:
+        results = fleet.run(hosts, diagnose_job(dopts), "diagnose")
+    _finish(results, opts.json_out, renderer("diagnose", {}))
 
 
 def _gate_load(gate, declared, no_validate=False, **settings):
@@ -392,12 +430,14 @@ def renderer(command: str, doc: dict, diff: bool = False, details: bool = False)
     commands print with it,
     and `history show` prints a recorded run again with it. Raises KeyError for another command."""
     from ..report import gates, terminal
+    from ..report.diagnose import render_diagnose
     from ..report.text import text
 
     own = {"inspect": lambda rs, console: terminal.render_inspect(rs, console, details=details),
            "validate": gates.render_validate, "rollback": terminal.render_rollback,
            "recover": terminal.render_recover, "status": terminal.render_status,
            "cache clear": terminal.render_cache_clear, "deploy kernel": terminal.render_deploy,
+           "diagnose": render_diagnose,
            "apply": lambda rs, console: terminal.render_apply(rs, console, diff=diff, check=bool(doc.get("check")))}
     first = own[command]
 

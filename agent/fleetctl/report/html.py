@@ -140,12 +140,23 @@ def _validation(doc: dict) -> list[str] | None:
     return lines + ([doc["error"]] if doc.get("error") else []) or ["no server"]
 
 
+def _diagnosis(doc: dict) -> list[str] | None:
+    """Per server: its diagnose verdict, why, and the action (engine/diagnose/verdict.py)."""
+    if "servers" not in doc:
+        return [doc["error"]] if doc.get("error") else None
+    lines = [f":{s.get('port')} {(s.get('verdict') or {}).get('verdict')}: {(s.get('verdict') or {}).get('why')}"
+             + (f" -> {s['verdict']['action']}" if (s.get("verdict") or {}).get("action") else "")
+             for s in doc.get("servers") or []]
+    return lines + ([doc["error"]] if doc.get("error") else []) or ["no server"]
+
+
 # The overview's columns: (title, the commands whose entries carry it, what it reads from an entry).
 COLUMNS = (("SGLang installs", ("inspect", "status"), _installs),
            ("applied changes", ("status",), _changes),
            ("active kernels", ("status",), _kernels),
            ("drift", ("status",), _drift),
-           ("last validation", ("validate",), _validation))
+           ("last validation", ("validate",), _validation),
+           ("last diagnosis", ("diagnose",), _diagnosis))
 
 
 def _lines(read, doc: dict) -> list[str] | None:
@@ -312,7 +323,7 @@ def _detail(command: str, h: HostRecord) -> str:
     if d.get("skipped_reason"):
         return f"skipped: {d['skipped_reason']}"
     found = {"inspect": [("", _installs)], "status": [("applied: ", _changes), ("drift: ", _drift)],
-             "validate": [("", _validation)]}.get(command)
+             "validate": [("", _validation)], "diagnose": [("", _diagnosis)]}.get(command)
     if found:
         return "; ".join(label + ", ".join(read(d) or ["?"]) for label, read in found)
     parts = []
@@ -386,7 +397,22 @@ def _run_view(run: RunRecord) -> dict:
     duration = _num(run.ended_at - run.started_at, "s") if run.ended_at is not None else ""
     diffs = [(hosts_, clip(diff, run.run_id, DIFF_CAP)) for hosts_, diff in _diffs(run)]
     return {"run": run, "hosts": hosts, "diffs": diffs, "duration": duration, "check": _check_mode(run),
+            "diagnosis": _diagnose_chart(run),
             "outcome": f"exit {run.exit_code}" if run.exit_code is not None else str(run.state)}
+
+
+def _diagnose_chart(run: RunRecord) -> Markup | None:
+    """A diagnose run's roll-up (engine/diagnose.groups of its hosts' servers) as svg.diagnose_bars;
+    None for another command, a run with no server, or data of an odd shape."""
+    if run.command != "diagnose":
+        return None
+    from ..engine.diagnose import groups
+
+    try:
+        rolled = groups([{"host": h.host, "servers": h.doc.get("servers") or []} for h in run.hosts])
+        return svg.diagnose_bars(rolled) if rolled else None
+    except MALFORMED:
+        return None
 
 
 def _shown(value: Any) -> Any:

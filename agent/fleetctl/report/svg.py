@@ -4,6 +4,7 @@ chart shows with scripts off, in print and under a Content-Security-Policy that 
     gate_bars(target, rows)           a load gate's baseline and after bars per gated metric
     measured(v), figure(v, unit)      a recorded figure as a float (None: not measured) and its label
     timeline(hosts, events, t0, t1)   the changes made to each host over time, one lane per host
+    diagnose_bars(groups)             the diagnose roll-up: a stacked bar of device time per host group
 
 The SVG is built with xml.etree.ElementTree, which escapes text and attribute values; every label
 passes through report.visible first (control characters shown as \\xNN). Each data point is one
@@ -158,4 +159,42 @@ def timeline(hosts: list[str], events: list[Event], t0: float, t1: float) -> Mar
         if e.command in MARKS:
             _el(svg, "text", MARKS[e.command], x=x(e.at), y=LANE_H * hosts.index(e.host) + LANE_H / 2 + 4,
                 class_="mark", text_anchor="middle", data_command=e.command)
+    return _done(svg)
+
+
+# The diagnose roll-up's classes, in the order a stacked bar draws them (probes/diagnose/kernels.CLASSES
+# and the device's wait on the host), each a CSS class of its own (fleet-report.css: .seg-N).
+SEGMENTS = ("target_verify_attention", "extend_attention", "decode_attention", "moe_experts", "moe_routing",
+            "dense_gemm", "communication", "sampling", "other", "unknown", "host_wait")
+STACK_W, STACK_H, STACK_LABEL_W = 520, 22, 260
+
+
+def diagnose_bars(groups: list[dict]) -> Markup:
+    """The diagnose roll-up (engine/diagnose.groups): one stacked bar per host group (its verdict and
+    servers as the label), a segment per class of SEGMENTS whose mean share is over 0 (the device
+    time's classes scaled by the busy share, then the host wait), each of class "point seg-N" with
+    data-verdict, data-class and data-share."""
+    svg = _svg(STACK_LABEL_W + STACK_W + 10, len(groups) * (STACK_H + 8) + 48, "diagnose: device time per host group")
+    for i, g in enumerate(groups):
+        y = 4 + i * (STACK_H + 8)
+        label = f"{g.get('verdict')}: {', '.join(map(str, g.get('servers') or []))}"
+        _el(svg, "text", label[:60], x=0, y=y + STACK_H - 6, class_="axis")
+        wait = measured(g.get("host_wait_share")) or 0.0
+        shares = {k: (measured(v) or 0.0) * (1 - wait) for k, v in (g.get("shares") or {}).items()}
+        shares["host_wait"] = wait
+        x = float(STACK_LABEL_W)
+        for n, seg in enumerate(SEGMENTS):
+            v = max(0.0, min(1.0, shares.get(seg, 0.0)))
+            if v <= 0:
+                continue
+            w = round(STACK_W * v, 2)
+            r = _el(svg, "rect", x=round(x, 2), y=y, width=w, height=STACK_H, class_=f"point seg-{n}",
+                    data_verdict=str(g.get("verdict")), data_class=seg, data_share=f"{v:.4f}")
+            _el(r, "title", f"{g.get('verdict')}: {seg} {100 * v:.1f}%")
+            x += w
+    y = 4 + len(groups) * (STACK_H + 8)
+    for n, seg in enumerate(SEGMENTS):  # the legend: four to a row
+        lx, ly = (n % 4) * 190, y + (n // 4) * 14
+        _el(svg, "rect", x=lx, y=ly, width=9, height=9, class_=f"seg-{n}")
+        _el(svg, "text", seg.replace("_", " "), x=lx + 13, y=ly + 9, class_="axis")
     return _done(svg)
