@@ -42,13 +42,17 @@ def profiled(tmp_path_factory) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     path = tmp_path_factory.mktemp("trace") / "t.trace.json"
+    x, w = torch.randn(256, 512), torch.randn(512, 512)
     with profile(activities=[ProfilerActivity.CPU]) as p:
         for _ in range(3):
             with record_function("decode_step"):
                 for name, _, ms in STEP:
                     with record_function(name):
                         _busy(ms)
+                        torch.nn.functional.linear(x, w)  # inside a region: the region's
                     _busy(1)
+            for _ in range(4):
+                torch.nn.functional.linear(x, w)  # outside every region: a dense GEMM
     p.export_chrome_trace(str(path))
     return json.loads(path.read_text())
 
@@ -85,20 +89,26 @@ def sweep_gaps(events: list[tuple]) -> float:
 def test_a_real_profiler_trace_uses_the_regions_and_agrees_with_sampling(profiled):
     raw = [(e["name"], e["ts"], e["dur"]) for e in profiled["traceEvents"]
            if e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+    regions = [(ts, ts + d) for _, ts, d in raw]
+    linear = [(e["name"], e["ts"], e["dur"]) for e in profiled["traceEvents"]
+              if e.get("ph") == "X" and e.get("name") == "aten::linear"]
+    outside = [ev for ev in linear if not any(a <= ev[1] and ev[1] + ev[2] <= b for a, b in regions)]
+    assert len(linear) == 3 * (len(STEP) + 4) and len(outside) == 3 * 4
     b = trace.breakdown(profiled, "0.5.23")
-    assert b["source"] == "annotation" and b["events"] == len(raw) == 3 * (len(STEP) + 1)
-    sampled = innermost_sampling(raw)
+    assert b["source"] == "annotation" and b["events"] == len(raw) + len(outside) == 3 * (len(STEP) + 1 + 4)
+    sampled = innermost_sampling(raw + outside)
     by_class = dict.fromkeys(kernels.CLASSES, 0.0)
     for name, us in sampled.items():
-        by_class[{n: c for n, c, _ in STEP}.get(name, kernels.UNKNOWN)] += us
+        by_class[{n: c for n, c, _ in STEP}.get(name, kernels.GEMM if name == "aten::linear" else kernels.UNKNOWN)] += us
     for cls, us in by_class.items():
         assert b["classes"][cls] == pytest.approx(us, abs=60), cls
     # the outer region's own time is the host work between its regions: unknown, never guessed
     own = dict((n, t) for n, t in b["unknown"])
     assert own["decode_step"] == pytest.approx(sampled["decode_step"], abs=60) and own["decode_step"] > 3 * 5000 * 0.9
     assert b["shares"][kernels.DECODE] == pytest.approx(b["classes"][kernels.DECODE] / b["device_us"])
-    # the steps follow one another: no gap between the outer regions but the profiler's own
-    assert b["host_wait_us"] == pytest.approx(sweep_gaps(raw), abs=1)
+    assert b["classes"][kernels.GEMM] > 0
+    # the gaps: between the steps' regions and the GEMMs after them, the profiler's own
+    assert b["host_wait_us"] == pytest.approx(sweep_gaps(raw + outside), abs=1)
 
 
 def test_the_speculative_decode_steps_count_extend_as_target_verify(profiled):

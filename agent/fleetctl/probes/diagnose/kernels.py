@@ -41,17 +41,20 @@ _LIBRARIES = (
     (MOE_ROUTING, r"topkGatingSoftmax|topk_softmax|moe_align_block_size|grouped_topk|moe_fused_gate|count_and_sort_expert",
      "sgl-kernel topk_softmax, moe_align_block_size; srt/layers/moe/topk.py:1309, "
      "srt/layers/moe/moe_runner/triton_utils/fused_moe.py:505"),
-    (MOE_EXPERTS, r"moe_sum|act_and_mul|silu_and_mul",
-     "sgl-kernel silu_and_mul between the expert GEMMs; srt/layers/moe/moe_runner/triton_utils/fused_moe.py:797"),
+    (MOE_EXPERTS, r"moe_sum", "sgl-kernel moe_sum after the expert GEMMs; srt/layers/moe/moe_runner/triton_utils/fused_moe.py"),
     (COMM, r"^ncclDevKernel_|^ncclKernel_", "NCCL; srt/distributed/device_communicators/pynccl.py:150"),
+    (COMM, r"^sglang::(out|in)place_all_reduce$", "the all-reduce custom op; srt/distributed/parallel_state.py:126 (0.4.6.post5)"),
     (COMM, r"cross_device_reduce_(1|2)stage", "sgl-kernel custom all-reduce; "
                                              "srt/distributed/device_communicators/custom_all_reduce_ops.py:44"),
-    (SAMPLING, r"SamplingFromProb|TopKTopPSampling|MinPSampling|TopKRenorm|TopPRenorm|argmax|SoftMax|softmax",
-     "FlashInfer sampling; srt/layers/sampler.py:50"),
-    (GEMM, r"^nvjet|gemm|Gemm|GEMM|cutlass|xmma|^sm\d+_", "cuBLAS / CUTLASS (torch.nn.functional.linear)"),
+    (SAMPLING, r"SamplingFromProb|TopKTopPSampling|MinPSampling|TopKRenorm|TopPRenorm|sampling_from_probs|argmax|"
+               r"SoftMax|softmax|verify_tree_greedy|tree_speculative_sampling",
+     "FlashInfer sampling (srt/layers/sampler.py:50), sgl-kernel's speculative acceptance (srt/speculative/eagle_utils.py)"),
+    (GEMM, r"^nvjet|gemm|Gemm|GEMM|cutlass|xmma|^sm\d+_|^aten::(linear|mm|addmm|matmul|bmm)$",
+     "cuBLAS / CUTLASS (torch.nn.functional.linear; on a CPU trace the aten op itself)"),
     (OTHER, r"RMSNorm|rmsnorm|Rotary|rotary|rope|store_kvcache|set_kv_buffer|elementwise_kernel|CatArrayBatchedCopy|"
-            r"index_elementwise|reduce_kernel|fill_kernel|copy_kernel|embedding",
-     "norms, rotary, KV-cache stores, torch elementwise (srt/layers/layernorm.py:628, srt/mem_cache/memory_pool.py:2133)"),
+            r"index_elementwise|reduce_kernel|fill_kernel|copy_kernel|embedding|act_and_mul|silu_and_mul",
+     "norms, rotary, KV-cache stores, activations, torch elementwise (srt/layers/layernorm.py:628, "
+     "srt/mem_cache/memory_pool.py:2133, srt/layers/activation.py)"),
 )
 
 

@@ -10,7 +10,9 @@ Which events are device work (`source`):
 - "kernel": a GPU trace's device kernels (cat "kernel", each on a GPU stream) when it has any;
 - "annotation": otherwise the `user_annotation` regions (torch.profiler.record_function): the
   lab's stand-in, which has no GPU, wraps each kernel's CPU stand-in in a region named as the
-  release's kernel. Regions may nest: each counts its own (exclusive) time.
+  release's kernel. Regions may nest: each counts its own (exclusive) time. A CPU trace's dense
+  GEMMs are torch's own ops (GEMM_OPS, cat "cpu_op", as SGLang's unquantized layers call
+  F.linear): the outermost of them outside every region count too.
 
 Figures, in microseconds: device_us (the sum of each event's exclusive time), busy_us (the union
 of all device intervals, over every stream), window_us (first start to last end), host_wait_us
@@ -27,6 +29,7 @@ MAX_EVENTS = 2000000
 MAX_NAME = 200
 IDLE_GAP_US = 20000.0  # a gap over 20 ms between device work is no step waiting: the server was idle
 TOP = 12
+GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
 
 
 def _num(v):
@@ -40,17 +43,38 @@ def device_events(doc):
     evs = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(evs, list):
         return "kernel", []
-    picked = {"kernel": [], "annotation": []}
+    picked = {"kernel": [], "annotation": [], "gemm": []}
     for e in evs[:MAX_EVENTS]:
         if not isinstance(e, dict) or e.get("ph") != "X" or not isinstance(e.get("name"), str):
             continue
         cat = e.get("cat")
-        key = "kernel" if cat == "kernel" else "annotation" if cat == "user_annotation" else None
+        key = "kernel" if cat == "kernel" else "annotation" if cat == "user_annotation" else \
+            "gemm" if cat == "cpu_op" and e["name"] in GEMM_OPS else None
         ts, dur = _num(e.get("ts")), _num(e.get("dur"))
         if key is None or ts is None or dur is None:
             continue
         picked[key].append((e["name"][:MAX_NAME], float(ts), float(dur), (str(e.get("pid"))[:40], str(e.get("tid"))[:40])))
-    return ("kernel", picked["kernel"]) if picked["kernel"] else ("annotation", picked["annotation"])
+    if picked["kernel"]:
+        return "kernel", picked["kernel"]
+    return "annotation", picked["annotation"] + _outermost(picked["gemm"], picked["annotation"])
+
+
+def _outermost(ops, regions):
+    """The events of `ops` inside no other event of `regions` or `ops` on their stream (a sweep:
+    sorted by start, longest first, each inside when an earlier one ends no sooner)."""
+    by_stream = {}
+    for kind, evs in ((0, regions), (1, ops)):
+        for e in evs:
+            by_stream.setdefault(e[3], []).append((e[1], -(e[1] + e[2]), kind, e))
+    out = []
+    for items in by_stream.values():
+        items.sort(key=lambda x: (x[0], x[1], x[2]))
+        reach = None
+        for ts, neg_end, kind, e in items:
+            if kind == 1 and (reach is None or reach < -neg_end):
+                out.append(e)
+            reach = -neg_end if reach is None else max(reach, -neg_end)
+    return out
 
 
 def exclusive(events):
