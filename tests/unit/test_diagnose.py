@@ -227,8 +227,11 @@ def test_the_dump_is_read_with_weights_only_and_never_through_a_link(tmp_path):
     since = time.time()
     torch.save({"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None},
                tmp_path / f"expert_distribution_recorder_{since}.pt")
-    b, name = child.read_dump(str(tmp_path), since, 2, remove=True)
-    assert (b["worst"]["layer"], b["worst"]["hot_gpu"]) == (1, 0) and not (tmp_path / name).exists()
+    b, names = child.read_dump(str(tmp_path), since, 2)
+    assert (b["worst"]["layer"], b["worst"]["hot_gpu"]) == (1, 0)
+    from fleetctl.probes.diagnose import run
+    assert run.remove_dumps(str(tmp_path), names + ["../etc/passwd"], os.geteuid()) == names[-1]
+    assert not list(tmp_path.iterdir())
 
     class Evil:
         def __reduce__(self):

@@ -10,9 +10,9 @@ torch reads the recorder's dump).
 - the expert recorder's dump: in the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (given by
   run.py from the server's environment; SGLang's default /tmp: 0.5.23 environ.py), the regular
   files named expert_distribution_recorder_*.pt (0.5.23 eplb/expert_distribution.py:1006)
-  modified at or after `since`, of this uid, at most MAX_DUMP bytes, loaded with
+  modified at or after `since`, of this uid or the server's, at most MAX_DUMP bytes, loaded with
   torch.load(weights_only=True) (tensors and plain containers only: no pickle code runs), read
-  by experts.balance; the dump this run caused is removed after it is read.
+  by experts.balance; run.py removes the dumps this run caused after.
 """
 
 import json
@@ -31,16 +31,23 @@ DUMP_NAME = re.compile(r"^expert_distribution_recorder_[0-9.]+(_\d+)?\.pt$")
 TRACE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}\.trace\.json(\.gz)?$")
 
 
-def _entries(path):
-    """(directory descriptor, [(name, lstat)] of its regular files) of directory `path` reached
-    from / without a link (safefs.open_dir)."""
+def _entries(path, owners):
+    """(directory descriptor, [(name, lstat)] of its regular files owned by a uid of `owners`) of
+    directory `path` reached from / without a link (safefs.open_dir)."""
     dfd = safefs.open_dir(path)
     out = []
     for name in os.listdir(dfd)[:10000]:
         st = safefs.lstat(dfd, name)
-        if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid in owners:
             out.append((name, st))
     return dfd, out
+
+
+def _owners(server_uid):
+    """The uids whose files are read: this child's, and the server's (root, when the server runs as
+    root: the child then runs as another account, and the files are in a directory only it and
+    root may write)."""
+    return {os.geteuid()} | ({server_uid} if isinstance(server_uid, int) else set())
 
 
 def _read(dfd, name, path, limit):
@@ -58,10 +65,10 @@ def _gunzip(data):
     return out
 
 
-def read_trace(trace_dir, version, speculative):
+def read_trace(trace_dir, version, speculative, server_uid=None):
     """(trace.breakdown of the trace file, its name) or raises OSError / ValueError /
     safefs.UnsafePath with why (no trace written, too large, not JSON)."""
-    dfd, files = _entries(trace_dir)
+    dfd, files = _entries(trace_dir, _owners(server_uid))
     try:
         names = sorted(n for n, _ in files if TRACE_NAME.match(n))
         if not names:
@@ -80,13 +87,12 @@ def read_trace(trace_dir, version, speculative):
     return trace.breakdown(doc, version, speculative), name
 
 
-def read_dump(recorder_dir, since, ep_size, remove=True):
-    """(experts.balance of the newest dump written at or after `since` (epoch seconds), its name,
-    the recorder's mode entries read) or raises OSError / ValueError / safefs.UnsafePath. The dump
-    is removed after reading when `remove`."""
+def read_dump(recorder_dir, since, ep_size, server_uid=None):
+    """(experts.balance of the newest dump written at or after `since` (epoch seconds), the names of
+    the dumps written since) or raises OSError / ValueError / safefs.UnsafePath."""
     import torch  # the install's: this child runs its interpreter
 
-    dfd, files = _entries(recorder_dir)
+    dfd, files = _entries(recorder_dir, _owners(server_uid))
     try:
         fresh = sorted((st.st_mtime, n) for n, st in files if DUMP_NAME.match(n) and st.st_mtime >= since - 1)
         if not fresh:
@@ -97,12 +103,6 @@ def read_dump(recorder_dir, since, ep_size, remove=True):
         fd = safefs.open_regular(dfd, name, path, MAX_DUMP)
         with os.fdopen(fd, "rb") as f:
             obj = torch.load(f, weights_only=True, map_location="cpu")
-        if remove:
-            for _, n in fresh:
-                try:
-                    os.unlink(n, dir_fd=dfd)
-                except OSError:
-                    pass
     finally:
         os.close(dfd)
     if not isinstance(obj, dict) or not hasattr(obj.get("logical_count"), "tolist"):
@@ -110,25 +110,26 @@ def read_dump(recorder_dir, since, ep_size, remove=True):
     count = obj["logical_count"]
     if count.dim() not in (2, 3) or count.numel() > (1 << 24):
         raise ValueError("the dump's logical_count has shape %s" % (tuple(count.shape),))
-    return experts.balance(count.tolist(), ep_size), name
+    return experts.balance(count.tolist(), ep_size), [n for _, n in fresh]
 
 
 def read(params):
     """The child's answer: params {"trace_dir", "recorder_dir" (None: no dump asked), "since",
-    "version", "speculative", "ep_size"}. Returns {"trace", "trace_file", "trace_error",
-    "experts", "dump_file", "experts_error"}: each figure or why not (never raises for the
-    server's files)."""
-    out = {"trace": None, "trace_file": None, "trace_error": None, "experts": None, "dump_file": None,
+    "version", "speculative", "ep_size", "server_uid"}. Returns {"trace", "trace_file",
+    "trace_error", "experts", "dump_files" (the dumps written since: run.py removes them),
+    "experts_error"}: each figure or why not (never raises for the server's files)."""
+    out = {"trace": None, "trace_file": None, "trace_error": None, "experts": None, "dump_files": [],
            "experts_error": None}
+    uid = params.get("server_uid")
     try:
         out["trace"], out["trace_file"] = read_trace(params["trace_dir"], params.get("version"),
-                                                     bool(params.get("speculative")))
+                                                     bool(params.get("speculative")), uid)
     except (OSError, ValueError, safefs.UnsafePath, EOFError) as e:
         out["trace_error"] = str(e)[:300]
     if params.get("recorder_dir"):
         try:
-            out["experts"], out["dump_file"] = read_dump(params["recorder_dir"], float(params.get("since") or 0),
-                                                         int(params.get("ep_size") or 1))
+            out["experts"], out["dump_files"] = read_dump(params["recorder_dir"], float(params.get("since") or 0),
+                                                          int(params.get("ep_size") or 1), uid)
         except Exception as e:  # noqa: BLE001 - torch.load's refusals are many kinds; each is a why
             out["experts_error"] = ("%s: %s" % (type(e).__name__, e))[:300]
     return out

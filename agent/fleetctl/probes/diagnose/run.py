@@ -25,8 +25,9 @@ only), one after another:
    speculative accept length, ep_size);
 6. always (finally): /stop_profile and /stop_expert_distribution_record (an answer that says
    nothing is in progress is fine), the guard told to go;
-7. the child (child.py) reads the trace and the dump as the server's uid; the directory is
-   removed.
+7. the child (child.py) reads the trace and the dump as the server's uid (a server running as
+   root: as runas.account's other account, the directory then that account's); the directory
+   and the dumps this run caused are removed.
 """
 
 import glob
@@ -134,6 +135,31 @@ def _wait_trace(path, seconds):
     return False
 
 
+def remove_dumps(recorder, names, uid):
+    """Remove the recorder's dumps this run caused: `names` (the child's, each matching
+    child.DUMP_NAME) in directory `recorder`, each a regular file of the server's `uid` (never
+    through a link: unlink at the directory's descriptor, reached by safefs.open_dir). Returns the
+    newest name, or None."""
+    names = [n for n in names or [] if isinstance(n, str) and child.DUMP_NAME.match(n)]
+    if not names or not recorder or uid is None:
+        return names[-1] if names else None
+    try:
+        dfd = child.safefs.open_dir(recorder)
+    except (OSError, child.safefs.UnsafePath):
+        return names[-1]
+    try:
+        for n in names:
+            st = child.safefs.lstat(dfd, n)
+            if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                try:
+                    os.unlink(n, dir_fd=dfd)
+                except OSError:
+                    pass
+    finally:
+        os.close(dfd)
+    return names[-1]
+
+
 def _recorder_dir(pid):
     """The server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (its /proc/PID/environ: load._environ),
     else SGLang's default /tmp; None when it is not an absolute normalised path."""
@@ -226,16 +252,18 @@ def diagnose_server(t, sel, params):
             pass
     try:
         info = out["server_info"]
+        ids = runas.ids_of(t["pid"])
         got, why, _ = runas.rerun(python, {"action": "read", "trace_dir": path,
                                            "recorder_dir": recorder if recording else None, "since": since,
                                            "version": version, "speculative": bool(info.get("speculative_algorithm")),
-                                           "ep_size": info.get("ep_size") or 1},
+                                           "ep_size": info.get("ep_size") or 1,
+                                           "server_uid": ids[0] if ids else None},
                                   acct, float(params.get("read_timeout", 120)))
         if got is None:
             out["error"] = out["error"] or "the reading child: %s" % why
         else:
-            out.update({k: got.get(k) for k in ("trace", "trace_file", "trace_error", "experts", "dump_file",
-                                                "experts_error")})
+            out.update({k: got.get(k) for k in ("trace", "trace_file", "trace_error", "experts", "experts_error")})
+            out["dump_file"] = remove_dumps(recorder, got.get("dump_files"), ids[0] if ids else None)
     except (OSError, runas.NoAccount) as e:
         out["error"] = out["error"] or "the reading child could not start: %s" % e
     finally:
