@@ -297,6 +297,9 @@ def test_each_verdict_from_its_figures():
     assert v["verdict"] == vd.DEFRAG and v["action"] == "fleetctl apply defrag-tier0"
     assert vd.judge(entry({kernels.GEMM: 1.0}, page_size=16), runs)["verdict"] == vd.NONE  # no paged pair
     assert vd.judge(entry({kernels.GEMM: 1.0}, host_wait=0.5))["verdict"] == vd.HOST
+    cpu = entry({kernels.GEMM: 1.0}, host_wait=0.5)
+    cpu["trace"]["source"] = "annotation"  # a CPU trace: no device to wait
+    assert vd.judge(cpu)["verdict"] == vd.NONE
     assert vd.judge(entry({kernels.GEMM: 1.0}))["verdict"] == vd.NONE
     assert vd.judge({"trace": None, "trace_error": "no trace"}) == {"verdict": vd.UNMEASURED, "why": "no trace",
                                                                       "action": None, "figures": {}}

@@ -21,7 +21,9 @@ The rules, in order (the first that holds is the verdict; the thresholds are mod
   least DEFRAG_RUNS contiguous runs on average with need_sort False, and need_sort True does
   better: the defrag-tier0 playbook.
 - HOST: the device waits on the host at least HOST_SHARE of the step time: none of fleetctl's
-  changes (scheduling and marshaling are SGLang's: its overlap scheduler, CUDA graphs).
+  changes (scheduling and marshaling are SGLang's: its overlap scheduler, CUDA graphs). Only from
+  a trace of device kernels (source "kernel"): on a CPU trace (the stand-in's annotated regions)
+  host and device are the same processor, and its gaps are the unannotated CPU work, not a wait.
 - NONE: nothing above holds: no bottleneck that any of these reaches.
 
 A server whose trace could not be read gets UNMEASURED and why.
@@ -69,7 +71,7 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
     worst = ex.get("worst")
     frag = replay_fragmentation(replay, info.get("page_size"))
     if not tr or tr.get("device_us", 0) <= 0:
-        return {"verdict": UNMEASURED, "why": server.get("trace_error") or server.get("error") or "no device time",
+        return {"verdict": UNMEASURED, "why": server.get("error") or server.get("trace_error") or "no device time",
                 "action": None, "figures": {}}
     sh = tr["shares"]
     attn = sum(sh.get(c, 0.0) for c in kc.ATTENTION)
@@ -99,7 +101,7 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
                 "why": f"the {frag['kind']} allocator replay: {frag['without_sort']:.2f} runs per prefill allocation "
                        f"without sorting, {frag['with_sort']:.2f} with",
                 "action": "fleetctl apply defrag-tier0"}
-    if host >= HOST_SHARE:
+    if host >= HOST_SHARE and tr.get("source") == "kernel":
         return {"verdict": HOST, "figures": fig,
                 "why": f"the device waits on the host {_pct(host)} of the decode steps",
                 "action": f"{NOT_FLEETCTL}: scheduling and marshaling are SGLang's (overlap scheduler, CUDA graphs)"}
