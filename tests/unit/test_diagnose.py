@@ -296,6 +296,8 @@ def test_each_verdict_from_its_figures():
     v = vd.judge(entry({kernels.GEMM: 1.0}), runs)
     assert v["verdict"] == vd.DEFRAG and v["action"] == "fleetctl apply defrag-tier0"
     assert vd.judge(entry({kernels.GEMM: 1.0}, page_size=16), runs)["verdict"] == vd.NONE  # no paged pair
+    runs[1]["runs_per_alloc_mean"] = 2.5  # sorting gains 1.2x: under pressure, not worth it
+    assert vd.judge(entry({kernels.GEMM: 1.0}), runs)["verdict"] == vd.NONE
     assert vd.judge(entry({kernels.GEMM: 1.0}, host_wait=0.5))["verdict"] == vd.HOST
     cpu = entry({kernels.GEMM: 1.0}, host_wait=0.5)
     cpu["trace"]["source"] = "annotation"  # a CPU trace: no device to wait

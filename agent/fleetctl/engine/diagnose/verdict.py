@@ -18,8 +18,9 @@ The rules, in order (the first that holds is the verdict; the thresholds are mod
   change: `fleetctl deploy kernel verify_attention` and the route-verify-attention playbook; decode
   or extend attention without speculative decoding is not (SGLang's --attention-backend).
 - DEFRAG: with --allocator-replay, the release's own allocator left each prefill allocation in at
-  least DEFRAG_RUNS contiguous runs on average with need_sort False, and need_sort True does
-  better: the defrag-tier0 playbook.
+  least DEFRAG_RUNS contiguous runs on average with need_sort False, and need_sort True cuts that
+  at least DEFRAG_GAIN times (under pressure, a sort on most admissions gains little: docs/guides/
+  is-defrag-needed.md): the defrag-tier0 playbook.
 - HOST: the device waits on the host at least HOST_SHARE of the step time: none of fleetctl's
   changes (scheduling and marshaling are SGLang's: its overlap scheduler, CUDA graphs). Only from
   a trace of device kernels (source "kernel"): on a CPU trace (the stand-in's annotated regions)
@@ -40,6 +41,7 @@ MOE_BALANCE = 0.7
 MOE_SHARE = 0.15
 ATTENTION_SHARE = 0.5
 DEFRAG_RUNS = 1.5
+DEFRAG_GAIN = 1.5
 HOST_SHARE = 0.4
 NOT_FLEETCTL = "none of fleetctl's changes"
 
@@ -96,7 +98,7 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
                        f"{_pct(sh.get(kc.EXTEND, 0.0))}, decode {_pct(sh.get(kc.DECODE, 0.0))})",
                 "action": ("fleetctl deploy kernel verify_attention, then fleetctl apply route-verify-attention"
                            if mine else f"{NOT_FLEETCTL}: decode/extend attention is SGLang's --attention-backend")}
-    if frag and frag["without_sort"] >= DEFRAG_RUNS and frag["with_sort"] < frag["without_sort"]:
+    if frag and frag["without_sort"] >= DEFRAG_RUNS and frag["without_sort"] >= DEFRAG_GAIN * frag["with_sort"]:
         return {"verdict": DEFRAG, "figures": fig,
                 "why": f"the {frag['kind']} allocator replay: {frag['without_sort']:.2f} runs per prefill allocation "
                        f"without sorting, {frag['with_sort']:.2f} with",
