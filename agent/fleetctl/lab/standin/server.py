@@ -96,16 +96,30 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if __package__:  # imported as fleetctl.lab.standin.server
-    from .engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+                         encode, load_verify_hook)
+    from .instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 else:  # the script (python server.py, the sglang_router launcher's workers): engine.py is beside it, on sys.path
-    from engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+                        encode, load_verify_hook)
+    from instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
 log = logging.getLogger("fleetctl-standin")
 
 BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens",
-                 "contention_ms", "fail_every"}
+                 "contention_ms", "fail_every", "hot_expert", "slow_attention_ms"}
+# the instruments' routes (GET or POST) and their 200 answers (0.5.23 http_server.py:1221-1297)
+INSTRUMENT_ROUTES = {
+    "/start_profile": "Start profiling.\n",
+    "/stop_profile": "Stop profiling. This will take some time.\n",
+    "/start_expert_distribution_record": "Start recording the expert distribution.\n",
+    "/stop_expert_distribution_record": "Stop recording the expert distribution.\n",
+    "/dump_expert_distribution_record": "Dump expert distribution record.\n",
+}
+NO_EXPERT_METADATA = ("ExpertLocationMetadata is required for expert distribution recording. One possible reason "
+                      "is that you are using a model that does not support expert distribution recording.")
 MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; at least CONTEXT + 16
 # The subsets of GenerateReqInput / SamplingParams / CompletionRequest fields implemented here;
 # any other field is refused with 400 instead of being silently ignored.
@@ -143,6 +157,12 @@ def load_behavior(path):
     if not isinstance(b, dict) or set(b) - BEHAVIOR_KEYS:
         raise ValueError("behaviour file %s: expected an object with keys from %s, got %r"
                          % (path, sorted(BEHAVIOR_KEYS), b))
+    hot = b.get("hot_expert")
+    if hot is not None and not (isinstance(hot, dict) and set(hot) == {"layer", "expert"}
+                                and all(type(v) is int for v in hot.values())
+                                and 0 <= hot["layer"] < LAYERS and 0 <= hot["expert"] < EXPERTS):
+        raise ValueError("behaviour file %s: hot_expert must be {\"layer\": 0..%d, \"expert\": 0..%d}, got %r"
+                         % (path, LAYERS - 1, EXPERTS - 1, hot))
     return b
 
 
@@ -190,7 +210,13 @@ class StandIn:
             a = self.args
             verify, said = load_verify_hook(a.attention_backend)
             draft = (a.speculative_num_draft_tokens or 4) if a.speculative_algorithm else None
-            engine = Engine(a.random_seed, self.behavior, a.max_total_tokens, draft, verify, a.speculative_algorithm)
+            engine = Engine(a.random_seed, self.behavior, a.max_total_tokens, draft, verify, a.speculative_algorithm,
+                            moe=a.model_path == MOE_MODEL, tp_size=a.tp_size)
+            engine.profiler = Profiler(a.release, a.tp_size, a.ep_size)
+            engine.recorder = ExpertRecorder(a.release, a.expert_distribution_recorder_mode,
+                                             a.expert_distribution_recorder_buffer_size, LAYERS, EXPERTS,
+                                             a.tp_size, a.ep_size)
+            engine.crash_types, engine.on_crash = (SchedulerCrash,), scheduler_died
             engine.generate([0], {"max_new_tokens": 2, "temperature": 0})
             self.engine = engine
             log.info("fleetctl stand-in: model ready (tiny %d-layer transformer, %d query heads, %d KV heads "
@@ -316,8 +342,53 @@ class StandIn:
         return {"model_path": a.model_path, "tokenizer_path": TOKENIZER_DIR, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": "fleetctl_standin", "architectures": ["FleetctlStandInForCausalLM"],
+                "model_type": "fleetctl_standin", "architectures": [
+                    "FleetctlStandInMoeForCausalLM" if a.model_path == MOE_MODEL else "FleetctlStandInForCausalLM"],
                 "stand_in": True}
+
+    def internal_state(self):
+        """/server_info's internal_states[0], the scheduler's get_internal_state by release:
+        last_gen_throughput; memory_usage from 0.5.2 (memory_usage()); load in 0.5.2 only
+        (Engine.load); avg_spec_accept_length with speculative decoding once a decode-log interval
+        has folded verify passes in (Engine.avg_spec_accept_length; 0.4.6.post5
+        managers/scheduler.py:1893-1896, 0.5.23 scheduler_components/internal_state.py:117-125)."""
+        a, engine = self.args, self.engine
+        st = {"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 1,
+              "num_running_reqs": engine.inflight if engine else 0}
+        if a.release >= (0, 5, 2):
+            st["memory_usage"] = memory_usage(a, engine)
+        if (0, 5, 2) <= a.release < (0, 5, 10):
+            st["load"] = engine.load() if engine else 0
+        accept = engine.avg_spec_accept_length() if engine and a.speculative_algorithm else None
+        if accept is not None:
+            st["avg_spec_accept_length"] = accept
+        return st
+
+    def instrument(self, path, body):
+        """One of INSTRUMENT_ROUTES with its JSON body (None: none) -> (status, text). The work runs
+        on the scheduler thread (Engine.on_scheduler); a SchedulerCrash there ends the server
+        (scheduler_died). An instrument that answers failure (SGLang's tokenizer raises
+        RuntimeError on it) -> 500 "Internal Server Error", the message in the log. Raises
+        Refused for a body it does not take."""
+        engine = self.engine
+        prof, rec = engine.profiler, engine.recorder
+        if path == "/start_profile":
+            req = prof.parse(body)
+            result, waiter = engine.on_scheduler(lambda: (prof.start(req, engine.forward_ct), prof.waiter))
+            if result is None:  # 0.4.6.post5 with num_steps: the answer is the stop's
+                waiter.wait()
+                result = (True, "Succeeded.")
+        elif path == "/stop_profile":
+            result = engine.on_scheduler(prof.stop)
+        else:
+            engine.on_scheduler({"/start_expert_distribution_record": rec.start,
+                                 "/stop_expert_distribution_record": rec.stop,
+                                 "/dump_expert_distribution_record": rec.dump}[path])
+            result = (True, "")
+        if not result[0]:
+            log.error("fleetctl stand-in: %s: RuntimeError: %s", path, result[1])
+            return 500, "Internal Server Error"
+        return 200, INSTRUMENT_ROUTES[path]
 
     def server_info(self):
         """GET /server_info (and the deprecated /get_server_info): ServerArgs-named fields."""
@@ -335,11 +406,46 @@ class StandIn:
                 "max_running_requests": None, "max_total_tokens": pool,
                 "max_total_num_tokens": pool, "max_req_input_len": min(CONTEXT, pool) - 1,
                 "weight_version": "default", "version": sglang_version(),
-                "internal_states": [{"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 1,
-                                     "num_running_reqs": engine.inflight if engine else 0}],
+                "ep_size": a.ep_size, "expert_distribution_recorder_mode": a.expert_distribution_recorder_mode,
+                "expert_distribution_recorder_buffer_size": recorder_buffer_size(a),
+                "decode_log_interval": DECODE_LOG_INTERVAL,
+                "internal_states": [self.internal_state()],
                 "disaggregation_mode": a.disaggregation_mode,
                 "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
                 "stand_in": True, "stand_in_behavior": self.behavior, "stand_in_counters": dict(self.counters)}
+
+
+def memory_usage(a, engine):
+    """internal_states' memory_usage (GB, the stand-in's CPU tensors): 0.5.2 managers/scheduler.py:
+    2246-2258 and 0.5.10 scheduler.py:3071-3078 {weight, kvcache, token_capacity, graph}; 0.5.23
+    scheduler_components/memory_usage.py:29-41 adds startup_available and token_capacity_swa and
+    makes graph a dict per phase."""
+    gb = 2.0 ** 30
+    weight = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / gb if engine else 0.0
+    kv = 2 * LAYERS * (a.max_total_tokens + 1) * KV_HEADS * HEAD_DIM * 4 / gb
+    if a.release >= (0, 5, 23):
+        return {"weight": round(weight, 3), "kvcache": round(kv, 3), "startup_available": 0.0,
+                "token_capacity": int(a.max_total_tokens), "token_capacity_swa": None, "graph": {}}
+    return {"weight": round(weight, 2), "kvcache": round(kv, 2), "token_capacity": int(a.max_total_tokens),
+            "graph": 0.0}
+
+
+def recorder_buffer_size(a):
+    """ServerArgs.expert_distribution_recorder_buffer_size as resolved: eplb_rebalance_num_iterations
+    (1000) when unset, from 0.5.2 (0.5.2 server_args.py:699-703); 0.4.6.post5 sets 1000 only with a
+    recorder mode (server_args.py:368-375)."""
+    if a.expert_distribution_recorder_buffer_size is not None:
+        return a.expert_distribution_recorder_buffer_size
+    return 1000 if a.release >= (0, 5, 2) or a.expert_distribution_recorder_mode else None
+
+
+def scheduler_died(e):
+    """What SGLang does when its scheduler raises: log the exception, and the whole server exits
+    (run_scheduler_process's handler SIGQUITs the launcher, which kills the process tree: 0.5.23
+    managers/scheduler.py, entrypoints/engine.py). The client's request gets no answer."""
+    log.error("fleetctl stand-in: Scheduler hit an exception: %s: %s", type(e).__name__, e)
+    logging.shutdown()
+    os._exit(1)
 
 
 def layout(a):
@@ -485,6 +591,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, s.models())
         if path == "/flush_cache":
             return self.flush()
+        if path in INSTRUMENT_ROUTES:
+            return self.instrument(path)
         self.reply(404, {"detail": "Not Found"})
 
     def flush(self):
@@ -500,6 +608,27 @@ class Handler(BaseHTTPRequestHandler):
         status, text = s.flush_cache(max(0.0, timeout))
         self.reply(status, text=text)
 
+    def instrument(self, path):
+        """GET/POST an instrument route (StandIn.instrument); a body that is not JSON or not one the
+        release takes: 400 (422 before 0.5.2: FastAPI's own, which 0.5.2's http_server.py:302-320
+        turns into a 400 ErrorResponse)."""
+        s = self.state
+        if s.engine is None or not s.healthy():
+            return self.reply(503, {"error": {"message": "fleetctl stand-in is not ready"}})
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else None
+            status, text = s.instrument(path, body)
+        except (Refused, ValueError) as e:
+            status = getattr(e, "status", 400)
+            if status == 422 and s.args.release < (0, 5, 2):
+                return self.reply(422, {"detail": [{"msg": str(e)}]})
+            if status == 422:
+                status = 400
+            return self.reply(status, {"object": "error", "message": str(e), "type": "Bad Request",
+                                       "param": None, "code": status})
+        self.reply(status, text=text)
+
     def do_POST(self):
         if self.state.args.node_rank >= 1:
             return self.dummy("POST")
@@ -508,6 +637,8 @@ class Handler(BaseHTTPRequestHandler):
         s, path = self.state, self.path.split("?")[0]
         if path == "/flush_cache":
             return self.flush()
+        if path in INSTRUMENT_ROUTES:
+            return self.instrument(path)
         routes = {"/generate": s.generate, "/v1/completions": s.completions}
         if path not in routes:
             return self.reply(404, {"detail": "Not Found"})
@@ -573,7 +704,23 @@ def main(argv=None):
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS,
                    help="the KV pool size /server_info reports as max_total_num_tokens")
+    p.add_argument("--ep-size", "--expert-parallel-size", "--ep", dest="ep_size", type=int, default=1,
+                   help="ranks the MoE model's experts are split over (ServerArgs.ep_size)")
+    p.add_argument("--expert-distribution-recorder-mode", default=None,
+                   choices=["stat", "stat_approx", "per_pass", "per_token"])
+    p.add_argument("--expert-distribution-recorder-buffer-size", type=int, default=None)
     args = p.parse_args(argv)
+    # the SGLang release whose instruments this stand-in speaks: $FLEETCTL_STANDIN_SGLANG (tests),
+    # else the one installed beside this interpreter, else the newest modelled (instruments.py)
+    args.release = release_key(os.environ.get("FLEETCTL_STANDIN_SGLANG") or sglang_version())
+    mode = args.expert_distribution_recorder_mode
+    if mode is not None and mode not in recorder_modes(args.release):
+        p.error("fleetctl stand-in implements --expert-distribution-recorder-mode %s for SGLang %s"
+                % ("/".join(recorder_modes(args.release)), ".".join(map(str, args.release))))
+    if mode is not None and args.model_path != MOE_MODEL:  # SGLang asserts so at startup
+        p.error(NO_EXPERT_METADATA + " (the MoE model is --model-path %s)" % MOE_MODEL)
+    if args.ep_size < 1 or EXPERTS % args.ep_size or args.tp_size % args.ep_size:
+        p.error("--ep-size must divide --tp-size and the %d experts" % EXPERTS)
     if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens < 2:
         p.error("--speculative-num-draft-tokens must be at least 2 (the last token and one draft)")
     if args.speculative_eagle_topk not in (None, 1):
