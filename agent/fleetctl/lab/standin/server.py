@@ -48,8 +48,71 @@ default `behavior.json` next to this script; a missing file means behave):
   {"fail_every": N}        every Nth streamed /generate request since the behaviour took effect
                            answers HTTP 500 before any token (non-streamed ones, the smoke's, are
                            not counted), which SGLang's benchmark clients count as failed
+  {"hot_expert": {"layer": L, "expert": E}}  (the MoE model) layer L's router puts expert E in
+                           every token's top-2: E gets half of layer L's expert assignments
+                           (balanced: 1/8), and its rank (E // (8 / ep_size)) the most tokens
+  {"slow_attention_ms": M} every attention kernel region (decode, extend, verify) sleeps M ms more
+                           inside, so a profile shows the attention kernels' share grow
 SIGHUP rereads the behaviour file (the counters of fail_every start again); a file that does not
 parse keeps the behaviour there was, and the log says why.
+
+SGLang's diagnostic instruments (instruments.py; engine.py KERNELS), for `fleetctl diagnose`. The
+release spoken is $FLEETCTL_STANDIN_SGLANG, else the sglang installed beside the interpreter, else
+0.5.23 (releases modelled: 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23; all four have all five routes).
+Every route below takes GET or POST (0.5.23 http_server.py:1221-1297), and answers 200 text/plain:
+- `/start_profile` [JSON body: ProfileReqInput; fields a release lacks are ignored: 0.4.6.post5
+  output_dir, num_steps, activities, with_stack, record_shapes; 0.5.2 + start_step,
+  profile_by_stage; 0.5.10 + profile_prefix (merge_profiles, profile_stages refused); 0.5.23 +
+  profile_id] -> "Start profiling.\n". Runs the real torch.profiler (CPU activity: activities
+  CPU and/or GPU, default both; MEM, CUDA_PROFILER, RPD refused 400) over the next forward passes
+  (one pass: a prefill, a decode step, or a speculative verify with its drafts). With num_steps it
+  stops itself at the start of the pass after num_steps passes (num_steps - 1 passes profiled
+  before 0.5.23), so an idle server writes nothing until traffic comes; 0.4.6.post5 answers the
+  start only then. Without num_steps it runs until /stop_profile.
+  The trace: `{output_dir}/{profile_id}-TP-{r}.trace.json.gz`, one per TP rank r (the same trace),
+  profile_id str(time.time()) (0.5.23: the request's if given), output_dir the request's, else
+  $SGLANG_TORCH_PROFILER_DIR, else /tmp, made if missing (0.5.2+; 0.5.10+ expands ~); 0.5.10+:
+  `{profile_prefix}-` first and `-EP-{r // (tp/ep)}` after TP with --ep-size > 1; profile_by_stage
+  (with num_steps) writes one trace per stage, suffix `-EXTEND`/`-DECODE` (0.5.10+) or `-1`/`-2`
+  (0.5.2 on Python 3.11+: str() of an IntEnum). with_stack defaults true, record_shapes false
+  (0.5.23: true). A second start while one runs, or a stop with none running: HTTP 500 "Internal
+  Server Error" (SGLang's tokenizer raises RuntimeError), the reason in the log.
+  The trace's kernel regions are record_function names from SGLang's source (engine.py KERNELS):
+  decode attention `_fwd_grouped_kernel_stage1` + `_fwd_kernel_stage2`; prefill and verify
+  attention `_fwd_kernel`; MoE routing `topk_softmax`, `moe_align_block_size`; MoE experts
+  `fused_moe_kernel` (twice a layer), `silu_and_mul`; all-reduce `sglang::outplace_all_reduce`
+  (--tp-size > 1 only); sampling `top_k_top_p_sampling_from_probs` (temperature > 0; greedy is
+  aten::argmax); verify acceptance `verify_tree_greedy`. Regions never nest; the aten ops inside one
+  are its CPU work; dense GEMMs are the aten::linear ops outside every region. The first start in a
+  process takes seconds (torch imports its compiler stack then).
+- `/stop_profile` -> "Stop profiling. This will take some time.\n" once the trace is written.
+- `/start_expert_distribution_record` -> "Start recording the expert distribution.\n" (clears
+  the record), `/stop_expert_distribution_record` -> "Stop recording the expert distribution.\n",
+  `/dump_expert_distribution_record` -> "Dump expert distribution record.\n" (writes, then clears;
+  recording goes on if on). Needs `--expert-distribution-recorder-mode` (stat; per_pass from
+  0.5.2), which needs the MoE model (`--model-path fleetctl-standin/tiny-moe`: 2 layers of 8
+  experts, top-2; else the server refuses to start, as SGLang asserts). Counts: per forward pass,
+  per layer, per expert, the tokens routed there (each token counts TOPK times). The dump goes to
+  $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp (made if missing), with torch.save (loads
+  with torch.load(weights_only=True)):
+  stat: rank 0 writes `expert_distribution_recorder_{time.time()}.pt` = {"rank": 0,
+  "logical_count": int32 [buffer passes (--expert-distribution-recorder-buffer-size, default 1000,
+  a ring; -1: every pass), 2, 8], summed over the TP ranks (each sees every token: x tp_size),
+  "average_utilization_rate_over_window": None (absent in 0.4.6.post5)};
+  per_pass: each TP rank r writes `expert_distribution_recorder_{time.time()}_{r}.pt` =
+  {"records": [{"forward_pass_id", "rank", "gatherer_key": "primary", "global_physical_count":
+  int32 [2, 8]}], "last_physical_to_logical_map": int64 [2, 8] (identity rows)}.
+  Expert e lives on EP rank e // (8 / ep_size) (SGLang's balancedness: mean over max of the
+  per-rank sums, eplb/expert_distribution.py compute_utilization_rate).
+- Faithful dangers: the recorder routes without a recorder mode, or a trace/dump directory the
+  server cannot write (or, before 0.5.2, a missing trace directory), raise in SGLang's scheduler,
+  and the whole server exits (scheduler_died: the request gets no answer, the process exits 1).
+`/server_info` also says ep_size, expert_distribution_recorder_mode,
+expert_distribution_recorder_buffer_size, decode_log_interval (40), and internal_states[0]
+carries memory_usage (0.5.2+: weight, kvcache in GB, token_capacity, graph), load (0.5.2 only:
+KV slots held plus waiting prompt tokens) and, with speculative decoding, avg_spec_accept_length:
+accepted tokens (drafts taken + 1) per verify pass, folded in every 40 decode passes as SGLang's
+decode log does (absent before the first fold).
 A PD worker (`--disaggregation-mode prefill|decode`, `--disaggregation-bootstrap-port N`, default
 8998: 0.5.10 server_args.py:695-697,5743-5760; 0.5.23 arg_groups/fields/disagg.py:55-58,81-83)
 refuses a /generate without `bootstrap_room` as SGLang's scheduler does (0.5.10
