@@ -17,8 +17,9 @@ from pathlib import Path
 DIR = Path(__file__).resolve().parent
 SERVER = DIR / "server.py"
 ENGINE = DIR / "engine.py"
+INSTRUMENTS = DIR / "instruments.py"
 RESTART = DIR / "restart.sh"
-FILES = (SERVER, ENGINE, RESTART)  # what a host needs, copied into one directory
+FILES = (SERVER, ENGINE, INSTRUMENTS, RESTART)  # what a host needs, copied into one directory
 
 
 def start_local(port: int, behavior: dict | None = None, workdir: Path | None = None,

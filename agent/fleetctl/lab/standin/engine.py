@@ -19,6 +19,28 @@ absent, or verify_fwd answers False, the stand-in's own attention runs. Engine.g
 SGLang's speculative counts (server.py's out_dict turns them into spec_verify_ct,
 spec_accept_length, ...), and with logprobs asked for its logprob keys (Engine._logprobs).
 
+The MoE model (`--model-path fleetctl-standin/tiny-moe`, MOE_MODEL): the same, with each block's
+MLP a mixture of EXPERTS experts (a router, top-TOPK of a softmax, renormalized; each expert a
+SiLU-gated MLP), whose per-pass expert counts SGLang's expert distribution recorder records
+(instruments.py); the default model stays dense (and its tokens the same).
+
+Each "device kernel" of a forward pass runs inside torch.profiler.record_function(NAME), NAME a
+kernel of SGLang's own source (KERNELS), so that a torch profiler trace of the stand-in
+(instruments.Profiler) names the kernels a GPU trace of SGLang would; the aten ops inside a
+region are its CPU implementation, and the dense GEMMs (q/kv/o projections, the router gate, the
+LM head) are the plain aten::linear ops outside any region, as SGLang's unquantized layers call
+F.linear. Regions never nest one another. Forward passes run on one scheduler thread
+(Engine.on_scheduler: the profiler records the thread that started it only), and count
+Engine.forward_ct as SGLang's scheduler counts its batches.
+
+Faults (the behaviour file's keys, read each pass; server.py's docstring lists them all):
+  {"hot_expert": {"layer": L, "expert": E}}  the MoE router of layer L adds HOT_BIAS to expert
+      E's logit: E is in every token's top-k there (it gets tokens / (tokens * TOPK) = 1/TOPK of
+      that layer's assignments, against 1/EXPERTS when balanced), and so is the rank holding it
+      (E // (EXPERTS / ep_size)); the MoE model only
+  {"slow_attention_ms": M}  every attention kernel region (decode, extend, verify) takes M ms
+      longer (slept inside the region, so a trace shows it in the attention kernels)
+
 Stdlib + torch (imported when a model is built) only; never imports fleetctl (it is copied with
 server.py onto lab hosts).
 """
@@ -32,6 +54,35 @@ VOCAB, DIM, LAYERS, CONTEXT = 512, 256, 2, 8192
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 EOS = 256  # ids 0..255 are bytes; 256.. are special ids (EOS) and never decode to text
 SPECIAL_PENALTY = 6.0  # subtracted from the logits of the reserved ids 257.. (3.0 still left 16% of 160 tokens special)
+MOE_MODEL = "fleetctl-standin/tiny-moe"  # the --model-path that serves the MoE model
+EXPERTS, TOPK, MOE_DIM = 8, 2, 128  # routed experts per MoE layer, experts per token, expert MLP width
+HOT_BIAS = 20.0  # added to the hot expert's router logit (hot_expert)
+DECODE_LOG_INTERVAL = 40  # decode passes between SGLang's decode stats (ServerArgs.decode_log_interval)
+# The device kernels of a forward pass (record_function names), by role. Each is a kernel or op
+# of SGLang's source, the same names in 0.4.6.post5, 0.5.2, 0.5.10 and 0.5.23 (tests/unit/
+# test_standin_instruments.py checks each against every release's wheel); paths 0.4.6.post5 / 0.5.23:
+KERNELS = {
+    # Triton decode attention, the grouped (GQA) stage 1 and the reduce stage 2:
+    # srt/layers/attention/triton_ops/decode_attention.py:246,497 / kernels/ops/attention/decode_attention.py:530,935
+    "attention_decode": ("_fwd_grouped_kernel_stage1", "_fwd_kernel_stage2"),
+    # Triton extend attention, for a prefill and (with the drafts' custom mask) a target verify:
+    # srt/layers/attention/triton_ops/extend_attention.py:42 / kernels/ops/attention/extend_attention.py:375
+    "attention_extend": ("_fwd_kernel",),
+    # the router's top-k (sgl_kernel topk_softmax: srt/layers/moe/topk.py:39 / kernels/ops/moe/__init__.py:171)
+    # and the sort of tokens by expert (srt/layers/moe/fused_moe_triton/fused_moe.py:653 / kernels/ops/moe/moe_align.py:38)
+    "moe_route": ("topk_softmax", "moe_align_block_size"),
+    # the Triton fused MoE GEMM, once up (w13) and once down (w2), and the activation between:
+    # srt/layers/moe/fused_moe_triton/fused_moe.py:307 / kernels/ops/moe/fused_moe_triton_kernels.py:322;
+    # sgl_kernel silu_and_mul (fused_moe.py:39 / kernels/ops/activation/activation.py:228)
+    "moe_experts": ("fused_moe_kernel", "silu_and_mul"),
+    # tensor-parallel all-reduce after the attention output and the MoE, with --tp-size > 1 only
+    # (the custom op registered by srt/distributed/parallel_state.py:126 / :195)
+    "all_reduce": ("sglang::outplace_all_reduce",),
+    # sampling a non-greedy token (srt/layers/sampler.py); a greedy one is torch.argmax, as there
+    "sampling": ("top_k_top_p_sampling_from_probs",),
+    # greedy acceptance of a target verify (sgl_kernel, srt/speculative/eagle_utils.py:35 / kernels/ops/speculative/tree.py:61)
+    "verify_accept": ("verify_tree_greedy",),
+}
 
 
 class BadRequest(ValueError):
@@ -48,12 +99,69 @@ def decode(ids):
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def build_model(seed):
+def build_model(seed, moe=False):
     """The tiny decoder-only transformer (seeded weights): LAYERS blocks of grouped-query attention
     (HEADS query heads, KV_HEADS KV heads of HEAD_DIM) reading and writing a KVPool, for CPU
-    inference. forward(ids, positions, pool, step) -> logits [t, VOCAB]."""
+    inference; with `moe` each block's MLP is a MoE layer (EXPERTS experts, top-TOPK).
+    forward(ids, positions, pool, step) -> logits [t, VOCAB]."""
     import torch
     from torch import nn
+    from torch.profiler import record_function
+
+    def all_reduce(x, step):
+        """The tensor-parallel all-reduce of a row-parallel output (a copy here: one process holds
+        every rank's share), with --tp-size > 1 only, as SGLang skips it on one rank."""
+        if step.ctx is None or step.ctx.tp_size <= 1:
+            return x
+        with record_function(KERNELS["all_reduce"][0]):
+            return x.clone()
+
+    class MoE(nn.Module):
+        """A mixture of EXPERTS SiLU-gated experts, each token routed to its top TOPK (softmax
+        weights renormalized over them), the way SGLang's fused MoE runs: router gate (dense),
+        topk_softmax, moe_align_block_size (tokens sorted by expert), fused_moe_kernel (w13),
+        silu_and_mul, fused_moe_kernel (w2, times the routing weights), then the sum per token."""
+
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(DIM, EXPERTS, bias=False)
+            self.w13 = nn.Parameter(torch.randn(EXPERTS, 2 * MOE_DIM, DIM) * DIM ** -0.5)
+            self.w2 = nn.Parameter(torch.randn(EXPERTS, DIM, MOE_DIM) * MOE_DIM ** -0.5)
+
+        def forward(self, x, layer, step):
+            ctx = step.ctx
+            logits = self.gate(x)
+            with record_function("topk_softmax"):
+                hot = ctx.hot if ctx is not None else None
+                if hot is not None and hot[0] == layer:
+                    logits = logits + HOT_BIAS * (torch.arange(EXPERTS) == hot[1])
+                weights, ids = torch.softmax(logits, -1).topk(TOPK, -1)
+                weights = weights / weights.sum(-1, keepdim=True)
+            with record_function("moe_align_block_size"):
+                flat = ids.flatten()
+                order = flat.argsort(stable=True)
+                per_expert = torch.bincount(flat, minlength=EXPERTS)
+                rows = order // TOPK  # the token of each sorted (token, slot)
+            if ctx is not None and ctx.counts is not None:
+                ctx.counts[layer] += per_expert.to(torch.int32)
+            spans, at = [], 0
+            for e, n in enumerate(per_expert.tolist()):
+                if n:
+                    spans.append((e, at, at + n))
+                    at += n
+            with record_function("fused_moe_kernel"):
+                xs = x[rows]
+                h = torch.empty(at, 2 * MOE_DIM)
+                for e, a, b in spans:
+                    h[a:b] = xs[a:b] @ self.w13[e].T
+            with record_function("silu_and_mul"):
+                act = torch.nn.functional.silu(h[:, :MOE_DIM]) * h[:, MOE_DIM:]
+            with record_function("fused_moe_kernel"):
+                o = torch.empty(at, DIM)
+                for e, a, b in spans:
+                    o[a:b] = act[a:b] @ self.w2[e].T
+                o = o * weights.flatten()[order, None]
+            return torch.zeros_like(x).index_add_(0, rows, o)
 
     class Block(nn.Module):
         def __init__(self):
@@ -62,7 +170,10 @@ def build_model(seed):
             self.q = nn.Linear(DIM, HEADS * HEAD_DIM)
             self.kv = nn.Linear(DIM, 2 * KV_HEADS * HEAD_DIM)
             self.proj = nn.Linear(HEADS * HEAD_DIM, DIM)
-            self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+            if moe:
+                self.moe = MoE()
+            else:
+                self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
 
         def forward(self, x, layer, pool, step):
             t = x.shape[0]
@@ -70,7 +181,9 @@ def build_model(seed):
             q = self.q(h).view(t, HEADS, HEAD_DIM)
             k, v = self.kv(h).view(t, 2, KV_HEADS, HEAD_DIM).unbind(1)
             a = pool.attend(layer, q, k.contiguous(), v.contiguous(), step)
-            x = x + self.proj(a.reshape(t, HEADS * HEAD_DIM))
+            x = x + all_reduce(self.proj(a.reshape(t, HEADS * HEAD_DIM)), step)
+            if moe:
+                return x + all_reduce(self.moe(self.ln2(x), layer, step), step)
             return x + self.mlp(self.ln2(x))
 
     class TinyLM(nn.Module):
@@ -110,10 +223,20 @@ def build_model(seed):
 class Step:
     """One forward step of one request: `prefix` (LongTensor of the KV slots already holding the
     context, req_to_token[req, :P]), `slots` (LongTensor of the slots these t tokens' K/V go to,
-    SGLang's out_cache_loc), `verify` (a target-verify step: its attention goes through the hook)."""
+    SGLang's out_cache_loc), `verify` (a target-verify step: its attention goes through the hook),
+    `ctx` (the forward pass's PassCtx, or None)."""
 
-    def __init__(self, prefix, slots, verify=False):
-        self.prefix, self.slots, self.verify = prefix, slots, verify
+    def __init__(self, prefix, slots, verify=False, ctx=None):
+        self.prefix, self.slots, self.verify, self.ctx = prefix, slots, verify, ctx
+
+
+class PassCtx:
+    """What one forward pass's kernels read and write: `counts` (int32 [LAYERS, EXPERTS], the
+    MoE layers add their routed tokens; None: not counted, a draft pass), `hot` ((layer, expert)
+    or None), `slow_s` (seconds each attention region sleeps), `tp_size`."""
+
+    def __init__(self, counts=None, hot=None, slow_s=0.0, tp_size=1):
+        self.counts, self.hot, self.slow_s, self.tp_size = counts, hot, slow_s, tp_size
 
 
 class KVPool:
@@ -147,9 +270,26 @@ class KVPool:
         self.free_slots.extend(int(s) for s in reversed(list(slots)))
 
     def attend(self, layer, q, k, v, step):
-        torch = self.torch
+        """The attention of `step` in its kernels' regions: decode (one token after a prefix)
+        in KERNELS["attention_decode"]'s two, a prefill or a target verify in the extend
+        kernel's; each sleeps step.ctx.slow_s more inside (slow_attention_ms)."""
+        from torch.profiler import record_function
         kb, vb = self.k[layer], self.v[layer]
         kb[step.slots], vb[step.slots] = k, v  # SGLang writes the new tokens' K/V before attention
+        slow = step.ctx.slow_s if step.ctx is not None else 0.0
+        decode = q.shape[0] == 1 and step.prefix.numel() > 0 and not step.verify
+        names = KERNELS["attention_decode"] if decode else KERNELS["attention_extend"]
+        with record_function(names[0]):
+            o = self._attend(layer, q, k, v, step, kb, vb)
+            if slow > 0:
+                time.sleep(slow)
+        if decode:
+            with record_function(names[1]):
+                o = o.contiguous()
+        return o
+
+    def _attend(self, layer, q, k, v, step, kb, vb):
+        torch = self.torch
         t, P = q.shape[0], step.prefix.numel()
         if step.verify and self.verify is not None:
             o = torch.empty_like(q)
@@ -228,18 +368,86 @@ def lookup_draft(context, width, max_ngram=3):
 class Engine:
     """One model, one request at a time (a lock plays the scheduler); `inflight` counts the
     requests that have arrived and not finished, the one decoding and those waiting. `draft_tokens`:
-    speculative decoding's T (None: plain decoding), `verify`: the hook (load_verify_hook)."""
+    speculative decoding's T (None: plain decoding), `verify`: the hook (load_verify_hook); `moe`:
+    the MoE model; `tp_size`: the ranks whose all-reduce the passes run.
 
-    def __init__(self, seed, behavior, pool_size=CONTEXT, draft_tokens=None, verify=None, algorithm="NGRAM"):
+    Forward passes run on one scheduler thread (on_scheduler), numbered by forward_ct as SGLang's
+    scheduler numbers its batches (one pass: a prefill, a decode step, or a verify with its
+    drafts); before each, `profiler.on_pass(stage, forward_ct)`, after each of the MoE model's,
+    `recorder.on_pass(forward_ct, counts)` when set (instruments.py). An exception of
+    `crash_types` on that thread goes to `on_crash` (the server's: it dies) before it is raised."""
+
+    def __init__(self, seed, behavior, pool_size=CONTEXT, draft_tokens=None, verify=None, algorithm="NGRAM",
+                 moe=False, tp_size=1):
         import torch
+        from concurrent.futures import ThreadPoolExecutor
         self.torch = torch
-        self.model = build_model(seed)
+        self.model = build_model(seed, moe)
+        self.moe, self.tp_size = moe, tp_size
         self.pool = KVPool(torch, max(pool_size, CONTEXT + 16), verify)
         self.draft_tokens, self.algorithm = draft_tokens, algorithm
         self.behavior = behavior
         self.lock = threading.Lock()
         self.inflight = 0
+        self.waiting_tokens = 0  # prompt tokens of the requests waiting for the lock
         self.count_lock = threading.Lock()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="fleetctl-standin-scheduler")
+        self.forward_ct = self.decode_ct = 0
+        self.profiler = self.recorder = None
+        self.crash_types, self.on_crash = (), None
+        # speculative totals as SGLang's scheduler keeps them: accepted tokens (the drafts taken
+        # plus the target's own) and verify passes, folded into the totals every
+        # DECODE_LOG_INTERVAL decode passes (0.5.10 observability/scheduler_metrics_mixin.py:180-182,
+        # 629-630; 0.5.23 managers/scheduler_components/metrics_reporter.py:551-553, 999-1000)
+        self.spec_accept = self.spec_fwd = self.spec_total_accept = self.spec_total_fwd = 0
+
+    def on_scheduler(self, fn):
+        """fn() run on the scheduler thread (in inference mode); its result, or what it raised
+        (one of crash_types after on_crash had it)."""
+        def run():
+            try:
+                with self.torch.inference_mode():
+                    return fn()
+            except self.crash_types as e:
+                self.on_crash(e)
+                raise
+        return self.worker.submit(run).result()
+
+    def avg_spec_accept_length(self):
+        """/server_info's avg_spec_accept_length (0.5.10 managers/scheduler.py:3081-3084): accepted
+        tokens per verify pass over the folded totals; None before the first fold."""
+        return self.spec_total_accept / self.spec_total_fwd if self.spec_total_fwd else None
+
+    def load(self):
+        """0.5.2's internal_states "load" (managers/scheduler.py:2209-2229): KV slots held plus the
+        waiting requests' prompt tokens."""
+        return self.pool.size - len(self.pool.free_slots) + self.waiting_tokens
+
+    def _pass(self, stage, fn):
+        """One forward pass of `stage` ("EXTEND" or "DECODE"): fn(PassCtx) on the scheduler thread,
+        with the profiler before it and the recorder after it; fn's result."""
+        torch = self.torch
+
+        def run():
+            self.forward_ct += 1
+            if self.profiler is not None:
+                self.profiler.on_pass(stage, self.forward_ct)
+            b = self.behavior
+            hot = b.get("hot_expert")
+            ctx = PassCtx(torch.zeros((LAYERS, EXPERTS), dtype=torch.int32) if self.moe else None,
+                          (int(hot["layer"]), int(hot["expert"])) if hot else None,
+                          float(b.get("slow_attention_ms", 0)) / 1000.0, self.tp_size)
+            out = fn(ctx)
+            if self.recorder is not None and ctx.counts is not None:
+                self.recorder.on_pass(self.forward_ct, ctx.counts)
+            if stage == "DECODE":
+                self.decode_ct += 1
+                if self.decode_ct % DECODE_LOG_INTERVAL == 0:
+                    self.spec_total_accept += self.spec_accept
+                    self.spec_total_fwd += self.spec_fwd
+                    self.spec_accept = self.spec_fwd = 0
+            return out
+        return self.on_scheduler(run)
 
     def generate(self, prompt, sp, on_token=None, logprobs=None):
         """Decode for one prompt. prompt: token ids; sp: sampling params dict (SamplingParams names);
@@ -263,7 +471,8 @@ class Engine:
         if temperature < 1e-5:
             nxt = int(row.argmax())
         else:
-            nxt = int(torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=gen))
+            with torch.profiler.record_function(KERNELS["sampling"][0]):
+                nxt = int(torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=gen))
         return (nxt + shift) % VOCAB
 
     def _generate(self, prompt, sp, on_token, logprobs):
@@ -291,13 +500,18 @@ class Engine:
         out, rows, info = [], [], {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "draft_tokens": T}
         finish = {"type": "length", "length": max_new}
         held = []  # slots of the context (req_to_token's row)
+        with self.count_lock:
+            self.waiting_tokens += len(prompt)
         with self.lock, torch.inference_mode():
+            with self.count_lock:
+                self.waiting_tokens -= len(prompt)
             try:
                 pending = []  # tokens decided and not yet emitted (a verify step decides several)
                 while len(out) < max_new:
                     t0 = time.perf_counter()
                     if not pending:
-                        pending, lp_rows = self._advance(prompt, out, held, T, temperature, gen, shift, info)
+                        pending, lp_rows = self._pass("DECODE" if out else "EXTEND", lambda ctx: self._advance(
+                            prompt, out, held, T, temperature, gen, shift, info, ctx))
                         rows_pending = list(lp_rows)
                     nxt = pending.pop(0)
                     rows.append(rows_pending.pop(0))
@@ -324,18 +538,19 @@ class Engine:
                 held.clear()
         return out, finish, info
 
-    def _advance(self, prompt, out, held, T, temperature, gen, shift, info):
+    def _advance(self, prompt, out, held, T, temperature, gen, shift, info, ctx=None):
         """One forward step for the request: the prefill (nothing decoded yet), a plain decode
         step, or with T a target-verify step over [last token, T-1 prompt-lookup drafts] with greedy
-        acceptance. `held` (the context's slots) grows by the tokens whose K/V are now cached.
-        Returns (the tokens it decided, in order; their logit rows, for logprobs)."""
+        acceptance. `held` (the context's slots) grows by the tokens whose K/V are now cached;
+        `ctx`: the pass's PassCtx. Returns (the tokens it decided, in order; their logit rows, for
+        logprobs)."""
         torch = self.torch
         pool = self.pool
         if not out:  # prefill: the prompt's K/V, the first token from its last row
             slots = pool.alloc(len(prompt))
             held.extend(slots.tolist())
             logits = self.model(torch.tensor(prompt), torch.arange(len(prompt)), pool,
-                                Step(torch.empty(0, dtype=torch.int64), slots))
+                                Step(torch.empty(0, dtype=torch.int64), slots, ctx=ctx))
             self.prefill_logits = logits
             return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
         context = prompt + out
@@ -344,23 +559,27 @@ class Engine:
         if T is None or n + T > CONTEXT:
             slots = pool.alloc(1)
             held.extend(slots.tolist())
-            logits = self.model(torch.tensor(out[-1:]), torch.tensor([n]), pool, Step(prefix, slots))
+            logits = self.model(torch.tensor(out[-1:]), torch.tensor([n]), pool, Step(prefix, slots, ctx=ctx))
             return [self._pick(logits[-1], temperature, gen, shift)], [logits[-1]]
         slots = pool.alloc(T)
         if self.algorithm == "NGRAM":
             drafts = lookup_draft(context, T - 1)
         else:  # STANDALONE: T-1 greedy steps of the early-exit draft, its layer-0 K/V in the verify's slots
             drafts = []
+            draft_ctx = None if ctx is None else PassCtx(None, ctx.hot, ctx.slow_s, ctx.tp_size)  # not recorded
             for j in range(T - 1):
                 row = self.model.early_exit(torch.tensor((out[-1:] + drafts)[-1:]), torch.tensor([n + j]), pool,
-                                            Step(torch.cat([prefix, slots[:j]]), slots[j:j + 1]))
+                                            Step(torch.cat([prefix, slots[:j]]), slots[j:j + 1], ctx=draft_ctx))
                 drafts.append((int(row[-1].argmax()) + shift) % VOCAB)
         logits = self.model(torch.tensor(out[-1:] + drafts), torch.arange(n, n + T), pool,
-                            Step(prefix, slots, verify=True))
-        targets = [(int(i) + shift) % VOCAB for i in logits.argmax(-1)]
-        accepted = 0
-        while accepted < T - 1 and drafts[accepted] == targets[accepted]:
-            accepted += 1
+                            Step(prefix, slots, verify=True, ctx=ctx))
+        with torch.profiler.record_function(KERNELS["verify_accept"][0]):
+            targets = [(int(i) + shift) % VOCAB for i in logits.argmax(-1)]
+            accepted = 0
+            while accepted < T - 1 and drafts[accepted] == targets[accepted]:
+                accepted += 1
+        self.spec_accept += accepted + 1
+        self.spec_fwd += 1
         held.extend(slots[:accepted + 1].tolist())  # the last token and the accepted drafts
         pool.release(slots[accepted + 1:])
         info["spec_verify_ct"] += 1

@@ -48,8 +48,71 @@ default `behavior.json` next to this script; a missing file means behave):
   {"fail_every": N}        every Nth streamed /generate request since the behaviour took effect
                            answers HTTP 500 before any token (non-streamed ones, the smoke's, are
                            not counted), which SGLang's benchmark clients count as failed
+  {"hot_expert": {"layer": L, "expert": E}}  (the MoE model) layer L's router puts expert E in
+                           every token's top-2: E gets half of layer L's expert assignments
+                           (balanced: 1/8), and its rank (E // (8 / ep_size)) the most tokens
+  {"slow_attention_ms": M} every attention kernel region (decode, extend, verify) sleeps M ms more
+                           inside, so a profile shows the attention kernels' share grow
 SIGHUP rereads the behaviour file (the counters of fail_every start again); a file that does not
 parse keeps the behaviour there was, and the log says why.
+
+SGLang's diagnostic instruments (instruments.py; engine.py KERNELS), for `fleetctl diagnose`. The
+release spoken is $FLEETCTL_STANDIN_SGLANG, else the sglang installed beside the interpreter, else
+0.5.23 (releases modelled: 0.4.6.post5, 0.5.2, 0.5.10, 0.5.23; all four have all five routes).
+Every route below takes GET or POST (0.5.23 http_server.py:1221-1297), and answers 200 text/plain:
+- `/start_profile` [JSON body: ProfileReqInput; fields a release lacks are ignored: 0.4.6.post5
+  output_dir, num_steps, activities, with_stack, record_shapes; 0.5.2 + start_step,
+  profile_by_stage; 0.5.10 + profile_prefix (merge_profiles, profile_stages refused); 0.5.23 +
+  profile_id] -> "Start profiling.\n". Runs the real torch.profiler (CPU activity: activities
+  CPU and/or GPU, default both; MEM, CUDA_PROFILER, RPD refused 400) over the next forward passes
+  (one pass: a prefill, a decode step, or a speculative verify with its drafts). With num_steps it
+  stops itself at the start of the pass after num_steps passes (num_steps - 1 passes profiled
+  before 0.5.23), so an idle server writes nothing until traffic comes; 0.4.6.post5 answers the
+  start only then. Without num_steps it runs until /stop_profile.
+  The trace: `{output_dir}/{profile_id}-TP-{r}.trace.json.gz`, one per TP rank r (the same trace),
+  profile_id str(time.time()) (0.5.23: the request's if given), output_dir the request's, else
+  $SGLANG_TORCH_PROFILER_DIR, else /tmp, made if missing (0.5.2+; 0.5.10+ expands ~); 0.5.10+:
+  `{profile_prefix}-` first and `-EP-{r // (tp/ep)}` after TP with --ep-size > 1; profile_by_stage
+  (with num_steps) writes one trace per stage, suffix `-EXTEND`/`-DECODE` (0.5.10+) or `-1`/`-2`
+  (0.5.2 on Python 3.11+: str() of an IntEnum). with_stack defaults true, record_shapes false
+  (0.5.23: true). A second start while one runs, or a stop with none running: HTTP 500 "Internal
+  Server Error" (SGLang's tokenizer raises RuntimeError), the reason in the log.
+  The trace's kernel regions are record_function names from SGLang's source (engine.py KERNELS):
+  decode attention `_fwd_grouped_kernel_stage1` + `_fwd_kernel_stage2`; prefill and verify
+  attention `_fwd_kernel`; MoE routing `topk_softmax`, `moe_align_block_size`; MoE experts
+  `fused_moe_kernel` (twice a layer), `silu_and_mul`; all-reduce `sglang::outplace_all_reduce`
+  (--tp-size > 1 only); sampling `top_k_top_p_sampling_from_probs` (temperature > 0; greedy is
+  aten::argmax); verify acceptance `verify_tree_greedy`. Regions never nest; the aten ops inside one
+  are its CPU work; dense GEMMs are the aten::linear ops outside every region. The first start in a
+  process takes seconds (torch imports its compiler stack then).
+- `/stop_profile` -> "Stop profiling. This will take some time.\n" once the trace is written.
+- `/start_expert_distribution_record` -> "Start recording the expert distribution.\n" (clears
+  the record), `/stop_expert_distribution_record` -> "Stop recording the expert distribution.\n",
+  `/dump_expert_distribution_record` -> "Dump expert distribution record.\n" (writes, then clears;
+  recording goes on if on). Needs `--expert-distribution-recorder-mode` (stat; per_pass from
+  0.5.2), which needs the MoE model (`--model-path fleetctl-standin/tiny-moe`: 2 layers of 8
+  experts, top-2; else the server refuses to start, as SGLang asserts). Counts: per forward pass,
+  per layer, per expert, the tokens routed there (each token counts TOPK times). The dump goes to
+  $SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, else /tmp (made if missing), with torch.save (loads
+  with torch.load(weights_only=True)):
+  stat: rank 0 writes `expert_distribution_recorder_{time.time()}.pt` = {"rank": 0,
+  "logical_count": int32 [buffer passes (--expert-distribution-recorder-buffer-size, default 1000,
+  a ring; -1: every pass), 2, 8], summed over the TP ranks (each sees every token: x tp_size),
+  "average_utilization_rate_over_window": None (absent in 0.4.6.post5)};
+  per_pass: each TP rank r writes `expert_distribution_recorder_{time.time()}_{r}.pt` =
+  {"records": [{"forward_pass_id", "rank", "gatherer_key": "primary", "global_physical_count":
+  int32 [2, 8]}], "last_physical_to_logical_map": int64 [2, 8] (identity rows)}.
+  Expert e lives on EP rank e // (8 / ep_size) (SGLang's balancedness: mean over max of the
+  per-rank sums, eplb/expert_distribution.py compute_utilization_rate).
+- Faithful dangers: the recorder routes without a recorder mode, or a trace/dump directory the
+  server cannot write (or, before 0.5.2, a missing trace directory), raise in SGLang's scheduler,
+  and the whole server exits (scheduler_died: the request gets no answer, the process exits 1).
+`/server_info` also says ep_size, expert_distribution_recorder_mode,
+expert_distribution_recorder_buffer_size, decode_log_interval (40), and internal_states[0]
+carries memory_usage (0.5.2+: weight, kvcache in GB, token_capacity, graph), load (0.5.2 only:
+KV slots held plus waiting prompt tokens) and, with speculative decoding, avg_spec_accept_length:
+accepted tokens (drafts taken + 1) per verify pass, folded in every 40 decode passes as SGLang's
+decode log does (absent before the first fold).
 A PD worker (`--disaggregation-mode prefill|decode`, `--disaggregation-bootstrap-port N`, default
 8998: 0.5.10 server_args.py:695-697,5743-5760; 0.5.23 arg_groups/fields/disagg.py:55-58,81-83)
 refuses a /generate without `bootstrap_room` as SGLang's scheduler does (0.5.10
@@ -96,16 +159,30 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if __package__:  # imported as fleetctl.lab.standin.server
-    from .engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+                         encode, load_verify_hook)
+    from .instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 else:  # the script (python server.py, the sglang_router launcher's workers): engine.py is beside it, on sys.path
-    from engine import CONTEXT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, BadRequest, Engine, decode, encode, load_verify_hook
+    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+                        encode, load_verify_hook)
+    from instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKENIZER_DIR = os.path.join(HERE, "tokenizer")
 log = logging.getLogger("fleetctl-standin")
 
 BEHAVIOR_KEYS = {"unhealthy_for_s", "never_healthy", "token_shift", "slowdown", "delay_ms", "truncate_tokens",
-                 "contention_ms", "fail_every"}
+                 "contention_ms", "fail_every", "hot_expert", "slow_attention_ms"}
+# the instruments' routes (GET or POST) and their 200 answers (0.5.23 http_server.py:1221-1297)
+INSTRUMENT_ROUTES = {
+    "/start_profile": "Start profiling.\n",
+    "/stop_profile": "Stop profiling. This will take some time.\n",
+    "/start_expert_distribution_record": "Start recording the expert distribution.\n",
+    "/stop_expert_distribution_record": "Stop recording the expert distribution.\n",
+    "/dump_expert_distribution_record": "Dump expert distribution record.\n",
+}
+NO_EXPERT_METADATA = ("ExpertLocationMetadata is required for expert distribution recording. One possible reason "
+                      "is that you are using a model that does not support expert distribution recording.")
 MAX_TOTAL_TOKENS = 16384  # the KV pool size (slots) unless --max-total-tokens; at least CONTEXT + 16
 # The subsets of GenerateReqInput / SamplingParams / CompletionRequest fields implemented here;
 # any other field is refused with 400 instead of being silently ignored.
@@ -143,6 +220,12 @@ def load_behavior(path):
     if not isinstance(b, dict) or set(b) - BEHAVIOR_KEYS:
         raise ValueError("behaviour file %s: expected an object with keys from %s, got %r"
                          % (path, sorted(BEHAVIOR_KEYS), b))
+    hot = b.get("hot_expert")
+    if hot is not None and not (isinstance(hot, dict) and set(hot) == {"layer", "expert"}
+                                and all(type(v) is int for v in hot.values())
+                                and 0 <= hot["layer"] < LAYERS and 0 <= hot["expert"] < EXPERTS):
+        raise ValueError("behaviour file %s: hot_expert must be {\"layer\": 0..%d, \"expert\": 0..%d}, got %r"
+                         % (path, LAYERS - 1, EXPERTS - 1, hot))
     return b
 
 
@@ -190,7 +273,13 @@ class StandIn:
             a = self.args
             verify, said = load_verify_hook(a.attention_backend)
             draft = (a.speculative_num_draft_tokens or 4) if a.speculative_algorithm else None
-            engine = Engine(a.random_seed, self.behavior, a.max_total_tokens, draft, verify, a.speculative_algorithm)
+            engine = Engine(a.random_seed, self.behavior, a.max_total_tokens, draft, verify, a.speculative_algorithm,
+                            moe=a.model_path == MOE_MODEL, tp_size=a.tp_size)
+            engine.profiler = Profiler(a.release, a.tp_size, a.ep_size)
+            engine.recorder = ExpertRecorder(a.release, a.expert_distribution_recorder_mode,
+                                             a.expert_distribution_recorder_buffer_size, LAYERS, EXPERTS,
+                                             a.tp_size, a.ep_size)
+            engine.crash_types, engine.on_crash = (SchedulerCrash,), scheduler_died
             engine.generate([0], {"max_new_tokens": 2, "temperature": 0})
             self.engine = engine
             log.info("fleetctl stand-in: model ready (tiny %d-layer transformer, %d query heads, %d KV heads "
@@ -316,8 +405,53 @@ class StandIn:
         return {"model_path": a.model_path, "tokenizer_path": TOKENIZER_DIR, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": "default",
                 "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": "fleetctl_standin", "architectures": ["FleetctlStandInForCausalLM"],
+                "model_type": "fleetctl_standin", "architectures": [
+                    "FleetctlStandInMoeForCausalLM" if a.model_path == MOE_MODEL else "FleetctlStandInForCausalLM"],
                 "stand_in": True}
+
+    def internal_state(self):
+        """/server_info's internal_states[0], the scheduler's get_internal_state by release:
+        last_gen_throughput; memory_usage from 0.5.2 (memory_usage()); load in 0.5.2 only
+        (Engine.load); avg_spec_accept_length with speculative decoding once a decode-log interval
+        has folded verify passes in (Engine.avg_spec_accept_length; 0.4.6.post5
+        managers/scheduler.py:1893-1896, 0.5.23 scheduler_components/internal_state.py:117-125)."""
+        a, engine = self.args, self.engine
+        st = {"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 1,
+              "num_running_reqs": engine.inflight if engine else 0}
+        if a.release >= (0, 5, 2):
+            st["memory_usage"] = memory_usage(a, engine)
+        if (0, 5, 2) <= a.release < (0, 5, 10):
+            st["load"] = engine.load() if engine else 0
+        accept = engine.avg_spec_accept_length() if engine and a.speculative_algorithm else None
+        if accept is not None:
+            st["avg_spec_accept_length"] = accept
+        return st
+
+    def instrument(self, path, body):
+        """One of INSTRUMENT_ROUTES with its JSON body (None: none) -> (status, text). The work runs
+        on the scheduler thread (Engine.on_scheduler); a SchedulerCrash there ends the server
+        (scheduler_died). An instrument that answers failure (SGLang's tokenizer raises
+        RuntimeError on it) -> 500 "Internal Server Error", the message in the log. Raises
+        Refused for a body it does not take."""
+        engine = self.engine
+        prof, rec = engine.profiler, engine.recorder
+        if path == "/start_profile":
+            req = prof.parse(body)
+            result, waiter = engine.on_scheduler(lambda: (prof.start(req, engine.forward_ct), prof.waiter))
+            if result is None:  # 0.4.6.post5 with num_steps: the answer is the stop's
+                waiter.wait()
+                result = (True, "Succeeded.")
+        elif path == "/stop_profile":
+            result = engine.on_scheduler(prof.stop)
+        else:
+            engine.on_scheduler({"/start_expert_distribution_record": rec.start,
+                                 "/stop_expert_distribution_record": rec.stop,
+                                 "/dump_expert_distribution_record": rec.dump}[path])
+            result = (True, "")
+        if not result[0]:
+            log.error("fleetctl stand-in: %s: RuntimeError: %s", path, result[1])
+            return 500, "Internal Server Error"
+        return 200, INSTRUMENT_ROUTES[path]
 
     def server_info(self):
         """GET /server_info (and the deprecated /get_server_info): ServerArgs-named fields."""
@@ -335,11 +469,46 @@ class StandIn:
                 "max_running_requests": None, "max_total_tokens": pool,
                 "max_total_num_tokens": pool, "max_req_input_len": min(CONTEXT, pool) - 1,
                 "weight_version": "default", "version": sglang_version(),
-                "internal_states": [{"last_gen_throughput": 0.0, "effective_max_running_requests_per_dp": 1,
-                                     "num_running_reqs": engine.inflight if engine else 0}],
+                "ep_size": a.ep_size, "expert_distribution_recorder_mode": a.expert_distribution_recorder_mode,
+                "expert_distribution_recorder_buffer_size": recorder_buffer_size(a),
+                "decode_log_interval": DECODE_LOG_INTERVAL,
+                "internal_states": [self.internal_state()],
                 "disaggregation_mode": a.disaggregation_mode,
                 "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port,
                 "stand_in": True, "stand_in_behavior": self.behavior, "stand_in_counters": dict(self.counters)}
+
+
+def memory_usage(a, engine):
+    """internal_states' memory_usage (GB, the stand-in's CPU tensors): 0.5.2 managers/scheduler.py:
+    2246-2258 and 0.5.10 scheduler.py:3071-3078 {weight, kvcache, token_capacity, graph}; 0.5.23
+    scheduler_components/memory_usage.py:29-41 adds startup_available and token_capacity_swa and
+    makes graph a dict per phase."""
+    gb = 2.0 ** 30
+    weight = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / gb if engine else 0.0
+    kv = 2 * LAYERS * (a.max_total_tokens + 1) * KV_HEADS * HEAD_DIM * 4 / gb
+    if a.release >= (0, 5, 23):
+        return {"weight": round(weight, 3), "kvcache": round(kv, 3), "startup_available": 0.0,
+                "token_capacity": int(a.max_total_tokens), "token_capacity_swa": None, "graph": {}}
+    return {"weight": round(weight, 2), "kvcache": round(kv, 2), "token_capacity": int(a.max_total_tokens),
+            "graph": 0.0}
+
+
+def recorder_buffer_size(a):
+    """ServerArgs.expert_distribution_recorder_buffer_size as resolved: eplb_rebalance_num_iterations
+    (1000) when unset, from 0.5.2 (0.5.2 server_args.py:699-703); 0.4.6.post5 sets 1000 only with a
+    recorder mode (server_args.py:368-375)."""
+    if a.expert_distribution_recorder_buffer_size is not None:
+        return a.expert_distribution_recorder_buffer_size
+    return 1000 if a.release >= (0, 5, 2) or a.expert_distribution_recorder_mode else None
+
+
+def scheduler_died(e):
+    """What SGLang does when its scheduler raises: log the exception, and the whole server exits
+    (run_scheduler_process's handler SIGQUITs the launcher, which kills the process tree: 0.5.23
+    managers/scheduler.py, entrypoints/engine.py). The client's request gets no answer."""
+    log.error("fleetctl stand-in: Scheduler hit an exception: %s: %s", type(e).__name__, e)
+    logging.shutdown()
+    os._exit(1)
 
 
 def layout(a):
@@ -485,6 +654,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.reply(200, s.models())
         if path == "/flush_cache":
             return self.flush()
+        if path in INSTRUMENT_ROUTES:
+            return self.instrument(path)
         self.reply(404, {"detail": "Not Found"})
 
     def flush(self):
@@ -500,6 +671,27 @@ class Handler(BaseHTTPRequestHandler):
         status, text = s.flush_cache(max(0.0, timeout))
         self.reply(status, text=text)
 
+    def instrument(self, path):
+        """GET/POST an instrument route (StandIn.instrument); a body that is not JSON or not one the
+        release takes: 400 (422 before 0.5.2: FastAPI's own, which 0.5.2's http_server.py:302-320
+        turns into a 400 ErrorResponse)."""
+        s = self.state
+        if s.engine is None or not s.healthy():
+            return self.reply(503, {"error": {"message": "fleetctl stand-in is not ready"}})
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else None
+            status, text = s.instrument(path, body)
+        except (Refused, ValueError) as e:
+            status = getattr(e, "status", 400)
+            if status == 422 and s.args.release < (0, 5, 2):
+                return self.reply(422, {"detail": [{"msg": str(e)}]})
+            if status == 422:
+                status = 400
+            return self.reply(status, {"object": "error", "message": str(e), "type": "Bad Request",
+                                       "param": None, "code": status})
+        self.reply(status, text=text)
+
     def do_POST(self):
         if self.state.args.node_rank >= 1:
             return self.dummy("POST")
@@ -508,6 +700,8 @@ class Handler(BaseHTTPRequestHandler):
         s, path = self.state, self.path.split("?")[0]
         if path == "/flush_cache":
             return self.flush()
+        if path in INSTRUMENT_ROUTES:
+            return self.instrument(path)
         routes = {"/generate": s.generate, "/v1/completions": s.completions}
         if path not in routes:
             return self.reply(404, {"detail": "Not Found"})
@@ -573,7 +767,23 @@ def main(argv=None):
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--max-total-tokens", type=int, default=MAX_TOTAL_TOKENS,
                    help="the KV pool size /server_info reports as max_total_num_tokens")
+    p.add_argument("--ep-size", "--expert-parallel-size", "--ep", dest="ep_size", type=int, default=1,
+                   help="ranks the MoE model's experts are split over (ServerArgs.ep_size)")
+    p.add_argument("--expert-distribution-recorder-mode", default=None,
+                   choices=["stat", "stat_approx", "per_pass", "per_token"])
+    p.add_argument("--expert-distribution-recorder-buffer-size", type=int, default=None)
     args = p.parse_args(argv)
+    # the SGLang release whose instruments this stand-in speaks: $FLEETCTL_STANDIN_SGLANG (tests),
+    # else the one installed beside this interpreter, else the newest modelled (instruments.py)
+    args.release = release_key(os.environ.get("FLEETCTL_STANDIN_SGLANG") or sglang_version())
+    mode = args.expert_distribution_recorder_mode
+    if mode is not None and mode not in recorder_modes(args.release):
+        p.error("fleetctl stand-in implements --expert-distribution-recorder-mode %s for SGLang %s"
+                % ("/".join(recorder_modes(args.release)), ".".join(map(str, args.release))))
+    if mode is not None and args.model_path != MOE_MODEL:  # SGLang asserts so at startup
+        p.error(NO_EXPERT_METADATA + " (the MoE model is --model-path %s)" % MOE_MODEL)
+    if args.ep_size < 1 or EXPERTS % args.ep_size or args.tp_size % args.ep_size:
+        p.error("--ep-size must divide --tp-size and the %d experts" % EXPERTS)
     if args.speculative_num_draft_tokens is not None and args.speculative_num_draft_tokens < 2:
         p.error("--speculative-num-draft-tokens must be at least 2 (the last token and one draft)")
     if args.speculative_eagle_topk not in (None, 1):
