@@ -117,14 +117,16 @@ def guard(base, path, watched):
         os._exit(0)
 
 
-def _wait_trace(path, seconds):
-    """Wait until a *.trace.json[.gz] file in `path` exists and its size is unchanged for
-    STABLE_S, at most `seconds`. Returns True when one was written."""
+def _wait_trace(path, seconds, decode_only=False):
+    """Wait until a *.trace.json[.gz] file in `path` (with `decode_only`, the DECODE stage's:
+    child.DECODE_NAME) exists and its size is unchanged for STABLE_S, at most `seconds`. Returns
+    True when one was written."""
     end = time.monotonic() + seconds
     last = None
     while time.monotonic() < end:
         try:
-            names = [n for n in os.listdir(path) if child.TRACE_NAME.match(n)]
+            names = [n for n in os.listdir(path) if child.TRACE_NAME.match(n)
+                     and (not decode_only or child.DECODE_NAME.search(n))]
             size = tuple(sorted((n, os.lstat(os.path.join(path, n)).st_size) for n in names))
         except OSError:
             names, size = [], None
@@ -228,10 +230,11 @@ def diagnose_server(t, sel, params):
             lthread.start()
         status, text = _post(base, "/start_expert_distribution_record")
         recording = status == 200
-        status, text = _post(base, "/start_profile", _profile_body(version, path, steps, os.path.basename(path)))
+        body = _profile_body(version, path, steps, os.path.basename(path))
+        status, text = _post(base, "/start_profile", body)
         if status != 200:
             out["error"] = "/start_profile answered %s: %s" % (status, text)
-        elif not _wait_trace(path, seconds):
+        elif not _wait_trace(path, seconds, bool(body.get("profile_by_stage"))):
             _post(base, "/stop_profile")  # the server writes what it profiled
             _wait_trace(path, 10.0)
         _post(base, "/stop_expert_distribution_record")
