@@ -154,7 +154,7 @@ def validate(opts: FleetOptions, pattern: Pattern,
 @app.command()
 @fleet_command(timeout=None)
 def diagnose(opts: FleetOptions, pattern: Pattern, port: Port = config.DEFAULT_SGLANG_PORT,
-             seconds: Annotated[float, typer.Option("--seconds", help=(
+             health_timeout: HealthTimeout = config.HEALTH_TIMEOUT_S, seconds: Annotated[float, typer.Option("--seconds", help=(
                  "Profile each server for at most this many seconds (then /stop_profile)."))] = 20.0,
              steps: Annotated[int, typer.Option("--steps", help=(
                  "Profile each server for at most this many scheduler steps (ProfileReq num_steps)."))] = 20,
@@ -173,14 +173,14 @@ def diagnose(opts: FleetOptions, pattern: Pattern, port: Port = config.DEFAULT_S
     from ..engine.load import load_options
     from ..probes.traffic.allocreplay import DEADLINE_S
 
-    _positive(timeout=opts.timeout, seconds=seconds, steps=steps)
+    _positive(timeout=opts.timeout, seconds=seconds, steps=steps, health_timeout=health_timeout)
     trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
     settings = load_settings(load=load, concurrency=load_concurrency, num_prompts=load_prompts,
                              input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
                              client=load_client)
     if load is None and settings:
         raise UsageError("the --load-* options go with --load PROFILE")
-    dopts = DiagnoseOptions(port=port, seconds=seconds, num_steps=steps,
+    dopts = DiagnoseOptions(port=port, seconds=seconds, num_steps=steps, health_timeout=health_timeout,
                             load=load_options(settings) if load is not None else None, replay=trace)
     hosts = opts.select(pattern)
     budget = opts.timeout or config.INSPECT_TIMEOUT_S + dopts.budget_s(1) + (DEADLINE_S if trace is not None else 0)

@@ -32,17 +32,18 @@ class DiagnoseOptions:
     bound per server; num_steps: its decode-step bound (the profiler stops after them: ProfileReq
     num_steps); load: run the load gate's client during the profile (engine/load.LoadOptions) or
     None (the traffic the server has); replay: the allocator replay's trace parameters
-    (cli/options.replay_trace) or None."""
+    (cli/options.replay_trace) or None; health_timeout: seconds a server gets to answer /health."""
 
     port: int = DEFAULT_SGLANG_PORT
     seconds: float = 20.0
     num_steps: int = 20
     load: LoadOptions | None = None
     replay: dict | None = None
+    health_timeout: float = 60.0
 
     def budget_s(self, servers: int = 1) -> float:
         """Seconds one host needs for `servers` servers: profile, load, read and slack each."""
-        per = self.seconds + READ_S + SLACK_S + (self.load.timeout_s if self.load else 0)
+        per = self.health_timeout + self.seconds + READ_S + SLACK_S + (self.load.timeout_s if self.load else 0)
         return per * max(1, servers)
 
 
@@ -78,7 +79,7 @@ def diagnose_job(opts: DiagnoseOptions):
         params = {"servers": selectors, "port": port, "host": ctx.host.sglang_host if port is not None else None,
                   "server_user": ctx.host.server_user, "api_key": ctx.host.sglang_api_key,
                   "unprivileged_user": ctx.host.unprivileged_user, "seconds": opts.seconds,
-                  "num_steps": opts.num_steps, "read_timeout": READ_S,
+                  "num_steps": opts.num_steps, "read_timeout": READ_S, "health_timeout": opts.health_timeout,
                   "load": {"profile": lo.profile, "given": lo.given, "client": lo.client, "timeout": lo.timeout_s}
                   if lo else None}
         res = ctx.probe("diagnose.run", params, timeout=budget)

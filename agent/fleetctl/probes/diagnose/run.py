@@ -212,6 +212,10 @@ def diagnose_server(t, sel, params):
         return out
     out["ran_as"] = {"uid": acct.uid, "why": acct.why}
     out["leftovers"] = stop_leftovers(t, acct.uid)
+    healthy, _, last = smoke.wait_healthy(base, float(params.get("health_timeout", 60)))
+    if not healthy:
+        out["error"] = "health deadline exceeded: last answer %s (nothing started)" % last
+        return out
     out["server_info"] = _info(base)
     version = sel.get("version") or out["server_info"].get("version")
     seconds, steps = float(params.get("seconds", 20)), int(params.get("num_steps", 20))
@@ -231,7 +235,9 @@ def diagnose_server(t, sel, params):
         status, text = _post(base, "/start_expert_distribution_record")
         recording = status == 200
         body = _profile_body(version, path, steps, os.path.basename(path))
-        status, text = _post(base, "/start_profile", body)
+        # 0.4.6.post5 answers a start with num_steps only once the profile has stopped
+        # (managers/scheduler.py:2140-2145): the answer may take the whole window
+        status, text = _post(base, "/start_profile", body, timeout=seconds + REQUEST_TIMEOUT_S)
         if status != 200:
             out["error"] = "/start_profile answered %s: %s" % (status, text)
         elif not _wait_trace(path, seconds, bool(body.get("profile_by_stage"))):
@@ -278,6 +284,7 @@ def main(params):
     """params: {"action": "read" (the child: child.read) or absent, "servers": selectors ([{pid,
     python, port, host, package_dir, version}]: engine/load.load_targets), "port", "host",
     "server_user", "api_key" (sent to the servers only, never returned), "unprivileged_user",
+    "health_timeout" (seconds a server gets to answer /health before anything is started),
     "seconds" (the profile's wall-clock bound), "num_steps" (its decode-step bound), "load"
     (None, or the load probe's {profile, given, client, timeout})}.
     Returns {"servers": [diagnose_server's], "refused": targets' refusals}."""
