@@ -109,7 +109,7 @@ def test_a_healthy_server_gets_none_under_the_load_client(moe):
     assert s["verdict"]["verdict"] == "none", s["verdict"]
     assert s["verdict"]["action"].startswith("none of fleetctl's changes")
     assert s["load"] and s["load"]["client"], s["load"]  # the load gate's client drove the profile
-    assert s["experts"]["worst"]["balancedness"] >= 0.6
+    assert s["experts"]["worst"]["balancedness"] >= 0.55
     assert left_on_host(lab) == ""
 
 

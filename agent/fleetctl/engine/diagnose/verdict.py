@@ -37,7 +37,7 @@ from ...probes.diagnose import kernels as kc
 MOE, ATTENTION, DEFRAG, HOST, NONE, UNMEASURED = "moe-imbalance", "attention", "kv-fragmentation", "host-bound", \
     "none", "unmeasured"
 VERDICTS = (MOE, ATTENTION, DEFRAG, HOST, NONE, UNMEASURED)
-MOE_BALANCE = 0.6
+MOE_BALANCE = 0.55
 MOE_SHARE = 0.15
 ATTENTION_SHARE = 0.5
 DEFRAG_RUNS = 1.5

@@ -3,8 +3,8 @@ the server's own uid (run.py starts it with runas.rerun, under the install's int
 torch reads the recorder's dump).
 
 - the profiler's trace: in the private directory run.py made for this run, the regular files
-  (never a link: safefs, O_NOFOLLOW from /) named *.trace.json.gz or *.trace.json, the DECODE
-  stage's when the server profiled by stage (DECODE_NAME), at most MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and
+  (never a link: safefs, O_NOFOLLOW from /) named *.trace.json.gz or *.trace.json (a DECODE
+  stage's first, DECODE_NAME, should a server have profiled by stage), at most MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and
   read by trace.breakdown;
 - the expert recorder's dump: in the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (given by
   run.py from the server's environment; SGLang's default /tmp: 0.5.23 environ.py), the regular

@@ -12,8 +12,8 @@ A name no rule matches is UNKNOWN, shown with its share, never guessed.
 The extend-attention kernels are also the target-verify pass's: a speculative server's verify
 step (ForwardMode.TARGET_VERIFY) runs through the backend's extend path (0.5.23
 srt/layers/attention/triton_backend.py forward_extend, flashinfer_backend.py's prefill
-wrapper), so in the decode steps of a server with speculative decoding they are counted as
-TARGET_VERIFY (verify_class).
+wrapper), so on a server with speculative decoding they are counted as VERIFY (classify's
+`speculative`); the profile's prefills (run.py does not profile by stage) are counted with them.
 """
 
 import re

@@ -16,10 +16,14 @@ only), one after another:
 3. with `load`, the load gate's client (traffic/load.load_server: SGLang's own benchmark client,
    as the server's uid) starts in a thread, so the profile sees decode steps;
 4. /start_expert_distribution_record, then /start_profile with that output_dir, num_steps,
-   activities CPU and GPU, profile_by_stage (0.5.2+; ProfileReq: 0.5.23
-   srt/managers/io_struct.py:2374) and a profile_id of ours; the probe waits until the trace
-   file is written and stops growing, or `seconds` pass (then /stop_profile makes the server
-   write what it has);
+   activities CPU and GPU and (0.5.2+) a profile_id of ours (ProfileReq: 0.5.23
+   srt/managers/io_struct.py:2374); the probe waits until the trace file is written and stops
+   growing, or `seconds` pass (then /stop_profile makes the server write what it has). Not
+   profile_by_stage: a by-stage profile starts only at its stage's first batch, and a
+   /stop_profile before that answers "not in progress" and leaves it pending (0.5.23
+   srt/managers/scheduler_components/profiler_manager.py:325-329, 413-446): an idle server would
+   start profiling at its next request, after fleetctl is gone. So the trace holds the
+   num_steps forward passes after the start, prefills among them;
 5. /stop_expert_distribution_record, /dump_expert_distribution_record (0.5.23
    srt/entrypoints/http_server.py:1267-1293), /server_info (KV token usage, the pool size,
    speculative accept length, ep_size);
@@ -117,16 +121,14 @@ def guard(base, path, watched):
         os._exit(0)
 
 
-def _wait_trace(path, seconds, decode_only=False):
-    """Wait until a *.trace.json[.gz] file in `path` (with `decode_only`, the DECODE stage's:
-    child.DECODE_NAME) exists and its size is unchanged for STABLE_S, at most `seconds`. Returns
-    True when one was written."""
+def _wait_trace(path, seconds):
+    """Wait until a *.trace.json[.gz] file in `path` exists and its size is unchanged for
+    STABLE_S, at most `seconds`. Returns True when one was written."""
     end = time.monotonic() + seconds
     last = None
     while time.monotonic() < end:
         try:
-            names = [n for n in os.listdir(path) if child.TRACE_NAME.match(n)
-                     and (not decode_only or child.DECODE_NAME.search(n))]
+            names = [n for n in os.listdir(path) if child.TRACE_NAME.match(n)]
             size = tuple(sorted((n, os.lstat(os.path.join(path, n)).st_size) for n in names))
         except OSError:
             names, size = [], None
@@ -189,10 +191,10 @@ def _info(base):
 
 def _profile_body(version, path, num_steps, tag):
     """The /start_profile body for release `version`: output_dir, num_steps, activities, and
-    (0.5.2+, io_struct ProfileReq) profile_by_stage and profile_id."""
+    (0.5.2+, io_struct ProfileReq) profile_id; never profile_by_stage (module docstring)."""
     body = {"output_dir": path, "num_steps": num_steps, "activities": ["CPU", "GPU"]}
     if child.trace.kernels._vt(version) >= (0, 5, 2):
-        body.update(profile_by_stage=True, profile_id=tag)
+        body["profile_id"] = tag
     return body
 
 
@@ -240,7 +242,7 @@ def diagnose_server(t, sel, params):
         status, text = _post(base, "/start_profile", body, timeout=seconds + REQUEST_TIMEOUT_S)
         if status != 200:
             out["error"] = "/start_profile answered %s: %s" % (status, text)
-        elif not _wait_trace(path, seconds, bool(body.get("profile_by_stage"))):
+        elif not _wait_trace(path, seconds):
             _post(base, "/stop_profile")  # the server writes what it profiled
             _wait_trace(path, 10.0)
         _post(base, "/stop_expert_distribution_record")
