@@ -250,14 +250,14 @@ def test_the_dump_is_read_with_weights_only_and_never_through_a_link(tmp_path):
         child.read_dump(str(tmp_path), since, 2)
 
 
-def test_the_trace_file_is_read_bounded_and_the_decode_stage_first(tmp_path, monkeypatch):
+def test_the_trace_file_is_read_bounded_rank_0s_first(tmp_path, monkeypatch):
     import gzip
 
     doc = gpu_trace()
-    (tmp_path / "p-TP-0-EXTEND.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": []}).encode()))
-    (tmp_path / "p-TP-0-DECODE.trace.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    (tmp_path / "p-TP-1.trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": []}).encode()))
+    (tmp_path / "p-TP-0.trace.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
     b, name = child.read_trace(str(tmp_path), "0.5.23", False)
-    assert name == "p-TP-0-DECODE.trace.json.gz" and b["device_us"] == 900
+    assert name == "p-TP-0.trace.json.gz" and b["device_us"] == 900
     monkeypatch.setattr(child, "MAX_JSON", 100)
     with pytest.raises(ValueError, match="decompressed"):
         child.read_trace(str(tmp_path), "0.5.23", False)

@@ -3,8 +3,8 @@ the server's own uid (run.py starts it with runas.rerun, under the install's int
 torch reads the recorder's dump).
 
 - the profiler's trace: in the private directory run.py made for this run, the regular files
-  (never a link: safefs, O_NOFOLLOW from /) named *.trace.json.gz or *.trace.json (a DECODE
-  stage's first, DECODE_NAME, should a server have profiled by stage), at most MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and
+  (never a link: safefs, O_NOFOLLOW from /) named *.trace.json.gz or *.trace.json, the first by
+  name (TP rank 0's: `{profile_id}-TP-0...`, 0.5.23 profiler_manager.py:343-358), at most MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and
   read by trace.breakdown;
 - the expert recorder's dump: in the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (given by
   run.py from the server's environment; SGLang's default /tmp: 0.5.23 environ.py), the regular
@@ -28,9 +28,6 @@ MAX_JSON = 256 << 20
 MAX_DUMP = 64 << 20
 DUMP_NAME = re.compile(r"^expert_distribution_recorder_[0-9.]+(_\d+)?\.pt$")
 TRACE_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,200}\.trace\.json(\.gz)?$")
-# the DECODE stage's trace of a by-stage profile: "-DECODE" from 0.5.10, "-2" (str() of the IntEnum
-# ForwardMode.DECODE on Python 3.11+) in 0.5.2 (scheduler_profiler_mixin.py:184-196)
-DECODE_NAME = re.compile(r"-(DECODE|2)\.trace\.json(\.gz)?$")
 
 
 def _entries(path, owners):
@@ -75,8 +72,7 @@ def read_trace(trace_dir, version, speculative, server_uid=None):
         names = sorted(n for n, _ in files if TRACE_NAME.match(n))
         if not names:
             raise ValueError("the server wrote no trace into its private directory")
-        decode = [n for n in names if DECODE_NAME.search(n)]
-        name = (decode or names)[0]
+        name = names[0]
         data = _read(dfd, name, trace_dir + "/" + name, MAX_TRACE)
     finally:
         os.close(dfd)
