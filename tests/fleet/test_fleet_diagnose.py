@@ -156,11 +156,12 @@ def test_a_fragmenting_allocator_gives_the_defrag_verdict(moe):
     assert v["action"] == "fleetctl apply defrag-tier0"
 
 
-def _probe_pids(lab) -> list[tuple[int, int]]:
-    """(pid, session id) of the diagnose probe's processes on the host: the probe and its guard, the
-    same command line (the probe wrapper's); the guard leads a session of its own."""
-    out = lab.ssh(HOST, "for p in $(pgrep -f 'fleetctl-no-pytho[n]'); do echo $p $(ps -o sid= -p $p); done").stdout
-    return [tuple(map(int, line.split())) for line in out.splitlines() if len(line.split()) == 2]
+def _probe_pids(lab) -> list[tuple[int, int, int]]:
+    """(pid, session id, parent pid) of the processes on the host whose command line is the probe
+    start's (the shell that starts it, the probe, and the probe's guard: a fork that leads a session
+    of its own)."""
+    out = lab.ssh(HOST, "for p in $(pgrep -f 'fleetctl-no-pytho[n]'); do echo $p $(ps -o sid=,ppid= -p $p); done").stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines() if len(line.split()) == 3]
 
 
 def _start_and_wait_for_profile(lab, env) -> subprocess.Popen:
@@ -184,11 +185,10 @@ def test_a_killed_run_leaves_nothing_on(moe):
     p.send_signal(signal.SIGKILL)
     p.wait()
     procs = _probe_pids(lab)
-    guard = [pid for pid, sid in procs if pid == sid]
-    assert len(guard) == 1, procs
-    probe = [pid for pid, sid in procs if pid != sid]
-    if probe:  # still running (the connection's end does not kill it): killed here
-        lab.ssh(HOST, "kill -9 " + " ".join(map(str, probe)))
+    pids = {pid for pid, _, _ in procs}
+    guard = [(pid, ppid) for pid, sid, ppid in procs if pid == sid and ppid in pids]
+    assert len(guard) == 1, procs  # the probe outlives the connection; its guard is its child
+    lab.ssh(HOST, f"kill -9 {guard[0][1]}")  # the probe
     for _ in range(25):
         if not left_on_host(lab):
             break
@@ -206,7 +206,7 @@ def test_a_killed_run_leaves_nothing_on(moe):
     left = left_on_host(lab)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    lab.ssh(HOST, "kill -9 " + " ".join(str(pid) for pid, _ in _probe_pids(lab)))
+    lab.ssh(HOST, "kill -9 " + " ".join(str(pid) for pid, _, _ in _probe_pids(lab)))
     assert left_on_host(lab) == left  # the profile and the record are still on
     with traffic(lab):
         h, s = diagnose(lab, env, rc=0)
