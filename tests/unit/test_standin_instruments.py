@@ -365,3 +365,23 @@ def test_old_release_start_waits_for_its_steps_and_no_mode_kills(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_lab_faults_write_behaviours_the_server_takes(mods, tmp_path):
+    from fleetctl.errors import UsageError
+    from fleetctl.lab import faults
+    server = mods[2]
+    assert {k for k, _ in faults.BEHAVIOURS.values() if k} <= server.BEHAVIOR_KEYS
+    what = faults.BEHAVIOURS["hot-expert"][1]
+    hot = faults._hot_expert("hot-expert", "1:7", what)
+    assert hot == {"layer": 1, "expert": 7} and faults._hot_expert("hot-expert", "off", what) is None
+    for bad in ("2:0", "0:8", "1", "a:b", None):
+        with pytest.raises(UsageError):
+            faults._hot_expert("hot-expert", bad, what)
+    f = tmp_path / "behavior.json"
+    f.write_text(json.dumps({"hot_expert": hot, "slow_attention_ms": 5}))
+    assert server.load_behavior(str(f))["hot_expert"] == hot
+    for bad in ({"layer": 2, "expert": 0}, {"layer": 0}, {"layer": "0", "expert": 1}):
+        f.write_text(json.dumps({"hot_expert": bad}))
+        with pytest.raises(ValueError):
+            server.load_behavior(str(f))
