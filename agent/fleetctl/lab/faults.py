@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from .base import (PRIVATE_DIRS, VENV_PYTHONS, LabError, alive, find_host, host_
                    save, state_dir_for, wait_banner)
 from .host import start_sshd
 from .pidns import root_pid
+from .standin.engine import EXPERTS, LAYERS
 
 HANG_SCRIPT = "#!/bin/sh\n# fleetctl lab fault: an interpreter that hangs forever\nexec sleep 2147483647\n"
 
@@ -106,14 +108,29 @@ KINDS = {"delay": _delay, "down": _link, "up": _link, "freeze": _freeze, "thaw":
 # empties the file
 BEHAVIOURS = {"contention": ("contention_ms", "MS, milliseconds per decode step per other request in flight"),
               "fail-every": ("fail_every", "N, every Nth streamed /generate request fails"),
+              "slow-attention": ("slow_attention_ms", "MS, milliseconds more in each attention kernel"),
+              "hot-expert": ("hot_expert", "LAYER:EXPERT, the MoE layer and its expert every token goes to "
+                                           "(off clears)"),
               "behave": (None, None)}
 FAULTS = tuple(KINDS) + tuple(BEHAVIOURS)
 STANDIN = "/opt/fleetctl-standin"  # the stand-in's directory on a lab host (host.start_server)
 RELOAD_WAIT_S = 10.0  # for the server's "behaviour reloaded" log line
 
 
+def _hot_expert(kind: str, arg: str | int | None, what: str) -> dict | None:
+    """`hot-expert LAYER:EXPERT` as the stand-in's behaviour value {"layer", "expert"} (the MoE
+    model's: standin/engine.py LAYERS, EXPERTS), None for `off`; UsageError otherwise."""
+    if arg == "off":
+        return None
+    m = re.fullmatch(r"(\d+):(\d+)", str(arg))
+    if not m or int(m[1]) >= LAYERS or int(m[2]) >= EXPERTS:
+        raise UsageError(f"{kind} needs {what}: layer 0..{LAYERS - 1}, expert 0..{EXPERTS - 1}, not {arg!r}")
+    return {"layer": int(m[1]), "expert": int(m[2])}
+
+
 def _behaviour(sd: Path, h: dict, kind: str, arg: str | int | None, at_restart: bool) -> None:
-    """`contention MS` / `fail-every N` (0 clears) / `behave`: merge the key into the stand-in's
+    """`contention MS` / `fail-every N` / `slow-attention MS` (0 clears) / `hot-expert L:E` (off
+    clears) / `behave`: merge the key into the stand-in's
     behaviour file on the host (STANDIN/behavior.json) or empty it, written whole through a
     rename. Then, unless `at_restart`, the running server (STANDIN/server.pid) rereads it at once
     (SIGHUP) and this waits for its log line saying so; with `at_restart` the server takes it up
@@ -122,7 +139,7 @@ def _behaviour(sd: Path, h: dict, kind: str, arg: str | int | None, at_restart: 
     key, what = BEHAVIOURS[kind]
     if key is None and arg is not None:
         raise UsageError(f"behave takes no argument, not {arg!r}")
-    value = None if key is None else _whole(kind, arg, what)
+    value = None if key is None else (_hot_expert if kind == "hot-expert" else _whole)(kind, arg, what)
     d = host_dir(sd, h["name"]) / PRIVATE_DIRS[STANDIN]
     bfile = d / "behavior.json"
     behavior = {}
@@ -193,7 +210,9 @@ def lab_fault(host: str, kind: str, arg: str | int | None = None, lab_id: int = 
     old one) / `unrekey` (the original key back), `hang`/`unhang` (/opt/sglang/venv/bin/python*
     replaced by a script that sleeps forever / restored). The stand-in server's behaviours:
     `contention MS` (each decode step MS ms longer per other request in flight), `fail-every N`
-    (every Nth streamed /generate answers 500), 0 clearing either, and `behave` (all cleared):
+    (every Nth streamed /generate answers 500), `slow-attention MS` (each attention kernel MS ms
+    longer), 0 clearing each, `hot-expert LAYER:EXPERT` (the MoE model's router sends every token
+    of LAYER to EXPERT; off clears), and `behave` (all cleared):
     in effect at once (the server rereads its behaviour file), or with `at_restart` only from
     the server's next start. Raises UsageError for a bad kind, argument or host, LabError if a
     step fails.

@@ -41,6 +41,7 @@ Releases (`release`: a tuple such as (0, 5, 23), release_key) differ in:
 import logging
 import os
 import re
+import shutil
 import time
 from enum import IntEnum
 
@@ -219,9 +220,11 @@ class Profiler:
         try:
             if r >= (0, 5, 2):
                 os.makedirs(cfg["dir"], exist_ok=True)
-            for rank in range(self.tp_size):
-                name = trace_name(r, cfg["id"], rank, self.ep_size, self.tp_size, cfg["prefix"], stage)
-                self.prof.export_chrome_trace(os.path.join(cfg["dir"], name))
+            paths = [os.path.join(cfg["dir"], trace_name(r, cfg["id"], rank, self.ep_size, self.tp_size,
+                                                         cfg["prefix"], stage)) for rank in range(self.tp_size)]
+            self.prof.export_chrome_trace(paths[0])  # once a profile (torch refuses a second export)
+            for path in paths[1:]:  # the other ranks ran the same passes
+                shutil.copyfile(paths[0], path)
         except Exception as e:
             raise SchedulerCrash("profile trace not written to %s: %r" % (cfg["dir"], e)) from e
         finally:
