@@ -22,7 +22,6 @@ import pytest
 HOST = "lab-02"  # 0.5.2: SGLang's Python benchmark client runs in the lab there (--load)
 MOE = ("--model-path fleetctl-standin/tiny-moe --tp-size 4 --ep-size 4 --expert-distribution-recorder-mode stat")
 EXPERTS, EP = 8, 4
-PID = "/opt/fleetctl-standin/server.pid"
 LOG = "/opt/fleetctl-standin/server.log"
 # a client that keeps 3 decodes in flight on the host (stdlib: the lab venv's python)
 TRAFFIC = r"""
@@ -47,10 +46,6 @@ def restart(lab, args: str = "") -> None:
     assert r.returncode == 0, r.stderr
 
 
-def behave(lab, behavior: dict) -> None:
-    """The stand-in's fault, read again on SIGHUP (no restart: the MoE arguments stay)."""
-    lab.set_behavior(HOST, behavior, restart=False)
-    assert lab.ssh(HOST, f"kill -HUP $(cat {PID})").returncode == 0
 
 
 @contextmanager
@@ -67,7 +62,7 @@ def traffic(lab):
 def moe(server_lab, tmp_path_factory):
     """The MoE stand-in on HOST; the runs recorded in a history file of their own; the host's
     default stand-in again after."""
-    behave(server_lab, {})
+    server_lab.set_behavior(HOST, {}, restart=False)
     restart(server_lab, MOE)
     env = {"FLEETCTL_HISTORY": str(tmp_path_factory.mktemp("diag") / "history.sqlite")}
     try:
@@ -115,12 +110,12 @@ def test_a_healthy_server_gets_none_under_the_load_client(moe):
 
 def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
     lab, env = moe
-    behave(lab, {"hot_expert": {"layer": 1, "expert": 6}})
+    lab.fault(HOST, "hot-expert", "1:6")  # the lab's fault: the server rereads its behaviour (no restart)
     try:
         with traffic(lab):
             h, s = diagnose(lab, env, rc=0)
     finally:
-        behave(lab, {})
+        lab.fault(HOST, "behave")
     check_common(s)
     v = s["verdict"]
     assert v["verdict"] == "moe-imbalance", v
@@ -132,12 +127,12 @@ def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
 
 def test_slow_attention_gives_the_attention_verdict(moe):
     lab, env = moe
-    behave(lab, {"slow_attention_ms": 20})
+    lab.fault(HOST, "slow-attention", 20)
     try:
         with traffic(lab):
             h, s = diagnose(lab, env, rc=0)
     finally:
-        behave(lab, {})
+        lab.fault(HOST, "behave")
     check_common(s)
     assert s["verdict"]["verdict"] == "attention", s["verdict"]
     assert s["verdict"]["figures"]["attention_share"] >= 0.5
