@@ -10,7 +10,6 @@ trace and dump readers against independent computations on real profiler traces 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -50,7 +49,8 @@ def restart(lab, args: str = "") -> None:
 
 @contextmanager
 def traffic(lab):
-    r = lab.ssh(HOST, f"nohup /opt/sglang/venv/bin/python -c {json.dumps(TRAFFIC)} >/dev/null 2>&1 & echo $!")
+    assert lab.ssh(HOST, "cat > /opt/fleetctl-standin/traffic.py", input=TRAFFIC).returncode == 0
+    r = lab.ssh(HOST, "nohup /opt/sglang/venv/bin/python /opt/fleetctl-standin/traffic.py >/dev/null 2>&1 & echo $!")
     pid = int(r.stdout.strip())
     try:
         yield
@@ -142,7 +142,7 @@ def test_a_fragmenting_allocator_gives_the_defrag_verdict(moe):
     lab, env = moe
     with traffic(lab):
         h, s = diagnose(lab, env, "--allocator-replay", "--pool", "32768", "--concurrency", "16", "--input",
-                        "64:1024", "--output", "16:512", "--requests", "160", "--seed", "7", rc=0)
+                        "64:1024", "--output", "16:512", "--requests", "80", "--seed", "7", rc=0)
     check_common(s)
     v = s["verdict"]
     assert v["verdict"] == "kv-fragmentation", v
