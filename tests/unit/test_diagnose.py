@@ -317,3 +317,47 @@ def test_the_roll_up_groups_servers_by_verdict():
     assert [(g["verdict"], g["servers"]) for g in out] == [
         (vd.NONE, ["h1 127.0.0.1:30000", "h2 127.0.0.1:30000"]), (vd.ATTENTION, ["h1 127.0.0.1:30001"])]
     assert out[0]["shares"][kernels.GEMM] == pytest.approx(0.75)
+
+
+# ---- the HTML report ---------------------------------------------------------------------------
+
+def test_the_html_report_shows_the_last_diagnosis_and_a_stacked_bar_per_group():
+    import dataclasses
+
+    from fleetctl.history.model import HostRecord
+    from fleetctl.report import html as report_html
+    from fleetctl.report import svg
+    from report_runs import recorded_runs
+
+    runs = recorded_runs()
+    base = runs[-1]
+    hostile = "<script>alert(1)</script>\x1b[31m"
+    hot = entry({kernels.MOE_EXPERTS: 0.5, kernels.GEMM: 0.5}, worst=HOT)
+    slow = dict(entry({kernels.DECODE: 0.8, kernels.GEMM: 0.2}, host_wait=0.1), port=30001)
+    for s in (hot, slow):
+        s["verdict"] = vd.judge(s)
+    slow["verdict"]["why"] += hostile
+    run = dataclasses.replace(base, run_id="diag-1", command="diagnose", argv=["fleetctl", "diagnose", "all"],
+                              started_at=base.started_at + 60, ended_at=base.started_at + 90, exit_code=0,
+                              hosts=[HostRecord("lab-01", "10.213.33.11", "ok", None, 3.0,
+                                                {"host": "lab-01", "status": "ok", "servers": [hot, slow]})])
+    cells = {h: c for h, c, _ in report_html.overview(runs + [run])}["lab-01"]
+    diag = cells[[c[0] for c in report_html.COLUMNS].index("last diagnosis")]
+    assert diag.run_id == "diag-1"
+    assert diag.lines[0].startswith(":30000 moe-imbalance: layer 2: GPU 3 takes 70%") and "--enable-eplb" in diag.lines[0]
+    assert diag.lines[1].startswith(":30001 attention: attention 80%")
+    html = report_html.render(runs + [run], NOW, None, "/x/history.sqlite")
+    assert "<script>alert" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    bars = re.findall(r'<rect [^>]*class="point seg-(\d+)"[^>]*data-verdict="([^"]+)" data-class="([^"]+)" '
+                      r'data-share="([0-9.]+)"', html)
+    by_group = {}
+    for _, verdict, cls, share in bars:
+        by_group.setdefault(verdict, {})[cls] = float(share)
+    assert set(by_group) == {vd.MOE, vd.ATTENTION}
+    assert by_group[vd.MOE] == {kernels.MOE_EXPERTS: pytest.approx(0.5 * 0.95), kernels.GEMM: pytest.approx(0.5 * 0.95),
+                                "host_wait": pytest.approx(0.05)}
+    assert sum(by_group[vd.ATTENTION].values()) == pytest.approx(1.0)
+    assert svg.diagnose_bars([]).count("class=\"point") == 0
+
+
+NOW = 1796190000.0

@@ -42,7 +42,8 @@ def render_diagnose(results: list[HostResult], console: Console) -> None:
                 info = s.get("server_info") or {}
                 extra = [f"from {tr.get('source')} events ({tr.get('events')}, table {tr.get('table')})"
                          if tr else "", f"KV token usage {info['token_usage']:.2f}"
-                         if isinstance(info.get("token_usage"), (int, float)) else "",
+                         if isinstance(info.get("token_usage"), (int, float)) else
+                         f"KV load {info['kv_load']:.2f}" if isinstance(info.get("kv_load"), (int, float)) else "",
                          f"accept length {info['avg_spec_accept_length']:.2f}"
                          if isinstance(info.get("avg_spec_accept_length"), (int, float)) else ""]
                 return [f":{s.get('port')}", str(v.get("verdict") or ""),

@@ -65,7 +65,7 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
     """The verdict on `server` (run.py's entry) and, with --allocator-replay, its install's replay
     runs: {"verdict" (VERDICTS), "why": the figures behind it (one line), "action": the change
     that addresses it (or NOT_FLEETCTL and whose it is), "figures": {attention_share, moe_share,
-    host_wait_share, worst_layer, worst_gpu, balancedness, token_usage, accept_length,
+    host_wait_share, worst_layer, worst_gpu, balancedness, token_usage, kv_load, accept_length,
     fragmentation}}."""
     tr = server.get("trace")
     info = server.get("server_info") or {}
@@ -83,6 +83,7 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
            "host_wait_share": host, "unknown_share": sh.get(kc.UNKNOWN, 0.0),
            "worst_layer": worst["layer"] if worst else None, "worst_gpu": worst["hot_gpu"] if worst else None,
            "balancedness": worst["balancedness"] if worst else None, "token_usage": info.get("token_usage"),
+           "kv_load": info.get("kv_load"),
            "accept_length": info.get("avg_spec_accept_length"), "fragmentation": frag, "source": tr.get("source")}
     if worst and worst["balancedness"] < MOE_BALANCE and moe >= MOE_SHARE:
         return {"verdict": MOE, "figures": fig,

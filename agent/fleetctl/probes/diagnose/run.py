@@ -25,8 +25,8 @@ only), one after another:
    start profiling at its next request, after fleetctl is gone. So the trace holds the
    num_steps forward passes after the start, prefills among them;
 5. /stop_expert_distribution_record, /dump_expert_distribution_record (0.5.23
-   srt/entrypoints/http_server.py:1267-1293), /server_info (KV token usage, the pool size,
-   speculative accept length, ep_size);
+   srt/entrypoints/http_server.py:1267-1293), /server_info (the pool size, speculative accept
+   length, ep_size) and the KV pool's usage (_info);
 6. always (finally): /stop_profile and /stop_expert_distribution_record (an answer that says
    nothing is in progress is fine), the guard told to go;
 7. the child (child.py) reads the trace and the dump as the server's uid (a server running as
@@ -171,9 +171,17 @@ def _recorder_dir(pid):
     return d if d.startswith("/") and os.path.normpath(d) == d else None
 
 
+def _number(v, top=1e12):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < top else None
+
+
 def _info(base):
-    """INFO_KEYS of /server_info, with internal_states[0]'s token_usage and avg_spec_accept_length
-    (each a number in range, else None): {key: value}."""
+    """INFO_KEYS of /server_info, with internal_states[0]'s avg_spec_accept_length; and the KV
+    pool's usage: "token_usage" (used / total KV slots) from /v1/loads (0.5.23
+    srt/entrypoints/v1_loads.py:96, LoadSnapshot.token_usage: load_inquirer.py:243) where it
+    answers, else "kv_load" (0.5.2's internal_states[0]["load"], KV slots held plus the waiting
+    prompts' tokens: managers/scheduler.py:2209-2229, over max_total_num_tokens). Each a number in
+    range, else None: {key: value}."""
     try:
         status, body = smoke._request(base + "/server_info", timeout=REQUEST_TIMEOUT_S)
     except OSError:
@@ -183,9 +191,17 @@ def _info(base):
     out = {k: body.get(k) for k in INFO_KEYS if isinstance(body.get(k), (int, float, str, bool))}
     states = body.get("internal_states")
     st = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-    for k in ("token_usage", "avg_spec_accept_length"):
-        v = st.get(k)
-        out[k] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6 else None
+    out["avg_spec_accept_length"] = _number(st.get("avg_spec_accept_length"), 1e6)
+    total, load_ = _number(out.get("max_total_num_tokens")), _number(st.get("load"))
+    out["kv_load"] = load_ / total if load_ is not None and total else None
+    out["token_usage"] = None
+    try:
+        status, loads = smoke._request(base + "/v1/loads?include=core", timeout=REQUEST_TIMEOUT_S)
+    except OSError:
+        status, loads = None, None
+    rows = loads.get("loads") if status == 200 and isinstance(loads, dict) else None
+    if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+        out["token_usage"] = _number(rows[0].get("token_usage"), 1.0 + 1e-9)
     return {k: (v[:100] if isinstance(v, str) else v) for k, v in out.items()}
 
 
