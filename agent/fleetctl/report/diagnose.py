@@ -15,11 +15,11 @@ SHOWN = (kernels.VERIFY, kernels.EXTEND, kernels.DECODE, kernels.MOE_EXPERTS, ke
          kernels.COMM, kernels.SAMPLING, kernels.OTHER, kernels.UNKNOWN)
 
 
-def shares_line(shares: dict, host_wait: float | None) -> str:
+def shares_line(shares: dict, host_wait: float | None, wait_label: str = "host wait") -> str:
     """"decode_attention 40% · moe_experts 30% · ... · host wait 12%": the classes over 0.5%."""
     parts = [f"{c} {100 * shares[c]:.0f}%" for c in SHOWN if (shares.get(c) or 0) >= 0.005]
     if host_wait is not None:
-        parts.append(f"host wait {100 * host_wait:.0f}%")
+        parts.append(f"{wait_label} {100 * host_wait:.0f}%")
     return " · ".join(parts)
 
 
@@ -48,7 +48,8 @@ def render_diagnose(results: list[HostResult], console: Console) -> None:
                          if isinstance(info.get("avg_spec_accept_length"), (int, float)) else ""]
                 return [f":{s.get('port')}", str(v.get("verdict") or ""),
                         "; ".join(x for x in (v.get("why"), s.get("error")) if x), v.get("action") or "",
-                        "; ".join(x for x in [shares_line(tr.get("shares") or {}, tr.get("host_wait_share"))
+                        "; ".join(x for x in [shares_line(tr.get("shares") or {}, tr.get("host_wait_share"),
+                                                          "host wait" if tr.get("source") == "kernel" else "gaps")
                                               if tr else ""] + extra if x)]
 
             rows.append([text(r.host), status, *map(text, tolerant(cells, 5))])

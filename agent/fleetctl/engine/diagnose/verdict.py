@@ -109,6 +109,8 @@ def judge(server: dict, replay: list[dict] | None = None) -> dict:
                 "why": f"the device waits on the host {_pct(host)} of the decode steps",
                 "action": f"{NOT_FLEETCTL}: scheduling and marshaling are SGLang's (overlap scheduler, CUDA graphs)"}
     return {"verdict": NONE, "figures": fig,
-            "why": f"attention {_pct(attn)}, MoE {_pct(moe)}, host wait {_pct(host)}"
+            "why": f"attention {_pct(attn)}, MoE {_pct(moe)}, "
+                   + (f"host wait {_pct(host)}" if tr.get("source") == "kernel"
+                      else f"gaps between regions {_pct(host)} (a CPU trace: no device to wait)")
                    + (f", balancedness {worst['balancedness']:.2f}" if worst else ""),
             "action": f"{NOT_FLEETCTL}: no bottleneck they reach"}
