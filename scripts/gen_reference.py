@@ -200,6 +200,7 @@ def exit_codes_page() -> str:
 JSON_DATA = (
     ("inspect", "fleetctl.engine.gather:InspectData"),
     ("validate", "fleetctl.engine.validate:ValidateData"),
+    ("diagnose", "fleetctl.engine.diagnose:DiagnoseData"),
     ("apply --check", "fleetctl.engine.playbooks.apply:CheckData"),
     ("rollback", "fleetctl.engine.ledger:RollbackData"),
     ("recover", "fleetctl.engine.ledger:RecoverData"),

@@ -12,6 +12,7 @@ inspect does); then each server's verdict (verdict.py). Read-only otherwise, lik
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from ...config import DEFAULT_SGLANG_PORT
 from ...connection import RemoteTimeout
@@ -45,6 +46,24 @@ class DiagnoseOptions:
         """Seconds one host needs for `servers` servers: profile, load, read and slack each."""
         per = self.health_timeout + self.seconds + READ_S + SLACK_S + (self.load.timeout_s if self.load else 0)
         return per * max(1, servers)
+
+
+class DiagnoseData(TypedDict):
+    """`diagnose` data: servers, one entry per server measured (probes/diagnose/run.py
+    diagnose_server: {pid, host, port, version, ran_as, leftovers (directories of killed earlier
+    runs cleared first), server_info (max_total_num_tokens, ep_size, token_usage, kv_load,
+    avg_spec_accept_length, ...), trace (probes/diagnose/trace.py breakdown: source, events,
+    table, device_us, busy_us, window_us, host_wait_us, idle_us, host_wait_share, classes,
+    shares, top, unknown; microseconds), trace_file, trace_error, experts (probes/diagnose/
+    experts.py balance: layers [{layer, gpu_counts, balancedness, hot_gpu, hot_expert,
+    hot_gpu_share, tokens, expert_balancedness}], experts, ep_size, worst, mean_balancedness),
+    dump_file, experts_error, load (the load client's entry with --load), stopped ({path: HTTP
+    status} of the final stops), error} + verdict (engine/diagnose/verdict.judge: verdict, why,
+    action, figures) + allocator_replay_info with --allocator-replay), and refused (the servers
+    nothing was sent to: {pid, host, port, reason})."""
+
+    servers: list
+    refused: list
 
 
 def _install_of(g: dict, pid) -> dict | None:
