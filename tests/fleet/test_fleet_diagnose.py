@@ -127,7 +127,7 @@ def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
 
 def test_slow_attention_gives_the_attention_verdict(moe):
     lab, env = moe
-    lab.fault(HOST, "slow-attention", 20)
+    lab.fault(HOST, "slow-attention", 30)
     try:
         with traffic(lab):
             h, s = diagnose(lab, env, rc=0)
@@ -135,7 +135,7 @@ def test_slow_attention_gives_the_attention_verdict(moe):
         lab.fault(HOST, "behave")
     check_common(s)
     assert s["verdict"]["verdict"] == "attention", s["verdict"]
-    assert s["verdict"]["figures"]["attention_share"] >= 0.5
+    assert s["verdict"]["figures"]["attention_share"] >= 0.6
 
 
 def test_a_fragmenting_allocator_gives_the_defrag_verdict(moe):

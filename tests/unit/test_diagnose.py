@@ -287,9 +287,9 @@ def test_each_verdict_from_its_figures():
     assert v["figures"]["worst_layer"] == 2 and v["figures"]["worst_gpu"] == 3 and "--enable-eplb" in v["action"]
     # balanced, or MoE too small a share: no MoE verdict
     assert vd.judge(entry({kernels.MOE_EXPERTS: 0.1, kernels.GEMM: 0.9}, worst=HOT))["verdict"] == vd.NONE
-    v = vd.judge(entry({kernels.VERIFY: 0.6, kernels.GEMM: 0.4}))
+    v = vd.judge(entry({kernels.VERIFY: 0.7, kernels.GEMM: 0.3}))
     assert v["verdict"] == vd.ATTENTION and "deploy kernel" in v["action"]
-    v = vd.judge(entry({kernels.DECODE: 0.6, kernels.GEMM: 0.4}))
+    v = vd.judge(entry({kernels.DECODE: 0.7, kernels.GEMM: 0.3}))
     assert v["verdict"] == vd.ATTENTION and v["action"].startswith(vd.NOT_FLEETCTL)
     runs = [{"kind": "token", "need_sort": False, "runs_per_alloc_mean": 3.0},
             {"kind": "token", "need_sort": True, "runs_per_alloc_mean": 1.1}]
