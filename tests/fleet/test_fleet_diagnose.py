@@ -211,6 +211,8 @@ def test_a_killed_run_leaves_nothing_on(moe):
 
 
 def test_history_and_the_html_report_show_the_verdicts(moe, tmp_path):
+    """The history the runs above recorded (the module's file, in this file's order): history show
+    prints the last one's tables, and the HTML report shows each verdict's group."""
     lab, env = moe
     r = lab.cli("history", "list", env=env)
     assert r.returncode == 0 and "diagnose" in r.stdout, r.stdout
