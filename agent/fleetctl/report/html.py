@@ -3,13 +3,14 @@ self-contained file built from the run history alone (history.store's RunRecords
 contacted).
 
     overview(runs)  host x SGLang installs x applied changes x active kernels x drift x last
-                    validation x last run: each cell the latest recorded run that carries it
-                    (inspect or status; status; validate), with its time and run; applied
-                    changes and active kernels replayed through the later apply, deploy
-                    kernel, rollback and recover runs (_replay)
+                    validation x last diagnosis x last run: each cell the latest recorded run
+                    that carries it (inspect or status; status; validate; diagnose), with its
+                    time and run; applied changes and active kernels replayed through the
+                    later apply, deploy kernel, rollback and recover runs (_replay)
     render(runs, generated_at, since, source, total)  the page: the overview, a timeline of the
                     changes (svg.timeline), the load gates' charts (svg.gate_bars), then
-                    each run (newest first) with its hosts, gate checks and diffs
+                    each run (newest first) with its hosts, gate checks and diffs (a diagnose
+                    run: svg.diagnose_bars of its verdict groups)
 
 One run's odd data never fails the page: a figure that is not a finite number is "not measured",
 a missing key shows as nothing, and a run whose section still cannot be drawn shows as a section
