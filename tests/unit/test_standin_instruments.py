@@ -109,8 +109,10 @@ def test_routes_fields_and_files_are_the_releases(wheels, mods):
         assert "logical_count=logical_count_of_buffered_step" in rec and "if self._rank == 0:" in rec, v
         assert ("average_utilization_rate_over_window=" in rec) == (r >= (0, 5, 2)), v
         assert "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR" in rec and "torch.save(data, str(path_output))" in rec, v
-        modes = re.search(r"expert_distribution_recorder_mode: (?:A\[\s*)?Optional\[\s*Literal\[([^\]]*)\]", rec + src[MODES[v]])
-        assert set(ins.recorder_modes(r)) <= set(re.findall(r'"(\w+)"', modes.group(1))), v
+        modes = re.search(r"expert_distribution_recorder_mode: (?:A\[\s*)?Optional\[\s*Literal\[([^\]]*)\]", src[MODES[v]])
+        # the modes the release takes and has an accumulator for (uncommented in _Accumulator.get_class)
+        accumulated = set(re.findall(r'^\s+"(\w+)": _\w+Accumulator,', rec, re.M))
+        assert set(ins.recorder_modes(r)) <= set(re.findall(r'"(\w+)"', modes.group(1))) & accumulated, v
         if r >= (0, 5, 2):
             assert 'f"expert_distribution_recorder_{time.time()}_{self._rank}.pt"' in rec
             for k in ("records=self._records", "last_physical_to_logical_map=", "forward_pass_id=forward_pass_id",
@@ -119,6 +121,7 @@ def test_routes_fields_and_files_are_the_releases(wheels, mods):
         else:  # 0.4.6.post5: "stat" only
             assert '# "per_pass": _DetailAccumulator' in rec
         assert 'avg_spec_accept_length"]' in src[INTERNAL[v]], v
+    assert ins.recorder_modes((0, 4, 6)) == ("stat",) and ins.recorder_modes((0, 5, 23)) == ("stat", "per_pass")
     env = wheels["0.5.23"]["sglang/srt/managers/io_struct.py"]
     assert "class ProfileReq(BaseReq, kw_only=True):" in env
 
@@ -346,17 +349,20 @@ def test_old_release_start_waits_for_its_steps_and_no_mode_kills(tmp_path):
     p, port = serve(tmp_path, "0.4.6.post5")
     (tmp_path / "prof").mkdir()  # 0.4.6.post5 does not make it: the export would fail, the server die
     try:
-        answer = []
-        t = threading.Thread(target=lambda: answer.append(call(port, "/start_profile", {
-            "num_steps": 2, "output_dir": str(tmp_path / "prof"), "with_stack": False})))
-        t.start()
-        time.sleep(1.0)
-        assert not answer and t.is_alive()  # 0.4.6.post5 answers once the profile has stopped
-        call(port, "/generate", {"input_ids": [1, 2], "sampling_params": dict(GREEDY, max_new_tokens=3)})
-        t.join(60)
-        assert answer == [(200, "Start profiling.\n")]
+        body = {"output_dir": str(tmp_path / "prof"), "with_stack": False}
+        # without num_steps: answered at once (the first start takes seconds: torch's imports)
+        assert call(port, "/start_profile", body) == (200, "Start profiling.\n")
+        assert call(port, "/stop_profile") == (200, "Stop profiling. This will take some time.\n")
         [trace] = os.listdir(tmp_path / "prof")
         assert re.fullmatch(r"\d+\.\d+-TP-0\.trace\.json\.gz", trace)
+        answer = []
+        t = threading.Thread(target=lambda: answer.append(call(port, "/start_profile", dict(body, num_steps=2))))
+        t.start()
+        time.sleep(1.0)
+        assert not answer and t.is_alive()  # with num_steps 0.4.6.post5 answers once the profile has stopped
+        call(port, "/generate", {"input_ids": [1, 2], "sampling_params": dict(GREEDY, max_new_tokens=3)})
+        t.join(60)
+        assert answer == [(200, "Start profiling.\n")] and len(os.listdir(tmp_path / "prof")) == 2
         # a dense model, no recorder mode: the recorder raises in the scheduler and the server exits
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
             call(port, "/start_expert_distribution_record", timeout=30)
