@@ -109,7 +109,8 @@ def test_routes_fields_and_files_are_the_releases(wheels, mods):
         assert "logical_count=logical_count_of_buffered_step" in rec and "if self._rank == 0:" in rec, v
         assert ("average_utilization_rate_over_window=" in rec) == (r >= (0, 5, 2)), v
         assert "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR" in rec and "torch.save(data, str(path_output))" in rec, v
-        modes = re.search(r"expert_distribution_recorder_mode: (?:A\[\s*)?Optional\[\s*Literal\[([^\]]*)\]", src[MODES[v]])
+        modes = re.search(r"expert_distribution_recorder_mode: (?:A\[\s*)?Optional\[\s*Literal\[([^\]]*)\]",
+                          src[MODES[v]])
         # the modes the release takes and has an accumulator for (uncommented in _Accumulator.get_class)
         accumulated = set(re.findall(r'^\s+"(\w+)": _\w+Accumulator,', rec, re.M))
         assert set(ins.recorder_modes(r)) <= set(re.findall(r'"(\w+)"', modes.group(1))) & accumulated, v
@@ -166,7 +167,8 @@ def test_a_real_trace_of_named_kernels_over_num_steps(mods, tmp_path):
     t = traces["p1-TP-0.trace.json.gz"]
     assert "schemaVersion" in t and any(ev.get("name") == "aten::linear" for ev in t["traceEvents"])
     got = regions(t)
-    assert set(got) <= names and {"topk_softmax", "fused_moe_kernel", "silu_and_mul", "moe_align_block_size"} <= set(got)
+    assert set(got) <= names
+    assert {"topk_softmax", "fused_moe_kernel", "silu_and_mul", "moe_align_block_size"} <= set(got)
     # one prefill (extend attention) and two decode passes, 2 layers each; two fused_moe per layer
     assert len(got["_fwd_kernel"]) == 2 and len(got["_fwd_grouped_kernel_stage1"]) == 4
     assert len(got["_fwd_kernel_stage2"]) == 4 and len(got["fused_moe_kernel"]) == 12
@@ -333,7 +335,8 @@ def test_routes_over_http_and_the_server_dying_where_sglang_does(tmp_path):
         assert call(port, "/start_profile", {"activities": ["MEM"]})[0] == 400
         assert call(port, "/start_expert_distribution_record", method="GET") == \
             (200, "Start recording the expert distribution.\n")
-        assert call(port, "/generate", {"input_ids": [1, 2], "sampling_params": dict(GREEDY, max_new_tokens=2)})[0] == 200
+        gen = {"input_ids": [1, 2], "sampling_params": dict(GREEDY, max_new_tokens=2)}
+        assert call(port, "/generate", gen)[0] == 200
         assert call(port, "/stop_expert_distribution_record") == (200, "Stop recording the expert distribution.\n")
         # the dump directory cannot be made: SGLang's scheduler raises, the server exits unanswered
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):

@@ -70,7 +70,8 @@ KERNELS = {
     # srt/layers/attention/triton_ops/extend_attention.py:42 / kernels/ops/attention/extend_attention.py:375
     "attention_extend": ("_fwd_kernel",),
     # the router's top-k (sgl_kernel topk_softmax: srt/layers/moe/topk.py:39 / kernels/ops/moe/__init__.py:171)
-    # and the sort of tokens by expert (srt/layers/moe/fused_moe_triton/fused_moe.py:653 / kernels/ops/moe/moe_align.py:38)
+    # and the sort of tokens by expert (srt/layers/moe/fused_moe_triton/fused_moe.py:653 /
+    # kernels/ops/moe/moe_align.py:38)
     "moe_route": ("topk_softmax", "moe_align_block_size"),
     # the Triton fused MoE GEMM, once up (w13) and once down (w2), and the activation between:
     # srt/layers/moe/fused_moe_triton/fused_moe.py:307 / kernels/ops/moe/fused_moe_triton_kernels.py:322;
@@ -81,7 +82,8 @@ KERNELS = {
     "all_reduce": ("sglang::outplace_all_reduce",),
     # sampling a non-greedy token (srt/layers/sampler.py); a greedy one is torch.argmax, as there
     "sampling": ("top_k_top_p_sampling_from_probs",),
-    # greedy acceptance of a target verify (sgl_kernel, srt/speculative/eagle_utils.py:35 / kernels/ops/speculative/tree.py:61)
+    # greedy acceptance of a target verify (sgl_kernel: srt/speculative/eagle_utils.py:35 /
+    # kernels/ops/speculative/tree.py:61)
     "verify_accept": ("verify_tree_greedy",),
 }
 

@@ -159,11 +159,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if __package__:  # imported as fleetctl.lab.standin.server
-    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL,
+                         BadRequest, Engine, decode,
                          encode, load_verify_hook)
     from .instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 else:  # the script (python server.py, the sglang_router launcher's workers): engine.py is beside it, on sys.path
-    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL,
+                        BadRequest, Engine, decode,
                         encode, load_verify_hook)
     from instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 
