@@ -348,32 +348,34 @@ def test_routes_over_http_and_the_server_dying_where_sglang_does(tmp_path):
         p.wait()
 
 
-def test_old_release_start_waits_for_its_steps_and_no_mode_kills(tmp_path):
-    p, port = serve(tmp_path, "0.4.6.post5")
-    (tmp_path / "prof").mkdir()  # 0.4.6.post5 does not make it: the export would fail, the server die
-    try:
-        body = {"output_dir": str(tmp_path / "prof"), "with_stack": False}
-        # without num_steps: answered at once (the first start takes seconds: torch's imports)
-        assert call(port, "/start_profile", body) == (200, "Start profiling.\n")
-        assert call(port, "/stop_profile") == (200, "Stop profiling. This will take some time.\n")
-        [trace] = os.listdir(tmp_path / "prof")
-        assert re.fullmatch(r"\d+\.\d+-TP-0\.trace\.json\.gz", trace)
-        answer = []
-        t = threading.Thread(target=lambda: answer.append(call(port, "/start_profile", dict(body, num_steps=2))))
-        t.start()
-        time.sleep(1.0)
-        assert not answer and t.is_alive()  # with num_steps 0.4.6.post5 answers once the profile has stopped
-        call(port, "/generate", {"input_ids": [1, 2], "sampling_params": dict(GREEDY, max_new_tokens=3)})
-        t.join(60)
-        assert answer == [(200, "Start profiling.\n")] and len(os.listdir(tmp_path / "prof")) == 2
-        # a dense model, no recorder mode: the recorder raises in the scheduler and the server exits
-        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
-            call(port, "/start_expert_distribution_record", timeout=30)
-        assert p.wait(timeout=30) == 1
-        assert "Please set ServerArgs.expert_distribution_recorder_mode" in (tmp_path / "server.log").read_text()
-    finally:
-        p.kill()
-        p.wait()
+def test_old_release_start_waits_for_its_steps(mods, tmp_path, monkeypatch):
+    """0.4.6.post5 answers a start with num_steps only once the profile has stopped (in process: a
+    StandIn's instrument(), as the HTTP handler calls it); and its recorder, no mode set, raises
+    what ends SGLang's scheduler."""
+    server = mods[2]
+    monkeypatch.setenv("FLEETCTL_STANDIN_SGLANG", "0.4.6.post5")
+    st = server.StandIn(server.parse_args(["--behavior", str(tmp_path / "none.json")]), {})
+    st.load()
+    st.engine.crash_types = ()  # raised here, not the process ended
+    assert st.args.release == (0, 4, 6)
+    body = {"output_dir": str(tmp_path / "prof"), "with_stack": False}
+    with pytest.raises(server.SchedulerCrash):  # 0.4.6.post5 does not make output_dir: the export fails
+        st.instrument("/start_profile", body), st.instrument("/stop_profile", None)
+    (tmp_path / "prof").mkdir()
+    assert st.instrument("/start_profile", body) == (200, "Start profiling.\n")  # no num_steps: at once
+    assert st.instrument("/stop_profile", None) == (200, "Stop profiling. This will take some time.\n")
+    [trace] = os.listdir(tmp_path / "prof")
+    assert re.fullmatch(r"\d+\.\d+-TP-0\.trace\.json\.gz", trace)
+    answer = []
+    t = threading.Thread(target=lambda: answer.append(st.instrument("/start_profile", dict(body, num_steps=2))))
+    t.start()
+    time.sleep(0.5)
+    assert not answer and t.is_alive()  # with num_steps: answered once the profile has stopped
+    st.engine.generate([1, 2], dict(GREEDY, max_new_tokens=3))
+    t.join(60)
+    assert answer == [(200, "Start profiling.\n")] and len(os.listdir(tmp_path / "prof")) == 2
+    with pytest.raises(server.SchedulerCrash, match="Please set ServerArgs.expert_distribution_recorder_mode"):
+        st.instrument("/start_expert_distribution_record", None)
 
 
 def test_the_lab_faults_write_behaviours_the_server_takes(mods, tmp_path):
