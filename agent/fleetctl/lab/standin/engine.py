@@ -403,7 +403,9 @@ class Engine:
         self.inflight = 0
         self.waiting_tokens = 0  # prompt tokens of the requests waiting for the lock
         self.count_lock = threading.Lock()
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="fleetctl-standin-scheduler")
+        # torch's intra-op thread count is per thread (OpenMP's): one there too, as build_model sets here
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="fleetctl-standin-scheduler",
+                                         initializer=torch.set_num_threads, initargs=(1,))
         self.forward_ct = self.decode_ct = 0
         self.profiler = self.recorder = None
         self.crash_types, self.on_crash = (), None
