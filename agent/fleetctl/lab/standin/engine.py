@@ -285,36 +285,42 @@ class KVPool:
     def attend(self, layer, q, k, v, step):
         """The attention of `step` in its kernels' regions: decode (one token after a prefix)
         in KERNELS["attention_decode"]'s two, a prefill or a target verify in the extend
-        kernel's; each sleeps step.ctx.slow_s more inside (slow_attention_ms)."""
+        kernel's; each sleeps step.ctx.slow_s more inside (slow_attention_ms). The metadata (the
+        KV indices, the mask, the hook's keywords) is made before the region, as SGLang's
+        backends make theirs in init_forward_metadata; the KV reads and the attention are inside."""
+        torch = self.torch
         kb, vb = self.k[layer], self.v[layer]
         kb[step.slots], vb[step.slots] = k, v  # SGLang writes the new tokens' K/V before attention
         slow = step.ctx.slow_s if step.ctx is not None else 0.0
         decode = q.shape[0] == 1 and step.prefix.numel() > 0 and not step.verify
         names = KERNELS["attention_decode"] if decode else KERNELS["attention_extend"]
-        with region(self.torch, names[0]):
-            o = self._attend(layer, q, k, v, step, kb, vb)
+        t, P = q.shape[0], step.prefix.numel()
+        hook = None
+        if step.verify and self.verify is not None:
+            o = torch.empty_like(q)
+            hook = self.verify_args(q, k, v, o, kb, vb, step.prefix, t)
+        idx = torch.cat([step.prefix, step.slots])
+        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
+        with region(torch, names[0]):
+            o = self._attend(q, step, kb, vb, hook, idx, mask)
             if slow > 0:
                 time.sleep(slow)
         if decode:
-            with region(self.torch, names[1]):
+            with region(torch, names[1]):
                 o = o.contiguous()
         return o
 
-    def _attend(self, layer, q, k, v, step, kb, vb):
-        torch = self.torch
-        t, P = q.shape[0], step.prefix.numel()
-        if step.verify and self.verify is not None:
-            o = torch.empty_like(q)
-            if self.verify(**self.verify_args(q, k, v, o, kb, vb, step.prefix, t)):
-                self.calls["verify_hook"] += 1
-                return o
+    def _attend(self, q, step, kb, vb, hook, idx, mask):
+        """The attention itself: through the verify hook when it serves `hook` (its keywords),
+        else the stand-in's own over the slots `idx` with the causal `mask`."""
+        if hook is not None and self.verify(**hook):
+            self.calls["verify_hook"] += 1
+            return hook["o_extend"]
         if step.verify:
             self.calls["verify_own"] += 1
-        idx = torch.cat([step.prefix, step.slots])
         keys = kb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)  # query head h reads KV head h // G
         vals = vb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
+        o = self.torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask)
         return o.transpose(0, 1)
 
