@@ -45,6 +45,7 @@ Stdlib + torch (imported when a model is built) only; never imports fleetctl (it
 server.py onto lab hosts).
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -69,7 +70,8 @@ KERNELS = {
     # srt/layers/attention/triton_ops/extend_attention.py:42 / kernels/ops/attention/extend_attention.py:375
     "attention_extend": ("_fwd_kernel",),
     # the router's top-k (sgl_kernel topk_softmax: srt/layers/moe/topk.py:39 / kernels/ops/moe/__init__.py:171)
-    # and the sort of tokens by expert (srt/layers/moe/fused_moe_triton/fused_moe.py:653 / kernels/ops/moe/moe_align.py:38)
+    # and the sort of tokens by expert (srt/layers/moe/fused_moe_triton/fused_moe.py:653 /
+    # kernels/ops/moe/moe_align.py:38)
     "moe_route": ("topk_softmax", "moe_align_block_size"),
     # the Triton fused MoE GEMM, once up (w13) and once down (w2), and the activation between:
     # srt/layers/moe/fused_moe_triton/fused_moe.py:307 / kernels/ops/moe/fused_moe_triton_kernels.py:322;
@@ -80,9 +82,18 @@ KERNELS = {
     "all_reduce": ("sglang::outplace_all_reduce",),
     # sampling a non-greedy token (srt/layers/sampler.py); a greedy one is torch.argmax, as there
     "sampling": ("top_k_top_p_sampling_from_probs",),
-    # greedy acceptance of a target verify (sgl_kernel, srt/speculative/eagle_utils.py:35 / kernels/ops/speculative/tree.py:61)
+    # greedy acceptance of a target verify (sgl_kernel: srt/speculative/eagle_utils.py:35 /
+    # kernels/ops/speculative/tree.py:61)
     "verify_accept": ("verify_tree_greedy",),
 }
+
+
+def region(torch, name):
+    """torch.profiler.record_function(name) while a profiler records this thread, else a no-op
+    context (a record_function region costs tens of microseconds even with none recording)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class BadRequest(ValueError):
@@ -106,7 +117,9 @@ def build_model(seed, moe=False):
     forward(ids, positions, pool, step) -> logits [t, VOCAB]."""
     import torch
     from torch import nn
-    from torch.profiler import record_function
+
+    def record_function(name):
+        return region(torch, name)
 
     def all_reduce(x, step):
         """The tensor-parallel all-reduce of a row-parallel output (a copy here: one process holds
@@ -272,37 +285,42 @@ class KVPool:
     def attend(self, layer, q, k, v, step):
         """The attention of `step` in its kernels' regions: decode (one token after a prefix)
         in KERNELS["attention_decode"]'s two, a prefill or a target verify in the extend
-        kernel's; each sleeps step.ctx.slow_s more inside (slow_attention_ms)."""
-        from torch.profiler import record_function
+        kernel's; each sleeps step.ctx.slow_s more inside (slow_attention_ms). The metadata (the
+        KV indices, the mask, the hook's keywords) is made before the region, as SGLang's
+        backends make theirs in init_forward_metadata; the KV reads and the attention are inside."""
+        torch = self.torch
         kb, vb = self.k[layer], self.v[layer]
         kb[step.slots], vb[step.slots] = k, v  # SGLang writes the new tokens' K/V before attention
         slow = step.ctx.slow_s if step.ctx is not None else 0.0
         decode = q.shape[0] == 1 and step.prefix.numel() > 0 and not step.verify
         names = KERNELS["attention_decode"] if decode else KERNELS["attention_extend"]
-        with record_function(names[0]):
-            o = self._attend(layer, q, k, v, step, kb, vb)
+        t, P = q.shape[0], step.prefix.numel()
+        hook = None
+        if step.verify and self.verify is not None:
+            o = torch.empty_like(q)
+            hook = self.verify_args(q, k, v, o, kb, vb, step.prefix, t)
+        idx = torch.cat([step.prefix, step.slots])
+        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
+        with region(torch, names[0]):
+            o = self._attend(q, step, kb, vb, hook, idx, mask)
             if slow > 0:
                 time.sleep(slow)
         if decode:
-            with record_function(names[1]):
+            with region(torch, names[1]):
                 o = o.contiguous()
         return o
 
-    def _attend(self, layer, q, k, v, step, kb, vb):
-        torch = self.torch
-        t, P = q.shape[0], step.prefix.numel()
-        if step.verify and self.verify is not None:
-            o = torch.empty_like(q)
-            if self.verify(**self.verify_args(q, k, v, o, kb, vb, step.prefix, t)):
-                self.calls["verify_hook"] += 1
-                return o
+    def _attend(self, q, step, kb, vb, hook, idx, mask):
+        """The attention itself: through the verify hook when it serves `hook` (its keywords),
+        else the stand-in's own over the slots `idx` with the causal `mask`."""
+        if hook is not None and self.verify(**hook):
+            self.calls["verify_hook"] += 1
+            return hook["o_extend"]
         if step.verify:
             self.calls["verify_own"] += 1
-        idx = torch.cat([step.prefix, step.slots])
         keys = kb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)  # query head h reads KV head h // G
         vals = vb[idx].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        mask = torch.arange(P + t)[None, :] <= (P + torch.arange(t))[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
+        o = self.torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask)
         return o.transpose(0, 1)
 
@@ -391,7 +409,9 @@ class Engine:
         self.inflight = 0
         self.waiting_tokens = 0  # prompt tokens of the requests waiting for the lock
         self.count_lock = threading.Lock()
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="fleetctl-standin-scheduler")
+        # torch's intra-op thread count is per thread (OpenMP's): one there too, as build_model sets here
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="fleetctl-standin-scheduler",
+                                         initializer=torch.set_num_threads, initargs=(1,))
         self.forward_ct = self.decode_ct = 0
         self.profiler = self.recorder = None
         self.crash_types, self.on_crash = (), None
@@ -424,30 +444,27 @@ class Engine:
         return self.pool.size - len(self.pool.free_slots) + self.waiting_tokens
 
     def _pass(self, stage, fn):
-        """One forward pass of `stage` ("EXTEND" or "DECODE"): fn(PassCtx) on the scheduler thread,
+        """One forward pass of `stage` ("EXTEND" or "DECODE"), run on the scheduler thread: fn(PassCtx)
         with the profiler before it and the recorder after it; fn's result."""
         torch = self.torch
-
-        def run():
-            self.forward_ct += 1
-            if self.profiler is not None:
-                self.profiler.on_pass(stage, self.forward_ct)
-            b = self.behavior
-            hot = b.get("hot_expert")
-            ctx = PassCtx(torch.zeros((LAYERS, EXPERTS), dtype=torch.int32) if self.moe else None,
-                          (int(hot["layer"]), int(hot["expert"])) if hot else None,
-                          float(b.get("slow_attention_ms", 0)) / 1000.0, self.tp_size)
-            out = fn(ctx)
-            if self.recorder is not None and ctx.counts is not None:
-                self.recorder.on_pass(self.forward_ct, ctx.counts)
-            if stage == "DECODE":
-                self.decode_ct += 1
-                if self.decode_ct % DECODE_LOG_INTERVAL == 0:
-                    self.spec_total_accept += self.spec_accept
-                    self.spec_total_fwd += self.spec_fwd
-                    self.spec_accept = self.spec_fwd = 0
-            return out
-        return self.on_scheduler(run)
+        self.forward_ct += 1
+        if self.profiler is not None:
+            self.profiler.on_pass(stage, self.forward_ct)
+        b = self.behavior
+        hot = b.get("hot_expert")
+        ctx = PassCtx(torch.zeros((LAYERS, EXPERTS), dtype=torch.int32) if self.moe else None,
+                      (int(hot["layer"]), int(hot["expert"])) if hot else None,
+                      float(b.get("slow_attention_ms", 0)) / 1000.0, self.tp_size)
+        out = fn(ctx)
+        if self.recorder is not None and ctx.counts is not None:
+            self.recorder.on_pass(self.forward_ct, ctx.counts)
+        if stage == "DECODE":
+            self.decode_ct += 1
+            if self.decode_ct % DECODE_LOG_INTERVAL == 0:
+                self.spec_total_accept += self.spec_accept
+                self.spec_total_fwd += self.spec_fwd
+                self.spec_accept = self.spec_fwd = 0
+        return out
 
     def generate(self, prompt, sp, on_token=None, logprobs=None):
         """Decode for one prompt. prompt: token ids; sp: sampling params dict (SamplingParams names);
@@ -471,7 +488,7 @@ class Engine:
         if temperature < 1e-5:
             nxt = int(row.argmax())
         else:
-            with torch.profiler.record_function(KERNELS["sampling"][0]):
+            with region(torch, KERNELS["sampling"][0]):
                 nxt = int(torch.multinomial(torch.softmax(row / temperature, -1), 1, generator=gen))
         return (nxt + shift) % VOCAB
 
@@ -489,53 +506,61 @@ class Engine:
         temperature = 1.0 if temperature is None else float(temperature)
         stops = set(sp.get("stop_token_ids") or ()) | {EOS}
         gen = torch.Generator().manual_seed(sp.get("sampling_seed") or 0)
+        # speculative only for greedy requests (a sampled one decodes plainly here)
+        T = self.draft_tokens if self.draft_tokens and temperature < 1e-5 else None
+        with self.count_lock:
+            self.waiting_tokens += len(prompt)
+        with self.lock:
+            with self.count_lock:
+                self.waiting_tokens -= len(prompt)
+            # the whole request on the scheduler thread (one hop; the lock already serializes them)
+            return self.on_scheduler(lambda: self._decode(prompt, sp, max_new, temperature, stops, gen, T,
+                                                          on_token, logprobs))
+
+    def _decode(self, prompt, sp, max_new, temperature, stops, gen, T, on_token, logprobs):
+        """_generate's decoding loop, on the scheduler thread: one forward pass (_pass) whenever
+        no decided token is pending; the behaviour's slowdowns after each token. Returns
+        generate's triple."""
+        out, rows, info = [], [], {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "draft_tokens": T}
+        finish = {"type": "length", "length": max_new}
+        held = []  # slots of the context (req_to_token's row)
         b = self.behavior
         shift = int(b.get("token_shift", 0))
         slowdown = float(b.get("slowdown", 1.0))
         delay_s = float(b.get("delay_ms", 0)) / 1000.0
         contention_s = float(b.get("contention_ms", 0)) / 1000.0
         truncate = b.get("truncate_tokens")
-        # speculative only for greedy requests (a sampled one decodes plainly here)
-        T = self.draft_tokens if self.draft_tokens and temperature < 1e-5 else None
-        out, rows, info = [], [], {"spec_verify_ct": 0, "spec_num_correct_drafts": 0, "draft_tokens": T}
-        finish = {"type": "length", "length": max_new}
-        held = []  # slots of the context (req_to_token's row)
-        with self.count_lock:
-            self.waiting_tokens += len(prompt)
-        with self.lock, torch.inference_mode():
-            with self.count_lock:
-                self.waiting_tokens -= len(prompt)
-            try:
-                pending = []  # tokens decided and not yet emitted (a verify step decides several)
-                while len(out) < max_new:
-                    t0 = time.perf_counter()
-                    if not pending:
-                        pending, lp_rows = self._pass("DECODE" if out else "EXTEND", lambda ctx: self._advance(
-                            prompt, out, held, T, temperature, gen, shift, info, ctx))
-                        rows_pending = list(lp_rows)
-                    nxt = pending.pop(0)
-                    rows.append(rows_pending.pop(0))
-                    out.append(nxt)
-                    if slowdown > 1.0:
-                        time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
-                    if delay_s > 0:
-                        time.sleep(delay_s)
-                    if contention_s > 0 and self.inflight > 1:
-                        time.sleep(contention_s * (self.inflight - 1))
-                    if truncate is not None and len(out) >= truncate:
-                        finish = {"type": "stop", "matched": EOS}
-                        break
-                    if (nxt in stops and not sp.get("ignore_eos", False)
-                            and len(out) >= sp.get("min_new_tokens", 0)):
-                        finish = {"type": "stop", "matched": nxt}
-                        break
-                    if on_token is not None and len(out) < max_new:
-                        on_token(out)
-                if logprobs is not None:
-                    info.update(self._logprobs(prompt, out, rows, logprobs))
-            finally:
-                self.pool.release(held)
-                held.clear()
+        try:
+            pending = []  # tokens decided and not yet emitted (a verify step decides several)
+            while len(out) < max_new:
+                t0 = time.perf_counter()
+                if not pending:
+                    pending, lp_rows = self._pass("DECODE" if out else "EXTEND", lambda ctx: self._advance(
+                        prompt, out, held, T, temperature, gen, shift, info, ctx))
+                    rows_pending = list(lp_rows)
+                nxt = pending.pop(0)
+                rows.append(rows_pending.pop(0))
+                out.append(nxt)
+                if slowdown > 1.0:
+                    time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+                if delay_s > 0:
+                    time.sleep(delay_s)
+                if contention_s > 0 and self.inflight > 1:
+                    time.sleep(contention_s * (self.inflight - 1))
+                if truncate is not None and len(out) >= truncate:
+                    finish = {"type": "stop", "matched": EOS}
+                    break
+                if (nxt in stops and not sp.get("ignore_eos", False)
+                        and len(out) >= sp.get("min_new_tokens", 0)):
+                    finish = {"type": "stop", "matched": nxt}
+                    break
+                if on_token is not None and len(out) < max_new:
+                    on_token(out)
+            if logprobs is not None:
+                info.update(self._logprobs(prompt, out, rows, logprobs))
+        finally:
+            self.pool.release(held)
+            held.clear()
         return out, finish, info
 
     def _advance(self, prompt, out, held, T, temperature, gen, shift, info, ctx=None):
@@ -573,7 +598,7 @@ class Engine:
                 drafts.append((int(row[-1].argmax()) + shift) % VOCAB)
         logits = self.model(torch.tensor(out[-1:] + drafts), torch.arange(n, n + T), pool,
                             Step(prefix, slots, verify=True, ctx=ctx))
-        with torch.profiler.record_function(KERNELS["verify_accept"][0]):
+        with region(torch, KERNELS["verify_accept"][0]):
             targets = [(int(i) + shift) % VOCAB for i in logits.argmax(-1)]
             accepted = 0
             while accepted < T - 1 and drafts[accepted] == targets[accepted]:

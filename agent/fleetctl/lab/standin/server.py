@@ -159,11 +159,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 if __package__:  # imported as fleetctl.lab.standin.server
-    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+    from .engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL,
+                         BadRequest, Engine, decode,
                          encode, load_verify_hook)
     from .instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 else:  # the script (python server.py, the sglang_router launcher's workers): engine.py is beside it, on sys.path
-    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL, BadRequest, Engine, decode,
+    from engine import (CONTEXT, DECODE_LOG_INTERVAL, EXPERTS, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MOE_MODEL,
+                        BadRequest, Engine, decode,
                         encode, load_verify_hook)
     from instruments import ExpertRecorder, Profiler, Refused, SchedulerCrash, recorder_modes, release_key
 
@@ -741,8 +743,9 @@ class Server(ThreadingHTTPServer):
     request_queue_size = 64
 
 
-def main(argv=None):
-    """Parse SGLang-like arguments, start listening at once, load the model in the background."""
+def parse_args(argv=None):
+    """SGLang-like arguments -> the namespace StandIn takes (`release` added: the SGLang release
+    spoken); argparse exits (2) on a refused combination."""
     p = argparse.ArgumentParser(description="fleetctl SGLang stand-in server (not SGLang)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -788,6 +791,12 @@ def main(argv=None):
         p.error("--speculative-num-draft-tokens must be at least 2 (the last token and one draft)")
     if args.speculative_eagle_topk not in (None, 1):
         p.error("--speculative-eagle-topk: the stand-in drafts a chain (topk 1) only")
+    return args
+
+
+def main(argv=None):
+    """Parse SGLang-like arguments, start listening at once, load the model in the background."""
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     behavior = load_behavior(args.behavior)
