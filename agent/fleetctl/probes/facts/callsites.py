@@ -85,16 +85,19 @@ def _walk(tree):
     """
     out = []
     stack = [(tree, None, ())]
+    AST, stmt_type, leaves, kept = ast.AST, ast.stmt, _LEAVES, _KEPT
     while stack:
         node, stmt, scopes = stack.pop()
         inner = scopes + (node,) if isinstance(node, _SCOPES) else scopes
-        for child in ast.iter_child_nodes(node):
-            if type(child) in _LEAVES:  # nothing below them is kept (measured: ~40% of all nodes)
-                continue
-            item = (child, child if isinstance(child, ast.stmt) else stmt, inner)
-            stack.append(item)
-            if isinstance(child, _KEPT):
-                out.append(item)
+        for field in node._fields:  # ast.iter_child_nodes' order, without its generators (a third of a parse)
+            value = getattr(node, field, None)
+            for child in (value if type(value) is list else (value,)):
+                if not isinstance(child, AST) or type(child) in leaves:  # leaves: nothing below them is kept (~40%)
+                    continue
+                item = (child, child if isinstance(child, stmt_type) else stmt, inner)
+                stack.append(item)
+                if isinstance(child, kept):
+                    out.append(item)
     return out
 
 
@@ -531,7 +534,7 @@ def scan(location, cache=None, workers=None, use_grep=True):
     try:
         t = time.time()
         grep = grepfilter.system_grep() if len(misses) >= GREP_MIN_FILES and use_grep else None
-        found = grepfilter.prefilter(grep, top, misses, _NEEDLES, _SKIP_DIRS) if grep else None
+        found = grepfilter.prefilter(grep, top, misses, _NEEDLES, _SKIP_DIRS, MAX_SOURCE_BYTES) if grep else None
         for path, rel, _ in misses:  # reading and a substring test: a worker would cost more than it saves
             e = found.get(path) if found is not None else None
             entries[rel] = e if e is not None else file_entry(path, rel, False)

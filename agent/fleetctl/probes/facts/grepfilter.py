@@ -31,7 +31,6 @@ import time
 GREPS = ("/usr/bin/grep", "/bin/grep")
 MAX_OUTPUT_BYTES = 32 << 20  # 0.5.23's tree: 0.4 MiB
 DEADLINE_S = 120.0
-MAX_SOURCE_BYTES = 16 << 20  # callsites.MAX_SOURCE_BYTES (a larger file is left to Python: its error)
 _ENV = {"LC_ALL": "C", "PATH": "/usr/bin:/bin"}
 
 
@@ -93,12 +92,12 @@ def _run(argv, limit):
         p.stdout.close()
 
 
-def prefilter(grep, top, files, needles, skip_dirs):
+def prefilter(grep, top, files, needles, skip_dirs, max_bytes):
     """{path: entry} for `files` ([(path, ...)] under directory `top`, as the walk found them):
     entry {"id": callsites.identity, "candidate": holds one of `needles` (bytes), "class_names"
     (non-candidates: callsites._CLASS_RE's names in order, each once)}, or None when grep cannot
     vouch for them all (see the module docstring). A file that is not a regular one or is over
-    MAX_SOURCE_BYTES is left out of the answer: the caller reads it (and reports why not)."""
+    `max_bytes` is left out of the answer: the caller reads it (and reports why not)."""
     pattern = b"|".join(needles + (b"^[ \t]*class[ \t]+[A-Za-z0-9_]+",))
     argv = [grep, "-r", "-o", "-a", "-Z", "-E", "-D", "skip", "--include=*.py"]
     argv += ["--exclude-dir=" + d for d in sorted(skip_dirs)] + ["-e", pattern, "--", top]
@@ -119,7 +118,7 @@ def prefilter(grep, top, files, needles, skip_dirs):
             st = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
             continue
         matches = found.get(os.fsencode(path), [])
         entry = {"id": [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino],
