@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import subprocess
 import threading
@@ -31,7 +30,7 @@ from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko
 
 from ..config import KEY_FILE
 from ..errors import SshConfigError
-from . import command, trace
+from . import command, polling, trace
 from .base import Connection, OutputBuffer, Process
 from .paramiko_dial import dial, fingerprint, proxy_command, verifying_client
 from .errors import (AUTH_FIX, HostKeyRefused, RemoteTimeout, Unreachable, identity_missing, proxy_failed, refused,
@@ -110,7 +109,7 @@ class ParamikoProcess(Process):
                 break
             if time.monotonic() > deadline:
                 raise RemoteTimeout("the remote command did not end by its deadline")
-            select.select([chan], [], [], 0.05)
+            polling.wait([chan.fileno()], timeout=0.05)
         code = chan.recv_exit_status()
         if code == -1 and not self.conn.alive():
             # paramiko's exit_status_ready() is also true once the channel closed with the transport
