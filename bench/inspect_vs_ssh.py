@@ -175,6 +175,7 @@ def labs_up(n: int, lab_ids: list[int], known: Path, home: Path) -> tuple[Path, 
 
 def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
     """One fleet size: labs up, faults, alternating runs; returns the raw timings and medians."""
+    runs = dict((int(k), int(v)) for k, v in (x.split("=") for x in a.runs_at)).get(n, a.runs)
     home = Path(tempfile.mkdtemp(prefix="fleetctl-bench-"))
     known = home / ".ssh" / "known_hosts"
     sd = lab.state_dir_for(lab_ids[0])
@@ -229,7 +230,8 @@ def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
                                                    "-c", "ssh", *CT], None),
             "floor: OpenSSH starting Python -S": ([*xargs, *ssh, "root@{}", PY_FLOOR], "\n".join(addrs) + "\n"),
         }
-        cmds = {k: v for k, v in cmds.items() if k in a.lines and not (k.startswith("Ansible") and n > a.ansible_max)}
+        cmds = {k: v for k, v in cmds.items() if k in a.lines and not (k.startswith("Ansible") and n > a.ansible_max)
+                and not (k.startswith("fleetctl cold") and n > a.cold_max)}
         if "raw OpenSSH grep, live masters" in cmds or "fleetctl warm (ssh, live masters)" in cmds:
             for addr in addrs:  # live masters for the reference lines
                 subprocess.run([*master, "-M", "-N", "-f", f"root@{addr}"], check=True, timeout=120,
@@ -241,7 +243,7 @@ def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
         check("warm-up inspect", timed(warm, env))  # every host's interpreter recorded: the floor's line reads it
         raw: dict[str, list[dict]] = {k: [] for k in cmds}
         docs = {}
-        for _ in range(a.runs):
+        for _ in range(runs):
             for name, (cmd, stdin) in cmds.items():
                 if name.startswith("fleetctl cold"):
                     check("cache clear", timed(clear, env))
@@ -258,7 +260,7 @@ def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
         single = {"ssh grep -rl (one 0.5.23 host)": [], "fleetctl warm (one 0.5.23 host)": [],
                   "floor: fleetctl's start, no host": [], "floor: ssh HOST python -S -c pass": []}
         remote_grep = []
-        for _ in range(a.runs):
+        for _ in range(runs):
             r = check("grep -rl", timed([*ssh, f"root@{one['address']}", GREP_RL], env))
             single["ssh grep -rl (one 0.5.23 host)"].append(r["wall_s"])
             r = check("inspect one", timed([sys.executable, "-m", "fleetctl.cli", "inspect", one["name"], "--json", *CT], env))
@@ -279,7 +281,7 @@ def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
             for addr in addrs:
                 subprocess.run([*master, "-O", "exit", f"root@{addr}"], capture_output=True, timeout=30)
         return {
-            "hosts": n, "lab_up_s": round(up_s, 1), "raw": raw, "single": single,
+            "hosts": n, "runs": runs, "lab_up_s": round(up_s, 1), "raw": raw, "single": single,
             "median_wall_s": {k: statistics.median(x["wall_s"] for x in v) for k, v in raw.items()},
             "median_cpu_s": {k: statistics.median(x["cpu_s"] for x in v) for k, v in raw.items()},
             "median_rss_kb": {k: statistics.median(x["rss_kb"] for x in v) for k, v in raw.items()},
@@ -305,12 +307,12 @@ FLOOR = "floor: OpenSSH starting Python -S"
 
 def report(res: dict, delay_ms: int, runs: int) -> str:
     lines = [f"fleetctl inspect vs the grep habit: delay {delay_ms} ms each way ({2 * delay_ms} ms RTT), "
-             f"{runs} alternating runs, medians; control machine: {os.cpu_count()} CPUs, shared with other "
+             f"alternating runs (per size below), medians; control machine: {os.cpu_count()} CPUs, shared with other "
              "work (load averages per size below: absolute times are inflated, ratios within a size are the figure)"]
     for r in res["sizes"]:
         n = r["hosts"]
         base, floor = r["median_wall_s"].get("raw OpenSSH grep"), r["median_wall_s"].get(FLOOR)
-        lines.append(f"\n{n} hosts (labs {r.get('lab_ids')}, up in {r['lab_up_s']} s; load average at the end "
+        lines.append(f"\n{n} hosts, {r['runs']} runs (labs {r.get('lab_ids')}, up in {r['lab_up_s']} s; load average at the end "
                      f"{' '.join(f'{x:.1f}' for x in r.get('load', []))})")
         lines.append(f"  {'':36s} {'wall s':>7s} {'x raw':>6s} {'x floor':>7s} {'ctl CPU s':>9s} {'ms/host':>7s} "
                      f"{'RSS MiB':>7s} {'max fds':>7s} {'threads':>7s} {'not ok':>6s}")
@@ -350,9 +352,13 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--delay-ms", type=int, default=10)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs-at", nargs="*", default=[], metavar="HOSTS=RUNS",
+                    help="fewer (or more) runs at one fleet size, e.g. 256=2 (its lines are minutes each)")
     ap.add_argument("--lab-id", type=int, default=33)
     ap.add_argument("--lines", nargs="+", default=LINES, help="the lines to run (names as in the report)")
     ap.add_argument("--ansible-max", type=int, default=64, help="no Ansible line above this many hosts")
+    ap.add_argument("--cold-max", type=int, default=1024, help="no fleetctl cold line above this many hosts")
+    ap.add_argument("--lab-hosts", type=int, default=LAB_HOSTS, help="hosts per lab (several labs above it)")
     ap.add_argument("--out", type=Path, help="write the raw results (JSON) and the report (.txt) here")
     ap.add_argument("--keep", action="store_true", help="leave the labs up afterwards")
     a = ap.parse_args()
@@ -361,7 +367,7 @@ def main() -> int:
            "load_at_start": os.getloadavg(), "sizes": []}
     next_id = a.lab_id
     for n in a.hosts:
-        ids = list(range(next_id, next_id + math.ceil(n / LAB_HOSTS)))
+        ids = list(range(next_id, next_id + math.ceil(n / a.lab_hosts)))
         next_id += len(ids)
         res["sizes"].append(dict(fleet_run(n, a, ids, env), lab_ids=ids))
         text = report(res, a.delay_ms, a.runs)
