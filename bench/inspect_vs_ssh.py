@@ -212,7 +212,9 @@ def fleet_run(n: int, a, lab_ids: list[int], base_env: dict) -> dict:
                "-i", key, "-o", "IdentitiesOnly=yes"]
         master = [*ssh, "-o", f"ControlPath={cp}/%C", "-o", "ControlMaster=auto", "-o", "ControlPersist=600"]
         xargs = ["xargs", "-P", str(n), "-I{}", "timeout", "120"]
-        pyinfra = ["pyinfra", ",".join(addrs), "fact", "server.Command", f"command={GREP}", "--user", "root",
+        pyinfra_inv = home / "pyinfra_inventory.py"  # a comma list of 64 addresses is over NAME_MAX for its Path check
+        pyinfra_inv.write_text(f"lab = {addrs!r}\n")
+        pyinfra = ["pyinfra", str(pyinfra_inv), "fact", "server.Command", f"command={GREP}", "--user", "root",
                    "--key", key, "--parallel", str(n), "-y", "--data", f"ssh_known_hosts_file={known}",
                    "--data", "ssh_strict_host_key_checking=yes"]
         cmds = {
@@ -361,7 +363,18 @@ def main() -> int:
     ap.add_argument("--lab-hosts", type=int, default=LAB_HOSTS, help="hosts per lab (several labs above it)")
     ap.add_argument("--out", type=Path, help="write the raw results (JSON) and the report (.txt) here")
     ap.add_argument("--keep", action="store_true", help="leave the labs up afterwards")
+    ap.add_argument("--report-of", nargs="+", type=Path, metavar="JSON",
+                    help="run nothing: the report of these saved results, their sizes in order (to --out)")
     a = ap.parse_args()
+    if a.report_of:
+        docs = [json.loads(p.read_text()) for p in a.report_of]
+        res = dict(docs[0], sizes=[s for d in docs for s in d["sizes"]], parts=[str(p) for p in a.report_of])
+        text = report(res, res["delay_ms"], res["runs"])
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1) + "\n")
+            a.out.with_suffix(".txt").write_text(text + "\n")
+        print(text)
+        return 0
     env = dict(os.environ)
     res = {"delay_ms": a.delay_ms, "runs": a.runs, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_at_start": os.getloadavg(), "sizes": []}
