@@ -25,6 +25,7 @@ from rich.text import Text
 from .. import __version__
 from ..errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError
 from ..history import record
+from ..limits import raise_open_files
 from . import ansible, fleet, history, htmlreport, lab
 from .console import err
 
@@ -85,6 +86,7 @@ def main() -> None:
     SIGTERM as Ctrl-C, exit 143), and records the run's end with that code in the run history
     (history.record; 1 for an uncaught exception, as Python exits)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    raise_open_files()  # a fleet of hundreds of hosts needs more than a default 1024 (limits.py)
     code = 1
     try:
         code = _run()

@@ -59,7 +59,7 @@ def inspect(opts: FleetOptions, pattern: Pattern,
     trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
     hosts = opts.select(pattern)
     with opts.fleet(timeout=opts.timeout + DEADLINE_S if trace is not None else None) as fleet:
-        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect")
+        results = fleet.run(hosts, partial(inspect_job, cache=not no_cache, replay=trace), "inspect", last=True)
     _finish(results, opts.json_out, renderer("inspect", {}, details=details), hosts=inspect_document(results)["hosts"])
 
 
@@ -339,7 +339,7 @@ def status(opts: FleetOptions, pattern: Pattern, install: InstallOpt = None) -> 
 
     hosts = opts.select(pattern)
     with opts.fleet() as fleet:
-        results = fleet.run(hosts, status_job(install=install), "status")
+        results = fleet.run(hosts, status_job(install=install), "status", last=True)
     _finish(results, opts.json_out, renderer("status", {}))
 
 
@@ -352,7 +352,7 @@ def cache_clear(opts: FleetOptions, pattern: Pattern) -> None:
 
     hosts = opts.select(pattern)
     with opts.fleet() as fleet:
-        results = fleet.run(hosts, cache_clear_job, "cache clear")
+        results = fleet.run(hosts, cache_clear_job, "cache clear", last=True)
     _finish(results, opts.json_out, renderer("cache clear", {}))
 
 

@@ -8,11 +8,11 @@ wrapper), so a local command behaves as a remote one does.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import time
 
+from . import polling
 from .base import Connection, OutputBuffer, Process
 from .errors import OutputTooLarge, RemoteTimeout, Unreachable
 
@@ -45,7 +45,7 @@ class LocalProcess(Process):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RemoteTimeout("local command did not end by its deadline")
-                readable, writable, _ = select.select(list(sinks), [writer] if pending else [], [], left)
+                readable, writable = polling.wait(list(sinks), [writer] if pending else [], left)
                 if writable:
                     try:
                         pending = pending[os.write(writer, pending[:65536]):]
@@ -70,13 +70,13 @@ class LocalProcess(Process):
 
     def read_out(self, limit: int, timeout: float) -> bytes:
         fd = self._p.stdout.fileno()
-        if not select.select([fd], [], [], max(0.0, timeout))[0]:
+        if not polling.wait([fd], timeout=max(0.0, timeout))[0]:
             return b""
         return os.read(fd, limit)
 
     def read_err(self, limit: int, timeout: float) -> bytes:
         fd = self._p.stderr.fileno()
-        if not select.select([fd], [], [], max(0.0, timeout))[0]:
+        if not polling.wait([fd], timeout=max(0.0, timeout))[0]:
             return b""
         return os.read(fd, limit)
 

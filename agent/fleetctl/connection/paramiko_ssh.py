@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import subprocess
 import threading
@@ -31,7 +30,7 @@ from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko
 
 from ..config import KEY_FILE
 from ..errors import SshConfigError
-from . import command, trace
+from . import command, polling, trace
 from .base import Connection, OutputBuffer, Process
 from .paramiko_dial import dial, fingerprint, proxy_command, verifying_client
 from .errors import (AUTH_FIX, HostKeyRefused, RemoteTimeout, Unreachable, identity_missing, proxy_failed, refused,
@@ -41,8 +40,13 @@ from .resolve import Resolved, hop_chain
 # paramiko logs failed handshakes with tracebacks on stderr; fleetctl reports each host's error itself.
 logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 # Seconds between open()'s looks at how far the connect has got (trace.Phases): phase times are
-# this exact.
+# this exact when they are shown (-v); otherwise only the phase that stalled is said, and open()
+# looks every IDLE_POLL_S (issue 55: a 10 ms poll cost a host 2 ms of CPU a second of connect,
+# and connects take longer as the fleet grows, so its cost per host grew with the fleet).
 POLL_S = 0.01
+IDLE_POLL_S = 0.2
+# The longest a command's wait for output sleeps between looks at its deadline.
+WAIT_S = 1.0
 # A failure this close to the connect deadline (seconds) is paramiko's own timeout, which it was
 # given as what was left of it: reported as the phase that stalled.
 STALL_SLACK_S = 0.25
@@ -108,9 +112,13 @@ class ParamikoProcess(Process):
                 err.add(chan.recv_stderr(65536))
             if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left < 0:
                 raise RemoteTimeout("the remote command did not end by its deadline")
-            select.select([chan], [], [], 0.05)
+            if chan.eof_received:  # its pipe stays readable from now on: wait for the exit status
+                chan.status_event.wait(min(0.05, left))
+            else:  # woken by output or EOF (paramiko sets the channel's pipe), not by a clock
+                polling.wait([chan.fileno()], timeout=min(WAIT_S, left))
         code = chan.recv_exit_status()
         if code == -1 and not self.conn.alive():
             # paramiko's exit_status_ready() is also true once the channel closed with the transport
@@ -310,7 +318,8 @@ class ParamikoConnection(Connection):
                     self.close()
 
         threading.Thread(target=connect, daemon=True, name=f"fleetctl-connect-{self.host.name}").start()
-        while not done.wait(POLL_S):
+        poll = POLL_S if trace.log.isEnabledFor(logging.INFO) else IDLE_POLL_S
+        while not done.wait(min(poll, max(0.0, deadline - time.monotonic()) + POLL_S)):
             self._observe()
             if time.monotonic() >= deadline or self._proxy_failure():
                 break

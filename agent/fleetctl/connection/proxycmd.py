@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import threading
 import time
 
 from ._paramiko import paramiko  # first: paramiko without invoke (see _paramiko.py)
+from . import polling
 
 # Seconds between a proxy's SIGTERM and its group's SIGKILL.
 KILL_AFTER_S = 2
@@ -63,7 +63,7 @@ class ProxyCommand(paramiko.ProxyCommand):
                 wait = None if self.timeout is None else self.timeout - (time.monotonic() - start)
                 if wait is not None and wait <= 0:
                     raise socket.timeout()
-                if select.select([fd], [], [], wait)[0]:
+                if polling.wait([fd], timeout=wait)[0]:
                     chunk = os.read(fd, size - len(buf))
                     if not chunk:
                         break

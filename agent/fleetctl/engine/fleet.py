@@ -28,6 +28,7 @@ from rich.console import Console
 from ..connection import Connection, Session, Settings, Unreachable
 from ..errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PARSE, EXIT_UNREACHABLE, FleetctlError, HostError
 from ..inventory import Host
+from ..limits import FDS_PER_HOST, forks_allowed
 from ..vocab import HostStatus
 from .context import HostContext, HostResult
 from .progress import RunProgress
@@ -152,7 +153,11 @@ class Fleet:
         self.run_timeout = run_timeout
         self.run_deadline = None if run_timeout is None else time.monotonic() + run_timeout
         self.expired = False  # set when the run-level deadline passed: no host starts any more
-        self.forks = forks
+        self.forks = forks_allowed(forks)  # what the open-files limit allows at once (limits.py)
+        if self.forks < forks:
+            (console or Console(stderr=True)).print(
+                f"[yellow]note:[/] --forks {forks}: the open-files limit (ulimit -n) allows {self.forks} hosts "
+                f"at once ({FDS_PER_HOST} descriptors each); working on {self.forks} at a time", highlight=False)
         self.timeout = timeout
         self.progress = progress  # engine.progress.MODES: "bar", "lines", or None
         self.console = console or Console(stderr=True)
@@ -195,6 +200,15 @@ class Fleet:
             old.close()
         return self.connection(host)
 
+    def release(self, host: Host) -> None:
+        """Close the run's connection to `host`, if any: its job was its last (Fleet.run's
+        `last`), so a fleet wider than --forks holds at most --forks connections, their
+        descriptors, threads (paramiko's transport) and buffers at once."""
+        with self._conns_lock:
+            conn = self._conns.pop(host.name, None)
+        if conn is not None:
+            conn.close()
+
     def close(self) -> None:
         """Close every connection this fleet opened, then the run's session (Session.close:
         OpenSSH masters)."""
@@ -213,7 +227,7 @@ class Fleet:
         self.close()
 
     def _one(self, host: Host, job: Callable[[HostContext], HostResult], timeout: float,
-             progress: RunProgress) -> HostResult:
+             progress: RunProgress, last: bool = False) -> HostResult:
         start = time.monotonic()
         result = HostResult(host.name, host.address, HostStatus.FAILED)
         try:
@@ -232,14 +246,17 @@ class Fleet:
             result.parse_error = e.exit_code == EXIT_PARSE
         except Exception as e:  # a bug or an unexpected remote state must not stop other hosts
             result.status, result.error = HostStatus.FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        if last:
+            self.release(host)
         result.elapsed_s = round(time.monotonic() - start, 3)
         progress.done(host.name, result.status, result.elapsed_s)
         return result
 
     def run(self, hosts: list[Host], job: Callable[[HostContext], HostResult],
-            label: str = "hosts", timeout: float | None = None) -> list[HostResult]:
+            label: str = "hosts", timeout: float | None = None, last: bool = False) -> list[HostResult]:
         """Run `job` on every host (at most `forks` at once), each within `timeout` seconds
-        (default: the fleet's); results in inventory order."""
+        (default: the fleet's); results in inventory order. `last`: no later run of this fleet
+        uses these hosts, so each host's connection is closed when its job ends (release)."""
         timeout = timeout or self.timeout
         note = getattr(job, "stopped_note", None)
         results: dict[str, HostResult] = {}
@@ -248,7 +265,7 @@ class Fleet:
         progress = RunProgress(label, len(hosts), self.console, self.progress)
         progress.start()
         pool = ThreadPoolExecutor(max_workers=min(self.forks, max(1, len(hosts))))
-        futures = {pool.submit(self._one, h, job, timeout, progress): h for h in hosts}
+        futures = {pool.submit(self._one, h, job, timeout, progress, last): h for h in hosts}
         pending = set(futures)
         signals = _Signals.install()
         try:

@@ -184,9 +184,13 @@ def bundle(main: str, params: dict) -> bytes:
     """The stdin document that runs probe `main` with `params`, its modules (modules_for(main))
     loaded in order: the JSON text, zlib-compressed (about a quarter of the bytes; WRAPPER also
     takes it plain). + code_key (sources_sha256) when CODE_CACHE is among the modules: the host
-    keeps the ones after it compiled (see WRAPPER). The same bundle for many hosts is built
-    once (4 ms each)."""
-    return _bundle(main, json.dumps(params, sort_keys=True))
+    keeps the ones after it compiled (see WRAPPER). The params come last in the text, so the
+    modules are compressed once per process (_compressed_head) and each host's bundle only
+    adds its params to a copy of that compressor: 0.3 ms a host instead of 14 ms (issue 55:
+    every host's params differ, its deadline_s at least)."""
+    head, compressor = _compressed_head(main)
+    c = compressor.copy()
+    return head + c.compress((json.dumps(params, sort_keys=True) + "}").encode()) + c.flush()
 
 
 def document(main: str, params: dict) -> dict:
@@ -198,11 +202,16 @@ def document(main: str, params: dict) -> dict:
 
 
 @lru_cache(maxsize=16)
-def _bundle(main: str, params_json: str) -> bytes:
-    doc = document(main, json.loads(params_json))
+def _compressed_head(main: str) -> tuple[bytes, "zlib._Compress"]:
+    """(what a zlib compressor gave for probe `main`'s document up to its params value, that
+    compressor): the document's JSON text without params, its closing brace replaced by
+    `, "params": `."""
+    doc = document(main, {})
+    del doc["params"]
     if CODE_CACHE in _load_order(main):
         doc["code_key"] = sources_sha256(modules_for(main))
-    return zlib.compress(json.dumps(doc).encode(), 6)
+    c = zlib.compressobj(6)
+    return c.compress((json.dumps(doc)[:-1] + ', "params": ').encode()), c
 
 
 # Every probe starts with `python -I -S`: no site module, so no site-packages on sys.path and no
