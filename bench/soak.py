@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,7 +134,7 @@ class Soak:
     """One walk over `lab` (an object with hosts, status (lab_status's list), env, ssh(host,
     command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
 
-    def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "1", "2"), hold=(1.0, 8.0),
+    def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "2", "100%"), hold=(1.0, 8.0),
                  ops=OPS, weights=OP_WEIGHTS, fault_p=FAULT_P):
         """`serials`: the --serial values an apply draws from; `hold`: (least, most) seconds a host
         fault lasts; `ops`, `weights`: the operations drawn from and their weights."""
@@ -193,10 +195,10 @@ class Soak:
         out.with_suffix(".err").unlink()
         return err, doc
 
-    def inject(self, fault: str, host: str, p: subprocess.Popen, at: float, hold: float,
+    def inject(self, fault: str, host: str, p: subprocess.Popen, at: float, hold: float, arg: int,
                done: threading.Event) -> None:
         """`fault` on `host` (or on fleetctl's process `p`) `at` seconds in, held `hold` seconds
-        (unless `p` ends first), then cleared."""
+        (unless `p` ends first), then cleared; `arg`: a delay's ms, a fail-every's N."""
         if done.wait(at):
             return
         if fault in ("sigkill", "sigterm"):
@@ -212,11 +214,9 @@ class Soak:
         elif fault == "crash":  # the stand-in server SIGKILLed; healed after the operation
             self.lab.ssh(host, f"kill -9 $(cat {STANDIN}/server.pid)")
         else:
-            on, off, arg = {"freeze": ("freeze", "thaw", None), "down": ("down", "up", None),
-                            "delay": ("delay", "delay", self.rng.choice((200, 500, 1500))),
-                            "rekey": ("rekey", "unrekey", None),
-                            "fail-every": ("fail-every", "fail-every", self.rng.choice((1, 2, 3)))}[fault]
-            self.lab.fault(host, on, arg)
+            on, off = {"freeze": ("freeze", "thaw"), "down": ("down", "up"), "delay": ("delay", "delay"),
+                       "rekey": ("rekey", "unrekey"), "fail-every": ("fail-every", "fail-every")}[fault]
+            self.lab.fault(host, on, arg if on in ("delay", "fail-every") else None)
             done.wait(hold)
             self.lab.fault(host, off, 0 if off in ("delay", "fail-every") else None)
         self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash") else ""))
@@ -227,10 +227,11 @@ class Soak:
         at = self.rng.uniform(0.3, 4.0)
         hold = self.rng.uniform(*self.hold)
         host = self.rng.choice(self.loadable.split(",") if op == "validate-load" else self.lab.hosts)
-        p, t0, out = self.spawn(op)
+        arg = self.rng.choice((1, 2, 3)) if fault == "fail-every" else self.rng.choice((200, 500, 1500))
+        p, t0, out = self.spawn(op)  # every draw made here, none in the thread: a seed replays
         done = threading.Event()
         self.ended = None
-        th = threading.Thread(target=self.inject, args=(fault, host, p, at, hold, done), daemon=True) if fault else None
+        th = threading.Thread(target=self.inject, args=(fault, host, p, at, hold, arg, done), daemon=True) if fault else None
         if th:
             th.start()
         err, doc = self.reap(op, p, t0, out, None)
@@ -283,14 +284,17 @@ class Soak:
     def heal(self) -> None:
         """After an operation: a stand-in server the crash fault killed (and no restart handler
         brought back) started again, so the next operation's gate has a server."""
-        for host in self.lab.hosts:
-            r = self.lab.ssh(host, f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {STANDIN}/restart.sh; "
-                             "echo restarted; }")
-            if "restarted" in r.stdout:
+        cmd = f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {STANDIN}/restart.sh; echo restarted; }}"
+        with ThreadPoolExecutor(len(self.lab.hosts)) as pool:
+            said = dict(zip(self.lab.hosts, pool.map(lambda h: self.lab.ssh(h, cmd).stdout, self.lab.hosts)))
+        for host, out in said.items():
+            if "restarted" in out:
                 self.log(f"    {host}: stand-in restarted")
 
     def check(self, recovered: bool) -> None:
         """The checker (see the module docstring)."""
+        pool = ThreadPoolExecutor(len(self.lab.hosts))  # the hosts read while status runs
+        probes = {host: pool.submit(self.probe, host) for host in self.lab.hosts}
         t0 = time.time()
         r = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "status", "all", *COMMON], env=self.env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -298,12 +302,16 @@ class Soak:
         self.fig.runs += 1
         self.started.append((r.pid, t0, time.time(), None, r.returncode))
         try:
+            probes = {host: f.result() for host, f in probes.items()}
+        finally:
+            pool.shutdown()
+        try:
             status = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
         except (json.JSONDecodeError, KeyError):
             status = {}
             self.violation("status", f"status printed no JSON (exit {r.returncode}): {r.stderr[-300:]}")
         for host in self.lab.hosts:
-            tree, litter, lock, hook = self.probe(host)
+            tree, litter, lock, hook = probes[host]
             base, patch = self.pristine[host], self.patched.get(host, {})
             differ = set()
             for path in set(base) | set(tree):
@@ -395,6 +403,7 @@ class Soak:
             self.check(recovered)
             self.log(f"  step {self.step}: operation {t_op - t_step:.1f} s, check {time.monotonic() - t_op:.1f} s")
         self.check_history()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         self.fig.seconds = time.monotonic() - t
         return self.fig
 
