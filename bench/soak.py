@@ -54,7 +54,7 @@ OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate", "val
 OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1)
 # the faults each operation may get: a kill of fleetctl where it changes hosts; the stand-in's
 # every-Nth failure where a streamed request (the load client's) is sent; an overlap is itself the fault
-HOST_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "crash")
+HOST_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "crash", "disk-full")
 FAULTS = ("sigkill", "sigterm", *HOST_FAULTS, "fail-every")
 OP_FAULTS = {"apply": ("sigkill", "sigterm", *HOST_FAULTS), "rollback": ("sigkill", "sigterm", *HOST_FAULTS),
              "recover": ("sigkill", "sigterm", *HOST_FAULTS), "deploy": ("sigkill", "sigterm", *HOST_FAULTS),
@@ -64,6 +64,14 @@ FAULT_P = 0.5  # chance that an operation gets a fault
 CHANGING = ("apply", "rollback", "recover", "deploy")  # where a kill is a crash mid-change
 OP_TIMEOUT_S = 420  # a run still going then is a violation (hang) and is killed
 COMMON = ("--json", "--connect-timeout", "5")
+# disk-full: the state dir of the walk's first host is a small filesystem of its own (SMALL_FS, made
+# before the first operation), filled to its last byte by FILL for the fault's while, then emptied
+STATE_DIR = "/var/lib/fleetctl"
+FILLER = f"{STATE_DIR}/.soak-filler"
+SMALL_FS = (f"[ -z \"$(ls -A {STATE_DIR})\" ] && mount -t tmpfs -o size=128m,mode=0755 soak-small-fs {STATE_DIR} "
+            f"&& stat -f -c %T {STATE_DIR}")
+FILL = (f"a=$(df --output=avail -B1 {STATE_DIR} | tail -n 1); fallocate -l $a {FILLER} 2>/dev/null || "
+        f"dd if=/dev/zero of={FILLER} bs=64k 2>/dev/null; df --output=avail -B1 {STATE_DIR} | tail -n 1")
 LOCK_BUSY = "another fleetctl run is changing this host"  # connection/base.py LockBusy: the loser's reason
 ARGV = {
     "apply": ("apply", "defrag-tier0", "all", "--yes", "--run-timeout", "360",
@@ -105,6 +113,18 @@ class Figures:
     violations: list = field(default_factory=list)  # (step, kind, text)
     seconds: float = 0.0
 
+    def to_json(self) -> dict:
+        """The figures as a JSON object (what --sum reads back: from_json)."""
+        return {"seed": self.seed, "ops": dict(self.ops), "faults": dict(self.faults), "recoveries": self.recoveries,
+                "crashes": self.crashes, "runs": self.runs, "unrecorded": self.unrecorded,
+                "violations": self.violations, "seconds": self.seconds}
+
+    @staticmethod
+    def from_json(d: dict) -> "Figures":
+        return Figures(seed=d["seed"], ops=Counter(d["ops"]), faults=Counter(d["faults"]), recoveries=d["recoveries"],
+                       crashes=d["crashes"], runs=d["runs"], unrecorded=d["unrecorded"],
+                       violations=[tuple(v) for v in d["violations"]], seconds=d["seconds"])
+
     def text(self) -> str:
         """The figures as the lines committed under bench/results/."""
         lines = [f"seed {self.seed}: {sum(self.ops.values())} operations in {self.seconds:.0f} s "
@@ -135,11 +155,12 @@ class Soak:
     command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
 
     def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "2", "100%"), hold=(1.0, 8.0),
-                 ops=OPS, weights=OP_WEIGHTS, fault_p=FAULT_P):
+                 ops=OPS, weights=OP_WEIGHTS, fault_p=FAULT_P, faults=FAULTS):
         """`serials`: the --serial values an apply draws from; `hold`: (least, most) seconds a host
         fault lasts; `ops`, `weights`: the operations drawn from and their weights."""
         self.lab, self.rng, self.history, self.log = lab, random.Random(seed), history, log
         self.serials, self.hold, self.ops, self.weights, self.fault_p = serials, hold, ops, weights, fault_p
+        self.op_faults = {op: tuple(f for f in kinds if f in faults) for op, kinds in OP_FAULTS.items()}
         self.fig = Figures(seed)
         self.env = {**lab.env, "FLEETCTL_HISTORY": str(history), "FLEETCTL_KERNELS_DIR": str(KERNELS)}
         self.pristine: dict[str, dict] = {}
@@ -213,6 +234,13 @@ class Soak:
             self.lab.fault(host, "sshd-kill")
         elif fault == "crash":  # the stand-in server SIGKILLed; healed after the operation
             self.lab.ssh(host, f"kill -9 $(cat {STANDIN}/server.pid)")
+        elif fault == "disk-full":  # the small state dir's filesystem full, then emptied
+            r = self.lab.ssh(self.lab.hosts[0], FILL)
+            if r.stdout.split()[-1:] != ["0"]:
+                self.log(f"    disk-full: {r.stdout.strip()} bytes still free")
+            done.wait(hold)
+            self.lab.ssh(self.lab.hosts[0], f"rm -f {FILLER}")
+            host = self.lab.hosts[0]
         else:
             on, off = {"freeze": ("freeze", "thaw"), "down": ("down", "up"), "delay": ("delay", "delay"),
                        "rekey": ("rekey", "unrekey"), "fail-every": ("fail-every", "fail-every")}[fault]
@@ -220,6 +248,14 @@ class Soak:
             done.wait(hold)
             self.lab.fault(host, off, 0 if off in ("delay", "fail-every") else None)
         self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash") else ""))
+
+    def small_fs(self) -> None:
+        """The first host's state dir made a small filesystem of its own (SMALL_FS), where disk-full
+        fills it. Raises RuntimeError when it cannot be (a state dir not empty: the walk must start
+        on a fresh lab)."""
+        r = self.lab.ssh(self.lab.hosts[0], SMALL_FS)
+        if r.returncode != 0 or r.stdout.strip() != "tmpfs":
+            raise RuntimeError(f"{self.lab.hosts[0]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
 
     def run(self, op: str, fault: str | None) -> tuple[int | None, dict | None]:
         """Run `op` as its own fleetctl process, `fault` injected at a random moment. Returns (exit
@@ -239,6 +275,9 @@ class Soak:
         if th:
             th.join()
             self.started[-1] = (*self.started[-1][:3], self.ended, self.started[-1][4])
+        self.log(f"    {op} exit {p.returncode}: " + ", ".join(
+            f"{h['host']} {h.get('status')}" + (f" ({(h.get('error') or '')[:100]})" if h.get("error") else "")
+            for h in (doc or {}).get("hosts", [])))
         if self.ended is None and fault is None and p.returncode != 0:
             why = {h["host"]: h.get("error") for h in (doc or {}).get("hosts", []) if h.get("error")}
             self.violation("exit", f"{op} exited {p.returncode} with no fault injected: {why or err[-300:]}")
@@ -374,6 +413,8 @@ class Soak:
         """Run `n` operations (each then checked), or fewer when time.time() passes `until`.
         Returns the figures."""
         t = time.monotonic()
+        if any("disk-full" in self.op_faults[op] for op in self.ops):
+            self.small_fs()
         for host in self.lab.hosts:
             self.pristine[host] = self.probe(host)[0]
         for self.step in range(1, n + 1):
@@ -381,7 +422,8 @@ class Soak:
                 self.log(f"stopped before step {self.step}: the time given is up")
                 break
             op = self.rng.choices(self.ops, self.weights)[0]
-            fault = self.rng.choice(OP_FAULTS[op]) if OP_FAULTS[op] and self.rng.random() < self.fault_p else None
+            fault = (self.rng.choice(self.op_faults[op]) if self.op_faults[op] and self.rng.random() < self.fault_p
+                     else None)
             self.log(f"step {self.step}: {op}" + (f" + {fault}" if fault else ""))
             t_step = time.monotonic()
             self.fig.ops[op] += 1
@@ -439,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--only", help="draw only these operations (comma-separated, of OPS), evenly")
+    ap.add_argument("--faults", help="draw only these fault kinds (comma-separated, of FAULTS)")
     ap.add_argument("--fault-p", type=float, default=FAULT_P, help="chance that an operation gets a fault")
     ap.add_argument("--minutes", type=float, help="stop starting operations after this long (the figures say how many ran)")
     a = ap.parse_args(argv)
@@ -459,14 +502,40 @@ def main(argv=None) -> int:
         until = time.time() + a.minutes * 60 if a.minutes else None
         ops = tuple(a.only.split(",")) if a.only else OPS
         weights = (1,) * len(ops) if a.only else OP_WEIGHTS
-        fig = Soak(lab, a.seed, home / "history.sqlite", ops=ops, weights=weights, fault_p=a.fault_p).walk(a.ops, until)
+        soak = Soak(lab, a.seed, home / "history.sqlite", ops=ops, weights=weights, fault_p=a.fault_p,
+                    faults=tuple(a.faults.split(",")) if a.faults else FAULTS)
+        try:
+            fig = soak.walk(a.ops, until)
+        except Exception as e:  # the figures so far, and why the walk stopped, counted as a violation
+            fig = soak.fig
+            fig.violations.append((soak.step, "walk", f"the walk stopped: {e!r}"))
     finally:
         labmod.lab_down(a.lab_id, sd, known)
     print(fig.text(), end="")
     if a.out:
         a.out.write_text(fig.text())
+        a.out.with_suffix(".json").write_text(json.dumps(fig.to_json()) + "\n")
     return 1 if fig.violations else 0
 
 
+def sum_walks(paths: list[Path]) -> str:
+    """The figures of several walks (their --out FILE.json), summed, then each walk's own."""
+    figs = [Figures.from_json(json.loads(p.read_text())) for p in paths]
+    total = Figures(seed=-1)
+    for f in figs:
+        total.ops += f.ops
+        total.faults += f.faults
+        for k in ("recoveries", "crashes", "runs", "unrecorded"):
+            setattr(total, k, getattr(total, k) + getattr(f, k))
+        total.violations += [(f"{f.seed}:{s}", k, t) for s, k, t in f.violations]
+        total.seconds = max(total.seconds, f.seconds)
+    head = (f"{len(figs)} walks in parallel, seeds {', '.join(str(f.seed) for f in figs)}; summed "
+            f"(the time is the longest walk's):\n")
+    return head + total.text().replace("seed -1: ", "all: ") + "".join("\n" + f.text() for f in figs)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sum"]:  # bench/soak.py --sum OUT WALK.json...
+        Path(sys.argv[2]).write_text(sum_walks([Path(p) for p in sys.argv[3:]]))
+        sys.exit(0)
     sys.exit(main())
