@@ -110,6 +110,7 @@ class Figures:
     crashes: int = 0  # fleetctl processes killed (SIGKILL/SIGTERM) and recovered after
     runs: int = 0  # fleetctl processes started
     unrecorded: int = 0  # of them killed before they recorded their run (during start-up)
+    late_kills: int = 0  # of them killed after they had finished (printed their result)
     violations: list = field(default_factory=list)  # (step, kind, text)
     seconds: float = 0.0
 
@@ -117,18 +118,18 @@ class Figures:
         """The figures as a JSON object (what --sum reads back: from_json)."""
         return {"seed": self.seed, "ops": dict(self.ops), "faults": dict(self.faults), "recoveries": self.recoveries,
                 "crashes": self.crashes, "runs": self.runs, "unrecorded": self.unrecorded,
-                "violations": self.violations, "seconds": self.seconds}
+                "late_kills": self.late_kills, "violations": self.violations, "seconds": self.seconds}
 
     @staticmethod
     def from_json(d: dict) -> "Figures":
         return Figures(seed=d["seed"], ops=Counter(d["ops"]), faults=Counter(d["faults"]), recoveries=d["recoveries"],
                        crashes=d["crashes"], runs=d["runs"], unrecorded=d["unrecorded"],
-                       violations=[tuple(v) for v in d["violations"]], seconds=d["seconds"])
+                       late_kills=d.get("late_kills", 0), violations=[tuple(v) for v in d["violations"]], seconds=d["seconds"])
 
     def text(self) -> str:
         """The figures as the lines committed under bench/results/."""
         lines = [f"seed {self.seed}: {sum(self.ops.values())} operations in {self.seconds:.0f} s "
-                 f"({self.runs} fleetctl runs, {self.unrecorded} killed before recording)",
+                 f"({self.runs} fleetctl runs, {self.unrecorded} killed before recording, {self.late_kills} after finishing)",
                  "operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items())),
                  f"faults: {sum(self.faults.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) + ")",
                  f"control-node crashes survived: {self.crashes}; recoveries run: {self.recoveries}"]
@@ -165,8 +166,9 @@ class Soak:
         self.env = {**lab.env, "FLEETCTL_HISTORY": str(history), "FLEETCTL_KERNELS_DIR": str(KERNELS)}
         self.pristine: dict[str, dict] = {}
         self.patched: dict[str, dict] = {}
-        # (pid, start time, end time, how it ended: None or killed-SIG, exit status)
-        self.started: list[tuple[int, float, float, str | None, int]] = []
+        # (pid, start time, end time, how it ended: None or killed-SIG, exit status, the exit_code
+        # its --json document gave when it printed one: a run killed after it finished)
+        self.started: list[tuple[int, float, float, str | None, int, int | None]] = []
         self.step = 0
         releases = {h["name"]: h.get("release") for h in lab.status}
         # validate --load runs SGLang's benchmark client, which 0.5.10's install cannot import (torchvision)
@@ -206,12 +208,13 @@ class Soak:
             p.kill()
             p.wait()
             self.violation("hang", f"{op} ran over {OP_TIMEOUT_S} s: {out.with_suffix('.err').read_text()[-300:]}")
-        self.started.append((p.pid, t0, time.time(), ended, p.returncode))
         err = out.with_suffix(".err").read_text()
         try:
             doc = json.loads(out.read_text())
         except json.JSONDecodeError:
             doc = None
+        printed = doc.get("exit_code") if isinstance(doc, dict) else None
+        self.started.append((p.pid, t0, time.time(), ended, p.returncode, printed))
         out.unlink()
         out.with_suffix(".err").unlink()
         return err, doc
@@ -274,7 +277,7 @@ class Soak:
         done.set()
         if th:
             th.join()
-            self.started[-1] = (*self.started[-1][:3], self.ended, self.started[-1][4])
+            self.started[-1] = (*self.started[-1][:3], self.ended, *self.started[-1][4:])
         self.log(f"    {op} exit {p.returncode}: " + ", ".join(
             f"{h['host']} {h.get('status')}" + (f" ({(h.get('error') or '')[:100]})" if h.get("error") else "")
             for h in (doc or {}).get("hosts", [])))
@@ -339,7 +342,7 @@ class Soak:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         r.stdout, r.stderr = r.communicate(timeout=OP_TIMEOUT_S)
         self.fig.runs += 1
-        self.started.append((r.pid, t0, time.time(), None, r.returncode))
+        self.started.append((r.pid, t0, time.time(), None, r.returncode, None))
         try:
             probes = {host: f.result() for host, f in probes.items()}
         finally:
@@ -392,7 +395,7 @@ class Soak:
         rows = con.execute("SELECT pid, started_at, ended_at, exit_code FROM runs").fetchall()
         con.close()
         unrecorded = 0
-        for pid, t0, t1, killed, rc in self.started:
+        for pid, t0, t1, killed, rc, printed in self.started:
             recs = [(e, c) for p, s, e, c in rows if p == pid and t0 - 1 <= s <= t1 + 1]
             if not recs and killed:
                 unrecorded += 1  # killed in its start-up, before it could record its run
@@ -401,7 +404,11 @@ class Soak:
                 self.violation("history", f"pid {pid} ({killed or 'exit %s' % rc}): {len(recs)} records")
                 continue
             ended, code = recs[0]
-            if killed == "killed-sigkill" and ended is not None:
+            if killed and printed is not None:  # the kill came after it had finished and printed its result
+                self.fig.late_kills += 1
+                if code != printed:
+                    self.violation("history", f"pid {pid} ({killed} after it printed exit {printed}): recorded {code}")
+            elif killed == "killed-sigkill" and ended is not None:
                 self.violation("history", f"pid {pid} SIGKILLed but recorded as ended, exit {code}")
             elif killed != "killed-sigkill" and code != (128 - rc if rc < 0 else rc):
                 self.violation("history", f"pid {pid} ({killed or 'finished'}) exited {rc}, recorded {code}")
@@ -525,13 +532,13 @@ def sum_walks(paths: list[Path]) -> str:
     for f in figs:
         total.ops += f.ops
         total.faults += f.faults
-        for k in ("recoveries", "crashes", "runs", "unrecorded"):
+        for k in ("recoveries", "crashes", "runs", "unrecorded", "late_kills"):
             setattr(total, k, getattr(total, k) + getattr(f, k))
         total.violations += [(f"{f.seed}:{s}", k, t) for s, k, t in f.violations]
         total.seconds = max(total.seconds, f.seconds)
     head = (f"{len(figs)} walks in parallel, seeds {', '.join(str(f.seed) for f in figs)}; summed "
             f"(the time is the longest walk's):\n")
-    return head + total.text().replace("seed -1: ", "all: ") + "".join("\n" + f.text() for f in figs)
+    return head + total.text().replace("seed -1: ", "all: ").replace("seed -1 step ", "seed:step ") + "".join("\n" + f.text() for f in figs)
 
 
 if __name__ == "__main__":
