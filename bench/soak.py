@@ -2,29 +2,45 @@
 injected at random moments inside them, and an independent checker of every host after each.
 
 Run as root on the lab machine:
-    PYTHONPATH=agent python3 bench/soak.py --lab-id 70 --seed 1 --ops 100 [--hosts 4] [--out FILE]
+    PYTHONPATH=agent python3 bench/soak.py --lab-id 80 --seed 1 --ops 100 [--hosts 4] [--minutes M] [--out FILE]
+    bash bench/soak_walks.sh MINUTES OPS OUT SEED:LAB_ID...   (several walks at once, summed)
 It brings a lab up (`fleetctl lab up --with-server`: real sshd hosts, the SGLang stand-in server,
-real SGLang trees), walks, prints the figures (and writes them to FILE), and takes the lab down.
+real SGLang trees), walks, prints the figures (and writes them to FILE, FILE.json), and takes the
+lab down. A violation is recorded with its seed and step (replay: the same --seed, --ops at least
+the step; every random draw is made in the walk's own thread, so a seed replays the same steps).
 
-Operations (OPS): apply defrag-tier0 (rolling, --serial 1 or 2), the same with --check, rollback
---last, recover, status, validate. Faults (FAULTS), each at a random time inside an operation:
-SIGKILL or SIGTERM of the fleetctl process (then `fleetctl recover all`), one host's sshd frozen
-(SIGSTOP) or its link down for a random while (lab/faults.py), cleared before the check.
+Operations (OPS): apply defrag-tier0 (rolling, --serial 1, 2 or 100%), the same with --check,
+rollback --last, recover, status, validate, validate --load smoke (SGLang's own benchmark client; the
+0.5.10 host left out: its install cannot import it, torchvision), deploy kernel verify_attention (the
+CPU backend, --route all), and an overlap: a second operator's apply, rollback or recover started
+while an apply runs (per host each either does its work or loses the lock saying so, LOCK_BUSY, and
+exits non-zero). A run that fails with no fault injected is a violation.
+Faults (FAULTS), each at a random time inside an operation: SIGKILL or SIGTERM of the fleetctl
+process (then `fleetctl recover all`); one host's sshd frozen (SIGSTOP), its link down, slowed
+(delay 200-1500 ms each way), rekeyed (a new host key: known_hosts keeps the old), or its sshd and
+every session SIGKILLed (lab/faults.py sshd-kill: connections cut mid-write); the stand-in server
+SIGKILLed (restarted after the operation when no restart handler did); the stand-in failing every
+Nth streamed request (during validate --load); the first host's state dir, made a 128 MiB
+filesystem of its own before the walk, filled to its last byte (disk-full). Each is cleared before
+the check.
 
 The checker (check) reads each host over plain `ssh`, never through fleetctl's ledger code:
   tree     every file of the host's SGLang tree (site-packages/sglang, __pycache__ left out) hashes
            to its pristine state (read before the first operation) or to its patched state (read
            after the host's first apply that reported it `changed`); files neither way, files
-           added or lost, are violations;
+           added or lost, a tree partly patched, are violations;
   litter   no fleetctl temp file (.NAME.fleetctl-TAG.RAND.tmp, safefs._tmp_name) nor *.orig/*.rej
            left in the tree, /opt/fleetctl-standin, /var/lib/fleetctl-kernels or /tmp;
   lock     no run holds the host's lock (flock -n on /var/lib/fleetctl/lock) when none is running;
-  status   `fleetctl status all --json` agrees with the files: the files of its applied changes are
-           exactly the files that differ from pristine, and after a recover no change is pending;
+  hook     the kernel's `current` (/var/lib/fleetctl-kernels/verify_attention/current) is absent or
+           a link to a published build whose PASSED names a module that is there, never half-published;
+  status   `fleetctl status all --json` agrees with the files: the files of its applied changes
+           under the tree are exactly the files that differ from pristine, a kernel change is
+           applied exactly when `current` is there, and after a recover no change is pending;
   history  the run history (sqlite, read with sqlite3) has one record per fleetctl process the
            soak started (found by its pid): a finished run has its exit code, a SIGKILLed one no
-           end (`interrupted`), a SIGTERMed one exit 143 or no end.
-A violation is recorded with its seed and step (replay: the same --seed, --ops at least the step).
+           end (`interrupted`), a SIGTERMed one exit 143 or no end; one killed after it had
+           printed its result, the exit code it printed.
 """
 
 from __future__ import annotations
@@ -280,7 +296,7 @@ class Soak:
             self.started[-1] = (*self.started[-1][:3], self.ended, *self.started[-1][4:])
         self.log(f"    {op} exit {p.returncode}: " + ", ".join(
             f"{h['host']} {h.get('status')}" + (f" ({(h.get('error') or '')[:100]})" if h.get("error") else "")
-            for h in (doc or {}).get("hosts", [])))
+            for h in (doc or {}).get("hosts", [])) + ("" if (doc or {}).get("hosts") else err[-400:].replace("\n", " | ")))
         if self.ended is None and fault is None and p.returncode != 0:
             why = {h["host"]: h.get("error") for h in (doc or {}).get("hosts", []) if h.get("error")}
             self.violation("exit", f"{op} exited {p.returncode} with no fault injected: {why or err[-300:]}")
