@@ -189,7 +189,6 @@ class Soak:
         releases = {h["name"]: h.get("release") for h in lab.status}
         # validate --load runs SGLang's benchmark client, which 0.5.10's install cannot import (torchvision)
         self.loadable = ",".join(h for h in lab.hosts if releases.get(h) != "0.5.10")
-        self.tmp = Path(tempfile.mkdtemp(prefix="soak-runs-"))
 
     def violation(self, kind: str, text: str) -> None:
         self.fig.violations.append((self.step, kind, text))
@@ -436,6 +435,7 @@ class Soak:
         """Run `n` operations (each then checked), or fewer when time.time() passes `until`.
         Returns the figures."""
         t = time.monotonic()
+        self.tmp = Path(tempfile.mkdtemp(prefix="soak-runs-"))  # each run's output, removed at the end
         if any("disk-full" in self.op_faults[op] for op in self.ops):
             self.small_fs()
         for host in self.lab.hosts:
