@@ -20,7 +20,7 @@ process (then `fleetctl recover all`); one host's sshd frozen (SIGSTOP), its lin
 (delay 200-1500 ms each way), rekeyed (a new host key: known_hosts keeps the old), or its sshd and
 every session SIGKILLed (lab/faults.py sshd-kill: connections cut mid-write); the stand-in server
 SIGKILLed (restarted after the operation when no restart handler did); the stand-in failing every
-Nth streamed request (during validate --load); the first host's state dir, made a 128 MiB
+Nth streamed request (during validate --load); the last host's state dir, made a 128 MiB
 filesystem of its own before the walk, filled to its last byte (disk-full). Each is cleared before
 the check.
 
@@ -80,7 +80,8 @@ FAULT_P = 0.5  # chance that an operation gets a fault
 CHANGING = ("apply", "rollback", "recover", "deploy")  # where a kill is a crash mid-change
 OP_TIMEOUT_S = 420  # a run still going then is a violation (hang) and is killed
 COMMON = ("--json", "--connect-timeout", "5")
-# disk-full: the state dir of the walk's first host is a small filesystem of its own (SMALL_FS, made
+# disk-full: the state dir of the walk's last host (one every operation changes: the first, 0.4.6,
+# is one defrag-tier0 skips) is a small filesystem of its own (SMALL_FS, made
 # before the first operation), filled to its last byte by FILL for the fault's while, then emptied
 STATE_DIR = "/var/lib/fleetctl"
 FILLER = f"{STATE_DIR}/.soak-filler"
@@ -253,12 +254,12 @@ class Soak:
         elif fault == "crash":  # the stand-in server SIGKILLed; healed after the operation
             self.lab.ssh(host, f"kill -9 $(cat {STANDIN}/server.pid)")
         elif fault == "disk-full":  # the small state dir's filesystem full, then emptied
-            r = self.lab.ssh(self.lab.hosts[0], FILL)
+            r = self.lab.ssh(self.lab.hosts[-1], FILL)
             if r.stdout.split()[-1:] != ["0"]:
                 self.log(f"    disk-full: {r.stdout.strip()} bytes still free")
             done.wait(hold)
-            self.lab.ssh(self.lab.hosts[0], f"rm -f {FILLER}")
-            host = self.lab.hosts[0]
+            self.lab.ssh(self.lab.hosts[-1], f"rm -f {FILLER}")
+            host = self.lab.hosts[-1]
         else:
             on, off = {"freeze": ("freeze", "thaw"), "down": ("down", "up"), "delay": ("delay", "delay"),
                        "rekey": ("rekey", "unrekey"), "fail-every": ("fail-every", "fail-every")}[fault]
@@ -268,12 +269,12 @@ class Soak:
         self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash") else ""))
 
     def small_fs(self) -> None:
-        """The first host's state dir made a small filesystem of its own (SMALL_FS), where disk-full
+        """The last host's state dir made a small filesystem of its own (SMALL_FS), where disk-full
         fills it. Raises RuntimeError when it cannot be (a state dir not empty: the walk must start
         on a fresh lab)."""
-        r = self.lab.ssh(self.lab.hosts[0], SMALL_FS)
+        r = self.lab.ssh(self.lab.hosts[-1], SMALL_FS)
         if r.returncode != 0 or r.stdout.strip() != "tmpfs":
-            raise RuntimeError(f"{self.lab.hosts[0]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
+            raise RuntimeError(f"{self.lab.hosts[-1]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
 
     def run(self, op: str, fault: str | None) -> tuple[int | None, dict | None]:
         """Run `op` as its own fleetctl process, `fault` injected at a random moment. Returns (exit
