@@ -92,16 +92,16 @@ FILL = (f"a=$(df --output=avail -B1 {STATE_DIR} | tail -n 1); fallocate -l $a {F
 LOCK_BUSY = "another fleetctl run is changing this host"  # connection/base.py LockBusy: the loser's reason
 ARGV = {
     "apply": ("apply", "defrag-tier0", "all", "--yes", "--run-timeout", "360",
-              "--health-timeout", "30"),
+              "--health-timeout", "90"),
     "apply-check": ("apply", "defrag-tier0", "all", "--check", "--run-timeout", "120"),
     "rollback": ("rollback", "--last", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
     "recover": ("recover", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
     "status": ("status", "all", "--run-timeout", "120"),
-    "validate": ("validate", "all", "--health-timeout", "30", "--run-timeout", "120"),
+    "validate": ("validate", "all", "--health-timeout", "90", "--run-timeout", "240"),
     # SGLang's own benchmark client on each host (the 0.5.10 host left out: its install lacks torchvision)
-    "validate-load": ("validate", "LOADABLE", "--health-timeout", "30", "--load", "smoke", "--run-timeout", "300"),
+    "validate-load": ("validate", "LOADABLE", "--health-timeout", "90", "--load", "smoke", "--run-timeout", "300"),
     "deploy": ("deploy", "kernel", "verify_attention", "all", "--yes", "--backend", "cpu", "--route", "all",
-               "--max-jobs", "2", "--health-timeout", "30", "--run-timeout", "400"),
+               "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
 }
 # one ssh per host per check: the tree's hashes, the litter, whether the lock is free, the hook's kernel
 PROBE = (f"cd {SITE} && find sglang -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum; "
