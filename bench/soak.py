@@ -302,10 +302,11 @@ class Soak:
             self.violation("exit", f"{op} exited {p.returncode} with no fault injected: {why or err[-300:]}")
         return (None if self.ended else p.returncode), doc
 
-    def overlap(self) -> list[dict | None]:
+    def overlap(self) -> tuple[dict | None, tuple[str, dict | None]]:
         """A second operator: an apply, and `delay` seconds into it another apply, a rollback or a
         recover of the same hosts. Per host, each run either did its work or lost the host's lock,
-        saying so (LOCK_BUSY) and exiting non-zero. Returns their JSON documents."""
+        saying so (LOCK_BUSY) and exiting non-zero. Returns (the apply's JSON document, (the other
+        run's operation, its JSON document))."""
         other = self.rng.choice(("apply", "rollback", "recover"))
         delay = self.rng.uniform(0.2, 3.0)
         self.log(f"    second operator: {other} at {delay:.1f}s")
@@ -329,7 +330,7 @@ class Soak:
                 self.violation("overlap", f"{op} lost the lock of {lost} but exited 0")
             if lost:
                 self.fig.faults["lock-lost"] += 1
-        return docs
+        return docs[0], (other, docs[1])
 
     def learn(self, doc: dict | None) -> None:
         """After a finished apply: each host it `changed` gives its patched tree (first time)."""
@@ -452,8 +453,10 @@ class Soak:
             t_step = time.monotonic()
             self.fig.ops[op] += 1
             if op == "overlap":
-                for doc in self.overlap():
-                    self.learn(doc)
+                first, (other, second) = self.overlap()
+                self.learn(first)
+                if other == "apply":  # a rollback's or recover's `changed` is no patched tree
+                    self.learn(second)
                 rc = 0
             else:
                 rc, doc = self.run(op, fault)
