@@ -2,29 +2,45 @@
 injected at random moments inside them, and an independent checker of every host after each.
 
 Run as root on the lab machine:
-    PYTHONPATH=agent python3 bench/soak.py --lab-id 70 --seed 1 --ops 100 [--hosts 4] [--out FILE]
+    PYTHONPATH=agent python3 bench/soak.py --lab-id 80 --seed 1 --ops 100 [--hosts 4] [--minutes M] [--out FILE]
+    bash bench/soak_walks.sh MINUTES OPS OUT SEED:LAB_ID...   (several walks at once, summed)
 It brings a lab up (`fleetctl lab up --with-server`: real sshd hosts, the SGLang stand-in server,
-real SGLang trees), walks, prints the figures (and writes them to FILE), and takes the lab down.
+real SGLang trees), walks, prints the figures (and writes them to FILE, FILE.json), and takes the
+lab down. A violation is recorded with its seed and step (replay: the same --seed, --ops at least
+the step; every random draw is made in the walk's own thread, so a seed replays the same steps).
 
-Operations (OPS): apply defrag-tier0 (rolling, --serial 1 or 2), the same with --check, rollback
---last, recover, status, validate. Faults (FAULTS), each at a random time inside an operation:
-SIGKILL or SIGTERM of the fleetctl process (then `fleetctl recover all`), one host's sshd frozen
-(SIGSTOP) or its link down for a random while (lab/faults.py), cleared before the check.
+Operations (OPS): apply defrag-tier0 (rolling, --serial 1, 2 or 100%), the same with --check,
+rollback --last, recover, status, validate, validate --load smoke (SGLang's own benchmark client; the
+0.5.10 host left out: its install cannot import it, torchvision), deploy kernel verify_attention (the
+CPU backend, --route all), and an overlap: a second operator's apply, rollback or recover started
+while an apply runs (per host each either does its work or loses the lock saying so, LOCK_BUSY, and
+exits non-zero). A run that fails with no fault injected is a violation.
+Faults (FAULTS), each at a random time inside an operation: SIGKILL or SIGTERM of the fleetctl
+process (then `fleetctl recover all`); one host's sshd frozen (SIGSTOP), its link down, slowed
+(delay 200-1500 ms each way), rekeyed (a new host key: known_hosts keeps the old), or its sshd and
+every session SIGKILLed (lab/faults.py sshd-kill: connections cut mid-write); the stand-in server
+SIGKILLed (restarted after the operation when no restart handler did); the stand-in failing every
+Nth streamed request (during validate --load); the last host's state dir, made a 128 MiB
+filesystem of its own before the walk, filled to its last byte (disk-full). Each is cleared before
+the check.
 
 The checker (check) reads each host over plain `ssh`, never through fleetctl's ledger code:
   tree     every file of the host's SGLang tree (site-packages/sglang, __pycache__ left out) hashes
            to its pristine state (read before the first operation) or to its patched state (read
            after the host's first apply that reported it `changed`); files neither way, files
-           added or lost, are violations;
+           added or lost, a tree partly patched, are violations;
   litter   no fleetctl temp file (.NAME.fleetctl-TAG.RAND.tmp, safefs._tmp_name) nor *.orig/*.rej
            left in the tree, /opt/fleetctl-standin, /var/lib/fleetctl-kernels or /tmp;
   lock     no run holds the host's lock (flock -n on /var/lib/fleetctl/lock) when none is running;
-  status   `fleetctl status all --json` agrees with the files: the files of its applied changes are
-           exactly the files that differ from pristine, and after a recover no change is pending;
+  hook     the kernel's `current` (/var/lib/fleetctl-kernels/verify_attention/current) is absent or
+           a link to a published build whose PASSED names a module that is there, never half-published;
+  status   `fleetctl status all --json` agrees with the files: the files of its applied changes
+           under the tree are exactly the files that differ from pristine, a kernel change is
+           applied exactly when `current` is there, and after a recover no change is pending;
   history  the run history (sqlite, read with sqlite3) has one record per fleetctl process the
            soak started (found by its pid): a finished run has its exit code, a SIGKILLed one no
-           end (`interrupted`), a SIGTERMed one exit 143 or no end.
-A violation is recorded with its seed and step (replay: the same --seed, --ops at least the step).
+           end (`interrupted`), a SIGTERMed one exit 143 or no end; one killed after it had
+           printed its result, the exit code it printed.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -41,32 +58,63 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
-OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate")
-OP_WEIGHTS = (4, 1, 3, 1, 1, 1)
-FAULTS = ("sigkill", "sigterm", "freeze", "down")
+KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # deploy kernel's published builds and `current`
+STANDIN = "/opt/fleetctl-standin"  # the stand-in server's directory on a lab host
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate", "validate-load", "deploy", "overlap")
+OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1)
+# the faults each operation may get: a kill of fleetctl where it changes hosts; the stand-in's
+# every-Nth failure where a streamed request (the load client's) is sent; an overlap is itself the fault
+HOST_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "crash", "disk-full")
+FAULTS = ("sigkill", "sigterm", *HOST_FAULTS, "fail-every")
+OP_FAULTS = {"apply": ("sigkill", "sigterm", *HOST_FAULTS), "rollback": ("sigkill", "sigterm", *HOST_FAULTS),
+             "recover": ("sigkill", "sigterm", *HOST_FAULTS), "deploy": ("sigkill", "sigterm", *HOST_FAULTS),
+             "apply-check": HOST_FAULTS, "status": HOST_FAULTS, "validate": HOST_FAULTS,
+             "validate-load": ("fail-every", *HOST_FAULTS), "overlap": ()}
 FAULT_P = 0.5  # chance that an operation gets a fault
-CHANGING = ("apply", "rollback", "recover")  # where a kill is a crash mid-change
+CHANGING = ("apply", "rollback", "recover", "deploy")  # where a kill is a crash mid-change
 OP_TIMEOUT_S = 420  # a run still going then is a violation (hang) and is killed
 COMMON = ("--json", "--connect-timeout", "5")
+# disk-full: the state dir of the walk's last host (one every operation changes: the first, 0.4.6,
+# is one defrag-tier0 skips) is a small filesystem of its own (SMALL_FS, made
+# before the first operation), filled to its last byte by FILL for the fault's while, then emptied
+STATE_DIR = "/var/lib/fleetctl"
+FILLER = f"{STATE_DIR}/.soak-filler"
+SMALL_FS = (f"[ -z \"$(ls -A {STATE_DIR})\" ] && mount -t tmpfs -o size=128m,mode=0755 soak-small-fs {STATE_DIR} "
+            f"&& stat -f -c %T {STATE_DIR}")
+FILL = (f"a=$(df --output=avail -B1 {STATE_DIR} | tail -n 1); fallocate -l $a {FILLER} 2>/dev/null || "
+        f"dd if=/dev/zero of={FILLER} bs=64k 2>/dev/null; df --output=avail -B1 {STATE_DIR} | tail -n 1")
+LOCK_BUSY = "another fleetctl run is changing this host"  # connection/base.py LockBusy: the loser's reason
 ARGV = {
     "apply": ("apply", "defrag-tier0", "all", "--yes", "--run-timeout", "360",
-              "--health-timeout", "30"),
+              "--health-timeout", "90"),
     "apply-check": ("apply", "defrag-tier0", "all", "--check", "--run-timeout", "120"),
     "rollback": ("rollback", "--last", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
     "recover": ("recover", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
     "status": ("status", "all", "--run-timeout", "120"),
-    "validate": ("validate", "all", "--health-timeout", "30", "--run-timeout", "120"),
+    "validate": ("validate", "all", "--health-timeout", "90", "--run-timeout", "240"),
+    # SGLang's own benchmark client on each host (the 0.5.10 host left out: its install lacks torchvision)
+    "validate-load": ("validate", "LOADABLE", "--health-timeout", "90", "--load", "smoke", "--run-timeout", "300"),
+    "deploy": ("deploy", "kernel", "verify_attention", "all", "--yes", "--backend", "cpu", "--route", "all",
+               "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
 }
-# one ssh per host per check: the tree's hashes, the litter, whether the lock is free
+# one ssh per host per check: the tree's hashes, the litter, whether the lock is free, the hook's kernel
 PROBE = (f"cd {SITE} && find sglang -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum; "
          "echo '#litter'; find " + SITE + "/sglang /opt/fleetctl-standin /var/lib/fleetctl-kernels /tmp "
          "\\( -name '.*.fleetctl-*.tmp' -o -name '*.orig' -o -name '*.rej' \\) -print 2>/dev/null; "
          "echo '#lock'; if [ -e /var/lib/fleetctl/lock ]; then flock -n -E 75 /var/lib/fleetctl/lock true; "
-         "echo $?; else echo 0; fi")
+         "echo $?; else echo 0; fi; "
+         # `current`: absent, or a link to a published build whose PASSED names a module that is there
+         f"echo '#hook'; if [ -L {KDIR}/current ]; then t=$(readlink {KDIR}/current); "
+         f"case $t in /*) d=$t;; *) d={KDIR}/$t;; esac; "
+         "if [ -s \"$d/PASSED\" ] && [ -f \"$(cat \"$d/PASSED\")\" ]; then echo \"current $t\"; "
+         "else echo \"broken $t\"; fi; "
+         f"elif [ -e {KDIR}/current ]; then echo 'broken not-a-link'; else echo absent; fi")
 
 
 @dataclass
@@ -79,141 +127,250 @@ class Figures:
     crashes: int = 0  # fleetctl processes killed (SIGKILL/SIGTERM) and recovered after
     runs: int = 0  # fleetctl processes started
     unrecorded: int = 0  # of them killed before they recorded their run (during start-up)
+    late_kills: int = 0  # of them killed after they had finished (printed their result)
     violations: list = field(default_factory=list)  # (step, kind, text)
-    failed: list = field(default_factory=list)  # (step, text): runs that failed with no fault injected
     seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        """The figures as a JSON object (what --sum reads back: from_json)."""
+        return {"seed": self.seed, "ops": dict(self.ops), "faults": dict(self.faults), "recoveries": self.recoveries,
+                "crashes": self.crashes, "runs": self.runs, "unrecorded": self.unrecorded,
+                "late_kills": self.late_kills, "violations": self.violations, "seconds": self.seconds}
+
+    @staticmethod
+    def from_json(d: dict) -> "Figures":
+        return Figures(seed=d["seed"], ops=Counter(d["ops"]), faults=Counter(d["faults"]), recoveries=d["recoveries"],
+                       crashes=d["crashes"], runs=d["runs"], unrecorded=d["unrecorded"],
+                       late_kills=d.get("late_kills", 0), violations=[tuple(v) for v in d["violations"]], seconds=d["seconds"])
 
     def text(self) -> str:
         """The figures as the lines committed under bench/results/."""
         lines = [f"seed {self.seed}: {sum(self.ops.values())} operations in {self.seconds:.0f} s "
-                 f"({self.runs} fleetctl runs, {self.unrecorded} killed before recording)",
+                 f"({self.runs} fleetctl runs, {self.unrecorded} killed before recording, {self.late_kills} after finishing)",
                  "operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items())),
                  f"faults: {sum(self.faults.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) + ")",
-                 f"control-node crashes survived: {self.crashes}; recoveries run: {self.recoveries}",
-                 f"runs failed with no fault injected: {len(self.failed)}"]
-        lines += [f"  seed {self.seed} step {s}: {t}" for s, t in self.failed]
+                 f"control-node crashes survived: {self.crashes}; recoveries run: {self.recoveries}"]
         lines += [f"violations: {len(self.violations)}"]
         lines += [f"  seed {self.seed} step {s}: [{k}] {t}" for s, k, t in self.violations]
         return "\n".join(lines) + "\n"
 
 
-def parse_probe(out: str) -> tuple[dict, list, int]:
+def parse_probe(out: str) -> tuple[dict, list, int, str]:
     """PROBE's output -> ({path under SITE: sha256}, [litter paths], the lock's flock status:
-    0 free, 75 held)."""
+    0 free, 75 held, the hook's kernel: "absent", "current KEY" or "broken WHAT")."""
     tree_part, rest = out.split("#litter\n", 1)
-    litter_part, lock_part = rest.split("#lock\n", 1)
+    litter_part, rest = rest.split("#lock\n", 1)
+    lock_part, hook_part = rest.split("#hook\n", 1)
     tree = {}
     for line in tree_part.splitlines():
         sha, path = line.split(None, 1)
         tree[path.strip()] = sha
-    return tree, [p for p in litter_part.splitlines() if p.strip()], int(lock_part.split()[0])
+    return tree, [p for p in litter_part.splitlines() if p.strip()], int(lock_part.split()[0]), hook_part.strip()
 
 
 class Soak:
-    """One walk over `lab` (an object with hosts, env, ssh(host, command) and fault(host, kind,
-    arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
+    """One walk over `lab` (an object with hosts, status (lab_status's list), env, ssh(host,
+    command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
 
-    def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "1", "2"), hold=(1.0, 8.0)):
+    def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "2", "100%"), hold=(1.0, 8.0),
+                 ops=OPS, weights=OP_WEIGHTS, fault_p=FAULT_P, faults=FAULTS):
         """`serials`: the --serial values an apply draws from; `hold`: (least, most) seconds a host
-        fault lasts."""
+        fault lasts; `ops`, `weights`: the operations drawn from and their weights."""
         self.lab, self.rng, self.history, self.log = lab, random.Random(seed), history, log
-        self.serials, self.hold = serials, hold
+        self.serials, self.hold, self.ops, self.weights, self.fault_p = serials, hold, ops, weights, fault_p
+        self.op_faults = {op: tuple(f for f in kinds if f in faults) for op, kinds in OP_FAULTS.items()}
         self.fig = Figures(seed)
-        self.env = {**lab.env, "FLEETCTL_HISTORY": str(history)}
+        self.env = {**lab.env, "FLEETCTL_HISTORY": str(history), "FLEETCTL_KERNELS_DIR": str(KERNELS)}
         self.pristine: dict[str, dict] = {}
         self.patched: dict[str, dict] = {}
-        self.started: list[tuple[int, float, str]] = []  # (pid, start time, how it ended: rc / killed-SIG)
+        # (pid, start time, end time, how it ended: None or killed-SIG, exit status, the exit_code
+        # its --json document gave when it printed one: a run killed after it finished)
+        self.started: list[tuple[int, float, float, str | None, int, int | None]] = []
         self.step = 0
+        releases = {h["name"]: h.get("release") for h in lab.status}
+        # validate --load runs SGLang's benchmark client, which 0.5.10's install cannot import (torchvision)
+        self.loadable = ",".join(h for h in lab.hosts if releases.get(h) != "0.5.10")
 
     def violation(self, kind: str, text: str) -> None:
         self.fig.violations.append((self.step, kind, text))
         self.log(f"  VIOLATION step {self.step} [{kind}] {text}")
 
-    def probe(self, host: str) -> tuple[dict, list, int]:
+    def probe(self, host: str) -> tuple[dict, list, int, str]:
         r = self.lab.ssh(host, PROBE, timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"{host}: probe failed ({r.returncode}): {r.stderr[-500:]}")
         return parse_probe(r.stdout)
 
+    def argv(self, op: str) -> list[str]:
+        argv = [sys.executable, "-m", "fleetctl.cli", *(self.loadable if a == "LOADABLE" else a for a in ARGV[op]),
+                *COMMON]
+        if op == "apply":
+            argv += ["--serial", self.rng.choice(self.serials)]
+        return argv
+
+    def spawn(self, op: str) -> tuple[subprocess.Popen, float, Path]:
+        """Start `op` as its own fleetctl process, its output to files (no pipe to fill)."""
+        out = self.tmp / f"{self.fig.runs}.out"
+        with open(out, "w") as fo, open(out.with_suffix(".err"), "w") as fe:
+            p = subprocess.Popen(self.argv(op), env=self.env, stdout=fo, stderr=fe, text=True)
+        self.fig.runs += 1
+        return p, time.time(), out
+
+    def reap(self, op: str, p: subprocess.Popen, t0: float, out: Path, ended: str | None) -> tuple[str, dict | None]:
+        """Wait for `p` (a hang is a violation, then killed); record it. (its stderr, its JSON or None)."""
+        try:
+            p.wait(timeout=max(1.0, OP_TIMEOUT_S - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            self.violation("hang", f"{op} ran over {OP_TIMEOUT_S} s: {out.with_suffix('.err').read_text()[-300:]}")
+        err = out.with_suffix(".err").read_text()
+        try:
+            doc = json.loads(out.read_text())
+        except json.JSONDecodeError:
+            doc = None
+        printed = doc.get("exit_code") if isinstance(doc, dict) else None
+        self.started.append((p.pid, t0, time.time(), ended, p.returncode, printed))
+        out.unlink()
+        out.with_suffix(".err").unlink()
+        return err, doc
+
+    def inject(self, fault: str, host: str, p: subprocess.Popen, at: float, hold: float, arg: int,
+               done: threading.Event) -> None:
+        """`fault` on `host` (or on fleetctl's process `p`) `at` seconds in, held `hold` seconds
+        (unless `p` ends first), then cleared; `arg`: a delay's ms, a fail-every's N."""
+        if done.wait(at):
+            return
+        if fault in ("sigkill", "sigterm"):
+            if p.poll() is None:
+                self.ended = f"killed-{fault}"  # before the signal: the process may be reaped at once
+                p.send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGTERM)
+                self.fig.faults[fault] += 1
+                self.fig.crashes += 1
+            return
+        self.fig.faults[fault] += 1
+        if fault == "sshd-kill":  # every connection to the host cut at once, sshd back at once
+            self.lab.fault(host, "sshd-kill")
+        elif fault == "crash":  # the stand-in server SIGKILLed; healed after the operation
+            self.lab.ssh(host, f"kill -9 $(cat {STANDIN}/server.pid)")
+        elif fault == "disk-full":  # the small state dir's filesystem full, then emptied
+            r = self.lab.ssh(self.lab.hosts[-1], FILL)
+            if r.stdout.split()[-1:] != ["0"]:
+                self.log(f"    disk-full: {r.stdout.strip()} bytes still free")
+            done.wait(hold)
+            self.lab.ssh(self.lab.hosts[-1], f"rm -f {FILLER}")
+            host = self.lab.hosts[-1]
+        else:
+            on, off = {"freeze": ("freeze", "thaw"), "down": ("down", "up"), "delay": ("delay", "delay"),
+                       "rekey": ("rekey", "unrekey"), "fail-every": ("fail-every", "fail-every")}[fault]
+            self.lab.fault(host, on, arg if on in ("delay", "fail-every") else None)
+            done.wait(hold)
+            self.lab.fault(host, off, 0 if off in ("delay", "fail-every") else None)
+        self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash") else ""))
+
+    def small_fs(self) -> None:
+        """The last host's state dir made a small filesystem of its own (SMALL_FS), where disk-full
+        fills it. Raises RuntimeError when it cannot be (a state dir not empty: the walk must start
+        on a fresh lab)."""
+        r = self.lab.ssh(self.lab.hosts[-1], SMALL_FS)
+        if r.returncode != 0 or r.stdout.strip() != "tmpfs":
+            raise RuntimeError(f"{self.lab.hosts[-1]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
+
     def run(self, op: str, fault: str | None) -> tuple[int | None, dict | None]:
         """Run `op` as its own fleetctl process, `fault` injected at a random moment. Returns (exit
         status, None when killed by the soak; its JSON document or None)."""
-        argv = [sys.executable, "-m", "fleetctl.cli", *ARGV[op], *COMMON]
-        if op == "apply":
-            argv += ["--serial", self.rng.choice(self.serials)]
         at = self.rng.uniform(0.3, 4.0)
         hold = self.rng.uniform(*self.hold)
-        host = self.rng.choice(self.lab.hosts)
-        t0 = time.time()
-        p = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.fig.runs += 1
-        killed = threading.Event()
-
-        def inject():
-            if killed.wait(at):
-                return
-            if fault in ("sigkill", "sigterm"):
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL if fault == "sigkill" else signal.SIGTERM)
-                    self.fig.faults[fault] += 1
-                    self.fig.crashes += 1
-                    self.ended = f"killed-{fault}"
-                return
-            on, off = ("freeze", "thaw") if fault == "freeze" else ("down", "up")
-            self.lab.fault(host, on)
-            self.fig.faults[fault] += 1
-            self.log(f"    {fault} {host} at {at:.1f}s for {hold:.1f}s")
-            time.sleep(hold)
-            self.lab.fault(host, off)
-
+        host = self.rng.choice(self.loadable.split(",") if op == "validate-load" else self.lab.hosts)
+        arg = self.rng.choice((1, 2, 3)) if fault == "fail-every" else self.rng.choice((200, 500, 1500))
+        p, t0, out = self.spawn(op)  # every draw made here, none in the thread: a seed replays
+        done = threading.Event()
         self.ended = None
-        th = threading.Thread(target=inject, daemon=True) if fault else None
+        th = threading.Thread(target=self.inject, args=(fault, host, p, at, hold, arg, done), daemon=True) if fault else None
         if th:
             th.start()
-        try:
-            out, err = p.communicate(timeout=OP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            self.violation("hang", f"{op} ran over {OP_TIMEOUT_S} s: {err[-300:]}")
-        killed.set()
+        err, doc = self.reap(op, p, t0, out, None)
+        done.set()
         if th:
             th.join()
-        self.started.append((p.pid, t0, time.time(), self.ended, p.returncode))
-        try:
-            doc = json.loads(out)
-        except json.JSONDecodeError:
-            doc = None
+            self.started[-1] = (*self.started[-1][:3], self.ended, *self.started[-1][4:])
+        self.log(f"    {op} exit {p.returncode}: " + ", ".join(
+            f"{h['host']} {h.get('status')}" + (f" ({(h.get('error') or '')[:100]})" if h.get("error") else "")
+            for h in (doc or {}).get("hosts", [])) + ("" if (doc or {}).get("hosts") else err[-400:].replace("\n", " | ")))
         if self.ended is None and fault is None and p.returncode != 0:
-            # not a violation by itself (a gate may fail on a loaded machine: its change is rolled
-            # back, which the checker then verifies); counted and shown with each host's reason
             why = {h["host"]: h.get("error") for h in (doc or {}).get("hosts", []) if h.get("error")}
-            self.fig.failed.append((self.step, f"{op} exited {p.returncode}: {why or err[-300:]}"))
+            self.violation("exit", f"{op} exited {p.returncode} with no fault injected: {why or err[-300:]}")
         return (None if self.ended else p.returncode), doc
+
+    def overlap(self) -> tuple[dict | None, tuple[str, dict | None]]:
+        """A second operator: an apply, and `delay` seconds into it another apply, a rollback or a
+        recover of the same hosts. Per host, each run either did its work or lost the host's lock,
+        saying so (LOCK_BUSY) and exiting non-zero. Returns (the apply's JSON document, (the other
+        run's operation, its JSON document))."""
+        other = self.rng.choice(("apply", "rollback", "recover"))
+        delay = self.rng.uniform(0.2, 3.0)
+        self.log(f"    second operator: {other} at {delay:.1f}s")
+        p1, t1, o1 = self.spawn("apply")
+        time.sleep(delay)
+        p2, t2, o2 = self.spawn(other)
+        docs = []
+        for op, p, t, o in (("apply", p1, t1, o1), (other, p2, t2, o2)):
+            err, doc = self.reap(op, p, t, o, None)
+            docs.append(doc)
+            lost = []
+            for h in (doc or {}).get("hosts", []):
+                if h.get("status") in ("failed", "unreachable"):
+                    if LOCK_BUSY in (h.get("error") or ""):
+                        lost.append(h["host"])
+                    else:
+                        self.violation("overlap", f"{op}: {h['host']} {h.get('status')}: {h.get('error')}")
+            if doc is None:
+                self.violation("overlap", f"{op} exited {p.returncode} with no JSON: {err[-300:]}")
+            elif lost and p.returncode == 0:
+                self.violation("overlap", f"{op} lost the lock of {lost} but exited 0")
+            if lost:
+                self.fig.faults["lock-lost"] += 1
+        return docs[0], (other, docs[1])
 
     def learn(self, doc: dict | None) -> None:
         """After a finished apply: each host it `changed` gives its patched tree (first time)."""
         for h in (doc or {}).get("hosts", []):
             if h.get("status") == "changed" and h["host"] not in self.patched and not doc.get("check"):
-                tree, _, _ = self.probe(h["host"])
+                tree = self.probe(h["host"])[0]
                 base = self.pristine[h["host"]]
                 self.patched[h["host"]] = {p: s for p, s in tree.items() if base.get(p) != s}
 
+    def heal(self) -> None:
+        """After an operation: a stand-in server the crash fault killed (and no restart handler
+        brought back) started again, so the next operation's gate has a server."""
+        cmd = f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {STANDIN}/restart.sh; echo restarted; }}"
+        with ThreadPoolExecutor(len(self.lab.hosts)) as pool:
+            said = dict(zip(self.lab.hosts, pool.map(lambda h: self.lab.ssh(h, cmd).stdout, self.lab.hosts)))
+        for host, out in said.items():
+            if "restarted" in out:
+                self.log(f"    {host}: stand-in restarted")
+
     def check(self, recovered: bool) -> None:
         """The checker (see the module docstring)."""
+        pool = ThreadPoolExecutor(len(self.lab.hosts))  # the hosts read while status runs
+        probes = {host: pool.submit(self.probe, host) for host in self.lab.hosts}
         t0 = time.time()
         r = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "status", "all", *COMMON], env=self.env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         r.stdout, r.stderr = r.communicate(timeout=OP_TIMEOUT_S)
         self.fig.runs += 1
-        self.started.append((r.pid, t0, time.time(), None, r.returncode))
+        self.started.append((r.pid, t0, time.time(), None, r.returncode, None))
+        try:
+            probes = {host: f.result() for host, f in probes.items()}
+        finally:
+            pool.shutdown()
         try:
             status = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
         except (json.JSONDecodeError, KeyError):
             status = {}
             self.violation("status", f"status printed no JSON (exit {r.returncode}): {r.stderr[-300:]}")
         for host in self.lab.hosts:
-            tree, litter, lock = self.probe(host)
+            tree, litter, lock, hook = probes[host]
             base, patch = self.pristine[host], self.patched.get(host, {})
             differ = set()
             for path in set(base) | set(tree):
@@ -230,6 +387,8 @@ class Soak:
                 self.violation("litter", f"{host}: {litter}")
             if lock != 0:
                 self.violation("lock", f"{host}: the lock is held with no fleetctl running")
+            if hook.startswith("broken"):
+                self.violation("hook", f"{host}: the hook's kernel is half-published: {hook}")
             h = status.get(host)
             if h is None or h.get("status") != "ok":
                 if status:
@@ -237,8 +396,11 @@ class Soak:
                 continue
             applied = {f for c in h["changes"] if c["state"] == "applied" for f in c["files"]}
             want = {f"{SITE}/{p}" for p in differ}
-            if applied != want:
+            if {f for f in applied if f.startswith(SITE + "/")} != want:
                 self.violation("status", f"{host}: status says applied {sorted(applied)}, files differ {sorted(want)}")
+            if (f"{KDIR}/current" in applied) != hook.startswith("current"):
+                self.violation("hook", f"{host}: status says the kernel is {'' if f'{KDIR}/current' in applied else 'not '}"
+                                       f"applied, the hook's kernel is {hook}")
             pending = [c["change_id"] for c in h["changes"] if c["state"] == "pending"]
             if recovered and pending:
                 self.violation("status", f"{host}: pending after recover: {pending}")
@@ -250,7 +412,7 @@ class Soak:
         rows = con.execute("SELECT pid, started_at, ended_at, exit_code FROM runs").fetchall()
         con.close()
         unrecorded = 0
-        for pid, t0, t1, killed, rc in self.started:
+        for pid, t0, t1, killed, rc, printed in self.started:
             recs = [(e, c) for p, s, e, c in rows if p == pid and t0 - 1 <= s <= t1 + 1]
             if not recs and killed:
                 unrecorded += 1  # killed in its start-up, before it could record its run
@@ -259,7 +421,11 @@ class Soak:
                 self.violation("history", f"pid {pid} ({killed or 'exit %s' % rc}): {len(recs)} records")
                 continue
             ended, code = recs[0]
-            if killed == "killed-sigkill" and ended is not None:
+            if killed and printed is not None:  # the kill came after it had finished and printed its result
+                self.fig.late_kills += 1
+                if code != printed:
+                    self.violation("history", f"pid {pid} ({killed} after it printed exit {printed}): recorded {code}")
+            elif killed == "killed-sigkill" and ended is not None:
                 self.violation("history", f"pid {pid} SIGKILLed but recorded as ended, exit {code}")
             elif killed != "killed-sigkill" and code != (128 - rc if rc < 0 else rc):
                 self.violation("history", f"pid {pid} ({killed or 'finished'}) exited {rc}, recorded {code}")
@@ -267,28 +433,46 @@ class Soak:
         if len(rows) != self.fig.runs - unrecorded:
             self.violation("history", f"{len(rows)} records for {self.fig.runs} runs ({unrecorded} killed before recording)")
 
-    def walk(self, n: int) -> Figures:
-        """Run `n` operations (each then checked). Returns the figures."""
+    def walk(self, n: int, until: float | None = None) -> Figures:
+        """Run `n` operations (each then checked), or fewer when time.time() passes `until`.
+        Returns the figures."""
         t = time.monotonic()
+        self.tmp = Path(tempfile.mkdtemp(prefix="soak-runs-"))  # each run's output, removed at the end
+        if any("disk-full" in self.op_faults[op] for op in self.ops):
+            self.small_fs()
         for host in self.lab.hosts:
             self.pristine[host] = self.probe(host)[0]
         for self.step in range(1, n + 1):
-            op = self.rng.choices(OPS, OP_WEIGHTS)[0]
-            fault = self.rng.choice(FAULTS) if self.rng.random() < FAULT_P else None
-            if fault in ("sigkill", "sigterm") and op not in CHANGING:
-                fault = None
+            if until is not None and time.time() > until:
+                self.log(f"stopped before step {self.step}: the time given is up")
+                break
+            op = self.rng.choices(self.ops, self.weights)[0]
+            fault = (self.rng.choice(self.op_faults[op]) if self.op_faults[op] and self.rng.random() < self.fault_p
+                     else None)
             self.log(f"step {self.step}: {op}" + (f" + {fault}" if fault else ""))
+            t_step = time.monotonic()
             self.fig.ops[op] += 1
-            rc, doc = self.run(op, fault)
-            if op == "apply" and rc is not None:
-                self.learn(doc)
+            if op == "overlap":
+                first, (other, second) = self.overlap()
+                self.learn(first)
+                if other == "apply":  # a rollback's or recover's `changed` is no patched tree
+                    self.learn(second)
+                rc = 0
+            else:
+                rc, doc = self.run(op, fault)
+                if op == "apply" and rc is not None:
+                    self.learn(doc)
+            self.heal()
             recovered = False
             if rc is None or (fault and op in CHANGING):
                 self.fig.recoveries += 1
                 rrc, _ = self.run("recover", None)
                 recovered = rrc == 0
+            t_op = time.monotonic()
             self.check(recovered)
+            self.log(f"  step {self.step}: operation {t_op - t_step:.1f} s, check {time.monotonic() - t_op:.1f} s")
         self.check_history()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         self.fig.seconds = time.monotonic() - t
         return self.fig
 
@@ -302,6 +486,7 @@ class LabHandle:
     env: dict
     known_hosts: Path
     addresses: dict
+    status: list
 
     def ssh(self, host: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -322,6 +507,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=25)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", help="draw only these operations (comma-separated, of OPS), evenly")
+    ap.add_argument("--faults", help="draw only these fault kinds (comma-separated, of FAULTS)")
+    ap.add_argument("--fault-p", type=float, default=FAULT_P, help="chance that an operation gets a fault")
+    ap.add_argument("--minutes", type=float, help="stop starting operations after this long (the figures say how many ran)")
     a = ap.parse_args(argv)
     from fleetctl import lab as labmod
     from fleetctl.wheels import cache_dir
@@ -336,15 +525,44 @@ def main(argv=None) -> int:
         st = labmod.lab_status(a.lab_id, sd)
         env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(cfg), FLEETCTL_INVENTORY=str(inv),
                    FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-        lab = LabHandle(a.lab_id, sd, [h["name"] for h in st], env, known, {h["name"]: h["address"] for h in st})
-        fig = Soak(lab, a.seed, home / "history.sqlite").walk(a.ops)
+        lab = LabHandle(a.lab_id, sd, [h["name"] for h in st], env, known, {h["name"]: h["address"] for h in st}, st)
+        until = time.time() + a.minutes * 60 if a.minutes else None
+        ops = tuple(a.only.split(",")) if a.only else OPS
+        weights = (1,) * len(ops) if a.only else OP_WEIGHTS
+        soak = Soak(lab, a.seed, home / "history.sqlite", ops=ops, weights=weights, fault_p=a.fault_p,
+                    faults=tuple(a.faults.split(",")) if a.faults else FAULTS)
+        try:
+            fig = soak.walk(a.ops, until)
+        except Exception as e:  # the figures so far, and why the walk stopped, counted as a violation
+            fig = soak.fig
+            fig.violations.append((soak.step, "walk", f"the walk stopped: {e!r}"))
     finally:
         labmod.lab_down(a.lab_id, sd, known)
     print(fig.text(), end="")
     if a.out:
         a.out.write_text(fig.text())
+        a.out.with_suffix(".json").write_text(json.dumps(fig.to_json()) + "\n")
     return 1 if fig.violations else 0
 
 
+def sum_walks(paths: list[Path]) -> str:
+    """The figures of several walks (their --out FILE.json), summed, then each walk's own."""
+    figs = [Figures.from_json(json.loads(p.read_text())) for p in paths]
+    total = Figures(seed=-1)
+    for f in figs:
+        total.ops += f.ops
+        total.faults += f.faults
+        for k in ("recoveries", "crashes", "runs", "unrecorded", "late_kills"):
+            setattr(total, k, getattr(total, k) + getattr(f, k))
+        total.violations += [(f"{f.seed}:{s}", k, t) for s, k, t in f.violations]
+        total.seconds = max(total.seconds, f.seconds)
+    head = (f"{len(figs)} walks in parallel, seeds {', '.join(str(f.seed) for f in figs)}; summed "
+            f"(the time is the longest walk's):\n")
+    return head + total.text().replace("seed -1: ", "all: ").replace("seed -1 step ", "seed:step ") + "".join("\n" + f.text() for f in figs)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--sum"]:  # bench/soak.py --sum OUT WALK.json...
+        Path(sys.argv[2]).write_text(sum_walks([Path(p) for p in sys.argv[3:]]))
+        sys.exit(0)
     sys.exit(main())

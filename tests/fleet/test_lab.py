@@ -161,6 +161,32 @@ def test_rekey_is_refused_by_strict_checking(lab):
     assert lab.ssh(h, "echo ran").stdout == "ran\n"
 
 
+def test_sshd_kill_cuts_an_open_session_mid_write_and_sshd_comes_back(lab, tmp_path):
+    """`sshd-kill`: a session writing without end is cut (its ssh client ends with 255, a lost
+    connection, not by its command's own exit), the host's sshd is a new process, and a new
+    session works at once."""
+    h = lab.hosts[0]
+    before = labmod.lab_status(lab.lab_id, lab.state_dir)[0]["sshd_pid"]
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        p = subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                              "-o", f"UserKnownHostsFile={lab.known_hosts}", "-i", str(lab.state_dir / "client_ed25519"),
+                              f"root@{lab.address(h)}", "yes soak"], stdout=f, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while out.stat().st_size == 0 and time.monotonic() < deadline:  # the session is writing
+            time.sleep(0.05)
+        assert out.stat().st_size > 0
+        lab.fault(h, "sshd-kill")
+        assert p.wait(timeout=10) == 255  # ssh's own status for a lost connection
+    finally:
+        p.kill()
+        p.wait()
+    after = labmod.lab_status(lab.lab_id, lab.state_dir)[0]
+    assert after["sshd_pid"] != before and after["sshd_alive"]
+    assert lab.ssh(h, "echo ran").stdout == "ran\n"
+
+
 def _cmdline(pid: int) -> bytes:
     """/proc/PID/cmdline, or b"" for a process that exited since it was listed."""
     try:

@@ -106,6 +106,21 @@ def _smoke_opts(port, health_timeout, repeat, latency_tolerance=1.25, allow_toke
                         latency_slack_s=latency_slack)
 
 
+def _fits_health_wait(timeout: float | None, smoke, reserve: float) -> None:
+    """Refuse a --timeout (seconds per host's job; None: the command's default, which fits) too short
+    for `smoke`'s whole --health-timeout, the decodes and `reserve` seconds kept for a rollback:
+    the smoke decode would otherwise cut the health wait (engine/validate.py smoke_deadline_s).
+    Raises UsageError (exit 5), before any host is touched."""
+    from ..engine.validate import smoke_deadline_s
+
+    need = smoke_deadline_s(smoke, reserve)
+    if timeout is not None and 0 < timeout < need:
+        kept = f" and {reserve:g} s kept for a rollback" if reserve else ""
+        raise UsageError(f"--timeout {timeout:g} is too short for --health-timeout {smoke.health_timeout:g}: "
+                         f"each host's job needs at least {need:g} s (the health wait, the decodes of "
+                         f"--repeat {smoke.repeat}{kept}); raise --timeout or lower --health-timeout")
+
+
 def _positive(**values) -> None:
     """Refuse options that must be positive when given (`--timeout 0` means nothing)."""
     for name, v in values.items():
@@ -139,6 +154,7 @@ def validate(opts: FleetOptions, pattern: Pattern,
 
     smoke = _smoke_opts(port, health_timeout, repeat)
     _positive(timeout=opts.timeout)
+    _fits_health_wait(opts.timeout, smoke, 0.0)
     settings = load_settings(load=load, concurrency=load_concurrency, num_prompts=load_prompts,
                              input_len=load_input_len, output_len=load_output_len, timeout_s=load_timeout,
                              client=load_client)
@@ -259,6 +275,8 @@ def apply(opts: FleetOptions,
                               smoke=_smoke_opts(port, health_timeout, repeat, latency_tolerance,
                                                 allow_token_drift, latency_slack),
                               load_gate=load_gate, load_settings=load_given, no_validate=no_validate)
+    if not check and not no_validate:
+        _fits_health_wait(opts.timeout, apply_opts.smoke, config.ROLLBACK_RESERVE_S)
     hosts = opts.select(pattern)
 
     def confirm(plan_results, to_change) -> None:
@@ -413,6 +431,8 @@ def deploy_kernel(opts: FleetOptions,
                                                   latency_slack), max_jobs=max_jobs, build_timeout=build_timeout,
                                 check=check, backend=backend, load_gate=load_gate, load_settings=load_given,
                                 route=routes, no_validate=no_validate)
+    if not check and not no_validate:
+        _fits_health_wait(opts.timeout, deploy_opts.smoke, config.ROLLBACK_RESERVE_S)
     hosts = opts.select(pattern)
     if not check:
         _confirm(f"deploy kernel {pkg.name} {pkg.version} to {len(hosts)} host(s)", yes)

@@ -71,7 +71,7 @@ def lab_inventory(lab_id: LabId = 0) -> None:
 
 @app.command("fault")
 def lab_fault(host: str, kind: Annotated[str, typer.Argument(
-        help="delay MS | down | up | freeze | thaw | rekey | unrekey | hang | unhang; the stand-in server's "
+        help="delay MS | down | up | freeze | thaw | rekey | unrekey | sshd-kill | hang | unhang; the stand-in server's "
              "behaviours: contention MS | fail-every N | slow-attention MS | hot-expert LAYER:EXPERT | behave")],
               arg: Annotated[Optional[str], typer.Argument(help="MS for delay, contention and slow-attention, N for "
                                                            "fail-every (0 clears); LAYER:EXPERT for hot-expert "

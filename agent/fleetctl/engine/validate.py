@@ -69,12 +69,27 @@ def smoke_targets(host: Host, facts: dict | None, opts: SmokeOptions, inside: bo
     return named
 
 
+def decode_need_s(opts: SmokeOptions) -> float:
+    """Seconds of a host's deadline a smoke decode keeps beyond its health wait: (repeat + 2)
+    quarters of REQUEST_TIMEOUT_S, for the decodes after the wait. smoke() cuts the health wait
+    to fit what the deadline leaves after them."""
+    return (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4
+
+
+def smoke_deadline_s(opts: SmokeOptions, reserve: float) -> float:
+    """The shortest per-host deadline (s) in which a smoke decode waits the whole
+    opts.health_timeout: the wait, decode_need_s, and `reserve` seconds kept for a rollback.
+    The commands refuse a --timeout under it (cli/fleet.py) rather than let smoke() cut the wait."""
+    return opts.health_timeout + decode_need_s(opts) + reserve
+
+
 def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd: str | None = None,
           reserve: float = 0.0, servers: bool = True, offline: bool = True) -> dict:
     """Run the smoke probe on the host: {"servers": [...], "refused": [...], "offline": ... | None}
     (see probes/traffic/smoke.py) on the servers of `facts` (smoke_targets) and the inventory's
     fleetctl_sglang_port / _host. `reserve`: seconds of the host's deadline to leave unused (for
-    a rollback); the health wait is cut to fit. `servers`: False runs only the offline command;
+    a rollback); the health wait is cut to fit, and a health failure after a cut wait says so in
+    its error (the commands refuse a --timeout that would cut it: smoke_deadline_s). `servers`: False runs only the offline command;
     `offline`: False runs none (a decode on rank 0's host for another host's gate).
     Each server's model_path (what it answered) is redacted (probes/redact.py).
     Raises ProbeFailed, RemoteTimeout, Unreachable."""
@@ -90,7 +105,7 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     budget = ctx.remaining() - reserve
     if budget < 5:
         raise RemoteTimeout(f"no time left for a smoke decode ({budget:.0f} s before the host deadline)")
-    params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - (opts.repeat + 2) * REQUEST_TIMEOUT_S / 4))
+    params["health_timeout"] = max(1.0, min(opts.health_timeout, budget - decode_need_s(opts)))
     params["offline_timeout"] = budget - 5
     # a stdlib probe: the host's interpreter runs it (the install's may be its owner's, which root
     # never starts: probes/trust.py), a container's its own
@@ -99,6 +114,12 @@ def smoke(ctx: HostContext, facts: dict | None, opts: SmokeOptions, offline_cmd:
     for s in res.get("servers") if isinstance(res.get("servers"), list) else []:
         if isinstance(s, dict) and isinstance(s.get("model_path"), str):
             s["model_path"] = redact.text(s["model_path"])
+    if params["health_timeout"] < opts.health_timeout:  # what the deadline cut is named, never silent
+        cut = (f" (the health wait was cut from {opts.health_timeout:g} s to {params['health_timeout']:.0f} s: "
+               f"the host's deadline, --timeout, left {budget:.0f} s)")
+        for s in res.get("servers") if isinstance(res.get("servers"), list) else []:
+            if isinstance(s, dict) and isinstance(s.get("error"), str) and s["error"].startswith("health deadline"):
+                s["error"] += cut
     return res
 
 

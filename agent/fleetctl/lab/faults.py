@@ -83,6 +83,45 @@ def _rekey(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> 
     wait_banner(h["address"])
 
 
+def _sshd_children(pid: int) -> list[int]:
+    """The sshd processes forked under `pid` (its sessions: comm `sshd` or `sshd-session`, and theirs),
+    from /proc's parent links (root-view pids)."""
+    parents = {}
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        if d.name.isdigit():
+            comm_end = stat.rindex(")")
+            parents[int(d.name)] = (int(stat[comm_end + 2:].split()[1]), stat[stat.index("(") + 1:comm_end])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, (pp, _) in parents.items() if pp == p]
+        frontier += kids
+        found += [c for c in kids if parents[c][1].startswith("sshd")]
+    return found
+
+
+def _sshd_kill(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
+    """`sshd-kill`: SIGKILL the host's sshd and every sshd session under it (each open connection cut
+    wherever it was, mid-write or not; the commands they ran see their pipes close), then a new
+    sshd started, the state saved and its banner waited for (LabError if none comes)."""
+    for pid in (h["sshd_pid"], *_sshd_children(h["sshd_pid"])):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while alive(h["sshd_pid"]) and time.monotonic() < deadline:  # free 127.0.0.1:22
+        time.sleep(0.05)
+    h["sshd_pid"] = start_sshd(h, sd)
+    h["faults"]["frozen"] = False
+    save(sd, state)
+    wait_banner(h["address"])
+
+
 def _hang(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
     """`hang`: /opt/sglang/venv/bin/python* replaced by HANG_SCRIPT, a script that sleeps forever
     (the originals kept in <host dir>/hang-backup) / `unhang`: the originals restored."""
@@ -103,7 +142,7 @@ def _hang(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> N
 # kind -> the function that injects or clears it: (state dir, lab state, host, kind, arg) -> None,
 # changing the host's entry in the state (its "faults" and pids), which lab_fault then saves
 KINDS = {"delay": _delay, "down": _link, "up": _link, "freeze": _freeze, "thaw": _freeze,
-         "rekey": _rekey, "unrekey": _rekey, "hang": _hang, "unhang": _hang}
+         "rekey": _rekey, "unrekey": _rekey, "hang": _hang, "unhang": _hang, "sshd-kill": _sshd_kill}
 # stand-in behaviour kind -> (its key in the behaviour file, what its argument counts); `behave`
 # empties the file
 BEHAVIOURS = {"contention": ("contention_ms", "MS, milliseconds per decode step per other request in flight"),
@@ -207,7 +246,8 @@ def lab_fault(host: str, kind: str, arg: str | int | None = None, lab_id: int = 
     Kinds: `delay MS` (each direction, by the host's delayproxy; 0 clears), `down`/`up` (the
     bridge side of the host's veth: connects time out), `freeze`/`thaw` (SIGSTOP/SIGCONT sshd:
     TCP is accepted, no banner), `rekey` (a new host key, sshd restarted; known_hosts keeps the
-    old one) / `unrekey` (the original key back), `hang`/`unhang` (/opt/sglang/venv/bin/python*
+    old one) / `unrekey` (the original key back), `sshd-kill` (sshd and its sessions SIGKILLed,
+    every connection cut, a new sshd started), `hang`/`unhang` (/opt/sglang/venv/bin/python*
     replaced by a script that sleeps forever / restored). The stand-in server's behaviours:
     `contention MS` (each decode step MS ms longer per other request in flight), `fail-every N`
     (every Nth streamed /generate answers 500), `slow-attention MS` (each attention kernel MS ms
