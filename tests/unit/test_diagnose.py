@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 
-from fleetctl.engine.diagnose import groups
+from fleetctl.engine.diagnose import group_key, groups, waves
 from fleetctl.engine.diagnose import verdict as vd
 from fleetctl.probes.diagnose import child, experts, kernels, trace
 from fleetctl.wheels import ensure_wheel
@@ -305,6 +305,28 @@ def test_each_verdict_from_its_figures():
     assert vd.judge(entry({kernels.GEMM: 1.0}))["verdict"] == vd.NONE
     assert vd.judge({"trace": None, "trace_error": "no trace"}) == {"verdict": vd.UNMEASURED, "why": "no trace",
                                                                       "action": None, "figures": {}}
+
+
+def test_identical_servers_are_measured_one_at_a_time_different_ones_side_by_side():
+    """Issue 56: one server of a group of identical ones at a time (the rest keep serving)."""
+    def server(pid, model="m", tp=2, port=30000):
+        return {"pid": pid, "model_path": model, "tp_size": tp, "pp_size": 1, "dp_size": 1, "nnodes": 1,
+                "kind": "sglang", "pd": None, "port": port}
+    inst = {"sglang": {"version": "0.5.23"}}
+    a, b = group_key(server(1), inst), group_key(server(2, port=30001), inst)
+    assert a == b  # the port is not what makes servers different
+    assert group_key(server(3, tp=4), inst) != a
+    assert group_key(server(4, model="other"), inst) != a
+    assert group_key(server(5), {"sglang": {"version": "0.5.10"}}) != a
+    other = group_key(server(6, model="other"), inst)
+    plan = [("h1", [(a, "h1-s1"), (other, "h1-s2")]), ("h2", [(a, "h2-s1")]), ("h3", [(a, "h3-s1"), (a, "h3-s2")])]
+    got = waves(plan)
+    assert got == [{"h1": ["h1-s1", "h1-s2"]}, {"h2": ["h2-s1"]}, {"h3": ["h3-s1"]}, {"h3": ["h3-s2"]}]
+    for wave in got:  # never two members of one group in a wave
+        keys = [k for h, members in plan for k, sel in members if sel in sum(wave.values(), [])]
+        assert keys.count(a) <= 1
+    assert waves([("h1", [(a, "x")]), ("h2", [(other, "y")])]) == [{"h1": ["x"], "h2": ["y"]}]
+    assert waves([]) == []
 
 
 def test_the_roll_up_groups_servers_by_verdict():

@@ -185,9 +185,8 @@ def diagnose(opts: FleetOptions, pattern: Pattern, port: Port = config.DEFAULT_S
     traffic or --load PROFILE, KV usage, accept length, with --allocator-replay fragmentation;
     then a verdict per server and the action that addresses it. The server is left profiling and
     recording nothing."""
-    from ..engine.diagnose import DiagnoseOptions, diagnose_job
+    from ..engine.diagnose import DiagnoseOptions, diagnose_fleet
     from ..engine.load import load_options
-    from ..probes.traffic.allocreplay import DEADLINE_S
 
     _positive(timeout=opts.timeout, seconds=seconds, steps=steps, health_timeout=health_timeout)
     trace = replay_trace(allocator_replay, pool, concurrency, input_range, output_range, aborts, seed, requests)
@@ -199,9 +198,8 @@ def diagnose(opts: FleetOptions, pattern: Pattern, port: Port = config.DEFAULT_S
     dopts = DiagnoseOptions(port=port, seconds=seconds, num_steps=steps, health_timeout=health_timeout,
                             load=load_options(settings) if load is not None else None, replay=trace)
     hosts = opts.select(pattern)
-    budget = opts.timeout or config.INSPECT_TIMEOUT_S + dopts.budget_s(1) + (DEADLINE_S if trace is not None else 0)
-    with opts.fleet(budget) as fleet:
-        results = fleet.run(hosts, diagnose_job(dopts), "diagnose")
+    with opts.fleet(opts.timeout or dopts.budget_s(1)) as fleet:
+        results = diagnose_fleet(fleet, hosts, dopts, opts.timeout)
     _finish(results, opts.json_out, renderer("diagnose", {}))
 
 
