@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 import zipfile
 
@@ -29,31 +31,44 @@ STEP = (("_fwd_kernel_stage1", kernels.DECODE, 6), ("fused_moe_kernel", kernels.
         ("cross_device_reduce_1stage", kernels.COMM, 2), ("mystery_op", kernels.UNKNOWN, 2))
 
 
-def _busy(ms: float) -> None:
+PROFILE = """
+import json, sys, time
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+path, step = sys.argv[1], json.loads(sys.argv[2])
+
+
+def busy(ms):
     end = time.perf_counter() + ms / 1000
     while time.perf_counter() < end:
         pass
 
 
+x, w = torch.randn(256, 512), torch.randn(512, 512)
+with profile(activities=[ProfilerActivity.CPU]) as p:
+    for _ in range(3):
+        with record_function("decode_step"):
+            for name, ms in step:
+                with record_function(name):
+                    busy(ms)
+                    torch.nn.functional.linear(x, w)  # inside a region: the region's
+                busy(1)
+        for _ in range(4):
+            torch.nn.functional.linear(x, w)  # outside every region: a dense GEMM
+p.export_chrome_trace(path)
+"""
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> dict:
     """A chrome trace the torch profiler exports, of 3 steps: each an outer region "decode_step"
-    (no kernel's name) holding STEP's regions, 1 ms of plain host work between regions."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+    (no kernel's name) holding STEP's regions, 1 ms of plain host work between regions. Made in
+    a fresh interpreter: torch._dynamo (which the profiler imports) cannot load in a process
+    where ansible's module_utils replaced sys.intern (other unit tests import it)."""
     path = tmp_path_factory.mktemp("trace") / "t.trace.json"
-    x, w = torch.randn(256, 512), torch.randn(512, 512)
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        for _ in range(3):
-            with record_function("decode_step"):
-                for name, _, ms in STEP:
-                    with record_function(name):
-                        _busy(ms)
-                        torch.nn.functional.linear(x, w)  # inside a region: the region's
-                    _busy(1)
-            for _ in range(4):
-                torch.nn.functional.linear(x, w)  # outside every region: a dense GEMM
-    p.export_chrome_trace(str(path))
+    subprocess.run([sys.executable, "-c", PROFILE, str(path), json.dumps([(n, ms) for n, _, ms in STEP])],
+                   check=True, timeout=300)
     return json.loads(path.read_text())
 
 

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[2] / "agent" / "fleetctl"
 # outside probes/; lab/ is a demo wing that only the CLI's lab commands (cli/lab.py) import.
 LAYERS = {
     "errors": 0, "vocab": 0, "hostpaths": 0, "probes": 0,
-    "config": 1, "paths": 1, "wheels": 1,
+    "config": 1, "paths": 1, "wheels": 1, "limits": 1,
     "inventory": 2,
     "connection": 3,
     "engine": 4,
@@ -28,8 +28,8 @@ LAB_IMPORTERS = {"fleetctl.cli.lab"}
 # probes/ has rooms of its own, layered the same way: the runtime at its top (the bundler, result,
 # trust, safefs, redact, enter) under facts/ (read-only), under traffic/, kernel/ and change/
 # (which send requests, build or write, reading facts to do so). None of the upper three imports
-# another.
-PROBE_LAYERS = {"": 0, "facts": 1, "traffic": 2, "kernel": 2, "change": 2}
+# another. diagnose/ sits above traffic/: it drives the load gate's client during a profile.
+PROBE_LAYERS = {"": 0, "facts": 1, "traffic": 2, "kernel": 2, "change": 2, "diagnose": 3}
 # engine/ is layered the same way: the job runtime at its top (context, fleet, gather, containers,
 # validate, load) under gates/ (the validation gates: the Gate protocol, smoke, load, route), under
 # the change engine (changes, and ledger's rollback, recover and status jobs), under the two rooms

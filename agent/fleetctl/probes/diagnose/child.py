@@ -14,6 +14,7 @@ torch reads the recorder's dump).
   by experts.balance; run.py removes the dumps this run caused after.
 """
 
+import importlib
 import json
 import os
 import re
@@ -88,7 +89,7 @@ def read_trace(trace_dir, version, speculative, server_uid=None):
 def read_dump(recorder_dir, since, ep_size, server_uid=None):
     """(experts.balance of the newest dump written at or after `since` (epoch seconds), the names of
     the dumps written since) or raises OSError / ValueError / safefs.UnsafePath."""
-    import torch  # the install's: this child runs its interpreter
+    torch = importlib.import_module("torch")  # the install's: this child runs its interpreter
 
     dfd, files = _entries(recorder_dir, _owners(server_uid))
     try:
