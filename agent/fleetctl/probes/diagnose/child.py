@@ -4,8 +4,9 @@ torch reads the recorder's dump).
 
 - the profiler's trace: in the private directory run.py made for this run, the regular files
   (never a link: safefs, O_NOFOLLOW from /) named *.trace.json.gz or *.trace.json, the first by
-  name (TP rank 0's: `{profile_id}-TP-0...`, 0.5.23 profiler_manager.py:343-358), at most MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and
-  read by trace.breakdown;
+  name (TP rank 0's: `{profile_id}-TP-0...`, 0.5.23 profiler_manager.py:343-358), at most
+  MAX_TRACE bytes on disk and MAX_JSON once decompressed, parsed as JSON and read by
+  trace.breakdown;
 - the expert recorder's dump: in the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR (given by
   run.py from the server's environment; SGLang's default /tmp: 0.5.23 environ.py), the regular
   files named expert_distribution_recorder_*.pt (0.5.23 eplb/expert_distribution.py:1006)

@@ -36,16 +36,16 @@ _LIBRARIES = (
     (VERIFY, r"^_verify_fwd|^_combine$", "kernels/verify_attention/triton_verify.py:111,220 (fleetctl's verify kernel)"),
     (EXTEND, r"BatchPrefillWith(Paged|Ragged)KVCache", "FlashInfer; srt/layers/attention/flashinfer_backend.py:535"),
     (DECODE, r"BatchDecodeWithPagedKVCache", "FlashInfer; srt/layers/attention/flashinfer_backend.py:549"),
-    (EXTEND, r"flash_fwd|FlashAttnFwd", "FlashAttention (sgl-kernel flash_attn_with_kvcache); "
-                                       "srt/layers/attention/flashattention_backend.py:66"),
+    (EXTEND, r"flash_fwd|FlashAttnFwd",
+     "FlashAttention (sgl-kernel flash_attn_with_kvcache); srt/layers/attention/flashattention_backend.py:66"),
     (MOE_ROUTING, r"topkGatingSoftmax|topk_softmax|moe_align_block_size|grouped_topk|moe_fused_gate|count_and_sort_expert",
      "sgl-kernel topk_softmax, moe_align_block_size; srt/layers/moe/topk.py:1309, "
      "srt/layers/moe/moe_runner/triton_utils/fused_moe.py:505"),
     (MOE_EXPERTS, r"moe_sum", "sgl-kernel moe_sum after the expert GEMMs; srt/layers/moe/moe_runner/triton_utils/fused_moe.py"),
     (COMM, r"^ncclDevKernel_|^ncclKernel_", "NCCL; srt/distributed/device_communicators/pynccl.py:150"),
     (COMM, r"^sglang::(out|in)place_all_reduce$", "the all-reduce custom op; srt/distributed/parallel_state.py:126 (0.4.6.post5)"),
-    (COMM, r"cross_device_reduce_(1|2)stage", "sgl-kernel custom all-reduce; "
-                                             "srt/distributed/device_communicators/custom_all_reduce_ops.py:44"),
+    (COMM, r"cross_device_reduce_(1|2)stage",
+     "sgl-kernel custom all-reduce; srt/distributed/device_communicators/custom_all_reduce_ops.py:44"),
     (SAMPLING, r"SamplingFromProb|TopKTopPSampling|MinPSampling|TopKRenorm|TopPRenorm|sampling_from_probs|argmax|"
                r"SoftMax|softmax|verify_tree_greedy|tree_speculative_sampling",
      "FlashInfer sampling (srt/layers/sampler.py:50), sgl-kernel's speculative acceptance (srt/speculative/eagle_utils.py)"),
