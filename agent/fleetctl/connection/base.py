@@ -208,6 +208,11 @@ class Connection(ABC):
     def close(self) -> None:
         """Close the connection and everything started over it (idempotent)."""
 
+    def release(self) -> None:
+        """The run's last job on this host ended: free what the connection holds now (close),
+        where nothing else of the run can be using it."""
+        self.close()
+
     @abstractmethod
     def _start(self, argv: list[str], timeout: float) -> Process:
         """Start `argv` (already wrapped by command.remote_argv) over there, within `timeout`

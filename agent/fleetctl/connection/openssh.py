@@ -348,6 +348,12 @@ class OpenSSHConnection(Connection):
                                   command.exit_status_line(argv)),
                               f"the master's keepalives: {count} unanswered, {interval:g} s apart, end it")
 
+    def release(self) -> None:
+        """Nothing now: the master this connection opened may carry the sessions of other
+        inventory hosts of the run with the same address, port and user (one ControlPath, %C),
+        whose jobs are still running; it holds no descriptor of this process, and the run's end
+        (Session.close) ends it."""
+
     def close(self) -> None:
         """`ssh -O exit` for the master this connection opened (idempotent)."""
         if self._master:

@@ -201,13 +201,14 @@ class Fleet:
         return self.connection(host)
 
     def release(self, host: Host) -> None:
-        """Close the run's connection to `host`, if any: its job was its last (Fleet.run's
-        `last`), so a fleet wider than --forks holds at most --forks connections, their
-        descriptors, threads (paramiko's transport) and buffers at once."""
+        """Release the run's connection to `host`, if any (Connection.release: closed, except an
+        OpenSSH master, which other inventory hosts of the run may share): its job was its last
+        (Fleet.run's `last`), so a fleet wider than --forks holds at most --forks connections,
+        their descriptors, threads (paramiko's transport) and buffers at once."""
         with self._conns_lock:
             conn = self._conns.pop(host.name, None)
         if conn is not None:
-            conn.close()
+            conn.release()
 
     def close(self) -> None:
         """Close every connection this fleet opened, then the run's session (Session.close:
