@@ -22,7 +22,6 @@ and checks, for tests/TIMINGS.md).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shlex
@@ -39,13 +38,6 @@ import pytest
 import yaml
 
 import fleetctl
-
-# torch._dynamo (which torch.profiler loads at its first start: the stand-in's instruments, the
-# diagnose tests) registers a polyfill of sys.intern and refuses one that is no function, while
-# ansible-core's module_utils, once imported (the vault tests, at collection), replace sys.intern
-# with a patch object: where both are installed, dynamo is loaded first, before any test module.
-if importlib.util.find_spec("torch") is not None and importlib.util.find_spec("ansible") is not None:
-    import torch._dynamo  # noqa: F401
 from fleetctl import lab as labmod
 from fleetctl.lab import base as labbase, host as labhost
 from fleetctl.wheels import cache_dir

@@ -47,6 +47,16 @@ KERNEL_DIRS = ("sglang/srt/layers/", "sglang/srt/distributed/", "sglang/srt/spec
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+@pytest.fixture(autouse=True)
+def real_sys_intern(monkeypatch):
+    """ansible-core's module_utils (imported by the vault tests at collection) replace sys.intern
+    with a patch object, which torch._dynamo (loaded at the profiler's first start, in process
+    here) refuses as a polyfill target: the real one while these tests run."""
+    real = getattr(type(sys.intern), "unpatched_implementation", None)
+    if real is not None:
+        monkeypatch.setattr(sys, "intern", real)
+
+
 @pytest.fixture(scope="module")
 def wheels():
     """{release: {path: text}} of each release's files the instruments' facts come from, and
