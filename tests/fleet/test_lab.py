@@ -110,6 +110,21 @@ def test_freeze_accepts_tcp_but_sends_no_banner(lab):
     assert banner(lab.address(h), 5.0).startswith(b"SSH-2.0-")
 
 
+def test_a_thawed_sshd_is_reaped_when_killed(lab):
+    """After freeze and thaw, the nsenter that waits on sshd runs again (it stopped itself with
+    its child), so an sshd killed later is reaped, not left a zombie on the host's pid list."""
+    h = lab.hosts[2]
+    lab.fault(h, "freeze")
+    lab.fault(h, "thaw")
+    old = _state(lab)[h]["sshd_pid"]
+    lab.fault(h, "sshd-kill")
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{old}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{old}").exists()
+    assert old not in lab.pids(h)
+
+
 def test_link_down_makes_host_unreachable(lab):
     h = lab.hosts[1]
     lab.fault(h, "down")

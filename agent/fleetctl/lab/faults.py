@@ -47,10 +47,72 @@ def _link(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> N
     h["faults"]["down"] = kind == "down"
 
 
+def _waiter(h: dict) -> int | None:
+    """The pid of the nsenter that started the host's sshd and waits on it (its parent), or None
+    once it is gone. util-linux nsenter --fork stops itself when its child stops and is continued
+    by nothing but a signal of its own (sys-utils/nsenter.c, continue_as_child): a thaw that
+    continued sshd alone left it stopped, and a stopped nsenter never reaps its killed sshd (a
+    zombie that `lab.host_pids` lists)."""
+    try:
+        stat = Path(f"/proc/{h['sshd_pid']}/stat").read_text()
+    except OSError:
+        return None
+    ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+    try:
+        return ppid if Path(f"/proc/{ppid}/comm").read_text().strip() == "nsenter" else None
+    except OSError:
+        return None
+
+
+def _state_of(pid: int) -> str:
+    """The one-letter state of `pid` (proc(5) /proc/PID/stat field 3), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(") ")[2][:1]
+    except OSError:
+        return ""
+
+
 def _freeze(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
-    """`freeze`/`thaw`: SIGSTOP/SIGCONT the host's sshd (TCP is accepted, no banner comes)."""
-    os.kill(h["sshd_pid"], signal.SIGSTOP if kind == "freeze" else signal.SIGCONT)
+    """`freeze`: SIGSTOP the host's sshd (TCP is accepted, no banner comes), and wait (at most 2 s)
+    until its nsenter has stopped itself too, so that a thaw finds it stopped / `thaw`: SIGCONT
+    both, the nsenter first (see _waiter)."""
+    waiter = _waiter(h)
+    if kind == "freeze":
+        os.kill(h["sshd_pid"], signal.SIGSTOP)
+        deadline = time.monotonic() + 2
+        while waiter and _state_of(waiter) not in ("T", "") and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        _continue(h, waiter)
     h["faults"]["frozen"] = kind == "freeze"
+
+
+def _continue(h: dict, waiter: int | None) -> None:
+    """SIGCONT the host's sshd's nsenter (`waiter`, if any) and then sshd itself."""
+    for pid in (waiter, h["sshd_pid"]):
+        try:
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _restart_sshd(sd: Path, state: dict, h: dict, sig: signal.Signals, sessions: list[int]) -> None:
+    """Thaw the host's sshd, send it and `sessions` `sig`, wait (at most 5 s) until it is gone,
+    start a new one, save the state and wait for its banner (LabError if none comes)."""
+    _continue(h, _waiter(h))
+    for pid in (h["sshd_pid"], *sessions):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while alive(h["sshd_pid"]) and time.monotonic() < deadline:  # free 127.0.0.1:22
+        time.sleep(0.05)
+    h["sshd_pid"] = start_sshd(h, sd)
+    h["faults"]["frozen"] = False
+    save(sd, state)
+    wait_banner(h["address"])
 
 
 def _rekey(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
@@ -69,18 +131,8 @@ def _rekey(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> 
     elif orig.exists():
         orig.replace(k)
         orig.with_name(orig.name + ".pub").replace(k.with_name(k.name + ".pub"))
-    for sig in (signal.SIGCONT, signal.SIGTERM):
-        try:
-            os.kill(h["sshd_pid"], sig)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while alive(h["sshd_pid"]) and time.monotonic() < deadline:  # free 127.0.0.1:22
-        time.sleep(0.05)
-    h["sshd_pid"] = start_sshd(h, sd)
-    h["faults"]["rekeyed"], h["faults"]["frozen"] = kind == "rekey", False
-    save(sd, state)
-    wait_banner(h["address"])
+    h["faults"]["rekeyed"] = kind == "rekey"
+    _restart_sshd(sd, state, h, signal.SIGTERM, [])
 
 
 def _sshd_children(pid: int) -> list[int]:
@@ -108,18 +160,7 @@ def _sshd_kill(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None)
     """`sshd-kill`: SIGKILL the host's sshd and every sshd session under it (each open connection cut
     wherever it was, mid-write or not; the commands they ran see their pipes close), then a new
     sshd started, the state saved and its banner waited for (LabError if none comes)."""
-    for pid in (h["sshd_pid"], *_sshd_children(h["sshd_pid"])):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while alive(h["sshd_pid"]) and time.monotonic() < deadline:  # free 127.0.0.1:22
-        time.sleep(0.05)
-    h["sshd_pid"] = start_sshd(h, sd)
-    h["faults"]["frozen"] = False
-    save(sd, state)
-    wait_banner(h["address"])
+    _restart_sshd(sd, state, h, signal.SIGKILL, _sshd_children(h["sshd_pid"]))
 
 
 def _hang(sd: Path, state: dict, h: dict, kind: str, arg: str | int | None) -> None:
