@@ -108,15 +108,23 @@ def test_a_healthy_server_gets_none_under_the_load_client(moe):
     assert left_on_host(lab) == ""
 
 
-def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
-    lab, env = moe
-    lab.fault(HOST, "hot-expert", "1:6")  # the lab's fault: the server rereads its behaviour (no restart)
+def diagnose_under_fault(lab, env, kind: str, arg) -> dict:
+    """The server's diagnose entry, taken under traffic with the lab's stand-in behaviour `kind`
+    `arg` set (the server rereads its behaviour file: no restart), which is cleared after; the
+    checks every entry passes (check_common) done."""
+    lab.fault(HOST, kind, arg)
     try:
         with traffic(lab):
             h, s = diagnose(lab, env, rc=0)
     finally:
         lab.fault(HOST, "behave")
     check_common(s)
+    return s
+
+
+def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
+    lab, env = moe
+    s = diagnose_under_fault(lab, env, "hot-expert", "1:6")
     v = s["verdict"]
     assert v["verdict"] == "moe-imbalance", v
     assert (v["figures"]["worst_layer"], v["figures"]["worst_gpu"]) == (1, 6 // (EXPERTS // EP))
@@ -127,13 +135,7 @@ def test_a_hot_expert_gives_the_moe_verdict_with_its_layer_and_gpu(moe):
 
 def test_slow_attention_gives_the_attention_verdict(moe):
     lab, env = moe
-    lab.fault(HOST, "slow-attention", 30)
-    try:
-        with traffic(lab):
-            h, s = diagnose(lab, env, rc=0)
-    finally:
-        lab.fault(HOST, "behave")
-    check_common(s)
+    s = diagnose_under_fault(lab, env, "slow-attention", 30)
     assert s["verdict"]["verdict"] == "attention", s["verdict"]
     assert s["verdict"]["figures"]["attention_share"] >= 0.6
 

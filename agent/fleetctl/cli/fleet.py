@@ -448,8 +448,11 @@ def renderer(command: str, doc: dict, diff: bool = False, details: bool = False)
     commands print with it,
     and `history show` prints a recorded run again with it. Raises KeyError for another command."""
     from ..report import gates, terminal
-    from ..report.diagnose import render_diagnose
     from ..report.text import text
+
+    def render_diagnose(results, console) -> None:  # its imports (engine.diagnose: 34 ms) only for diagnose
+        from ..report.diagnose import render_diagnose
+        render_diagnose(results, console)
 
     own = {"inspect": lambda rs, console: terminal.render_inspect(rs, console, details=details),
            "validate": gates.render_validate, "rollback": terminal.render_rollback,

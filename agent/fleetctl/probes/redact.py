@@ -73,6 +73,12 @@ _TOOLS = {n: (opts, nxt) for names, opts, nxt in TOOL_PASSWORDS for n in names} 
 _TOOL_NAME = re.compile(r"(?<![\w./-])(?:[\w.-]*/)*(?P<tool>%s)(?=[ \t])"
                         % "|".join(sorted(map(re.escape, _TOOLS), key=len, reverse=True)))
 _WORD = re.compile(r"[ \t]+(?P<word>(?:'[^']*'|\"[^\"]*\"|[^\s'\";&|])+)")  # a shell word: quoted and bare parts
+# what every redaction below needs somewhere in the lowercased text: a piece of a secret word
+# (each of SECRET_WORDS and COMPOUND_ENDS holds one; names are ASCII), "cookie", a URL's "://", or a
+# known tool's name (sshpass's holds "pass"); a text without any is returned as it is, unread by the
+# rules (most of what a host reports). Searched in s.lower(): a case-blind pattern costs 5x more.
+_MAYBE = re.compile("pass|pwd|secret|token|key|auth|credential|sig|cookie|://|%s"
+                    % "|".join(sorted(map(re.escape, _TOOLS), key=len, reverse=True)))
 
 
 def secret_name(name):
@@ -158,9 +164,13 @@ def argv(args):
 
 def text(s):
     """`s` (a shell command, output) with every secret value replaced by REDACTED; None stays None."""
-    if s is None:
-        return None
+    if s is None or not _MAYBE.search(s.lower()):
+        return s
+    return _rules(s)
 
+
+def _rules(s):
+    """`s` with each form of the module docstring redacted (text(): without its _MAYBE shortcut)."""
     def hide(m):
         if not secret_name(m.group("name")):
             return m.group(0)

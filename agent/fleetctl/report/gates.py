@@ -14,34 +14,27 @@ from typing import Any
 from rich.console import Console
 
 from ..engine.context import HostResult
-from .text import STATUS_STYLE, gate_status, grid, table, text, tolerant
+from .text import STATUS_STYLE, gate_status, grid, server_rows, table, text, tolerant
 
 
 def render_validate(results: list[HostResult], console: Console) -> None:
     """Smoke decode table: host, server, health wait, tokens, median latency, tokens/s; a row per
     refused target (data["refused"]: a process that claimed a server's port it does not hold,
     which was sent nothing)."""
+    def cells(s: dict) -> list:
+        lat = s.get("e2e_latency_s") or s.get("latency_s")
+        only = ((s.get("pd") or {}).get("via")
+                or (f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""))
+        return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
+                f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
+                tokens(s.get("output_ids")),
+                f"{lat * 1000:.1f} ms" if lat else "",
+                f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
+                "; ".join(x for x in (only, s.get("error")) if x)]
+
     rows = []
     for r in results:
-        servers = (r.data or {}).get("servers") or [None]
-        for s in servers:
-            status = text(r.status, style=STATUS_STYLE.get(r.status))
-            if s is None:
-                rows.append([text(r.host), status, *map(text, ["", "", "", "", "", r.error])])
-                continue
-
-            def cells(s=s):
-                lat = s.get("e2e_latency_s") or s.get("latency_s")
-                only = ((s.get("pd") or {}).get("via")
-                        or (f"node rank {s.get('node_rank')}: /health only" if s.get("health_only") else ""))
-                return [f":{s.get('port')} {s.get('model_path') or '?'}" + (" (stand-in)" if s.get("stand_in") else ""),
-                        f"{s['health_wait_s']:.1f}s" if s.get("health_wait_s") is not None else "",
-                        tokens(s.get("output_ids")),
-                        f"{lat * 1000:.1f} ms" if lat else "",
-                        f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "",
-                        "; ".join(x for x in (only, s.get("error")) if x)]
-
-            rows.append([text(r.host), status, *map(text, tolerant(cells, 6))])
+        rows += server_rows(r, cells, 6, 5)
         for f in (r.data or {}).get("refused") or []:  # not smoke-tested, nothing sent (review N6)
             rows.append([text(r.host), text(r.status, style=STATUS_STYLE.get(r.status)),
                          *map(text, tolerant(lambda f=f: [

@@ -57,6 +57,21 @@ STATUS_STYLE = {HostStatus.OK: "green", HostStatus.CHANGED: "yellow", HostStatus
                 HostStatus.FAILED: "red", HostStatus.UNREACHABLE: "magenta", HostStatus.NOT_ATTEMPTED: "dim"}
 
 
+def server_rows(r: Any, cells: Callable[[dict], list], columns: int, error_at: int) -> list[list[Text]]:
+    """The rows of one host's result `r` (an engine.context.HostResult) in a table of servers: per
+    server in r.data["servers"], the host, its status and the `columns` cells of cells(server)
+    (tolerant of a malformed server); a host without servers gets one row, its error in cell
+    `error_at` of the `columns`."""
+    def status() -> Text:
+        return text(r.status, style=STATUS_STYLE.get(r.status))
+    servers = (r.data or {}).get("servers") or []
+    if not servers:
+        blank = [""] * columns
+        blank[error_at] = r.error or ""
+        return [[text(r.host), status(), *map(text, blank)]]
+    return [[text(r.host), status(), *map(text, tolerant(lambda s=s: cells(s), columns))] for s in servers]
+
+
 def coalesce(items: Iterable[tuple[str, Any]]) -> list[tuple[list[str], Any]]:
     """Group (host, value) pairs with equal values: [([hosts], value)], first-seen order."""
     groups: dict[str, tuple[list[str], Any]] = {}
