@@ -22,7 +22,9 @@ fault HOST delay D`: the lab's userspace delay proxy holds each chunk D ms each 
 plus, on one 0.5.23 host: `ssh HOST grep -rl -e TokenToKVPoolAllocator -e need_sort <package>`
 against a warm `fleetctl inspect HOST`, with two floors: fleetctl's start on this machine (its
 imports, no host) and `ssh HOST <interpreter> -S -c pass`; and the cold probe's scan phases
-against that grep's own time on the host. The control process's CPU seconds (user+sys) and peak RSS come from
+against that grep's own time on the host. fleetctl's modules are byte-compiled first, as pip
+compiles an installed package (a checkout under PYTHONDONTWRITEBYTECODE=1 would compile them in
+every timed run). The control process's CPU seconds (user+sys) and peak RSS come from
 /usr/bin/time; the most open file descriptors and threads of the control's process tree (the
 command and every process under it, summed) from /proc, sampled every SAMPLE_S. Host keys are
 verified by every client (known_hosts written by the lab).
@@ -376,6 +378,10 @@ def main() -> int:
         print(text)
         return 0
     env = dict(os.environ)
+    # fleetctl as installed: pip byte-compiles a package at install; a checkout run with
+    # PYTHONDONTWRITEBYTECODE=1 would compile every module in every timed run (0.1-0.3 s each)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(__file__).resolve().parents[1] / "agent")],
+                   check=True, stdout=subprocess.DEVNULL)
     res = {"delay_ms": a.delay_ms, "runs": a.runs, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_at_start": os.getloadavg(), "sizes": []}
     next_id = a.lab_id
