@@ -220,14 +220,16 @@ def test_redaction_time_is_linear_in_the_text(hostile):
 def test_the_shortcut_for_texts_without_a_secret_word_never_changes_the_result():
     """text() returns a text with no secret word, URL or tool name in it (_MAYBE, on the
     lowercased text) without reading it with the rules: over every form above, in upper case, with
-    the Kelvin sign for a k (the rules' case-blind patterns match it) and with each of the secret
-    names and tool names, the result is what the rules alone give."""
+    the Kelvin sign for a k and the dotted capital I for an i (the rules' case-blind patterns match
+    both; "\u0130".lower() is two characters) and with each of the secret names and tool names, the
+    result is what the rules alone give."""
     names = sorted(redact.SECRET_WORDS) + [f"x_{e}" for e in redact.COMPOUND_ENDS] + ["model", "port", "tp_size"]
     forms = ["--{n}=v1 --{n} v2 -{n} v3", "{n}=v4", "{n}: v5", '"{n}": "v6"', "{n} -p v7 -a v8 -u v9",
              "Cookie: {n}=v10", "scheme{n}://u:{n}@h/"]
     given = [g for g, _ in test_each_secret_form_is_redacted_in_text.pytestmark[0].args[1]]
     texts = given + [f.format(n=n) for f in forms for n in names + sorted(redact._TOOLS)]
     texts += [t.upper() for t in texts] + [t.replace("k", "\u212a") for t in texts]
+    texts += [t.replace("i", "\u0130") for t in texts]
     changed = 0
     for t in texts:
         assert redact.text(t) == redact._rules(t), t

@@ -73,12 +73,16 @@ _TOOLS = {n: (opts, nxt) for names, opts, nxt in TOOL_PASSWORDS for n in names} 
 _TOOL_NAME = re.compile(r"(?<![\w./-])(?:[\w.-]*/)*(?P<tool>%s)(?=[ \t])"
                         % "|".join(sorted(map(re.escape, _TOOLS), key=len, reverse=True)))
 _WORD = re.compile(r"[ \t]+(?P<word>(?:'[^']*'|\"[^\"]*\"|[^\s'\";&|])+)")  # a shell word: quoted and bare parts
-# what every redaction below needs somewhere in the lowercased text: a piece of a secret word
+# what every redaction below needs somewhere in the text, in any case: a piece of a secret word
 # (each of SECRET_WORDS and COMPOUND_ENDS holds one; names are ASCII), "cookie", a URL's "://", or a
 # known tool's name (sshpass's holds "pass"); a text without any is returned as it is, unread by the
-# rules (most of what a host reports). Searched in s.lower(): a case-blind pattern costs 5x more.
-_MAYBE = re.compile("pass|pwd|secret|token|key|auth|credential|sig|cookie|://|%s"
-                    % "|".join(sorted(map(re.escape, _TOOLS), key=len, reverse=True)))
+# rules (most of what a host reports). An ASCII text is searched lowercased (a case-blind pattern
+# costs 5x more); any other case-blind, as the rules' own (?i) match: str.lower() is no simple case
+# fold ("\u0130".lower() is two characters, and _COOKIE's (?i) takes it for an "i").
+_MAYBE_PATTERN = "pass|pwd|secret|token|key|auth|credential|sig|cookie|://|%s" % "|".join(
+    sorted(map(re.escape, _TOOLS), key=len, reverse=True))
+_MAYBE = re.compile(_MAYBE_PATTERN)
+_MAYBE_ANY_CASE = re.compile("(?i)" + _MAYBE_PATTERN)
 
 
 def secret_name(name):
@@ -164,7 +168,7 @@ def argv(args):
 
 def text(s):
     """`s` (a shell command, output) with every secret value replaced by REDACTED; None stays None."""
-    if s is None or not _MAYBE.search(s.lower()):
+    if s is None or not (_MAYBE.search(s.lower()) if s.isascii() else _MAYBE_ANY_CASE.search(s)):
         return s
     return _rules(s)
 
