@@ -296,7 +296,8 @@ def test_status_reports_drift_and_record_differences(server_lab):
 def test_ctrl_c_lets_the_running_host_finish_and_starts_no_more(server_lab, sig, code):
     """SIGINT (Ctrl-C), or SIGTERM (a CI cancel: handled the same, exit 143), during a
     one-host-at-a-time rollout: the host in progress completes its change (validated, applied),
-    the hosts not started are untouched and reported not attempted."""
+    the hosts not started are untouched and reported not attempted; the --json document, the
+    exit status and the history say the same exit code."""
     server_lab.set_behavior("lab-02", {"unhealthy_for_s": 6}, restart=False)
     before = {h: tree_digest(server_lab, h) for h in ("lab-03", "lab-04")}
     p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "all", "--yes",
@@ -310,6 +311,10 @@ def test_ctrl_c_lets_the_running_host_finish_and_starts_no_more(server_lab, sig,
     stdout, stderr = p.communicate(timeout=120)
     hosts = {h["host"]: h for h in json.loads(stdout)["hosts"]}
     assert p.returncode == code and "interrupted" in stderr, (p.returncode, stderr[-2000:])
+    # one exit code in the document, the exit status and the run's history record (soak seed
+    # 6301 step 69: a SIGTERMed run's document said 130)
+    shown = json.loads(server_lab.cli("history", "show", "last", "--json").stdout)
+    assert (json.loads(stdout)["exit_code"], shown["run"]["exit_code"]) == (code, code), shown["run"]
     assert hosts["lab-02"]["status"] == "changed"
     assert ledger_states(server_lab, "lab-02")[json.loads(stdout)["change_id"]] == "applied"
     for h in ("lab-03", "lab-04"):

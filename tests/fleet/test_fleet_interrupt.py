@@ -84,6 +84,7 @@ def test_ctrl_c_to_the_process_group_over_a_proxy_command_lets_the_host_in_progr
             p.wait()
     assert p.returncode == code and "interrupted" in stderr, (p.returncode, stderr[-2000:])
     doc = json.loads(stdout)
+    assert doc["exit_code"] == code, doc["exit_code"]
     hosts = {h["host"]: h for h in doc["hosts"]}
     assert hosts[FIRST]["status"] == "changed", hosts[FIRST]["error"]
     assert lab.ssh(FIRST, f"test -e {DONE}").returncode == 0, "the handler did not run to its end"

@@ -441,9 +441,9 @@ def test_a_signal_while_the_end_waits_for_the_lock_changes_no_exit_code(tmp_path
     path, go = tmp_path / "h.sqlite", tmp_path / "go"
     script = textwrap.dedent(f"""
         import os, signal, sys, time
-        from fleetctl.cli import _on_sigterm
+        from fleetctl.cli.signals import on_sigterm
         from fleetctl.history import record
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, on_sigterm)
         record.start("status", {str(path)!r}, ["status", "all"])
         print("started", flush=True)
         while not os.path.exists({str(go)!r}):

@@ -4,6 +4,7 @@ file mapped, a file open), and the refusal a change gets (engine/inuse.py), on h
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,57 @@ def test_interpreter_mapped_and_open_files_name_a_process_and_nothing_else_does(
         for p in procs:
             p.kill()
             p.wait()
+
+
+# One program, run twice with one command line: as a peer probe (it holds a file of the install
+# open and starts a child that holds one too, as the scan and its grep -rl do) and as the probe
+# that marks the installs (FLEETCTL_TEST_ROLE=probe): the bootstrap every fleetctl probe shares.
+PEER = """
+import json, os, subprocess, sys, time
+data = os.environ["FLEETCTL_TEST_DATA"]
+if os.environ.get("FLEETCTL_TEST_ROLE") == "probe":
+    from fleetctl.probes.facts import inuse
+    inst = json.loads(os.environ["FLEETCTL_TEST_INSTALL"])
+    inuse.mark([inst], [])
+    sys.stdout.write(json.dumps(inst["in_use"]) + "\\n")
+else:
+    f = open(data, "rb")
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
+                              "sys.stdout.write('up\\\\n'); sys.stdout.flush(); time.sleep(60)", data],
+                             stdout=subprocess.PIPE)
+    child.stdout.readline()
+    sys.stdout.write("up %d\\n" % child.pid)
+    sys.stdout.flush()
+    time.sleep(60)
+"""
+
+
+def test_a_peer_probe_and_what_runs_below_it_use_no_install_a_reader_does(tree):
+    # CI of 2026-12-07: two inspects of one host at once (inventory aliases of lab-03) each
+    # named the other's probe as a process using the venv: a false "in use" that refuses changes
+    site = tree["site"]
+    data = site["sglang"]["package_dir"] + "/data.bin"
+    env = dict(os.environ, FLEETCTL_TEST_DATA=data, FLEETCTL_TEST_INSTALL=json.dumps(site))
+    peer = subprocess.Popen([sys.executable, "-c", PEER], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    line = peer.stdout.readline().split()
+    assert line[0] == b"up", line
+    below = int(line[1])
+    reader = spawn([sys.executable, "-c", f"f = open({data!r}, 'rb'); {SLEEP}"])  # another command line
+    try:
+        r = subprocess.run([sys.executable, "-c", PEER], capture_output=True, text=True, timeout=60,
+                           env=dict(env, FLEETCTL_TEST_ROLE="probe"))
+        assert r.returncode == 0, r.stderr
+        named = {p["pid"]: p["why"] for p in json.loads(r.stdout)["processes"]}
+        assert named == {reader.pid: f"has a file under {site['sglang']['package_dir']} open"}, (named, peer.pid, below)
+        # the same peer, seen by a probe with another command line (this test's process), is named
+        inuse.mark([site], [])
+        assert {peer.pid, below, reader.pid} <= {p["pid"] for p in site["in_use"]["processes"]}
+    finally:
+        os.killpg(peer.pid, 9)
+        peer.wait()
+        reader.kill()
+        reader.wait()
 
 
 def test_named_processes_are_bounded_and_the_rest_counted(tree, monkeypatch):

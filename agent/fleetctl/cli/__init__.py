@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import signal
 import sys
 import threading
 from typing import Annotated
@@ -26,7 +25,7 @@ from .. import __version__
 from ..errors import EXIT_INTERRUPTED, EXIT_OPTIONS, EXIT_TERMINATED, FleetctlError
 from ..history import record
 from ..limits import raise_open_files
-from . import ansible, fleet, history, htmlreport, lab
+from . import ansible, fleet, history, htmlreport, lab, signals
 from .console import err
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False,
@@ -39,9 +38,6 @@ app.add_typer(history.app, name="history")
 app.add_typer(htmlreport.app)
 app.add_typer(ansible.inventory_app, name="inventory")
 app.add_typer(ansible.collection_app, name="collection")
-
-_terminated = []  # set by SIGTERM
-
 
 def _version(show: bool) -> None:
     """--version: fleetctl's version and the Python it runs on, then exit 0."""
@@ -74,18 +70,11 @@ def _trace_connections(level: int) -> None:
     log.propagate = False
 
 
-def _on_sigterm(signum, frame) -> None:
-    """SIGTERM (a CI cancel, a service stop) is handled as Ctrl-C: hosts in progress finish,
-    none start; the exit status is then 143 instead of 130."""
-    _terminated.append(signum)
-    raise KeyboardInterrupt
-
-
 def main() -> None:
     """Console entry point: maps errors to Ansible's exit codes (command-line usage errors -> 5;
     SIGTERM as Ctrl-C, exit 143), and records the run's end with that code in the run history
     (history.record; 1 for an uncaught exception, as Python exits)."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signals.install()
     raise_open_files()  # a fleet of hundreds of hosts needs more than a default 1024 (limits.py)
     code = 1
     try:
@@ -117,11 +106,11 @@ def _run() -> int:
         return EXIT_OPTIONS
     except (typer.Abort, KeyboardInterrupt):
         err.print("aborted")
-        return EXIT_TERMINATED if _terminated else EXIT_INTERRUPTED
+        return signals.exit_code(EXIT_INTERRUPTED)
     except FleetctlError as e:
         from ..report.text import text
 
         err.print(Text.assemble(("error:", "bold red"), " ", text(e)), highlight=False, soft_wrap=True)
         return e.exit_code
     code = code if isinstance(code, int) else 0
-    return EXIT_TERMINATED if _terminated and code == EXIT_INTERRUPTED else code
+    return signals.exit_code(code)

@@ -15,6 +15,7 @@ import typer
 
 from .. import config
 from ..errors import UsageError
+from . import signals
 from .console import err, out
 from .options import (
     AllowDrift, AskVaultPass, ConnectionOpt, ConnectTimeout, FleetOptions, HealthTimeout, InstallOpt, InventoryOpt,
@@ -484,7 +485,7 @@ def _finish(results, json_out: bool, render, hosts: list[dict] | None = None, **
     from ..report.document import envelope
 
     document = envelope({**doc, "hosts": [r.to_json() for r in results] if hosts is None else hosts},
-                        exit_code(results), record.current_run_id())
+                        signals.exit_code(exit_code(results)), record.current_run_id())
     record.results(document)
     if json_out:
         _print_json(document)

@@ -84,7 +84,7 @@ WAIT_TICK_S = 0.2
 
 class _Signals:
     """SIGINT and SIGTERM counted, not raised, while Fleet.run waits on its hosts: the handler
-    that was there runs (cli's SIGTERM handler records that the run was terminated), the
+    that was there runs (cli/signals.py's SIGTERM handler records that the run was terminated), the
     KeyboardInterrupt it raises is swallowed, and run() acts on the count between two waits. A
     KeyboardInterrupt raised inside concurrent.futures' waits can leave a future's condition
     lock held (CPython bpo-29988: an exception between a lock's acquire and the `with` block),

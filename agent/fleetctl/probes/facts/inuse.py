@@ -7,8 +7,9 @@ when it has a file of the install open (/proc/PID/fd, proc(5)) or mapped (/proc/
 shared object of it loaded); an install's files are those under its environment's prefix (a
 venv, a conda env) or, for an interpreter's own site directory, under its package directory.
 Such a process is named unless it belongs to a server fleetctl identified (procs.find_servers:
-the server and every process below it) or to this probe (its own pid, its ancestors: the SSH
-session that runs it). What a process runs is said by its command line, redacted (redact.argv),
+the server and every process below it), to this probe (its own pid, its ancestors: the SSH
+session that runs it) or to a peer of it (another fleetctl probe inspecting the host at the
+same time: peer_probes). What a process runs is said by its command line, redacted (redact.argv),
 quoted and bounded (MAX_CMDLINE characters), and at most MAX_PROCESSES are named per install
 (with the count of the others): an answer bounded by design, whatever runs on the host.
 """
@@ -103,15 +104,35 @@ def cmdline_text(argv):
     return line
 
 
+def peer_probes(table):
+    """Pids in `table` (procs.proc_table's) of this probe's peers: the Python processes whose
+    command line after argv[0] is this probe's own (/proc/self/cmdline: the same fleetctl
+    bootstrap, started by another connection, run or operator inspecting the same host at the
+    same time). A peer reads an install's files (the scan, grep -rl below it) but serves nothing,
+    so it uses no install. A process that takes a peer's command line only hides itself (and
+    what runs below it) from the list, as a process that closed its files would: a server is
+    never one (procs.find_servers knows servers by their command lines)."""
+    own = table.get(os.getpid())
+    if not own or len(own[0]) < 2:
+        return set()
+    return {pid for pid, (argv, _) in table.items()
+            if pid != os.getpid() and argv[1:] == own[0][1:] and procs.is_python(pid)}
+
+
 def _skipped(table, servers):
-    """Pids that use no install here whatever they run: this probe, its ancestors, and each
-    server with every process below it and every one above it (its launchers: `conda run`,
-    `timeout`, a supervisor; init itself is never one)."""
+    """Pids that use no install here whatever they run: this probe, its ancestors, its peers
+    (peer_probes) with every process below them, and each server with every process below it
+    and every one above it (its launchers: `conda run`, `timeout`, a supervisor; init itself
+    is never one)."""
     skip = {os.getpid()}
     p = os.getppid()
     while p > 1 and p not in skip:
         skip.add(p)
         p = table[p][1] if p in table else 0
+    peers = peer_probes(table)
+    for pid in table:
+        if pid in peers or peers.intersection(procs.ancestors(pid, table)):
+            skip.add(pid)
     tops = {s["pid"] for s in servers}
     for pid in table:
         if pid in tops or tops.intersection(procs.ancestors(pid, table)):
