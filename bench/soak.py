@@ -12,7 +12,9 @@ the step; every random draw is made in the walk's own thread, so a seed replays 
 Operations (OPS): apply defrag-tier0 (rolling, --serial 1, 2 or 100%), the same with --check,
 rollback --last, recover, status, validate, validate --load smoke (SGLang's own benchmark client; the
 0.5.10 host left out: its install cannot import it, torchvision), deploy kernel verify_attention (the
-CPU backend, --route all), and an overlap: a second operator's apply, rollback or recover started
+CPU backend, --route all), apply route-verify-attention on the 0.5.23 host (its server speculating on
+the triton backend, ROUTE_SERVER; the kernel deployed there first, with no fault, when the last
+check did not find it current: the route is refused without it), and an overlap: a second operator's apply, rollback or recover started
 while an apply runs (per host each either does its work or loses the lock saying so, LOCK_BUSY, and
 exits non-zero). A run that fails with no fault injected is a violation.
 Faults (FAULTS), each at a random time inside an operation: SIGKILL or SIGTERM of the fleetctl
@@ -26,9 +28,10 @@ the check.
 
 The checker (check) reads each host over plain `ssh`, never through fleetctl's ledger code:
   tree     every file of the host's SGLang tree (site-packages/sglang, __pycache__ left out) hashes
-           to its pristine state (read before the first operation) or to its patched state (read
-           after the host's first apply that reported it `changed`); files neither way, files
-           added or lost, a tree partly patched, are violations;
+           to its pristine state (read before the first operation) or to a playbook's patched state
+           (defrag-tier0's, route-verify-attention's: read after the host's first apply of it that
+           reported it `changed`, each playbook's files its own); files neither way, files added
+           by no playbook or lost, a playbook's files partly patched, are violations;
   litter   no fleetctl temp file (.NAME.fleetctl-TAG.RAND.tmp, safefs._tmp_name) nor *.orig/*.rej
            left in the tree, /opt/fleetctl-standin, /var/lib/fleetctl-kernels or /tmp;
   lock     no run holds the host's lock (flock -n on /var/lib/fleetctl/lock) when none is running;
@@ -66,18 +69,20 @@ SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # deploy kernel's published builds and `current`
 STANDIN = "/opt/fleetctl-standin"  # the stand-in server's directory on a lab host
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate", "validate-load", "deploy", "overlap")
-OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1)
+OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate", "validate-load", "deploy", "route",
+       "overlap")
+OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1, 1)
 # the faults each operation may get: a kill of fleetctl where it changes hosts; the stand-in's
 # every-Nth failure where a streamed request (the load client's) is sent; an overlap is itself the fault
 HOST_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "crash", "disk-full")
 FAULTS = ("sigkill", "sigterm", *HOST_FAULTS, "fail-every")
 OP_FAULTS = {"apply": ("sigkill", "sigterm", *HOST_FAULTS), "rollback": ("sigkill", "sigterm", *HOST_FAULTS),
              "recover": ("sigkill", "sigterm", *HOST_FAULTS), "deploy": ("sigkill", "sigterm", *HOST_FAULTS),
+             "route": ("sigkill", "sigterm", *HOST_FAULTS),
              "apply-check": HOST_FAULTS, "status": HOST_FAULTS, "validate": HOST_FAULTS,
              "validate-load": ("fail-every", *HOST_FAULTS), "overlap": ()}
 FAULT_P = 0.5  # chance that an operation gets a fault
-CHANGING = ("apply", "rollback", "recover", "deploy")  # where a kill is a crash mid-change
+CHANGING = ("apply", "rollback", "recover", "deploy", "route")  # where a kill is a crash mid-change
 OP_TIMEOUT_S = 420  # a run still going then is a violation (hang) and is killed
 COMMON = ("--json", "--connect-timeout", "5")
 # disk-full: the state dir of the walk's last host (one every operation changes: the first, 0.4.6,
@@ -102,7 +107,18 @@ ARGV = {
     "validate-load": ("validate", "LOADABLE", "--health-timeout", "90", "--load", "smoke", "--run-timeout", "300"),
     "deploy": ("deploy", "kernel", "verify_attention", "all", "--yes", "--backend", "cpu", "--route", "all",
                "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
+    # the route host alone: SGLang's target verify routed to the kernel deployed there, under the
+    # route gate (its server speculates on the triton backend: ROUTE_SERVER)
+    "route": ("apply", "route-verify-attention", "ROUTE_HOST", "--yes", "--repeat", "1", "--health-timeout", "90",
+              "--run-timeout", "400"),
+    "deploy-route-host": ("deploy", "kernel", "verify_attention", "ROUTE_HOST", "--yes", "--backend", "cpu",
+                          "--route", "all", "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
 }
+PLAYBOOKS = {"apply": "defrag-tier0", "route": "route-verify-attention"}  # what an operation's apply changes
+# route: the host of this release has its server speculate on triton (what route-verify-attention
+# routes: tests/fleet/test_fleet_route_verify.py), by the restart command its inventory gives
+ROUTE_RELEASE = "0.5.23"
+ROUTE_SERVER = "--attention-backend triton --speculative-algorithm STANDALONE --speculative-num-draft-tokens 4"
 # one ssh per host per check: the tree's hashes, the litter, whether the lock is free, the hook's kernel
 PROBE = (f"cd {SITE} && find sglang -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum; "
          "echo '#litter'; find " + SITE + "/sglang /opt/fleetctl-standin /var/lib/fleetctl-kernels /tmp "
@@ -168,6 +184,28 @@ def parse_probe(out: str) -> tuple[dict, list, int, str]:
     return tree, [p for p in litter_part.splitlines() if p.strip()], int(lock_part.split()[0]), hook_part.strip()
 
 
+def tree_state(base: dict, known: dict, tree: dict) -> tuple[set, list]:
+    """A tree ({path: sha256}) against its pristine state `base` and the playbooks' patched states
+    `known` ({playbook: {path: sha256}}): (the paths that differ from pristine, what is wrong: a
+    path lost, added by no playbook, hashing to neither its pristine nor a patched state, a
+    playbook's files partly patched)."""
+    patched = {p: sha for files in known.values() for p, sha in files.items()}
+    differ, wrong = set(), []
+    for path in sorted(set(base) | set(tree)):
+        if tree.get(path) == base.get(path):
+            continue
+        differ.add(path)
+        if path not in tree:
+            wrong.append(f"{path} lost")
+        elif patched.get(path) != tree[path]:
+            wrong.append(f"{path} " + ("hashes to neither its pristine nor a patched state" if path in base else
+                                       "added with bytes no playbook writes" if path in patched else "added"))
+    for playbook, files in known.items():  # each playbook's files all patched or none
+        if differ & set(files) and not set(files) <= differ:
+            wrong.append(f"{playbook} partly patched: {sorted(differ & set(files))} of {sorted(files)}")
+    return differ, wrong
+
+
 class Soak:
     """One walk over `lab` (an object with hosts, status (lab_status's list), env, ssh(host,
     command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
@@ -182,7 +220,8 @@ class Soak:
         self.fig = Figures(seed)
         self.env = {**lab.env, "FLEETCTL_HISTORY": str(history), "FLEETCTL_KERNELS_DIR": str(KERNELS)}
         self.pristine: dict[str, dict] = {}
-        self.patched: dict[str, dict] = {}
+        self.patched: dict[str, dict[str, dict]] = {h: {} for h in lab.hosts}  # host -> playbook -> {path: sha}
+        self.hooks: dict[str, str] = {}  # host -> the hook's kernel at the last check (PROBE's #hook)
         # (pid, start time, end time, how it ended: None or killed-SIG, exit status, the exit_code
         # its --json document gave when it printed one: a run killed after it finished)
         self.started: list[tuple[int, float, float, str | None, int, int | None]] = []
@@ -190,6 +229,9 @@ class Soak:
         releases = {h["name"]: h.get("release") for h in lab.status}
         # validate --load runs SGLang's benchmark client, which 0.5.10's install cannot import (torchvision)
         self.loadable = ",".join(h for h in lab.hosts if releases.get(h) != "0.5.10")
+        self.route_host = next((h for h in lab.hosts if releases.get(h) == ROUTE_RELEASE), None) if "route" in ops else None
+        if "route" in ops and self.route_host is None:
+            raise RuntimeError(f"the route operation needs a host of SGLang {ROUTE_RELEASE} in the lab")
 
     def violation(self, kind: str, text: str) -> None:
         self.fig.violations.append((self.step, kind, text))
@@ -202,8 +244,8 @@ class Soak:
         return parse_probe(r.stdout)
 
     def argv(self, op: str) -> list[str]:
-        argv = [sys.executable, "-m", "fleetctl.cli", *(self.loadable if a == "LOADABLE" else a for a in ARGV[op]),
-                *COMMON]
+        argv = [sys.executable, "-m", "fleetctl.cli",
+                *({"LOADABLE": self.loadable, "ROUTE_HOST": self.route_host}.get(a, a) for a in ARGV[op]), *COMMON]
         if op == "apply":
             argv += ["--serial", self.rng.choice(self.serials)]
         return argv
@@ -281,7 +323,8 @@ class Soak:
         status, None when killed by the soak; its JSON document or None)."""
         at = self.rng.uniform(0.3, 4.0)
         hold = self.rng.uniform(*self.hold)
-        host = self.rng.choice(self.loadable.split(",") if op == "validate-load" else self.lab.hosts)
+        host = self.rng.choice(self.loadable.split(",") if op == "validate-load" else
+                               [self.route_host] if op in ("route", "deploy-route-host") else self.lab.hosts)
         arg = self.rng.choice((1, 2, 3)) if fault == "fail-every" else self.rng.choice((200, 500, 1500))
         p, t0, out = self.spawn(op)  # every draw made here, none in the thread: a seed replays
         done = threading.Event()
@@ -332,20 +375,39 @@ class Soak:
                 self.fig.faults["lock-lost"] += 1
         return docs[0], (other, docs[1])
 
-    def learn(self, doc: dict | None) -> None:
-        """After a finished apply: each host it `changed` gives its patched tree (first time)."""
+    def learn(self, doc: dict | None, playbook: str) -> None:
+        """After a finished apply of `playbook`: each host it `changed` gives that playbook's
+        patched files there (the first time): the files that differ from pristine and are no
+        other playbook's (each playbook's files are its own: defrag-tier0's allocator files,
+        route-verify-attention's hook module and triton_backend.py)."""
         for h in (doc or {}).get("hosts", []):
-            if h.get("status") == "changed" and h["host"] not in self.patched and not doc.get("check"):
+            known = self.patched[h["host"]]
+            if h.get("status") == "changed" and playbook not in known and not doc.get("check"):
                 tree = self.probe(h["host"])[0]
                 base = self.pristine[h["host"]]
-                self.patched[h["host"]] = {p: s for p, s in tree.items() if base.get(p) != s}
+                others = {p for files in known.values() for p in files}
+                known[playbook] = {p: s for p, s in tree.items() if base.get(p) != s and p not in others}
+
+    def restart_cmd(self, host: str) -> str:
+        """The stand-in's restart command on `host`, as its inventory gives it."""
+        return f"{STANDIN}/restart.sh" + (f" {ROUTE_SERVER}" if host == self.route_host else "")
+
+    def route_server(self) -> None:
+        """The route host's server restarted speculating on triton, and its inventory's restart
+        command (the restart handler's) made the one that starts it so."""
+        self.lab.add_host_vars(self.route_host, {"fleetctl_restart_cmd": self.restart_cmd(self.route_host)})
+        r = self.lab.ssh(self.route_host, self.restart_cmd(self.route_host))
+        if r.returncode != 0:
+            raise RuntimeError(f"{self.route_host}: the server did not restart: {r.stderr[-300:]}")
 
     def heal(self) -> None:
         """After an operation: a stand-in server the crash fault killed (and no restart handler
         brought back) started again, so the next operation's gate has a server."""
-        cmd = f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {STANDIN}/restart.sh; echo restarted; }}"
+        def one(h: str) -> str:
+            cmd = f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {self.restart_cmd(h)}; echo restarted; }}"
+            return self.lab.ssh(h, cmd).stdout
         with ThreadPoolExecutor(len(self.lab.hosts)) as pool:
-            said = dict(zip(self.lab.hosts, pool.map(lambda h: self.lab.ssh(h, cmd).stdout, self.lab.hosts)))
+            said = dict(zip(self.lab.hosts, pool.map(one, self.lab.hosts)))
         for host, out in said.items():
             if "restarted" in out:
                 self.log(f"    {host}: stand-in restarted")
@@ -371,18 +433,10 @@ class Soak:
             self.violation("status", f"status printed no JSON (exit {r.returncode}): {r.stderr[-300:]}")
         for host in self.lab.hosts:
             tree, litter, lock, hook = probes[host]
-            base, patch = self.pristine[host], self.patched.get(host, {})
-            differ = set()
-            for path in set(base) | set(tree):
-                if tree.get(path) == base.get(path):
-                    continue
-                differ.add(path)
-                if path not in tree or path not in base:
-                    self.violation("tree", f"{host}: {path} {'lost' if path not in tree else 'added'}")
-                elif patch.get(path) != tree[path]:
-                    self.violation("tree", f"{host}: {path} hashes to neither its pristine nor its patched state")
-            if differ and patch and differ != set(patch):
-                self.violation("tree", f"{host}: partly patched: {sorted(differ)} of {sorted(patch)}")
+            self.hooks[host] = hook
+            differ, wrong = tree_state(self.pristine[host], self.patched[host], tree)
+            for text in wrong:
+                self.violation("tree", f"{host}: {text}")
             if litter:
                 self.violation("litter", f"{host}: {litter}")
             if lock != 0:
@@ -440,8 +494,10 @@ class Soak:
         self.tmp = Path(tempfile.mkdtemp(prefix="soak-runs-"))  # each run's output, removed at the end
         if any("disk-full" in self.op_faults[op] for op in self.ops):
             self.small_fs()
+        if self.route_host:
+            self.route_server()
         for host in self.lab.hosts:
-            self.pristine[host] = self.probe(host)[0]
+            self.pristine[host], _, _, self.hooks[host] = self.probe(host)
         for self.step in range(1, n + 1):
             if until is not None and time.time() > until:
                 self.log(f"stopped before step {self.step}: the time given is up")
@@ -454,14 +510,19 @@ class Soak:
             self.fig.ops[op] += 1
             if op == "overlap":
                 first, (other, second) = self.overlap()
-                self.learn(first)
+                self.learn(first, PLAYBOOKS["apply"])
                 if other == "apply":  # a rollback's or recover's `changed` is no patched tree
-                    self.learn(second)
+                    self.learn(second, PLAYBOOKS["apply"])
                 rc = 0
             else:
+                if op == "route" and not self.hooks.get(self.route_host, "").startswith("current"):
+                    # the route is refused without the kernel: deployed there first, no fault
+                    self.log(f"    {self.route_host}: no current kernel ({self.hooks.get(self.route_host)}): deployed first")
+                    if self.run("deploy-route-host", None)[0] != 0:
+                        self.heal()
                 rc, doc = self.run(op, fault)
-                if op == "apply" and rc is not None:
-                    self.learn(doc)
+                if op in PLAYBOOKS and rc is not None:
+                    self.learn(doc, PLAYBOOKS[op])
             self.heal()
             recovered = False
             if rc is None or (fault and op in CHANGING):
@@ -487,6 +548,14 @@ class LabHandle:
     known_hosts: Path
     addresses: dict
     status: list
+    inventory: Path
+
+    def add_host_vars(self, host: str, host_vars: dict) -> None:
+        """Add `host_vars` to `host` in the lab's inventory (lab up's YAML)."""
+        import yaml
+        doc = yaml.safe_load(self.inventory.read_text())
+        doc["all"]["children"]["lab"]["hosts"][host].update(host_vars)
+        self.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
 
     def ssh(self, host: str, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -525,7 +594,8 @@ def main(argv=None) -> int:
         st = labmod.lab_status(a.lab_id, sd)
         env = dict(os.environ, FLEETCTL_SSH_CONFIG=str(cfg), FLEETCTL_INVENTORY=str(inv),
                    FLEETCTL_WHEEL_CACHE=str(cache_dir()))
-        lab = LabHandle(a.lab_id, sd, [h["name"] for h in st], env, known, {h["name"]: h["address"] for h in st}, st)
+        lab = LabHandle(a.lab_id, sd, [h["name"] for h in st], env, known, {h["name"]: h["address"] for h in st}, st,
+                        Path(inv))
         until = time.time() + a.minutes * 60 if a.minutes else None
         ops = tuple(a.only.split(",")) if a.only else OPS
         weights = (1,) * len(ops) if a.only else OP_WEIGHTS

@@ -17,6 +17,7 @@ def test_an_interrupted_run_exits_143_after_sigterm_130_after_ctrl_c_other_codes
         from fleetctl.cli import signals
         from fleetctl.errors import EXIT_INTERRUPTED
         signals.install()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, where a shell's `&` ignored SIGINT
         try:
             os.kill(os.getpid(), signal.{signame})
             signal.pause()

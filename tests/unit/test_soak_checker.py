@@ -1,7 +1,8 @@
 """The soak's history check (bench/soak.py check_history), on a history file of its own making (the
 soak reads the history with sqlite3 alone, never through fleetctl's code). Regression of what the
 CI soak's seed 412 step 11 showed: a SIGKILL that lands after a rollback printed its result and
-recorded exit 0 is no violation; a run killed before it printed must have no recorded end."""
+recorded exit 0 is no violation; a run killed before it printed must have no recorded end. And
+its tree check (tree_state): pristine, or each playbook's files wholly patched."""
 
 from __future__ import annotations
 
@@ -58,3 +59,25 @@ def test_a_run_killed_before_it_printed_must_have_no_recorded_end(tmp_path):
     (tmp_path / "b").mkdir()
     fig = soak_with(tmp_path / "b", [(7, 100.0, None, None)], [(7, 100.0, 105.0, "killed-sigkill", -9, None)])
     assert fig.violations == [] and fig.late_kills == 0
+
+
+def test_a_tree_is_pristine_or_each_playbook_wholly_patched():
+    # bench/soak.py tree_state: defrag-tier0 patches a file, route-verify-attention patches one and
+    # adds its hook module; any mix of whole playbooks is a known state, nothing else is
+    mod = load_soak()
+    base = {"a.py": "A0", "b.py": "B0", "c.py": "C0"}
+    known = {"defrag-tier0": {"a.py": "A1"}, "route-verify-attention": {"b.py": "B1", "hook.py": "H1"}}
+    assert mod.tree_state(base, known, dict(base)) == (set(), [])
+    both = {**base, "a.py": "A1", "b.py": "B1", "hook.py": "H1"}
+    assert mod.tree_state(base, known, both) == ({"a.py", "b.py", "hook.py"}, [])
+    assert mod.tree_state(base, known, {**base, "a.py": "A1"}) == ({"a.py"}, [])
+    # the hook module without its import: route-verify-attention partly patched
+    assert mod.tree_state(base, known, {**base, "hook.py": "H1"})[1] == [
+        "route-verify-attention partly patched: ['hook.py'] of ['b.py', 'hook.py']"]
+    # a file no playbook adds, a file lost, a file in a third state
+    assert mod.tree_state(base, known, {**base, "x.tmp": "X"})[1] == ["x.tmp added"]
+    assert mod.tree_state(base, known, {"a.py": "A0", "b.py": "B0"})[1] == ["c.py lost"]
+    assert mod.tree_state(base, known, {**base, "a.py": "A2"})[1] == [
+        "a.py hashes to neither its pristine nor a patched state"]
+    # a hook module with other bytes than route-verify-attention writes
+    assert mod.tree_state(base, known, {**both, "hook.py": "H2"})[1] == ["hook.py added with bytes no playbook writes"]
