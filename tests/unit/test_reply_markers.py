@@ -69,5 +69,7 @@ def test_a_shell_that_never_runs_the_lock_is_named_with_what_it_printed(tmp_path
             str(tmp_path / "state"), timeout=10, hold_s=60)
     assert time.monotonic() - t0 < 5
     said = str(e.value)
-    assert "(exit 1)" in said and "'This account is currently not available.'" in said
+    # it ended at once: said so, not "within 10 s"
+    assert "the lock command exited 1 and never said it held it" in said and " within " not in said, said
+    assert "'This account is currently not available.'" in said
     assert "login shell" in said and "~/.bashrc" in said

@@ -388,9 +388,9 @@ class Connection(ABC):
             raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
         if code == _LOCK_REFUSED_EXIT:  # the state dir is not this login's: the script said why
             raise LockBusy(f"could not take the lock {state_dir}/lock: {said}")
-        ended = f"exit {code}" if code is not None else "its command still ran"
-        raise LockBusy(f"could not take the lock {state_dir}/lock within {timeout:g} s ({ended}): "
-                       f"the lock command never said it held it; {command.unframed(seen, marker)}"
+        ended = (f"the lock command exited {code} and never said it held it" if code is not None else
+                 f"within {timeout:g} s the lock command never said it held it (it still ran)")
+        raise LockBusy(f"could not take the lock {state_dir}/lock: {ended}; {command.unframed(seen, marker)}"
                        + (f"; its stderr: {said}" if said else ""))
 
     def lock_beat_s(self) -> int:
