@@ -39,6 +39,7 @@ _CACHE: dict[tuple, "KnownHosts"] = {}
 KEYGEN_TIMEOUT_S = 10
 KEYGEN_OUTPUT_MAX = 1 << 20
 _CACHE_LOCK = threading.Lock()
+MARKERS = ("@cert-authority", "@revoked")  # sshd(8), SSH_KNOWN_HOSTS FILE FORMAT
 
 
 def host_patterns_match(patterns: str, name: str) -> bool:
@@ -94,7 +95,7 @@ def _take(line: str, where: str, out: KnownHosts, entries: list[HostKeyEntry]) -
         return
     if line.startswith("@"):
         fields = line.split()
-        if len(fields) < 4 or fields[0] not in ("@cert-authority", "@revoked"):
+        if len(fields) < 4 or fields[0] not in MARKERS:
             out.warnings.append(f"{where}: unknown marker or short line, ignored")
             return
         try:
@@ -138,21 +139,40 @@ def _found_by_ssh_keygen(name: str, path: Path) -> list[tuple[str, str]]:
     return found
 
 
-def _applies(line: str, name: str) -> bool:
-    """Whether a known_hosts line applies to `name` (the matcher without ssh-keygen: hashed names
-    as paramiko hashes them, patterns as host_patterns_match; marker lines by their patterns)."""
-    fields = line.split()
-    if not fields or fields[0].startswith("#") or (fields[0].startswith("@") and len(fields) < 2):
+def _hashed(field: str, name: str) -> bool:
+    """Whether host field `field`, a hashed name (`|1|base64(salt)|base64(HMAC-SHA1(salt, name))`,
+    a 20-byte salt: OpenSSH's hostfile.c host_hash), is `name`'s, compared whole (a field that
+    starts with `|` is one hashed name: `|1|...,other` names no host). A field of another shape
+    names no host; it never raises."""
+    parts = field.split("|")
+    if len(parts) != 4 or parts[1] != "1":
         return False
-    patterns = (fields[1] if fields[0].startswith("@") else fields[0]).split(",")
-    for h in (p for p in patterns if p.startswith("|1|")):
-        try:
-            if paramiko.HostKeys.hash_host(name, h) == h:
-                return True
-        except (binascii.Error, ValueError, IndexError):
-            continue
-    plain = [p for p in patterns if not p.startswith("|1|")]
-    return bool(plain) and host_patterns_match(",".join(plain), name)
+    try:
+        if len(base64.b64decode(parts[2], validate=True)) != 20:
+            return False  # paramiko's hash_host asserts the salt's length
+        return paramiko.HostKeys.hash_host(name, field) == field
+    except (binascii.Error, ValueError):
+        return False
+
+
+def _applies(line: str, name: str) -> bool:
+    """Whether a known_hosts line applies to `name`, read as OpenSSH's hostfile.c reads it (the
+    matcher without ssh-keygen, which prints the same lines): a marker is the word up to the first
+    space (else tab) and is one of MARKERS or the line is skipped (check_markers); then the host
+    field, a key type and a key, or the line applies to nothing; a host field starting with `|`
+    is one hashed name (_hashed), any other a pattern list (host_patterns_match)."""
+    line = line.lstrip(" \t")
+    if not line or line.startswith("#"):
+        return False
+    if line.startswith("@"):
+        end = line.find(" ") if " " in line else line.find("\t")
+        if end < 0 or line[:end] not in MARKERS:
+            return False
+        line = line[end:].lstrip(" \t")
+    fields = line.split(None, 2)
+    if len(fields) < 3:
+        return False
+    return _hashed(fields[0], name) if fields[0].startswith("|") else host_patterns_match(fields[0], name)
 
 
 def found_lines(name: str, path: Path) -> list[tuple[str, str]]:

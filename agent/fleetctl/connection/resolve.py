@@ -229,12 +229,13 @@ def run_ssh_g(argv: list[str], deadline: float, what: str) -> dict[str, list[str
 
 def match_patterns(patterns: list[str], name: str) -> bool:
     """OpenSSH's match_pattern_list (ssh_config(5), PATTERNS): `*` and `?` wildcards, a matching
-    `!pattern` refuses the name whatever else matches; case-insensitive."""
+    `!pattern` refuses the name whatever else matches; case-insensitive in ASCII only, as its
+    tolower() is (the Kelvin sign is no k)."""
     hit = False
     for p in patterns:
         neg = p.startswith("!")
         regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in (p[1:] if neg else p))
-        if re.fullmatch(regex, name, re.DOTALL | re.IGNORECASE):
+        if re.fullmatch(regex, name, re.DOTALL | re.IGNORECASE | re.ASCII):
             if neg:
                 return False
             hit = True
