@@ -215,6 +215,71 @@ def test_fallback_reads_first_values_host_patterns_and_hops(tmp_path, monkeypatc
     assert negated.user != "no" and negated.port == 22
 
 
+# The fallback reader against `ssh -G` itself: the same Resolved for every destination of one
+# config (Host patterns case-sensitive and negated, `=` and tabs, a quoted value, first values
+# winning, IdentityFile accumulating without repeats, HostName tokens, the HostName lowercased)
+DIFFERENTIAL = """# a comment
+Host alpha
+  HostName 127.0.0.2
+  Port 2222
+  User ops
+  IdentityFile {d}/id_a
+Host beta beta2
+  HostName=%h.internal.invalid
+  user deploy
+Host Up*
+  HostName %h.X.invalid
+Host *.lab !bad.lab
+  User labuser
+  StrictHostKeyChecking no
+  UserKnownHostsFile {d}/kh1 {d}/kh2
+Host Mixed
+  HOSTNAME MiXeD.Invalid
+Host quoted
+  IdentityFile "{d}/id_b"
+  ProxyCommand ssh -W %h:%p jump.invalid
+Host jumped
+  ProxyJump ops@jump.invalid:2022
+Host alias
+  HostKeyAlias the-alias
+  HashKnownHosts yes
+  ConnectTimeout 7
+  ServerAliveInterval 15
+  ServerAliveCountMax 4
+  IdentitiesOnly yes
+Host multi
+  IdentityFile {d}/id_a
+  IdentityFile {d}/id_c
+  Port 2300
+  Port 2400
+Host tabbed
+\tPort\t2500
+Host eq
+  Port = 2600
+Host *
+  User fallbackuser
+  IdentityFile {d}/id_c
+  StrictHostKeyChecking yes
+"""
+FIELDS = ("hostname", "port", "user", "identity_files", "identities_only", "proxy_command", "host_key_alias",
+          "known_hosts", "global_known_hosts", "host_key_checking_off", "hash_known_hosts", "connect_timeout",
+          "server_alive_interval", "server_alive_count_max")
+
+
+@pytest.mark.parametrize("name", ["alpha", "ALPHA", "beta", "beta2", "UpHost", "x.lab", "X.LAB", "bad.lab", "Mixed",
+                                  "mixed", "quoted", "jumped", "alias", "multi", "tabbed", "eq", "other", "10.0.0.1"])
+def test_the_fallback_reader_resolves_as_ssh_g_does(tmp_path, name):
+    for f in ("id_a", "id_b", "id_c"):
+        (tmp_path / f).write_text("not read here\n")
+    config = tmp_path / "config"
+    config.write_text(DIFFERENTIAL.format(d=tmp_path))
+    by_ssh = resolve.resolved_from(name, resolve.run_ssh_g(resolve.ssh_g_argv(name, config), time.monotonic() + 20,
+                                                           name), name)
+    ours = resolve.resolved_from(name, resolve.fallback_options(name, [config], {}), name)
+    assert {f: getattr(ours, f) for f in FIELDS} == {f: getattr(by_ssh, f) for f in FIELDS}
+    assert [str(h) for h in ours.proxy_jump] == [str(h) for h in by_ssh.proxy_jump]
+
+
 # ------------------------------------------------------------------ fleetctl hosts
 
 def test_hosts_shows_what_would_be_dialled_and_the_known_hosts_lines_that_apply(tmp_path):

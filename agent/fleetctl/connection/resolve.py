@@ -227,15 +227,18 @@ def run_ssh_g(argv: list[str], deadline: float, what: str) -> dict[str, list[str
 # ------------------------------------------------------------------ the fallback reader
 
 
-def match_patterns(patterns: list[str], name: str) -> bool:
-    """OpenSSH's match_pattern_list (ssh_config(5), PATTERNS): `*` and `?` wildcards, a matching
-    `!pattern` refuses the name whatever else matches; case-insensitive in ASCII only, as its
-    tolower() is (the Kelvin sign is no k)."""
+def match_patterns(patterns: list[str], name: str, case_blind: bool = True) -> bool:
+    """OpenSSH's pattern lists (ssh_config(5), PATTERNS): `*` and `?` wildcards, a matching
+    `!pattern` refuses the name whatever else matches. `case_blind`: in ASCII only, as
+    match_hostname's tolower() is (known_hosts; the Kelvin sign is no k); else case-sensitive, as
+    readconf.c's match_pattern is for a `Host` line (OpenSSH 9.2: `Host alpha` does not apply to
+    `ssh ALPHA`)."""
+    flags = re.DOTALL | (re.IGNORECASE | re.ASCII if case_blind else 0)
     hit = False
     for p in patterns:
         neg = p.startswith("!")
         regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in (p[1:] if neg else p))
-        if re.fullmatch(regex, name, re.DOTALL | re.IGNORECASE | re.ASCII):
+        if re.fullmatch(regex, name, flags):
             if neg:
                 return False
             hit = True
@@ -255,10 +258,15 @@ def _config_words(line: str) -> tuple[str, str] | None:
     return m[1].lower(), value
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def fallback_options(address: str, files: list[Path], cli: dict[str, str]) -> dict[str, list[str]]:
     """What `ssh -G address` would print, read without OpenSSH from `files` (in order; missing
-    ones skipped), after `cli` (keyword -> value, as `-o`): the first value of an option wins,
-    IdentityFile and CertificateFile accumulate. Values carry no expansion yet except HostName's %h.
+    ones skipped), after `cli` (keyword -> value, as `-o`): `Host` patterns matched against
+    `address` as given, case-sensitively; the first value of an option wins, IdentityFile and
+    CertificateFile accumulate without repeats (readconf.c add_identity_file); the HostName
+    lowercased in ASCII, as ssh does. Values carry no expansion yet except HostName's %h.
     Raises SshConfigError with file:line for Include, Match, a ProxyJump chain, a HostName token
     other than %h and %%, a token expand() does not know in a keyword that takes tokens."""
     out: dict[str, list[str]] = {k.lower(): [v] for k, v in cli.items()}
@@ -281,7 +289,7 @@ def fallback_options(address: str, files: list[Path], cli: dict[str, str]) -> di
                     f"{where}: {key.capitalize()} needs OpenSSH's own evaluation and no `ssh` client is on PATH: "
                     "install openssh-client (then fleetctl resolves hosts with `ssh -G`)")
             if key == "host":
-                applies = match_patterns(value.split(), address)
+                applies = match_patterns(value.split(), address, case_blind=False)
                 continue
             if not applies:
                 continue
@@ -297,10 +305,11 @@ def fallback_options(address: str, files: list[Path], cli: dict[str, str]) -> di
             if key in _TOKEN_KEYWORDS and bad:
                 raise SshConfigError(f"{where}: {key} token %{bad[0]} cannot be expanded without OpenSSH")
             if key in ("identityfile", "certificatefile"):
-                out.setdefault(key, []).append(value)
+                if value not in out.setdefault(key, []):
+                    out[key].append(value)
             else:
                 out.setdefault(key, [value])
-    out.setdefault("hostname", [address])
+    out["hostname"] = [out.get("hostname", [address])[0].translate(_ASCII_LOWER)]
     out.setdefault("user", [pwd.getpwuid(os.getuid()).pw_name])
     out.setdefault("identityfile", list(DEFAULT_IDENTITY_FILES))
     for key, value in _DEFAULTS.items():
