@@ -21,6 +21,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def gone(pid: int, within: float = 2.0) -> bool:
+    """Whether `pid` is no longer `alive` within `within` seconds: a SIGKILL takes effect when
+    the kernel next runs the process, which on a loaded machine is not at once."""
+    deadline = time.monotonic() + within
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def alive_pids(pids) -> list[int]:
     """The pids of `pids` (an iterable of ints) that run (`alive`), in their order."""
     return [p for p in pids if alive(p)]
