@@ -14,7 +14,7 @@ import pytest
 from fleetctl.connection import knownhosts
 from fleetctl.connection._paramiko import paramiko
 
-NAMES = ["lab-01", "LAB-01", "Lab-01", "lab-02", "[lab-01]:2222", "[LAB-01]:2222", "10.0.0.5", "[10.0.0.5]:2222",
+NAMES = ["lab-01", "LAB-01", "Lab-01", "lab-02", "[lab-01]:2222", "[LAB-01]:2222", "10.213.250.15", "[10.213.250.15]:2222",
          "gpu-9.example.invalid", "gpu-1.example.invalid", "x", "lab-01.", "lab-\u212a1", "lab-k1"]
 
 
@@ -25,8 +25,8 @@ def corpus(key: str) -> list[str]:
         f"{h('lab-01')} {key}", f"{h('LAB-01')} {key}", f"{h('[lab-01]:2222')} {key}", f"[lab-01]:2222 {key}",
         f"[lab-01]:* {key}", f"[lab-0?]:2222 {key}", f"@revoked lab-01 {key}", f"@cert-authority *.example.invalid {key}",
         f"@cert-authority !gpu-9.example.invalid,*.example.invalid {key}", f"  lab-01 {key}", f"lab-01,other {key}",
-        f"#lab-01 {key}", "lab-01", "@revoked lab-01", f"lab-01\t{key}", f"* {key}", f"10.0.0.* {key}",
-        f"[10.0.0.5]:2222 {key}", "lab-01 ssh-ed25519", "lab-01 ssh-ed25519 !!!", f"{h('lab-01')},lab-02 {key}",
+        f"#lab-01 {key}", "lab-01", "@revoked lab-01", f"lab-01\t{key}", f"* {key}", f"10.213.250.* {key}",
+        f"[10.213.250.15]:2222 {key}", "lab-01 ssh-ed25519", "lab-01 ssh-ed25519 !!!", f"{h('lab-01')},lab-02 {key}",
         f"lab-02,{h('lab-01')} {key}", f"!{h('lab-01')},lab-* {key}", f"lab-01, {key}", f",lab-01 {key}",
         f"lab-01 {key} comment lab-02", f"@REVOKED lab-01 {key}", f"@revoked\tlab-01 {key}", f"lab-01.* {key}",
         f"lab-01. {key}", f"\u212aab {key}", f"lab-\u212a1 {key}", f"lab-k1 {key}", f"|1|bad|bad {key}",

@@ -267,7 +267,7 @@ FIELDS = ("hostname", "port", "user", "identity_files", "identities_only", "prox
 
 
 @pytest.mark.parametrize("name", ["alpha", "ALPHA", "beta", "beta2", "UpHost", "x.lab", "X.LAB", "bad.lab", "Mixed",
-                                  "mixed", "quoted", "jumped", "alias", "multi", "tabbed", "eq", "other", "10.0.0.1"])
+                                  "mixed", "quoted", "jumped", "alias", "multi", "tabbed", "eq", "other", "10.213.250.11"])
 def test_the_fallback_reader_resolves_as_ssh_g_does(tmp_path, name):
     for f in ("id_a", "id_b", "id_c"):
         (tmp_path / f).write_text("not read here\n")
