@@ -1,7 +1,8 @@
 """SGLang in a container, over real sshd and real rootful Podman (runc) on a lab host: inspect
 exact against what the containerised server itself imports, the same answers through `podman
-exec` and through nsenter, apply / validate / status / rollback inside (byte-identical), a
-recreated container reported as change lost, and a read-only root file system refused."""
+exec` and through nsenter, apply / validate / status / rollback inside (byte-identical), a run
+killed inside undone by `recover` on the host, a recreated container reported as change lost,
+and a read-only root file system refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -154,6 +159,73 @@ def test_apply_validate_status_rollback_inside_the_container(clab):
     _, _, rb = clab.cli_json("rollback", cid, "lab-01", "--install", INSTALL, "--yes", timeout=300, rc=0)
     assert rb["lab-01"]["status"] == "changed" and rb["lab-01"]["lasts"] == containers.LASTS
     assert digest(clab) == before
+
+
+LEDGER_STATES = ("import json, os, sys; p = '/var/lib/fleetctl/ledger.jsonl'; "
+                 "sys.stdout.write(json.dumps({e['change_id']: e['state'] for e in map(json.loads, open(p))} "
+                 "if os.path.exists(p) else {}))")
+
+
+def ledger_in_container(lab: Lab) -> dict:
+    """{change_id: its last state} of the ledger inside the container ({} before its first change)."""
+    return json.loads(in_container(lab, LEDGER_STATES))
+
+
+def ledger_while_running(lab: Lab) -> dict:
+    """ledger_in_container, or {} while the container is not running (a restart handler's)."""
+    r = lab.ssh("lab-01", shlex.join(["podman", "exec", "-w", "/", labmod.CONTAINER_NAME, PYTHON, "-c",
+                                      LEDGER_STATES]), timeout=60)
+    return json.loads(r.stdout) if r.returncode == 0 else {}
+
+
+def test_a_run_killed_in_the_container_is_undone_by_recover_on_the_host(clab):
+    """An apply on the container install SIGKILLed while its change is pending in the
+    container's ledger (the server restarted into never being healthy, so the run waits in its
+    gate, or is still restarting the container: then the kill leaves it stopped, or stuck
+    stopping): `fleetctl recover` on the host, with no --install, finds the container by the
+    record the host kept before the change began, restarts it when it is not running, undoes the change inside it (the
+    tree byte-identical, the ledger rolled-back, the container restarted) and names the
+    install; a second recover finds nothing pending (the soak's container fault, issue 54)."""
+    before = digest(clab)
+    cid = podman_field(clab, "{{.Id}}")
+    behave = "import sys; open('/opt/fleetctl-standin/behavior.json', 'w').write(sys.argv[1])"
+    in_container(clab, behave, json.dumps({"never_healthy": True}))  # read when the server starts again
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-01", "--install",
+                          INSTALL, "--yes", "--repeat", "1", "--health-timeout", "120"], env=clab.env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not (pending := [c for c, st in ledger_while_running(clab).items() if st == "pending"]):
+            assert time.monotonic() < deadline and p.poll() is None, "the apply never reached pending"
+            time.sleep(0.3)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    stopped = podman_field(clab, "{{.State.Status}}") != "running"
+
+    _, _, hosts = clab.cli_json("recover", "lab-01", "--yes", timeout=300, rc=0)
+    h = hosts["lab-01"]
+    assert (h["status"], h["error"]) == ("changed", None)
+    assert [(c["change_id"], c["state"], c.get("install")) for c in h["recovered"]] == \
+        [(pending[0], "rolled-back", INSTALL)]
+    # a container the kill left stopped, or stuck stopping, is restarted first; then once more
+    # after the change is undone
+    assert [(x["name"], x["exit_code"]) for x in h["handlers"]] == [("restart sglang", 0)] * (1 + stopped)
+    assert ledger_in_container(clab)[pending[0]] == "rolled-back"
+    assert digest(clab) == before
+    record = json.loads(clab.ssh("lab-01", "cat " + shlex.quote(containers.record_path(
+        "/var/lib/fleetctl", {"container_id": cid, "image_id": podman_field(clab, "{{.Image}}")}))).stdout)
+    assert (pending[0], "rolled-back") in [(c["change_id"], c["state"]) for c in record["changes"]]
+    assert record["changing"] is False
+
+    _, _, again = clab.cli_json("recover", "lab-01", "--yes", timeout=300, rc=0)
+    assert (again["lab-01"]["status"], again["lab-01"]["recovered"]) == ("ok", [])
+    assert [c["install"] for c in again["lab-01"]["containers"]] == [INSTALL]
+    in_container(clab, behave, "{}")
+    labmod.podman_in("lab-01", ["restart", labmod.CONTAINER_NAME], LAB_ID, clab.state_dir)
+    deadline = time.monotonic() + 60
+    while not clab.server_healthy("lab-01"):
+        assert time.monotonic() < deadline, "the container's server did not come back healthy"
 
 
 def test_a_recreated_container_is_reported_as_change_lost(clab, tmp_path):

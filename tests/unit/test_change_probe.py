@@ -303,6 +303,20 @@ def test_recover_after_kill_mid_apply(site):
     assert change.main(dict(params, change_id="c3"))["ok"]  # a fresh apply goes through
 
 
+def test_recover_counts_the_hosts_container_change_records(tmp_path):
+    """recover says how many container change records (*.json) the records dir holds, which is
+    what makes `fleetctl recover` enter those containers too (engine/ledger.recover_containers);
+    none, or no such dir, is 0."""
+    state, records = tmp_path / "state", tmp_path / "state" / "containers"
+    assert change.main({"action": "recover", "state_dir": str(state), "records": str(records)})["container_records"] == 0
+    records.mkdir(parents=True)
+    for name in ("a1.b2.json", "c3.d4.json", "notes.txt"):
+        (records / name).write_text("{}")
+    r = change.main({"action": "recover", "state_dir": str(state), "records": str(records)})
+    assert (r["ok"], r["recovered"], r["container_records"]) == (True, [], 2)
+    assert change.main({"action": "recover", "state_dir": str(state)})["container_records"] == 0
+
+
 UNDO_KILLER = """
 import json, os, signal, sys
 from fleetctl.probes.change import actions as change
@@ -401,7 +415,7 @@ def test_recover_leaves_unknown_content_alone(site, lost):
     assert change.main({"action": "recover", "state_dir": str(state)}) == {"ok": True, "recovered": [{
         "change_id": "c1", "state": "failed", "reason": f"interrupted; unknown content: {unknown}",
         "files": [{"path": str(first), "action": action},
-                  {"path": str(second), "action": "unknown content, left alone"}]}]}
+                  {"path": str(second), "action": "unknown content, left alone"}]}], "container_records": 0}
     assert sha(first) == params["files"][0]["post_sha256" if lost else "pre_sha256"]
     assert second.read_bytes() == b"# edited by hand while the change was pending\n"
     assert ledger_states(state)[-1] == ("c1", "failed")

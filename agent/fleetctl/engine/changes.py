@@ -133,8 +133,9 @@ def on_install(install: str | None, state_dir: str, job: Callable[[HostContext],
     """`job` run where install `install` lives: on the host, or inside its container
     (gather.install_context). For a container install the result says what lasts
     (data["lasts"]: containers.LASTS, data["root"]); a `changing` job is refused on a container
-    where a change would not survive a restart (containers.refusal), and after it the host keeps
-    its copy of the install's ledger records (containers.keep_record)."""
+    where a change would not survive a restart (containers.refusal), and before and after it the
+    host keeps its copy of the install's ledger records (containers.keep_record: the one before is
+    how `fleetctl recover` on the host finds a container a killed run was changing)."""
 
     def wrapped(ctx: HostContext) -> HostResult:
         ictx, inst = install_context(ctx, install)
@@ -143,11 +144,12 @@ def on_install(install: str | None, state_dir: str, job: Callable[[HostContext],
         why = containers.refusal(inst) if changing else None
         if why:
             return ctx.result(HostStatus.FAILED, why, data={"root": inst["root"]})
+        if changing:  # before any change: a run killed in the container leaves the host knowing it
+            containers.keep_record(ictx, state_dir, install, install_ledger(ictx, state_dir, install), changing=True)
         result = job(ictx)
         result.data.update(root=inst["root"], lasts=containers.LASTS, entered_with=ictx.container["how"])
         if changing:
-            ledger = [c for c in change_probe(ictx, "status", state_dir)["changes"] if c.get("install") == install]
-            containers.keep_record(ictx, state_dir, install, ledger)
+            containers.keep_record(ictx, state_dir, install, install_ledger(ictx, state_dir, install))
         return result
 
     wrapped.stopped_note = getattr(job, "stopped_note", None)
@@ -157,17 +159,28 @@ def on_install(install: str | None, state_dir: str, job: Callable[[HostContext],
 # ---- lock and recovery ---------------------------------------------------------------------
 
 class Recovery(NamedTuple):
-    """What `recover` did: the changes it undid (probe entries) and the handlers it ran."""
+    """What `recover` did: the changes it undid (probe entries) and the handlers it ran; on a
+    host, how many container change records it keeps (containers.keep_record: the containers
+    a change was made in, or begun)."""
 
     changes: list[dict]
     handlers: list[dict]
+    container_records: int = 0
 
 
 def recover(ctx: HostContext, state_dir: str = STATE_DIR) -> Recovery:
     """Undo changes a killed run left pending (probes/change/actions.py `recover`); when there were any,
     run the restart handler (the killed run may have restarted SGLang on the changed files)."""
-    recovered = change_probe(ctx, "recover", state_dir)["recovered"]
-    return Recovery(recovered, run_handlers(ctx, restart_handlers(ctx)) if recovered else [])
+    records = {"records": f"{state_dir}/{containers.RECORDS}"} if ctx.container is None else {}
+    res = change_probe(ctx, "recover", state_dir, **records)
+    recovered = res["recovered"]
+    return Recovery(recovered, run_handlers(ctx, restart_handlers(ctx)) if recovered else [],
+                    res.get("container_records", 0))
+
+
+def install_ledger(ctx: HostContext, state_dir: str, install: str) -> list[dict]:
+    """The ledger summary (status action's "changes") of install `install`, read where ctx works."""
+    return [c for c in change_probe(ctx, "status", state_dir)["changes"] if c.get("install") == install]
 
 
 def locked(state_dir: str, work: Callable[[HostContext], HostResult]):

@@ -151,6 +151,22 @@ def restart_handlers(ctx: HostContext) -> list[dict]:
     return [{"name": "restart sglang", "command": cmd}] if cmd else []
 
 
+def restart_handler(root: dict) -> dict | None:
+    """The restart handler of container `root` (a host change record's) run from its record
+    alone, for a container a killed run left stopped or stuck stopping (its own restart cut
+    short, after the stop signal and before the kill: `podman restart` refuses that state,
+    `stop` finishes it): `<cli> stop <id> && <cli> start <id>` for podman and docker; None for a
+    CRI container (the kubelet's) or a root without an id. Shape: {"name", "command"}."""
+    cli = RUNTIME_CLI.get(root.get("runtime") or "")
+    cid = "".join(ch for ch in str(root.get("container_id") or "") if ch in "0123456789abcdef")[:64]
+    if cli not in ("podman", "docker") or not cid:
+        return None
+    return {"name": "restart sglang", "command": f"{shlex.join([cli, 'stop', cid])} && {shlex.join([cli, 'start', cid])}"}
+
+
+GONE = "no such container"  # what podman and docker say, in any case, of a container id they do not have
+
+
 def record_path(state_dir: str, root: dict) -> str:
     """Where the host keeps its copy of a container change record: STATE_DIR/containers/
     <container id>.<image id>.json (ids as hex; anything else in them dropped)."""
@@ -159,11 +175,13 @@ def record_path(state_dir: str, root: dict) -> str:
     return f"{state_dir}/{RECORDS}/{clean(root.get('container_id'))}.{clean(root.get('image_id'))}.json"
 
 
-def keep_record(ctx: HostContext, state_dir: str, install: str, changes: list[dict]) -> None:
+def keep_record(ctx: HostContext, state_dir: str, install: str, changes: list[dict], changing: bool = False) -> None:
     """Write the host's copy of the ledger of container install `install` (ctx inside it):
-    {root, install, changes: [{change_id, state, files}]}. Raises OSError (the host refused)."""
+    {root, install, changes: [{change_id, state, files}], changing}; `changing`: written before
+    a changing run's work there (a run killed in it leaves it so: `fleetctl recover` starts the
+    container again when it is stopped, and recovers in it). Raises OSError (the host refused)."""
     root = ctx.container["root"]
-    doc = {"root": root, "install": install,
+    doc = {"root": root, "install": install, "changing": changing,
            "changes": [{k: c.get(k) for k in ("change_id", "state", "files")} for c in changes]}
     ctx.conn.put_bytes(json.dumps(doc, sort_keys=True).encode(), record_path(state_dir, root),
                        timeout=ctx.remaining(), mode=0o600)  # on the host: the connection, not the entry

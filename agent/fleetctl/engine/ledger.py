@@ -6,14 +6,22 @@ recovery (changes.change_job). Each job's result data is a TypedDict beside it.
 
 from __future__ import annotations
 
+import time
 from typing import TypedDict
 
 from ..config import STATE_DIR
 from ..vocab import ChangeState, HostStatus
 from . import containers
-from .changes import Recovery, change_job, change_probe, on_install, pending_ids, restart_handlers, run_handlers
+from ..connection import LockBusy
+from ..errors import HostFailed, ProbeFailed
+from .changes import (Recovery, change_job, change_probe, install_ledger, on_install, pending_ids, restart_handlers,
+                      run_handlers)
 from .context import HostContext, HostResult
 from .gather import find_install, gather
+
+# a recorded container that could not be recovered (entered, locked: one a killed run left
+# restarting) is tried again after RECOVER_RETRY_S, RECOVER_TRIES times in all
+RECOVER_TRIES, RECOVER_RETRY_S = 3, 3.0
 
 
 class RollbackData(TypedDict, total=False):
@@ -33,10 +41,13 @@ class RollbackData(TypedDict, total=False):
 
 
 class RecoverData(TypedDict):
-    """`recover` data: recovered (probes/change/actions.py recover entries), handlers."""
+    """`recover` data: recovered (probes/change/actions.py recover entries; a container's with
+    its "install"), handlers, containers (recover_containers: one entry per recorded container
+    running)."""
 
     recovered: list
     handlers: list
+    containers: list
 
 
 class StatusData(TypedDict, total=False):
@@ -120,18 +131,90 @@ def _rollback_ids(ledger: list[dict], change_id: str | None, install: str | None
 
 def recover_job(state_dir: str = STATE_DIR):
     """The `fleetctl recover` job: undo the changes a killed run left pending (restarting
-    SGLang when there were any) and apply nothing. Changed when it undid something, ok when
-    nothing was pending, failed when a file had unknown content and was left alone (ledger
-    "failed"). Result data: recovered (probes/change/actions.py recover entries), handlers."""
+    SGLang when there were any) and apply nothing: on the host, then in each running container
+    the host keeps a change record of (recover_containers). Changed when it undid something, ok
+    when nothing was pending, failed when a file had unknown content and was left alone (ledger
+    "failed") or a recorded container could not be recovered. Result data: recovered
+    (probes/change/actions.py recover entries; a container's with its "install"), handlers,
+    containers (recover_containers)."""
 
     def work(ctx: HostContext, rec: Recovery) -> HostResult:
-        failed = [c for c in rec.changes if c["state"] != ChangeState.ROLLED_BACK]
-        status = HostStatus.FAILED if failed else HostStatus.CHANGED if rec.changes else HostStatus.OK
-        error = "; ".join(f"change {c['change_id']}: {c['reason']}" for c in failed) or None
-        data: RecoverData = {"recovered": rec.changes, "handlers": rec.handlers}
-        return ctx.result(status, error, data=data)
+        inside = recover_containers(ctx, state_dir) if rec.container_records else []
+        recovered = rec.changes + [{**c, "install": r["install"]} for r in inside for c in r.get("recovered", [])]
+        failed = [c for c in recovered if c["state"] != ChangeState.ROLLED_BACK]
+        errors = [f"change {c['change_id']}: {c['reason']}" for c in failed]
+        errors += [f"{r['install']}: {r['error']}" for r in inside if r.get("error")]
+        status = HostStatus.FAILED if errors else HostStatus.CHANGED if recovered else HostStatus.OK
+        data: RecoverData = {"recovered": recovered,
+                             "handlers": rec.handlers + [h for r in inside for h in r.get("handlers", [])],
+                             "containers": inside}
+        return ctx.result(status, "; ".join(errors) or None, data=data)
 
     return change_job(state_dir, work)
+
+
+def recover_containers(ctx: HostContext, state_dir: str = STATE_DIR) -> list[dict]:
+    """`recover` inside each container whose change record the host keeps (on_install writes it
+    before a change there begins, marked `changing`, so the container a killed run was changing
+    is among them) and that runs, under that container's own lock, its restart handler run when
+    something was undone, its record then written again. A container a killed run was changing
+    that is stopped, or cannot be entered (stuck stopping: the run's own restart handler cut
+    short), is restarted first (containers.restart_handler); one that is gone took its writable
+    layer, and any pending change with it (`status` reports its applied ones lost:
+    containers.lost_changes). Any other record whose container is not running is passed over.
+    A container not recovered (just restarted, not entered, its lock held) is tried again,
+    RECOVER_TRIES times in all, RECOVER_RETRY_S seconds apart. Returns [{"install", "recovered", "handlers"}
+    or {"install", "error"}: a container that could not be started, entered or locked], one per
+    recorded container recovered or tried. Raises ProbeFailed, RemoteTimeout, Unreachable."""
+    g = gather(ctx, scan=False, records=state_dir)
+    todo = {(r.get("root") or {}).get("container_id"): r for r in g.get("container_records", [])}
+    todo.pop(None, None)
+    out, errors, restarted = [], {}, {}
+    for attempt in range(RECOVER_TRIES):
+        if attempt:  # a container restarting, or just started, is seen again
+            time.sleep(RECOVER_RETRY_S)
+            g = gather(ctx, scan=False, records=state_dir)
+        running = {(c.get("root") or {}).get("container_id"): c for c in g["facts"].get("containers", [])}
+        errors = {}
+        for cid, record in list(todo.items()):
+            install = record.get("install")
+            found = running.get(cid)
+            if found is not None and found.get("entered_with") and not found.get("error"):
+                def work(ictx: HostContext, rec: Recovery, install=install) -> HostResult:
+                    containers.keep_record(ictx, state_dir, install, install_ledger(ictx, state_dir, install))
+                    return ictx.result(HostStatus.OK, data={"recovered": rec.changes, "handlers": rec.handlers})
+
+                try:
+                    res = change_job(state_dir, work)(containers.enter(ctx, found, found["entered_with"]))
+                except (LockBusy, HostFailed, ProbeFailed) as e:
+                    errors[cid] = (install, f"not recovered: {e}")
+                    continue
+                out.append({"install": install, "recovered": res.data["recovered"],
+                            "handlers": restarted.get(cid, []) + res.data["handlers"]})
+                del todo[cid]
+            elif found is None and not record.get("changing"):
+                del todo[cid]  # not running, and no run was changing it
+            elif found is not None and not found.get("entered_with"):
+                errors[cid] = (install, f"not recovered: {found.get('note')}")
+            elif not record.get("changing") or cid in restarted:
+                errors[cid] = (install, f"not recovered: {found.get('error') if found else 'not running'}")
+            else:  # a run was changing it and it is stopped, or stopping: its own restart was cut short
+                handler = containers.restart_handler(record["root"])
+                if handler is None:
+                    errors[cid] = (install, "not recovered: a run was changing it and it is not running; start it "
+                                            "and run recover again")
+                    continue
+                try:
+                    restarted[cid] = run_handlers(ctx, [handler])
+                    errors[cid] = (install, "not recovered: restarted, but not seen running since")
+                except HostFailed as e:
+                    if containers.GONE in str(e).lower():  # recreated or removed: its layer went with it
+                        del todo[cid]
+                    else:
+                        errors[cid] = (install, f"not recovered: {e}")
+        if not todo:
+            break
+    return out + [{"install": install, "error": e} for install, e in errors.values()]
 
 
 def status_job(state_dir: str = STATE_DIR, install: str | None = None):

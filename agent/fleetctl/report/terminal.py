@@ -284,15 +284,16 @@ def render_rollback(results: list[HostResult], console: Console) -> None:
 
 
 def render_recover(results: list[HostResult], console: Console) -> None:
-    """Per-host outcome of `fleetctl recover`: each pending change undone and what happened to
-    each of its files."""
+    """Per-host outcome of `fleetctl recover`: each pending change undone (a container's named by
+    its install) and what happened to each of its files."""
     rows = []
     for r in results:
         d = r.data or {}
 
         def cells(d=d, r=r):
             done = d.get("recovered") or []
-            changes = "\n".join(f"{c['change_id']} -> {c['state']}" for c in done) or "nothing pending"
+            changes = "\n".join(f"{c['change_id']} -> {c['state']}" + (f" (in {c['install']})" if c.get("install") else "")
+                                for c in done) or "nothing pending"
             files = "\n".join(f"{f['path']}: {f['action']}" for c in done for f in c.get("files") or [])
             return [changes, files or r.error or ""]
 

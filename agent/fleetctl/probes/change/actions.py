@@ -301,7 +301,10 @@ def recover(params, state_dir):
     backup (in the reverse of the apply's order); either way the change becomes "rolled-back"
     (reason "interrupted"). A file with any
     other content is left alone and the change becomes "failed". Leftover temp files are removed.
-    Returns {"recovered": [{change_id, state, files: [{path, action}]}]}.
+    Returns {"recovered": [{change_id, state, files: [{path, action}]}], "container_records": the
+    number of host-side container change records (*.json) in params["records"] (0 when not given
+    or unreadable: engine/containers.keep_record writes them; a recover that finds any enters
+    those containers too)}.
     """
     done = []
     for cid, entry in ledger.changes(state_dir).items():
@@ -331,7 +334,11 @@ def recover(params, state_dir):
         else:
             state = ledger.append(state_dir, entry, ledger.ROLLED_BACK, "interrupted")
         done.append({"change_id": cid, "state": state["state"], "reason": state["reason"], "files": actions})
-    return {"ok": True, "recovered": done}
+    try:
+        kept = sum(1 for n in os.listdir(params["records"]) if n.endswith(".json")) if params.get("records") else 0
+    except OSError:
+        kept = 0
+    return {"ok": True, "recovered": done, "container_records": kept}
 
 
 def status(params, state_dir):
