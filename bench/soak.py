@@ -14,7 +14,10 @@ rollback --last, recover, status, validate, validate --load smoke (SGLang's own 
 0.5.10 host left out: its install cannot import it, torchvision), deploy kernel verify_attention (the
 CPU backend, --route all), apply route-verify-attention on the 0.5.23 host (its server speculating on
 the triton backend, ROUTE_SERVER; the kernel deployed there first, with no fault, when the last
-check did not find it current: the route is refused without it), and an overlap: a second operator's apply, rollback or recover started
+check did not find it current: the route is refused without it), apply defrag-tier0 and rollback --last
+on the container host's install (`--install podman:sglang:...`: the lab's last host, its SGLang
+checkout served from a rootful Podman container, lab/container.py; the other operations leave that
+host out, `recover all` does not), and an overlap: a second operator's apply, rollback or recover started
 while an apply runs (per host each either does its work or loses the lock saying so, LOCK_BUSY, and
 exits non-zero). A run that fails with no fault injected is a violation.
 Faults (FAULTS), each at a random time inside an operation: SIGKILL or SIGTERM of the fleetctl
@@ -23,8 +26,9 @@ process (then `fleetctl recover all`); one host's sshd frozen (SIGSTOP), its lin
 every session SIGKILLed (lab/faults.py sshd-kill: connections cut mid-write); the stand-in server
 SIGKILLed (restarted after the operation when no restart handler did); the stand-in failing every
 Nth streamed request (during validate --load); the last host's state dir, made a 128 MiB
-filesystem of its own before the walk, filled to its last byte (disk-full). Each is cleared before
-the check.
+filesystem of its own before the walk, filled to its last byte (disk-full); the container
+restarted (`podman restart`, container-restart: during a container operation). Each is cleared
+before the check.
 
 The checker (check) reads each host over plain `ssh`, never through fleetctl's ledger code:
   tree     every file of the host's SGLang tree (site-packages/sglang, __pycache__ left out) hashes
@@ -40,6 +44,9 @@ The checker (check) reads each host over plain `ssh`, never through fleetctl's l
   status   `fleetctl status all --json` agrees with the files: the files of its applied changes
            under the tree are exactly the files that differ from pristine, a kernel change is
            applied exactly when `current` is there, and after a recover no change is pending;
+  container the container's tree (CONTAINER_PROBE, run by the container's Python through `podman
+           exec`) as `tree` says, no litter in it or the container's /tmp, its lock free, and
+           `status --install` agreeing with it, as `status` says;
   history  the run history (sqlite, read with sqlite3) has one record per fleetctl process the
            soak started (found by its pid): a finished run has its exit code, a SIGKILLed one no
            end (`interrupted`), a SIGTERMed one exit 143 or no end; one killed after it had
@@ -52,6 +59,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -65,24 +73,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetctl.lab import CHECKOUT, CONTAINER_NAME, VENV
+
 SITE = "/opt/sglang/venv/lib/python3.11/site-packages"
 KDIR = "/var/lib/fleetctl-kernels/verify_attention"  # deploy kernel's published builds and `current`
 STANDIN = "/opt/fleetctl-standin"  # the stand-in server's directory on a lab host
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 OPS = ("apply", "apply-check", "rollback", "recover", "status", "validate", "validate-load", "deploy", "route",
-       "overlap")
-OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1, 1)
+       "overlap", "container", "container-rollback")
+OP_WEIGHTS = (4, 1, 3, 1, 1, 1, 1, 1, 1, 1, 2, 1)
 # the faults each operation may get: a kill of fleetctl where it changes hosts; the stand-in's
 # every-Nth failure where a streamed request (the load client's) is sent; an overlap is itself the fault
 HOST_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "crash", "disk-full")
-FAULTS = ("sigkill", "sigterm", *HOST_FAULTS, "fail-every")
+# on the container host: its sshd's and link's faults, and the container restarted (`podman restart`)
+CONTAINER_FAULTS = ("freeze", "down", "delay", "rekey", "sshd-kill", "container-restart")
+FAULTS = ("sigkill", "sigterm", *HOST_FAULTS, "fail-every", "container-restart")
 OP_FAULTS = {"apply": ("sigkill", "sigterm", *HOST_FAULTS), "rollback": ("sigkill", "sigterm", *HOST_FAULTS),
              "recover": ("sigkill", "sigterm", *HOST_FAULTS), "deploy": ("sigkill", "sigterm", *HOST_FAULTS),
              "route": ("sigkill", "sigterm", *HOST_FAULTS),
              "apply-check": HOST_FAULTS, "status": HOST_FAULTS, "validate": HOST_FAULTS,
-             "validate-load": ("fail-every", *HOST_FAULTS), "overlap": ()}
+             "validate-load": ("fail-every", *HOST_FAULTS), "overlap": (),
+             "container": ("sigkill", "sigterm", *CONTAINER_FAULTS),
+             "container-rollback": ("sigkill", "sigterm", *CONTAINER_FAULTS)}
 FAULT_P = 0.5  # chance that an operation gets a fault
-CHANGING = ("apply", "rollback", "recover", "deploy", "route")  # where a kill is a crash mid-change
+CHANGING = ("apply", "rollback", "recover", "deploy", "route", "container", "container-rollback")  # a kill: a crash mid-change
 OP_TIMEOUT_S = 420  # a run still going then is a violation (hang) and is killed
 COMMON = ("--json", "--connect-timeout", "5")
 # disk-full: the state dir of the walk's last host (one every operation changes: the first, 0.4.6,
@@ -96,16 +110,16 @@ FILL = (f"a=$(df --output=avail -B1 {STATE_DIR} | tail -n 1); fallocate -l $a {F
         f"dd if=/dev/zero of={FILLER} bs=64k 2>/dev/null; df --output=avail -B1 {STATE_DIR} | tail -n 1")
 LOCK_BUSY = "another fleetctl run is changing this host"  # connection/base.py LockBusy: the loser's reason
 ARGV = {
-    "apply": ("apply", "defrag-tier0", "all", "--yes", "--run-timeout", "360",
+    "apply": ("apply", "defrag-tier0", "HOSTS", "--yes", "--run-timeout", "360",
               "--health-timeout", "90"),
-    "apply-check": ("apply", "defrag-tier0", "all", "--check", "--run-timeout", "120"),
-    "rollback": ("rollback", "--last", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
+    "apply-check": ("apply", "defrag-tier0", "HOSTS", "--check", "--run-timeout", "120"),
+    "rollback": ("rollback", "--last", "HOSTS", "--yes", "--timeout", "90", "--run-timeout", "180"),
     "recover": ("recover", "all", "--yes", "--timeout", "90", "--run-timeout", "180"),
-    "status": ("status", "all", "--run-timeout", "120"),
-    "validate": ("validate", "all", "--health-timeout", "90", "--run-timeout", "240"),
+    "status": ("status", "HOSTS", "--run-timeout", "120"),
+    "validate": ("validate", "HOSTS", "--health-timeout", "90", "--run-timeout", "240"),
     # SGLang's own benchmark client on each host (the 0.5.10 host left out: its install lacks torchvision)
     "validate-load": ("validate", "LOADABLE", "--health-timeout", "90", "--load", "smoke", "--run-timeout", "300"),
-    "deploy": ("deploy", "kernel", "verify_attention", "all", "--yes", "--backend", "cpu", "--route", "all",
+    "deploy": ("deploy", "kernel", "verify_attention", "HOSTS", "--yes", "--backend", "cpu", "--route", "all",
                "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
     # the route host alone: SGLang's target verify routed to the kernel deployed there, under the
     # route gate (its server speculates on the triton backend: ROUTE_SERVER)
@@ -113,8 +127,14 @@ ARGV = {
               "--run-timeout", "400"),
     "deploy-route-host": ("deploy", "kernel", "verify_attention", "ROUTE_HOST", "--yes", "--backend", "cpu",
                           "--route", "all", "--max-jobs", "2", "--health-timeout", "90", "--run-timeout", "400"),
+    # the container host's install: the SGLang checkout in its Podman container (lab/container.py)
+    "container": ("apply", "defrag-tier0", "CONTAINER_HOST", "--install", "INSTALL", "--yes", "--repeat", "1",
+                  "--health-timeout", "90", "--run-timeout", "400"),
+    "container-rollback": ("rollback", "--last", "CONTAINER_HOST", "--install", "INSTALL", "--yes", "--timeout", "90",
+                           "--run-timeout", "180"),
+    "container-status": ("status", "CONTAINER_HOST", "--install", "INSTALL", "--run-timeout", "120"),
 }
-PLAYBOOKS = {"apply": "defrag-tier0", "route": "route-verify-attention"}  # what an operation's apply changes
+PLAYBOOKS = {"apply": "defrag-tier0", "route": "route-verify-attention", "container": "defrag-tier0"}  # what it changes
 # route: the host of this release has its server speculate on triton (what route-verify-attention
 # routes: tests/fleet/test_fleet_route_verify.py), by the restart command its inventory gives
 ROUTE_RELEASE = "0.5.23"
@@ -131,6 +151,41 @@ PROBE = (f"cd {SITE} && find sglang -type f ! -path '*/__pycache__/*' -print0 | 
          "if [ -s \"$d/PASSED\" ] && [ -f \"$(cat \"$d/PASSED\")\" ]; then echo \"current $t\"; "
          "else echo \"broken $t\"; fi; "
          f"elif [ -e {KDIR}/current ]; then echo 'broken not-a-link'; else echo absent; fi")
+
+# the container host (--container): the stand-in server in a rootful Podman container of an image of
+# SGLang CONTAINER_RELEASE's checkout (lab/container.py); its install, what its tree is hashed
+# under, and the checker's probe of it, run by the container's own Python through `podman exec`
+# (the image has no shell): the tree's hashes, the litter in it and /tmp, whether its lock is free
+CONTAINER_RELEASE = "0.5.10"
+CONTAINER_PYTHON = f"{VENV}/bin/python"
+CONTAINER_TOP = f"{CHECKOUT}/python"  # the tree's paths are relative to it (sglang/...)
+CONTAINER_INSTALL = f"podman:{CONTAINER_NAME}:{CONTAINER_TOP}/sglang"
+CONTAINER_PROBE = r"""
+import fcntl, hashlib, json, os, sys
+top, out = sys.argv[1], {"tree": {}, "litter": [], "lock": 0}
+def litter(name):
+    return name.endswith((".orig", ".rej")) or (name.startswith(".") and ".fleetctl-" in name and name.endswith(".tmp"))
+for d, dirs, files in os.walk(os.path.join(top, "sglang")):
+    dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+    for f in files:
+        p = os.path.join(d, f)
+        with open(p, "rb") as fh:
+            out["tree"][os.path.relpath(p, top)] = hashlib.sha256(fh.read()).hexdigest()
+        if litter(f):
+            out["litter"].append(p)
+out["litter"] += ["/tmp/" + f for f in os.listdir("/tmp") if litter(f)]
+try:
+    fd = os.open("/var/lib/fleetctl/lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        out["lock"] = 75
+except FileNotFoundError:
+    pass
+sys.stdout.write(json.dumps(out))
+"""
+CONTAINER_UP = (f"[ \"$(podman container inspect -f '{{{{.State.Running}}}}' {CONTAINER_NAME})\" = true ] || "
+                f"{{ podman start {CONTAINER_NAME} >/dev/null && echo started; }}")
 
 
 @dataclass
@@ -198,7 +253,9 @@ def tree_state(base: dict, known: dict, tree: dict) -> tuple[set, list]:
         if path not in tree:
             wrong.append(f"{path} lost")
         elif patched.get(path) != tree[path]:
-            wrong.append(f"{path} " + ("hashes to neither its pristine nor a patched state" if path in base else
+            wrong.append(f"{path} " + (f"hashes to neither its pristine nor a patched state ({tree[path][:12]}: "
+                                       f"pristine {base[path][:12]}, patched {(patched.get(path) or 'none')[:12]})"
+                                       if path in base else
                                        "added with bytes no playbook writes" if path in patched else "added"))
     for playbook, files in known.items():  # each playbook's files all patched or none
         if differ & set(files) and not set(files) <= differ:
@@ -208,7 +265,9 @@ def tree_state(base: dict, known: dict, tree: dict) -> tuple[set, list]:
 
 class Soak:
     """One walk over `lab` (an object with hosts, status (lab_status's list), env, ssh(host,
-    command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`."""
+    command) and fault(host, kind, arg): tests/conftest.py's Lab, or LabHandle below) from `seed`.
+    A lab with a `container_host` (LabHandle's, made by main) has the container operations'
+    host: the other operations leave it out, its host install is checked to stay pristine."""
 
     def __init__(self, lab, seed: int, history: Path, log=print, serials=("1", "2", "100%"), hold=(1.0, 8.0),
                  ops=OPS, weights=OP_WEIGHTS, fault_p=FAULT_P, faults=FAULTS):
@@ -218,9 +277,16 @@ class Soak:
         self.serials, self.hold, self.ops, self.weights, self.fault_p = serials, hold, ops, weights, fault_p
         self.op_faults = {op: tuple(f for f in kinds if f in faults) for op, kinds in OP_FAULTS.items()}
         self.fig = Figures(seed)
+        self.chost = getattr(lab, "container_host", None)
+        self.hosts = [h for h in lab.hosts if h != self.chost]  # the host installs' operations' hosts
+        if any(op.startswith("container") for op in ops) and self.chost is None:
+            raise RuntimeError("the container operations need a lab with a container host (bench/soak.py main)")
+        # the trees checked: each host's SGLang install (SITE), and the container's (CONTAINER_TOP), keyed ckey
+        self.ckey = f"{self.chost}:{CONTAINER_NAME}" if self.chost else None
         self.env = {**lab.env, "FLEETCTL_HISTORY": str(history), "FLEETCTL_KERNELS_DIR": str(KERNELS)}
         self.pristine: dict[str, dict] = {}
-        self.patched: dict[str, dict[str, dict]] = {h: {} for h in lab.hosts}  # host -> playbook -> {path: sha}
+        # tree (a host, or ckey) -> playbook -> {path: sha}
+        self.patched: dict[str, dict[str, dict]] = {h: {} for h in [*lab.hosts, *([self.ckey] if self.ckey else [])]}
         self.hooks: dict[str, str] = {}  # host -> the hook's kernel at the last check (PROBE's #hook)
         # (pid, start time, end time, how it ended: None or killed-SIG, exit status, the exit_code
         # its --json document gave when it printed one: a run killed after it finished)
@@ -228,8 +294,8 @@ class Soak:
         self.step = 0
         releases = {h["name"]: h.get("release") for h in lab.status}
         # validate --load runs SGLang's benchmark client, which 0.5.10's install cannot import (torchvision)
-        self.loadable = ",".join(h for h in lab.hosts if releases.get(h) != "0.5.10")
-        self.route_host = next((h for h in lab.hosts if releases.get(h) == ROUTE_RELEASE), None) if "route" in ops else None
+        self.loadable = ",".join(h for h in self.hosts if releases.get(h) != "0.5.10")
+        self.route_host = next((h for h in self.hosts if releases.get(h) == ROUTE_RELEASE), None) if "route" in ops else None
         if "route" in ops and self.route_host is None:
             raise RuntimeError(f"the route operation needs a host of SGLang {ROUTE_RELEASE} in the lab")
 
@@ -243,9 +309,23 @@ class Soak:
             raise RuntimeError(f"{host}: probe failed ({r.returncode}): {r.stderr[-500:]}")
         return parse_probe(r.stdout)
 
+    def container_probe(self) -> dict:
+        """CONTAINER_PROBE in the container: {"tree": {path under CONTAINER_TOP: sha256}, "litter",
+        "lock": 0 free, 75 held}."""
+        r = self.lab.ssh(self.chost, shlex.join(["podman", "exec", "-w", "/", CONTAINER_NAME, CONTAINER_PYTHON, "-c",
+                                                 CONTAINER_PROBE, CONTAINER_TOP]), timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"{self.ckey}: probe failed ({r.returncode}): {r.stderr[-500:]}")
+        return json.loads(r.stdout)
+
+    def tree(self, key: str) -> dict:
+        """The tree `key` names (a host's install, or the container's: ckey) as {path: sha256}."""
+        return self.container_probe()["tree"] if key == self.ckey else self.probe(key)[0]
+
     def argv(self, op: str) -> list[str]:
-        argv = [sys.executable, "-m", "fleetctl.cli",
-                *({"LOADABLE": self.loadable, "ROUTE_HOST": self.route_host}.get(a, a) for a in ARGV[op]), *COMMON]
+        names = {"LOADABLE": self.loadable, "ROUTE_HOST": self.route_host, "HOSTS": ",".join(self.hosts),
+                 "CONTAINER_HOST": self.chost, "INSTALL": CONTAINER_INSTALL}
+        argv = [sys.executable, "-m", "fleetctl.cli", *(names.get(a, a) for a in ARGV[op]), *COMMON]
         if op == "apply":
             argv += ["--serial", self.rng.choice(self.serials)]
         return argv
@@ -295,28 +375,33 @@ class Soak:
             self.lab.fault(host, "sshd-kill")
         elif fault == "crash":  # the stand-in server SIGKILLed; healed after the operation
             self.lab.ssh(host, f"kill -9 $(cat {STANDIN}/server.pid)")
+        elif fault == "container-restart":  # what a runtime's restart policy or an operator does
+            r = self.lab.ssh(host, f"podman restart --time 2 {CONTAINER_NAME}", timeout=60)
+            if r.returncode != 0:
+                self.log(f"    container-restart: podman said {r.returncode}: {r.stderr.strip()[-200:]}")
         elif fault == "disk-full":  # the small state dir's filesystem full, then emptied
-            r = self.lab.ssh(self.lab.hosts[-1], FILL)
+            r = self.lab.ssh(self.hosts[-1], FILL)
             if r.stdout.split()[-1:] != ["0"]:
                 self.log(f"    disk-full: {r.stdout.strip()} bytes still free")
             done.wait(hold)
-            self.lab.ssh(self.lab.hosts[-1], f"rm -f {FILLER}")
-            host = self.lab.hosts[-1]
+            self.lab.ssh(self.hosts[-1], f"rm -f {FILLER}")
+            host = self.hosts[-1]
         else:
             on, off = {"freeze": ("freeze", "thaw"), "down": ("down", "up"), "delay": ("delay", "delay"),
                        "rekey": ("rekey", "unrekey"), "fail-every": ("fail-every", "fail-every")}[fault]
             self.lab.fault(host, on, arg if on in ("delay", "fail-every") else None)
             done.wait(hold)
             self.lab.fault(host, off, 0 if off in ("delay", "fail-every") else None)
-        self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash") else ""))
+        self.log(f"    {fault} {host} at {at:.1f}s" + (f" for {hold:.1f}s" if fault not in ("sshd-kill", "crash",
+                                                                                       "container-restart") else ""))
 
     def small_fs(self) -> None:
         """The last host's state dir made a small filesystem of its own (SMALL_FS), where disk-full
         fills it. Raises RuntimeError when it cannot be (a state dir not empty: the walk must start
         on a fresh lab)."""
-        r = self.lab.ssh(self.lab.hosts[-1], SMALL_FS)
+        r = self.lab.ssh(self.hosts[-1], SMALL_FS)
         if r.returncode != 0 or r.stdout.strip() != "tmpfs":
-            raise RuntimeError(f"{self.lab.hosts[-1]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
+            raise RuntimeError(f"{self.hosts[-1]}: no small filesystem at {STATE_DIR}: {r.stdout}{r.stderr}")
 
     def run(self, op: str, fault: str | None) -> tuple[int | None, dict | None]:
         """Run `op` as its own fleetctl process, `fault` injected at a random moment. Returns (exit
@@ -324,7 +409,8 @@ class Soak:
         at = self.rng.uniform(0.3, 4.0)
         hold = self.rng.uniform(*self.hold)
         host = self.rng.choice(self.loadable.split(",") if op == "validate-load" else
-                               [self.route_host] if op in ("route", "deploy-route-host") else self.lab.hosts)
+                               [self.route_host] if op in ("route", "deploy-route-host") else
+                               [self.chost] if op.startswith("container") else self.hosts)
         arg = self.rng.choice((1, 2, 3)) if fault == "fail-every" else self.rng.choice((200, 500, 1500))
         p, t0, out = self.spawn(op)  # every draw made here, none in the thread: a seed replays
         done = threading.Event()
@@ -375,18 +461,21 @@ class Soak:
                 self.fig.faults["lock-lost"] += 1
         return docs[0], (other, docs[1])
 
-    def learn(self, doc: dict | None, playbook: str) -> None:
+    def learn(self, doc: dict | None, playbook: str, inside: bool = False) -> None:
         """After a finished apply of `playbook`: each host it `changed` gives that playbook's
-        patched files there (the first time): the files that differ from pristine and are no
-        other playbook's (each playbook's files are its own: defrag-tier0's allocator files,
-        route-verify-attention's hook module and triton_backend.py)."""
+        patched files there (the first time), in the host's tree or, `inside`, the container's:
+        the files that differ from pristine and are no other playbook's (each playbook's files
+        are its own: defrag-tier0's allocator files, route-verify-attention's hook module and
+        triton_backend.py)."""
         for h in (doc or {}).get("hosts", []):
-            known = self.patched[h["host"]]
+            key = self.ckey if inside else h["host"]
+            known = self.patched[key]
             if h.get("status") == "changed" and playbook not in known and not doc.get("check"):
-                tree = self.probe(h["host"])[0]
-                base = self.pristine[h["host"]]
+                tree = self.tree(key)
+                base = self.pristine[key]
                 others = {p for files in known.values() for p in files}
                 known[playbook] = {p: s for p, s in tree.items() if base.get(p) != s and p not in others}
+                self.log(f"    {key}: {playbook}'s patched state: " + ", ".join(f"{p} {s[:12]}" for p, s in known[playbook].items()))
 
     def restart_cmd(self, host: str) -> str:
         """The stand-in's restart command on `host`, as its inventory gives it."""
@@ -402,35 +491,65 @@ class Soak:
 
     def heal(self) -> None:
         """After an operation: a stand-in server the crash fault killed (and no restart handler
-        brought back) started again, so the next operation's gate has a server."""
+        brought back) started again, so the next operation's gate has a server; the container
+        host's container started when it is not running (CONTAINER_UP: `recover` restarts one a
+        killed run was changing; another may have been stopped by a restart fault cut short)."""
         def one(h: str) -> str:
+            if h == self.chost:
+                return self.lab.ssh(h, CONTAINER_UP, timeout=60).stdout
             cmd = f"kill -0 $(cat {STANDIN}/server.pid) 2>/dev/null || {{ {self.restart_cmd(h)}; echo restarted; }}"
             return self.lab.ssh(h, cmd).stdout
         with ThreadPoolExecutor(len(self.lab.hosts)) as pool:
             said = dict(zip(self.lab.hosts, pool.map(one, self.lab.hosts)))
         for host, out in said.items():
-            if "restarted" in out:
-                self.log(f"    {host}: stand-in restarted")
+            if "restarted" in out or "started" in out:
+                self.log(f"    {host}: {'container' if host == self.chost else 'stand-in'} {out.strip()}")
+
+    def status(self, op: str) -> subprocess.Popen:
+        """`op` (status or container-status: ARGV's) started, its output piped, counted as a run."""
+        p = subprocess.Popen(self.argv(op), env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p.t0 = time.time()
+        self.fig.runs += 1
+        return p
+
+    def status_hosts(self, p: subprocess.Popen) -> dict:
+        """A status run's hosts by name ({} and a violation when it printed no JSON)."""
+        out, err = p.communicate(timeout=OP_TIMEOUT_S)
+        self.started.append((p.pid, p.t0, time.time(), None, p.returncode, None))
+        try:
+            return {h["host"]: h for h in json.loads(out)["hosts"]}
+        except (json.JSONDecodeError, KeyError):
+            self.violation("status", f"status printed no JSON (exit {p.returncode}): {err[-300:]}")
+            return {}
+
+    def agrees(self, name: str, h: dict | None, top: str, differ: set, recovered: bool) -> set:
+        """`status`'s host `h` against the tree `name` under `top` whose files `differ` from
+        pristine: ok, its applied changes' files under `top` exactly those, nothing pending
+        after a recover. Returns the applied changes' files (empty when status failed)."""
+        if h is None or h.get("status") != "ok":
+            self.violation("status", f"{name}: status {h and h.get('status')}: {h and h.get('error')}")
+            return set()
+        applied = {f for c in h["changes"] if c["state"] == "applied" for f in c["files"]}
+        want = {f"{top}/{p}" for p in differ}
+        if {f for f in applied if f.startswith(top + "/")} != want:
+            self.violation("status", f"{name}: status says applied {sorted(applied)}, files differ {sorted(want)}")
+        pending = [c["change_id"] for c in h["changes"] if c["state"] == "pending"]
+        if recovered and pending:
+            self.violation("status", f"{name}: pending after recover: {pending}")
+        return applied
 
     def check(self, recovered: bool) -> None:
         """The checker (see the module docstring)."""
-        pool = ThreadPoolExecutor(len(self.lab.hosts))  # the hosts read while status runs
+        pool = ThreadPoolExecutor(len(self.lab.hosts) + 1)  # the trees read while status runs
         probes = {host: pool.submit(self.probe, host) for host in self.lab.hosts}
-        t0 = time.time()
-        r = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "status", "all", *COMMON], env=self.env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        r.stdout, r.stderr = r.communicate(timeout=OP_TIMEOUT_S)
-        self.fig.runs += 1
-        self.started.append((r.pid, t0, time.time(), None, r.returncode, None))
+        inside = pool.submit(self.container_probe) if self.chost else None
+        runs = [self.status("status")] + ([self.status("container-status")] if self.chost else [])
+        statuses = [self.status_hosts(p) for p in runs]
         try:
             probes = {host: f.result() for host, f in probes.items()}
+            inside = inside and inside.result()
         finally:
             pool.shutdown()
-        try:
-            status = {h["host"]: h for h in json.loads(r.stdout)["hosts"]}
-        except (json.JSONDecodeError, KeyError):
-            status = {}
-            self.violation("status", f"status printed no JSON (exit {r.returncode}): {r.stderr[-300:]}")
         for host in self.lab.hosts:
             tree, litter, lock, hook = probes[host]
             self.hooks[host] = hook
@@ -443,21 +562,22 @@ class Soak:
                 self.violation("lock", f"{host}: the lock is held with no fleetctl running")
             if hook.startswith("broken"):
                 self.violation("hook", f"{host}: the hook's kernel is half-published: {hook}")
-            h = status.get(host)
-            if h is None or h.get("status") != "ok":
-                if status:
-                    self.violation("status", f"{host}: status {h and h.get('status')}: {h and h.get('error')}")
-                continue
-            applied = {f for c in h["changes"] if c["state"] == "applied" for f in c["files"]}
-            want = {f"{SITE}/{p}" for p in differ}
-            if {f for f in applied if f.startswith(SITE + "/")} != want:
-                self.violation("status", f"{host}: status says applied {sorted(applied)}, files differ {sorted(want)}")
-            if (f"{KDIR}/current" in applied) != hook.startswith("current"):
+            if host == self.chost or not statuses[0]:
+                continue  # the container host's own install: nothing changes it, pristine is its check
+            applied = self.agrees(host, statuses[0].get(host), SITE, differ, recovered)
+            if applied and (f"{KDIR}/current" in applied) != hook.startswith("current"):
                 self.violation("hook", f"{host}: status says the kernel is {'' if f'{KDIR}/current' in applied else 'not '}"
                                        f"applied, the hook's kernel is {hook}")
-            pending = [c["change_id"] for c in h["changes"] if c["state"] == "pending"]
-            if recovered and pending:
-                self.violation("status", f"{host}: pending after recover: {pending}")
+        if inside is not None:
+            differ, wrong = tree_state(self.pristine[self.ckey], self.patched[self.ckey], inside["tree"])
+            for text in wrong:
+                self.violation("tree", f"{self.ckey}: {text}")
+            if inside["litter"]:
+                self.violation("litter", f"{self.ckey}: {inside['litter']}")
+            if inside["lock"] != 0:
+                self.violation("lock", f"{self.ckey}: the container's lock is held with no fleetctl running")
+            if statuses[1]:
+                self.agrees(self.ckey, statuses[1].get(self.chost), CONTAINER_TOP, differ, recovered)
 
     def check_history(self) -> None:
         """One record per fleetctl process started (see the module docstring): found by its pid
@@ -498,6 +618,8 @@ class Soak:
             self.route_server()
         for host in self.lab.hosts:
             self.pristine[host], _, _, self.hooks[host] = self.probe(host)
+        if self.chost:
+            self.pristine[self.ckey] = self.container_probe()["tree"]
         for self.step in range(1, n + 1):
             if until is not None and time.time() > until:
                 self.log(f"stopped before step {self.step}: the time given is up")
@@ -521,8 +643,8 @@ class Soak:
                     if self.run("deploy-route-host", None)[0] != 0:
                         self.heal()
                 rc, doc = self.run(op, fault)
-                if op in PLAYBOOKS and rc is not None:
-                    self.learn(doc, PLAYBOOKS[op])
+                if op in PLAYBOOKS:  # a run killed after it printed its result learns as a finished one
+                    self.learn(doc, PLAYBOOKS[op], inside=op == "container")
             self.heal()
             recovered = False
             if rc is None or (fault and op in CHANGING):
@@ -549,6 +671,7 @@ class LabHandle:
     addresses: dict
     status: list
     inventory: Path
+    container_host: str | None = None  # the host whose SGLang serves from a container (main)
 
     def add_host_vars(self, host: str, host_vars: dict) -> None:
         """Add `host_vars` to `host` in the lab's inventory (lab up's YAML)."""
@@ -569,6 +692,21 @@ class LabHandle:
         return labmod.lab_fault(host, kind, arg, lab_id=self.lab_id, state_dir=self.state_dir)
 
 
+def container_host(lab: LabHandle) -> None:
+    """The lab's last host made the container host: its own stand-in server stopped (the port is
+    the container's), the stand-in run in a Podman container of an image of SGLang
+    CONTAINER_RELEASE's checkout (lab.add_container_host), a latency slack for its one-decode
+    gate (as tests/fleet/test_fleet_containers.py gives it). Raises RuntimeError, LabError."""
+    from fleetctl import lab as labmod
+    host = lab.hosts[-1]
+    r = lab.ssh(host, f"p=$(cat {STANDIN}/server.pid) && kill $p && while kill -0 $p 2>/dev/null; do sleep 0.1; done")
+    if r.returncode != 0:
+        raise RuntimeError(f"{host}: its stand-in server did not stop: {r.stderr[-300:]}")
+    labmod.add_container_host(host, CONTAINER_RELEASE, lab_id=lab.lab_id, state_dir=lab.state_dir)
+    lab.add_host_vars(host, {"fleetctl_latency_slack": 2.0})
+    lab.container_host = host
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lab-id", type=int, required=True)
@@ -586,8 +724,10 @@ def main(argv=None) -> int:
     home = Path(tempfile.mkdtemp(prefix="fleetctl-soak-"))
     known = home / "known_hosts"
     sd = labmod.state_dir_for(a.lab_id)
-    inv = labmod.lab_up(a.hosts, labmod.DEFAULT_RELEASES, with_server=True, lab_id=a.lab_id, state_dir=sd,
-                        known_hosts=known)
+    ops = tuple(a.only.split(",")) if a.only else OPS
+    container = any(op.startswith("container") for op in ops)
+    inv = labmod.lab_up(a.hosts + container, labmod.DEFAULT_RELEASES, with_server=True, lab_id=a.lab_id,
+                        state_dir=sd, known_hosts=known)
     try:
         cfg = home / "ssh_config"
         cfg.write_text(f"Host *\n  UserKnownHostsFile {known}\n")
@@ -596,8 +736,9 @@ def main(argv=None) -> int:
                    FLEETCTL_WHEEL_CACHE=str(cache_dir()))
         lab = LabHandle(a.lab_id, sd, [h["name"] for h in st], env, known, {h["name"]: h["address"] for h in st}, st,
                         Path(inv))
+        if container:
+            container_host(lab)
         until = time.time() + a.minutes * 60 if a.minutes else None
-        ops = tuple(a.only.split(",")) if a.only else OPS
         weights = (1,) * len(ops) if a.only else OP_WEIGHTS
         soak = Soak(lab, a.seed, home / "history.sqlite", ops=ops, weights=weights, fault_p=a.fault_p,
                     faults=tuple(a.faults.split(",")) if a.faults else FAULTS)

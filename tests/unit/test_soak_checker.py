@@ -35,7 +35,7 @@ def history(path: Path, rows) -> Path:
 
 def soak_with(tmp_path, rows, started):
     mod = load_soak()
-    lab = SimpleNamespace(hosts=["h1"], status=[{"name": "h1", "release": "0.5.23"}], env={})
+    lab = SimpleNamespace(hosts=["h1", "h2"], status=[{"name": "h1", "release": "0.5.23"}], env={}, container_host="h2")
     soak = mod.Soak(lab, 1, history(tmp_path / "history.sqlite", rows), log=lambda line: None)
     soak.started = started
     soak.fig.runs = len(started)
@@ -78,6 +78,6 @@ def test_a_tree_is_pristine_or_each_playbook_wholly_patched():
     assert mod.tree_state(base, known, {**base, "x.tmp": "X"})[1] == ["x.tmp added"]
     assert mod.tree_state(base, known, {"a.py": "A0", "b.py": "B0"})[1] == ["c.py lost"]
     assert mod.tree_state(base, known, {**base, "a.py": "A2"})[1] == [
-        "a.py hashes to neither its pristine nor a patched state"]
+        "a.py hashes to neither its pristine nor a patched state (A2: pristine A0, patched A1)"]
     # a hook module with other bytes than route-verify-attention writes
     assert mod.tree_state(base, known, {**both, "hook.py": "H2"})[1] == ["hook.py added with bytes no playbook writes"]
