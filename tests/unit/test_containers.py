@@ -155,6 +155,21 @@ def test_lost_changes():
     assert containers.lost_changes([rolled], other) == []
 
 
+def test_the_restart_handler_from_a_record_stops_then_starts_by_hex_id_alone():
+    """A container a killed run left stopped, or stuck stopping (`podman restart` refuses that
+    state), is stopped then started by its runtime's CLI; the id keeps only hex digits (a
+    record is the host's file, read as hostile); a CRI container, or a root without an id, has
+    none (the kubelet starts CRI containers)."""
+    h = containers.restart_handler({"runtime": "podman", "container_id": CID})
+    assert h == {"name": "restart sglang", "command": f"podman stop {CID} && podman start {CID}"}
+    assert containers.restart_handler({"runtime": "docker", "container_id": CID})["command"].startswith("docker stop ")
+    evil = containers.restart_handler({"runtime": "podman", "container_id": "4f; rm -rf / #"})
+    assert evil["command"] == "podman stop 4ff && podman start 4ff"
+    assert containers.restart_handler({"runtime": "containerd", "container_id": CID}) is None
+    assert containers.restart_handler({"runtime": "podman", "container_id": "; ;"}) is None
+    assert containers.restart_handler({"runtime": "podman"}) is None
+
+
 def test_refusal():
     inst = {"id": "podman:s:/p", "container": {"kubelet": False, "read_only_rootfs": True}}
     assert containers.REFUSED in containers.refusal(inst) and "read-only" in containers.refusal(inst)
