@@ -191,7 +191,7 @@ def test_a_validated_change_whose_commit_finds_the_disk_full_is_kept(tmp_path, t
     assert {p: sha(Path(p).read_bytes()) for p in originals} == {f["path"]: f["post_sha256"] for f in files}
     assert [e["state"] for e in ledger.read(str(state))] == (["pending", "applied"] if reserve else ["applied"])
 
-    assert change.main({"action": "recover", **sd}) == {"ok": True, "recovered": []}
+    assert change.main({"action": "recover", **sd}) == {"ok": True, "recovered": [], "container_records": 0}
     assert {p: sha(Path(p).read_bytes()) for p in originals} == {f["path"]: f["post_sha256"] for f in files}
     ledger_consistent(state, "big", "applied")
 
