@@ -220,7 +220,7 @@ def test_a_run_killed_in_the_container_is_undone_by_recover_on_the_host(clab):
 
     _, _, again = clab.cli_json("recover", "lab-01", "--yes", timeout=300, rc=0)
     assert (again["lab-01"]["status"], again["lab-01"]["recovered"]) == ("ok", [])
-    assert [c["install"] for c in again["lab-01"]["containers"]] == [INSTALL]
+    assert again["lab-01"]["containers"] == []  # its record is no longer marked changing: nothing to enter
     in_container(clab, behave, "{}")
     labmod.podman_in("lab-01", ["restart", labmod.CONTAINER_NAME], LAB_ID, clab.state_dir)
     deadline = time.monotonic() + 60

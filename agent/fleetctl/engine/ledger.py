@@ -154,20 +154,22 @@ def recover_job(state_dir: str = STATE_DIR):
 
 
 def recover_containers(ctx: HostContext, state_dir: str = STATE_DIR) -> list[dict]:
-    """`recover` inside each container whose change record the host keeps (on_install writes it
-    before a change there begins, marked `changing`, so the container a killed run was changing
-    is among them) and that runs, under that container's own lock, its restart handler run when
+    """`recover` inside each container whose change record the host keeps still marked
+    `changing` (on_install writes it so before a change there begins, and unmarked after it: the
+    containers a killed run was changing), under that container's own lock, its restart handler run when
     something was undone, its record then written again. A container a killed run was changing
     that is stopped, or cannot be entered (stuck stopping: the run's own restart handler cut
     short), is restarted first (containers.restart_handler); one that is gone took its writable
     layer, and any pending change with it (`status` reports its applied ones lost:
-    containers.lost_changes). Any other record whose container is not running is passed over.
+    containers.lost_changes). A record not marked changing has nothing pending and is passed over.
     A container not recovered (just restarted, not entered, its lock held) is tried again,
     RECOVER_TRIES times in all, RECOVER_RETRY_S seconds apart. Returns [{"install", "recovered", "handlers"}
     or {"install", "error"}: a container that could not be started, entered or locked], one per
     recorded container recovered or tried. Raises ProbeFailed, RemoteTimeout, Unreachable."""
     g = gather(ctx, scan=False, records=state_dir)
-    todo = {(r.get("root") or {}).get("container_id"): r for r in g.get("container_records", [])}
+    # only a record still marked changing can have a change pending behind it: a run that ended
+    # wrote its record again, unmarked
+    todo = {(r.get("root") or {}).get("container_id"): r for r in g.get("container_records", []) if r.get("changing")}
     todo.pop(None, None)
     out, errors, restarted = [], {}, {}
     for attempt in range(RECOVER_TRIES):
@@ -192,11 +194,9 @@ def recover_containers(ctx: HostContext, state_dir: str = STATE_DIR) -> list[dic
                 out.append({"install": install, "recovered": res.data["recovered"],
                             "handlers": restarted.get(cid, []) + res.data["handlers"]})
                 del todo[cid]
-            elif found is None and not record.get("changing"):
-                del todo[cid]  # not running, and no run was changing it
             elif found is not None and not found.get("entered_with"):
                 errors[cid] = (install, f"not recovered: {found.get('note')}")
-            elif not record.get("changing") or cid in restarted:
+            elif cid in restarted:
                 errors[cid] = (install, f"not recovered: {found.get('error') if found else 'not running'}")
             else:  # a run was changing it and it is stopped, or stopping: its own restart was cut short
                 handler = containers.restart_handler(record["root"])
