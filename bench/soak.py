@@ -92,7 +92,9 @@ OP_FAULTS = {"apply": ("sigkill", "sigterm", *HOST_FAULTS), "rollback": ("sigkil
              "recover": ("sigkill", "sigterm", *HOST_FAULTS), "deploy": ("sigkill", "sigterm", *HOST_FAULTS),
              "route": ("sigkill", "sigterm", *HOST_FAULTS),
              "apply-check": HOST_FAULTS, "status": HOST_FAULTS, "validate": HOST_FAULTS,
-             "validate-load": ("fail-every", *HOST_FAULTS), "overlap": (),
+             # the stand-in failing every Nth request is the fault a load gate exists for, and only
+             # this operation can draw it: weighted 3 in 10 of its faults, so a long walk sees it
+             "validate-load": ("fail-every",) * 3 + HOST_FAULTS, "overlap": (),
              "container": ("sigkill", "sigterm", *CONTAINER_FAULTS),
              "container-rollback": ("sigkill", "sigterm", *CONTAINER_FAULTS)}
 FAULT_P = 0.5  # chance that an operation gets a fault
