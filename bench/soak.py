@@ -362,7 +362,8 @@ class Soak:
     def inject(self, fault: str, host: str, p: subprocess.Popen, at: float, hold: float, arg: int,
                done: threading.Event) -> None:
         """`fault` on `host` (or on fleetctl's process `p`) `at` seconds in, held `hold` seconds
-        (unless `p` ends first), then cleared; `arg`: a delay's ms, a fail-every's N."""
+        (fail-every: until `p` ends; any fault: no longer than `p`), then cleared; `arg`: a
+        delay's ms, a fail-every's N."""
         if done.wait(at):
             return
         if fault in ("sigkill", "sigterm"):
