@@ -241,6 +241,43 @@ def test_kill_9_mid_apply_leaves_host_whole_and_next_run_recovers(server_lab):
     assert ledger_states(server_lab, "lab-04")[doc["change_id"]] == "applied"
 
 
+def test_a_server_that_dies_after_the_restart_fails_the_gate_at_once(server_lab):
+    """Soak finding 11 (bench/results/soak-findings.md): the stand-in SIGKILLed while it starts
+    after the change's restart. defrag-tier0's handler asks for a 600 s health wait; the gate
+    fails once no successor took the server's place in smoke.EXIT_GRACE_S, and the change is
+    rolled back, instead of the run waiting out the 600 s."""
+    before = tree_digest(server_lab, "lab-02")
+    old = server_lab.ssh("lab-02", "cat /opt/fleetctl-standin/server.pid").stdout.strip()
+    server_lab.set_behavior("lab-02", {"never_healthy": True}, restart=False)
+    p = subprocess.Popen([sys.executable, "-m", "fleetctl.cli", "apply", "defrag-tier0", "lab-02", "--yes", "--json",
+                          "--health-timeout", "20"], env=server_lab.env,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the handler's restart: a new stand-in, never healthy, in the health wait
+            new = server_lab.ssh("lab-02", "cat /opt/fleetctl-standin/server.pid").stdout.strip()
+            exe = server_lab.ssh("lab-02", f"readlink /proc/{new}/exe").stdout.strip() if new != old else ""
+            if exe and not exe.endswith(("/setsid", "/nohup")):  # past restart.sh's setsid and nohup: the server
+                break
+            assert time.monotonic() < deadline and p.poll() is None, "apply never restarted the server"
+            time.sleep(0.3)
+        server_lab.set_behavior("lab-02", {}, restart=False)  # the rollback's restart comes up healthy
+        assert server_lab.ssh("lab-02", f"kill -9 {new}").returncode == 0
+        killed = time.monotonic()
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    took = time.monotonic() - killed
+    h = {x["host"]: x for x in json.loads(out)["hosts"]}["lab-02"]
+    assert p.returncode == 2 and h["status"] == "failed", h
+    assert "the server exited before it became healthy" in h["error"] and "rolled back" in h["error"], h["error"]
+    assert took < 120, took  # the grace (15 s) and the rollback's restart, not the handler's 600 s
+    assert tree_digest(server_lab, "lab-02") == before
+    assert ledger_states(server_lab, "lab-02")[json.loads(out)["change_id"]] == "rolled-back"
+
+
 def test_canary_failure_stops_rollout_and_rolls_back(server_lab):
     """lab-02 is the canary; after its restart the stand-in decodes other tokens."""
     server_lab.set_behavior("lab-02", {"token_shift": 1}, restart=False)

@@ -240,7 +240,8 @@ def test_after_a_rollback_that_restarts_the_server_its_health_is_checked(tmp_pat
         server.wait(10)
     assert r.status == HostStatus.FAILED and r.data.get("rolled_back") is True, r.error
     assert r.error.startswith("rolled back: a check failed; after the rollback the server is not healthy: "
-                              f"127.0.0.1:{port}: health deadline exceeded after 2 s"), r.error
+                              f"127.0.0.1:{port}: the server exited before it became healthy: nothing listens on "
+                              f"127.0.0.1:{port} yet (servers: pid {server.pid} (exited))"), r.error
     [after] = r.data["after_rollback"]
     assert (after["port"], after["ok"]) == (port, False)
     assert target.read_text() == "X = 1\n"

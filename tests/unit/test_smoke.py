@@ -3,6 +3,7 @@ with real probe results, and where the API key goes (review N6: only to an ident
 own listening socket)."""
 
 import copy
+import json
 import http.server
 import os
 import shutil
@@ -15,7 +16,7 @@ import pytest
 
 from fleetctl.engine.gates import smoke as gate
 from fleetctl.lab import standin
-from fleetctl.probes.facts import procs
+from fleetctl.probes.facts import procs, targets
 from fleetctl.probes.traffic import smoke
 from helpers.proc import alive, free_port, wait_listening
 
@@ -316,3 +317,104 @@ def test_a_restarted_server_is_followed_to_its_successor(tmp_path):
     [s] = r["servers"]
     assert (s["pid"], s["port"], s["ok"]) == (second.pid, port, True), s
     assert r["refused"] == []
+
+
+def _identified(tmp_path, port, behavior):
+    """A stand-in on `port` that procs.find_servers identifies (its files copied into a home of its
+    own, as the lab installs it), and the selector the control side names it by (validate.smoke_targets)."""
+    home = tmp_path / "fleetctl-standin"
+    home.mkdir(exist_ok=True)
+    for f in standin.FILES:
+        shutil.copy(f, home / f.name)
+    (tmp_path / "behavior.json").write_text(json.dumps(behavior))
+    proc = subprocess.Popen([sys.executable, str(home / "server.py"), "--port", str(port), "--behavior",
+                             str(tmp_path / "behavior.json")], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_listening(port)
+    found = {s["pid"]: s for s in procs.find_servers()[0]}
+    assert proc.pid in found, found
+    return proc, {k: found[proc.pid][k] for k in ("pid", "python", "port", "host")}
+
+
+def _stop(*procs_):
+    for p in procs_:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+# the servers as the facts probe identified them, alone or with the inventory's fleetctl_sglang_port
+# (targets.select: each one's claimed port, or the inventory's)
+INVENTORY_PORT = pytest.mark.parametrize("inventory_port", [False, True], ids=["claimed", "inventory"])
+
+
+def _params(named, inventory_port):
+    return dict({"servers": [named], "repeat": 1, "health_timeout": 120},
+                **({"port": named["port"], "host": "127.0.0.1"} if inventory_port else {}))
+
+
+@INVENTORY_PORT
+def test_a_server_that_exits_during_the_health_wait_ends_it(tmp_path, monkeypatch, inventory_port):
+    """Finding 11 of the soak (bench/results/soak-findings.md): a server killed while it starts
+    (here: answering 503) ends the wait once no successor took its place in EXIT_GRACE_S, not at
+    the health deadline (a handler's 600 s)."""
+    monkeypatch.setattr(smoke, "EXIT_GRACE_S", 1.0)
+    port = free_port()
+    proc, named = _identified(tmp_path, port, {"never_healthy": True})
+    killer = threading.Timer(1.0, proc.kill)
+    try:
+        killer.start()
+        t0 = time.monotonic()
+        r = smoke.main(_params(named, inventory_port))
+        took = time.monotonic() - t0
+    finally:
+        killer.cancel()
+        _stop(proc)
+    [s] = r["servers"]
+    assert not s["ok"] and took < 15, (took, s)
+    assert s["error"].startswith("%s: pid %d exited and no server took its place in 1 s (last answer " % (
+        smoke.EXITED, proc.pid)), s["error"]
+
+
+@INVENTORY_PORT
+def test_a_server_gone_before_the_wait_is_waited_for_only_the_grace(tmp_path, monkeypatch, inventory_port):
+    """The same when the server exited before the probe came (the soak's case: killed before it
+    listened): choose() waits EXIT_GRACE_S for a successor, not the whole deadline, and the
+    error says it exited."""
+    monkeypatch.setattr(smoke, "EXIT_GRACE_S", 1.0)
+    port = free_port()
+    proc, named = _identified(tmp_path, port, {})
+    _stop(proc)
+    t0 = time.monotonic()
+    r = smoke.main(_params(named, inventory_port))
+    took = time.monotonic() - t0
+    [s] = r["servers"]
+    assert not s["ok"] and 1.0 <= took < 15, (took, s)
+    why = ("nothing listens on 127.0.0.1:%d yet (servers: pid %d (exited))" % (port, proc.pid) if inventory_port
+           else targets.GONE % proc.pid)
+    assert s["error"].startswith("%s: %s (waited " % (smoke.EXITED, why)), s["error"]
+
+
+def test_a_supervisor_restart_during_the_health_wait_is_followed(tmp_path):
+    """A server that exits during the wait and is started again (a supervisor's restart, within
+    EXIT_GRACE_S) is followed to its successor, which is decoded."""
+    port = free_port()
+    first, named = _identified(tmp_path, port, {"never_healthy": True})
+    second = []
+
+    def restart():
+        first.kill()
+        first.wait(10)
+        (tmp_path / "behavior.json").write_text("{}")
+        second.append(subprocess.Popen([sys.executable, str(tmp_path / "fleetctl-standin" / "server.py"), "--port",
+                                        str(port), "--behavior", str(tmp_path / "behavior.json")], cwd=tmp_path,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    timer = threading.Timer(1.0, restart)
+    try:
+        timer.start()
+        r = smoke.main({"servers": [named], "repeat": 1, "health_timeout": 120})
+    finally:
+        timer.join()
+        _stop(first, *second)
+    [s] = r["servers"]
+    assert (s["ok"], s["pid"]) == (True, second[0].pid), s

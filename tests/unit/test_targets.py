@@ -100,9 +100,10 @@ def test_nothing_listening_yet_is_pending_and_a_gone_server_says_so():
     assert got["targets"] == [] and got["refused"] == []
     assert got["pending"] == [
         {"pid": 7, "host": "127.0.0.1", "port": 31000,
-         "reason": "no listener on port 31000 of pid 7 or its descendants"},
+         "reason": "no listener on port 31000 of pid 7 or its descendants", "exited": False},
         {"pid": 8, "host": "127.0.0.1", "port": 31001,
-         "reason": "pid 8 exited and no server of the same interpreter on its port has taken its place"}]
+         "reason": "pid 8 exited and no server of the same interpreter on its port has taken its place",
+         "exited": True}]
 
 
 def test_a_listener_in_another_network_namespace_is_refused():
@@ -144,7 +145,13 @@ def test_an_inventory_port_without_any_server_is_refused_and_one_not_up_yet_is_p
          "reason": "fleetctl_sglang_port 30000: no SGLang server identified on this host"}]
     assert select([server(7, 31000)], [], port=31000, host="127.0.0.1")["pending"] == [
         {"pid": None, "host": "127.0.0.1", "port": 31000,
-         "reason": "nothing listens on 127.0.0.1:31000 yet (servers: pid 7)"}]
+         "reason": "nothing listens on 127.0.0.1:31000 yet (servers: pid 7)", "exited": False}]
+    # the inventory's port, when every server that could listen there has exited
+    assert select([server(7, 31000), server(8, 31000, gone=targets.GONE % 8)], [], port=31000,
+                  host="127.0.0.1")["pending"][0]["exited"] is False
+    assert select([server(8, 31000, gone=targets.GONE % 8)], [], port=31000, host="127.0.0.1")["pending"] == [
+        {"pid": None, "host": "127.0.0.1", "port": 31000,
+         "reason": "nothing listens on 127.0.0.1:31000 yet (servers: pid 8 (exited))", "exited": True}]
 
 
 def test_smoke_targets_are_the_identified_servers_not_their_argv():
@@ -192,3 +199,26 @@ def test_a_socket_that_starts_listening_during_the_scan_is_pending_not_refused(m
         monkeypatch.setattr(listeners, "held", real)
         assert targets.pick([me], port=port, host="127.0.0.1")["targets"] == [
             {"pid": os.getpid(), "host": "127.0.0.1", "port": port, "node_rank": 0}]
+
+
+def test_a_socket_that_closes_during_the_scan_is_pending_not_refused(monkeypatch):
+    """Live, the mirror race (seen in the fleet test of soak finding 11): the server exits, and
+    its socket closes, after pick() read the namespace's listeners and before it scanned the
+    server's fds. Its socket is read again after the scan and dropped, so nothing is "a listener
+    no identified server holds" (refused: the gate would fail on a wrong reason)."""
+    real = listeners.held
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+
+    def close_then_held(pids, tables=None):
+        s.close()
+        return real(pids, tables)
+
+    monkeypatch.setattr(listeners, "held", close_then_held)
+    me = {"pid": os.getpid(), "python": "/usr/bin/python3", "port": port, "host": "127.0.0.1"}
+    picked = targets.pick([me], port=port, host="127.0.0.1")
+    assert picked["refused"] == [] and picked["targets"] == []
+    assert [p["reason"] for p in picked["pending"]] == [
+        f"nothing listens on 127.0.0.1:{port} yet (servers: pid {os.getpid()})"]

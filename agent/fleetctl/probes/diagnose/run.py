@@ -230,9 +230,9 @@ def diagnose_server(t, sel, params):
         return out
     out["ran_as"] = {"uid": acct.uid, "why": acct.why}
     out["leftovers"] = stop_leftovers(t, acct.uid)
-    healthy, _, last = smoke.wait_healthy(base, float(params.get("health_timeout", 60)))
+    healthy, _, why = smoke.wait_healthy(base, float(params.get("health_timeout", 60)))
     if not healthy:
-        out["error"] = "health deadline exceeded: last answer %s (nothing started)" % last
+        out["error"] = "%s (nothing started)" % why
         return out
     out["server_info"] = _info(base)
     version = sel.get("version") or out["server_info"].get("version")

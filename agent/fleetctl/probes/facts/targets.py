@@ -101,8 +101,9 @@ def select(servers, listening, local, port=None, host=None):
     `listening`: [(inode, address, port)] every listening socket of this namespace; `local`: its
     addresses; `port`, `host`: the inventory's fleetctl_sglang_port and _host (None: each server's
     own claimed port selects its socket). Returns {"targets": [{pid, host, port}], "refused":
-    [{pid, host, port, reason}], "pending": [{pid, host, port, reason}]}; refused and pending
-    entries carry what was claimed (pid None: the inventory's choice)."""
+    [{pid, host, port, reason}], "pending": [{pid, host, port, reason, exited}]}; refused and
+    pending entries carry what was claimed (pid None: the inventory's choice); a pending entry is
+    `exited` when every server it waits for is gone (nothing running can still listen there)."""
     owner = {inode: s["pid"] for s in servers for inode, _, _ in s["here"]}
     out = {"targets": [], "refused": [], "pending": []}
     if port is None:
@@ -121,7 +122,7 @@ def _claimed(s, listening, local, owner, out):
     # 127.0.0.1), so that a gate pairs it with the baseline's
     waiting = dict(label, host="127.0.0.1" if s["host"] in ("0.0.0.0", "::") else s["host"])
     if s.get("gone"):
-        out["pending"].append(dict(waiting, reason=s["gone"]))
+        out["pending"].append(dict(waiting, reason=s["gone"], exited=True))
         return
     mine = [(inode, bound) for inode, bound, p in s["here"] if p == port]
     if not mine:
@@ -133,7 +134,7 @@ def _claimed(s, listening, local, owner, out):
             why = "port %d is %s, not this process's or its descendants'" % (port, _listener(other, owner))
         else:
             why = "no listener on port %d of pid %d or its descendants" % (port, pid)
-            out["pending"].append(dict(waiting, reason=why))
+            out["pending"].append(dict(waiting, reason=why, exited=False))
             return
         out["refused"].append(dict(label, reason=why))
         return
@@ -180,7 +181,8 @@ def _named(servers, listening, local, owner, port, host, out):
         bound = next(((i, b) for i, b, p in listening if p == port), None)
         if bound is None:
             names = ", ".join("pid %d%s" % (s["pid"], " (exited)" if s.get("gone") else "") for s in servers)
-            out["pending"].append(dict(label, reason="nothing listens on %s yet (servers: %s)" % (at, names)))
+            out["pending"].append(dict(label, reason="nothing listens on %s yet (servers: %s)" % (at, names),
+                                       exited=all(s.get("gone") for s in servers)))
             return
         why = "fleetctl_sglang_port %d: nothing listens on %s (port %d is bound to %s, by %s)" % (
             port, at, port, bound[1], _whose(bound[0], owner))
@@ -192,7 +194,7 @@ def _named(servers, listening, local, owner, port, host, out):
             out["refused"].append({"pid": s["pid"], "host": s["host"], "port": port, "reason": why})
 
 
-def _alive(pid):
+def alive(pid):
     """Whether process `pid` runs (exists and is no zombie: /proc/PID/stat's state after the name)."""
     try:
         with open("/proc/%d/stat" % pid) as f:
@@ -268,7 +270,7 @@ def _succeeds(s, sel):
     if sel.get("unit") is not None:
         return s.get("unit") == sel["unit"]
     ppid = sel.get("ppid")
-    return ppid is None or not _alive(ppid) or _descends(s["pid"], ppid)
+    return ppid is None or not alive(ppid) or _descends(s["pid"], ppid)
 
 
 def live(selectors):
@@ -284,7 +286,7 @@ def live(selectors):
     for sel in selectors:
         pid = sel.get("pid")
         port = int(sel.get("port") or procs.DEFAULT_PORT)
-        if pid is not None and _alive(pid):
+        if pid is not None and alive(pid):
             now = [{"pid": pid, "port": port, "host": sel.get("host") or "127.0.0.1", "node_rank": _node_rank(pid),
                     "python": sel.get("python")}]
         else:
@@ -326,7 +328,8 @@ def pick(selectors, port=None, host=None, server_user=None):
             servers.append(s)
     # the namespace's listeners are read before any tree's fds: a socket that starts listening
     # between the two reads is then "not listening yet" (pending), never a listener that no
-    # identified server holds (refused) as it would be the other way round
+    # identified server holds (refused) as it would be the other way round; and those closed by
+    # the time the fds are read (their server exited) are dropped, for the same reason
     listening, local = listeners.listening(), listeners.local_addresses()
     kids, tables, ours = listeners.children(), {}, listeners.netns("self")
     for s in servers:
@@ -339,6 +342,8 @@ def pick(selectors, port=None, host=None, server_user=None):
                     s["here"].append((inode, address, p))
                 else:
                     s["elsewhere"].append((address, p))
+    still = {inode for inode, _, _ in listeners.listening()}
+    listening = [x for x in listening if x[0] in still]
     picked = select(servers, listening, local, port, host)
     picked["refused"][:0] = owners
     ranks = {s["pid"]: s.get("node_rank") or 0 for s in servers}

@@ -511,14 +511,16 @@ def main(params):
             continue
         sel = next((s for s in selectors if s.get("pid") == t["pid"]), None) or \
             next((s for s in selectors if int(s.get("port") or 0) == t["port"]), {})
-        healthy, _, last = smoke.wait_healthy("http://%s:%d" % (t["host"] if ":" not in t["host"] else "[%s]" % t["host"],
-                                                                t["port"]), max(1.0, health_timeout - waited))
+        healthy, _, why = smoke.wait_healthy(
+            "http://%s:%d" % (t["host"] if ":" not in t["host"] else "[%s]" % t["host"], t["port"]),
+            max(1.0, health_timeout - waited),
+            exited=smoke.watch(selectors, params.get("port"), params.get("host"), params.get("server_user"), t))
         if not healthy:
-            servers.append(dict(_entry(t), error="health deadline exceeded: last answer %s" % last))
+            servers.append(dict(_entry(t), error=why))
             continue
         servers.append(load_server(t, sel, params, float(params.get("timeout", 300))))
     for p in picked["pending"]:
-        servers.append(dict(_entry(p), error="health deadline exceeded after %.0f s: %s" % (health_timeout, p["reason"])))
+        servers.append(dict(_entry(p), error=smoke.pending_error(p, health_timeout, waited)))
     for s in servers:
         s["error"], s["not_run"] = redact.text(s["error"]), redact.text(s["not_run"])
     return scrub({"servers": servers, "refused": picked["refused"], "skipped": skipped}, params.get("api_key"))

@@ -402,20 +402,21 @@ def _result(t):
 
 
 def route_server(t, directory, health_timeout=60.0, request_timeout=60.0, max_new_tokens=MAX_NEW_TOKENS,
-                 long_tokens=LONG_TOKENS, flush_wait_s=FLUSH_WAIT_S):
+                 long_tokens=LONG_TOKENS, flush_wait_s=FLUSH_WAIT_S, exited=None):
     """The route check of one target `t` ({pid, host, port, node_rank}: targets.pick), evidence
     from `directory` (PUBLIC/route-evidence). Seconds throughout. Returns {host, port, pid,
     node_rank, ok, error, health_wait_s, server_info (server_info()), prompts: [{name, chars,
     ...generate()'s}], evidence: {before, after: tree_evidence()}, duration_s}; ok when every
-    prompt answered and the long one reached long_tokens. Never raises for a server's faults."""
+    prompt answered and the long one reached long_tokens. `exited`: smoke.wait_healthy's
+    (smoke.watch). Never raises for a server's faults."""
     t0 = time.monotonic()
     res = _result(t)
     host = t["host"]
     base = "http://%s:%d" % (host if ":" not in host else "[%s]" % host, int(t["port"]))
-    healthy, waited, last = smoke.wait_healthy(base, health_timeout, request_timeout)
-    res["health_wait_s"] = round(waited, 3)
+    healthy, waited, why = smoke.wait_healthy(base, health_timeout, request_timeout, exited)
+    res["health_wait_s"], res["pid"] = round(waited, 3), t.get("pid")  # a successor's, when `exited` followed one
     if not healthy:
-        res["error"] = "health deadline exceeded after %.0f s: last answer %s" % (health_timeout, last)
+        res["error"] = why
         return res
     if res["node_rank"] >= 1:
         res["error"] = ("node rank %d serves /health only (SGLang's dummy health server): the route gate decodes "
@@ -485,10 +486,11 @@ def main(params):
                                     request_timeout=float(params.get("request_timeout", 60)),
                                     max_new_tokens=int(params.get("max_new_tokens", MAX_NEW_TOKENS)),
                                     long_tokens=int(params.get("long_tokens", LONG_TOKENS)),
-                                    flush_wait_s=float(params.get("flush_wait_s", FLUSH_WAIT_S))))
+                                    flush_wait_s=float(params.get("flush_wait_s", FLUSH_WAIT_S)),
+                                    exited=smoke.watch(params.get("servers") or [], params.get("port"),
+                                                       params.get("host"), params.get("server_user"), t)))
     for p in picked["pending"]:
-        why = "health deadline exceeded after %.0f s: %s" % (health_timeout, p["reason"])
-        servers.append(dict(_result(p), error=why))
+        servers.append(dict(_result(p), error=smoke.pending_error(p, health_timeout, waited)))
     for s in servers:
         s["error"] = redact.text(s["error"])
     return {"servers": servers, "refused": picked["refused"], "evidence_dir": directory}

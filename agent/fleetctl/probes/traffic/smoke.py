@@ -57,6 +57,11 @@ DUMMY_HINT = ("; the port answers /health but neither /generate nor /server_info
 MAX_BODY = 16 << 20  # bytes of one HTTP answer read at most
 # The servers are on this host: never through the environment's http_proxy (review L9).
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# How long a server that exited is given for a successor (a supervisor's restart: systemd's
+# RestartSec= is 100 ms by default, Docker's restart policy backs off from 100 ms) before the wait
+# for it ends, instead of running to the health deadline (a handler may ask for 600 s).
+EXIT_GRACE_S = 15.0
+EXITED = "the server exited before it became healthy"
 # The inventory's fleetctl_sglang_api_key (main sets it from params; it is never returned):
 # sent as `Authorization: Bearer`, as SGLang's --api-key checks it (sglang/srt/utils.py add_api_key_middleware).
 API_KEY = None
@@ -83,10 +88,14 @@ def _request(url, body=None, timeout=60.0):
         return status, None
 
 
-def wait_healthy(base, deadline_s, request_timeout=60.0):
+def wait_healthy(base, deadline_s, request_timeout=60.0, exited=None):
     """Poll GET base/health until 200, backing off 0.1 s doubling to 2 s, for deadline_s seconds.
+    `exited`: None, or a callable asked after each poll that is not 200, answering None while the
+    server can still become healthy and why not once it cannot (watch(): its process exited and
+    none took its place), which ends the wait at once.
 
-    Returns (healthy: bool, waited seconds, last observation as text).
+    Returns (healthy: bool, waited seconds, None when healthy else the error as text: "health
+    deadline exceeded after N s: last answer ..." or EXITED + ": ...").
     """
     t0 = time.monotonic()
     delay, last = 0.1, "no answer yet"
@@ -95,15 +104,44 @@ def wait_healthy(base, deadline_s, request_timeout=60.0):
         try:
             status, _ = _request(base + "/health", timeout=max(0.1, min(request_timeout, left)))
             if status == 200:
-                return True, time.monotonic() - t0, "HTTP 200"
+                return True, time.monotonic() - t0, None
             last = "HTTP 503 (still starting)" if status == 503 else "HTTP %d" % status
         except OSError as e:  # refused, reset, timeout: not up (yet)
             last = "no answer (%s)" % (getattr(e, "reason", None) or e)
+        gone = exited() if exited else None
+        if gone:
+            return False, time.monotonic() - t0, "%s: %s (last answer %s)" % (EXITED, gone, last)
         left = deadline_s - (time.monotonic() - t0)
         if left <= 0:
-            return False, time.monotonic() - t0, last
+            return False, time.monotonic() - t0, "health deadline exceeded after %.0f s: last answer %s" % (
+                deadline_s, last)
         time.sleep(min(delay, left))
         delay = min(delay * 2, 2.0)
+
+
+def watch(selectors, port, host, server_user, target):
+    """wait_healthy's `exited` for `target` ({pid, port, ...}: targets.pick of `selectors`, `port`,
+    `host`, `server_user`): None while its process runs, or once it has exited while a server that
+    succeeds it (targets.live: a supervisor's restart) claims its port, listening or not yet
+    (target["pid"] becomes the successor's once it listens); once none has for EXIT_GRACE_S
+    seconds, why.
+    A target of no identified process (pid None: the inventory's router) is never said gone."""
+    since = []
+
+    def exited():
+        if target["pid"] is None or targets.alive(target["pid"]):
+            return None
+        picked = targets.pick(selectors, port, host, server_user)
+        nxt = [t for t in picked["targets"] if t["port"] == target["port"]]
+        if nxt or any(p["port"] == target["port"] and not p["exited"] for p in picked["pending"]):
+            target["pid"] = nxt[0]["pid"] if nxt else target["pid"]  # one not listening yet: followed once it does
+            since.clear()
+            return None
+        since[:] = since or [time.monotonic()]
+        if time.monotonic() - since[0] < EXIT_GRACE_S:
+            return None
+        return "pid %d exited and no server took its place in %g s" % (target["pid"], EXIT_GRACE_S)
+    return exited
 
 
 def check_generate(status, out, n):
@@ -145,17 +183,29 @@ def _server_facts(base, timeout):
 
 def choose(selectors, port, host, deadline_s, server_user=None):
     """targets.pick(selectors, port, host, server_user), asked again (0.1 s doubling to 2 s) while
-    a server is pending (not listening yet), for at most deadline_s seconds. Returns (its last
-    answer, seconds spent)."""
+    a server is pending (not listening yet), for at most deadline_s seconds; but not past
+    EXIT_GRACE_S seconds while every pending one waits only for servers that exited and none took
+    their place (targets.select's "exited"). Returns (its last answer, seconds spent)."""
     t0 = time.monotonic()
-    delay = 0.1
+    delay, gone_since = 0.1, None
     while True:
         picked = targets.pick(selectors, port, host, server_user)
-        left = deadline_s - (time.monotonic() - t0)
-        if not picked["pending"] or left <= 0:
-            return picked, time.monotonic() - t0
+        now = time.monotonic()
+        left = deadline_s - (now - t0)
+        gone = bool(picked["pending"]) and all(p["exited"] for p in picked["pending"])
+        gone_since = (gone_since or now) if gone else None
+        if not picked["pending"] or left <= 0 or (gone and now - gone_since >= EXIT_GRACE_S):
+            return picked, now - t0
         time.sleep(min(delay, left))
         delay = min(delay * 2, 2.0)
+
+
+def pending_error(p, health_timeout, waited):
+    """The error of choose()'s pending entry `p` ({pid, reason, exited}) once the wait of `waited`
+    seconds ended: EXITED when it waits for servers that exited, else the health deadline."""
+    if p["exited"]:
+        return "%s: %s (waited %.0f s)" % (EXITED, p["reason"], waited)
+    return "health deadline exceeded after %.0f s: %s" % (health_timeout, p["reason"])
 
 
 PD_ALONE = "%s worker: health_generate only"
@@ -230,11 +280,12 @@ def _result(host, port, node_rank=0):
 
 
 def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
-                 input_ids=None, request_timeout=60.0, warmup=1, node_rank=0, pd_part=None):
+                 input_ids=None, request_timeout=60.0, warmup=1, node_rank=0, pd_part=None, exited=None):
     """Health wait + `repeat` greedy decodes against one SGLang server at host:port; for
     `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only;
     for a PD worker (`pd_part`: pd_plan's {role, via}, role not "router") the health wait and its
-    /health_generate (pd_health). A PD server's result carries `pd_part` as "pd".
+    /health_generate (pd_health). A PD server's result carries `pd_part` as "pd". `exited`:
+wait_healthy's (watch()).
 
     Times in seconds. Returns {host, port, node_rank, health_only (no decode: node_rank >= 1),
     model_path, version, stand_in, server_args (topology.server_info of its /server_info, None
@@ -249,10 +300,10 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
         res["pd"] = pd_part
     worker = bool(pd_part) and pd_part["role"] != "router"
     res["health_only"] = res["health_only"] or worker
-    healthy, waited, last = wait_healthy(base, health_timeout, request_timeout)
+    healthy, waited, why = wait_healthy(base, health_timeout, request_timeout, exited)
     res["health_wait_s"] = round(waited, 3)
     if not healthy:
-        res["error"] = "health deadline exceeded after %.0f s: last answer %s" % (health_timeout, last)
+        res["error"] = why
         return res
     if worker:
         pd_health(base, res, request_timeout)
@@ -364,11 +415,13 @@ def main(params):
                                     input_ids=params.get("input_ids"),
                                     request_timeout=float(params.get("request_timeout", 60)),
                                     warmup=int(params.get("warmup", 1)), node_rank=t["node_rank"],
-                                    pd_part=plan.get(t["pid"])))
+                                    pd_part=plan.get(t["pid"]),
+                                    exited=watch(params.get("servers") or [], params.get("port"), params.get("host"),
+                                                 params.get("server_user"), t)))
         servers[-1]["pid"] = t["pid"]
     for p in picked["pending"]:
         servers.append(dict(_result(p["host"], p["port"]), pid=p["pid"], health_wait_s=round(waited, 3),
-                            error="health deadline exceeded after %.0f s: %s" % (health_timeout, p["reason"])))
+                            error=pending_error(p, health_timeout, waited)))
     for s in servers:
         s["error"] = redact.text(s["error"])
     offline = None
