@@ -575,3 +575,29 @@ def test_liveness_is_judged_by_pid_only_on_this_host_boot_and_pid_namespace(tmp_
     record.end(0)
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT boot_id, pid_ns FROM runs ORDER BY started_at DESC LIMIT 1").fetchone() == (boot, ns)
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_sigterm_as_the_run_starts_recording_leaves_no_run_running(tmp_path, monkeypatch, when):
+    """Soak finding 12 (bench/results/soak-findings.md, seed 6802): the SIGTERM handler's
+    KeyboardInterrupt raised right after the run's row was written (`after`) left it "running"
+    with no end; `end` now records it (143). Raised before the write (`before`), the run is not in
+    the history, and `end` warns of nothing."""
+    path = tmp_path / "h.sqlite"
+    real = Store.start
+
+    def start_then_signal(self, *a, **kw):
+        if when == "after":
+            real(self, *a, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "start", start_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        record.start("apply", str(path), ["apply", "defrag-tier0", "all"])
+    record.end(143)
+    runs = Store.open(path).runs()
+    if when == "after":
+        [run] = runs
+        assert (run.state, run.exit_code) == (RunState.FINISHED, 143)
+    else:
+        assert runs == []

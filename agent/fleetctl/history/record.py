@@ -122,16 +122,22 @@ def start(command: str, path: str | None, argv: list[str] | None = None) -> None
     words = ["fleetctl", *redact.argv(scrubbed(list(sys.argv[1:] if argv is None else argv), _secrets))]
     try:
         store = Store.open(path)
-        try:
-            store.start(rid, command, words, _user(), socket.gethostname(), __version__, now, os.getpid(),
-                        process_started(os.getpid()), boot_id(), pid_namespace())
-        except BaseException:
-            store.close()
-            raise
     except Exception as e:  # noqa: BLE001 - recording never stops the run (a HistoryError, or a bug here)
         _warn(e)
         return
-    _current.append(_Recording(store, rid, words))
+    # kept before its row is written: a Ctrl-C or SIGTERM (KeyboardInterrupt) raised once the row
+    # is in, before this function returns, still has `end` record the run's end (before, the run
+    # stayed "running" in the history: found by the soak, issue 54, finding 12); one raised before
+    # the write has `end` update no row, and the run is not in the history
+    rec = _Recording(store, rid, words)
+    _current.append(rec)
+    try:
+        store.start(rid, command, words, _user(), socket.gethostname(), __version__, now, os.getpid(),
+                    process_started(os.getpid()), boot_id(), pid_namespace())
+    except Exception as e:  # noqa: BLE001 - recording never stops the run (a HistoryError, or a bug here)
+        _current.remove(rec)
+        store.close()
+        _warn(e)
 
 
 def arm(command: str, path: str | None) -> None:
