@@ -285,7 +285,7 @@ def smoke_server(host, port, health_timeout=600.0, repeat=3, max_new_tokens=16,
     `node_rank` 1 and above (a non-zero-rank node: the module docstring) the health wait only;
     for a PD worker (`pd_part`: pd_plan's {role, via}, role not "router") the health wait and its
     /health_generate (pd_health). A PD server's result carries `pd_part` as "pd". `exited`:
-wait_healthy's (watch()).
+    wait_healthy's (watch()).
 
     Times in seconds. Returns {host, port, node_rank, health_only (no decode: node_rank >= 1),
     model_path, version, stand_in, server_args (topology.server_info of its /server_info, None
