@@ -16,11 +16,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from fleetctl.connection import LockBusy, Session, Settings
+from fleetctl.config import LOCK_START_S
+from fleetctl.connection import LockBusy, Session, Settings, base, gone_holder
 from fleetctl.connection import command
+from fleetctl.engine import changes
 from fleetctl.lab.base import alive
 from helpers.lab import local_host
 
@@ -202,3 +205,59 @@ def test_a_command_that_ignores_sigterm_is_killed_when_the_lock_ends(tmp_path):
     lock.release()
     wait_dead(pid, within=command.KILL_AFTER_S + 5)
     assert time.monotonic() - t0 >= 1  # it outlived the SIGTERM, not the SIGKILL
+
+
+# Soak finding 14: the controller ends while its holder cannot hear it (a cut link: a forked child
+# keeps the holder's stdin open and sends nothing, as an unacknowledged FIN keeps a TCP session).
+ENDED = CONTROLLER.replace("time.sleep(600)\n", "if os.fork() == 0:\n"
+                           "    open(sys.argv[3] + '/child.pid', 'w').write(str(os.getpid()))\n"
+                           "    time.sleep(120)\nos._exit(0)\n"
+                           ).replace("import json, sys", "import json, os, sys")
+
+
+def test_gone_holder_names_only_an_ended_run_of_this_control_node():
+    me = base._controller()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    assert gone_holder(f"{me} pid {ended.pid} since 2026-12-07T20:15:10Z") == ended.pid
+    assert gone_holder(f"{me} pid {os.getppid()} since 2026-12-07T20:15:10Z") is None  # it runs
+    assert gone_holder(f"{me} pid {os.getpid()} since T") is None  # this run itself
+    assert gone_holder(f"other@elsewhere pid {ended.pid} since T") is None  # another node's
+    for line in ("", "holder unknown", f"{me} pid x since T", f"{me} pid"):
+        assert gone_holder(line) is None
+
+
+def test_a_run_that_ended_behind_a_cut_link_leaves_a_lock_the_next_run_waits_for(tmp_path, monkeypatch):
+    local_host(tmp_path)
+    state = tmp_path / "state"
+    monkeypatch.setattr(base, "LOCK_BEAT_SLACK_S", 3)
+    p = subprocess.Popen([sys.executable, "-c", ENDED, AGENT, str(tmp_path / "here.yaml"), str(state), "3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    beat = json.loads(p.stdout.readline() or p.stderr.read())["beat_s"]
+    p.wait(10)
+    assert beat == 4  # ceil(0.5 x 2) + 3
+    conn = Session(Settings(server_alive_interval=0.5, server_alive_count_max=2)).connect(local_host(tmp_path))
+    with pytest.raises(LockBusy) as busy:  # what recover met in the soak: busy, its holder gone
+        conn.hold_lock(str(state), timeout=5, hold_s=5)
+    assert gone_holder(busy.value.holder) == p.pid
+    ctx = SimpleNamespace(hold_lock=conn.hold_lock, remaining=lambda: 30.0, target=conn)
+    t0 = time.monotonic()
+    try:
+        changes.take_lock(ctx, str(state), 5).release()
+        assert time.monotonic() - t0 < beat + command.KILL_AFTER_S + LOCK_START_S
+    finally:
+        os.kill(int((state / "child.pid").read_text()), signal.SIGKILL)
+
+
+def test_a_lock_held_by_a_running_controller_is_busy_at_once(tmp_path):
+    p, _, _ = start_controller(tmp_path, slack=30)
+    try:
+        conn = Session(Settings()).connect(local_host(tmp_path))
+        ctx = SimpleNamespace(hold_lock=conn.hold_lock, remaining=lambda: 30.0, target=conn)
+        t0 = time.monotonic()
+        with pytest.raises(LockBusy) as busy:
+            changes.take_lock(ctx, str(tmp_path / "state"), 5)
+        assert f"pid {p.pid}" in str(busy.value) and time.monotonic() - t0 < LOCK_START_S
+    finally:
+        p.kill()
+        p.wait(10)

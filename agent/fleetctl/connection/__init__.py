@@ -14,9 +14,9 @@ above it imports paramiko or builds a command line.
 
 from __future__ import annotations
 
-from .base import Connection, HostLock, Result, Settings
+from .base import Connection, HostLock, Result, Settings, gone_holder
 from .errors import BecomeFailed, HostKeyRefused, LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
 from .session import Session, kind_for
 
 __all__ = ["BecomeFailed", "Connection", "HostKeyRefused", "HostLock", "LockBusy", "OutputTooLarge", "RemoteTimeout",
-           "Result", "Session", "Settings", "Unreachable", "kind_for"]
+           "Result", "Session", "Settings", "Unreachable", "gone_holder", "kind_for"]

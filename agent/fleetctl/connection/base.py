@@ -369,7 +369,7 @@ class Connection(ABC):
         what a login shell's startup files print first is passed over, and named when no marker
         came. Raises LockBusy at once when another run holds it (quoting who and since when), or
         when it cannot be taken within `timeout` seconds; Unreachable, RemoteTimeout."""
-        who = f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()} pid {os.getpid()}"
+        who = f"{_controller()} pid {os.getpid()}"
         hold = max(1, math.ceil(hold_s))
         token = secrets.token_hex(8)
         proc, _, _ = self._begin(self._lock_argv(state_dir, who, hold, self.lock_beat_s(), token), hold + timeout,
@@ -385,7 +385,7 @@ class Connection(ABC):
         proc.close()
         if code == _LOCK_BUSY_EXIT:
             who = self._lock_holder(state_dir, seen, token, timeout)
-            raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})")
+            raise LockBusy(f"another fleetctl run is changing this host ({who or 'holder unknown'})", holder=who)
         if code == _LOCK_REFUSED_EXIT:  # the state dir is not this login's: the script said why
             raise LockBusy(f"could not take the lock {state_dir}/lock: {said}")
         ended = (f"the lock command exited {code} and never said it held it" if code is not None else
@@ -410,6 +410,33 @@ class Connection(ABC):
         holder = self.run(command.framed(["cat", "--", f"{state_dir}/lock.owner"], marker), timeout=timeout)
         owner = command.reply(holder.stdout[:LOCK_HANDSHAKE_MAX], marker)
         return "" if owner is None else owner.decode("utf-8", "replace").strip()
+
+
+def _controller() -> str:
+    """USER@HOST of this control node, as a lock's owner line names it."""
+    return f"{os.environ.get('USER') or pwd.getpwuid(os.getuid()).pw_name}@{socket.gethostname()}"
+
+
+def gone_holder(holder: str) -> int | None:
+    """The pid of a lock's holder (LockBusy.holder, "USER@HOST pid N since TIME") when it names
+    this control node (the same USER@HOST) and no process N runs here: a run of this node that
+    ended while the host could not hear it (its link cut), whose remote holder lives on until its
+    heartbeats stop (hold_lock). None for a holder that runs, another node's, or a line that
+    does not parse: such a lock is busy. A pid reused since, or a holder in another pid namespace
+    under the same name, reads as running or gone; either only bounds a wait (changes.locked)."""
+    words = holder.split()
+    if len(words) < 3 or words[0] != _controller() or words[1] != "pid" or not words[2].isdigit():
+        return None
+    pid = int(words[2])
+    if pid <= 1 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:  # it runs, as someone else
+        return None
+    return None
 
 
 def _read_until(proc: Process, marker: str, end: float) -> bytes:

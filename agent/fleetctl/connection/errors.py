@@ -25,7 +25,12 @@ class RemoteTimeout(HostError):
 
 
 class LockBusy(HostError):
-    """Another fleetctl run holds the host's lock."""
+    """Another fleetctl run holds the host's lock. `holder`: the lock's owner line as the host
+    wrote it ("USER@HOST pid N since TIME", Connection.hold_lock), "" when unknown."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
 
 
 class BecomeFailed(HostError):

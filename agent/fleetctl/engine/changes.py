@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, NamedTuple, TypedDict, Union
 
 from ..config import LOCK_HOLD_EXTRA_S, LOCK_START_S, ROLLBACK_RESERVE_S, STATE_DIR
-from ..connection import LockBusy, OutputTooLarge, RemoteTimeout, Unreachable
+from ..connection import LockBusy, OutputTooLarge, RemoteTimeout, Unreachable, gone_holder
 from ..connection.command import operator_argv
 from .context import HostContext, HostResult
 from . import containers, inuse
@@ -189,8 +189,7 @@ def locked(state_dir: str, work: Callable[[HostContext], HostResult]):
     interleaving. The job carries `stopped_note` for Fleet's Ctrl-C and run-deadline messages."""
 
     def job(ctx: HostContext) -> HostResult:
-        lock = ctx.hold_lock(state_dir, timeout=LOCK_START_S,
-                                  hold_s=ctx.remaining() + ROLLBACK_RESERVE_S + LOCK_HOLD_EXTRA_S)
+        lock = take_lock(ctx, state_dir, ROLLBACK_RESERVE_S + LOCK_HOLD_EXTRA_S)
         try:
             return work(ctx)
         finally:
@@ -335,6 +334,29 @@ def put_back(ctx: HostContext, result: HostResult, change: Change, opts: ChangeO
     result.error = (f"the connection was lost ({lost}) before the change was written; nothing changed"
                     if state is None else f"the connection was lost ({lost}); the change is {state}")
     return result
+
+
+def take_lock(ctx: HostContext, state_dir: str, extra_s: float):
+    """The host's lock for the rest of ctx's run (+ `extra_s` seconds). Busy with a holder that
+    is a run of this control node which has ended (connection.base.gone_holder: its link was cut
+    as it ended, soak finding 14), the lock is asked for again each second until that holder's
+    heartbeat window (lock_beat_s + LOCK_START_S) has passed: its remote holder frees it by then.
+    Returns the base.HostLock. Raises LockBusy at once for a holder that runs or is not known to
+    be gone, and past the window (saying which pid ended); Unreachable, RemoteTimeout."""
+    until = None
+    while True:
+        try:
+            return ctx.hold_lock(state_dir, timeout=LOCK_START_S, hold_s=ctx.remaining() + extra_s)
+        except LockBusy as e:
+            pid = gone_holder(e.holder)
+            if pid is None:
+                raise
+            now = time.monotonic()
+            until = until if until is not None else now + ctx.target.lock_beat_s() + LOCK_START_S
+            if now > until:
+                raise LockBusy(f"{e}: its run, pid {pid} on this machine, has ended, but the host still held "
+                               f"the lock {ctx.target.lock_beat_s() + LOCK_START_S:g} s later", holder=e.holder) from None
+            time.sleep(1.0)
 
 
 def relock(ctx: HostContext, state_dir: str):
