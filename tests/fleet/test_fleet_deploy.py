@@ -68,7 +68,8 @@ def build_pids(lab, host) -> dict[int, str]:
 
 def start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat (the start time, in clock ticks since boot; read past the comm
-    field's last ")"), or None when no such process runs: a pid and this name one process."""
+    field's last ")"), or None when no such process runs: with the pid, it names one process
+    (a pid reused later has another start time)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -76,20 +77,22 @@ def start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def build_probe(lab, host) -> tuple[int, int, str]:
-    """(the build's own Python child's pid, its probe's pid, the probe's start time) on `host`:
-    the child is the process that runs torch.utils.cpp_extension (probes/kernel/build.py
-    runas.spawn), the probe its parent (/proc/PID/status's PPid)."""
-    for pid, cmd in build_pids(lab, host).items():
+def build_probe(lab, host) -> list[tuple[int, str]]:
+    """[(pid, start time)] of the build's own Python child on `host` (the process that runs
+    torch.utils.cpp_extension: probes/kernel/build.py runas.spawn) and of its probe (its parent,
+    /proc/PID/status's PPid)."""
+    pids = build_pids(lab, host)
+    for pid, cmd in pids.items():
         if "torch.utils.cpp_extension" in cmd:
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
                 continue
             ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            if ppid not in build_pids(lab, host) and start_time(ppid) is not None:
-                return pid, ppid, start_time(ppid)
-    raise AssertionError(f"no build probe found on {host}: {build_pids(lab, host)}")
+            found = [(pid, start_time(pid)), (ppid, start_time(ppid))]
+            if ppid not in pids and all(t is not None for _, t in found):
+                return found
+    raise AssertionError(f"no build probe found on {host}: {pids}")
 
 
 def kill_build(lab, host, timeout: float = 20) -> dict[int, str]:
@@ -260,15 +263,15 @@ def test_killed_build_leaves_no_lock_that_blocks_the_next(server_lab, deployed, 
         while server_lab.ssh("lab-03", f"ls {WORK}/build/lock 2>/dev/null").stdout.strip() == "":
             assert time.monotonic() < deadline and p.poll() is None, "the build never started"
             time.sleep(0.5)
-        child, probe, probe_start = build_probe(server_lab, "lab-03")
+        procs = build_probe(server_lab, "lab-03")
         os.kill(p.pid, signal.SIGKILL)
         # the host lock's holder ends the dead run's commands (connection/command.py _HOLD): the
         # probe dies of SIGTERM with its private directory left, and its child, torch's lock in
         # that directory held, with it (runas PR_SET_PDEATHSIG). Only then is the rest killed:
         # killed first, the child's end would let the probe remove the directory itself.
         deadline = time.monotonic() + 60
-        while start_time(probe) == probe_start or Path(f"/proc/{child}").exists():
-            assert time.monotonic() < deadline, f"the build's probe {probe} or child {child} outlived its run"
+        while any(start_time(pid) == t for pid, t in procs):
+            assert time.monotonic() < deadline, f"the build's child or probe outlived its run: {procs}"
             time.sleep(0.2)
         # what the child started (ninja, the compiler) is left running: it dies too (as when a
         # host's build is killed), only lab-03's processes, found from the control side (review
