@@ -183,6 +183,21 @@ def test_store_drops_vanished_installs_and_stays_bounded(tmp_path, monkeypatch):
     assert s.clear() == 2 and not list((tmp_path / "c").iterdir())
 
 
+def test_an_installs_route_finding_lives_and_goes_with_its_scan(tmp_path):
+    """The verify_attention anchor kept per install (verifyroute.found_anchor: what="route") is
+    kept while its install is, dropped with its package directory, and emptied by `cache clear`."""
+    s = scancache.Store("k", str(tmp_path / "c"))
+    for name in ("kept", "gone"):
+        (tmp_path / name).mkdir()
+        s.save(f"host:/{name}", str(tmp_path / name), {"f": 1})
+        s.save(f"host:/{name}", str(tmp_path / name), {"backend_sha256": name}, what="route")
+    (tmp_path / "gone").rmdir()
+    s.prune(["host:/kept"])
+    assert s.load("host:/kept", what="route") == ({"backend_sha256": "kept"}, None)
+    assert s.load("host:/gone", what="route") == ({}, None)
+    assert len(list((tmp_path / "c").iterdir())) == 2 and s.clear() == 2
+
+
 def test_pool_size_is_bounded_by_affinity():
     assert 1 <= callsites.pool_size() <= min(callsites.MAX_WORKERS, len(os.sched_getaffinity(0)))
 

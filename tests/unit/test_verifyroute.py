@@ -31,7 +31,7 @@ from fleetctl.engine.playbooks.plan import plan_host
 from fleetctl.engine.playbooks.model import load_playbook
 from fleetctl.probes import buildtrust
 from fleetctl.probes.change import actions as change
-from fleetctl.probes.facts import verifyroute
+from fleetctl.probes.facts import scancache, verifyroute
 from fleetctl.vocab import PlanStatus
 from fleetctl.wheels import ensure_wheel
 
@@ -564,3 +564,42 @@ def test_an_unknown_torch_version_is_refused_with_its_reason(tmp_path):
     k = verifyroute.kernel(str(public), None, why)
     assert not k["active"] and k["reason"].startswith("this install's torch version cannot be known, so the active "
                                                       "build ") and k["reason"].endswith(": " + why)
+
+
+def test_the_anchor_is_remembered_and_read_again_when_any_file_it_came_from_changes(tmp_path, monkeypatch):
+    """A warm probe takes the anchor from the install's route cache file (found_anchor) instead of
+    parsing triton_backend.py again; a change to the backend, to the signature's module, or a
+    module file appearing where signature() found none is read again, never answered from the cache."""
+    loc = install(tmp_path, "0.5.23")
+    module = loc / "sglang" / "kernels" / "ops" / "attention" / "extend_attention.py"
+    package = module.with_suffix("")  # the module as a package: signature() passes over a missing extend_attention.py
+    package.mkdir()
+    module.rename(package / "__init__.py")
+    state = deployed(tmp_path)
+    inst = {"id": f"host:{loc}", "sglang": {"location": str(loc), "version": "0.5.23",
+                                           "package_dir": str(loc / "sglang")}, "torch": {"version": TORCH}}
+    store = scancache.Store("k1", str(tmp_path / "cache"))
+    calls = []
+    anchor = verifyroute.anchor
+    monkeypatch.setattr(verifyroute, "anchor", lambda *a: calls.append(a[0]) or anchor(*a))
+
+    def found():
+        return verifyroute.route(inst, [], str(state), False, store)
+
+    first = found()
+    assert first["refused"] is None and first["signature"]["file"].endswith("extend_attention/__init__.py")
+    assert (found(), len(calls)) == (first, 1)  # from the cache
+    renamed = (package / "__init__.py").read_text().replace("max_len_extend", "max_extend_len")
+    module.write_text(renamed)  # a module file where there was none: signature() now reads it
+    assert "max_len_extend" in found()["refused"] and len(calls) == 2
+    module.unlink()
+    assert (found(), len(calls)) == (first, 3)
+    (package / "__init__.py").write_text(renamed)  # the signature's own file changed
+    assert "max_len_extend" in found()["refused"] and len(calls) == 4
+    assert "max_len_extend" in found()["refused"] and len(calls) == 4  # the refusal is remembered too
+    (package / "__init__.py").write_text(renamed.replace("max_extend_len", "max_len_extend"))
+    backend = loc / verifyroute.BACKEND
+    backend.write_text(backend.read_text() + "\n# changed\n")
+    again = found()
+    assert len(calls) == 5 and again["files"] != first["files"]
+    assert {k: v for k, v in again.items() if k != "files"} == {k: v for k, v in first.items() if k != "files"}

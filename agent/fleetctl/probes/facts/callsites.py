@@ -471,6 +471,43 @@ class _Workers(object):
             self.pool.join()
 
 
+def _tree(directory, reldir, paths, ids, parse_errors):
+    """Add the `.py` files under `directory` (`reldir`: its path relative to the scan's location,
+    ending in "/") to `paths` ([(path, rel)], each directory's files by name, then its
+    subdirectories by name) and their identities (lstat, None when it failed) to `ids`; the
+    _SKIP_DIRS directories are left out, a symlinked directory is never entered (said in
+    `parse_errors`), an unreadable one is passed over (as os.walk does). One os.scandir per
+    directory, its entries' own lstat: a third cheaper than os.walk plus a join and an lstat per
+    file (0.5.23's 4,024 files: 21 against 31 ms), most of a warm scan. Returns (paths, ids)."""
+    try:
+        with os.scandir(directory) as it:
+            found = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return paths, ids
+    below = []
+    for e in found:
+        try:
+            is_dir = e.is_dir()
+        except OSError:
+            is_dir = False
+        if is_dir:
+            if e.name not in _SKIP_DIRS:
+                below.append(e)
+        elif e.name.endswith(".py"):
+            paths.append((e.path, reldir + e.name))
+            try:
+                ids.append(identity(e.stat(follow_symlinks=False)))
+            except OSError:
+                ids.append(None)
+    for e in below:
+        if e.is_symlink():
+            parse_errors.append({"file": reldir + e.name, "error": "skipped: a symlinked directory, not followed "
+                                                                   "(none of its files is scanned)"})
+        else:
+            _tree(e.path, reldir + e.name + "/", paths, ids, parse_errors)
+    return paths, ids
+
+
 def scan(location, cache=None, workers=None, use_grep=True):
     """Scan the `sglang` package installed in site-packages directory `location`.
 
@@ -505,27 +542,12 @@ def scan(location, cache=None, workers=None, use_grep=True):
     old = cache if cache is not None else {}
     entries, parse_errors, phases = {}, [], {}
     t = time.time()
-    paths = []
     top = os.path.join(location, "sglang")
-    for dirpath, dirnames, filenames in os.walk(top):
-        # the directory relative to location, once per directory (relpath per file cost a third of a warm scan)
-        reldir = "sglang" + dirpath[len(top):].replace(os.sep, "/") + "/"
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for d in dirnames:  # os.walk lists a symlinked directory but never enters it: say so
-            if os.path.islink(os.path.join(dirpath, d)):
-                parse_errors.append({"file": reldir + d, "error": "skipped: a symlinked directory, not followed "
-                                                                  "(none of its files is scanned)"})
-        for fn in sorted(filenames):
-            if fn.endswith(".py"):
-                paths.append((os.path.join(dirpath, fn), reldir + fn))
+    paths, ids = _tree(top, "sglang/", [], [], parse_errors)
     misses = []
-    for path, rel in paths:
+    for (path, rel), now in zip(paths, ids):
         e = old.get(rel)
-        try:
-            same = e is not None and e.get("id") == identity(os.lstat(path))
-        except OSError:
-            same = False
-        if same:
+        if e is not None and now is not None and e.get("id") == now:
             entries[rel] = e
         else:
             misses.append((path, rel, False))

@@ -450,7 +450,8 @@ def main(params):
                 scan_install(inst, params.get("with_sources"), store)
                 if inst["scan"].get("error") is None:  # where target verify can be routed (route-verify-attention)
                     route = inst["verify_attention_route"] = verifyroute.route(
-                        inst, servers, params.get("public_dir") or verifyroute.PUBLIC_DIR, params.get("with_sources"))
+                        inst, servers, params.get("public_dir") or verifyroute.PUBLIC_DIR, params.get("with_sources"),
+                        store)
                     if "sources" in route:
                         inst["sources"].update(route.pop("sources"))
             else:

@@ -11,6 +11,8 @@ package_dir} and a line of {rel: entry} (callsites.file_entry); `locate-<sha256>
 interpreter's locate answer with the identities it depends on (facts.located), so that a warm
 run starts no second interpreter; `record-<sha256>.json` keeps the sha256 of each file of an
 installed distribution's RECORD by file identity (record.hashes, for `status`);
+`route-<sha256>.json` keeps an install's verify_attention anchor with the files it was read from
+(verifyroute.found_anchor);
 `interpreter` names the interpreter the last probe ran under,
 so that the next one starts it directly (probes.command); `code-<sha256>.marshal` keeps the
 compiled probe modules of one bundle for one interpreter build (CodeCache, read by the probe
@@ -38,7 +40,7 @@ MAX_DIR_BYTES = 64 << 20
 # reads this name in the same directory.
 INTERPRETER = "interpreter"
 # The cache's own files (Store.clear; temporary ones start with a dot).
-_KINDS = ("scan-", "locate-", "record-", "code-")
+_KINDS = ("scan-", "locate-", "record-", "route-", "code-")  # code- last: the only one not JSON
 
 
 class CacheRefused(Exception):
@@ -126,7 +128,8 @@ class Store(object):
         """The {…} cached for `install_id` ({} when missing, unreadable, from other probe
         sources, or the cache is off). Returns (entries, why discarded or None). `what`: "scan"
         (callsites entries), "locate" (an interpreter's locate answer, see facts.located) or
-        "record" (RECORD hashes, see record.hashes)."""
+        "record" (RECORD hashes, see record.hashes) or "route" (the verify_attention anchor, see
+        verifyroute.found_anchor)."""
         if self.fd is None:
             return {}, None
         try:
@@ -200,7 +203,7 @@ class Store(object):
         (not in `keep`, install ids) until the directory holds at most MAX_DIR_BYTES."""
         if self.fd is None:
             return
-        keep_names, sized = set(_name(w, i) for i in keep for w in ("scan", "locate")), []
+        keep_names, sized = set(_name(w, i) for i in keep for w in ("scan", "locate", "route")), []
         for name in os.listdir(self.fd):
             try:
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
@@ -209,7 +212,7 @@ class Store(object):
             if name.startswith("code-") and name.endswith(".marshal"):
                 sized.append((st.st_mtime_ns, st.st_size, name))  # bounded with the rest, oldest first
                 continue
-            if not (name.startswith(("scan-", "locate-", "record-")) and name.endswith(".json")) or name in keep_names:
+            if not (name.startswith(_KINDS[:-1]) and name.endswith(".json")) or name in keep_names:
                 continue
             try:
                 head = _header(_read(self.fd, name, 4096) or b"")

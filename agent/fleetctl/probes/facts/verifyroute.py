@@ -232,17 +232,22 @@ def _wrappers(src, cls, attrs):
     return out
 
 
-def signature(location, module, local):
+def signature(location, module, local, seen=None):
     """{"file", "line", "params" (positional, in order), "kwonly", "varkw"} of top-level `def
-    extend_attention_fwd` in `module` (as the install lays it out under `location`)."""
+    extend_attention_fwd` in `module` (as the install lays it out under `location`). `seen`: a
+    dict given each path looked at: the sha256 (hex) of the bytes read, or None for a path that
+    is not a file (what a remembered anchor is checked against: _still)."""
+    seen = {} if seen is None else seen
     base = os.path.join(location, *module.split("."))
     for path in (base + ".py", os.path.join(base, "__init__.py")):
         if os.path.isfile(path):
             break
+        seen[path] = None
     else:
         raise Refused("%s imports %s from %s, which is not a file of this install" % (BACKEND, KERNEL_NAME, module))
     rel = os.path.relpath(path, location).replace(os.sep, "/")
     data, _ = callsites.read_source(path)
+    seen[path] = hashlib.sha256(data).hexdigest()
     tree = ast.parse(callsites._decode(data), filename=rel)
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == KERNEL_NAME]
     if len(defs) != 1:
@@ -293,10 +298,12 @@ def _is_import(stmt):
         a.asname == HOOK_NAME for a in n.names) for n in stmt.body)
 
 
-def anchor(location, text):
+def anchor(location, text, seen=None):
     """The anchor, its signature and the insertion sites in triton_backend.py's `text` (see the
-    module docstring): {"anchor", "signature", "guard", "import", "forward_batch"}. Raises
-    Refused saying why the guard cannot go in exactly once, SyntaxError when it does not parse."""
+    module docstring): {"anchor", "signature", "guard", "import", "forward_batch"}; `seen`, as
+    signature() says, gets the other files the answer was read from. Raises Refused saying why
+    the guard cannot go in exactly once, SyntaxError when it does not parse, ValueError when
+    the signature's file is not UTF-8, OSError when it cannot be read."""
     src = _parse(BACKEND, text)
     classes = [n for n in src.tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS]
     if len(classes) != 1:
@@ -330,7 +337,7 @@ def anchor(location, text):
     params = [p.arg for p in fn.args.args]
     if "forward_batch" not in params:
         raise Refused("%s.%s takes no forward_batch (its parameters: %s)" % (CLASS, METHOD, ", ".join(params)))
-    sig = signature(location, module, local)
+    sig = signature(location, module, local, seen)
     attr = _self_attr(call.func)
     drop, unless = (0, []) if attr in attrs else wrappers[attr]
     before = block[at - 1] if at > 0 else None
@@ -482,10 +489,60 @@ def server(s):
     return {"pid": s["pid"], "uid": uid, "attention_backend": backend}
 
 
-def route(inst, servers, public_dir, with_sources):
+def _still(seen):
+    """Whether every path of `seen` (signature()'s record) is as it was: the same bytes (sha256),
+    or still not a file."""
+    if not isinstance(seen, dict):
+        return False
+    for path, sha in seen.items():
+        if sha is None:
+            if os.path.isfile(path):
+                return False
+            continue
+        try:
+            data, _ = callsites.read_source(path)
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != sha:
+            return False
+    return True
+
+
+def found_anchor(location, text, sha, store=None, install=None):
+    """anchor()'s finding for triton_backend.py's `text` (sha256 `sha`, hex) under `location`:
+    its dict, or {"refused": why}. With `store` (a scancache.Store) and `install` (the install's
+    dict: its "id" and sglang "package_dir"), the finding is remembered in the install's "route"
+    cache file with the files signature() read, and used again while `sha`, `location` and each
+    of those files (its sha256, or its not being a file) are the same: the parse and the walk
+    of the backend were most of a warm probe (0.5.23: 60 of 150 ms). A read that failed
+    (OSError) is not remembered. Raises nothing for the install's code."""
+    memo = store.load(install["id"], what="route")[0] if store is not None else {}
+    if memo.get("backend_sha256") == sha and memo.get("location") == location and isinstance(
+            memo.get("found"), dict) and _still(memo.get("seen")):
+        return memo["found"]
+    seen = {}
+    try:
+        found = anchor(location, text, seen)
+    except Refused as e:
+        found = {"refused": str(e)}
+    except (SyntaxError, ValueError) as e:
+        found = {"refused": "%s: %s: %s" % (BACKEND, type(e).__name__, e)}
+    except OSError as e:
+        return {"refused": "%s: %s: %s" % (BACKEND, type(e).__name__, e)}
+    if store is not None:
+        try:
+            store.save(install["id"], install["sglang"]["package_dir"],
+                       {"backend_sha256": sha, "location": location, "seen": seen, "found": found}, what="route")
+        except OSError:
+            pass  # an optimisation: the next probe reads the code again
+    return found
+
+
+def route(inst, servers, public_dir, with_sources, store=None):
     """The `verify_attention_route` finding of install `inst` (see the module docstring);
     `servers`: the host's servers (procs.find_servers), those of `inst` are judged; `public_dir`:
-    where builds are published (PUBLIC_DIR). Never raises for the install's code: a refusal is
+    where builds are published (PUBLIC_DIR); `store`: the scan cache the anchor is remembered in
+    (found_anchor; None: read every time). Never raises for the install's code: a refusal is
     the finding's "refused"."""
     location = inst["sglang"]["location"]
     out = {"file": BACKEND, "hook_file": HOOK, "anchor": None, "refused": None, "signature": None, "guard": None,
@@ -507,12 +564,7 @@ def route(inst, servers, public_dir, with_sources):
         out["refused"] = "%s is %s" % (BACKEND, "not UTF-8 text" if BACKEND in texts else
                                        "not in this install: no Triton attention backend to route")
     else:
-        try:
-            out.update(anchor(location, texts[BACKEND]))
-        except Refused as e:
-            out["refused"] = str(e)
-        except (SyntaxError, ValueError, OSError) as e:
-            out["refused"] = "%s: %s: %s" % (BACKEND, type(e).__name__, e)
+        out.update(found_anchor(location, texts[BACKEND], out["files"][BACKEND]["sha256"], store, inst))
     if with_sources:
         out["sources"] = texts
     return out
