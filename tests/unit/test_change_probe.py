@@ -927,7 +927,7 @@ def test_atomic_write_never_opens_a_planted_temp_name(tmp_path, monkeypatch):
     target, outside = tmp_path / "m.py", tmp_path / "outside"
     target.write_bytes(b"old")
     outside.write_bytes(b"keep")
-    monkeypatch.setattr(safefs.secrets, "token_hex", lambda n: "0" * 2 * n)
+    monkeypatch.setattr(safefs.os, "urandom", lambda n: bytes(n))
     planted = tmp_path / ".m.py.fleetctl-t.0000000000000000.tmp"
     planted.symlink_to(outside)
     with pytest.raises(FileExistsError):

@@ -34,7 +34,6 @@ import selectors
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 
 from . import result, safefs
@@ -122,6 +121,7 @@ def account(servers=(), tree=None, user=None):
 def private_dir(acct):
     """A fresh directory for one child: made by root in PRIVATE_PARENT (mode 0700, a random
     name), then given to the account. Returns its path; remove it with remove()."""
+    import tempfile  # only where a child is started: a warm probe starts none (3 ms of its start)
     path = tempfile.mkdtemp(prefix="fleetctl-child-", dir=PRIVATE_PARENT)
     if os.geteuid() == 0:
         os.chown(path, acct.uid, acct.gid)
