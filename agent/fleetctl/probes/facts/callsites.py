@@ -500,7 +500,11 @@ def _tree(directory, reldir, paths, ids, parse_errors):
             except OSError:
                 ids.append(None)
     for e in below:
-        if e.is_symlink():
+        try:
+            link = e.is_symlink()
+        except OSError:  # gone since the listing: as os.path.islink says, not a link (its scandir then fails)
+            link = False
+        if link:
             parse_errors.append({"file": reldir + e.name, "error": "skipped: a symlinked directory, not followed "
                                                                    "(none of its files is scanned)"})
         else:
